@@ -1,0 +1,99 @@
+"""What a model's forward sees: the step plan turned into device tensors, plus the caches it reads and writes.
+
+Layers never look at the plan; they read this. Host-side copies of the small per-sequence lengths are kept
+next to the device tensors so torch reference paths can loop over sequences without a device sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from ..cache.kv_pool import KVCachePool
+    from ..layers.attention import AttentionBackend
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64, device
+    positions: torch.Tensor  # [T] int64, device
+    cu_seqlens: torch.Tensor  # [B+1] int32, device
+    prefix_lens: torch.Tensor  # [B] int32, device: tokens already cached before this step
+    context_lens: torch.Tensor  # [B] int32, device: prefix + new tokens
+    rows: torch.Tensor  # [B] int64, device: page-table rows
+    out_cache_loc: torch.Tensor  # [T] int64, device: KV slot of each new token
+    state_slots: torch.Tensor  # [B] int64, device: live recurrent-state slot (-1 when not hybrid)
+    logits_indices: torch.Tensor  # [S] int64, device: token rows whose logits are computed
+    # host copies
+    extend_lens_cpu: list[int]
+    prefix_lens_cpu: list[int]
+    context_lens_cpu: list[int]
+    state_slots_cpu: list[int]
+    is_decode: bool  # every sequence has exactly one new token
+    # the caches this forward reads and writes
+    kv: "KVCachePool"
+    attn: "AttentionBackend"
+    state: Optional[object] = None  # RecurrentStatePool for hybrid models
+    snapshots: Optional[list[tuple[int, int, int]]] = None  # (seq_index, upto, slot) recurrent-state captures
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.extend_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def has_initial_state_cpu(self) -> list[bool]:
+        """A sequence continues from its state slot when something was computed before this step."""
+        return [p > 0 for p in self.prefix_lens_cpu]
+
+    @classmethod
+    def from_plan(
+        cls,
+        plan,
+        kv: "KVCachePool",
+        attn: "AttentionBackend",
+        state=None,
+        all_logits: bool = False,
+    ) -> "ForwardBatch":
+        """Device tensors for ``plan`` (a StepPlan). Writes the plan's page-table entries into ``kv``.
+        ``all_logits`` computes logits at every position (offline per-position logits), else only at the
+        last token of each sampled sequence."""
+        dev = kv.device
+        ext = plan.extend_lens
+        pre = plan.prefix_lens
+        kv.write_table(plan.rows, plan.table_from, plan.table_indptr, plan.table_slots)
+        seq_of_tok = torch.repeat_interleave(torch.arange(plan.num_seqs), ext)
+        positions = torch.arange(plan.num_tokens) - plan.cu_seqlens[:-1][seq_of_tok] + pre[seq_of_tok]
+        rows_d = plan.rows.to(dev)
+        positions_d = positions.to(dev)
+        out_loc = kv.req_to_token[rows_d[seq_of_tok.to(dev)], positions_d].to(torch.int64)
+        if all_logits:
+            logits_idx = torch.arange(plan.num_tokens)
+        else:
+            logits_idx = plan.cu_seqlens[1:][plan.sampling.seq_index] - 1
+        return cls(
+            input_ids=plan.input_ids.to(dev),
+            positions=positions_d,
+            cu_seqlens=plan.cu_seqlens.to(dev, torch.int32),
+            prefix_lens=pre.to(dev, torch.int32),
+            context_lens=(pre + ext).to(dev, torch.int32),
+            rows=rows_d,
+            out_cache_loc=out_loc,
+            state_slots=plan.state_slots.to(dev),
+            logits_indices=logits_idx.to(dev),
+            extend_lens_cpu=ext.tolist(),
+            prefix_lens_cpu=pre.tolist(),
+            context_lens_cpu=(pre + ext).tolist(),
+            state_slots_cpu=plan.state_slots.tolist(),
+            is_decode=bool((ext == 1).all()) and bool((pre > 0).all()),
+            kv=kv,
+            attn=attn,
+            state=state,
+            snapshots=list(zip(plan.snap_seq.tolist(), plan.snap_upto.tolist(), plan.snap_slot.tolist())) or None,
+        )

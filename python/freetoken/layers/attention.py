@@ -1,0 +1,76 @@
+"""Attention over the paged KV pool, behind one small interface so backends can be swapped.
+
+``TorchAttention`` is the reference every fast backend (the Triton kernels in ``kernels/``) is tested against:
+per sequence it gathers the context's K/V through the page table and runs plain softmax attention with the
+causal offset of the cached prefix. It works on CPU and CUDA.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from ..engine.forward_batch import ForwardBatch
+
+
+class AttentionBackend(ABC):
+    name: str = "abstract"
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_layer: int, batch: ForwardBatch) -> None:
+        batch.kv.k[kv_layer][batch.out_cache_loc] = k.to(batch.kv.dtype)
+        batch.kv.v[kv_layer][batch.out_cache_loc] = v.to(batch.kv.dtype)
+
+    @abstractmethod
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: int, batch: ForwardBatch, scale: float
+    ) -> torch.Tensor:
+        """``q [T, nh, D]``, ``k [T, nkv, D]``, ``v [T, nkv, Dv]`` for this step's new tokens. Stores k and v
+        at ``batch.out_cache_loc`` in layer ``kv_layer`` of the pool, then attends every new token causally over
+        its sequence's whole context. Returns ``[T, nh, Dv]`` in q's dtype."""
+
+
+class TorchAttention(AttentionBackend):
+    name = "torch"
+
+    def forward(self, q, k, v, kv_layer, batch, scale):
+        self.store_kv(k, v, kv_layer, batch)
+        kc, vc = batch.kv.k[kv_layer], batch.kv.v[kv_layer]
+        nh, nkv = q.shape[1], kc.shape[1]
+        out = torch.empty(q.shape[0], nh, vc.shape[2], dtype=q.dtype, device=q.device)
+        rows = batch.rows.tolist()
+        start = 0
+        for b, (n, ctx) in enumerate(zip(batch.extend_lens_cpu, batch.context_lens_cpu)):
+            slots = batch.kv.req_to_token[rows[b], :ctx].to(torch.int64)
+            keys = kc[slots].float().repeat_interleave(nh // nkv, dim=1)  # [ctx, nh, D]
+            vals = vc[slots].float().repeat_interleave(nh // nkv, dim=1)
+            qs = q[start : start + n].float()  # [n, nh, D]
+            scores = torch.einsum("qhd,khd->hqk", qs, keys) * scale
+            # new token i sits at position ctx - n + i and sees keys 0..ctx - n + i
+            qpos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
+            kpos = torch.arange(ctx, device=q.device)[None, :]
+            scores = scores.masked_fill(kpos > qpos, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            out[start : start + n] = torch.einsum("hqk,khd->qhd", probs, vals).to(q.dtype)
+            start += n
+        return out
+
+
+_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttention}
+
+
+def register_attention_backend(name: str, cls: type[AttentionBackend]) -> None:
+    _BACKENDS[name] = cls
+
+
+def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """``auto`` picks the Triton kernels on CUDA and the torch reference elsewhere."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and "triton" in _BACKENDS else "torch"
+    if name in ("fi", "fa", "trtllm"):
+        raise ValueError(f"--attention-backend {name} needs FlashInfer/FlashAttention, which this build does not ship")
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown or unavailable attention backend {name!r} (have: {sorted(_BACKENDS)})")
+    if name == "triton" and device.type != "cuda":
+        raise ValueError("--attention-backend triton needs a CUDA device")
+    return _BACKENDS[name]()
