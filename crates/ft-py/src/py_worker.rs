@@ -1,0 +1,128 @@
+//! The Python worker seen from Rust: flattens a [`StepPlan`] into the flat arrays that
+//! `python/freetoken/engine/step_plan.py` decodes, calls `worker.execute(plan)` once per step, and maps the
+//! worker's typed exceptions onto [`WorkerError`].
+
+use ft_core::step::{StepKind, StepOutput, StepPlan, StepStats, Worker, WorkerError, STEP_CONTRACT_VERSION};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+pub struct PyWorker {
+    obj: Py<PyAny>,
+}
+
+impl PyWorker {
+    pub fn new(obj: Py<PyAny>) -> Self {
+        PyWorker { obj }
+    }
+
+    pub fn object(&self) -> &Py<PyAny> {
+        &self.obj
+    }
+}
+
+fn i32_bytes(values: impl IntoIterator<Item = i64>) -> Vec<u8> {
+    values.into_iter().flat_map(|v| (v as i32).to_le_bytes()).collect()
+}
+
+fn i64_bytes(values: impl IntoIterator<Item = i64>) -> Vec<u8> {
+    values.into_iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+fn f32_bytes(values: impl IntoIterator<Item = f32>) -> Vec<u8> {
+    values.into_iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// The flat encoding of `plan` (see the module doc of `step_plan.py`).
+pub fn flatten_plan<'py>(py: Python<'py>, plan: &StepPlan) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    let put = |key: &str, bytes: Vec<u8>| d.set_item(key, PyBytes::new(py, &bytes));
+    d.set_item("version", STEP_CONTRACT_VERSION)?;
+    d.set_item("step_id", plan.step_id)?;
+    d.set_item(
+        "kind",
+        match plan.kind {
+            StepKind::Prefill => "prefill",
+            StepKind::Decode => "decode",
+            StepKind::Mixed => "mixed",
+        },
+    )?;
+    let seqs = &plan.seqs;
+    put("request_ids", i64_bytes(seqs.iter().map(|s| s.request_id as i64)))?;
+    put("input_ids", i32_bytes(seqs.iter().flat_map(|s| s.new_tokens.iter().map(|&t| t as i64))))?;
+    let mut cu = vec![0i64];
+    let mut ti = vec![0i64];
+    for s in seqs {
+        cu.push(cu.last().unwrap() + s.new_tokens.len() as i64);
+        ti.push(ti.last().unwrap() + s.table_slots.len() as i64);
+    }
+    put("cu_seqlens", i32_bytes(cu))?;
+    put("table_indptr", i32_bytes(ti))?;
+    put("prefix_lens", i32_bytes(seqs.iter().map(|s| s.prefix_len as i64)))?;
+    put("rows", i32_bytes(seqs.iter().map(|s| s.row as i64)))?;
+    put("table_from", i32_bytes(seqs.iter().map(|s| s.table_from as i64)))?;
+    put("table_slots", i32_bytes(seqs.iter().flat_map(|s| s.table_slots.iter().map(|&t| t as i64))))?;
+    put("state_slots", i32_bytes(seqs.iter().map(|s| s.state_slot as i64)))?;
+    let sampled: Vec<(usize, &ft_core::step::SampleSpec)> =
+        seqs.iter().enumerate().filter_map(|(i, s)| s.sample.as_ref().map(|p| (i, p))).collect();
+    put("sample_index", i32_bytes(sampled.iter().map(|(i, _)| *i as i64)))?;
+    put("temperature", f32_bytes(sampled.iter().map(|(_, p)| p.temperature)))?;
+    put("top_p", f32_bytes(sampled.iter().map(|(_, p)| p.top_p)))?;
+    put("top_k", i32_bytes(sampled.iter().map(|(_, p)| p.top_k as i64)))?;
+    put("min_p", f32_bytes(sampled.iter().map(|(_, p)| p.min_p)))?;
+    put("seeds", i64_bytes(sampled.iter().map(|(_, p)| p.seed as i64)))?;
+    put("copy_src", i32_bytes(plan.state_copies.iter().map(|c| c.src as i64)))?;
+    put("copy_dst", i32_bytes(plan.state_copies.iter().map(|c| c.dst as i64)))?;
+    put("snap_seq", i32_bytes(plan.snapshots.iter().map(|c| c.seq_index as i64)))?;
+    put("snap_upto", i32_bytes(plan.snapshots.iter().map(|c| c.upto as i64)))?;
+    put("snap_slot", i32_bytes(plan.snapshots.iter().map(|c| c.slot as i64)))?;
+    Ok(d)
+}
+
+/// Maps a Python exception to the contract's error kinds by the worker's exception classes
+/// (`freetoken.errors`); anything unexpected is fatal, with its traceback.
+pub fn classify_error(py: Python<'_>, err: PyErr) -> WorkerError {
+    let type_name = err.get_type(py).name().map(|n| n.to_string()).unwrap_or_default();
+    let message = err.value(py).to_string();
+    match type_name.as_str() {
+        "WorkerOutOfMemory" | "OutOfMemoryError" => WorkerError::OutOfMemory(message),
+        "InvalidPlan" => WorkerError::InvalidPlan(message),
+        _ => {
+            let tb = err
+                .traceback(py)
+                .and_then(|tb| tb.format().ok())
+                .unwrap_or_default();
+            WorkerError::Fatal(format!("{type_name}: {message}\n{tb}"))
+        }
+    }
+}
+
+fn parse_output(py: Python<'_>, ret: Bound<'_, PyAny>) -> PyResult<StepOutput> {
+    let (tokens, logprobs, stats): (Vec<u32>, Vec<f32>, Bound<'_, PyAny>) = ret.extract()?;
+    let mut out = StepOutput { tokens, logprobs, stats: StepStats::default() };
+    if let Ok(d) = stats.downcast::<PyDict>() {
+        let get_f = |k: &str| d.get_item(k).ok().flatten().and_then(|v| v.extract::<f64>().ok());
+        out.stats.forward_ms = get_f("forward_ms").unwrap_or(0.0);
+        out.stats.expert_hits = get_f("expert_hits").unwrap_or(0.0) as u64;
+        out.stats.expert_misses = get_f("expert_misses").unwrap_or(0.0) as u64;
+    }
+    let _ = py;
+    Ok(out)
+}
+
+impl Worker for PyWorker {
+    fn execute(&mut self, plan: &StepPlan) -> Result<StepOutput, WorkerError> {
+        Python::with_gil(|py| {
+            let flat = flatten_plan(py, plan).map_err(|e| classify_error(py, e))?;
+            let ret = self.obj.bind(py).call_method1("execute", (flat,)).map_err(|e| classify_error(py, e))?;
+            let out = parse_output(py, ret).map_err(|e| WorkerError::Fatal(format!("bad worker output: {e}")))?;
+            if out.tokens.len() != plan.num_sampled() || out.logprobs.len() != out.tokens.len() {
+                return Err(WorkerError::Fatal(format!(
+                    "worker returned {} tokens for {} sampled sequences",
+                    out.tokens.len(),
+                    plan.num_sampled()
+                )));
+            }
+            Ok(out)
+        })
+    }
+}

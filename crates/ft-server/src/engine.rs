@@ -1,0 +1,313 @@
+//! The engine thread: the only thread that drives the worker (and so the only one that takes the GIL).
+//!
+//! ```text
+//!  HTTP tasks ──Submit/Abort──▶ command channel ──▶ engine thread
+//!      ▲                                              loop {
+//!      │ per-request event channels                     drain commands into the scheduler
+//!      └──────────────────────────────────────────────  plan = scheduler.next_step()
+//!                                                        out  = worker.execute(plan)
+//!                                                        scheduler.commit(plan, out) / fail_step
+//!                                                        send events, log status lines }
+//! ```
+//!
+//! `EngineBackend` is the [`Backend`] the routes talk to: submitting validates what can be validated without
+//! the scheduler (health, queue length, context length) so those answers come back at once, and everything
+//! else arrives as events on the request's own channel.
+
+use crate::backend::{AbortOnDrop, Backend, GenerateRequest, HealthState, RequestStream, SubmitError};
+use crate::status_log::StatusLog;
+use ft_core::config::SchedulerConfig;
+use ft_core::request::{AdmissionError, FinishReason, NewRequest, RequestEvent};
+use ft_core::scheduler::Scheduler;
+use ft_core::step::{Worker, WorkerError};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+/// Settings of the engine loop itself (the scheduler's are in [`SchedulerConfig`]).
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    pub scheduler: SchedulerConfig,
+    /// One `Decode batch` line every this many decode steps (0 = never).
+    pub decode_log_interval: usize,
+    /// Requests waiting for admission beyond this are refused with 429.
+    pub max_queued_requests: usize,
+}
+
+enum Command {
+    Submit { req: NewRequest, events: mpsc::UnboundedSender<RequestEvent> },
+    Finish { id: u64, reason: FinishReason },
+    Shutdown,
+}
+
+/// State shared between the engine thread and the HTTP side.
+struct Shared {
+    health: Mutex<HealthState>,
+    stats: Mutex<serde_json::Value>,
+    /// Submitted but not yet finished (queued + running), for the 429 check.
+    in_flight: AtomicUsize,
+}
+
+pub struct EngineBackend {
+    commands: std_mpsc::Sender<Command>,
+    shared: Arc<Shared>,
+    next_id: AtomicU64,
+    max_context: usize,
+    max_queued: usize,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl EngineBackend {
+    /// Starts the engine thread around `worker`.
+    pub fn spawn(worker: Box<dyn Worker>, config: EngineConfig) -> Arc<EngineBackend> {
+        let (tx, rx) = std_mpsc::channel();
+        let shared = Arc::new(Shared {
+            health: Mutex::new(HealthState::Serving),
+            stats: Mutex::new(serde_json::json!({})),
+            in_flight: AtomicUsize::new(0),
+        });
+        let max_context = config.scheduler.max_context;
+        let max_queued = config.max_queued_requests + config.scheduler.max_running_requests;
+        let loop_shared = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("ft-engine".into())
+            .spawn(move || EngineLoop::new(worker, config, loop_shared).run(rx))
+            .expect("spawn engine thread");
+        Arc::new(EngineBackend {
+            commands: tx,
+            shared,
+            next_id: AtomicU64::new(1),
+            max_context,
+            max_queued,
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    /// Fails every request still queued or running with `message` and joins the engine thread.
+    pub fn shutdown(&self) {
+        *self.shared.health.lock().unwrap() = HealthState::ShuttingDown;
+        let _ = self.commands.send(Command::Shutdown);
+        if let Some(t) = self.thread.lock().unwrap().take() {
+            let _ = t.join();
+        }
+    }
+
+    /// True once the engine thread has stopped (after a fatal worker error or shutdown).
+    pub fn is_finished(&self) -> bool {
+        self.thread.lock().unwrap().as_ref().map_or(true, |t| t.is_finished())
+    }
+}
+
+impl Backend for EngineBackend {
+    fn submit(&self, req: GenerateRequest) -> Result<RequestStream, SubmitError> {
+        match self.health() {
+            HealthState::Serving => {}
+            HealthState::Loading => return Err(SubmitError::Unavailable("the model is still loading".into())),
+            HealthState::ShuttingDown => return Err(SubmitError::Unavailable("the server is shutting down".into())),
+            HealthState::Unhealthy(why) => return Err(SubmitError::Unavailable(format!("engine unavailable: {why}"))),
+        }
+        if req.prompt.is_empty() {
+            return Err(SubmitError::Admission(AdmissionError::EmptyPrompt));
+        }
+        if req.prompt.len() >= self.max_context {
+            return Err(SubmitError::Admission(AdmissionError::ContextLengthExceeded {
+                prompt_tokens: req.prompt.len(),
+                max_context: self.max_context,
+            }));
+        }
+        if self.shared.in_flight.load(Ordering::SeqCst) >= self.max_queued {
+            return Err(SubmitError::Overloaded(format!(
+                "too many requests in flight (limit {}); retry later",
+                self.max_queued
+            )));
+        }
+        let id = self.next_id.fetch_add(1, Ordering::SeqCst);
+        let (events_tx, events_rx) = mpsc::unbounded_channel();
+        let new = NewRequest {
+            id,
+            prompt: req.prompt,
+            max_new_tokens: req.max_new_tokens,
+            sampling: req.sampling,
+            stop_token_ids: req.stop_token_ids,
+            ignore_eos: req.ignore_eos,
+        };
+        self.shared.in_flight.fetch_add(1, Ordering::SeqCst);
+        if self.commands.send(Command::Submit { req: new, events: events_tx }).is_err() {
+            self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+            return Err(SubmitError::Unavailable("the engine has stopped".into()));
+        }
+        let commands = self.commands.clone();
+        let guard = AbortOnDrop::new(move || {
+            let _ = commands.send(Command::Finish { id, reason: FinishReason::Abort });
+        });
+        Ok(RequestStream { id, events: events_rx, guard })
+    }
+
+    fn abort(&self, id: u64) {
+        let _ = self.commands.send(Command::Finish { id, reason: FinishReason::Abort });
+    }
+
+    fn health(&self) -> HealthState {
+        self.shared.health.lock().unwrap().clone()
+    }
+
+    fn stats(&self) -> serde_json::Value {
+        self.shared.stats.lock().unwrap().clone()
+    }
+}
+
+struct EngineLoop {
+    worker: Box<dyn Worker>,
+    scheduler: Scheduler,
+    shared: Arc<Shared>,
+    senders: HashMap<u64, mpsc::UnboundedSender<RequestEvent>>,
+    status: StatusLog,
+}
+
+impl EngineLoop {
+    fn new(worker: Box<dyn Worker>, config: EngineConfig, shared: Arc<Shared>) -> Self {
+        EngineLoop {
+            worker,
+            scheduler: Scheduler::new(config.scheduler.clone()),
+            shared,
+            senders: HashMap::new(),
+            status: StatusLog::new(config.decode_log_interval),
+        }
+    }
+
+    fn run(mut self, commands: std_mpsc::Receiver<Command>) {
+        loop {
+            // Block while idle; otherwise take whatever arrived since the last step.
+            if self.scheduler.is_idle() {
+                self.publish_stats();
+                match commands.recv_timeout(Duration::from_secs(60)) {
+                    Ok(cmd) => {
+                        if !self.handle(cmd) {
+                            return self.stop("the server is shutting down");
+                        }
+                    }
+                    Err(std_mpsc::RecvTimeoutError::Timeout) => {
+                        tracing::debug!("Scheduler is idle, waiting for new reqs...");
+                        continue;
+                    }
+                    Err(std_mpsc::RecvTimeoutError::Disconnected) => return self.stop("the server is shutting down"),
+                }
+            }
+            while let Ok(cmd) = commands.try_recv() {
+                if !self.handle(cmd) {
+                    return self.stop("the server is shutting down");
+                }
+            }
+            if let Err(fatal) = self.step() {
+                tracing::error!("Engine stopped: {fatal}");
+                *self.shared.health.lock().unwrap() = HealthState::Unhealthy(fatal.to_string());
+                return self.stop(&fatal.to_string());
+            }
+            if self.scheduler.is_idle() {
+                if let Err(e) = self.scheduler.check_integrity() {
+                    tracing::error!("cache integrity check failed while idle: {e}");
+                }
+                tracing::info!("Scheduler is idle, waiting for new reqs...");
+            }
+        }
+    }
+
+    /// Applies one command; false means shut down.
+    fn handle(&mut self, cmd: Command) -> bool {
+        match cmd {
+            Command::Submit { req, events } => {
+                let id = req.id;
+                match self.scheduler.add_request(req) {
+                    Ok(()) => {
+                        self.senders.insert(id, events);
+                    }
+                    Err(e) => {
+                        let _ = events.send(RequestEvent::Failed { id, message: e.to_string() });
+                        self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+                    }
+                }
+            }
+            Command::Finish { id, reason } => {
+                self.scheduler.finish(id, reason);
+                self.dispatch_events();
+            }
+            Command::Shutdown => return false,
+        }
+        true
+    }
+
+    /// One forward pass. Errors only for a fatal worker failure.
+    fn step(&mut self) -> Result<(), WorkerError> {
+        let Some(plan) = self.scheduler.next_step() else {
+            self.dispatch_events();
+            return Ok(());
+        };
+        self.dispatch_events();
+        let summary = self.scheduler.plan_summary(&plan);
+        let started = Instant::now();
+        let result = self.worker.execute(&plan);
+        let elapsed = started.elapsed();
+        match result {
+            Ok(out) => {
+                self.scheduler.commit(&plan, &out);
+                self.status.record(&summary, &self.scheduler.stats(), elapsed);
+            }
+            Err(WorkerError::Fatal(msg)) => {
+                self.scheduler.fail_all(&format!("engine failed: {msg}"));
+                self.dispatch_events();
+                return Err(WorkerError::Fatal(msg));
+            }
+            Err(e) => {
+                tracing::error!("Step {} failed, failing its {} request(s): {e}", plan.step_id, plan.seqs.len());
+                self.scheduler.fail_step(&plan, &e.to_string());
+            }
+        }
+        self.dispatch_events();
+        self.publish_stats();
+        Ok(())
+    }
+
+    fn dispatch_events(&mut self) {
+        for ev in self.scheduler.drain_events() {
+            let id = ev.request_id();
+            let ends = matches!(ev, RequestEvent::Finished { .. } | RequestEvent::Failed { .. });
+            let delivered = self.senders.get(&id).map(|tx| tx.send(ev).is_ok()).unwrap_or(false);
+            if ends {
+                if self.senders.remove(&id).is_some() {
+                    self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+                }
+            } else if !delivered {
+                // The client is gone: end the request now rather than computing for nobody.
+                self.scheduler.finish(id, FinishReason::Abort);
+            }
+        }
+    }
+
+    fn publish_stats(&self) {
+        let s = self.scheduler.stats();
+        *self.shared.stats.lock().unwrap() = serde_json::json!({
+            "running_requests": s.running,
+            "queued_requests": s.queued,
+            "kv_used_tokens": s.kv_used_tokens,
+            "kv_capacity_tokens": s.kv_capacity_tokens,
+            "token_usage": s.token_usage,
+            "cached_tokens_in_tree": s.cached_tokens_in_tree,
+            "prefill_throughput": self.status.last_prefill_throughput(),
+            "decode_throughput": self.status.last_decode_throughput(),
+        });
+    }
+
+    /// Fails everything still pending so no client waits forever.
+    fn stop(mut self, why: &str) {
+        self.scheduler.fail_all(why);
+        self.dispatch_events();
+        for (id, tx) in self.senders.drain() {
+            let _ = tx.send(RequestEvent::Failed { id, message: why.to_string() });
+        }
+        self.shared.in_flight.store(0, Ordering::SeqCst);
+    }
+}
