@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Sets up (scripts/setup.sh) and runs every test: the Rust crates, then the Python suite (GPU tests skip
+# without CUDA). Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+. .venv/bin/activate
+cargo test
+python -m pytest -q tests "$@"
