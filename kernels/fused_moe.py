@@ -1,0 +1,239 @@
+"""Grouped MoE over all-resident fused experts.
+
+Weights are laid out like transformers 5.x: ``w13 = experts.gate_up_proj [E, 2I, H]`` (rows ``[gate(I) | up(I)]``) and
+``w2 = experts.down_proj [E, H, I]``. Routing comes in as ``topk_ids [T, k]`` (int) and ``topk_weights [T, k]``
+(already renormalised, in x's dtype, as HF does). Output ``[T, H]`` in x's dtype:
+
+    y[t] = sum_j w[t, j] * down_e( silu(gate_e x_t) * up_e x_t ),  e = topk_ids[t, j]
+
+``fused_moe_torch`` is the reference (a loop over the experts that were hit, exactly HF's ``Qwen3_5MoeExperts``).
+``fused_moe_triton`` sorts the (token, expert) pairs by expert, pads each expert's group to the block size, and runs two
+grouped GEMMs: ``[E, 2I, H]`` with SiLU-and-mul fused into its epilogue, then ``[E, H, I]`` with the routing weight fused
+into its epilogue; the k partial outputs per token are summed in fp32 at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:  # triton is a hard dependency on GPU machines; keep the reference importable without it
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover
+    triton = None
+    tl = None
+
+
+def fused_moe_torch(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+) -> torch.Tensor:
+    """Reference: loop over the experts hit (HF ``Qwen3_5MoeExperts.forward``)."""
+    T, H = x.shape
+    E = w13.shape[0]
+    out = torch.zeros_like(x)
+    if T == 0:
+        return out
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    hit = torch.unique(flat).tolist()
+    k = topk_ids.shape[1]
+    for e in hit:
+        if e < 0 or e >= E:
+            continue
+        pos = (flat == e).nonzero(as_tuple=True)[0]
+        tok, slot = pos // k, pos % k
+        gate, up = F.linear(x[tok], w13[e]).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, w2[e])
+        h = h * topk_weights[tok, slot, None]
+        out.index_add_(0, tok, h.to(out.dtype))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Triton
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Sort the T*k (token, slot) pairs by expert and pad each expert's run to a multiple of ``block_m``.
+
+    Returns ``sorted_ids [P]`` (flat pair index ``t*k + j``; padding = T*k), ``block_expert [P // block_m]`` (-1 for blocks
+    past the last real one). ``P`` is an upper bound computed from shapes only, so nothing here syncs the host.
+    """
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    n = flat.numel()
+    max_blocks = (n + min(num_experts, n) * (block_m - 1) + block_m - 1) // block_m
+    P = max_blocks * block_m
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = torch.cumsum(padded, 0)
+    pad_start = pad_end - padded
+    start = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)
+    sorted_e = flat[order]
+    dest = pad_start[sorted_e] + torch.arange(n, device=dev) - start[sorted_e]
+    sorted_ids = torch.full((P,), n, dtype=torch.int64, device=dev)
+    sorted_ids[dest] = order
+    block_start = torch.arange(max_blocks, device=dev) * block_m
+    block_expert = torch.searchsorted(pad_end, block_start, right=True)
+    block_expert = torch.where(block_expert >= num_experts, -1, block_expert)
+    return sorted_ids.to(torch.int32), block_expert.to(torch.int32)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _moe_gate_up_kernel(
+        x_ptr,  # [T, H]
+        w_ptr,  # [E, 2I, H]
+        out_ptr,  # [T*k, I]
+        sorted_ids_ptr,
+        block_expert_ptr,
+        num_pairs,
+        H,
+        I,
+        stride_xt,
+        stride_we,
+        stride_wn,
+        stride_ot,
+        TOPK: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        e = tl.load(block_expert_ptr + pid_m)
+        if e >= 0:
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            pair = tl.load(sorted_ids_ptr + offs_m)
+            m_mask = pair < num_pairs
+            tok = pair // TOPK
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < I
+            offs_k = tl.arange(0, BLOCK_K)
+            a_ptrs = x_ptr + tok[:, None].to(tl.int64) * stride_xt + offs_k[None, :]
+            w_base = w_ptr + e.to(tl.int64) * stride_we
+            g_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+            u_ptrs = w_base + (offs_n[None, :] + I).to(tl.int64) * stride_wn + offs_k[:, None]
+            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, H, BLOCK_K):
+                k_mask = (offs_k + k0) < H
+                a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                g = tl.load(g_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                acc_g = tl.dot(a, g, acc_g, input_precision=DOT_PREC)
+                acc_u = tl.dot(a, u, acc_u, input_precision=DOT_PREC)
+                a_ptrs += BLOCK_K
+                g_ptrs += BLOCK_K
+                u_ptrs += BLOCK_K
+            # match the reference's rounding: gate/up are rounded to the activation dtype before SiLU-and-mul
+            gq = acc_g.to(out_ptr.dtype.element_ty).to(tl.float32)
+            uq = acc_u.to(out_ptr.dtype.element_ty).to(tl.float32)
+            h = gq / (1.0 + tl.exp(-gq)) * uq
+            o_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_ot + offs_n[None, :]
+            tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+    @triton.jit
+    def _moe_down_kernel(
+        h_ptr,  # [T*k, I]
+        w_ptr,  # [E, H, I]
+        wt_ptr,  # [T*k] routing weights
+        out_ptr,  # [T*k, H] fp32
+        sorted_ids_ptr,
+        block_expert_ptr,
+        num_pairs,
+        H,
+        I,
+        stride_ht,
+        stride_we,
+        stride_wn,
+        stride_ot,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        e = tl.load(block_expert_ptr + pid_m)
+        if e >= 0:
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            pair = tl.load(sorted_ids_ptr + offs_m)
+            m_mask = pair < num_pairs
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < H
+            offs_k = tl.arange(0, BLOCK_K)
+            a_ptrs = h_ptr + pair[:, None].to(tl.int64) * stride_ht + offs_k[None, :]
+            w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                k_mask = (offs_k + k0) < I
+                a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+                a_ptrs += BLOCK_K
+                w_ptrs += BLOCK_K
+            rw = tl.load(wt_ptr + pair, mask=m_mask, other=0.0).to(tl.float32)
+            # reference rounds the down projection to the activation dtype, then scales by the routing weight
+            acc = acc.to(h_ptr.dtype.element_ty).to(tl.float32) * rw[:, None]
+            o_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_ot + offs_n[None, :]
+            tl.store(o_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _pick_block_m(num_pairs: int, num_experts: int) -> int:
+    per_expert = num_pairs / max(1, min(num_experts, num_pairs))
+    if per_expert <= 16:
+        return 16
+    if per_expert <= 64:
+        return 32
+    return 64
+
+
+def fused_moe_triton(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    block_m: int | None = None,
+    block_n: int = 64,
+    block_k: int = 64,
+) -> torch.Tensor:
+    """Grouped Triton MoE; same contract as ``fused_moe_torch``. Works on CUDA, or on CPU under TRITON_INTERPRET=1."""
+    assert triton is not None, "triton is not installed"
+    T, H = x.shape
+    E, two_i, _ = w13.shape
+    I = two_i // 2
+    k = topk_ids.shape[1]
+    if T == 0:
+        return torch.zeros_like(x)
+    x = x.contiguous()
+    w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
+    w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
+    n = T * k
+    bm = block_m or _pick_block_m(n, E)
+    sorted_ids, block_expert = moe_align_block_size(topk_ids, E, bm)
+    nblocks = block_expert.numel()
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 must not silently drop to tf32
+    inter = torch.empty(n, I, dtype=x.dtype, device=x.device)
+    bk1 = min(block_k, max(16, triton.next_power_of_2(H)))
+    bn1 = min(block_n, max(16, triton.next_power_of_2(I)))
+    _moe_gate_up_kernel[(nblocks, triton.cdiv(I, bn1))](
+        x, w13, inter, sorted_ids, block_expert, n, H, I,
+        x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
+        TOPK=k, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1, DOT_PREC=prec,
+    )
+    partial = torch.empty(n, H, dtype=torch.float32, device=x.device)
+    wts = topk_weights.reshape(-1).contiguous()
+    bk2 = min(block_k, max(16, triton.next_power_of_2(I)))
+    bn2 = min(block_n, max(16, triton.next_power_of_2(H)))
+    _moe_down_kernel[(nblocks, triton.cdiv(H, bn2))](
+        inter, w2, wts, partial, sorted_ids, block_expert, n, H, I,
+        inter.stride(0), w2.stride(0), w2.stride(1), partial.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, DOT_PREC=prec,
+    )
+    return partial.view(T, k, H).sum(dim=1).to(x.dtype)

@@ -1,0 +1,249 @@
+"""Sparse MoE block (Qwen3-MoE, Qwen3-Next, Qwen3.5/3.6) with an optional sigmoid-gated shared expert.
+
+Parameter names follow transformers 5.x exactly, relative to the block (``model.layers.{i}.mlp.``)::
+
+    gate.weight                      [E, H]       router, no bias
+    experts.gate_up_proj             [E, 2I, H]   rows [gate(I) | up(I)]   (fused, no ``.weight`` suffix)
+    experts.down_proj                [E, H, I]
+    shared_expert.{gate,up}_proj.weight [Is, H],  shared_expert.down_proj.weight [H, Is]    (when Is > 0)
+    shared_expert_gate.weight        [1, H]
+
+Router (REFERENCES §1.8): ``softmax(x·gateᵀ)`` in fp32 over all experts → top-k → renormalise (always for
+Qwen3.5/3.6; if ``norm_topk_prob`` for Qwen3-Next / Qwen3-MoE) → weights cast to x's dtype.
+
+Checkpoints ship experts either fused (BF16 Qwen3.5/3.6) or per expert (``experts.{e}.{gate,up,down}_proj.weight``:
+Qwen3-MoE, Qwen3-Next, quantized checkpoints); ``SparseMoeBlock.load_weights`` accepts both and merges per-expert
+tensors into the fused parameters at load.
+
+The seam for expert placement
+-----------------------------
+``SparseMoeBlock.experts`` is an ``ExpertsBackend``: a module with ``forward(x [T, H], topk_ids [T, k],
+topk_weights [T, k]) -> [T, H]`` (the weighted sum over the k routed experts, shared expert excluded) and
+``load_expert_weight(name, tensor)``. ``FusedExperts`` keeps every expert resident on the device and runs either the
+torch reference (loop over experts hit) or the grouped Triton kernel (``freetoken.kernels.fused_moe``), picked
+automatically on CUDA. Offload backends (host banks + GPU slot cache, CPU experts) replace ``block.experts`` with
+their own ``ExpertsBackend`` after construction (``block.set_experts_backend(...)``); routing, the shared expert and
+weight-name mapping stay here.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels.fused_moe import fused_moe_torch
+
+# "auto" = triton on CUDA, torch elsewhere; tests and benchmarks can pin one.
+_DEFAULT_IMPL = "auto"
+
+
+def set_default_moe_impl(name: str) -> None:
+    """``auto`` | ``torch`` | ``triton``: the implementation new ``FusedExperts`` use (existing ones keep theirs
+    unless their ``impl`` is changed)."""
+    global _DEFAULT_IMPL
+    if name not in ("auto", "torch", "triton"):
+        raise ValueError(f"unknown MoE implementation {name!r}")
+    _DEFAULT_IMPL = name
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP: ``down(silu(gate x) * up x)`` with HF names ``gate_proj``, ``up_proj``, ``down_proj``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class ExpertsBackend(nn.Module):
+    """Where routed experts live and how they run. See the module docstring."""
+
+    num_experts: int
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def load_expert_weight(self, name: str, tensor: torch.Tensor) -> None:
+        """``name`` is relative to ``experts.``: ``gate_up_proj``, ``down_proj`` or ``{e}.{gate,up,down}_proj.weight``."""
+        raise NotImplementedError
+
+    def missing_weights(self) -> list[str]:
+        return []
+
+
+_PER_EXPERT = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class FusedExperts(ExpertsBackend):
+    """All experts resident: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, impl: Optional[str] = None):
+        super().__init__()
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.impl = impl or _DEFAULT_IMPL
+        # which parts were loaded: fused tensors, or per-expert pieces (e, 0=gate,1=up,2=down)
+        self._loaded: set = set()
+
+    def _resolve_impl(self, x: torch.Tensor) -> str:
+        if self.impl != "auto":
+            return self.impl
+        return "triton" if x.is_cuda else "torch"
+
+    def forward(self, x, topk_ids, topk_weights):
+        if self._resolve_impl(x) == "triton":
+            from ..kernels.fused_moe import fused_moe_triton
+
+            return fused_moe_triton(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights)
+        return fused_moe_torch(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights)
+
+    @torch.no_grad()
+    def load_expert_weight(self, name: str, tensor: torch.Tensor) -> None:
+        E, I, H = self.num_experts, self.intermediate_size, self.hidden_size
+        if name in ("gate_up_proj", "down_proj"):
+            param = getattr(self, name)
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(f"experts.{name}: shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+            param.copy_(tensor)
+            self._loaded.add(name)
+            return
+        m = _PER_EXPERT.match(name)
+        if not m:
+            raise KeyError(f"unexpected expert tensor experts.{name}")
+        e, kind = int(m.group(1)), m.group(2)
+        if e >= E:
+            raise ValueError(f"expert index {e} >= num_experts {E}")
+        if kind == "down_proj":
+            want, dst = (H, I), self.down_proj[e]
+        elif kind == "gate_proj":
+            want, dst = (I, H), self.gate_up_proj[e, :I]
+        else:
+            want, dst = (I, H), self.gate_up_proj[e, I:]
+        if tuple(tensor.shape) != want:
+            raise ValueError(f"experts.{name}: shape {tuple(tensor.shape)} != {want}")
+        dst.copy_(tensor)
+        self._loaded.add((e, kind))
+
+    def missing_weights(self) -> list[str]:
+        missing = []
+        for fused, kinds in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
+            if fused in self._loaded:
+                continue
+            for e in range(self.num_experts):
+                for k in kinds:
+                    if (e, k) not in self._loaded:
+                        missing.append(f"experts.{e}.{k}.weight")
+        return missing
+
+
+def merge_expert_weights(
+    items: Iterable[tuple[str, torch.Tensor]], num_experts: int
+) -> list[tuple[str, torch.Tensor]]:
+    """Turn per-expert ``experts.{e}.{gate,up,down}_proj.weight`` tensors into fused ``experts.gate_up_proj
+    [E, 2I, H]`` / ``experts.down_proj [E, H, I]``; other names pass through unchanged. Names are relative to the
+    MoE block. Used by tools that need fused tensors outside a module (e.g. writing a BF16 checkpoint)."""
+    gate, up, down, rest = {}, {}, {}, []
+    for name, t in items:
+        m = re.match(r"^experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", name)
+        if not m:
+            rest.append((name, t))
+            continue
+        {"gate_proj": gate, "up_proj": up, "down_proj": down}[m.group(2)][int(m.group(1))] = t
+    if gate or up:
+        if not (len(gate) == len(up) == num_experts):
+            raise ValueError(f"per-expert gate/up tensors incomplete: {len(gate)}/{len(up)} of {num_experts}")
+        rest.append(("experts.gate_up_proj", torch.stack([torch.cat([gate[e], up[e]], 0) for e in range(num_experts)])))
+    if down:
+        if len(down) != num_experts:
+            raise ValueError(f"per-expert down tensors incomplete: {len(down)} of {num_experts}")
+        rest.append(("experts.down_proj", torch.stack([down[e] for e in range(num_experts)])))
+    return rest
+
+
+def _always_renormalise(config) -> bool:
+    mt = {config.get("model_type"), config.get("outer_model_type")}
+    if mt & {"qwen3_5_moe", "qwen3_5_moe_text"}:
+        return True  # Qwen3.5/3.6 deleted norm_topk_prob: always renormalise
+    default = "qwen3_moe" not in mt  # Qwen3MoeConfig defaults to False, Qwen3NextConfig to True
+    return bool(config.get("norm_topk_prob", default))
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, config, layer_id: int = 0, experts: Optional[ExpertsBackend] = None):
+        super().__init__()
+        self.layer_id = layer_id
+        self.hidden_size = config.hidden_size
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        self.intermediate_size = config.moe_intermediate_size
+        self.norm_topk_prob = _always_renormalise(config)
+        act = config.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"MoE activation {act!r} is not supported (silu only)")
+        self.gate = nn.Linear(self.hidden_size, self.num_experts, bias=False)
+        self.experts = experts or FusedExperts(self.num_experts, self.hidden_size, self.intermediate_size)
+        shared = int(config.get("shared_expert_intermediate_size", 0) or 0)
+        self.shared_expert_intermediate_size = shared
+        if shared > 0:
+            self.shared_expert = GatedMLP(self.hidden_size, shared)
+            self.shared_expert_gate = nn.Linear(self.hidden_size, 1, bias=False)
+        else:
+            self.shared_expert = None
+            self.shared_expert_gate = None
+
+    def set_experts_backend(self, experts: ExpertsBackend) -> None:
+        self.experts = experts
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``topk_ids [T, k]`` int64, ``topk_weights [T, k]`` in x's dtype (HF ``Qwen3_5MoeTopKRouter``)."""
+        logits = F.linear(x, self.gate.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        w, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            w = w / w.sum(dim=-1, keepdim=True)
+        return ids, w.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, w = self.route(x)
+        out = self.experts(x, ids, w)
+        if self.shared_expert is not None:
+            s = self.shared_expert(x)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * s
+        return out
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load tensors named relative to the block (``gate.weight``, ``experts.gate_up_proj``,
+        ``experts.{e}.gate_proj.weight``, ``shared_expert.*``, ``shared_expert_gate.weight``). Returns the names
+        taken; raises on unknown names or wrong shapes. Call ``check_loaded()`` afterwards."""
+        taken = set()
+        params = dict(self.named_parameters())
+        for name, t in weights:
+            if name.startswith("experts."):
+                self.experts.load_expert_weight(name[len("experts.") :], t)
+            elif name in params and not name.startswith("experts."):
+                p = params[name]
+                if tuple(t.shape) != tuple(p.shape):
+                    raise ValueError(f"{name}: shape {tuple(t.shape)} != {tuple(p.shape)}")
+                p.copy_(t)
+            else:
+                raise KeyError(f"unexpected MoE tensor {name!r}")
+            taken.add(name)
+        self._taken = getattr(self, "_taken", set()) | taken
+        return taken
+
+    def missing_weights(self) -> list[str]:
+        taken = getattr(self, "_taken", set())
+        missing = [n for n, _ in self.named_parameters() if not n.startswith("experts.") and n not in taken]
+        return missing + self.experts.missing_weights()
