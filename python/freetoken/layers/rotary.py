@@ -40,9 +40,9 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """``q [T, nh, D]``, ``k [T, nkv, D]``; rotates the first ``rotary_dim`` dims in fp32."""
         cos, sin = self.cos_sin(positions)
-        return self._apply(q, cos, sin), self._apply(k, cos, sin)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
-    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r = self.rotary_dim
         rot, rest = x[..., :r].float(), x[..., r:]
         half = r // 2
