@@ -10,6 +10,11 @@ from .base import CausalLM, ModelConfig
 # model_type -> "module:Class", imported lazily so a model's dependencies load only when it is served.
 _MODELS: dict[str, str] = {
     "llama": "freetoken.models.llama:LlamaForCausalLM",
+    "qwen3": "freetoken.models.qwen3:Qwen3ForCausalLM",
+    "qwen3_moe": "freetoken.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "qwen3_next": "freetoken.models.qwen3_next:Qwen3NextForCausalLM",
+    "qwen3_5_moe": "freetoken.models.qwen3_5_moe:Qwen3_5MoeForCausalLM",
+    "qwen3_5_moe_text": "freetoken.models.qwen3_5_moe:Qwen3_5MoeForCausalLM",
 }
 
 

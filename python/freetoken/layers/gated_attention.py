@@ -1,0 +1,64 @@
+"""Gated full attention of Qwen3-Next and Qwen3.5/3.6 (REFERENCES §1.7).
+
+    qg = x·q_projᵀ viewed [T, nh, 2D]: per head [q | gate]  (not [all q | all gates])
+    q, k = (1+w) RMSNorm per head (q_norm, k_norm), BEFORE a partial rotary (first D·partial_rotary_factor dims)
+    out = o_proj( attention(q, k, v) · sigmoid(gate) )
+
+Attention runs through the batch's backend over the paged KV pool; ``kv_layer`` counts attention layers only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .norm import RMSNorm
+from .rotary import RotaryEmbedding
+
+
+def rope_settings(config) -> tuple[float, float]:
+    """``(theta, partial_rotary_factor)`` from ``rope_parameters`` (transformers 5.x, Qwen3.5 configs) or the flat
+    ``rope_theta`` / ``partial_rotary_factor`` fields (older Qwen3-Next configs). Only plain RoPE is supported;
+    Qwen3.5's interleaved MRoPE equals plain RoPE for text (all three position axes equal, §1.2)."""
+    rp = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = rp.get("rope_type", rp.get("type", "default"))
+    if rope_type not in ("default", "mrope", None):
+        raise NotImplementedError(f"rope_type {rope_type!r} is not supported for this model")
+    theta = rp.get("rope_theta", config.get("rope_theta", 10000.0))
+    partial = rp.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
+    return float(theta), float(partial)
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, config, layer_id: int, kv_layer: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.kv_layer = kv_layer
+        H = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.get("head_dim") or H // self.num_heads
+        bias = bool(config.get("attention_bias", False))
+        D = self.head_dim
+        self.q_proj = nn.Linear(H, 2 * self.num_heads * D, bias=bias)
+        self.k_proj = nn.Linear(H, self.num_kv_heads * D, bias=bias)
+        self.v_proj = nn.Linear(H, self.num_kv_heads * D, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * D, H, bias=bias)
+        eps = config.get("rms_norm_eps", 1e-6)
+        self.q_norm = RMSNorm(D, eps=eps, one_plus=True)
+        self.k_norm = RMSNorm(D, eps=eps, one_plus=True)
+        theta, partial = rope_settings(config)
+        self.rotary = RotaryEmbedding(D, int(D * partial), theta, config.get("max_position_embeddings", 32768))
+        self.scale = D**-0.5
+
+    def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
+        T, D = x.shape[0], self.head_dim
+        qg = self.q_proj(x).view(T, self.num_heads, 2 * D)
+        q, gate = qg[..., :D], qg[..., D:].reshape(T, self.num_heads * D)
+        k = self.k_proj(x).view(T, self.num_kv_heads, D)
+        v = self.v_proj(x).view(T, self.num_kv_heads, D)
+        q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(batch.positions, q, k)
+        o = batch.attn.forward(q, k, v, self.kv_layer, batch, self.scale)
+        o = o.reshape(T, self.num_heads * D) * torch.sigmoid(gate)
+        return self.o_proj(o)

@@ -1,0 +1,395 @@
+"""Gated DeltaNet (GDN) linear attention of Qwen3-Next and Qwen3.5/3.6 (REFERENCES §1.6, §1.9, §2).
+
+Per token t and value head h (state S ∈ R^{dk×dv}, HF/fla layout):
+
+    S ← exp(g_t)·S;   S ← S + β_t · k_t ⊗ (v_t − k_tᵀS);   o_t = q_tᵀS
+
+with q/k from a causal depthwise conv + SiLU over ``[q | k | v]`` channels, l2-normalised (eps inside the sqrt),
+q scaled by dk^-0.5, value head h reading q/k head ``h // r`` (GVA), ``g = −exp(A_log)·softplus(a + dt_bias)`` and
+``β = sigmoid(b)`` in fp32. The output goes through a gated RMSNorm (plain w, normalise before the ``silu(z)`` gate)
+and ``out_proj``.
+
+Each sequence of a ``ForwardBatch`` owns a state slot in a ``RecurrentStatePool``: the last Kc−1 conv inputs and
+the delta-rule state. A sequence with ``prefix_len > 0`` continues from its slot, otherwise from zeros; the final
+state is written back into the slot. The math runs behind ``gated_delta_rule`` (one dispatch point): fla's Triton
+kernels on CUDA when ``fla`` is importable, else the torch reference (chunked form, chunk 64, for prefill; the
+recurrent form for decode).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CHUNK_SIZE = 64
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# math: torch references
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(Σx² + eps)`` over the last dim (eps inside the sqrt, as fla and HF)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def torch_chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk_size: int = CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked (WY / UT-transform) form for one sequence. All fp32, heads already expanded to Hv, q already
+    normalised and scaled, k normalised: ``q, k [H, T, K]``, ``v [H, T, V]``, ``g, beta [H, T]``,
+    ``state [H, K, V]``. Returns ``(o [H, T, V], final state [H, K, V])``."""
+    H, T, K = k.shape
+    V = v.shape[-1]
+    pad = (-T) % chunk_size
+    if pad:  # padded steps have g = 0, beta = 0, k = 0: they leave the state alone
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    n = (T + pad) // chunk_size
+    k_beta = k * beta[..., None]
+    v_beta = v * beta[..., None]
+    q, k, k_beta, v_beta = (x.reshape(H, n, chunk_size, x.shape[-1]) for x in (q, k, k_beta, v_beta))
+    gc = g.reshape(H, n, chunk_size).cumsum(-1)  # in-chunk cumulative log-decay
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
+    decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(upper, float("-inf")).exp()  # [H, n, C, C]
+    # (I + strictly_lower(β_i k_i·k_j decay_ij)) X = [β v | β k exp(gc)]  (diagonal ignored: unitriangular)
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * gc.exp()[..., None], upper=False, unitriangular=True)
+    intra = (q @ k.transpose(-1, -2)) * decay
+    q_dec = q * gc.exp()[..., None]
+    k_dec = k * (gc[..., -1:] - gc).exp()[..., None]
+    chunk_decay = gc[..., -1].exp()  # [H, n]
+    out = torch.empty(H, n, chunk_size, V, dtype=q.dtype, device=q.device)
+    S = state
+    for i in range(n):
+        v_new = u[:, i] - w[:, i] @ S
+        out[:, i] = q_dec[:, i] @ S + intra[:, i] @ v_new
+        S = S * chunk_decay[:, i, None, None] + k_dec[:, i].transpose(-1, -2) @ v_new
+    return out.reshape(H, n * chunk_size, V)[:, :T], S
+
+
+def torch_recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token form, batched over sequences of equal length (decode: T = 1). Same conventions as
+    ``torch_chunk_gated_delta_rule`` with a leading batch dim: ``q, k [B, H, T, K]``, ``v [B, H, T, V]``,
+    ``g, beta [B, H, T]``, ``state [B, H, K, V]``."""
+    T = q.shape[2]
+    out = torch.empty(*v.shape, dtype=q.dtype, device=q.device)
+    S = state
+    for t in range(T):
+        S = S * g[:, :, t].exp()[..., None, None]
+        kt = k[:, :, t]
+        kv_mem = torch.einsum("bhk,bhkv->bhv", kt, S)
+        delta = (v[:, :, t] - kv_mem) * beta[:, :, t, None]
+        S = S + kt[..., :, None] * delta[..., None, :]
+        out[:, :, t] = torch.einsum("bhk,bhkv->bhv", q[:, :, t], S)
+    return out, S
+
+
+def _prepare_torch(q, k, v, g, beta, num_v_heads: int):
+    """fp32, l2norm q/k, scale q, GVA expansion (value head h reads q/k head h // r); token-major in, token-major
+    out: ``[T, Hv, *]``."""
+    dk = q.shape[-1]
+    r = num_v_heads // q.shape[1]
+    qf = l2norm(q.float()) * dk**-0.5
+    kf = l2norm(k.float())
+    if r > 1:
+        qf = qf.repeat_interleave(r, dim=1)
+        kf = kf.repeat_interleave(r, dim=1)
+    return qf, kf, v.float(), g.float(), beta.float()
+
+
+def _torch_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, decode, captures):
+    Hv = v.shape[1]
+    qf, kf, vf, gf, bf = _prepare_torch(q, k, v, g, beta, Hv)
+    N = len(cu_seqlens) - 1
+    if decode and not captures:
+        # one token per sequence, row b = sequence b: a single batched recurrence step
+        o, final = torch_recurrent_gated_delta_rule(
+            qf[:, :, None], kf[:, :, None], vf[:, :, None], gf[:, :, None], bf[:, :, None], initial_state.float()
+        )
+        return o[:, :, 0], final, {}
+    o = torch.empty_like(vf)
+    finals = []
+    captured: dict[tuple[int, int], torch.Tensor] = {}
+    for b in range(N):
+        s, e = cu_seqlens[b], cu_seqlens[b + 1]
+        S = initial_state[b].float()
+        cuts = sorted({c for c in (captures or {}).get(b, ()) if 0 < c < e - s})
+        bounds = [0, *cuts, e - s]
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            a, z = s + lo, s + hi
+            tq, tk, tv = (x[a:z].transpose(0, 1) for x in (qf, kf, vf))  # [Hv, n, *]
+            tg, tb = gf[a:z].transpose(0, 1), bf[a:z].transpose(0, 1)
+            if z - a == 1:
+                ob, S = torch_recurrent_gated_delta_rule(tq[None], tk[None], tv[None], tg[None], tb[None], S[None])
+                ob, S = ob[0], S[0]
+            else:
+                ob, S = torch_chunk_gated_delta_rule(tq, tk, tv, tg, tb, S)
+            o[a:z] = ob.transpose(0, 1)
+            captured[(b, hi)] = S
+        finals.append(S)
+    return o, torch.stack(finals), captured
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# math: fla kernels (CUDA)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _fla_ops():
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    except Exception:  # not installed, or no usable triton
+        return None
+    takes_cpu_cu = "cu_seqlens_cpu" in inspect.signature(chunk_gated_delta_rule).parameters
+    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, takes_cpu_cu
+
+
+def gdn_backend(device: torch.device) -> str:
+    """``fla`` on CUDA when importable, else ``torch``; ``FREETOKEN_GDN_BACKEND=torch|fla`` forces one."""
+    forced = os.environ.get("FREETOKEN_GDN_BACKEND", "auto").lower()
+    if forced == "torch":
+        return "torch"
+    usable = device.type == "cuda" and _fla_ops() is not None
+    if forced == "fla" and not usable:
+        raise RuntimeError("FREETOKEN_GDN_BACKEND=fla needs CUDA and an importable fla")
+    return "fla" if usable else "torch"
+
+
+def _fla_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, decode):
+    chunk, recurrent, takes_cpu_cu = _fla_ops()
+    scale = q.shape[-1] ** -0.5
+    if decode:
+        # [B, 1, H, *]: one sequence per batch row, state rows aligned with batch rows
+        o, final = recurrent(
+            q[:, None], k[:, None], v[:, None], g[:, None].float(), beta[:, None].float(),
+            scale=scale, initial_state=initial_state, output_final_state=True, use_qk_l2norm_in_kernel=True,
+        )
+        return o[:, 0], final
+    cu_cpu = torch.tensor(cu_seqlens, dtype=torch.int64)
+    kw = {"cu_seqlens_cpu": cu_cpu} if takes_cpu_cu else {}
+    o, final = chunk(
+        q[None], k[None], v[None], g[None].float(), beta[None].float(),
+        scale=scale, initial_state=initial_state, output_final_state=True,
+        use_qk_l2norm_in_kernel=True, cu_seqlens=cu_cpu.to(q.device), **kw,
+    )
+    return o[0], final
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# dispatch
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    cu_seqlens: list[int],
+    decode: bool,
+    captures: Optional[dict[int, list[int]]] = None,
+    backend: Optional[str] = None,
+):
+    """The delta rule over a varlen batch.
+
+    ``q, k [T, Hk, dk]`` and ``v [T, Hv, dv]`` are the conv outputs (before l2norm/scale: both backends do that);
+    ``g, beta [T, Hv]`` fp32 (log-decay, post-sigmoid beta); ``initial_state [N, Hv, dk, dv]`` (zeros for fresh
+    sequences); ``cu_seqlens`` host list of N+1 offsets; ``decode`` = every sequence has exactly one token.
+    ``captures`` maps a sequence index to offsets (relative to its first token this step) after which its state is
+    wanted (snapshots). Returns ``(o [T, Hv, dv] fp32, final [N, Hv, dk, dv] fp32, {(seq, offset): state})``."""
+    backend = backend or gdn_backend(q.device)
+    if backend == "fla":
+        if captures:
+            # TODO(hybrid radix): states at snapshot points on the fla path, e.g. split the varlen batch at the
+            # capture offsets and chain two kernel calls, or read the chunk kernel's per-chunk states h on the
+            # 64-token grid.
+            raise NotImplementedError("GDN state snapshots are not implemented on the fla path yet")
+        o, final = _fla_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, decode)
+        return o, final.float(), {}
+    return _torch_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, decode, captures)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the layer
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class GatedRMSNorm(nn.Module):
+    """``w · cast(x · rsqrt(mean(x²) + eps)) · silu(z)`` per head: plain ``w`` (init 1), norm before the gate
+    (HF ``Qwen3NextRMSNormGated`` = fla ``FusedRMSNormGated(activation="silu")``)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * xf.to(dtype)
+        return (out * F.silu(gate.float())).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """One GDN layer. ``state_layer`` indexes this layer in the ``RecurrentStatePool`` (GDN layers are numbered
+    0..num_gdn_layers-1, separately from the attention layers' KV indices).
+
+    ``interleaved_proj=False`` (Qwen3.5/3.6): separate ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``.
+    ``interleaved_proj=True`` (Qwen3-Next): ``in_proj_qkvz``, ``in_proj_ba`` with rows grouped per key head,
+    de-interleaved on the activations (§1.9), so the weights stay exactly as in the checkpoint."""
+
+    def __init__(self, config, layer_id: int, state_layer: int, interleaved_proj: bool = False):
+        super().__init__()
+        self.layer_id = layer_id
+        self.state_layer = state_layer
+        self.interleaved_proj = interleaved_proj
+        H = config.hidden_size
+        self.num_k_heads = config.linear_num_key_heads
+        self.num_v_heads = config.linear_num_value_heads
+        self.head_k_dim = config.linear_key_head_dim
+        self.head_v_dim = config.linear_value_head_dim
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel = config.linear_conv_kernel_dim
+        act = config.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"GDN conv activation {act!r} is not supported (silu only)")
+        if interleaved_proj:
+            self.in_proj_qkvz = nn.Linear(H, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(H, 2 * self.num_v_heads, bias=False)
+        else:
+            self.in_proj_qkv = nn.Linear(H, self.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(H, self.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(H, self.num_v_heads, bias=False)
+            self.in_proj_a = nn.Linear(H, self.num_v_heads, bias=False)
+        # nn.Conv1d only for its parameter (``conv1d.weight [C, 1, Kc]``); the conv itself runs below
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_kernel, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, eps=config.get("rms_norm_eps", 1e-6))
+        self.out_proj = nn.Linear(self.value_dim, H, bias=False)
+
+    # shapes of this layer's state slot, for the pool
+    @property
+    def conv_state_shape(self) -> tuple[int, int]:
+        return (self.conv_dim, self.conv_kernel - 1)
+
+    @property
+    def ssm_state_shape(self) -> tuple[int, int, int]:
+        return (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+
+    def project(self, x: torch.Tensor):
+        """``x [T, H]`` → ``qkv [T, C]`` (channels q | k | v), ``z [T, Hv, dv]``, ``b, a [T, Hv]``."""
+        T = x.shape[0]
+        Hk, Hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        if not self.interleaved_proj:
+            return self.in_proj_qkv(x), self.in_proj_z(x).view(T, Hv, dv), self.in_proj_b(x), self.in_proj_a(x)
+        r = Hv // Hk
+        qkvz = self.in_proj_qkvz(x).view(T, Hk, 2 * dk + 2 * r * dv)
+        q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=-1)
+        ba = self.in_proj_ba(x).view(T, Hk, 2 * r)
+        b, a = torch.split(ba, [r, r], dim=-1)
+        qkv = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
+        return qkv, z.reshape(T, Hv, dv), b.reshape(T, Hv), a.reshape(T, Hv)
+
+    def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
+        pool = batch.state
+        li = self.state_layer
+        conv_pool, ssm_pool = pool.conv[li], pool.ssm[li]
+        T = x.shape[0]
+        Kc1 = self.conv_kernel - 1
+        w = self.conv1d.weight[:, 0, :]  # [C, Kc]
+        qkv, z, b, a = self.project(x)
+
+        snaps = batch.snapshots or []
+        captures: dict[int, list[int]] = {}
+        for seq, upto, _slot in snaps:
+            rel = upto - batch.prefix_lens_cpu[seq]
+            if not 0 < rel <= batch.extend_lens_cpu[seq]:
+                from ..errors import InvalidPlan
+
+                raise InvalidPlan(f"snapshot at {upto} outside the tokens of sequence {seq} in this step")
+            captures.setdefault(seq, []).append(rel)
+        decode = batch.is_decode and not snaps
+
+        slots = batch.state_slots
+        has_init = batch.has_initial_state_cpu
+        if decode:
+            # every sequence continues from its slot with one token: batched conv update
+            xx = torch.cat([conv_pool[slots].to(qkv.dtype), qkv[:, :, None]], dim=-1)  # [B, C, Kc]
+            y = F.silu((xx * w.to(qkv.dtype)).sum(-1))
+            conv_pool[slots] = xx[:, :, 1:].to(conv_pool.dtype)
+            init = ssm_pool[slots].float()
+            conv_windows = None
+        else:
+            y = torch.empty_like(qkv)
+            conv_windows = []
+            inits = []
+            cu = 0
+            for s, n in enumerate(batch.extend_lens_cpu):
+                slot = batch.state_slots_cpu[s]
+                if has_init[s]:
+                    prev = conv_pool[slot].to(qkv.dtype)
+                    inits.append(ssm_pool[slot].float())
+                else:
+                    prev = qkv.new_zeros(self.conv_dim, Kc1)
+                    inits.append(torch.zeros(self.ssm_state_shape, dtype=torch.float32, device=x.device))
+                xx = torch.cat([prev, qkv[cu : cu + n].t()], dim=-1)  # [C, Kc-1+n]; column j = position p0-Kc+1+j
+                y[cu : cu + n] = F.silu(F.conv1d(xx[None], w[:, None, :].to(qkv.dtype), groups=self.conv_dim)[0].t())
+                conv_windows.append(xx)
+                cu += n
+            init = torch.stack(inits)
+            # write the conv states only after every sequence has read its own
+            for s, xx in enumerate(conv_windows):
+                conv_pool[batch.state_slots_cpu[s]] = xx[:, xx.shape[1] - Kc1 :].to(conv_pool.dtype)
+
+        q, k, v = torch.split(y, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(T, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(T, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(T, self.num_v_heads, self.head_v_dim)
+        beta = torch.sigmoid(b.float())
+        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
+
+        cu_list = [0]
+        for n in batch.extend_lens_cpu:
+            cu_list.append(cu_list[-1] + n)
+        o, final, captured = gated_delta_rule(q, k, v, g, beta, init, cu_list, decode, captures or None)
+        ssm_pool[slots] = final.to(ssm_pool.dtype)
+
+        # snapshots: state after `upto` tokens into the snapshot slot (conv window = the Kc-1 inputs before upto)
+        for seq, upto, slot in snaps:
+            rel = upto - batch.prefix_lens_cpu[seq]
+            conv_pool[slot] = conv_windows[seq][:, rel : rel + Kc1].to(conv_pool.dtype)
+            ssm_pool[slot] = captured[(seq, rel)].to(ssm_pool.dtype)
+
+        o = self.norm(o.to(x.dtype).reshape(T * self.num_v_heads, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(o.reshape(T, self.value_dim))
