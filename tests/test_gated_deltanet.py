@@ -1,0 +1,319 @@
+"""Gated DeltaNet: the delta-rule math (chunked vs recurrent vs a naive per-token loop written from the formula),
+the varlen dispatch, the layer against HF's ``Qwen3_5MoeGatedDeltaNet`` / ``Qwen3NextGatedDeltaNet`` modules, state
+continuation through the state pool across chunks / decode / mixed batches, snapshots, and the pool itself.
+fp32 on CPU, tiny shapes."""
+
+from __future__ import annotations
+
+import hf_reference as R  # noqa: F401  (blocks fla before transformers is imported)
+import pytest
+import torch
+
+from freetoken.cache.state_pool import RecurrentStatePool, default_ssm_dtype
+from freetoken.layers.gated_deltanet import (
+    GatedDeltaNet,
+    gated_delta_rule,
+    l2norm,
+    torch_chunk_gated_delta_rule,
+    torch_recurrent_gated_delta_rule,
+)
+from freetoken.models.base import ModelConfig
+
+torch.set_num_threads(1)  # 2 shared cores: more threads only spin
+
+
+def naive_gdn(q, k, v, g, beta, state):
+    """Straight from REFERENCES §1.6, one token and one value head at a time. ``q, k [T, Hk, dk]`` raw,
+    ``v [T, Hv, dv]``, ``g, beta [T, Hv]``, ``state [Hv, dk, dv]``."""
+    T, Hk, dk = q.shape
+    Hv = v.shape[1]
+    r = Hv // Hk
+    S = state.clone().double()
+    o = torch.zeros(T, Hv, v.shape[2], dtype=torch.float64)
+    for t in range(T):
+        for h in range(Hv):
+            qh = q[t, h // r].double()
+            kh = k[t, h // r].double()
+            qh = qh / torch.sqrt((qh * qh).sum() + 1e-6) * dk**-0.5
+            kh = kh / torch.sqrt((kh * kh).sum() + 1e-6)
+            S[h] = torch.exp(g[t, h].double()) * S[h]
+            S[h] = S[h] + beta[t, h].double() * torch.outer(kh, v[t, h].double() - kh @ S[h])
+            o[t, h] = qh @ S[h]
+    return o.float(), S.float()
+
+
+def rand_inputs(T, Hk=2, Hv=4, dk=8, dv=6, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    q, k, v = rnd(T, Hk, dk), rnd(T, Hk, dk), rnd(T, Hv, dv)
+    g = -torch.rand(T, Hv, generator=gen) * 0.3  # log-decay in (-0.3, 0]
+    beta = torch.rand(T, Hv, generator=gen)
+    state = 0.3 * rnd(Hv, dk, dv)
+    return q, k, v, g, beta, state
+
+
+def _expand(q, k, v, g, beta, Hv):
+    r = Hv // q.shape[1]
+    qf = (l2norm(q) * q.shape[-1] ** -0.5).repeat_interleave(r, 1).transpose(0, 1)
+    kf = l2norm(k).repeat_interleave(r, 1).transpose(0, 1)
+    return qf, kf, v.transpose(0, 1), g.t(), beta.t()
+
+
+@pytest.mark.parametrize("T", [1, 5, 64, 130])
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_chunked_and_recurrent_match_naive(T, chunk):
+    q, k, v, g, beta, state = rand_inputs(T, seed=T)
+    o_ref, s_ref = naive_gdn(q, k, v, g, beta, state)
+    qf, kf, vf, gf, bf = _expand(q, k, v, g, beta, 4)
+    o_c, s_c = torch_chunk_gated_delta_rule(qf, kf, vf, gf, bf, state.clone(), chunk_size=chunk)
+    o_r, s_r = torch_recurrent_gated_delta_rule(qf[None], kf[None], vf[None], gf[None], bf[None], state[None].clone())
+    assert (o_c.transpose(0, 1) - o_ref).abs().max() < 2e-5
+    assert (s_c - s_ref).abs().max() < 2e-5
+    assert (o_r[0].transpose(0, 1) - o_ref).abs().max() < 2e-5
+    assert (s_r[0] - s_ref).abs().max() < 2e-5
+
+
+def test_varlen_dispatch_equals_per_sequence_and_decode():
+    lens = [7, 1, 70, 3]
+    seqs = [rand_inputs(n, seed=10 + i) for i, n in enumerate(lens)]
+    cat = [torch.cat([s[j] for s in seqs]) for j in range(5)]
+    init = torch.stack([s[5] for s in seqs])
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    o, final, _ = gated_delta_rule(*cat, init, cu, decode=False, backend="torch")
+    for i, s in enumerate(seqs):
+        o_ref, s_ref = naive_gdn(*s)
+        assert (o[cu[i] : cu[i + 1]] - o_ref).abs().max() < 2e-5
+        assert (final[i] - s_ref).abs().max() < 2e-5
+    # decode form: one token per sequence, batched
+    one = [rand_inputs(1, seed=30 + i) for i in range(3)]
+    cat = [torch.cat([s[j] for s in one]) for j in range(5)]
+    o, final, _ = gated_delta_rule(*cat, torch.stack([s[5] for s in one]), [0, 1, 2, 3], decode=True, backend="torch")
+    for i, s in enumerate(one):
+        o_ref, s_ref = naive_gdn(*s)
+        assert (o[i] - o_ref[0]).abs().max() < 2e-5 and (final[i] - s_ref).abs().max() < 2e-5
+
+
+def test_captures_are_prefix_states():
+    q, k, v, g, beta, state = rand_inputs(100, seed=3)
+    o, final, cap = gated_delta_rule(q, k, v, g, beta, state[None], [0, 100], decode=False,
+                                     captures={0: [64, 37]}, backend="torch")
+    o_full, _ = naive_gdn(q, k, v, g, beta, state)
+    assert (o - o_full).abs().max() < 2e-5
+    for at in (37, 64, 100):
+        _, s_ref = naive_gdn(q[:at], k[:at], v[:at], g[:at], beta[:at], state)
+        assert (cap[(0, at)] - s_ref).abs().max() < 2e-5
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the layer
+# ---------------------------------------------------------------------------------------------------------------
+
+LAYER_SHAPES = {
+    "gva_r2_dk_ne_dv": dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                            linear_value_head_dim=24),
+    "r1": dict(linear_num_key_heads=3, linear_num_value_heads=3, linear_key_head_dim=8, linear_value_head_dim=8),
+    "r3_kc2": dict(linear_num_key_heads=1, linear_num_value_heads=3, linear_key_head_dim=12,
+                   linear_value_head_dim=8, linear_conv_kernel_dim=2),
+}
+
+
+def _hf_gdn(family, shape, seed=0):
+    m35, mnext = R._hf_modules()
+    cfg = R.qwen3_5_moe_config(**shape)["text_config"] if family == "qwen3_5_moe" else R.qwen3_next_config(**shape)
+    if family == "qwen3_5_moe":
+        from transformers import Qwen3_5MoeTextConfig
+
+        hf_cfg = Qwen3_5MoeTextConfig(**R._hf_kwargs(cfg))
+        layer = m35.Qwen3_5MoeGatedDeltaNet(hf_cfg, 0)
+    else:
+        from transformers import Qwen3NextConfig
+
+        hf_cfg = Qwen3NextConfig(**R._hf_kwargs(cfg))
+        layer = mnext.Qwen3NextGatedDeltaNet(hf_cfg, 0)
+    R.randomize_(layer.float().eval(), seed)
+    ours = GatedDeltaNet(ModelConfig.from_dict(cfg), 0, 0, interleaved_proj=(family == "qwen3_next")).eval()
+    ours.load_state_dict(layer.state_dict())
+    return layer, ours
+
+
+class _Batch:
+    """The fields of ForwardBatch the GDN layer reads."""
+
+    def __init__(self, pool, items, lens):
+        self.state = pool
+        self.extend_lens_cpu = [len(x) for _, x in items]
+        self.prefix_lens_cpu = [lens.get(s, 0) for s, _ in items]
+        self.state_slots_cpu = [2 * s + 1 for s, _ in items]
+        self.state_slots = torch.tensor(self.state_slots_cpu)
+        self.is_decode = all(n == 1 for n in self.extend_lens_cpu) and all(p > 0 for p in self.prefix_lens_cpu)
+        self.snapshots = None
+
+    @property
+    def has_initial_state_cpu(self):
+        return [p > 0 for p in self.prefix_lens_cpu]
+
+
+def _run(ours, pool, lens, items, snapshots=None):
+    """items: (seq, x [n, H]); returns per-item outputs."""
+    b = _Batch(pool, items, lens)
+    b.snapshots = snapshots
+    with torch.no_grad():
+        out = ours(torch.cat([x for _, x in items]), b)
+    res, at = [], 0
+    for s, x in items:
+        res.append(out[at : at + len(x)])
+        at += len(x)
+        lens[s] = lens.get(s, 0) + len(x)
+    return res
+
+
+def _pool(ours, slots=10):
+    return RecurrentStatePool(1, slots, ours.conv_state_shape, ours.ssm_state_shape, torch.float32, torch.float32)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+@pytest.mark.parametrize("shape", list(LAYER_SHAPES))
+def test_layer_matches_hf_and_continues_across_chunks(family, shape):
+    hf, ours = _hf_gdn(family, LAYER_SHAPES[shape], seed=1)
+    gen = torch.Generator().manual_seed(2)
+    T = 150
+    x = torch.randn(T, 64, generator=gen)
+    with torch.no_grad():
+        ref = hf(x[None])[0]
+    # one shot
+    pool, lens = _pool(ours), {}
+    (y,) = _run(ours, pool, lens, [(0, x)])
+    assert (y - ref).abs().max() < 1e-4 * max(1.0, ref.abs().max().item())
+    # split prefill (odd pieces, one longer than a 64-chunk, one shorter than the conv window) then decode
+    pool, lens = _pool(ours), {}
+    pieces, at = [], 0
+    for n in (2, 67, 1, 30):
+        pieces.append(_run(ours, pool, lens, [(3, x[at : at + n])])[0])
+        at += n
+    while at < T:
+        pieces.append(_run(ours, pool, lens, [(3, x[at : at + 1])])[0])
+        at += 1
+    got = torch.cat(pieces)
+    assert (got - ref).abs().max() < 1e-4 * max(1.0, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+def test_layer_mixed_batch_matches_separate_runs(family):
+    hf, ours = _hf_gdn(family, LAYER_SHAPES["gva_r2_dk_ne_dv"], seed=4)
+    gen = torch.Generator().manual_seed(5)
+    xa, xb, xc = torch.randn(40, 64, generator=gen), torch.randn(25, 64, generator=gen), torch.randn(9, 64, generator=gen)
+    with torch.no_grad():
+        refs = [hf(x[None])[0] for x in (xa, xb, xc)]
+    pool, lens = _pool(ours), {}
+    out = {0: [], 1: [], 2: []}
+    # step 1: a prefills 30, b prefills 5
+    for s, y in zip((0, 1), _run(ours, pool, lens, [(0, xa[:30]), (1, xb[:5])])):
+        out[s].append(y)
+    # steps: a decodes token by token while b prefills in pieces and c joins
+    a_at, b_at, c_at = 30, 5, 0
+    while a_at < 40 or b_at < 25 or c_at < 9:
+        items = []
+        if a_at < 40:
+            items.append((0, xa[a_at : a_at + 1]))
+            a_at += 1
+        if b_at < 25:
+            n = min(7, 25 - b_at)
+            items.append((1, xb[b_at : b_at + n]))
+            b_at += n
+        if c_at < 9 and a_at > 33:
+            n = 1 if c_at else 4
+            items.append((2, xc[c_at : c_at + n]))
+            c_at += n
+        for (s, _), y in zip(items, _run(ours, pool, lens, items)):
+            out[s].append(y)
+    for s, ref in enumerate(refs):
+        assert (torch.cat(out[s]) - ref).abs().max() < 1e-4 * max(1.0, ref.abs().max().item())
+
+
+def test_layer_snapshots_restore_to_the_same_continuation():
+    _, ours = _hf_gdn("qwen3_5_moe", LAYER_SHAPES["gva_r2_dk_ne_dv"], seed=6)
+    x = torch.randn(100, 64, generator=torch.Generator().manual_seed(7))
+    pool, lens = _pool(ours), {}
+    # seq 0 (slot 1) prefills 10 then 90 tokens, snapshotting after 64 and after all 100 into slots 6 and 8
+    _run(ours, pool, lens, [(0, x[:10])])
+    _run(ours, pool, lens, [(0, x[10:])], snapshots=[(0, 64, 6), (0, 100, 8)])
+    ref, lens_ref = _pool(ours), {}
+    _run(ours, ref, lens_ref, [(0, x[:64])])
+    assert torch.allclose(pool.conv[0][6], ref.conv[0][1]) and (pool.ssm[0][6] - ref.ssm[0][1]).abs().max() < 1e-5
+    assert torch.equal(pool.conv[0][8], pool.conv[0][1]) and torch.equal(pool.ssm[0][8], pool.ssm[0][1])
+    # restore the 64-token snapshot into seq 2's slot (5) and continue: same as the uninterrupted run
+    pool.copy(torch.tensor([6]), torch.tensor([5]))
+    lens[2] = 64
+    y = _run(ours, pool, lens, [(2, x[64:70])])[0]
+    y_ref = _run(ours, ref, lens_ref, [(0, x[64:70])])[0]
+    assert (y - y_ref).abs().max() < 1e-4
+
+
+def test_hf_pitfall_blocked():
+    """The HF references must be the torch bodies, not fla's kernels (REFERENCES §2.3)."""
+    m35, mnext = R._hf_modules()
+    for mod in (m35, mnext):
+        fn = mod.torch_chunk_gated_delta_rule
+        assert fn.__module__ == mod.__name__ and not hasattr(fn, "__wrapped__")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the state pool
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_state_pool_copy_and_sizes(monkeypatch):
+    pool = RecurrentStatePool(3, 5, (12, 3), (4, 8, 6), torch.bfloat16, device="cpu")
+    assert pool.ssm_dtype == torch.float32
+    assert pool.conv[2].shape == (5, 12, 3) and pool.ssm[0].shape == (5, 4, 8, 6)
+    per = 3 * (12 * 3 * 2 + 4 * 8 * 6 * 4)
+    assert pool.bytes_per_slot() == per
+    assert RecurrentStatePool.bytes_per_slot(3, (12, 3), (4, 8, 6), torch.bfloat16, torch.float32) == per
+    assert pool.nbytes() == 5 * per
+    for layer in range(3):
+        pool.conv[layer].normal_()
+        pool.ssm[layer].normal_()
+    before = [(c.clone(), s.clone()) for c, s in zip(pool.conv, pool.ssm)]
+    pool.copy(torch.tensor([0, 1]), torch.tensor([1, 4]))  # simultaneous: slot 1 <- old 0, slot 4 <- old 1
+    for layer, (c, s) in enumerate(before):
+        assert torch.equal(pool.conv[layer][1], c[0]) and torch.equal(pool.conv[layer][4], c[1])
+        assert torch.equal(pool.ssm[layer][1], s[0]) and torch.equal(pool.ssm[layer][4], s[1])
+        assert torch.equal(pool.ssm[layer][2], s[2])
+    from freetoken.errors import InvalidPlan
+
+    with pytest.raises(InvalidPlan):
+        pool.copy([5], [0])
+    monkeypatch.setenv("FREETOKEN_MAMBA_SSM_DTYPE", "bfloat16")
+    assert default_ssm_dtype() == torch.bfloat16
+    assert RecurrentStatePool(1, 2, (4, 3), (2, 2, 2), torch.float32).ssm[0].dtype == torch.bfloat16
+    monkeypatch.setenv("FREETOKEN_MAMBA_SSM_DTYPE", "int8")
+    with pytest.raises(ValueError):
+        default_ssm_dtype()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fla (GPU only)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("decode", [False, True])
+def test_fla_matches_torch(decode):
+    from freetoken.layers.gated_deltanet import _fla_ops
+
+    if _fla_ops() is None:
+        pytest.skip("fla not importable")
+    lens = [1, 1, 1] if decode else [7, 1, 130, 64]
+    seqs = [rand_inputs(n, Hk=2, Hv=4, dk=64, dv=64, seed=50 + i) for i, n in enumerate(lens)]
+    cat = [torch.cat([s[j] for s in seqs]).cuda() for j in range(5)]
+    init = torch.stack([s[5] for s in seqs]).cuda()
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    o_t, f_t, _ = gated_delta_rule(*cat, init.clone(), cu, decode=decode, backend="torch")
+    o_f, f_f, _ = gated_delta_rule(*cat, init.clone(), cu, decode=decode, backend="fla")
+    assert (o_f.float() - o_t).abs().max() < 2e-3
+    assert (f_f.float() - f_t).abs().max() < 2e-3
