@@ -1,0 +1,38 @@
+"""``--dummy-weight``: a model with the checkpoint's shapes (from config.json alone) and random weights, for
+memory planning, benchmarks and tests without downloading weights.
+
+Filling is in place on the device (the model is built with ``torch.empty``-style storage, see
+``worker.skip_init``), so it costs one pass of a random-number kernel, not a host round trip.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..layers.norm import RMSNorm
+
+
+@torch.no_grad()
+def fill_dummy_weights(model: nn.Module, std: float = 0.02, seed: int = 0) -> None:
+    """Small normal values everywhere except where a value has a meaning: RMSNorm weights are ones (plain
+    ``x·w`` norms) or zeros (``x·(1+w)`` norms), biases are zeros. Integer tensors are left alone."""
+    gen_cpu = torch.Generator().manual_seed(seed)
+    special: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, RMSNorm) or type(module).__name__.endswith("RMSNorm"):
+            w = getattr(module, "weight", None)
+            if isinstance(w, torch.Tensor):
+                (w.zero_() if getattr(module, "one_plus", False) else w.fill_(1.0))
+                special.add(id(w))
+    for name, p in model.named_parameters():
+        if id(p) in special or not p.is_floating_point():
+            continue
+        if name.endswith("bias"):
+            p.zero_()
+        elif p.device.type == "cpu":
+            p.normal_(0.0, std, generator=gen_cpu)
+        else:
+            gen = torch.Generator(device=p.device).manual_seed(seed)
+            p.normal_(0.0, std, generator=gen)
+            seed += 1

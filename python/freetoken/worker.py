@@ -1,0 +1,428 @@
+"""The worker: owns the device (weights, KV pool, page table) and runs one step per ``execute(plan)`` call.
+
+The Rust engine thread builds it once with the ``ft serve`` flags (a dict, snake_case keys), checks
+``info()`` (step contract version, sizes, tokenizer), then calls ``execute`` once per step:
+
+    plan (flat dict) ──StepPlan.from_flat──► validate against pool sizes ──ForwardBatch.from_plan──►
+    model.forward (inference_mode) ──► sampler ──► (tokens, logprobs, stats)
+
+Failures come back typed (``errors.py``): ``WorkerOutOfMemory`` (cached memory released, the next step
+works), ``InvalidPlan`` (checked before any device memory is touched), anything else is fatal.
+
+Start-up follows FreeToken's order and log lines (REFERENCES 4.6, 4.11): free memory before loading, resolved
+config, load, size the KV pool from what is left, ``Allocating N tokens for KV cache, K + V = X GiB``,
+``Free memory after initialization: X GiB``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .cache.kv_pool import KVCachePool
+from .engine.forward_batch import ForwardBatch
+from .engine.step_plan import STEP_CONTRACT_VERSION, StepPlan
+from .errors import InvalidPlan, UnsupportedModel, WorkerOutOfMemory
+from .layers.attention import make_attention_backend
+from .layers.sampler import sample
+from .log import get_logger
+from .models.base import ModelConfig
+from .models.registry import model_class
+
+logger = get_logger(__name__)
+
+GiB = 1 << 30
+
+# `ft serve` defaults (REFERENCES 4.3) for the keys the worker reads; unknown keys are kept and ignored.
+DEFAULT_ARGS: dict = {
+    "model_path": None,  # None: the built-in demo model (SmolLM2-135M-Instruct Q4_1)
+    "dtype": "auto",  # auto | float16 | bfloat16 | float32
+    "device": "auto",  # auto | cpu | cuda | cuda:N
+    "memory_ratio": 0.9,
+    "max_running_requests": 4,
+    "max_seq_len_override": None,
+    "max_prefill_length": 8192,
+    "page_size": 1,
+    "attention_backend": "auto",
+    "dummy_weight": False,
+    "served_model_name": None,
+    "moe_backend": "auto",
+    "moe_cache_size": None,
+    "cache_type": "radix",
+    "num_tokens": None,  # KV capacity override (tokens)
+    "num_pages": None,  # KV capacity override (pages)
+    "tensor_parallel_size": 1,
+    "load_progress": True,  # tqdm bar while loading weights
+}
+_ALIASES = {
+    "model": "model_path",
+    "max_running_req": "max_running_requests",
+    "max_extend_tokens": "max_prefill_length",
+    "max_extend_length": "max_prefill_length",
+    "attn": "attention_backend",
+    "tp_size": "tensor_parallel_size",
+}
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# CPU KV pool: what the scheduler could ever use (rows x context), but at most this many tokens by default
+_CPU_KV_TOKEN_CAP = 1 << 17
+# forward_logits scratch region (past the Rust-owned slots); also bounds its sequence length
+_SCRATCH_TOKENS = 8192
+
+
+@dataclass
+class StepResult:
+    tokens: list[int]
+    logprobs: list[float]
+    stats: dict
+    logits: Optional[torch.Tensor] = None  # fp32; [T, V] with all_logits, else [S, V] of the sampled rows
+
+
+def normalize_args(args: Optional[dict]) -> dict:
+    out = dict(DEFAULT_ARGS)
+    for k, v in (args or {}).items():
+        k = _ALIASES.get(k, k)
+        if v is not None or k not in out:
+            out[k] = v
+    return out
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Free device memory on CUDA; available host memory on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:  # pragma: no cover
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    return 0
+
+
+@contextlib.contextmanager
+def skip_init(dtype: torch.dtype, device: torch.device):
+    """Build modules straight on ``device`` in ``dtype`` without running their random init (every weight is
+    overwritten by the checkpoint or the dummy fill anyway): allocation only, like ``torch.empty``."""
+    names = ["uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+             "xavier_normal_", "orthogonal_"]
+    saved = {n: getattr(torch.nn.init, n) for n in names}
+    old_dtype = torch.get_default_dtype()
+    try:
+        for n in names:
+            setattr(torch.nn.init, n, lambda t, *a, **k: t)
+        torch.set_default_dtype(dtype)
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(old_dtype)
+        for n, f in saved.items():
+            setattr(torch.nn.init, n, f)
+
+
+class Worker:
+    def __init__(self, args: Optional[dict] = None):
+        from .loading.gguf import GGUFCheckpoint, find_gguf
+
+        self.args = a = normalize_args(args)
+        if int(a["tensor_parallel_size"] or 1) != 1:
+            raise UnsupportedModel("tensor parallelism is not supported yet (--tp-size 1)")
+        self.device = self._resolve_device(a["device"])
+        self.max_running_requests = int(a["max_running_requests"])
+        self.max_prefill_length = int(a["max_prefill_length"])
+        self.page_size = int(a["page_size"])
+        if self.max_running_requests < 1 or self.max_prefill_length < 1 or self.page_size < 1:
+            raise ValueError("max_running_requests, max_prefill_length and page_size must be positive")
+        # fails fast on fi / fa / trtllm and unknown names, before any loading
+        self.attn = make_attention_backend(a["attention_backend"], self.device)
+
+        free_before = free_memory_bytes(self.device)
+        logger.info(f"Free memory before loading model: {free_before / GiB:.2f} GiB")
+
+        # --- the checkpoint
+        model_path = a["model_path"]
+        if model_path is None:
+            from .demo_model import DEMO_SERVED_NAME, demo_model_path
+
+            model_path = demo_model_path()
+            default_name = DEMO_SERVED_NAME
+        else:
+            if not os.path.exists(model_path):
+                raise UnsupportedModel(f"model path {model_path} does not exist (local directories and files only)")
+            default_name = os.path.basename(os.path.normpath(model_path))
+            if default_name.endswith(".gguf"):
+                default_name = default_name[: -len(".gguf")]
+        self.served_model_name = a["served_model_name"] or default_name
+        gguf_path = find_gguf(model_path)
+        if gguf_path is not None:
+            self.checkpoint = GGUFCheckpoint(gguf_path)
+            self.is_gguf = True
+        else:
+            from .loading.checkpoint import HFCheckpoint
+
+            self.checkpoint = HFCheckpoint(model_path)
+            self.is_gguf = False
+        self.config = ModelConfig.from_dict(self.checkpoint.config)
+        cls = model_class(self.config)
+        self.dtype = self._resolve_dtype(a["dtype"])
+
+        rope_max = int(self.config.get("max_position_embeddings") or 4096)
+        override = a["max_seq_len_override"]
+        if override is not None and int(override) > rope_max:
+            raise ValueError(f"--max-seq-len-override {override} exceeds the model's max_position_embeddings {rope_max}")
+        self.max_context = int(override) if override is not None else rope_max
+        self.vocab_size = int(self.config.vocab_size)
+
+        # --- the model
+        t0 = time.perf_counter()
+        with skip_init(self.dtype, self.device):
+            self.model = cls(self.config)
+        if self.model.state_layout is not None:
+            raise UnsupportedModel("hybrid models need the recurrent-state pool, which this worker does not build yet")
+        self.model.eval()
+        if a["dummy_weight"]:
+            from .loading.dummy_weights import fill_dummy_weights
+
+            fill_dummy_weights(self.model)
+        else:
+            self.model.load_weights(self.checkpoint.tensors(progress=bool(a["load_progress"])))
+        weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        logger.info(
+            f"Loaded {type(self.model).__name__} ({weights_bytes / GiB:.2f} GiB, {self.dtype}, "
+            f"{'dummy weights' if a['dummy_weight'] else os.path.basename(self.checkpoint.path)}) "
+            f"in {time.perf_counter() - t0:.1f} s"
+        )
+
+        self.tokenizer = self.checkpoint.tokenizer_info() if not self.is_gguf else self._gguf_tokenizer()
+        self.moe_backend = "fused" if a["moe_backend"] == "auto" else a["moe_backend"]  # dense model: no experts
+        self.cache_type = "hybrid_radix" if a["cache_type"] == "radix" and self.model.state_layout else a["cache_type"]
+        logger.info(
+            f"Resolved config: moe_backend={self.moe_backend!r}, attention_backend={self.attn.name!r}, "
+            f"cache_type={self.cache_type!r}, page_size={self.page_size}"
+        )
+
+        # --- the KV pool
+        layout = self.model.kv_layout
+        bpt = KVCachePool.bytes_per_token(layout.num_layers, layout.num_kv_heads, layout.head_dim, self.dtype,
+                                          layout.v_head_dim)
+        self.scratch_tokens = min(self.max_context, _SCRATCH_TOKENS)
+        self.kv_capacity_tokens = self._kv_tokens(bpt, free_before)
+        self.kv = KVCachePool(
+            layout.num_layers,
+            self.kv_capacity_tokens + self.scratch_tokens,
+            layout.num_kv_heads,
+            layout.head_dim,
+            self.dtype,
+            self.device,
+            max_rows=self.max_running_requests,
+            max_context=(self.max_context + 31) // 32 * 32,
+            v_head_dim=layout.v_head_dim,
+        )
+        self.scratch_row = self.max_running_requests  # the page table's spare row
+        logger.info(
+            f"Allocating {self.kv_capacity_tokens} tokens for KV cache, "
+            f"K + V = {self.kv_capacity_tokens * bpt / GiB:.2f} GiB"
+        )
+        self.num_state_slots = 0
+        logger.info(f"Free memory after initialization: {free_memory_bytes(self.device) / GiB:.2f} GiB")
+
+    # ------------------------------------------------------------------ start-up helpers
+
+    @staticmethod
+    def _resolve_device(name: str) -> torch.device:
+        if name in (None, "auto"):
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dev = torch.device(name)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda was asked for, but no CUDA device is available")
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"unsupported device {name!r} (auto | cpu | cuda)")
+        return dev
+
+    def _resolve_dtype(self, name: str) -> torch.dtype:
+        if name != "auto":
+            if name not in _DTYPES:
+                raise ValueError(f"--dtype {name!r}: expected auto, float16, bfloat16 or float32")
+            return _DTYPES[name]
+        if self.is_gguf:
+            # GGUF weights are dequantized to fp32 on load. On CPU we keep fp32: half-precision matmuls are slow
+            # on most CPUs, and fp32 reproduces the dequantized weights exactly (the tests compare with HF).
+            # On CUDA bf16 halves the memory and runs on tensor cores.
+            return torch.float32 if self.device.type == "cpu" else torch.bfloat16
+        return self.checkpoint.torch_dtype or torch.bfloat16
+
+    def _gguf_tokenizer(self):
+        from .loading.gguf_tokenizer import tokenizer_from_gguf
+
+        return tokenizer_from_gguf(self.checkpoint)
+
+    def _kv_tokens(self, bytes_per_token: int, free_before: int) -> int:
+        a = self.args
+        if a["num_tokens"] is not None and a["num_pages"] is not None:
+            raise ValueError("--num-tokens and --num-pages are exclusive")
+        if a["num_pages"] is not None:
+            tokens = int(a["num_pages"]) * self.page_size
+        elif a["num_tokens"] is not None:
+            tokens = int(a["num_tokens"])
+        else:
+            scratch = self.scratch_tokens * bytes_per_token
+            if self.device.type == "cuda":
+                # memory_ratio of what was free before loading, minus what loading took (REFERENCES 4.6 step 5)
+                free_now = free_memory_bytes(self.device)
+                budget = a["memory_ratio"] * free_before - (free_before - free_now) - scratch
+                tokens = int(budget // bytes_per_token)
+            else:
+                # Host memory is shared with everything else on the machine: take what the scheduler can use
+                # (every row at full context), at most _CPU_KV_TOKEN_CAP tokens, and never more than half of
+                # memory_ratio x available memory (the pool is zero-filled lazily, but filled as it is used).
+                want = self.max_running_requests * self.max_context
+                budget = 0.5 * a["memory_ratio"] * free_memory_bytes(self.device) - scratch
+                tokens = min(want, _CPU_KV_TOKEN_CAP, int(budget // bytes_per_token))
+        tokens = tokens // self.page_size * self.page_size
+        if tokens <= 0:
+            raise WorkerOutOfMemory(
+                f"no memory left for the KV cache (weights took it all); lower the model size or raise --memory-ratio"
+            )
+        if tokens < self.max_context:
+            logger.warning(f"KV cache ({tokens} tokens) is smaller than the context length ({self.max_context})")
+        return tokens
+
+    # ------------------------------------------------------------------ the step contract
+
+    def info(self) -> dict:
+        t = self.tokenizer
+        archs = self.config.get("architectures") or [type(self.model).__name__]
+        gen = {}
+        if not self.is_gguf:
+            g = self.checkpoint.generation_config()
+            gen = {k: g[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in g}
+        return {
+            "served_model_name": self.served_model_name,
+            "architecture": archs[0],
+            "max_context": self.max_context,
+            "vocab_size": self.vocab_size,
+            "tokenizer_path": t.tokenizer_path,
+            "chat_template": t.chat_template,
+            "bos_token": t.bos_token,
+            "eos_token": t.eos_token,
+            "eos_token_ids": list(t.eos_token_ids),
+            "add_bos_token": t.add_bos_token,
+            "bos_token_id": t.bos_token_id,
+            "kv_capacity_tokens": self.kv_capacity_tokens,
+            "num_state_slots": self.num_state_slots,
+            "step_contract_version": STEP_CONTRACT_VERSION,
+            # extras
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "device": str(self.device),
+            "generation_config": gen,
+        }
+
+    def execute(self, plan: dict) -> tuple[list[int], list[float], dict]:
+        """One step from the flat plan the Rust side sends. Returns the sampled tokens and their logprobs in
+        plan order (one per sampled sequence) and step statistics."""
+        r = self.execute_plan(StepPlan.from_flat(plan))
+        return r.tokens, r.logprobs, r.stats
+
+    def execute_plan(self, plan: StepPlan, all_logits: bool = False, _allow_scratch: bool = False) -> StepResult:
+        """One step from a decoded plan (Python callers). ``all_logits`` also returns fp32 logits at every
+        new token ``[T, V]``; otherwise ``logits`` holds the sampled rows ``[S, V]``."""
+        self._check_plan(plan, _allow_scratch)
+        t0 = time.perf_counter()
+        oom = None
+        try:
+            with torch.inference_mode():
+                batch = ForwardBatch.from_plan(plan, self.kv, self.attn, all_logits=all_logits)
+                logits = self.model(batch)
+                rows = logits
+                if all_logits:
+                    rows = logits[(plan.cu_seqlens[1:][plan.sampling.seq_index] - 1).to(logits.device)]
+                s = plan.sampling
+                tokens, logprobs = sample(rows, s.temperature, s.top_p, s.top_k, s.min_p, s.seeds)
+                tokens, logprobs = tokens.tolist(), logprobs.tolist()
+        except torch.OutOfMemoryError as e:
+            oom = str(e).splitlines()[0]
+        except RuntimeError as e:  # the CPU allocator's spelling of OOM
+            if "can't allocate memory" not in str(e) and "out of memory" not in str(e).lower():
+                raise
+            oom = str(e).splitlines()[0]
+        if oom is not None:  # outside the except block: the traceback's frames no longer pin the tensors
+            batch = logits = rows = None
+            self._release_cached_memory()
+            raise WorkerOutOfMemory(f"step {plan.step_id} ({plan.num_tokens} tokens): {oom}")
+        stats = {
+            "forward_ms": (time.perf_counter() - t0) * 1e3,
+            "num_tokens": plan.num_tokens,
+            "expert_hits": 0,
+            "expert_misses": 0,
+        }
+        return StepResult(tokens, logprobs, stats, logits)
+
+    def _release_cached_memory(self) -> None:
+        import gc
+
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _check_plan(self, plan: StepPlan, allow_scratch: bool = False) -> None:
+        """Every index the plan carries must land inside our pools: checked on the host, before the page
+        table or the KV pool is written."""
+
+        def bad(cond: torch.Tensor) -> bool:
+            return cond.numel() > 0 and bool(cond.any())
+
+        max_rows = self.max_running_requests + (1 if allow_scratch else 0)
+        max_slot = self.kv_capacity_tokens + (self.scratch_tokens if allow_scratch else 0)
+        if bad((plan.rows < 0) | (plan.rows >= max_rows)):
+            raise InvalidPlan(f"page-table row out of range [0, {max_rows}): {plan.rows.tolist()}")
+        if plan.rows.numel() != plan.rows.unique().numel():
+            raise InvalidPlan("a page-table row is scheduled twice in one step")
+        if bad((plan.table_slots < 0) | (plan.table_slots >= max_slot)):
+            raise InvalidPlan(f"KV slot out of range [0, {max_slot})")
+        if bad(plan.context_lens > self.max_context):
+            raise InvalidPlan(f"context length {int(plan.context_lens.max())} exceeds max_context {self.max_context}")
+        if bad((plan.table_from < 0) | (plan.table_from > plan.prefix_lens)):
+            raise InvalidPlan("table_from must lie in [0, prefix_len]: the new tokens' slots must be sent")
+        if bad((plan.input_ids < 0) | (plan.input_ids >= self.vocab_size)):
+            raise InvalidPlan(f"token id out of range [0, {self.vocab_size})")
+        if plan.copy_src.numel() or plan.snap_seq.numel():
+            raise InvalidPlan("state copies / snapshots sent to a model without recurrent state")
+        s = plan.sampling
+        if bad(~torch.isfinite(s.temperature) | (s.temperature < 0)):
+            raise InvalidPlan("temperature must be finite and >= 0")
+        if bad(~(s.top_p > 0) | (s.top_p > 1)):
+            raise InvalidPlan("top_p must be in (0, 1]")
+        if bad(~(s.min_p >= 0) | (s.min_p > 1)):
+            raise InvalidPlan("min_p must be in [0, 1]")
+
+    # ------------------------------------------------------------------ offline helpers
+
+    def forward_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """fp32 logits ``[T, V]`` at every position of one sequence, computed in chunks of
+        ``max_prefill_length`` on the page table's spare row and the scratch KV slots (never the slots the
+        Rust side owns, so live requests are not disturbed)."""
+        n = len(token_ids)
+        if n == 0:
+            return torch.empty(0, self.vocab_size)
+        if n > self.scratch_tokens:
+            raise ValueError(f"forward_logits handles at most {self.scratch_tokens} tokens, got {n}")
+        slots = list(range(self.kv_capacity_tokens, self.kv_capacity_tokens + n))
+        out = []
+        for start in range(0, n, self.max_prefill_length):
+            chunk = token_ids[start : start + self.max_prefill_length]
+            plan = StepPlan.build([{
+                "tokens": chunk,
+                "prefix_len": start,
+                "row": self.scratch_row,
+                "table_from": start,
+                "table_slots": slots[start : start + len(chunk)],
+            }])
+            out.append(self.execute_plan(plan, all_logits=True, _allow_scratch=True).logits)
+        return torch.cat(out)
