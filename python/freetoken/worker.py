@@ -17,6 +17,7 @@ config, load, size the KV pool from what is left, ``Allocating N tokens for KV c
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -72,6 +73,8 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torc
 _CPU_KV_TOKEN_CAP = 1 << 17
 # forward_logits scratch region (past the Rust-owned slots); also bounds its sequence length
 _SCRATCH_TOKENS = 8192
+# hybrid models: recurrent-state snapshot slots per running request (FreeToken's linear_state_cache_ratio)
+_STATE_SNAPSHOT_RATIO = 2.0
 
 
 @dataclass
@@ -184,8 +187,6 @@ class Worker:
         t0 = time.perf_counter()
         with skip_init(self.dtype, self.device):
             self.model = cls(self.config)
-        if self.model.state_layout is not None:
-            raise UnsupportedModel("hybrid models need the recurrent-state pool, which this worker does not build yet")
         self.model.eval()
         if a["dummy_weight"]:
             from .loading.dummy_weights import fill_dummy_weights
@@ -213,7 +214,19 @@ class Worker:
         bpt = KVCachePool.bytes_per_token(layout.num_layers, layout.num_kv_heads, layout.head_dim, self.dtype,
                                           layout.v_head_dim)
         self.scratch_tokens = min(self.max_context, _SCRATCH_TOKENS)
-        self.kv_capacity_tokens = self._kv_tokens(bpt, free_before)
+        # hybrid models: one live recurrent-state slot per running request plus snapshot slots for the radix
+        # cache (Rust owns 0..num_state_slots), and one scratch slot past them for forward_logits
+        self.state = None
+        self.num_state_slots = 0
+        state_bytes = 0
+        stl = self.model.state_layout
+        if stl is not None:
+            from .cache.state_pool import RecurrentStatePool
+
+            self.num_state_slots = self.max_running_requests + math.ceil(_STATE_SNAPSHOT_RATIO * self.max_running_requests)
+            state_bytes = (self.num_state_slots + 1) * RecurrentStatePool.bytes_per_slot(
+                stl.num_layers, stl.conv_shape, stl.ssm_shape, self.dtype, stl.ssm_dtype)
+        self.kv_capacity_tokens = self._kv_tokens(bpt, free_before, state_bytes)
         self.kv = KVCachePool(
             layout.num_layers,
             self.kv_capacity_tokens + self.scratch_tokens,
@@ -226,11 +239,13 @@ class Worker:
             v_head_dim=layout.v_head_dim,
         )
         self.scratch_row = self.max_running_requests  # the page table's spare row
+        if stl is not None:
+            self.state = RecurrentStatePool.from_layout(stl, self.num_state_slots + 1, self.dtype, self.device)
+            logger.info(f"Allocating {self.num_state_slots} recurrent-state slots, {state_bytes / GiB:.2f} GiB")
         logger.info(
             f"Allocating {self.kv_capacity_tokens} tokens for KV cache, "
             f"K + V = {self.kv_capacity_tokens * bpt / GiB:.2f} GiB"
         )
-        self.num_state_slots = 0
         logger.info(f"Free memory after initialization: {free_memory_bytes(self.device) / GiB:.2f} GiB")
 
     # ------------------------------------------------------------------ start-up helpers
@@ -263,7 +278,7 @@ class Worker:
 
         return tokenizer_from_gguf(self.checkpoint)
 
-    def _kv_tokens(self, bytes_per_token: int, free_before: int) -> int:
+    def _kv_tokens(self, bytes_per_token: int, free_before: int, state_bytes: int = 0) -> int:
         a = self.args
         if a["num_tokens"] is not None and a["num_pages"] is not None:
             raise ValueError("--num-tokens and --num-pages are exclusive")
@@ -272,7 +287,7 @@ class Worker:
         elif a["num_tokens"] is not None:
             tokens = int(a["num_tokens"])
         else:
-            scratch = self.scratch_tokens * bytes_per_token
+            scratch = self.scratch_tokens * bytes_per_token + state_bytes
             if self.device.type == "cuda":
                 # memory_ratio of what was free before loading, minus what loading took (REFERENCES 4.6 step 5)
                 free_now = free_memory_bytes(self.device)
@@ -338,7 +353,9 @@ class Worker:
         oom = None
         try:
             with torch.inference_mode():
-                batch = ForwardBatch.from_plan(plan, self.kv, self.attn, all_logits=all_logits)
+                if self.state is not None and plan.copy_src.numel():
+                    self.state.copy(plan.copy_src, plan.copy_dst)  # restore snapshots before the forward
+                batch = ForwardBatch.from_plan(plan, self.kv, self.attn, state=self.state, all_logits=all_logits)
                 logits = self.model(batch)
                 rows = logits
                 if all_logits:
@@ -392,8 +409,26 @@ class Worker:
             raise InvalidPlan("table_from must lie in [0, prefix_len]: the new tokens' slots must be sent")
         if bad((plan.input_ids < 0) | (plan.input_ids >= self.vocab_size)):
             raise InvalidPlan(f"token id out of range [0, {self.vocab_size})")
-        if plan.copy_src.numel() or plan.snap_seq.numel():
-            raise InvalidPlan("state copies / snapshots sent to a model without recurrent state")
+        if self.state is None:
+            if plan.copy_src.numel() or plan.snap_seq.numel():
+                raise InvalidPlan("state copies / snapshots sent to a model without recurrent state")
+        else:
+            n_state = self.num_state_slots + (1 if allow_scratch else 0)
+            for name in ("state_slots", "copy_src", "copy_dst", "snap_slot"):
+                t = getattr(plan, name)
+                if bad((t < 0) | (t >= n_state)):
+                    raise InvalidPlan(f"{name} out of range [0, {n_state}): {t.tolist()}")
+            if plan.copy_src.numel() != plan.copy_dst.numel():
+                raise InvalidPlan("copy_src and copy_dst differ in length")
+            if not (plan.snap_seq.numel() == plan.snap_upto.numel() == plan.snap_slot.numel()):
+                raise InvalidPlan("snap_seq, snap_upto and snap_slot differ in length")
+            if bad((plan.snap_seq < 0) | (plan.snap_seq >= plan.num_seqs)):
+                raise InvalidPlan("snap_seq out of range")
+            if plan.snap_seq.numel():
+                ctx = plan.context_lens[plan.snap_seq]
+                pre = plan.prefix_lens[plan.snap_seq]
+                if bad((plan.snap_upto <= pre) | (plan.snap_upto > ctx)):
+                    raise InvalidPlan("snapshot point outside the sequence's new tokens")
         s = plan.sampling
         if bad(~torch.isfinite(s.temperature) | (s.temperature < 0)):
             raise InvalidPlan("temperature must be finite and >= 0")
@@ -423,6 +458,7 @@ class Worker:
                 "row": self.scratch_row,
                 "table_from": start,
                 "table_slots": slots[start : start + len(chunk)],
+                "state_slot": self.num_state_slots if self.state is not None else -1,
             }])
             out.append(self.execute_plan(plan, all_logits=True, _allow_scratch=True).logits)
         return torch.cat(out)

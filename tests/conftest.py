@@ -1,0 +1,91 @@
+"""Shared fixtures. Keep small: paths, the demo model, a tiny random HF Llama checkpoint, and ``blocked_fla``."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(_ROOT, "python"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # helper modules next to the tests
+
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def blocked_fla() -> None:
+    """Make ``fla`` / ``causal_conv1d`` unimportable so transformers' hybrid models run their torch reference code
+    (REFERENCES 2.3). Call before transformers is imported; harmless afterwards."""
+    for name in ("fla", "causal_conv1d"):
+        if name not in sys.modules:
+            sys.modules[name] = None
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device")
+    config.addinivalue_line("markers", "slow: loads a real model (tens of seconds on 2 CPU cores)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="no CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _freetoken_cache(tmp_path_factory):
+    """Generated tokenizers go to a per-session directory, not ~/.cache."""
+    old = os.environ.get("FREETOKEN_CACHE_DIR")
+    os.environ["FREETOKEN_CACHE_DIR"] = str(tmp_path_factory.mktemp("freetoken-cache"))
+    yield
+    if old is None:
+        os.environ.pop("FREETOKEN_CACHE_DIR", None)
+    else:
+        os.environ["FREETOKEN_CACHE_DIR"] = old
+
+
+@pytest.fixture(scope="session")
+def demo_gguf_path() -> str:
+    from freetoken.demo_model import DemoModelMissing, demo_model_path
+
+    try:
+        return demo_model_path()
+    except DemoModelMissing as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def demo_worker(demo_gguf_path):
+    """The demo model (SmolLM2-135M Q4_1, fp32 on CPU) with a small KV pool; shared by the test modules."""
+    from freetoken.worker import Worker
+
+    return Worker({"model_path": demo_gguf_path, "device": "cpu", "num_tokens": 4096, "max_running_requests": 4,
+                   "max_seq_len_override": 2048, "load_progress": False})
+
+
+def make_tiny_llama_dir(path, seed: int = 0, **over) -> str:
+    """A random 2-layer HF Llama (hidden 64, GQA 4/2) saved with ``save_pretrained`` (safetensors, fp32)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-5,
+              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    kw.update(over)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**kw)).float().eval()
+    with torch.no_grad():  # norms away from 1 so a norm-weight bug shows
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("tiny-llama"))
