@@ -65,6 +65,11 @@ def register_attention_backend(name: str, cls: type[AttentionBackend]) -> None:
 
 def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     """``auto`` picks the Triton kernels on CUDA and the torch reference elsewhere."""
+    if "triton" not in _BACKENDS and (name == "triton" or (name == "auto" and device.type == "cuda")):
+        try:  # the Triton backend registers itself on import (kernels/attention.py)
+            import freetoken.kernels.attention  # noqa: F401
+        except ImportError:
+            pass
     if name == "auto":
         name = "triton" if device.type == "cuda" and "triton" in _BACKENDS else "torch"
     if name in ("fi", "fa", "trtllm"):

@@ -1,0 +1,331 @@
+"""Paged attention over the KV pool (``freetoken.cache.kv_pool.KVCachePool``), Triton kernels beside torch references.
+
+Pool layout: ``k_cache [slots, nkv, D]``, ``v_cache [slots, nkv, Dv]``, ``req_to_token [rows, max_ctx]`` (int32 slot of
+each position of each request row). The new tokens' K/V are stored in the pool *before* these kernels run, so every
+key a query sees (cached prefix and new tokens alike) is read through ``req_to_token``.
+
+- ``extend``: varlen new tokens (``cu_seqlens``) of each sequence attend causally to its whole context: new token i
+  of sequence b sits at position ``prefix_lens[b] + i`` and sees keys ``0 .. prefix_lens[b] + i``. Serves prefill
+  (prefix 0), chunked prefill / prefix-cache hits (prefix > 0) and mixed batches (decode rows are extend len 1).
+- ``decode``: one query per sequence over ``context_lens[b]`` keys, split-K over the context (stage 1: each split
+  writes a partial output and its log-sum-exp; stage 2 merges the splits). A whole GQA group of q heads shares each
+  K/V tile load.
+
+GQA: kv head j serves q heads ``j·G … (j+1)·G−1`` (G = nh / nkv). Head dims up to 256; bf16 / fp16 / fp32 (fp32 runs
+the dots in IEEE precision, never TF32). Accumulation is fp32; outputs are in q's dtype.
+
+``TritonAttention`` wraps both as an ``AttentionBackend``; importing this module registers it as ``"triton"``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from freetoken.layers.attention import AttentionBackend, register_attention_backend
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover
+    triton = None
+    tl = None
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# torch references
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def extend_attention_torch(q, k_cache, v_cache, req_to_token, rows, cu_seqlens, prefix_lens, scale):
+    """``q [T, nh, D]`` → ``[T, nh, Dv]``. Lengths may be tensors or lists (read on the host)."""
+    cu = [int(x) for x in cu_seqlens.tolist()] if torch.is_tensor(cu_seqlens) else list(cu_seqlens)
+    pre = [int(x) for x in prefix_lens.tolist()] if torch.is_tensor(prefix_lens) else list(prefix_lens)
+    rows = [int(x) for x in rows.tolist()] if torch.is_tensor(rows) else list(rows)
+    nh, nkv = q.shape[1], k_cache.shape[1]
+    out = torch.empty(q.shape[0], nh, v_cache.shape[2], dtype=q.dtype, device=q.device)
+    for b in range(len(rows)):
+        s, e = cu[b], cu[b + 1]
+        n, ctx = e - s, pre[b] + e - s
+        slots = req_to_token[rows[b], :ctx].to(torch.int64)
+        keys = k_cache[slots].float().repeat_interleave(nh // nkv, dim=1)
+        vals = v_cache[slots].float().repeat_interleave(nh // nkv, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[s:e].float(), keys) * scale
+        qpos = torch.arange(ctx - n, ctx, device=q.device)[:, None]
+        kpos = torch.arange(ctx, device=q.device)[None, :]
+        probs = torch.softmax(scores.masked_fill(kpos > qpos, float("-inf")), dim=-1)
+        out[s:e] = torch.einsum("hqk,khd->qhd", probs, vals).to(q.dtype)
+    return out
+
+
+def decode_attention_torch(q, k_cache, v_cache, req_to_token, rows, context_lens, scale):
+    """``q [B, nh, D]`` (one new token per sequence, already stored in the pool) → ``[B, nh, Dv]``."""
+    ctx = [int(x) for x in context_lens.tolist()] if torch.is_tensor(context_lens) else list(context_lens)
+    cu = list(range(len(ctx) + 1))
+    return extend_attention_torch(q, k_cache, v_cache, req_to_token, rows, cu, [c - 1 for c in ctx], scale)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------------------------------
+
+_LOG2E = 1.4426950408889634
+
+if triton is not None:
+
+    @triton.jit
+    def _extend_kernel(
+        Q, K, V, O, req_to_token, rows_ptr, cu_ptr, prefix_ptr,
+        sm_scale,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_rt,
+        D, DV,
+        GROUP: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+        PREC: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        b = tl.program_id(1)
+        h = tl.program_id(2)
+        q_start = tl.load(cu_ptr + b)
+        n = tl.load(cu_ptr + b + 1) - q_start
+        if pid_m * BLOCK_M < n:
+            prefix = tl.load(prefix_ptr + b)
+            row = tl.load(rows_ptr + b).to(tl.int64)
+            kvh = h // GROUP
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            m_mask = offs_m < n
+            qpos = prefix + offs_m
+            offs_d = tl.arange(0, BLOCK_D)
+            offs_dv = tl.arange(0, BLOCK_DV)
+            d_mask = offs_d < D
+            dv_mask = offs_dv < DV
+            q_ptrs = Q + (q_start + offs_m)[:, None].to(tl.int64) * stride_qt + h * stride_qh + offs_d[None, :]
+            q = tl.load(q_ptrs, mask=m_mask[:, None] & d_mask[None, :], other=0.0).to(K.dtype.element_ty)
+            qk_scale = sm_scale * 1.4426950408889634
+            m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
+            end = prefix + tl.minimum((pid_m + 1) * BLOCK_M, n)  # keys past the block's last query are masked anyway
+            for start in range(0, end, BLOCK_N):
+                offs_n = start + tl.arange(0, BLOCK_N)
+                n_mask = offs_n < end
+                slot = tl.load(req_to_token + row * stride_rt + offs_n, mask=n_mask, other=0).to(tl.int64)
+                k = tl.load(
+                    K + slot[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
+                    mask=n_mask[None, :] & d_mask[:, None], other=0.0,
+                )
+                s = tl.dot(q, k, input_precision=PREC) * qk_scale
+                visible = (offs_n[None, :] <= qpos[:, None]) & n_mask[None, :]
+                s = tl.where(visible, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp2(s - m_safe[:, None])
+                alpha = tl.exp2(m_i - m_safe)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(
+                    V + slot[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :],
+                    mask=n_mask[:, None] & dv_mask[None, :], other=0.0,
+                )
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+                m_i = m_new
+            l_i = tl.where(l_i == 0.0, 1.0, l_i)
+            out = acc / l_i[:, None]
+            o_ptrs = O + (q_start + offs_m)[:, None].to(tl.int64) * stride_ot + h * stride_oh + offs_dv[None, :]
+            tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=m_mask[:, None] & dv_mask[None, :])
+
+    @triton.jit
+    def _decode_stage1_kernel(
+        Q, K, V, MidO, MidL, req_to_token, rows_ptr, ctx_ptr,
+        sm_scale,
+        stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+        stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_rt,
+        D, DV,
+        GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+        PREC: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        ctx = tl.load(ctx_ptr + b)
+        row = tl.load(rows_ptr + b).to(tl.int64)
+        chunk = tl.cdiv(ctx, NUM_SPLITS)
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, ctx)
+        offs_g = tl.arange(0, BLOCK_H)
+        g_mask = offs_g < GROUP
+        heads = kvh * GROUP + offs_g
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        d_mask = offs_d < D
+        dv_mask = offs_dv < DV
+        q = tl.load(
+            Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=g_mask[:, None] & d_mask[None, :], other=0.0,
+        ).to(K.dtype.element_ty)
+        qk_scale = sm_scale * 1.4426950408889634
+        m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_H, BLOCK_DV), dtype=tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < hi
+            slot = tl.load(req_to_token + row * stride_rt + offs_n, mask=n_mask, other=0).to(tl.int64)
+            k = tl.load(
+                K + slot[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
+                mask=n_mask[None, :] & d_mask[:, None], other=0.0,
+            )
+            s = tl.dot(q, k, input_precision=PREC) * qk_scale
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                V + slot[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :],
+                mask=n_mask[:, None] & dv_mask[None, :], other=0.0,
+            )
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            m_i = m_new
+        # empty split (hi <= lo): l = 0, lse = -inf, merged with weight 0
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))  # base-2 lse
+        mo_ptrs = MidO + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_dv[None, :]
+        tl.store(mo_ptrs, acc / l_safe[:, None], mask=g_mask[:, None] & dv_mask[None, :])
+        tl.store(MidL + b * stride_mlb + heads * stride_mlh + split, lse, mask=g_mask)
+
+    @triton.jit
+    def _decode_stage2_kernel(
+        MidO, MidL, O,
+        stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
+        DV,
+        NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_s = tl.arange(0, BLOCK_S)
+        s_mask = offs_s < NUM_SPLITS
+        offs_dv = tl.arange(0, BLOCK_DV)
+        dv_mask = offs_dv < DV
+        lse = tl.load(MidL + b * stride_mlb + h * stride_mlh + offs_s, mask=s_mask, other=float("-inf"))
+        m = tl.max(lse, 0)
+        w = tl.exp2(lse - m)
+        w = tl.where(s_mask, w, 0.0)
+        o = tl.load(
+            MidO + b * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos + offs_dv[None, :],
+            mask=s_mask[:, None] & dv_mask[None, :], other=0.0,
+        )
+        out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+        tl.store(O + b * stride_ob + h * stride_oh + offs_dv, out.to(O.dtype.element_ty), mask=dv_mask)
+
+
+def _prec(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # fp32 must not silently drop to tf32
+
+
+def extend_attention_triton(
+    q, k_cache, v_cache, req_to_token, rows, cu_seqlens, prefix_lens, scale, max_extend_len: int, out=None
+):
+    """Triton ``extend``; same contract as ``extend_attention_torch``. ``cu_seqlens``/``prefix_lens``/``rows`` are
+    device int tensors; ``max_extend_len`` is a host int (sizes the grid without a sync)."""
+    T, nh, D = q.shape
+    nkv, DV = k_cache.shape[1], v_cache.shape[2]
+    B = rows.numel()
+    if out is None:
+        out = torch.empty(T, nh, DV, dtype=q.dtype, device=q.device)
+    if T == 0:
+        return out
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and q.stride(-1) == 1
+    bd, bdv = triton.next_power_of_2(D), triton.next_power_of_2(DV)
+    big = max(bd, bdv) > 128 or k_cache.dtype == torch.float32
+    block_m = 64 if not big else 32
+    block_n = 64 if not big else 32
+    if max_extend_len <= 16:
+        block_m = 16
+    grid = (triton.cdiv(max_extend_len, block_m), B, nh)
+    _extend_kernel[grid](
+        q, k_cache, v_cache, out, req_to_token, rows, cu_seqlens, prefix_lens,
+        float(scale),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        out.stride(0), out.stride(1), req_to_token.stride(0),
+        D, DV,
+        GROUP=nh // nkv, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=bd, BLOCK_DV=bdv, PREC=_prec(k_cache.dtype),
+        num_warps=4 if block_m <= 32 else 8 if bd > 128 else 4, num_stages=2,
+    )
+    return out
+
+
+def pick_num_kv_splits(batch_size: int, num_kv_heads: int, max_context: int) -> int:
+    """Enough programs to fill the GPU (~132 SMs on H100/H200), never splits shorter than 256 keys."""
+    by_len = max(1, math.ceil(max_context / 256))
+    by_occupancy = max(1, math.ceil(264 / max(1, batch_size * num_kv_heads)))
+    return int(min(16, by_len, by_occupancy))
+
+
+def decode_attention_triton(q, k_cache, v_cache, req_to_token, rows, context_lens, scale, num_kv_splits: int = 8, out=None):
+    """Triton split-K ``decode``; same contract as ``decode_attention_torch``."""
+    B, nh, D = q.shape
+    nkv, DV = k_cache.shape[1], v_cache.shape[2]
+    if out is None:
+        out = torch.empty(B, nh, DV, dtype=q.dtype, device=q.device)
+    if B == 0:
+        return out
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and q.stride(-1) == 1
+    G = nh // nkv
+    S = max(1, int(num_kv_splits))
+    mid_o = torch.empty(B, nh, S, DV, dtype=torch.float32, device=q.device)
+    mid_l = torch.empty(B, nh, S, dtype=torch.float32, device=q.device)
+    bd, bdv = triton.next_power_of_2(D), triton.next_power_of_2(DV)
+    block_n = 32 if max(bd, bdv) > 128 or k_cache.dtype == torch.float32 else 64
+    _decode_stage1_kernel[(B, nkv, S)](
+        q, k_cache, v_cache, mid_o, mid_l, req_to_token, rows, context_lens,
+        float(scale),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_l.stride(0), mid_l.stride(1), req_to_token.stride(0),
+        D, DV,
+        GROUP=G, NUM_SPLITS=S, BLOCK_H=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_D=bd,
+        BLOCK_DV=bdv, PREC=_prec(k_cache.dtype), num_warps=4, num_stages=2,
+    )
+    _decode_stage2_kernel[(B, nh)](
+        mid_o, mid_l, out,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_l.stride(0), mid_l.stride(1), out.stride(0), out.stride(1),
+        DV,
+        NUM_SPLITS=S, BLOCK_S=triton.next_power_of_2(S), BLOCK_DV=bdv,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# backend
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class TritonAttention(AttentionBackend):
+    """Paged attention with the Triton kernels: ``decode`` when every sequence has one new token over a cached
+    prefix, ``extend`` otherwise (prefill, chunked prefill, mixed batches)."""
+
+    name = "triton"
+
+    def __init__(self, num_kv_splits: int | None = None):
+        self.num_kv_splits = num_kv_splits  # None: pick per step from the batch shape
+
+    def forward(self, q, k, v, kv_layer, batch, scale):
+        self.store_kv(k, v, kv_layer, batch)
+        kc, vc = batch.kv.k[kv_layer], batch.kv.v[kv_layer]
+        q = q.contiguous()
+        if batch.is_decode:
+            S = self.num_kv_splits or pick_num_kv_splits(
+                batch.num_seqs, kc.shape[1], max(batch.context_lens_cpu, default=1)
+            )
+            return decode_attention_triton(
+                q, kc, vc, batch.kv.req_to_token, batch.rows, batch.context_lens, scale, num_kv_splits=S
+            )
+        return extend_attention_triton(
+            q, kc, vc, batch.kv.req_to_token, batch.rows, batch.cu_seqlens, batch.prefix_lens, scale,
+            max_extend_len=max(batch.extend_lens_cpu, default=1),
+        )
+
+
+register_attention_backend("triton", TritonAttention)

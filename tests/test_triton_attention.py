@@ -1,0 +1,192 @@
+"""Triton paged attention (extend + split-K decode) vs the torch references, on CUDA (``gpu`` marker) and on CPU under
+TRITON_INTERPRET=1 (tiny shapes, run in a subprocess so the interpreter is on before triton compiles anything)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _pool(nkv, D, DV, dtype, device, max_rows, max_ctx, seed):
+    g = torch.Generator().manual_seed(seed)
+    slots = max_rows * max_ctx + 5
+    kc = torch.randn(slots, nkv, D, generator=g).to(device, dtype)
+    vc = torch.randn(slots, nkv, DV, generator=g).to(device, dtype)
+    perm = torch.randperm(slots, generator=g)[: max_rows * max_ctx].view(max_rows, max_ctx)
+    r2t = torch.zeros(max_rows + 1, max_ctx, dtype=torch.int32)
+    r2t[:max_rows] = perm.to(torch.int32)
+    return kc, vc, r2t.to(device)
+
+
+def _tol(dtype):
+    return {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
+
+
+def extend_case(nh, nkv, D, DV, ext, pre, dtype, device, seed=0):
+    from freetoken.kernels.attention import extend_attention_torch, extend_attention_triton
+
+    B = len(ext)
+    max_ctx = max(e + p for e, p in zip(ext, pre)) + 3
+    kc, vc, r2t = _pool(nkv, D, DV, dtype, device, B + 1, max_ctx, seed)
+    rows = torch.randperm(B + 1, generator=torch.Generator().manual_seed(seed))[:B]
+    cu = torch.tensor([0] + list(torch.tensor(ext).cumsum(0).tolist()), dtype=torch.int32)
+    T = int(cu[-1])
+    q = torch.randn(T, nh, D, generator=torch.Generator().manual_seed(seed + 1)).to(device, dtype)
+    scale = D**-0.5
+    ref = extend_attention_torch(q, kc, vc, r2t, rows, cu, torch.tensor(pre), scale)
+    out = extend_attention_triton(
+        q, kc, vc, r2t, rows.to(device), cu.to(device), torch.tensor(pre, dtype=torch.int32, device=device), scale,
+        max_extend_len=max(ext),
+    )
+    torch.testing.assert_close(out.float(), ref.float(), atol=_tol(dtype), rtol=_tol(dtype))
+
+
+def decode_case(nh, nkv, D, DV, ctx, dtype, device, splits, seed=0):
+    from freetoken.kernels.attention import decode_attention_torch, decode_attention_triton
+
+    B = len(ctx)
+    kc, vc, r2t = _pool(nkv, D, DV, dtype, device, B + 1, max(ctx) + 2, seed)
+    rows = torch.randperm(B + 1, generator=torch.Generator().manual_seed(seed))[:B]
+    q = torch.randn(B, nh, D, generator=torch.Generator().manual_seed(seed + 1)).to(device, dtype)
+    scale = D**-0.5
+    ref = decode_attention_torch(q, kc, vc, r2t, rows, torch.tensor(ctx), scale)
+    out = decode_attention_triton(
+        q, kc, vc, r2t, rows.to(device), torch.tensor(ctx, dtype=torch.int32, device=device), scale,
+        num_kv_splits=splits,
+    )
+    torch.testing.assert_close(out.float(), ref.float(), atol=_tol(dtype), rtol=_tol(dtype))
+
+
+def backend_case(device, dtype):
+    """TritonAttention vs TorchAttention inside a tiny Qwen3 model: prefill, chunked prefill, mixed batch, decode."""
+    from freetoken.cache.kv_pool import KVCachePool
+    from freetoken.engine.forward_batch import ForwardBatch
+    from freetoken.engine.step_plan import StepPlan
+    from freetoken.kernels.attention import TritonAttention
+    from freetoken.layers.attention import TorchAttention
+    from freetoken.models.base import ModelConfig
+    from freetoken.models.qwen3 import Qwen3ForCausalLM
+
+    cfg = ModelConfig.from_dict(dict(
+        model_type="qwen3", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=48, rms_norm_eps=1e-6, rope_theta=10000.0,
+    ))
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    model = model.to(device, dtype).eval()
+    lay = model.kv_layout
+    outs = {}
+    for name, attn in (("torch", TorchAttention()), ("triton", TritonAttention())):
+        kv = KVCachePool(lay.num_layers, 200, lay.num_kv_heads, lay.head_dim, dtype, torch.device(device), 3, 40)
+        perm = torch.randperm(200, generator=torch.Generator().manual_seed(3)).tolist()
+        sl = [perm[r * 40:(r + 1) * 40] for r in range(3)]
+        steps = [
+            [(0, 0, list(range(1, 10))), (1, 0, [5, 6, 7])],
+            [(0, 9, [11, 12, 13]), (1, 3, [8]), (2, 0, list(range(20, 37)))],
+            [(0, 12, [2]), (1, 4, [3]), (2, 17, [4])],  # pure decode
+            [(0, 13, [9]), (1, 5, [10]), (2, 18, [11])],
+        ]
+        res = []
+        for seqs in steps:
+            plan = StepPlan.build([
+                dict(tokens=t, prefix_len=p, row=r, table_from=p, table_slots=sl[r][p:p + len(t)]) for r, p, t in seqs
+            ])
+            batch = ForwardBatch.from_plan(plan, kv, attn, all_logits=True)
+            assert batch.is_decode == (seqs is steps[2] or seqs is steps[3])
+            with torch.no_grad():
+                res.append(model(batch).float())
+        outs[name] = res
+    for a, b in zip(outs["torch"], outs["triton"]):
+        torch.testing.assert_close(b, a, atol=_tol(dtype) * 10, rtol=_tol(dtype) * 10)
+
+
+_CPU_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    import test_triton_attention as t
+    for dt in ("float32", "float16"):
+        dt = getattr(torch, dt)
+        t.extend_case(4, 2, 16, 16, [3, 1, 20], [0, 5, 7], dt, "cpu")
+        t.extend_case(2, 2, 24, 8, [17], [33], dt, "cpu", seed=1)  # non-power-of-2 D, DV != D, no GQA
+        t.decode_case(4, 1, 16, 16, [1, 9, 40], dt, "cpu", splits=1)
+        t.decode_case(6, 2, 16, 32, [1, 9, 40, 3], dt, "cpu", splits=3)  # GQA group 3, empty splits
+    t.backend_case("cpu", torch.float32)
+    print("OK")
+    """
+)
+
+
+def test_triton_attention_interpreter_cpu():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.path.join(ROOT, "python"))
+    script = _CPU_SCRIPT.format(tests=os.path.join(ROOT, "tests"))
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=800)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
+
+
+def test_registered_as_triton_backend():
+    import freetoken.kernels.attention  # noqa: F401
+    from freetoken.layers import attention as A
+
+    assert A._BACKENDS["triton"].__name__ == "TritonAttention"
+    assert A.make_attention_backend("auto", torch.device("cpu")).name == "torch"
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "nh,nkv,D,DV,ext,pre",
+    [
+        (16, 2, 256, 256, [1, 37, 300], [0, 100, 513]),  # Qwen3.6 attention shape
+        (32, 4, 128, 128, [512, 3, 1], [0, 1000, 64]),  # Qwen3-30B-A3B
+        (8, 8, 64, 64, [129, 64], [0, 0]),  # MHA, plain prefill
+        (12, 4, 96, 80, [33, 70], [17, 0]),  # odd head dims, DV != D
+    ],
+)
+def test_extend_cuda(nh, nkv, D, DV, ext, pre, dtype):
+    extend_case(nh, nkv, D, DV, ext, pre, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [1, 4, 16])
+@pytest.mark.parametrize(
+    "nh,nkv,D,DV,ctx",
+    [
+        (16, 2, 256, 256, [1, 17, 2049, 300]),
+        (32, 4, 128, 128, [5000, 1, 64]),
+        (8, 8, 64, 64, [100, 7]),
+        (12, 4, 96, 80, [33, 70, 2]),
+    ],
+)
+def test_decode_cuda(nh, nkv, D, DV, ctx, splits, dtype):
+    decode_case(nh, nkv, D, DV, ctx, dtype, "cuda", splits)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backend_in_model_cuda(dtype):
+    backend_case("cuda", dtype)
+
+
+@pytest.mark.gpu
+@cuda
+def test_make_attention_backend_auto_cuda():
+    from freetoken.layers.attention import make_attention_backend
+
+    assert make_attention_backend("auto", torch.device("cuda")).name == "triton"
