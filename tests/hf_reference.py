@@ -234,27 +234,129 @@ class TinyEngine:
         return 2 * seq + 1
 
     @torch.no_grad()
-    def step(self, items: list[tuple[int, list[int]]], all_logits: bool = False, snapshots=()) -> list[torch.Tensor]:
-        """One forward over ``(seq, new tokens)`` items. Returns per item the logits of its last token ``[V]``
-        (or of every new token ``[n, V]`` with ``all_logits``). ``snapshots``: ``(item index, upto, slot)``."""
+    def step(self, items, all_logits: bool = False, snapshots=()) -> list:
+        """One forward over items ``(seq, new tokens)`` or ``(seq, new tokens, sample: bool)`` (default: sample).
+        Returns per item the logits of every new token ``[n, V]`` (``all_logits``), else the logits of its last
+        token ``[V]`` when it samples and None when it does not (a non-final prefill chunk).
+        ``snapshots``: ``(item index, upto, slot)``."""
         seqs = []
-        for seq, toks in items:
+        for it in items:
+            seq, toks = it[0], list(it[1])
+            sample = it[2] if len(it) > 2 else True
             p = self.lens.get(seq, 0)
-            seqs.append(dict(tokens=list(toks), prefix_len=p, row=seq, table_from=p,
+            seqs.append(dict(tokens=toks, prefix_len=p, row=seq, table_from=p,
                              table_slots=[self.kv_slot(seq, q) for q in range(p, p + len(toks))],
-                             state_slot=self.state_slot(seq), sample={}))
+                             state_slot=self.state_slot(seq), sample={} if sample else None))
         plan = StepPlan.build(seqs)
         if snapshots:
             t = lambda i: torch.tensor([s[i] for s in snapshots], dtype=torch.int64)  # noqa: E731
             plan.snap_seq, plan.snap_upto, plan.snap_slot = t(0), t(1), t(2)
         batch = ForwardBatch.from_plan(plan, self.kv, self.attn, state=self.state, all_logits=all_logits)
         logits = self.model(batch)
-        for seq, toks in items:
-            self.lens[seq] = self.lens.get(seq, 0) + len(toks)
-        if not all_logits:
-            return list(logits)
+        for it in items:
+            self.lens[it[0]] = self.lens.get(it[0], 0) + len(it[1])
         out, at = [], 0
-        for _, toks in items:
-            out.append(logits[at : at + len(toks)])
-            at += len(toks)
+        if all_logits:
+            for it in items:
+                out.append(logits[at : at + len(it[1])])
+                at += len(it[1])
+            return out
+        for s in seqs:
+            if s["sample"] is None:
+                out.append(None)
+            else:
+                out.append(logits[at])
+                at += 1
         return out
+
+
+# ------------------------------------------------------------------------------------------------------------
+# scenarios shared by the two model test files
+# ------------------------------------------------------------------------------------------------------------
+
+LOGIT_TOL = 1e-4  # fp32 CPU, at logit scale <= 10 (measured ~1e-5); scaled up for larger logits, see logit_tol
+TIE_TOL = 1e-3  # a greedy choice whose HF top-2 margin is below this is a tie either implementation may break
+
+
+def logit_tol(ref: torch.Tensor) -> float:
+    """1e-4 for logits up to magnitude 10, relative 1e-5 beyond (tied embeddings give logits ~60)."""
+    return LOGIT_TOL * max(1.0, float(ref.abs().max()) / 10.0)
+
+
+def prompt(n: int, seed: int, vocab: int = 160) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def check_chunked_prefill(hf, ours, pieces_per_seq: dict[int, list[int]], seed: int = 0) -> float:
+    """Every sequence's prompt goes through the engine in the given pieces (several sequences share a step while
+    they all have pieces left; a piece continues from the state slot and KV of the previous ones). Logits at every
+    position must match HF's one-shot forward. Returns the max abs error."""
+    prompts = {s: prompt(sum(p), seed + s) for s, p in pieces_per_seq.items()}
+    refs = {s: hf_logits(hf, ids) for s, ids in prompts.items()}
+    eng = TinyEngine(ours)
+    got = {s: [] for s in prompts}
+    at = {s: 0 for s in prompts}
+    queues = {s: list(p) for s, p in pieces_per_seq.items()}
+    while any(queues.values()):
+        items = []
+        for s, q in queues.items():
+            if q:
+                n = q.pop(0)
+                items.append((s, prompts[s][at[s] : at[s] + n]))
+                at[s] += n
+        for (s, _), lg in zip(items, eng.step(items, all_logits=True)):
+            got[s].append(lg)
+    err = 0.0
+    for s in prompts:
+        e = float((torch.cat(got[s]) - refs[s]).abs().max())
+        assert e < logit_tol(refs[s]), (s, e)
+        err = max(err, e)
+    return err
+
+
+def check_greedy(hf, ours, plans: dict[int, tuple[int, list[int]]], steps: int = 64, seed: int = 0):
+    """Greedy generation through the engine vs HF's greedy continuation, ``steps`` tokens per sequence.
+    ``plans[seq] = (first step, prompt pieces)``: a sequence joins at its first step, prefills its prompt in the
+    given pieces (only the last piece samples), then decodes one token per step, in the same steps as the other
+    sequences' prefill pieces (mixed steps). Each sampled logit row must match HF's logits at that position
+    (LOGIT_TOL) and its argmax must equal HF's greedy token; a mismatch is allowed only where HF's top-2 margin is
+    below TIE_TOL (then HF's token is fed on, so the comparison continues on the reference path).
+    Returns (max abs logit error, ties, min margin seen)."""
+    prompts = {s: prompt(sum(p), seed + 7 * s) for s, (_, p) in plans.items()}
+    refs = {s: hf_greedy(hf, prompts[s], steps) for s in prompts}  # (tokens, logits per position)
+    eng = TinyEngine(ours)
+    queues = {s: list(p) for s, (_, p) in plans.items()}
+    at = {s: 0 for s in prompts}
+    gen: dict[int, list[int]] = {s: [] for s in prompts}
+    err, ties, min_margin, step_no = 0.0, 0, float("inf"), 0
+    while any(len(g) < steps for g in gen.values()):
+        items = []
+        for s, (first, _) in plans.items():
+            if step_no < first or len(gen[s]) >= steps:
+                continue
+            if queues[s]:
+                n = queues[s].pop(0)
+                items.append((s, prompts[s][at[s] : at[s] + n], not queues[s]))
+                at[s] += n
+            else:
+                items.append((s, [gen[s][-1]], True))
+        step_no += 1
+        if not items:
+            continue
+        for (s, toks, sample), lg in zip(items, eng.step(items)):
+            if not sample:
+                assert lg is None
+                continue
+            i = len(gen[s])
+            ref_tokens, ref_logits = refs[s]
+            ref = ref_logits[len(prompts[s]) - 1 + i]
+            e = float((lg - ref).abs().max())
+            assert e < logit_tol(ref_logits), (s, i, e)
+            err = max(err, e)
+            margin = top2_margin(ref)
+            min_margin = min(min_margin, margin)
+            if int(lg.argmax()) != ref_tokens[i]:
+                assert margin < TIE_TOL, f"seq {s} token {i}: ours {int(lg.argmax())} vs HF {ref_tokens[i]}"
+                ties += 1
+            gen[s].append(ref_tokens[i])
+    return err, ties, min_margin

@@ -1,0 +1,96 @@
+"""Qwen3.5/3.6 MoE (``Qwen3_5MoeForCausalLM``) vs transformers, fp32 on CPU, tiny random configs: one-shot and
+chunked prefill (prefix continuing from the KV pool and the recurrent-state slot), a batch of different lengths,
+64-step greedy agreement across a chunk-split prefix and mixed decode/prefill steps, checkpoint-name handling.
+
+Random-weight ties: weights are 1/sqrt(fan_in) with a 3x lm_head (hf_reference.randomize_), so greedy margins are
+far above the fp32 error; a greedy mismatch is accepted only where HF's top-2 margin is < 1e-3 (hf_reference.TIE_TOL)."""
+
+from __future__ import annotations
+
+import hf_reference as R
+import pytest
+import torch
+
+from freetoken.models.base import ModelConfig
+from freetoken.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
+from freetoken.models.registry import model_class
+
+torch.set_num_threads(1)
+
+CONFIGS = {
+    # GVA r=2, dk=16 != dv=24, attention at layers 1 and 3
+    "gva_r2": dict(),
+    # r=1, dk == dv, explicit layer_types with attention first, tied embeddings, different rotary width
+    "r1_tied": dict(linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
+                    linear_value_head_dim=16, head_dim=16, tie_word_embeddings=True,
+                    layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention"]),
+    # r=4 with a single key head, conv kernel 3, interval 3 (attention at layer 2 only)
+    "r4_kc3": dict(linear_num_key_heads=1, linear_num_value_heads=4, linear_key_head_dim=24,
+                   linear_value_head_dim=8, linear_conv_kernel_dim=3, full_attention_interval=3),
+}
+
+_cache: dict = {}
+
+
+def models(name):
+    if name not in _cache:
+        cfg = R.qwen3_5_moe_config(**CONFIGS[name])
+        hf = R.build_hf_model(cfg, seed=11)
+        # the released layout: model.language_model.*, plus MTP and vision tensors that must be skipped
+        sd = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+              for k, v in hf.state_dict().items()}
+        sd["mtp.fc.weight"] = torch.zeros(2, 2)
+        sd["mtp.layers.0.input_layernorm.weight"] = torch.zeros(2)
+        sd["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(2, 2)
+        _cache[name] = (hf, R.build_ours(cfg, hf, sd))
+    return _cache[name]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_one_shot_prefill(name):
+    hf, ours = models(name)
+    R.check_chunked_prefill(hf, ours, {0: [37]}, seed=1)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_chunked_prefill_across_gdn_chunks(name):
+    hf, ours = models(name)
+    # 151 tokens in pieces: 1, 70 (> one 64-token GDN chunk), 63, 17; a second sequence alongside in other pieces
+    R.check_chunked_prefill(hf, ours, {0: [1, 70, 63, 17], 2: [5, 2, 90]}, seed=2)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_batch_of_different_lengths(name):
+    hf, ours = models(name)
+    R.check_chunked_prefill(hf, ours, {0: [13], 1: [1], 2: [66], 3: [29]}, seed=3)
+
+
+@pytest.mark.parametrize("name", ["gva_r2", "r4_kc3"])
+def test_greedy_64_mixed_steps(name):
+    hf, ours = models(name)
+    # seq 0: prompt 101 in two chunks, then decodes; seq 1 joins at step 4 and prefills 41 tokens in 3 pieces while
+    # seq 0 decodes; seq 2 (a one-token prompt) joins at step 9
+    err, ties, margin = R.check_greedy(hf, ours, {0: (0, [45, 56]), 1: (4, [30, 1, 10]), 2: (9, [1])}, steps=64)
+    assert ties == 0, (ties, margin)
+
+
+def test_text_only_names_and_registry():
+    cfg = R.qwen3_5_moe_config()
+    assert model_class(ModelConfig.from_dict(cfg)) is Qwen3_5MoeForCausalLM
+    assert model_class(ModelConfig.from_dict(cfg["text_config"])) is Qwen3_5MoeForCausalLM
+    hf, ours = models("gva_r2")
+    # transformers 5.x text-only save: model.* prefix
+    ours2 = R.build_ours(cfg, hf)
+    ids = R.prompt(20, 5)
+    a = R.TinyEngine(ours).step([(0, ids)], all_logits=True)[0]
+    b = R.TinyEngine(ours2).step([(0, ids)], all_logits=True)[0]
+    assert torch.equal(a, b)
+    m = ours2
+    assert m.kv_layout.num_layers == 2 and m.kv_layout.head_dim == 32 and m.kv_layout.num_kv_heads == 2
+    st = m.state_layout
+    assert st.num_layers == 2 and st.conv_shape == (2 * 2 * 16 + 4 * 24, 3) and st.ssm_shape == (4, 16, 24)
+    # a missing tensor is an error
+    sd = hf.state_dict()
+    sd.pop("model.layers.0.linear_attn.A_log")
+    with pytest.raises(KeyError, match="A_log"):
+        R.build_ours(cfg, hf, sd)
