@@ -91,6 +91,7 @@ fn serve(py: Python<'_>, args: ft_server::cli::ServeArgs) -> PyResult<i32> {
             return Err(e);
         }
     };
+    let worker = worker.with_stack_dump(args.step_timeout);
     let code = py.allow_threads(move || ft_server::launch::run(args, Box::new(worker), info, num_state_slots));
     Ok(code)
 }

@@ -8,11 +8,19 @@ use pyo3::types::{PyBytes, PyDict};
 
 pub struct PyWorker {
     obj: Py<PyAny>,
+    /// When set, `faulthandler` dumps every Python thread's stack if a step runs this long (the engine's
+    /// watchdog fires at the same deadline).
+    stack_dump_after_s: Option<f64>,
 }
 
 impl PyWorker {
     pub fn new(obj: Py<PyAny>) -> Self {
-        PyWorker { obj }
+        PyWorker { obj, stack_dump_after_s: None }
+    }
+
+    pub fn with_stack_dump(mut self, seconds: f64) -> Self {
+        self.stack_dump_after_s = Some(seconds);
+        self
     }
 
     pub fn object(&self) -> &Py<PyAny> {
@@ -113,7 +121,19 @@ impl Worker for PyWorker {
     fn execute(&mut self, plan: &StepPlan) -> Result<StepOutput, WorkerError> {
         Python::with_gil(|py| {
             let flat = flatten_plan(py, plan).map_err(|e| classify_error(py, e))?;
-            let ret = self.obj.bind(py).call_method1("execute", (flat,)).map_err(|e| classify_error(py, e))?;
+            let faulthandler = match self.stack_dump_after_s {
+                Some(secs) => {
+                    let fh = py.import("faulthandler").map_err(|e| classify_error(py, e))?;
+                    fh.call_method1("dump_traceback_later", (secs,)).map_err(|e| classify_error(py, e))?;
+                    Some(fh)
+                }
+                None => None,
+            };
+            let ret = self.obj.bind(py).call_method1("execute", (flat,));
+            if let Some(fh) = faulthandler {
+                let _ = fh.call_method0("cancel_dump_traceback_later");
+            }
+            let ret = ret.map_err(|e| classify_error(py, e))?;
             let out = parse_output(py, ret).map_err(|e| WorkerError::Fatal(format!("bad worker output: {e}")))?;
             if out.tokens.len() != plan.num_sampled() || out.logprobs.len() != out.tokens.len() {
                 return Err(WorkerError::Fatal(format!(

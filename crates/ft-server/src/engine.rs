@@ -21,7 +21,7 @@ use ft_core::request::{AdmissionError, FinishReason, NewRequest, RequestEvent};
 use ft_core::scheduler::Scheduler;
 use ft_core::step::{Worker, WorkerError};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -36,6 +36,8 @@ pub struct EngineConfig {
     pub decode_log_interval: usize,
     /// Requests waiting for admission beyond this are refused with 429.
     pub max_queued_requests: usize,
+    /// A step running longer than this is a stall: the watchdog fails every request and the engine is dead.
+    pub step_timeout: Duration,
 }
 
 enum Command {
@@ -44,12 +46,63 @@ enum Command {
     Shutdown,
 }
 
-/// State shared between the engine thread and the HTTP side.
+/// The step the worker is running now, for the watchdog.
+struct RunningStep {
+    step_id: u64,
+    started: Instant,
+}
+
+/// State shared between the engine thread, the watchdog and the HTTP side.
 struct Shared {
     health: Mutex<HealthState>,
     stats: Mutex<serde_json::Value>,
     /// Submitted but not yet finished (queued + running), for the 429 check.
     in_flight: AtomicUsize,
+    /// Each live request's event channel. Shared so the watchdog can answer every client even while the
+    /// engine thread is stuck inside the worker.
+    senders: Mutex<HashMap<u64, mpsc::UnboundedSender<RequestEvent>>>,
+    current_step: Mutex<Option<RunningStep>>,
+    /// Set by the watchdog: the engine thread is stuck and will not be waited for.
+    stalled: AtomicBool,
+}
+
+impl Shared {
+    /// Sends `Failed` to every live request and forgets them.
+    fn fail_every_client(&self, message: &str) {
+        let senders: Vec<_> = self.senders.lock().unwrap().drain().collect();
+        for (id, tx) in senders {
+            let _ = tx.send(RequestEvent::Failed { id, message: message.to_string() });
+        }
+        self.in_flight.store(0, Ordering::SeqCst);
+    }
+}
+
+/// Watches the running step; on overrun marks the engine unhealthy and answers every client with an error.
+/// The Python stacks are dumped by `faulthandler`, armed by the worker wrapper for the same deadline.
+fn watchdog(shared: Arc<Shared>, timeout: Duration) {
+    let tick = (timeout / 20).clamp(Duration::from_millis(10), Duration::from_millis(500));
+    loop {
+        std::thread::sleep(tick);
+        if Arc::strong_count(&shared) == 1 {
+            return; // engine and backend are gone
+        }
+        let overrun = {
+            let step = shared.current_step.lock().unwrap();
+            step.as_ref().filter(|s| s.started.elapsed() > timeout).map(|s| (s.step_id, s.started.elapsed()))
+        };
+        if let Some((step_id, elapsed)) = overrun {
+            let why = format!(
+                "engine stalled: step {step_id} has run for {:.1} s, past --step-timeout {:.1} s",
+                elapsed.as_secs_f64(),
+                timeout.as_secs_f64()
+            );
+            tracing::error!("{why}; failing every request and stopping the server");
+            *shared.health.lock().unwrap() = HealthState::Unhealthy(why.clone());
+            shared.stalled.store(true, Ordering::SeqCst);
+            shared.fail_every_client(&why);
+            return;
+        }
+    }
 }
 
 pub struct EngineBackend {
@@ -69,7 +122,16 @@ impl EngineBackend {
             health: Mutex::new(HealthState::Serving),
             stats: Mutex::new(serde_json::json!({})),
             in_flight: AtomicUsize::new(0),
+            senders: Mutex::new(HashMap::new()),
+            current_step: Mutex::new(None),
+            stalled: AtomicBool::new(false),
         });
+        let watched = shared.clone();
+        let timeout = config.step_timeout;
+        std::thread::Builder::new()
+            .name("ft-watchdog".into())
+            .spawn(move || watchdog(watched, timeout))
+            .expect("spawn watchdog thread");
         let max_context = config.scheduler.max_context;
         let max_queued = config.max_queued_requests + config.scheduler.max_running_requests;
         let loop_shared = shared.clone();
@@ -87,18 +149,51 @@ impl EngineBackend {
         })
     }
 
-    /// Fails every request still queued or running with `message` and joins the engine thread.
+    /// Fails every request still queued or running and joins the engine thread (unless it is stalled:
+    /// a thread stuck in the worker is never waited for).
     pub fn shutdown(&self) {
-        *self.shared.health.lock().unwrap() = HealthState::ShuttingDown;
+        if !self.is_stalled() {
+            let mut health = self.shared.health.lock().unwrap();
+            if *health == HealthState::Serving {
+                *health = HealthState::ShuttingDown;
+            }
+        }
         let _ = self.commands.send(Command::Shutdown);
+        if self.is_stalled() {
+            return;
+        }
         if let Some(t) = self.thread.lock().unwrap().take() {
             let _ = t.join();
         }
     }
 
-    /// True once the engine thread has stopped (after a fatal worker error or shutdown).
+    /// Stops admitting new requests (they get 503); running ones go on.
+    pub fn stop_admitting(&self) {
+        let mut health = self.shared.health.lock().unwrap();
+        if *health == HealthState::Serving {
+            *health = HealthState::ShuttingDown;
+        }
+    }
+
+    /// Fails every request still queued or running (the end of a shutdown grace period).
+    pub fn cancel_all(&self, message: &str) {
+        self.shared.fail_every_client(message);
+    }
+
+    /// Requests submitted and not yet answered to the end.
+    pub fn requests_in_flight(&self) -> usize {
+        self.shared.in_flight.load(Ordering::SeqCst)
+    }
+
+    /// True once the engine can no longer serve: its thread stopped (fatal worker error, shutdown) or the
+    /// watchdog found it stuck.
     pub fn is_finished(&self) -> bool {
-        self.thread.lock().unwrap().as_ref().map_or(true, |t| t.is_finished())
+        self.is_stalled() || self.thread.lock().unwrap().as_ref().map_or(true, |t| t.is_finished())
+    }
+
+    /// The watchdog found a step stuck past --step-timeout.
+    pub fn is_stalled(&self) -> bool {
+        self.shared.stalled.load(Ordering::SeqCst)
     }
 }
 
@@ -164,7 +259,6 @@ struct EngineLoop {
     worker: Box<dyn Worker>,
     scheduler: Scheduler,
     shared: Arc<Shared>,
-    senders: HashMap<u64, mpsc::UnboundedSender<RequestEvent>>,
     status: StatusLog,
 }
 
@@ -174,7 +268,6 @@ impl EngineLoop {
             worker,
             scheduler: Scheduler::new(config.scheduler.clone()),
             shared,
-            senders: HashMap::new(),
             status: StatusLog::new(config.decode_log_interval),
         }
     }
@@ -223,7 +316,7 @@ impl EngineLoop {
                 let id = req.id;
                 match self.scheduler.add_request(req) {
                     Ok(()) => {
-                        self.senders.insert(id, events);
+                        self.shared.senders.lock().unwrap().insert(id, events);
                     }
                     Err(e) => {
                         let _ = events.send(RequestEvent::Failed { id, message: e.to_string() });
@@ -249,8 +342,14 @@ impl EngineLoop {
         self.dispatch_events();
         let summary = self.scheduler.plan_summary(&plan);
         let started = Instant::now();
+        *self.shared.current_step.lock().unwrap() = Some(RunningStep { step_id: plan.step_id, started });
         let result = self.worker.execute(&plan);
+        *self.shared.current_step.lock().unwrap() = None;
         let elapsed = started.elapsed();
+        if self.shared.stalled.load(Ordering::SeqCst) {
+            // The watchdog already answered everyone and the server is going down.
+            return Err(WorkerError::Fatal("step overran --step-timeout".into()));
+        }
         match result {
             Ok(out) => {
                 self.scheduler.commit(&plan, &out);
@@ -272,18 +371,33 @@ impl EngineLoop {
     }
 
     fn dispatch_events(&mut self) {
-        for ev in self.scheduler.drain_events() {
-            let id = ev.request_id();
-            let ends = matches!(ev, RequestEvent::Finished { .. } | RequestEvent::Failed { .. });
-            let delivered = self.senders.get(&id).map(|tx| tx.send(ev).is_ok()).unwrap_or(false);
-            if ends {
-                if self.senders.remove(&id).is_some() {
-                    self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+        let events = self.scheduler.drain_events();
+        if events.is_empty() {
+            return;
+        }
+        let mut gone = Vec::new();
+        {
+            let mut senders = self.shared.senders.lock().unwrap();
+            for ev in events {
+                let id = ev.request_id();
+                let ends = matches!(ev, RequestEvent::Finished { .. } | RequestEvent::Failed { .. });
+                let delivered = senders.get(&id).map(|tx| tx.send(ev).is_ok()).unwrap_or(false);
+                if ends {
+                    if senders.remove(&id).is_some() {
+                        self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+                    }
+                } else if !delivered {
+                    gone.push(id);
                 }
-            } else if !delivered {
-                // The client is gone: end the request now rather than computing for nobody.
+            }
+        }
+        // A client that is gone: end its request now rather than compute for nobody (its Finished event,
+        // dispatched next, releases its channel).
+        if !gone.is_empty() {
+            for id in gone {
                 self.scheduler.finish(id, FinishReason::Abort);
             }
+            self.dispatch_events();
         }
     }
 
@@ -305,9 +419,6 @@ impl EngineLoop {
     fn stop(mut self, why: &str) {
         self.scheduler.fail_all(why);
         self.dispatch_events();
-        for (id, tx) in self.senders.drain() {
-            let _ = tx.send(RequestEvent::Failed { id, message: why.to_string() });
-        }
-        self.shared.in_flight.store(0, Ordering::SeqCst);
+        self.shared.fail_every_client(why);
     }
 }

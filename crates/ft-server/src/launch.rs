@@ -1,0 +1,75 @@
+//! `ft serve` after the model is loaded: start the engine thread around the worker, serve HTTP until a
+//! signal or the engine's death, then stop the engine. Returns the process exit code: 0 after a requested
+//! shutdown, 1 when the engine died (so a supervisor restarts the server; every waiting client has been
+//! answered with an error by then).
+
+use crate::backend::{Backend, ModelInfo};
+use crate::cli::ServeArgs;
+use crate::engine::{EngineBackend, EngineConfig};
+use ft_core::config::{CacheType, SchedulerConfig};
+use ft_core::step::Worker;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The scheduler settings for `args` and the loaded model.
+pub fn scheduler_config(args: &ServeArgs, info: &ModelInfo, num_state_slots: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        max_running_requests: args.max_running_requests,
+        max_prefill_tokens: args.max_prefill_length,
+        kv_capacity_tokens: info.kv_capacity_tokens,
+        page_size: args.page_size,
+        max_context: info.max_context,
+        cache_type: if args.cache_type == "naive" { CacheType::Naive } else { CacheType::Radix },
+        // `--decode-interleave-every N` selects interleaved decode steps; by default decodes ride along in
+        // prefill steps.
+        mixed_decode: args.decode_interleave_every == 0,
+        decode_interleave_every: args.decode_interleave_every,
+        num_state_slots,
+        seed: rand::random(),
+    }
+}
+
+pub fn run(args: ServeArgs, worker: Box<dyn Worker>, info: ModelInfo, num_state_slots: usize) -> i32 {
+    let config = EngineConfig {
+        scheduler: scheduler_config(&args, &info, num_state_slots),
+        decode_log_interval: args.decode_log_interval,
+        max_queued_requests: args.max_queued_requests,
+        step_timeout: Duration::from_secs_f64(args.step_timeout),
+    };
+    let engine = EngineBackend::spawn(worker, config);
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("ft-http").build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            tracing::error!("cannot start the async runtime: {e}");
+            engine.shutdown();
+            return 1;
+        }
+    };
+    let watched = engine.clone();
+    let engine_died = async move {
+        while !watched.is_finished() {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    let backend: Arc<dyn Backend> = engine.clone();
+    let served = runtime.block_on(crate::server::run_server(args, backend, info, engine_died));
+    let died = engine.is_finished();
+    if engine.is_stalled() {
+        // The engine thread is stuck inside the worker (it may hold the GIL): every client has its answer,
+        // so leave now rather than wait for it.
+        tracing::error!("The engine is stuck in a step; exiting with status 1 so a supervisor can restart the server");
+        std::process::exit(1);
+    }
+    engine.shutdown();
+    match served {
+        Err(e) => {
+            tracing::error!("server error: {e:#}");
+            1
+        }
+        Ok(()) if died => {
+            tracing::error!("The engine stopped; exiting so a supervisor can restart the server");
+            1
+        }
+        Ok(()) => 0,
+    }
+}
