@@ -181,6 +181,8 @@ def gdn_backend(device: torch.device) -> str:
 def _fla_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, decode):
     chunk, recurrent, takes_cpu_cu = _fla_ops()
     scale = q.shape[-1] ** -0.5
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # split views of the conv output are strided
+    initial_state = initial_state.contiguous()
     if decode:
         # [B, 1, H, *]: one sequence per batch row, state rows aligned with batch rows
         o, final = recurrent(
