@@ -1,0 +1,252 @@
+//! Free lists for the indices Rust hands out and Python backs with memory.
+//!
+//! Rust owns every index the worker uses: which KV slots a request writes, which page-table row it lives
+//! in, which recurrent-state slot it owns. Python owns the tensors behind them and never decides which
+//! index to use. Two allocators cover all of it:
+//!
+//! * [`KvSlotAllocator`]: the KV pool, handed out a page at a time. Page `p` is the slot ids
+//!   `p * page_size .. (p + 1) * page_size`, so a token's slot is `page * page_size + position % page_size`
+//!   and the worker's page table stays token-granular (`req_to_token[row, position] -> slot`) whatever the
+//!   page size.
+//! * [`IdPool`]: a plain free list of small integer ids (page-table rows, live recurrent-state slots).
+//!
+//! ```text
+//!   page_size = 4, capacity = 16 slots = 4 pages
+//!   slot:  0 1 2 3 | 4 5 6 7 | 8 9 10 11 | 12 13 14 15
+//!   page:     0    |    1    |     2     |      3
+//!   a request holding pages [2, 0] for positions 0..6 uses slots [8 9 10 11 0 1]
+//! ```
+//!
+//! Both allocators detect double frees and foreign ids (a bookkeeping bug) by panicking: silently
+//! accepting one would hand the same KV memory to two requests, which corrupts outputs without any error.
+
+/// The KV pool's free pages.
+#[derive(Clone, Debug)]
+pub struct KvSlotAllocator {
+    /// Tokens per page (>= 1).
+    page_size: usize,
+    /// Free pages, used as a stack (recently freed pages are reused first).
+    free_pages: Vec<u32>,
+    /// `is_free[page]`: whether the page is in `free_pages` (catches double frees in O(1)).
+    is_free: Vec<bool>,
+}
+
+impl KvSlotAllocator {
+    /// A pool of `capacity_tokens / page_size` whole pages, all free.
+    pub fn new(capacity_tokens: usize, page_size: usize) -> Self {
+        assert!(page_size >= 1, "page_size must be at least 1");
+        let pages = capacity_tokens / page_size;
+        assert!(pages * page_size <= u32::MAX as usize + 1, "slot ids must fit u32");
+        // Reversed so the first allocations get the lowest page ids (easier to read in logs and tests).
+        KvSlotAllocator { page_size, free_pages: (0..pages as u32).rev().collect(), is_free: vec![true; pages] }
+    }
+
+    /// Tokens per page.
+    pub fn page_size(&self) -> usize {
+        self.page_size
+    }
+
+    /// Pages in the pool.
+    pub fn total_pages(&self) -> usize {
+        self.is_free.len()
+    }
+
+    /// Slots in the pool (`total_pages * page_size`).
+    pub fn capacity_tokens(&self) -> usize {
+        self.total_pages() * self.page_size
+    }
+
+    /// Pages free right now.
+    pub fn free_pages(&self) -> usize {
+        self.free_pages.len()
+    }
+
+    /// Whether `page` is free.
+    pub fn is_page_free(&self, page: u32) -> bool {
+        self.is_free[page as usize]
+    }
+
+    /// Pages needed to hold `tokens` tokens.
+    pub fn pages_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.page_size)
+    }
+
+    /// Takes `n` pages and returns their slots (`n * page_size` slot ids, page by page), or `None` (taking
+    /// nothing) when fewer than `n` pages are free.
+    pub fn alloc(&mut self, n: usize) -> Option<Vec<u32>> {
+        if n > self.free_pages.len() {
+            return None;
+        }
+        let ps = self.page_size as u32;
+        let mut slots = Vec::with_capacity(n * self.page_size);
+        for _ in 0..n {
+            let page = self.free_pages.pop().expect("checked above");
+            self.is_free[page as usize] = false;
+            slots.extend(page * ps..(page + 1) * ps);
+        }
+        Some(slots)
+    }
+
+    /// Returns whole pages given as their slots (`slots.len()` a multiple of the page size, each page's
+    /// slots in order, as [`KvSlotAllocator::alloc`] hands them out).
+    ///
+    /// Panics on a partial page, a double free or a slot outside the pool: each is a bookkeeping bug.
+    pub fn free(&mut self, slots: &[u32]) {
+        assert!(
+            slots.len() % self.page_size == 0,
+            "freeing {} slots, not a whole number of {}-token pages",
+            slots.len(),
+            self.page_size
+        );
+        for page_slots in slots.chunks(self.page_size) {
+            let page = self.page_of(page_slots);
+            assert!((page as usize) < self.is_free.len(), "slot {} is outside the KV pool", page_slots[0]);
+            assert!(!self.is_free[page as usize], "double free of KV page {page} (slot {})", page_slots[0]);
+            self.is_free[page as usize] = true;
+            self.free_pages.push(page);
+        }
+    }
+
+    /// The page a run of one page's slots belongs to; panics if the run is not exactly one page.
+    pub fn page_of(&self, page_slots: &[u32]) -> u32 {
+        let ps = self.page_size as u32;
+        let first = page_slots[0];
+        assert!(first % ps == 0, "slot run starting at {first} is not page-aligned");
+        for (k, &s) in page_slots.iter().enumerate() {
+            assert!(s == first + k as u32, "slot run starting at {first} is not one contiguous page");
+        }
+        first / ps
+    }
+
+    /// Checks the free stack and the bitmap agree (no page listed twice, every free page listed).
+    pub fn check_integrity(&self) -> Result<(), String> {
+        let mut seen = vec![false; self.is_free.len()];
+        for &p in &self.free_pages {
+            let p = p as usize;
+            if p >= seen.len() {
+                return Err(format!("free list holds page {p} outside the pool"));
+            }
+            if seen[p] {
+                return Err(format!("free list holds page {p} twice"));
+            }
+            if !self.is_free[p] {
+                return Err(format!("page {p} is on the free list but marked used"));
+            }
+            seen[p] = true;
+        }
+        let marked = self.is_free.iter().filter(|&&f| f).count();
+        if marked != self.free_pages.len() {
+            return Err(format!("{marked} pages marked free but {} on the free list", self.free_pages.len()));
+        }
+        Ok(())
+    }
+}
+
+/// A free list of the ids `0..n` (page-table rows, recurrent-state slots).
+#[derive(Clone, Debug)]
+pub struct IdPool {
+    /// Free ids, used as a stack; the lowest ids are handed out first while the pool is fresh.
+    free: Vec<u32>,
+    /// `in_use[id]`.
+    in_use: Vec<bool>,
+}
+
+impl IdPool {
+    /// The ids `0..n`, all free.
+    pub fn new(n: usize) -> Self {
+        IdPool { free: (0..n as u32).rev().collect(), in_use: vec![false; n] }
+    }
+
+    /// Ids in the pool.
+    pub fn capacity(&self) -> usize {
+        self.in_use.len()
+    }
+
+    /// Ids free right now.
+    pub fn available(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Takes a free id.
+    pub fn alloc(&mut self) -> Option<u32> {
+        let id = self.free.pop()?;
+        self.in_use[id as usize] = true;
+        Some(id)
+    }
+
+    /// Returns an id; panics on a double free or an id outside the pool (bookkeeping bugs).
+    pub fn free(&mut self, id: u32) {
+        assert!((id as usize) < self.in_use.len(), "id {id} is outside the pool");
+        assert!(self.in_use[id as usize], "double free of id {id}");
+        self.in_use[id as usize] = false;
+        self.free.push(id);
+    }
+
+    /// Whether `id` is handed out.
+    pub fn is_in_use(&self, id: u32) -> bool {
+        self.in_use[id as usize]
+    }
+
+    /// Checks the free stack and the bitmap agree.
+    pub fn check_integrity(&self) -> Result<(), String> {
+        let mut seen = vec![false; self.in_use.len()];
+        for &id in &self.free {
+            let i = id as usize;
+            if i >= seen.len() || seen[i] || self.in_use[i] {
+                return Err(format!("id pool free list is corrupt at id {id}"));
+            }
+            seen[i] = true;
+        }
+        if self.in_use.iter().filter(|&&u| !u).count() != self.free.len() {
+            return Err("id pool bitmap and free list disagree".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pages_map_to_contiguous_aligned_slots() {
+        let mut a = KvSlotAllocator::new(10, 4); // 2 whole pages; the 2 leftover slots are unused
+        assert_eq!(a.total_pages(), 2);
+        assert_eq!(a.capacity_tokens(), 8);
+        let s = a.alloc(2).unwrap();
+        assert_eq!(s, vec![0, 1, 2, 3, 4, 5, 6, 7]);
+        assert!(a.alloc(1).is_none());
+        a.free(&s[4..]);
+        assert_eq!(a.alloc(1).unwrap(), vec![4, 5, 6, 7]);
+        a.check_integrity().unwrap();
+    }
+
+    #[test]
+    #[should_panic(expected = "double free")]
+    fn double_free_panics() {
+        let mut a = KvSlotAllocator::new(4, 1);
+        let s = a.alloc(1).unwrap();
+        a.free(&s);
+        a.free(&s);
+    }
+
+    #[test]
+    #[should_panic(expected = "not page-aligned")]
+    fn partial_page_free_panics() {
+        let mut a = KvSlotAllocator::new(8, 2);
+        let s = a.alloc(2).unwrap();
+        a.free(&s[1..3]);
+    }
+
+    #[test]
+    fn id_pool_round_trip() {
+        let mut p = IdPool::new(2);
+        let a = p.alloc().unwrap();
+        let b = p.alloc().unwrap();
+        assert_eq!((a, b), (0, 1));
+        assert!(p.alloc().is_none());
+        p.free(a);
+        assert_eq!(p.alloc(), Some(0));
+        p.check_integrity().unwrap();
+    }
+}
