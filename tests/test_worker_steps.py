@@ -226,3 +226,29 @@ def test_bad_attention_backend_is_a_clear_error():
     for name in ("fi", "fa", "trtllm"):
         with pytest.raises(ValueError, match="FlashInfer/FlashAttention"):
             Worker({"attention_backend": name, "device": "cpu"})
+
+
+@pytest.mark.gpu
+def test_cuda_worker_matches_cpu(worker, tiny_llama_dir):
+    """On CUDA: KV pool sized from free memory (memory_ratio), fp32 logits close to the CPU worker's, and bf16
+    (auto dtype for a bf16 request) close enough that greedy decoding agrees on a short run."""
+    from freetoken.worker import Worker
+
+    ids = [5, 17, 200, 3, 99, 42, 42, 7, 128, 255, 0, 1, 2, 64, 33, 91] * 4
+    ref = worker.forward_logits(ids)
+    w32 = Worker({"model_path": tiny_llama_dir, "device": "cuda", "dtype": "float32", "memory_ratio": 0.05,
+                  "load_progress": False})
+    free = torch.cuda.mem_get_info()[0]
+    assert w32.kv_capacity_tokens > 4096
+    assert w32.kv.nbytes() < 0.06 * (free + w32.kv.nbytes())
+    got = w32.forward_logits(ids).cpu()
+    assert (got - ref).abs().max().item() < 1e-4
+    seq = Seq(0, ids[:20], slot_base=0)
+    toks, lps, stats = w32.execute(encode_plan([seq.item(sample=GREEDY)]))
+    assert toks == [int(ref[19].argmax())]
+    del w32
+    torch.cuda.empty_cache()
+    wbf = Worker({"model_path": tiny_llama_dir, "device": "cuda", "dtype": "bfloat16", "num_tokens": 4096,
+                  "load_progress": False})
+    got = wbf.forward_logits(ids).cpu()
+    assert got.dtype == torch.float32 and (got - ref).abs().max().item() < 0.05
