@@ -607,6 +607,12 @@ impl Scheduler {
         s
     }
 
+    /// Evicts every cached sequence no running request uses; returns the tokens freed (for an admin
+    /// `flush_cache` endpoint, and for tests that check the pool comes back whole).
+    pub fn flush_cache(&mut self) -> usize {
+        self.kv.evict(usize::MAX)
+    }
+
     /// Nothing queued and nothing running.
     pub fn is_idle(&self) -> bool {
         self.queue.is_empty() && self.running.is_empty()

@@ -2,3 +2,4 @@
 #![allow(dead_code)]
 
 pub mod kv_model;
+pub mod sim;

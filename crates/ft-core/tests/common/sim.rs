@@ -1,0 +1,375 @@
+//! A fake worker and a driver that run the [`Scheduler`] the way the engine thread does
+//! (`next_step` → execute → `commit` / `fail_step`), checking the step contract on every plan.
+//!
+//! The fake worker keeps what the real one keeps: a page table per row and a KV pool. Each KV slot holds
+//! a hash of the whole token prefix it was computed for, so reading a slot tells whether it holds the
+//! right K/V: a stale slot, one overwritten by another request, or a wrong prefix-cache hit shows up
+//! as a hash mismatch the next time any sequence reads that position. Sampled tokens are a function of
+//! the plan's `SampleSpec.seed` only (or scripted per request), so seeded requests are reproducible.
+
+use std::collections::{HashMap, HashSet};
+
+use ft_core::config::SchedulerConfig;
+use ft_core::request::{FinishReason, NewRequest, RequestEvent, SamplingParams};
+use ft_core::scheduler::{splitmix64_mix, Scheduler};
+use ft_core::step::{StepKind, StepOutput, StepPlan};
+
+/// What the fake worker knows about one request.
+#[derive(Clone, Debug, Default)]
+struct WorkerSeq {
+    prompt_len: usize,
+    /// Prompt + tokens sampled so far.
+    tokens: Vec<u32>,
+    /// `prefix_hash[i]`: hash of `tokens[..=i]`.
+    prefix_hash: Vec<u64>,
+    /// Positions whose KV this worker computed or found cached.
+    kv_len: usize,
+    /// Sampling seeds seen, in order.
+    seeds: Vec<u64>,
+}
+
+impl WorkerSeq {
+    fn hash_upto(&mut self, n: usize) {
+        while self.prefix_hash.len() < n {
+            let i = self.prefix_hash.len();
+            let prev = if i == 0 { 0x1234_5678 } else { self.prefix_hash[i - 1] };
+            self.prefix_hash.push(splitmix64_mix(prev ^ (self.tokens[i] as u64).wrapping_mul(0x9E37_79B9)));
+        }
+    }
+}
+
+/// The fake worker: page table, KV pool contents, deterministic sampling.
+#[derive(Debug)]
+pub struct FakeWorker {
+    seqs: HashMap<u64, WorkerSeq>,
+    /// `table[row]`: KV slot of each position of the row's current request.
+    table: Vec<Vec<u32>>,
+    /// `row_owner[row]`.
+    row_owner: Vec<Option<u64>>,
+    /// `pool[slot]`: prefix hash of the K/V written there.
+    pool: Vec<Option<u64>>,
+    /// Scripted tokens: `(request id, output index) -> token`.
+    pub script: HashMap<(u64, usize), u32>,
+}
+
+impl FakeWorker {
+    pub fn new(cfg: &SchedulerConfig) -> Self {
+        FakeWorker {
+            seqs: HashMap::new(),
+            table: vec![Vec::new(); cfg.max_running_requests],
+            row_owner: vec![None; cfg.max_running_requests],
+            pool: vec![None; cfg.kv_capacity_tokens],
+            script: HashMap::new(),
+        }
+    }
+
+    pub fn register(&mut self, req: &NewRequest) {
+        self.seqs.insert(
+            req.id,
+            WorkerSeq { prompt_len: req.prompt.len(), tokens: req.prompt.clone(), ..Default::default() },
+        );
+    }
+
+    /// The request ended: its row is free again.
+    pub fn forget(&mut self, id: u64) {
+        for o in self.row_owner.iter_mut() {
+            if *o == Some(id) {
+                *o = None;
+            }
+        }
+    }
+
+    /// Sampling seeds the request saw, in order.
+    pub fn seeds(&self, id: u64) -> &[u64] {
+        &self.seqs[&id].seeds
+    }
+
+    /// Runs a plan: checks it against the page table and the KV pool contents, writes the new K/V,
+    /// samples.
+    pub fn execute(&mut self, plan: &StepPlan) -> StepOutput {
+        let mut out = StepOutput::default();
+        for seq in &plan.seqs {
+            let id = seq.request_id;
+            let row = seq.row as usize;
+            let ctx = seq.context_len() as usize;
+            let s = self.seqs.get_mut(&id).unwrap_or_else(|| panic!("plan schedules unknown request {id}"));
+            if seq.table_from == 0 {
+                assert!(
+                    self.row_owner[row].is_none(),
+                    "request {id} starts in row {row} still owned by {:?}",
+                    self.row_owner[row]
+                );
+                assert!(s.kv_len == 0, "request {id} sends its whole table twice");
+                assert!((seq.prefix_len as usize) < s.prompt_len, "a cache hit must leave a token to compute");
+                self.row_owner[row] = Some(id);
+                self.table[row].clear();
+                s.kv_len = seq.prefix_len as usize;
+            } else {
+                assert_eq!(self.row_owner[row], Some(id), "request {id} moved rows");
+                assert_eq!(seq.table_from as usize, self.table[row].len(), "table_from skips or repeats positions");
+            }
+            assert_eq!(seq.prefix_len as usize, s.kv_len, "prefix_len is not the KV the worker holds");
+            assert_eq!(seq.table_slots.len(), ctx - seq.table_from as usize, "table_slots length");
+            self.table[row].extend_from_slice(&seq.table_slots);
+            assert_eq!(self.table[row].len(), ctx);
+            assert!(ctx <= s.tokens.len(), "request {id} computes tokens it does not have");
+            assert_eq!(&seq.new_tokens[..], &s.tokens[seq.prefix_len as usize..ctx], "new_tokens of request {id}");
+            assert!(!seq.new_tokens.is_empty());
+            s.hash_upto(ctx);
+            // Every position read must hold this request's own prefix.
+            for pos in 0..seq.prefix_len as usize {
+                let slot = self.table[row][pos] as usize;
+                assert_eq!(
+                    self.pool[slot],
+                    Some(s.prefix_hash[pos]),
+                    "request {id} position {pos} reads slot {slot} holding someone else's K/V"
+                );
+            }
+            let mut written = HashSet::new();
+            for pos in seq.prefix_len as usize..ctx {
+                let slot = self.table[row][pos] as usize;
+                assert!(written.insert(slot), "two positions of one sequence share slot {slot}");
+                self.pool[slot] = Some(s.prefix_hash[pos]);
+            }
+            s.kv_len = ctx;
+            let final_or_decode = ctx >= s.prompt_len;
+            assert_eq!(seq.sample.is_some(), final_or_decode, "sample must be set exactly on the final chunk / decode");
+            if let Some(spec) = &seq.sample {
+                assert_eq!(ctx, s.tokens.len(), "sampling before the previous token was fed back");
+                let n = s.tokens.len() - s.prompt_len;
+                let token = self.script.get(&(id, n)).copied().unwrap_or(100 + (splitmix64_mix(spec.seed) % 1000) as u32);
+                s.seeds.push(spec.seed);
+                s.tokens.push(token);
+                out.tokens.push(token);
+                out.logprobs.push(-0.5);
+            }
+        }
+        out
+    }
+}
+
+/// Everything observed about one request.
+#[derive(Clone, Debug, Default)]
+pub struct Outcome {
+    pub events: Vec<RequestEvent>,
+    pub tokens: Vec<u32>,
+    /// Step index of each token.
+    pub token_steps: Vec<u64>,
+    pub started_step: Option<u64>,
+    pub cached_tokens: Option<u32>,
+    pub max_new_tokens: Option<u32>,
+    pub finished: Option<FinishReason>,
+    pub failed: Option<String>,
+    pub added_step: u64,
+}
+
+impl Outcome {
+    pub fn ended(&self) -> bool {
+        self.finished.is_some() || self.failed.is_some()
+    }
+    /// Largest number of steps between consecutive tokens.
+    pub fn max_token_gap(&self) -> u64 {
+        self.token_steps.windows(2).map(|w| w[1] - w[0]).max().unwrap_or(0)
+    }
+}
+
+/// The engine loop over the scheduler and the fake worker, with per-step checks.
+pub struct Sim {
+    pub sched: Scheduler,
+    pub worker: FakeWorker,
+    pub cfg: SchedulerConfig,
+    pub steps: u64,
+    pub outcomes: HashMap<u64, Outcome>,
+    /// Ids in the order `Started` was seen.
+    pub start_order: Vec<u64>,
+    /// Ids in the order they were added.
+    pub add_order: Vec<u64>,
+    pub plans: Vec<StepPlan>,
+    pub keep_plans: bool,
+    /// Check integrity after every step (O(pool)); on by default.
+    pub check_every_step: bool,
+}
+
+pub fn request(id: u64, prompt: Vec<u32>, max_new: u32) -> NewRequest {
+    NewRequest {
+        id,
+        prompt,
+        max_new_tokens: max_new,
+        sampling: SamplingParams::default(),
+        stop_token_ids: Vec::new(),
+        ignore_eos: false,
+    }
+}
+
+impl Sim {
+    pub fn new(cfg: SchedulerConfig) -> Self {
+        Sim {
+            sched: Scheduler::new(cfg.clone()),
+            worker: FakeWorker::new(&cfg),
+            cfg,
+            steps: 0,
+            outcomes: HashMap::new(),
+            start_order: Vec::new(),
+            add_order: Vec::new(),
+            plans: Vec::new(),
+            keep_plans: false,
+            check_every_step: true,
+        }
+    }
+
+    pub fn add(&mut self, req: NewRequest) -> Result<(), ft_core::request::AdmissionError> {
+        self.sched.add_request(req.clone())?;
+        self.worker.register(&req);
+        self.add_order.push(req.id);
+        self.outcomes.insert(req.id, Outcome { added_step: self.steps, ..Default::default() });
+        Ok(())
+    }
+
+    pub fn outcome(&self, id: u64) -> &Outcome {
+        &self.outcomes[&id]
+    }
+
+    fn absorb_events(&mut self) {
+        for e in self.sched.drain_events() {
+            let id = e.request_id();
+            let o = self.outcomes.get_mut(&id).unwrap_or_else(|| panic!("event for unknown request {id}"));
+            assert!(!o.ended(), "event {e:?} after the request ended");
+            match &e {
+                RequestEvent::Started { cached_tokens, max_new_tokens, .. } => {
+                    assert!(o.started_step.is_none(), "request {id} started twice");
+                    o.started_step = Some(self.steps);
+                    o.cached_tokens = Some(*cached_tokens);
+                    o.max_new_tokens = Some(*max_new_tokens);
+                    self.start_order.push(id);
+                }
+                RequestEvent::Token { token, .. } => {
+                    assert!(o.started_step.is_some(), "token before Started");
+                    o.tokens.push(*token);
+                    o.token_steps.push(self.steps);
+                    assert!(o.tokens.len() as u32 <= o.max_new_tokens.unwrap(), "more tokens than max_new_tokens");
+                }
+                RequestEvent::Finished { reason, completion_tokens, .. } => {
+                    assert_eq!(*completion_tokens as usize, o.tokens.len(), "completion_tokens");
+                    o.finished = Some(*reason);
+                    self.worker.forget(id);
+                }
+                RequestEvent::Failed { message, .. } => {
+                    o.failed = Some(message.clone());
+                    self.worker.forget(id);
+                }
+            }
+            o.events.push(e);
+        }
+    }
+
+    /// Plans one step and checks the plan against the config. Does not execute it.
+    pub fn plan(&mut self) -> Option<StepPlan> {
+        let plan = self.sched.next_step()?;
+        let c = &self.cfg;
+        let decode = plan.seqs.iter().filter(|s| s.prefix_len as usize >= self.worker_prompt_len(s.request_id)).count();
+        let prefill = plan.seqs.len() - decode;
+        match plan.kind {
+            StepKind::Decode => assert!(prefill == 0 && decode > 0, "Decode step with prompt chunks"),
+            StepKind::Prefill => assert!(decode == 0 && prefill > 0, "Prefill step with decodes"),
+            StepKind::Mixed => assert!(decode > 0 && prefill > 0 && c.mixed_decode, "bad Mixed step"),
+        }
+        if plan.kind != StepKind::Decode {
+            assert!(plan.num_tokens() <= c.max_prefill_tokens, "step of {} tokens > budget", plan.num_tokens());
+        }
+        assert!(plan.seqs.len() <= c.max_running_requests);
+        let mut rows = HashSet::new();
+        let mut ids = HashSet::new();
+        let mut states = HashSet::new();
+        for s in &plan.seqs {
+            assert!((s.row as usize) < c.max_running_requests && rows.insert(s.row), "row reused or out of range");
+            assert!(ids.insert(s.request_id), "request twice in one step");
+            if c.num_state_slots == 0 {
+                assert_eq!(s.state_slot, -1);
+            } else {
+                assert!(s.state_slot >= 0 && (s.state_slot as usize) < c.num_state_slots && states.insert(s.state_slot));
+            }
+        }
+        assert!(plan.state_copies.is_empty() && plan.snapshots.is_empty());
+        let st = self.sched.stats();
+        assert!(st.kv_used_tokens + st.evictable_tokens <= st.kv_capacity_tokens);
+        assert!(st.running <= c.max_running_requests);
+        self.absorb_events();
+        Some(plan)
+    }
+
+    fn worker_prompt_len(&self, id: u64) -> usize {
+        self.worker.seqs[&id].prompt_len
+    }
+
+    /// Executes and commits a plan from [`Sim::plan`].
+    pub fn execute(&mut self, plan: &StepPlan) {
+        let out = self.worker.execute(plan);
+        self.sched.commit(plan, &out);
+        self.steps += 1;
+        self.absorb_events();
+        if self.keep_plans {
+            self.plans.push(plan.clone());
+        }
+        if self.check_every_step {
+            self.sched.check_integrity().unwrap_or_else(|e| panic!("after step {}: {e}", self.steps));
+        }
+    }
+
+    /// Fails a plan instead of executing it.
+    pub fn fail(&mut self, plan: &StepPlan, msg: &str) {
+        self.sched.fail_step(plan, msg);
+        self.steps += 1;
+        self.absorb_events();
+        self.sched.check_integrity().unwrap();
+    }
+
+    /// One engine iteration; false when the scheduler had nothing to do.
+    pub fn step(&mut self) -> bool {
+        match self.plan() {
+            Some(p) => {
+                self.execute(&p);
+                true
+            }
+            None => false,
+        }
+    }
+
+    pub fn finish(&mut self, id: u64, reason: FinishReason) {
+        self.sched.finish(id, reason);
+        self.absorb_events();
+        self.sched.check_integrity().unwrap();
+    }
+
+    /// Steps until idle (panics after `max_steps`).
+    pub fn run_until_idle(&mut self, max_steps: u64) {
+        let start = self.steps;
+        while self.step() {
+            assert!(self.steps - start <= max_steps, "not idle after {max_steps} steps");
+        }
+        assert!(self.sched.is_idle(), "no step to run but the scheduler is not idle");
+    }
+
+    /// After everything ended: bookkeeping intact, nothing held but the cache, and flushing the cache
+    /// returns the whole pool.
+    pub fn assert_clean(&mut self) {
+        assert!(self.sched.is_idle());
+        for (id, o) in &self.outcomes {
+            assert!(o.ended(), "request {id} never ended");
+        }
+        self.sched.check_integrity().unwrap();
+        let st = self.sched.stats();
+        assert_eq!(st.kv_used_tokens, 0, "an idle scheduler holds KV outside the cache");
+        assert_eq!(st.free_rows, self.cfg.max_running_requests);
+        assert_eq!(st.free_state_slots, self.cfg.num_state_slots);
+        assert_eq!(st.evictable_tokens, st.cached_tokens_in_tree, "idle: every cached token is evictable");
+        self.sched.flush_cache();
+        let st = self.sched.stats();
+        assert_eq!(st.cached_tokens_in_tree, 0);
+        assert_eq!(
+            self.sched.kv_cache().allocator().free_pages(),
+            self.sched.kv_cache().allocator().total_pages(),
+            "pool not full after flushing the cache"
+        );
+        self.sched.check_integrity().unwrap();
+    }
+}
