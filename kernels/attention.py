@@ -140,8 +140,8 @@ if triton is not None:
         sm_scale,
         stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_rt,
-        D, DV,
-        GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        D, DV, NUM_SPLITS,
+        GROUP: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
         PREC: tl.constexpr,
     ):
@@ -200,8 +200,8 @@ if triton is not None:
     def _decode_stage2_kernel(
         MidO, MidL, O,
         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-        DV,
-        NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+        DV, NUM_SPLITS,
+        BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -258,10 +258,12 @@ def extend_attention_triton(
 
 
 def pick_num_kv_splits(batch_size: int, num_kv_heads: int, max_context: int) -> int:
-    """Enough programs to fill the GPU (~132 SMs on H100/H200), never splits shorter than 256 keys."""
+    """Enough programs to fill the GPU (~132 SMs on H100/H200, two waves), splits of at least 256 keys, a power of
+    two (the split count is a runtime argument; only the merge kernel's block size depends on it)."""
     by_len = max(1, math.ceil(max_context / 256))
     by_occupancy = max(1, math.ceil(264 / max(1, batch_size * num_kv_heads)))
-    return int(min(16, by_len, by_occupancy))
+    s = int(min(64, by_len, by_occupancy))
+    return 1 << (s.bit_length() - 1)
 
 
 def decode_attention_triton(q, k_cache, v_cache, req_to_token, rows, context_lens, scale, num_kv_splits: int = 8, out=None):
@@ -284,15 +286,15 @@ def decode_attention_triton(q, k_cache, v_cache, req_to_token, rows, context_len
         float(scale),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_l.stride(0), mid_l.stride(1), req_to_token.stride(0),
-        D, DV,
-        GROUP=G, NUM_SPLITS=S, BLOCK_H=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_D=bd,
+        D, DV, S,
+        GROUP=G, BLOCK_H=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_D=bd,
         BLOCK_DV=bdv, PREC=_prec(k_cache.dtype), num_warps=4, num_stages=2,
     )
     _decode_stage2_kernel[(B, nh)](
         mid_o, mid_l, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_l.stride(0), mid_l.stride(1), out.stride(0), out.stride(1),
-        DV,
-        NUM_SPLITS=S, BLOCK_S=triton.next_power_of_2(S), BLOCK_DV=bdv,
+        DV, S,
+        BLOCK_S=triton.next_power_of_2(S), BLOCK_DV=bdv,
     )
     return out
 

@@ -54,8 +54,8 @@ def fused_moe_torch(
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int):
-    """Sort the T*k (token, slot) pairs by expert and pad each expert's run to a multiple of ``block_m``.
+def moe_align_block_size_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Reference for ``moe_align_block_size``. Sort the T*k (token, slot) pairs by expert and pad each expert's run to a multiple of ``block_m``.
 
     Returns ``sorted_ids [P]`` (flat pair index ``t*k + j``; padding = T*k), ``block_expert [P // block_m]`` (-1 for blocks
     past the last real one). ``P`` is an upper bound computed from shapes only, so nothing here syncs the host.
@@ -65,7 +65,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     n = flat.numel()
     max_blocks = (n + min(num_experts, n) * (block_m - 1) + block_m - 1) // block_m
     P = max_blocks * block_m
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: bincount syncs the host on CUDA (and so cannot be captured in a CUDA graph)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     pad_end = torch.cumsum(padded, 0)
     pad_start = pad_end - padded
@@ -182,6 +183,73 @@ if triton is not None:
             acc = acc.to(h_ptr.dtype.element_ty).to(tl.float32) * rw[:, None]
             o_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_ot + offs_n[None, :]
             tl.store(o_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :])
+
+
+if triton is not None:
+
+    @triton.jit
+    def _moe_align_plan_kernel(
+        ids_ptr, cursor_ptr, block_expert_ptr, sorted_ids_ptr,
+        n, num_experts, max_blocks, P,
+        BLOCK_M: tl.constexpr, E_BINS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_B: tl.constexpr,
+    ):
+        # one program: per-expert counts -> padded offsets (cursor), expert of every block, sorted_ids filled with n
+        counts = tl.zeros((E_BINS,), dtype=tl.int32)
+        for start in range(0, n, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            e = tl.load(ids_ptr + offs, mask=offs < n, other=0).to(tl.int32)
+            e = tl.where(offs < n, e, E_BINS - 1)  # dummy bin for the tail (E_BINS > num_experts)
+            counts += tl.histogram(e, E_BINS)
+        bins = tl.arange(0, E_BINS)
+        counts = tl.where(bins < num_experts, counts, 0)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        pad_end = tl.cumsum(padded, 0)
+        tl.store(cursor_ptr + bins, pad_end - padded, mask=bins < num_experts)
+        total = tl.sum(padded, 0)
+        for b0 in range(0, max_blocks, BLOCK_B):
+            ob = b0 + tl.arange(0, BLOCK_B)
+            start_b = ob * BLOCK_M
+            ex = tl.sum((pad_end[None, :] <= start_b[:, None]).to(tl.int32), 1)
+            ex = tl.where(start_b < total, ex, -1)
+            tl.store(block_expert_ptr + ob, ex, mask=ob < max_blocks)
+        for p0 in range(0, P, CHUNK):
+            op = p0 + tl.arange(0, CHUNK)
+            tl.store(sorted_ids_ptr + op, tl.zeros((CHUNK,), dtype=tl.int32) + n, mask=op < P)
+
+    @triton.jit
+    def _moe_align_scatter_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, n, CHUNK: tl.constexpr):
+        offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+        mask = offs < n
+        e = tl.load(ids_ptr + offs, mask=mask, other=0).to(tl.int32)
+        # order inside an expert's run is arbitrary: rows of a GEMM block are independent, so results are not
+        pos = tl.atomic_add(cursor_ptr + e, 1, mask=mask)
+        tl.store(sorted_ids_ptr + pos, offs.to(tl.int32), mask=mask)
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """Group the T*k (token, slot) pairs by expert, each expert's run padded to a multiple of ``block_m``.
+
+    Returns ``sorted_ids [P]`` int32 (flat pair index ``t*k + j``; padding = T*k) and ``block_expert [P // block_m]``
+    int32 (-1 for blocks past the last real one). ``P`` is an upper bound from shapes only: no host sync, CUDA-graph
+    capturable. Two Triton launches (a one-program plan, then an atomic scatter); pairs inside one expert's run come in
+    arbitrary order. ``moe_align_block_size_torch`` is the (stable) reference."""
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    n = flat.numel()
+    max_blocks = (n + min(num_experts, n) * (block_m - 1) + block_m - 1) // block_m
+    P = max_blocks * block_m
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    sorted_ids = torch.empty(P, dtype=torch.int32, device=dev)
+    e_bins = triton.next_power_of_2(num_experts + 1)
+    _moe_align_plan_kernel[(1,)](
+        flat, cursor, block_expert, sorted_ids, n, num_experts, max_blocks, P,
+        BLOCK_M=block_m, E_BINS=e_bins, CHUNK=1024, BLOCK_B=max(16, 8192 // e_bins), num_warps=4,
+    )
+    _moe_align_scatter_kernel[(triton.cdiv(n, 1024),)](flat, cursor, sorted_ids, n, CHUNK=1024, num_warps=4)
+    return sorted_ids, block_expert
 
 
 def _pick_block_m(num_pairs: int, num_experts: int) -> int:

@@ -163,7 +163,7 @@ def test_extend_cuda(nh, nkv, D, DV, ext, pre, dtype):
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("splits", [1, 4, 16])
+@pytest.mark.parametrize("splits", [1, 3, 16, 64])
 @pytest.mark.parametrize(
     "nh,nkv,D,DV,ctx",
     [

@@ -36,11 +36,25 @@ def _case(T, E, k, H, I, dtype, device, seed=0, skew=False):
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
 
 
-def test_align_block_size():
-    from freetoken.kernels.fused_moe import moe_align_block_size
+def check_align(ids, E, bm, device="cpu"):
+    """Triton alignment vs the torch reference: same blocks, same experts, same pairs per expert run."""
+    from freetoken.kernels.fused_moe import moe_align_block_size, moe_align_block_size_torch
+
+    ref_ids, ref_be = moe_align_block_size_torch(ids, E, bm)
+    got_ids, got_be = moe_align_block_size(ids.to(device), E, bm)
+    assert got_ids.dtype == torch.int32 and got_be.dtype == torch.int32
+    assert torch.equal(got_be.cpu(), ref_be)
+    # each expert's run holds the same pairs (order inside a run is arbitrary: atomics)
+    n = ids.numel()
+    key = lambda si, be: (be.long().repeat_interleave(bm) * (n + 1) + si.long()).sort().values  # noqa: E731
+    assert torch.equal(key(ref_ids, ref_be), key(got_ids.cpu(), got_be.cpu()))
+
+
+def test_align_block_size_reference():
+    from freetoken.kernels.fused_moe import moe_align_block_size_torch
 
     ids = torch.tensor([[2, 0], [2, 1], [2, 0]])
-    sorted_ids, block_expert = moe_align_block_size(ids, 4, 2)
+    sorted_ids, block_expert = moe_align_block_size_torch(ids, 4, 2)
     n = ids.numel()
     real = block_expert >= 0
     blocks = sorted_ids.view(-1, 2)
@@ -57,7 +71,11 @@ _CPU_SCRIPT = textwrap.dedent(
     """
     import sys, torch
     sys.path.insert(0, {tests!r})
-    from test_triton_moe import _case
+    from test_triton_moe import _case, check_align
+    g = torch.Generator().manual_seed(0)
+    check_align(torch.tensor([[2, 0], [2, 1], [2, 0]]), 4, 2)
+    check_align(torch.randint(0, 6, (37, 3), generator=g), 6, 16)
+    check_align(torch.randint(0, 300, (700, 2), generator=g), 300, 4)  # > CHUNK pairs, E not a power of 2
     for args in {cases!r}:
         T, E, k, H, I, dt, skew = args
         _case(T, E, k, H, I, getattr(torch, dt), "cpu", seed=T, skew=skew)
@@ -98,6 +116,43 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 )
 def test_triton_moe_cuda(T, E, k, H, I, skew, dtype):
     _case(T, E, k, H, I, dtype, "cuda", seed=T, skew=skew)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("T,E,k,bm", [(1, 256, 8, 16), (3000, 128, 8, 64), (77, 512, 10, 32), (5, 3, 2, 16)])
+def test_align_cuda(T, E, k, bm):
+    g = torch.Generator().manual_seed(T)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    check_align(ids, E, bm, "cuda")
+
+
+@pytest.mark.gpu
+@cuda
+def test_fused_moe_cuda_graph():
+    from freetoken.kernels.fused_moe import fused_moe_torch, fused_moe_triton
+
+    E, k, H, I = 64, 4, 256, 128
+    w13 = torch.randn(E, 2 * I, H, device="cuda", dtype=torch.bfloat16) * 0.05
+    w2 = torch.randn(E, H, I, device="cuda", dtype=torch.bfloat16) * 0.05
+    x = torch.randn(4, H, device="cuda", dtype=torch.bfloat16)
+    w, ids = torch.topk(torch.softmax(torch.randn(4, E, device="cuda"), -1), k, -1)
+    w = (w / w.sum(-1, keepdim=True)).bfloat16()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fused_moe_triton(x, w13, w2, ids, w)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe_triton(x, w13, w2, ids, w)
+    for _ in range(2):  # new routing and inputs, same buffers
+        x.copy_(torch.randn_like(x))
+        w2_, ids_ = torch.topk(torch.softmax(torch.randn(4, E, device="cuda"), -1), k, -1)
+        ids.copy_(ids_)
+        w.copy_((w2_ / w2_.sum(-1, keepdim=True)).bfloat16())
+        graph.replay()
+        torch.testing.assert_close(out.float(), fused_moe_torch(x, w13, w2, ids, w).float(), atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.gpu
