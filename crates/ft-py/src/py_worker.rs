@@ -22,10 +22,6 @@ impl PyWorker {
         self.stack_dump_after_s = Some(seconds);
         self
     }
-
-    pub fn object(&self) -> &Py<PyAny> {
-        &self.obj
-    }
 }
 
 fn i32_bytes(values: impl IntoIterator<Item = i64>) -> Vec<u8> {
