@@ -183,17 +183,18 @@ def _fla_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, decode):
     scale = q.shape[-1] ** -0.5
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # split views of the conv output are strided
     initial_state = initial_state.contiguous()
+    # keywords only: fused_recurrent's 5th positional parameter is gk, not beta
     if decode:
         # [B, 1, H, *]: one sequence per batch row, state rows aligned with batch rows
         o, final = recurrent(
-            q[:, None], k[:, None], v[:, None], g[:, None].float(), beta[:, None].float(),
+            q=q[:, None], k=k[:, None], v=v[:, None], g=g[:, None].float(), beta=beta[:, None].float(),
             scale=scale, initial_state=initial_state, output_final_state=True, use_qk_l2norm_in_kernel=True,
         )
         return o[:, 0], final
     cu_cpu = torch.tensor(cu_seqlens, dtype=torch.int64)
     kw = {"cu_seqlens_cpu": cu_cpu} if takes_cpu_cu else {}
     o, final = chunk(
-        q[None], k[None], v[None], g[None].float(), beta[None].float(),
+        q=q[None], k=k[None], v=v[None], g=g[None].float(), beta=beta[None].float(),
         scale=scale, initial_state=initial_state, output_final_state=True,
         use_qk_l2norm_in_kernel=True, cu_seqlens=cu_cpu.to(q.device), **kw,
     )
