@@ -1,0 +1,592 @@
+//! The `ft` command line: every `ft serve` flag FreeToken has (REFERENCES 4.3), parsed and validated here and
+//! nowhere else. `ServeArgs` serializes to JSON so the Python worker sees exactly what the user typed.
+//!
+//! Errors: clap's own parse errors exit 2; cross-flag checks ([`ServeArgs::validate`]) and flags whose feature
+//! is not built yet ([`unsupported_feature`]) exit 2 with a one-line `error: ...`.
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use serde::Serialize;
+
+/// `--max-output-tokens` when not given.
+pub const DEFAULT_MAX_OUTPUT_TOKENS: u32 = 32768;
+
+#[derive(Parser, Debug, Clone, Serialize)]
+#[command(
+    name = "ft",
+    version,
+    about = "FreeToken: serve large Mixture-of-Experts models on one GPU",
+    subcommand_required = true,
+    arg_required_else_help = true
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug, Clone, Serialize)]
+pub enum Command {
+    /// Start the OpenAI-compatible API server.
+    Serve(ServeArgs),
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    Auto,
+    Float16,
+    Bfloat16,
+    Float32,
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MoeBackend {
+    Auto,
+    Fused,
+    Offload,
+    Cpu,
+    Hybrid,
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Nvfp4Backend {
+    Auto,
+    Marlin,
+    Flashinfer,
+    Triton,
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AttentionBackend {
+    Auto,
+    Triton,
+    Torch,
+    Fi,
+    Fa,
+    Trtllm,
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CacheType {
+    Radix,
+    Naive,
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SamplingDefaults {
+    /// temperature / top_k / top_p from the model's `generation_config.json`.
+    Model,
+    /// Greedy unless the request says otherwise.
+    None,
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MoeCachePolicy {
+    Lru,
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Device {
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+/// `cache_type == "naive"` and the like: every value enum compares with its flag spelling.
+macro_rules! eq_flag_spelling {
+    ($($t:ty),*) => {$(
+        impl PartialEq<&str> for $t {
+            fn eq(&self, other: &&str) -> bool {
+                self.to_possible_value().is_some_and(|v| v.matches(other, false))
+            }
+        }
+        impl $t {
+            /// The flag spelling of this value.
+            pub fn as_str(&self) -> String {
+                self.to_possible_value().map(|v| v.get_name().to_string()).unwrap_or_default()
+            }
+        }
+    )*};
+}
+eq_flag_spelling!(Dtype, MoeBackend, Nvfp4Backend, AttentionBackend, CacheType, SamplingDefaults, MoeCachePolicy, Device);
+
+/// Every `ft serve` flag. Field names are the Python side's names (snake_case of the long flag).
+#[derive(Args, Debug, Clone, Serialize)]
+pub struct ServeArgs {
+    /// Local model dir, HF repo id or FTW dir; absent = the built-in demo model.
+    #[arg(long = "model-path", visible_alias = "model")]
+    pub model_path: Option<String>,
+
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+
+    #[arg(long, default_value_t = 1919)]
+    pub port: u16,
+
+    /// Concurrent running requests (the page table has this + 1 rows).
+    #[arg(long, default_value_t = 4)]
+    pub max_running_requests: usize,
+
+    /// Longest sequence (prompt + output); default = the model's rope table.
+    #[arg(long)]
+    pub max_seq_len_override: Option<usize>,
+
+    /// Default output budget of a request (None = 32768).
+    #[arg(long)]
+    pub max_output_tokens: Option<u32>,
+
+    /// Fraction of the free VRAM for weights + MoE cache + KV, in (0, 1].
+    #[arg(long, default_value_t = 0.9)]
+    pub memory_ratio: f64,
+
+    /// Chunked-prefill chunk size in tokens.
+    #[arg(long = "max-prefill-length", visible_aliases = ["max-extend-length", "max-extend-tokens"], default_value_t = 8192)]
+    pub max_prefill_length: usize,
+
+    #[arg(long, default_value_t = 1)]
+    pub page_size: usize,
+
+    #[arg(long, value_enum, default_value_t = Dtype::Auto)]
+    pub dtype: Dtype,
+
+    #[arg(long, value_enum, default_value_t = MoeBackend::Auto)]
+    pub moe_backend: MoeBackend,
+
+    /// GPU expert slots.
+    #[arg(long, conflicts_with_all = ["moe_cache_rate", "moe_cache_auto"])]
+    pub moe_cache_size: Option<usize>,
+
+    /// GPU expert slots as a fraction of all experts, in (0, 1].
+    #[arg(long, conflicts_with_all = ["moe_cache_size", "moe_cache_auto"])]
+    pub moe_cache_rate: Option<f64>,
+
+    /// Size the expert cache from free VRAM after the KV floor (--kv-reserve-tokens).
+    #[arg(long, conflicts_with_all = ["moe_cache_size", "moe_cache_rate"])]
+    pub moe_cache_auto: bool,
+
+    #[arg(long, value_enum, default_value_t = Nvfp4Backend::Auto)]
+    pub nvfp4_backend: Nvfp4Backend,
+
+    #[arg(long = "attention-backend", visible_alias = "attn", value_enum, default_value_t = AttentionBackend::Auto)]
+    pub attention_backend: AttentionBackend,
+
+    #[arg(long, value_enum, default_value_t = CacheType::Radix)]
+    pub cache_type: CacheType,
+
+    /// Turn off the two-buffer MoE prefill copy overlap.
+    #[arg(long)]
+    pub disable_moe_prefill_overlap: bool,
+
+    /// Prefill: copy resident experts device-to-device into the double buffer.
+    #[arg(long)]
+    pub moe_prefill_hit_d2d: bool,
+
+    /// The id `/v1/models` lists (default: the model path's basename).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+
+    /// One "Decode batch" log line every N decode steps.
+    #[arg(long, default_value_t = 40)]
+    pub decode_log_interval: usize,
+
+    /// Random weights (benchmarks, smoke tests).
+    #[arg(long)]
+    pub dummy_weight: bool,
+
+    /// Report cached prompt tokens in usage (`prompt_tokens_details.cached_tokens`).
+    #[arg(long)]
+    pub enable_cache_report: bool,
+
+    /// Run a decode step after every N prefill chunks while decoders wait (0 = prefill first).
+    #[arg(long, default_value_t = 0)]
+    pub decode_interleave_every: usize,
+
+    #[arg(long = "tensor-parallel-size", visible_alias = "tp-size", default_value_t = 1)]
+    pub tensor_parallel_size: usize,
+
+    /// Largest decode batch captured in a CUDA graph (default = --max-running-requests; 0 disables).
+    #[arg(long = "cuda-graph-max-bs", visible_alias = "graph")]
+    pub cuda_graph_max_bs: Option<usize>,
+
+    /// KV capacity in pages (exclusive with --num-tokens).
+    #[arg(long, conflicts_with = "num_tokens")]
+    pub num_pages: Option<usize>,
+
+    /// KV capacity in tokens, a multiple of --page-size (exclusive with --num-pages).
+    #[arg(long, conflicts_with = "num_pages")]
+    pub num_tokens: Option<usize>,
+
+    #[arg(long, value_enum, default_value_t = SamplingDefaults::Model)]
+    pub sampling_defaults: SamplingDefaults,
+
+    /// Tool-call parser (default: chosen from the model).
+    #[arg(long)]
+    pub tool_call_parser: Option<String>,
+
+    /// Reasoning parser (default: chosen from the model; `off` disables).
+    #[arg(long)]
+    pub reasoning_parser: Option<String>,
+
+    /// KV floor in tokens before --moe-cache-auto fills the rest with experts.
+    #[arg(long, default_value_t = 8192)]
+    pub kv_reserve_tokens: usize,
+
+    #[arg(long, value_enum, default_value_t = MoeCachePolicy::Lru)]
+    pub moe_cache_policy: MoeCachePolicy,
+
+    /// CPU expert-executor threads (0 = physical cores).
+    #[arg(long, default_value_t = 0)]
+    pub moe_cpu_threads: usize,
+
+    /// Hybrid backend: most experts fetched over PCIe per layer per step (-1 = auto, 0 = never).
+    #[arg(long, default_value_t = -1, allow_negative_numbers = true)]
+    pub moe_hybrid_max_fetch: i64,
+
+    /// Allowed CORS origins, comma separated ('' disables, '*' allows all).
+    #[arg(long, default_value = "tauri://localhost,http://tauri.localhost,http://localhost:1420")]
+    pub cors_origins: String,
+
+    /// Require `Authorization: Bearer KEY` on every route but /health.
+    #[arg(long)]
+    pub api_key: Option<String>,
+
+    /// VRAM (MiB) kept free after the start-up dry run.
+    #[arg(long)]
+    pub vram_reserve_mb: Option<u64>,
+
+    /// Seconds one step may run before the watchdog declares the engine unhealthy.
+    #[arg(long, default_value_t = 600.0)]
+    pub step_timeout: f64,
+
+    /// Requests waiting for admission before new ones get 429.
+    #[arg(long, default_value_t = 256)]
+    pub max_queued_requests: usize,
+
+    /// Largest accepted request body; larger ones get 413.
+    #[arg(long, default_value_t = 8 * 1024 * 1024)]
+    pub max_request_body_bytes: usize,
+
+    #[arg(long, value_enum, default_value_t = Device::Auto)]
+    pub device: Device,
+
+    /// trace, debug, info, warning (warn) or error.
+    #[arg(long, default_value = "info", value_parser = ["trace", "debug", "info", "warning", "warn", "error"])]
+    pub log_level: String,
+}
+
+impl ServeArgs {
+    /// The output budget of a request that names none.
+    pub fn max_output_tokens(&self) -> u32 {
+        self.max_output_tokens.unwrap_or(DEFAULT_MAX_OUTPUT_TOKENS)
+    }
+
+    /// `--served-model-name`, else the model path's basename, else `demo`.
+    pub fn default_served_model_name(&self) -> String {
+        if let Some(name) = &self.served_model_name {
+            return name.clone();
+        }
+        match &self.model_path {
+            Some(p) => {
+                let trimmed = p.trim_end_matches('/');
+                trimmed.rsplit('/').next().filter(|s| !s.is_empty()).unwrap_or(trimmed).to_string()
+            }
+            None => "demo".to_string(),
+        }
+    }
+
+    /// The CORS origins; empty = CORS disabled.
+    pub fn cors_origin_list(&self) -> Vec<String> {
+        self.cors_origins.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect()
+    }
+
+    /// Cross-flag checks clap cannot express. `Err` is the message (without the `error: ` prefix).
+    pub fn validate(&self) -> Result<(), String> {
+        let in_unit = |x: f64| x.is_finite() && x > 0.0 && x <= 1.0;
+        if !in_unit(self.memory_ratio) {
+            return Err(format!("--memory-ratio must be in (0, 1], got {}", self.memory_ratio));
+        }
+        if let Some(rate) = self.moe_cache_rate {
+            if !in_unit(rate) {
+                return Err(format!("--moe-cache-rate must be in (0, 1], got {rate}"));
+            }
+        }
+        if self.max_running_requests == 0 {
+            return Err("--max-running-requests must be at least 1".into());
+        }
+        if self.max_prefill_length == 0 {
+            return Err("--max-prefill-length must be at least 1".into());
+        }
+        if self.page_size == 0 {
+            return Err("--page-size must be at least 1".into());
+        }
+        if self.max_seq_len_override == Some(0) {
+            return Err("--max-seq-len-override must be at least 1".into());
+        }
+        if self.max_output_tokens == Some(0) {
+            return Err("--max-output-tokens must be at least 1".into());
+        }
+        if self.tensor_parallel_size == 0 {
+            return Err("--tensor-parallel-size must be at least 1".into());
+        }
+        if self.num_pages == Some(0) {
+            return Err("--num-pages must be at least 1".into());
+        }
+        if let Some(tokens) = self.num_tokens {
+            if tokens == 0 || tokens % self.page_size != 0 {
+                return Err(format!(
+                    "--num-tokens must be a positive multiple of --page-size ({}), got {tokens}",
+                    self.page_size
+                ));
+            }
+        }
+        if self.moe_cache_size == Some(0) {
+            return Err("--moe-cache-size must be at least 1".into());
+        }
+        if self.decode_log_interval == 0 {
+            return Err("--decode-log-interval must be at least 1".into());
+        }
+        if !(self.step_timeout.is_finite() && self.step_timeout > 0.0) {
+            return Err(format!("--step-timeout must be a positive number of seconds, got {}", self.step_timeout));
+        }
+        if self.max_request_body_bytes == 0 {
+            return Err("--max-request-body-bytes must be at least 1".into());
+        }
+        if self.moe_hybrid_max_fetch < -1 {
+            return Err(format!("--moe-hybrid-max-fetch must be -1 (auto) or >= 0, got {}", self.moe_hybrid_max_fetch));
+        }
+        if self.host.trim().is_empty() {
+            return Err("--host must not be empty".into());
+        }
+        if let Some(name) = &self.served_model_name {
+            if name.trim().is_empty() {
+                return Err("--served-model-name must not be empty".into());
+            }
+        }
+        if let Some(key) = &self.api_key {
+            if key.is_empty() {
+                return Err("--api-key must not be empty".into());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The flag values whose feature is not built yet, as a one-line message naming it; `None` when everything
+/// asked for exists. This list shrinks as features land: delete a line when its feature ships.
+pub fn unsupported_feature(args: &ServeArgs) -> Option<String> {
+    if args.tensor_parallel_size > 1 {
+        return Some(format!(
+            "--tensor-parallel-size {} is not supported yet: tensor parallelism is not built (use 1)",
+            args.tensor_parallel_size
+        ));
+    }
+    match args.attention_backend {
+        AttentionBackend::Fi | AttentionBackend::Fa | AttentionBackend::Trtllm => {
+            let name = args.attention_backend.as_str();
+            return Some(format!(
+                "--attention-backend {name} is not supported yet: only auto, triton and torch are built"
+            ));
+        }
+        _ => {}
+    }
+    match args.nvfp4_backend {
+        Nvfp4Backend::Marlin | Nvfp4Backend::Flashinfer => {
+            let name = args.nvfp4_backend.as_str();
+            return Some(format!("--nvfp4-backend {name} is not supported yet: only auto and triton are built"));
+        }
+        _ => {}
+    }
+    match args.moe_backend {
+        MoeBackend::Cpu | MoeBackend::Hybrid => {
+            let name = args.moe_backend.as_str();
+            return Some(format!(
+                "--moe-backend {name} is not supported yet: the CPU expert executor is not built (use auto, fused or offload)"
+            ));
+        }
+        _ => {}
+    }
+    if args.moe_prefill_hit_d2d {
+        return Some("--moe-prefill-hit-d2d is not supported yet: device-to-device prefill expert copies are not built".into());
+    }
+    None
+}
+
+/// Parses `argv` (program name first). `Err((message, exit_code))`: print the message and exit with the code
+/// (0 for `--help` / `--version`, 2 for bad flags and values).
+pub fn parse_cli(argv: Vec<String>) -> Result<Cli, (String, i32)> {
+    let cli = Cli::try_parse_from(argv).map_err(|e| (e.render().to_string(), e.exit_code()))?;
+    match &cli.command {
+        Command::Serve(args) => {
+            if let Err(msg) = args.validate() {
+                return Err((format!("error: {msg}"), 2));
+            }
+            if let Some(msg) = unsupported_feature(args) {
+                return Err((format!("error: {msg}"), 2));
+            }
+        }
+    }
+    Ok(cli)
+}
+
+/// Parses `ft serve ...` and returns the serve arguments (test and embedding convenience).
+pub fn parse_serve_args<I: IntoIterator<Item = S>, S: Into<String>>(args: I) -> Result<ServeArgs, (String, i32)> {
+    let mut argv = vec!["ft".to_string(), "serve".to_string()];
+    argv.extend(args.into_iter().map(Into::into));
+    match parse_cli(argv)?.command {
+        Command::Serve(a) => Ok(a),
+    }
+}
+
+impl Default for ServeArgs {
+    /// The defaults of `ft serve` with no flags.
+    fn default() -> Self {
+        parse_serve_args(Vec::<String>::new()).expect("defaults parse")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn serve(args: &[&str]) -> Result<ServeArgs, (String, i32)> {
+        parse_serve_args(args.iter().copied())
+    }
+
+    #[test]
+    fn launch_line_parses_as_written() {
+        let argv = "ft serve --model-path M --max-running-requests 1 --max-seq-len-override 32768 --moe-backend offload --moe-cache-size 1024 --host 0.0.0.0 --port 1920";
+        let cli = parse_cli(argv.split(' ').map(String::from).collect()).unwrap();
+        let Command::Serve(a) = cli.command;
+        assert_eq!(a.model_path.as_deref(), Some("M"));
+        assert_eq!(a.max_running_requests, 1);
+        assert_eq!(a.max_seq_len_override, Some(32768));
+        assert_eq!(a.moe_backend, MoeBackend::Offload);
+        assert_eq!(a.moe_cache_size, Some(1024));
+        assert_eq!(a.host, "0.0.0.0");
+        assert_eq!(a.port, 1920);
+    }
+
+    #[test]
+    fn defaults() {
+        let a = ServeArgs::default();
+        assert_eq!(a.model_path, None);
+        assert_eq!(a.host, "127.0.0.1");
+        assert_eq!(a.port, 1919);
+        assert_eq!(a.max_running_requests, 4);
+        assert_eq!(a.max_output_tokens(), 32768);
+        assert_eq!(a.memory_ratio, 0.9);
+        assert_eq!(a.max_prefill_length, 8192);
+        assert_eq!(a.page_size, 1);
+        assert_eq!(a.decode_log_interval, 40);
+        assert_eq!(a.decode_interleave_every, 0);
+        assert_eq!(a.tensor_parallel_size, 1);
+        assert_eq!(a.step_timeout, 600.0);
+        assert_eq!(a.max_queued_requests, 256);
+        assert_eq!(a.max_request_body_bytes, 8 * 1024 * 1024);
+        assert_eq!(a.kv_reserve_tokens, 8192);
+        assert_eq!(a.moe_hybrid_max_fetch, -1);
+        assert_eq!(a.cache_type, CacheType::Radix);
+        assert_eq!(a.sampling_defaults, SamplingDefaults::Model);
+        assert_eq!(a.log_level, "info");
+        assert!(a.cache_type == "radix");
+        assert_eq!(a.default_served_model_name(), "demo");
+        assert_eq!(a.cors_origin_list().len(), 3);
+    }
+
+    #[test]
+    fn aliases() {
+        let a = serve(&["--model", "/m/Qwen3-0.6B/", "--max-extend-length", "4096", "--attn", "triton", "--tp-size", "1", "--graph", "8"]).unwrap();
+        assert_eq!(a.model_path.as_deref(), Some("/m/Qwen3-0.6B/"));
+        assert_eq!(a.default_served_model_name(), "Qwen3-0.6B");
+        assert_eq!(a.max_prefill_length, 4096);
+        assert_eq!(a.attention_backend, AttentionBackend::Triton);
+        assert_eq!(a.cuda_graph_max_bs, Some(8));
+        let a = serve(&["--max-extend-tokens", "2048", "--num-tokens", "1000"]).unwrap();
+        assert_eq!(a.max_prefill_length, 2048);
+        assert_eq!(a.num_tokens, Some(1000));
+        let a = serve(&["--model-path", "x/y", "--served-model-name", "mine", "--log-level", "warn"]).unwrap();
+        assert_eq!(a.default_served_model_name(), "mine");
+        assert_eq!(a.log_level, "warn");
+    }
+
+    #[test]
+    fn serializes_for_python() {
+        let a = serve(&["--moe-backend", "offload", "--moe-cache-rate", "0.5", "--dtype", "bfloat16"]).unwrap();
+        let v = serde_json::to_value(&a).unwrap();
+        assert_eq!(v["moe_backend"], "offload");
+        assert_eq!(v["moe_cache_rate"], 0.5);
+        assert_eq!(v["dtype"], "bfloat16");
+        assert_eq!(v["max_running_requests"], 4);
+        assert_eq!(v["max_prefill_length"], 8192);
+        assert!(v["model_path"].is_null());
+        assert_eq!(v["log_level"], "info");
+        assert_eq!(v["cache_type"], "radix");
+    }
+
+    #[test]
+    fn bad_values_exit_2() {
+        for bad in [
+            &["--memory-ratio", "1.5"][..],
+            &["--memory-ratio", "0"],
+            &["--moe-cache-rate", "2"],
+            &["--moe-cache-size", "10", "--moe-cache-auto"],
+            &["--moe-cache-size", "10", "--moe-cache-rate", "0.5"],
+            &["--num-pages", "10", "--num-tokens", "10"],
+            &["--page-size", "16", "--num-tokens", "100"],
+            &["--dtype", "int8"],
+            &["--moe-backend", "magic"],
+            &["--port", "70000"],
+            &["--max-running-requests", "0"],
+            &["--cache-type", "hybrid"],
+            &["--step-timeout", "0"],
+            &["--no-such-flag"],
+        ] {
+            let err = serve(bad).unwrap_err();
+            assert_eq!(err.1, 2, "{bad:?}: {}", err.0);
+            assert!(err.0.starts_with("error:"), "{bad:?}: {}", err.0);
+        }
+        let (msg, _) = serve(&["--memory-ratio", "1.5"]).unwrap_err();
+        assert_eq!(msg.lines().count(), 1, "{msg}");
+    }
+
+    #[test]
+    fn unbuilt_features_are_rejected_by_name() {
+        for (flags, needle) in [
+            (&["--tp-size", "2"][..], "--tensor-parallel-size"),
+            (&["--attn", "fi"], "--attention-backend fi"),
+            (&["--attention-backend", "trtllm"], "--attention-backend trtllm"),
+            (&["--attention-backend", "fa"], "--attention-backend fa"),
+            (&["--nvfp4-backend", "marlin"], "--nvfp4-backend marlin"),
+            (&["--nvfp4-backend", "flashinfer"], "--nvfp4-backend flashinfer"),
+            (&["--moe-backend", "cpu"], "--moe-backend cpu"),
+            (&["--moe-backend", "hybrid"], "--moe-backend hybrid"),
+            (&["--moe-prefill-hit-d2d"], "--moe-prefill-hit-d2d"),
+        ] {
+            let (msg, code) = serve(flags).unwrap_err();
+            assert_eq!(code, 2);
+            assert!(msg.contains(needle), "{msg}");
+            assert!(msg.contains("not supported yet"), "{msg}");
+            assert_eq!(msg.lines().count(), 1);
+        }
+        // Accepted values of the same flags.
+        serve(&["--attn", "triton", "--nvfp4-backend", "triton", "--moe-backend", "fused", "--tp-size", "1"]).unwrap();
+    }
+
+    #[test]
+    fn help_and_version_exit_0() {
+        let (msg, code) = parse_cli(vec!["ft".into(), "--version".into()]).unwrap_err();
+        assert_eq!(code, 0);
+        assert_eq!(msg.trim(), format!("ft {}", env!("CARGO_PKG_VERSION")));
+        let (msg, code) = parse_cli(vec!["ft".into(), "serve".into(), "--help".into()]).unwrap_err();
+        assert_eq!(code, 0);
+        assert!(msg.contains("--max-running-requests"));
+        let (_, code) = parse_cli(vec!["ft".into()]).unwrap_err();
+        assert_eq!(code, 2);
+    }
+}

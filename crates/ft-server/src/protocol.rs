@@ -1,0 +1,518 @@
+//! OpenAI wire types (`/v1/chat/completions`, `/v1/completions`) and their validation.
+//!
+//! Requests deserialize leniently (unknown fields are ignored, `null` means absent) and are then checked
+//! field by field, so every refusal names the field at fault in an OpenAI-shaped 400. Fields whose shape
+//! varies (`messages`, `content`, `stop`, `prompt`) are taken as raw JSON and checked by hand for the same
+//! reason.
+
+use crate::openai_error::ApiError;
+use ft_core::request::SamplingParams;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value as Json};
+
+/// Below this a temperature means greedy.
+const GREEDY_TEMPERATURE: f64 = 1e-5;
+
+/// Sampling and budget fields shared by both endpoints.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct SamplingFields {
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f64>,
+    pub seed: Option<i64>,
+    pub max_tokens: Option<i64>,
+    pub max_completion_tokens: Option<i64>,
+    /// A string or a list of strings.
+    pub stop: Option<Json>,
+    /// Extra token ids that end the request (vLLM extension).
+    pub stop_token_ids: Option<Vec<u32>>,
+    pub ignore_eos: Option<bool>,
+    pub n: Option<i64>,
+    pub logit_bias: Option<Json>,
+    /// Accepted and ignored (as FreeToken does).
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub repetition_penalty: Option<f64>,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct StreamOptions {
+    pub include_usage: Option<bool>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct ChatCompletionRequest {
+    /// Any value is accepted: one model is served.
+    pub model: Option<String>,
+    pub messages: Json,
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub tools: Option<Vec<Json>>,
+    pub tool_choice: Option<Json>,
+    pub parallel_tool_calls: Option<bool>,
+    pub chat_template_kwargs: Option<Map<String, Json>>,
+    pub reasoning_effort: Option<String>,
+    /// vLLM extension; default true.
+    pub add_generation_prompt: Option<bool>,
+    pub response_format: Option<Json>,
+    pub function_call: Option<Json>,
+    pub functions: Option<Json>,
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<i64>,
+    pub user: Option<String>,
+}
+
+#[derive(Clone, Debug, Deserialize)]
+pub struct CompletionRequest {
+    pub model: Option<String>,
+    /// A string, a list of token ids, or a one-element list of either.
+    pub prompt: Json,
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub echo: Option<bool>,
+    pub suffix: Option<String>,
+    pub best_of: Option<i64>,
+    pub logprobs: Option<i64>,
+    pub user: Option<String>,
+}
+
+/// The prompt of a completion request, before tokenization.
+#[derive(Clone, Debug, PartialEq)]
+pub enum PromptInput {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+/// Sampling fields after validation, before the prompt is known.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ValidatedSampling {
+    pub sampling: SamplingParams,
+    /// What the client asked for (`None`: the server default).
+    pub max_tokens: Option<u32>,
+    pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+}
+
+impl SamplingFields {
+    /// Checks every field; unset ones take `defaults`.
+    pub fn validate(&self, defaults: &SamplingParams) -> Result<ValidatedSampling, ApiError> {
+        if let Some(n) = self.n {
+            if n != 1 {
+                return Err(ApiError::invalid_param("n", format!("n must be 1 (only one choice per request is supported), got {n}")));
+            }
+        }
+        if let Some(lb) = &self.logit_bias {
+            let empty = lb.is_null() || lb.as_object().is_some_and(|m| m.is_empty());
+            if !empty {
+                return Err(ApiError::invalid_param("logit_bias", "logit_bias is not supported"));
+            }
+        }
+        let mut sampling = defaults.clone();
+        if let Some(t) = self.temperature {
+            if !t.is_finite() || !(0.0..=2.0).contains(&t) {
+                return Err(ApiError::invalid_param("temperature", format!("temperature must be between 0 and 2, got {t}")));
+            }
+            sampling.temperature = t as f32;
+        }
+        if let Some(p) = self.top_p {
+            if !p.is_finite() || p <= 0.0 || p > 1.0 {
+                return Err(ApiError::invalid_param("top_p", format!("top_p must be in (0, 1], got {p}")));
+            }
+            sampling.top_p = p as f32;
+        }
+        if let Some(k) = self.top_k {
+            if k < -1 || k > i32::MAX as i64 {
+                return Err(ApiError::invalid_param("top_k", format!("top_k must be -1, 0 (disabled) or positive, got {k}")));
+            }
+            sampling.top_k = k.max(0) as i32;
+        }
+        if let Some(m) = self.min_p {
+            if !m.is_finite() || !(0.0..=1.0).contains(&m) {
+                return Err(ApiError::invalid_param("min_p", format!("min_p must be in [0, 1], got {m}")));
+            }
+            sampling.min_p = m as f32;
+        }
+        if let Some(s) = self.seed {
+            sampling.seed = Some(s as u64);
+        }
+        if (sampling.temperature as f64) < GREEDY_TEMPERATURE {
+            sampling.temperature = 0.0;
+        }
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+            ("repetition_penalty", self.repetition_penalty),
+        ] {
+            if let Some(v) = v {
+                if !v.is_finite() {
+                    return Err(ApiError::invalid_param(name, format!("{name} must be a finite number")));
+                }
+            }
+        }
+        let max_tokens = match (self.max_completion_tokens, self.max_tokens) {
+            (Some(m), _) => Some(("max_completion_tokens", m)),
+            (None, Some(m)) => Some(("max_tokens", m)),
+            (None, None) => None,
+        };
+        let max_tokens = match max_tokens {
+            Some((name, m)) if m < 1 => {
+                return Err(ApiError::invalid_param(name, format!("{name} must be at least 1, got {m}")));
+            }
+            Some((_, m)) => Some(m.min(u32::MAX as i64) as u32),
+            None => None,
+        };
+        let stop = match &self.stop {
+            None | Some(Json::Null) => vec![],
+            Some(Json::String(s)) => vec![s.clone()],
+            Some(Json::Array(items)) => {
+                let mut out = Vec::with_capacity(items.len());
+                for item in items {
+                    match item {
+                        Json::String(s) => out.push(s.clone()),
+                        _ => return Err(ApiError::invalid_param("stop", "stop must be a string or a list of strings")),
+                    }
+                }
+                out
+            }
+            Some(_) => return Err(ApiError::invalid_param("stop", "stop must be a string or a list of strings")),
+        };
+        if stop.iter().any(|s| s.is_empty()) {
+            return Err(ApiError::invalid_param("stop", "stop strings must not be empty"));
+        }
+        Ok(ValidatedSampling {
+            sampling,
+            max_tokens,
+            stop,
+            stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
+            ignore_eos: self.ignore_eos.unwrap_or(false),
+        })
+    }
+}
+
+impl ChatCompletionRequest {
+    /// Refuses what FreeToken does not serve (REFERENCES 4.10).
+    pub fn check_unsupported(&self) -> Result<(), ApiError> {
+        if let Some(rf) = &self.response_format {
+            let kind = rf.get("type").and_then(Json::as_str).unwrap_or("");
+            if !rf.is_null() && kind != "text" {
+                return Err(ApiError::invalid_param(
+                    "response_format",
+                    format!("response_format {:?} is not supported (only \"text\")", kind),
+                ));
+            }
+        }
+        if self.function_call.as_ref().is_some_and(|v| !v.is_null()) || self.functions.as_ref().is_some_and(|v| !v.is_null()) {
+            return Err(ApiError::invalid_param("function_call", "legacy function_call / functions are not supported; use tools"));
+        }
+        Ok(())
+    }
+
+    /// The messages as the chat template wants them: roles checked (`developer` becomes `system`), text
+    /// parts joined into one string, `null` assistant content as `""`, tool-call arguments given as JSON
+    /// strings parsed into objects (HF templates iterate over them).
+    pub fn template_messages(&self) -> Result<Vec<Json>, ApiError> {
+        let items = match &self.messages {
+            Json::Array(items) => items,
+            _ => return Err(ApiError::invalid_param("messages", "messages must be a list of message objects")),
+        };
+        if items.is_empty() {
+            return Err(ApiError::invalid_param("messages", "messages must not be empty"));
+        }
+        let mut out = Vec::with_capacity(items.len());
+        for (i, m) in items.iter().enumerate() {
+            let param = format!("messages[{i}]");
+            let Json::Object(obj) = m else {
+                return Err(ApiError::invalid_param(&param, format!("{param} must be an object")));
+            };
+            let mut obj = obj.clone();
+            let role = match obj.get("role") {
+                Some(Json::String(r)) => r.clone(),
+                Some(_) => return Err(ApiError::invalid_param(&format!("{param}.role"), format!("{param}.role must be a string"))),
+                None => return Err(ApiError::invalid_param(&format!("{param}.role"), format!("{param}.role is required"))),
+            };
+            let role = match role.as_str() {
+                "system" | "user" | "assistant" | "tool" => role,
+                "developer" => "system".to_string(),
+                other => {
+                    return Err(ApiError::invalid_param(
+                        &format!("{param}.role"),
+                        format!("unknown role {other:?} in {param} (expected system, developer, user, assistant or tool)"),
+                    ))
+                }
+            };
+            obj.insert("role".into(), Json::String(role.clone()));
+            let content = match obj.get("content") {
+                None | Some(Json::Null) => {
+                    if role != "assistant" {
+                        return Err(ApiError::invalid_param(&format!("{param}.content"), format!("{param}.content is required")));
+                    }
+                    String::new()
+                }
+                Some(Json::String(s)) => s.clone(),
+                Some(Json::Array(parts)) => {
+                    let mut texts = Vec::with_capacity(parts.len());
+                    for (j, part) in parts.iter().enumerate() {
+                        let kind = part.get("type").and_then(Json::as_str).unwrap_or("");
+                        match (kind, part.get("text")) {
+                            ("text" | "input_text" | "output_text", Some(Json::String(t))) => texts.push(t.as_str()),
+                            _ => {
+                                return Err(ApiError::invalid_param(
+                                    &format!("{param}.content[{j}]"),
+                                    format!("{param}.content[{j}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported"),
+                                ))
+                            }
+                        }
+                    }
+                    texts.join("\n")
+                }
+                Some(_) => {
+                    return Err(ApiError::invalid_param(
+                        &format!("{param}.content"),
+                        format!("{param}.content must be a string or a list of text parts"),
+                    ))
+                }
+            };
+            obj.insert("content".into(), Json::String(content));
+            if let Some(Json::Array(calls)) = obj.get_mut("tool_calls") {
+                for call in calls.iter_mut() {
+                    if let Some(args) = call.get_mut("function").and_then(|f| f.get_mut("arguments")) {
+                        if let Json::String(s) = args {
+                            if let Ok(parsed @ Json::Object(_)) = serde_json::from_str::<Json>(s) {
+                                *args = parsed;
+                            }
+                        }
+                    }
+                }
+            }
+            out.push(Json::Object(obj));
+        }
+        Ok(out)
+    }
+
+    pub fn include_usage(&self) -> bool {
+        self.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false)
+    }
+}
+
+impl CompletionRequest {
+    pub fn check_unsupported(&self) -> Result<(), ApiError> {
+        if let Some(b) = self.best_of {
+            if b != 1 {
+                return Err(ApiError::invalid_param("best_of", format!("best_of must be 1, got {b}")));
+            }
+        }
+        if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+            return Err(ApiError::invalid_param("suffix", "suffix is not supported"));
+        }
+        Ok(())
+    }
+
+    pub fn prompt_input(&self) -> Result<PromptInput, ApiError> {
+        let bad = || ApiError::invalid_param("prompt", "prompt must be a string, a list of token ids, or a one-element list of either");
+        let ids = |items: &[Json]| -> Result<Vec<u32>, ApiError> {
+            items.iter().map(|v| v.as_u64().filter(|&x| x <= u32::MAX as u64).map(|x| x as u32).ok_or_else(bad)).collect()
+        };
+        match &self.prompt {
+            Json::String(s) => Ok(PromptInput::Text(s.clone())),
+            Json::Array(items) if items.is_empty() => Err(ApiError::invalid_param("prompt", "prompt must not be empty")),
+            Json::Array(items) if items.iter().all(Json::is_number) => Ok(PromptInput::Tokens(ids(items)?)),
+            Json::Array(items) if items.len() == 1 => match &items[0] {
+                Json::String(s) => Ok(PromptInput::Text(s.clone())),
+                Json::Array(inner) if !inner.is_empty() => Ok(PromptInput::Tokens(ids(inner)?)),
+                _ => Err(bad()),
+            },
+            Json::Array(_) => Err(ApiError::invalid_param("prompt", "only one prompt per request is supported")),
+            _ => Err(bad()),
+        }
+    }
+
+    pub fn include_usage(&self) -> bool {
+        self.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false)
+    }
+}
+
+// ---- responses -------------------------------------------------------------------------------------------
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct PromptTokensDetails {
+    pub cached_tokens: u32,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Usage {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub total_tokens: u32,
+    /// Only with `--enable-cache-report`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens_details: Option<PromptTokensDetails>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ChatMessageOut {
+    pub role: &'static str,
+    pub content: String,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ChatChoice {
+    pub index: u32,
+    pub message: ChatMessageOut,
+    pub logprobs: Option<Json>,
+    pub finish_reason: &'static str,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ChatCompletionResponse {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChoice>,
+    pub usage: Usage,
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ChatDelta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ChatChunkChoice {
+    pub index: u32,
+    pub delta: ChatDelta,
+    pub logprobs: Option<Json>,
+    pub finish_reason: Option<&'static str>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ChatCompletionChunk {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChunkChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct CompletionChoice {
+    pub index: u32,
+    pub text: String,
+    pub logprobs: Option<Json>,
+    pub finish_reason: Option<&'static str>,
+}
+
+/// Both the whole `/v1/completions` answer and its stream chunks (same shape, `usage` only where due).
+#[derive(Clone, Debug, Serialize)]
+pub struct CompletionResponse {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<CompletionChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn fields(v: Json) -> SamplingFields {
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn sampling_validation() {
+        let d = SamplingParams { temperature: 0.7, ..Default::default() };
+        let v = fields(json!({})).validate(&d).unwrap();
+        assert_eq!(v.sampling.temperature, 0.7);
+        assert_eq!(v.max_tokens, None);
+        let v = fields(json!({"temperature": 0, "top_p": 0.5, "top_k": -1, "seed": 7, "max_tokens": 3, "stop": "x"})).validate(&d).unwrap();
+        assert_eq!(v.sampling, SamplingParams { temperature: 0.0, top_p: 0.5, top_k: 0, min_p: 0.0, seed: Some(7) });
+        assert_eq!(v.max_tokens, Some(3));
+        assert_eq!(v.stop, vec!["x".to_string()]);
+        let v = fields(json!({"max_tokens": 3, "max_completion_tokens": 5, "stop": ["a", "b"]})).validate(&d).unwrap();
+        assert_eq!(v.max_tokens, Some(5));
+        assert_eq!(v.stop.len(), 2);
+        for (bad, param) in [
+            (json!({"temperature": -0.1}), "temperature"),
+            (json!({"temperature": 2.5}), "temperature"),
+            (json!({"top_p": 0}), "top_p"),
+            (json!({"top_p": 1.1}), "top_p"),
+            (json!({"top_k": -2}), "top_k"),
+            (json!({"min_p": 2}), "min_p"),
+            (json!({"max_tokens": 0}), "max_tokens"),
+            (json!({"max_completion_tokens": -1}), "max_completion_tokens"),
+            (json!({"n": 2}), "n"),
+            (json!({"logit_bias": {"1": 5}}), "logit_bias"),
+            (json!({"stop": 5}), "stop"),
+            (json!({"stop": ["a", 1]}), "stop"),
+            (json!({"stop": [""]}), "stop"),
+        ] {
+            let e = fields(bad.clone()).validate(&d).unwrap_err();
+            assert_eq!(e.status.as_u16(), 400, "{bad}");
+            assert_eq!(e.param.as_deref(), Some(param), "{bad}");
+        }
+        assert!(fields(json!({"logit_bias": {}, "n": 1})).validate(&d).is_ok());
+    }
+
+    fn chat(v: Json) -> ChatCompletionRequest {
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn message_normalisation() {
+        let r = chat(json!({"messages": [
+            {"role": "developer", "content": "sys"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
+            {"role": "tool", "content": "42", "tool_call_id": "1"}
+        ]}));
+        let m = r.template_messages().unwrap();
+        assert_eq!(m[0]["role"], "system");
+        assert_eq!(m[1]["content"], "a\nb");
+        assert_eq!(m[2]["content"], "");
+        assert_eq!(m[2]["tool_calls"][0]["function"]["arguments"], json!({"x": 1}));
+        assert_eq!(m[3]["tool_call_id"], "1");
+        for bad in [
+            json!({"messages": []}),
+            json!({"messages": "hi"}),
+            json!({"messages": [{"role": "wizard", "content": "x"}]}),
+            json!({"messages": [{"content": "x"}]}),
+            json!({"messages": [{"role": "user"}]}),
+            json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}),
+            json!({"messages": [{"role": "user", "content": 5}]}),
+        ] {
+            assert_eq!(chat(bad.clone()).template_messages().unwrap_err().status.as_u16(), 400, "{bad}");
+        }
+        assert!(chat(json!({"messages": [], "response_format": {"type": "json_object"}})).check_unsupported().is_err());
+        assert!(chat(json!({"messages": [], "response_format": {"type": "text"}})).check_unsupported().is_ok());
+        assert!(chat(json!({"messages": [], "function_call": "auto"})).check_unsupported().is_err());
+    }
+
+    #[test]
+    fn prompt_forms() {
+        let p = |v: Json| serde_json::from_value::<CompletionRequest>(json!({"prompt": v})).unwrap().prompt_input();
+        assert_eq!(p(json!("hi")).unwrap(), PromptInput::Text("hi".into()));
+        assert_eq!(p(json!(["hi"])).unwrap(), PromptInput::Text("hi".into()));
+        assert_eq!(p(json!([1, 2])).unwrap(), PromptInput::Tokens(vec![1, 2]));
+        assert_eq!(p(json!([[1, 2]])).unwrap(), PromptInput::Tokens(vec![1, 2]));
+        assert!(p(json!(["a", "b"])).is_err());
+        assert!(p(json!([])).is_err());
+        assert!(p(json!([-1])).is_err());
+        assert!(p(json!(5)).is_err());
+    }
+}

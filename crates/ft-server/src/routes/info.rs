@@ -1,0 +1,59 @@
+//! `/health`, `/v1/models`, `/v1/stats`, `/v1` and the 404 fallback. None of these touches the engine
+//! thread beyond the backend's cheap `health()` / `stats()`, so they answer while a step runs.
+
+use crate::backend::HealthState;
+use crate::openai_error::ApiError;
+use crate::server::AppState;
+use axum::extract::State;
+use axum::http::{StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::json;
+
+/// 200 `{"status": "ok", ...}` while serving; 503 with the state and reason otherwise.
+pub async fn health(State(state): State<AppState>) -> Response {
+    let uptime_s = state.started_at.elapsed().as_secs_f64();
+    let model = state.served_model_name();
+    let (status, reason) = match state.backend.health() {
+        HealthState::Serving => {
+            return (StatusCode::OK, Json(json!({"status": "ok", "model": model, "uptime_s": uptime_s}))).into_response();
+        }
+        HealthState::Loading => ("loading", "the model is still loading".to_string()),
+        HealthState::Unhealthy(reason) => ("unhealthy", reason),
+        HealthState::ShuttingDown => ("shutting_down", "the server is shutting down".to_string()),
+    };
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        Json(json!({"status": status, "reason": reason, "model": model, "uptime_s": uptime_s})),
+    )
+        .into_response()
+}
+
+pub async fn models(State(state): State<AppState>) -> Json<serde_json::Value> {
+    let max = state.max_context();
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": state.served_model_name(),
+            "object": "model",
+            "created": state.created,
+            "owned_by": "freetoken",
+            "root": state.served_model_name(),
+            "max_model_len": max,
+            "context_length": max,
+        }]
+    }))
+}
+
+pub async fn stats(State(state): State<AppState>) -> Json<serde_json::Value> {
+    Json(state.backend.stats())
+}
+
+/// `GET|POST /v1`: a liveness answer some clients probe before listing models.
+pub async fn v1_root() -> Json<serde_json::Value> {
+    Json(json!({"status": "ok"}))
+}
+
+pub async fn not_found(uri: Uri) -> ApiError {
+    ApiError::not_found(format!("no route for {}", uri.path()))
+}

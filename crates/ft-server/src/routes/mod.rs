@@ -1,0 +1,232 @@
+//! HTTP handlers. Shared here: the JSON extractor that answers bad bodies in OpenAI's shape, the prompt →
+//! [`GenerateRequest`] step both generation endpoints take, and [`TextStream`], which turns a request's
+//! token events into text (incremental detokenizer + stop strings) for both the streaming and the
+//! non-streaming paths.
+//!
+//! Cancellation: every handler owns its [`RequestStream`] (inside `TextStream`) for as long as it waits on
+//! it, in the handler future or in the SSE body. A client that disconnects makes hyper drop that future or
+//! body, which drops the stream, whose guard aborts the request in the engine.
+
+pub mod chat;
+pub mod completions;
+pub mod info;
+
+use crate::backend::{GenerateRequest, HealthState, RequestStream};
+use crate::detokenizer::IncrementalDetokenizer;
+use crate::openai_error::ApiError;
+use crate::protocol::{PromptTokensDetails, Usage, ValidatedSampling};
+use crate::server::AppState;
+use crate::stop_strings::{StopOutcome, StopStringMatcher};
+use axum::body::Bytes;
+use axum::extract::{FromRequest, Request};
+use ft_core::request::RequestEvent;
+use serde::de::DeserializeOwned;
+
+/// `Json<T>` that rejects in OpenAI's shape: 400 for unreadable or mistyped JSON, 413 past the body limit.
+pub struct OpenAiJson<T>(pub T);
+
+impl<T: DeserializeOwned> FromRequest<AppState> for OpenAiJson<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &AppState) -> Result<Self, ApiError> {
+        let bytes = Bytes::from_request(req, state).await.map_err(|rej| {
+            if rej.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
+                ApiError::payload_too_large(state.args.max_request_body_bytes)
+            } else {
+                ApiError::invalid(format!("cannot read the request body: {}", rej.body_text()))
+            }
+        })?;
+        if bytes.iter().all(u8::is_ascii_whitespace) {
+            return Err(ApiError::invalid("the request body is empty; expected a JSON object"));
+        }
+        serde_json::from_slice(&bytes)
+            .map(OpenAiJson)
+            .map_err(|e| ApiError::invalid(format!("invalid JSON body: {e}")))
+    }
+}
+
+/// 503 unless the engine is serving.
+pub(crate) fn ensure_serving(state: &AppState) -> Result<(), ApiError> {
+    match state.backend.health() {
+        HealthState::Serving => Ok(()),
+        HealthState::Loading => Err(ApiError::unavailable("the model is still loading")),
+        HealthState::Unhealthy(reason) => Err(ApiError::unavailable(format!("the engine is unhealthy: {reason}"))),
+        HealthState::ShuttingDown => Err(ApiError::unavailable("the server is shutting down")),
+    }
+}
+
+/// A validated request, ready to submit.
+pub(crate) struct Prepared {
+    pub req: GenerateRequest,
+    pub stop: Vec<String>,
+}
+
+/// Budget, context check and stop tokens: the last step before `submit`.
+pub(crate) fn prepare(state: &AppState, prompt: Vec<u32>, v: ValidatedSampling) -> Result<Prepared, ApiError> {
+    if prompt.is_empty() {
+        return Err(ApiError::invalid_param("prompt", "the prompt is empty"));
+    }
+    let vocab = state.tokenizer.vocab_size().max(state.info.vocab_size);
+    if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+        return Err(ApiError::invalid_param("prompt", format!("token id {bad} is out of the vocabulary (size {vocab})")));
+    }
+    let max_context = state.max_context();
+    if prompt.len() >= max_context {
+        return Err(ApiError::context_length_exceeded(format!(
+            "This model's maximum context length is {max_context} tokens. However, your prompt has {} tokens, which leaves no room for output. Please shorten your prompt.",
+            prompt.len()
+        )));
+    }
+    let room = (max_context - prompt.len()).min(u32::MAX as usize) as u32;
+    let asked = v.max_tokens.unwrap_or_else(|| state.args.max_output_tokens());
+    let mut stop_token_ids = state.info.eos_token_ids.clone();
+    for t in v.stop_token_ids {
+        if !stop_token_ids.contains(&t) {
+            stop_token_ids.push(t);
+        }
+    }
+    Ok(Prepared {
+        req: GenerateRequest {
+            prompt,
+            max_new_tokens: asked.min(room).max(1),
+            sampling: v.sampling,
+            stop_token_ids,
+            ignore_eos: v.ignore_eos,
+        },
+        stop: v.stop,
+    })
+}
+
+/// What a [`TextStream`] yields.
+#[derive(Debug)]
+pub(crate) enum Piece {
+    /// More output text (never empty).
+    Text(String),
+    /// The request is over: the last text (may be empty) and the OpenAI finish reason.
+    Finish { text: String, reason: &'static str },
+    /// The request failed; the message is for the client.
+    Error(String),
+}
+
+/// One request's events as text. Owns the [`RequestStream`]: dropping this aborts an unfinished request.
+pub(crate) struct TextStream {
+    state: AppState,
+    stream: RequestStream,
+    detok: IncrementalDetokenizer,
+    stops: StopStringMatcher,
+    stop_token_ids: Vec<u32>,
+    ignore_eos: bool,
+    prompt_tokens: u32,
+    cached_tokens: u32,
+    completion_tokens: u32,
+    done: bool,
+}
+
+impl TextStream {
+    pub fn new(state: AppState, stream: RequestStream, prepared: &Prepared) -> Self {
+        TextStream {
+            detok: IncrementalDetokenizer::new(&prepared.req.prompt, true),
+            stops: StopStringMatcher::new(prepared.stop.clone()),
+            stop_token_ids: prepared.req.stop_token_ids.clone(),
+            ignore_eos: prepared.req.ignore_eos,
+            prompt_tokens: prepared.req.prompt.len() as u32,
+            cached_tokens: 0,
+            completion_tokens: 0,
+            done: false,
+            state,
+            stream,
+        }
+    }
+
+    pub fn usage(&self) -> Usage {
+        Usage {
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens: self.completion_tokens,
+            total_tokens: self.prompt_tokens + self.completion_tokens,
+            prompt_tokens_details: self
+                .state
+                .args
+                .enable_cache_report
+                .then_some(PromptTokensDetails { cached_tokens: self.cached_tokens }),
+        }
+    }
+
+    /// The next piece of output; `None` after `Finish` or `Error`.
+    pub async fn next(&mut self) -> Option<Piece> {
+        if self.done {
+            return None;
+        }
+        loop {
+            let Some(event) = self.stream.next().await else {
+                self.done = true;
+                return Some(Piece::Error("the engine stopped before the request finished".into()));
+            };
+            match event {
+                RequestEvent::Started { prompt_tokens, cached_tokens, .. } => {
+                    self.prompt_tokens = prompt_tokens;
+                    self.cached_tokens = cached_tokens;
+                }
+                RequestEvent::Token { token, .. } => {
+                    self.completion_tokens += 1;
+                    // A stop token ends the turn; it is not part of the text.
+                    if !self.ignore_eos && self.stop_token_ids.contains(&token) {
+                        continue;
+                    }
+                    let text = match self.detok.push(&self.state.tokenizer, token) {
+                        Ok(t) => t,
+                        Err(e) => return Some(self.fail(e.to_string())),
+                    };
+                    if text.is_empty() {
+                        continue;
+                    }
+                    match self.stops.push(&text) {
+                        StopOutcome::Continue(t) if t.is_empty() => continue,
+                        StopOutcome::Continue(t) => return Some(Piece::Text(t)),
+                        StopOutcome::Stopped(t) => {
+                            // The backend finishes the request (FinishReason::Abort); we stop listening.
+                            self.state.backend.abort(self.stream.id);
+                            self.stream.guard.disarm();
+                            self.done = true;
+                            return Some(Piece::Finish { text: t, reason: "stop" });
+                        }
+                    }
+                }
+                RequestEvent::Finished { reason, completion_tokens, .. } => {
+                    self.done = true;
+                    self.completion_tokens = self.completion_tokens.max(completion_tokens);
+                    let tail = match self.detok.finish(&self.state.tokenizer) {
+                        Ok(t) => t,
+                        Err(e) => return Some(self.fail(e.to_string())),
+                    };
+                    return Some(match self.stops.push(&tail) {
+                        StopOutcome::Stopped(t) => Piece::Finish { text: t, reason: "stop" },
+                        StopOutcome::Continue(mut t) => {
+                            t.push_str(&self.stops.finish());
+                            Piece::Finish { text: t, reason: reason.as_openai() }
+                        }
+                    });
+                }
+                RequestEvent::Failed { message, .. } => {
+                    self.done = true;
+                    return Some(Piece::Error(message));
+                }
+            }
+        }
+    }
+
+    fn fail(&mut self, message: String) -> Piece {
+        self.state.backend.abort(self.stream.id);
+        self.stream.guard.disarm();
+        self.done = true;
+        Piece::Error(message)
+    }
+}
+
+/// A fresh response id with the given prefix (`chatcmpl`, `cmpl`).
+pub(crate) fn response_id(prefix: &str) -> String {
+    format!("{prefix}-{:032x}", rand::random::<u128>())
+}
+
+pub(crate) fn unix_now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
