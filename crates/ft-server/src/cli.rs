@@ -420,7 +420,16 @@ pub fn unsupported_feature(args: &ServeArgs) -> Option<String> {
 /// Parses `argv` (program name first). `Err((message, exit_code))`: print the message and exit with the code
 /// (0 for `--help` / `--version`, 2 for bad flags and values).
 pub fn parse_cli(argv: Vec<String>) -> Result<Cli, (String, i32)> {
-    let cli = Cli::try_parse_from(argv).map_err(|e| (e.render().to_string(), e.exit_code()))?;
+    let cli = Cli::try_parse_from(argv).map_err(|e| {
+        let text = e.render().to_string();
+        match e.kind() {
+            // Help, version and "no subcommand" print clap's full text.
+            clap::error::ErrorKind::DisplayHelp
+            | clap::error::ErrorKind::DisplayVersion
+            | clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => (text, e.exit_code()),
+            _ => (one_line(&text), e.exit_code()),
+        }
+    })?;
     match &cli.command {
         Command::Serve(args) => {
             if let Err(msg) = args.validate() {
@@ -432,6 +441,15 @@ pub fn parse_cli(argv: Vec<String>) -> Result<Cli, (String, i32)> {
         }
     }
     Ok(cli)
+}
+
+/// clap's multi-line error as one line: the error and its details, without the usage and help hints.
+fn one_line(text: &str) -> String {
+    text.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with("Usage:") && !l.starts_with("For more information"))
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// Parses `ft serve ...` and returns the serve arguments (test and embedding convenience).
@@ -551,8 +569,12 @@ mod tests {
             assert_eq!(err.1, 2, "{bad:?}: {}", err.0);
             assert!(err.0.starts_with("error:"), "{bad:?}: {}", err.0);
         }
-        let (msg, _) = serve(&["--memory-ratio", "1.5"]).unwrap_err();
-        assert_eq!(msg.lines().count(), 1, "{msg}");
+        for bad in [&["--memory-ratio", "1.5"][..], &["--dtype", "int8"], &["--num-pages", "1", "--num-tokens", "1"], &["--bogus"]] {
+            let (msg, _) = serve(bad).unwrap_err();
+            assert_eq!(msg.lines().count(), 1, "{msg}");
+        }
+        let (msg, _) = serve(&["--dtype", "int8"]).unwrap_err();
+        assert!(msg.contains("possible values: auto, float16, bfloat16, float32"), "{msg}");
     }
 
     #[test]
