@@ -93,7 +93,7 @@ impl KvSlotAllocator {
     /// Panics on a partial page, a double free or a slot outside the pool: each is a bookkeeping bug.
     pub fn free(&mut self, slots: &[u32]) {
         assert!(
-            slots.len() % self.page_size == 0,
+            slots.len().is_multiple_of(self.page_size),
             "freeing {} slots, not a whole number of {}-token pages",
             slots.len(),
             self.page_size
@@ -111,7 +111,7 @@ impl KvSlotAllocator {
     pub fn page_of(&self, page_slots: &[u32]) -> u32 {
         let ps = self.page_size as u32;
         let first = page_slots[0];
-        assert!(first % ps == 0, "slot run starting at {first} is not page-aligned");
+        assert!(first.is_multiple_of(ps), "slot run starting at {first} is not page-aligned");
         for (k, &s) in page_slots.iter().enumerate() {
             assert!(s == first + k as u32, "slot run starting at {first} is not one contiguous page");
         }

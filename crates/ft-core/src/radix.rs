@@ -213,7 +213,7 @@ impl RadixTree {
     fn split(&mut self, child: NodeId, at: usize) -> NodeId {
         let ps = self.page_size;
         let c = &mut self.nodes[child.idx()];
-        debug_assert!(at > 0 && at < c.key.len() && at % ps == 0);
+        debug_assert!(at > 0 && at < c.key.len() && at.is_multiple_of(ps));
         let parent = c.parent.expect("the root is never split");
         let tail_key = c.key.split_off(at);
         let tail_value = c.value.split_off(at);
@@ -268,7 +268,7 @@ impl RadixTree {
     /// `value[returned..]`.
     pub fn insert(&mut self, key: &[u32], value: &[u32]) -> usize {
         assert_eq!(key.len(), value.len(), "radix insert: key and value lengths differ");
-        assert!(key.len() % self.page_size == 0, "radix insert: key is not a whole number of pages");
+        assert!(key.len().is_multiple_of(self.page_size), "radix insert: key is not a whole number of pages");
         let now = self.tick();
         let ps = self.page_size;
         let mut node = NodeId::ROOT;
@@ -431,7 +431,7 @@ impl RadixTree {
                 if !cn.live || cn.parent != Some(id) {
                     return Err(format!("child {c:?} of {id:?} does not point back to its parent"));
                 }
-                if cn.key.len() < ps || &cn.key[..ps] != &first[..] {
+                if cn.key.len() < ps || cn.key[..ps] != first[..] {
                     return Err(format!("child {c:?} is filed under the wrong first page"));
                 }
                 child_locks += cn.lock_ref;
@@ -440,11 +440,13 @@ impl RadixTree {
             if id == NodeId::ROOT {
                 continue;
             }
-            if n.key.is_empty() || n.key.len() != n.value.len() || n.key.len() % ps != 0 {
+            if n.key.is_empty() || n.key.len() != n.value.len() || !n.key.len().is_multiple_of(ps) {
                 return Err(format!("node {id:?} has key/value lengths {}/{}", n.key.len(), n.value.len()));
             }
             for page in n.value.chunks(ps) {
-                if page[0] as usize % ps != 0 || page.iter().enumerate().any(|(k, &s)| s != page[0] + k as u32) {
+                if !(page[0] as usize).is_multiple_of(ps)
+                    || page.iter().enumerate().any(|(k, &s)| s != page[0] + k as u32)
+                {
                     return Err(format!("node {id:?} holds a slot run that is not a whole page"));
                 }
             }
@@ -517,11 +519,7 @@ mod tests {
         seqs.sort();
         assert_eq!(
             seqs,
-            vec![
-                (vec![1, 2], vec![0, 1]),
-                (vec![1, 2, 3], vec![0, 1, 2]),
-                (vec![1, 2, 5, 6], vec![0, 1, 9, 10]),
-            ]
+            vec![(vec![1, 2], vec![0, 1]), (vec![1, 2, 3], vec![0, 1, 2]), (vec![1, 2, 5, 6], vec![0, 1, 9, 10]),]
         );
         t.check_integrity(&[]).unwrap();
     }

@@ -294,6 +294,10 @@ impl Scheduler {
     /// The next forward pass, or `None` when there is nothing to run (idle, or everything runnable is
     /// already in a plan in flight). Admits queued requests (emitting `Started`) as described in the
     /// module docs.
+    ///
+    /// Every plan must be answered with [`Scheduler::commit`] or [`Scheduler::fail_step`]: its requests
+    /// are marked in flight until then and are not scheduled again (so a plan dropped unanswered would
+    /// leave them waiting forever).
     pub fn next_step(&mut self) -> Option<StepPlan> {
         let step_id = self.next_step_id;
         let decoders: Vec<usize> = (0..self.running.len()).filter(|&i| self.running[i].wants_decode()).collect();
@@ -648,7 +652,9 @@ impl Scheduler {
             if r.slots.len() % ps != 0 || r.slots.len() / ps + r.reserved_pages != budget {
                 return Err(format!("request {} holds + reserves a different number of pages than its budget", r.id));
             }
-            if !(r.prefix.len <= r.computed_len && r.computed_len <= r.scheduled_len && r.scheduled_len <= r.slots.len())
+            if !(r.prefix.len <= r.computed_len
+                && r.computed_len <= r.scheduled_len
+                && r.scheduled_len <= r.slots.len())
                 || r.table_sent != r.scheduled_len
             {
                 return Err(format!("request {} has inconsistent progress counters", r.id));

@@ -44,11 +44,8 @@ fn random_run(cfg: SchedulerConfig, seed: u64, total: u64) -> Sim {
         // Arrivals.
         if next_id < total && rng.gen_bool(0.3) {
             for _ in 0..rng.gen_range(1..=3) {
-                let mut prompt = if rng.gen_bool(0.7) {
-                    system_prompts[rng.gen_range(0..3)].clone()
-                } else {
-                    Vec::new()
-                };
+                let mut prompt =
+                    if rng.gen_bool(0.7) { system_prompts[rng.gen_range(0..3)].clone() } else { Vec::new() };
                 let extra = rng.gen_range(if prompt.is_empty() { 1 } else { 0 }..150);
                 prompt.extend((0..extra).map(|_| rng.gen_range(0..50)));
                 let mut req = request(next_id, prompt, rng.gen_range(1..40));
@@ -85,7 +82,8 @@ fn random_run(cfg: SchedulerConfig, seed: u64, total: u64) -> Sim {
         assert!(sim.steps + idle_polls < 50_000, "run does not terminate");
     }
     // Strict FCFS: requests start in arrival order; only those aborted while queued never start.
-    let pos: Vec<usize> = sim.start_order.iter().map(|id| sim.add_order.iter().position(|a| a == id).unwrap()).collect();
+    let pos: Vec<usize> =
+        sim.start_order.iter().map(|id| sim.add_order.iter().position(|a| a == id).unwrap()).collect();
     assert!(pos.windows(2).all(|w| w[0] < w[1]), "admission was not first come, first served");
     for id in 0..total {
         let o = sim.outcome(id);
@@ -103,7 +101,10 @@ fn random_arrivals_aborts_and_failures_all_end_cleanly() {
         ("radix page 1 mixed", small_cfg()),
         ("radix page 4 mixed", SchedulerConfig { page_size: 4, ..small_cfg() }),
         ("naive page 1 mixed", SchedulerConfig { cache_type: CacheType::Naive, ..small_cfg() }),
-        ("radix page 2 interleave 2", SchedulerConfig { mixed_decode: false, decode_interleave_every: 2, page_size: 2, ..small_cfg() }),
+        (
+            "radix page 2 interleave 2",
+            SchedulerConfig { mixed_decode: false, decode_interleave_every: 2, page_size: 2, ..small_cfg() },
+        ),
         ("radix page 1 prefill-first", SchedulerConfig { mixed_decode: false, ..small_cfg() }),
         ("hybrid 2 state slots page 4", hybrid),
         ("big pages tight pool", SchedulerConfig { page_size: 16, kv_capacity_tokens: 320, ..small_cfg() }),
@@ -494,7 +495,10 @@ fn big_request_at_the_head_blocks_later_ones_until_it_fits() {
     sim.add(request(3, vec![3; 5], 2)).unwrap(); // would fit now, but must not overtake 2
     sim.run_until_idle(200);
     assert_eq!(sim.start_order, vec![1, 2, 3]);
-    assert!(sim.outcome(2).started_step.unwrap() >= *sim.outcome(1).token_steps.last().unwrap(), "2 starts after 1 ends");
+    assert!(
+        sim.outcome(2).started_step.unwrap() >= *sim.outcome(1).token_steps.last().unwrap(),
+        "2 starts after 1 ends"
+    );
     sim.assert_clean();
 }
 

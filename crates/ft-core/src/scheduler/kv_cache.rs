@@ -130,7 +130,7 @@ impl KvCache {
         let ps = self.page_size();
         assert!(computed.len() <= slots.len(), "more computed tokens than KV slots");
         assert!(prefix.len <= computed.len() || !insert, "cached prefix longer than the computed tokens");
-        assert!(slots.len() % ps == 0 && prefix.len % ps == 0, "request slots are not whole pages");
+        assert!(slots.len().is_multiple_of(ps) && prefix.len.is_multiple_of(ps), "request slots are not whole pages");
         let mut taken = 0;
         let mut own_from = prefix.len;
         if insert && self.cache_type == CacheType::Radix {
@@ -161,12 +161,12 @@ impl KvCache {
         let pages = self.allocator.total_pages();
         let mut owner: Vec<u8> = (0..pages as u32).map(|p| u8::from(self.allocator.is_page_free(p))).collect();
         let mut claim = |slots: &[u32], who: &str| -> Result<(), String> {
-            if slots.len() % ps != 0 {
+            if !slots.len().is_multiple_of(ps) {
                 return Err(format!("{who} holds a partial page"));
             }
             for page_slots in slots.chunks(ps) {
                 let first = page_slots[0];
-                if first as usize % ps != 0
+                if !(first as usize).is_multiple_of(ps)
                     || page_slots.iter().enumerate().any(|(k, &s)| s != first + k as u32)
                     || first as usize / ps >= pages
                 {

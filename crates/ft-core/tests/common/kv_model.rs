@@ -262,7 +262,8 @@ impl Harness {
         let evictable = self.model.keys().filter(|k| !locked.contains_key(*k)).count() * ps;
         assert_eq!(self.kv.tree().evictable_tokens(), evictable, "evictable tokens");
         // 4. The tree's own structural check with the harness's locks (lock_ref == live locks below).
-        let locks: Vec<_> = self.live.iter().map(|s| s.prefix.node).chain(self.pins.iter().map(|p| p.prefix.node)).collect();
+        let locks: Vec<_> =
+            self.live.iter().map(|s| s.prefix.node).chain(self.pins.iter().map(|p| p.prefix.node)).collect();
         let own: Vec<&[u32]> = self.live.iter().map(|s| &s.slots[s.prefix.len..]).collect();
         // 5. Slot conservation and exclusive ownership: free + tree + requests == capacity, no page twice.
         self.kv.check_integrity(own.iter().copied(), &locks).unwrap_or_else(|e| panic!("integrity: {e}"));

@@ -137,7 +137,8 @@ impl FakeWorker {
             if let Some(spec) = &seq.sample {
                 assert_eq!(ctx, s.tokens.len(), "sampling before the previous token was fed back");
                 let n = s.tokens.len() - s.prompt_len;
-                let token = self.script.get(&(id, n)).copied().unwrap_or(100 + (splitmix64_mix(spec.seed) % 1000) as u32);
+                let token =
+                    self.script.get(&(id, n)).copied().unwrap_or(100 + (splitmix64_mix(spec.seed) % 1000) as u32);
                 s.seeds.push(spec.seed);
                 s.tokens.push(token);
                 out.tokens.push(token);
@@ -286,7 +287,9 @@ impl Sim {
             if c.num_state_slots == 0 {
                 assert_eq!(s.state_slot, -1);
             } else {
-                assert!(s.state_slot >= 0 && (s.state_slot as usize) < c.num_state_slots && states.insert(s.state_slot));
+                assert!(
+                    s.state_slot >= 0 && (s.state_slot as usize) < c.num_state_slots && states.insert(s.state_slot)
+                );
             }
         }
         assert!(plan.state_copies.is_empty() && plan.snapshots.is_empty());
