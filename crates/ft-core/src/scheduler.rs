@@ -37,6 +37,11 @@
 //! too (`table_from = 0`). When it ends, the tokens whose KV exists (prompt plus all but the last sampled
 //! token) go into the radix tree; see [`kv_cache`].
 //!
+//! Hybrid models (`num_state_slots > 0`) get no prefix hits yet: a hit must resume from a recurrent-state
+//! snapshot, and snapshots come with the hybrid radix cache (a later issue). Each running hybrid request
+//! owns one live state slot (`ScheduledSeq::state_slot`); a sequence whose first chunk has
+//! `prefix_len == 0` starts from a zeroed state.
+//!
 //! **Sampling seeds**: every draw gets `sample_seed(request seed, tokens generated so far)`, so a seeded
 //! request samples the same tokens whatever else is in its batch.
 
@@ -374,8 +379,12 @@ impl Scheduler {
         }
         let p = head.req.prompt.len();
         let budget_tokens = p + head.max_new_tokens as usize - 1;
+        // Hybrid models can only resume where a recurrent-state snapshot exists (the match is truncated to
+        // the deepest node holding one). None are captured yet, so they match nothing: reusing the KV
+        // without the state would run the linear-attention layers from a wrong state.
+        let matchable = if self.cfg.num_state_slots > 0 { 0 } else { p - 1 };
         // Lock the cached prefix first so the availability below cannot count it as evictable.
-        let (prefix, cached_slots) = self.kv.match_prefix(&head.req.prompt[..p - 1]);
+        let (prefix, cached_slots) = self.kv.match_prefix(&head.req.prompt[..matchable]);
         self.kv.lock(prefix);
         let need = self.kv.pages_for(budget_tokens) - prefix.len / self.cfg.page_size;
         if need > self.kv.available_pages().saturating_sub(self.reserved_pages) {

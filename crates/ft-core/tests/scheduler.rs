@@ -116,10 +116,10 @@ fn random_arrivals_aborts_and_failures_all_end_cleanly() {
             let failed = sim.outcomes.values().filter(|o| o.failed.is_some()).count();
             // The run must exercise what it claims to (cache hits, failures), or it proves nothing.
             assert!(failed > 0, "{name} seed {seed}: no failures injected");
-            if cfg.cache_type == CacheType::Radix {
+            if cfg.cache_type == CacheType::Radix && cfg.num_state_slots == 0 {
                 assert!(hits > 10, "{name} seed {seed}: only {hits} cache hits");
             } else {
-                assert_eq!(hits, 0, "{name}: the naive cache reported cached tokens");
+                assert_eq!(hits, 0, "{name}: naive cache or hybrid model (no state snapshots yet) reported a hit");
             }
         }
     }
@@ -541,6 +541,18 @@ fn hybrid_requests_own_a_state_slot_and_wait_for_one() {
     while sim.step() {
         assert!(sim.sched.stats().running <= 2);
     }
+    sim.assert_clean();
+}
+
+#[test]
+fn hybrid_models_get_no_prefix_hits_without_state_snapshots() {
+    let mut sim = Sim::new(SchedulerConfig { num_state_slots: 2, ..small_cfg() });
+    sim.add(request(1, vec![4; 30], 3)).unwrap();
+    sim.run_until_idle(20);
+    assert!(sim.sched.stats().cached_tokens_in_tree > 0, "the KV is still cached for the hybrid cache to come");
+    sim.add(request(2, vec![4; 30], 3)).unwrap();
+    sim.run_until_idle(20);
+    assert_eq!(sim.outcome(2).cached_tokens, Some(0));
     sim.assert_clean();
 }
 
