@@ -27,6 +27,7 @@ from typing import Optional
 import torch
 
 from .cache.kv_pool import KVCachePool
+from .fault_injection import FaultInjector
 from .engine.forward_batch import ForwardBatch
 from .engine.step_plan import STEP_CONTRACT_VERSION, StepPlan
 from .errors import InvalidPlan, UnsupportedModel, WorkerOutOfMemory
@@ -152,6 +153,8 @@ class Worker:
         from .loading.gguf import GGUFCheckpoint, find_gguf
 
         self.args = a = normalize_args(args)
+        self.steps_executed = 0
+        self.faults = FaultInjector()
         if int(a["tensor_parallel_size"] or 1) != 1:
             raise UnsupportedModel("tensor parallelism is not supported yet (--tp-size 1)")
         self.device = self._resolve_device(a["device"])
@@ -389,7 +392,11 @@ class Worker:
         self._check_plan(plan, _allow_scratch)
         t0 = time.perf_counter()
         oom = None
+        if not _allow_scratch:
+            self.steps_executed += 1
         try:
+            if not _allow_scratch:
+                self.faults.maybe_inject(self.steps_executed)  # tests only: FREETOKEN_FAULT
             with torch.inference_mode():
                 if self.state is not None and plan.copy_src.numel():
                     self.state.copy(plan.copy_src, plan.copy_dst)  # restore snapshots before the forward
