@@ -264,6 +264,15 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 600.0)]
     pub step_timeout: f64,
 
+    /// Seconds a request may take, queued time included, before it is aborted and answered with an error
+    /// (408, or an SSE error event); 0 = no limit.
+    #[arg(long, default_value_t = 0.0)]
+    pub request_timeout: f64,
+
+    /// Seconds SIGTERM / SIGINT waits for in-flight requests (new ones get 503) before cancelling them.
+    #[arg(long, default_value_t = 30.0)]
+    pub shutdown_grace: f64,
+
     /// Requests waiting for admission before new ones get 429.
     #[arg(long, default_value_t = 256)]
     pub max_queued_requests: usize,
@@ -353,6 +362,12 @@ impl ServeArgs {
         }
         if !(self.step_timeout.is_finite() && self.step_timeout > 0.0) {
             return Err(format!("--step-timeout must be a positive number of seconds, got {}", self.step_timeout));
+        }
+        if !(self.request_timeout.is_finite() && self.request_timeout >= 0.0) {
+            return Err(format!("--request-timeout must be 0 (none) or a positive number of seconds, got {}", self.request_timeout));
+        }
+        if !(self.shutdown_grace.is_finite() && self.shutdown_grace >= 0.0) {
+            return Err(format!("--shutdown-grace must be a non-negative number of seconds, got {}", self.shutdown_grace));
         }
         if self.max_request_body_bytes == 0 {
             return Err("--max-request-body-bytes must be at least 1".into());
@@ -506,6 +521,8 @@ mod tests {
         assert_eq!(a.tensor_parallel_size, 1);
         assert_eq!(a.step_timeout, 600.0);
         assert_eq!(a.max_queued_requests, 256);
+        assert_eq!(a.request_timeout, 0.0);
+        assert_eq!(a.shutdown_grace, 30.0);
         assert_eq!(a.max_request_body_bytes, 8 * 1024 * 1024);
         assert_eq!(a.kv_reserve_tokens, 8192);
         assert_eq!(a.moe_hybrid_max_fetch, -1);
@@ -563,6 +580,8 @@ mod tests {
             &["--max-running-requests", "0"],
             &["--cache-type", "hybrid"],
             &["--step-timeout", "0"],
+            &["--request-timeout", "-1"],
+            &["--shutdown-grace", "inf"],
             &["--no-such-flag"],
         ] {
             let err = serve(bad).unwrap_err();

@@ -41,7 +41,8 @@ pub struct EngineConfig {
 }
 
 enum Command {
-    Submit { req: NewRequest, events: mpsc::UnboundedSender<RequestEvent> },
+    /// The request's event channel is already in `Shared::senders` (see [`EngineBackend::submit`]).
+    Submit { req: NewRequest },
     Finish { id: u64, reason: FinishReason },
     Shutdown,
 }
@@ -58,8 +59,9 @@ struct Shared {
     stats: Mutex<serde_json::Value>,
     /// Submitted but not yet finished (queued + running), for the 429 check.
     in_flight: AtomicUsize,
-    /// Each live request's event channel. Shared so the watchdog can answer every client even while the
-    /// engine thread is stuck inside the worker.
+    /// Each live request's event channel, registered by `submit` before the command is sent. Shared so the
+    /// watchdog can answer every client, those whose `Submit` still waits in the command channel included,
+    /// even while the engine thread is stuck inside the worker.
     senders: Mutex<HashMap<u64, mpsc::UnboundedSender<RequestEvent>>>,
     current_step: Mutex<Option<RunningStep>>,
     /// Set by the watchdog: the engine thread is stuck and will not be waited for.
@@ -76,6 +78,9 @@ impl Shared {
         self.in_flight.store(0, Ordering::SeqCst);
     }
 }
+
+/// How long the watchdog waits, after answering every client, before it lets the server exit.
+const STACK_DUMP_GRACE: Duration = Duration::from_secs(1);
 
 /// Watches the running step; on overrun marks the engine unhealthy and answers every client with an error.
 /// The Python stacks are dumped by `faulthandler`, armed by the worker wrapper for the same deadline.
@@ -97,9 +102,14 @@ fn watchdog(shared: Arc<Shared>, timeout: Duration) {
                 timeout.as_secs_f64()
             );
             tracing::error!("{why}; failing every request and stopping the server");
+            // Health first: a submit that races with us either is drained below or sees it and backs out.
             *shared.health.lock().unwrap() = HealthState::Unhealthy(why.clone());
-            shared.stalled.store(true, Ordering::SeqCst);
             shared.fail_every_client(&why);
+            // `stalled` makes the server exit without waiting for the stuck thread. Give faulthandler, armed
+            // for the same deadline, a moment to write the Python stacks to the log first (and /health a
+            // moment to say 503 to whoever polls it).
+            std::thread::sleep(STACK_DUMP_GRACE);
+            shared.stalled.store(true, Ordering::SeqCst);
             return;
         }
     }
@@ -231,9 +241,22 @@ impl Backend for EngineBackend {
             ignore_eos: req.ignore_eos,
         };
         self.shared.in_flight.fetch_add(1, Ordering::SeqCst);
-        if self.commands.send(Command::Submit { req: new, events: events_tx }).is_err() {
-            self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
-            return Err(SubmitError::Unavailable("the engine has stopped".into()));
+        self.shared.senders.lock().unwrap().insert(id, events_tx);
+        // Whoever stops the engine sets the health before failing every registered client: if it changed
+        // since the check above, our channel may have missed that sweep, so back out.
+        let backed_out = |why: String| {
+            if self.shared.senders.lock().unwrap().remove(&id).is_some() {
+                self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+            }
+            Err(SubmitError::Unavailable(why))
+        };
+        match self.health() {
+            HealthState::Serving => {}
+            HealthState::Unhealthy(why) => return backed_out(format!("engine unavailable: {why}")),
+            _ => return backed_out("the server is shutting down".into()),
+        }
+        if self.commands.send(Command::Submit { req: new }).is_err() {
+            return backed_out("the engine has stopped".into());
         }
         let commands = self.commands.clone();
         let guard = AbortOnDrop::new(move || {
@@ -296,8 +319,7 @@ impl EngineLoop {
                 }
             }
             if let Err(fatal) = self.step() {
-                tracing::error!("Engine stopped: {fatal}");
-                *self.shared.health.lock().unwrap() = HealthState::Unhealthy(fatal.to_string());
+                // (health is already Unhealthy: `step` sets it before failing anyone)
                 return self.stop(&fatal.to_string());
             }
             if self.scheduler.is_idle() {
@@ -312,13 +334,10 @@ impl EngineLoop {
     /// Applies one command; false means shut down.
     fn handle(&mut self, cmd: Command) -> bool {
         match cmd {
-            Command::Submit { req, events } => {
+            Command::Submit { req } => {
                 let id = req.id;
-                match self.scheduler.add_request(req) {
-                    Ok(()) => {
-                        self.shared.senders.lock().unwrap().insert(id, events);
-                    }
-                    Err(e) => {
+                if let Err(e) = self.scheduler.add_request(req) {
+                    if let Some(events) = self.shared.senders.lock().unwrap().remove(&id) {
                         let _ = events.send(RequestEvent::Failed { id, message: e.to_string() });
                         self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
                     }
@@ -356,7 +375,12 @@ impl EngineLoop {
                 self.status.record(&summary, &self.scheduler.stats(), elapsed);
             }
             Err(WorkerError::Fatal(msg)) => {
-                self.scheduler.fail_all(&format!("engine failed: {msg}"));
+                tracing::error!("Engine stopped: {msg}");
+                // Clients and /health get the first line; the traceback is in the log.
+                let why = format!("engine failed: {}", msg.lines().next().unwrap_or_default());
+                // Unhealthy before any client hears of the failure, so none of them sees /health 200 after.
+                *self.shared.health.lock().unwrap() = HealthState::Unhealthy(why.clone());
+                self.scheduler.fail_all(&why);
                 self.dispatch_events();
                 return Err(WorkerError::Fatal(msg));
             }
@@ -410,6 +434,10 @@ impl EngineLoop {
             "kv_capacity_tokens": s.kv_capacity_tokens,
             "token_usage": s.token_usage,
             "cached_tokens_in_tree": s.cached_tokens_in_tree,
+            "evictable_tokens": s.evictable_tokens,
+            "free_rows": s.free_rows,
+            "free_state_slots": s.free_state_slots,
+            "requests_in_flight": self.shared.in_flight.load(Ordering::SeqCst),
             "prefill_throughput": self.status.last_prefill_throughput(),
             "decode_throughput": self.status.last_decode_throughput(),
         });

@@ -5,6 +5,7 @@ pub mod engine;
 pub mod chat_template;
 pub mod cli;
 pub mod detokenizer;
+pub mod drain;
 pub mod launch;
 pub mod logging;
 pub mod openai_error;

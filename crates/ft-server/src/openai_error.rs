@@ -53,6 +53,11 @@ impl ApiError {
         Self::new(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", message).with_code("service_unavailable")
     }
 
+    /// 408: the request ran past `--request-timeout` and was aborted.
+    pub fn request_timeout(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::REQUEST_TIMEOUT, "timeout_error", message).with_code("request_timeout")
+    }
+
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message).with_code("internal_error")
     }

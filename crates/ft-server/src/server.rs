@@ -3,6 +3,7 @@
 use crate::backend::{Backend, ModelInfo};
 use crate::chat_template::ChatTemplate;
 use crate::cli::{SamplingDefaults, ServeArgs};
+use crate::drain::Drain;
 use crate::openai_error::ApiError;
 use crate::routes;
 use crate::tokenizer::Tokenizer;
@@ -18,7 +19,9 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::ops::Deref;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
+use futures::future::FutureExt;
+use std::future::IntoFuture;
 use tower_http::cors::{AllowOrigin, Any, CorsLayer};
 
 /// Everything a handler needs. Cheap to clone (one `Arc`); configure it before handing it to the router.
@@ -38,6 +41,8 @@ pub struct AppStateInner {
     pub started_at: Instant,
     /// Unix time the server started (`created` of `/v1/models`).
     pub created: u64,
+    /// Graceful shutdown: refuses new requests, counts and cancels live ones.
+    pub drain: Arc<Drain>,
 }
 
 impl Deref for AppState {
@@ -80,6 +85,7 @@ impl AppState {
                 default_sampling,
                 started_at: Instant::now(),
                 created: routes::unix_now(),
+                drain: Arc::new(Drain::default()),
             }),
         }
     }
@@ -127,6 +133,7 @@ pub fn build_router(state: AppState) -> Router {
         .route_layer(middleware::from_fn_with_state(state.clone(), require_api_key));
     let mut router = Router::new()
         .route("/health", get(routes::info::health))
+        .route("/openapi.json", get(routes::info::openapi))
         .merge(api)
         .layer(DefaultBodyLimit::max(state.args.max_request_body_bytes))
         .with_state(state.clone());
@@ -173,8 +180,23 @@ fn cors_layer(args: &ServeArgs) -> Option<CorsLayer> {
     )
 }
 
-/// Serves `state` on an already bound listener until `shutdown` resolves (or SIGINT / SIGTERM), then
-/// finishes in-flight requests and returns.
+/// After the listener is told to close: how long the last responses get to flush before the server returns
+/// anyway (every request has its answer by then; a client that does not read it must not hold us).
+const CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Why the server stops.
+enum StopReason {
+    /// The caller's `shutdown` future resolved (in `ft serve`: the engine died, every client is answered).
+    Requested,
+    /// SIGTERM or SIGINT: drain first.
+    Signal(&'static str),
+}
+
+/// Serves `state` on an already bound listener until `shutdown` resolves or SIGINT / SIGTERM arrives.
+///
+/// `shutdown` stops at once. A signal drains (see [`crate::drain`]): new generation requests and `/health`
+/// get 503 while in-flight requests run on for up to `--shutdown-grace` seconds; then the rest are cancelled
+/// with an error, the listener closes, and this returns `Ok`.
 pub async fn serve_listener(
     listener: tokio::net::TcpListener,
     state: AppState,
@@ -187,17 +209,78 @@ pub async fn serve_listener(
         state.max_context(),
         state.tokenizer.vocab_size()
     );
-    let app = build_router(state);
+    let app = build_router(state.clone());
     tracing::info!("API server is ready to serve on {}", addr);
-    axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>())
-        .with_graceful_shutdown(shutdown_signal(shutdown))
-        .await
-        .context("HTTP server failed")?;
+    let (close_tx, close_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>())
+        .with_graceful_shutdown(async move {
+            let _ = close_rx.await;
+        })
+        .into_future();
+    tokio::pin!(server);
+    let shutdown = shutdown.fuse();
+    tokio::pin!(shutdown);
+    let reason = tokio::select! {
+        r = &mut server => {
+            // The server stopped by itself: only an I/O error does that.
+            r.context("HTTP server failed")?;
+            return Ok(());
+        }
+        _ = &mut shutdown => StopReason::Requested,
+        sig = next_signal() => StopReason::Signal(sig),
+    };
+    match reason {
+        StopReason::Requested => tracing::info!("Shutdown requested"),
+        StopReason::Signal(sig) => {
+            drain(&state, sig, &mut shutdown, &mut server).await;
+        }
+    }
+    // Whatever still waits (a request that slipped past the gate) gives up now.
+    state.drain.cancel_live();
+    let _ = close_tx.send(());
+    match tokio::time::timeout(CLOSE_TIMEOUT, &mut server).await {
+        Ok(r) => r.context("HTTP server failed")?,
+        Err(_) => tracing::warn!("Connections still open {} s after shutdown; closing them", CLOSE_TIMEOUT.as_secs()),
+    }
     tracing::info!("API server stopped");
     Ok(())
 }
 
-/// Binds `--host:--port` and serves until `shutdown` resolves or SIGINT / SIGTERM arrives.
+/// The grace period after a signal: refuse new requests, wait for the live ones, cancel the rest.
+async fn drain<S, F>(state: &AppState, sig: &str, shutdown: &mut std::pin::Pin<&mut S>, server: &mut std::pin::Pin<&mut F>)
+where
+    S: Future<Output = ()> + futures::future::FusedFuture,
+    F: Future<Output = std::io::Result<()>>,
+{
+    let grace = Duration::from_secs_f64(state.args.shutdown_grace);
+    state.drain.start_draining();
+    let live = state.drain.live();
+    tracing::info!(
+        "{sig} received, shutting down: refusing new requests, waiting up to {:.1} s (--shutdown-grace) for {live} in-flight request(s)",
+        grace.as_secs_f64()
+    );
+    let outcome = tokio::select! {
+        _ = state.drain.wait_idle() => "every in-flight request finished",
+        _ = tokio::time::sleep(grace) => "the grace period ended",
+        sig = next_signal() => if sig == "SIGINT" { "a second SIGINT arrived" } else { "a second SIGTERM arrived" },
+        _ = shutdown.as_mut(), if !shutdown.is_terminated() => "the engine stopped",
+        r = server.as_mut() => {
+            if let Err(e) = r {
+                tracing::error!("HTTP server failed while draining: {e}");
+            }
+            "the HTTP server stopped"
+        }
+    };
+    let left = state.drain.live();
+    if left > 0 {
+        tracing::warn!("Shutdown: {outcome}; cancelling {left} request(s) still in flight");
+    } else {
+        tracing::info!("Shutdown: {outcome}");
+    }
+}
+
+/// Binds `--host:--port` and serves until `shutdown` resolves or SIGINT / SIGTERM arrives (see
+/// [`serve_listener`]).
 pub async fn run_server(
     args: ServeArgs,
     backend: Arc<dyn Backend>,
@@ -210,7 +293,9 @@ pub async fn run_server(
     serve_listener(listener, state, shutdown).await
 }
 
-async fn shutdown_signal(shutdown: impl Future<Output = ()> + Send + 'static) {
+/// The next SIGINT or SIGTERM, by name. Each call installs fresh listeners (tokio keeps its handler once
+/// installed, so a signal never kills the process by default action after the first).
+async fn next_signal() -> &'static str {
     let ctrl_c = async {
         if tokio::signal::ctrl_c().await.is_err() {
             std::future::pending::<()>().await;
@@ -228,8 +313,7 @@ async fn shutdown_signal(shutdown: impl Future<Output = ()> + Send + 'static) {
     #[cfg(not(unix))]
     let terminate = std::future::pending::<()>();
     tokio::select! {
-        _ = shutdown => tracing::info!("Shutdown requested"),
-        _ = ctrl_c => tracing::info!("SIGINT received, shutting down"),
-        _ = terminate => tracing::info!("SIGTERM received, shutting down"),
+        _ = ctrl_c => "SIGINT",
+        _ = terminate => "SIGTERM",
     }
 }

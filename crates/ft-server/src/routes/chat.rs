@@ -65,7 +65,7 @@ async fn whole_response(mut ts: TextStream, id: String, model: String) -> Result
                 content.push_str(&text);
                 break reason;
             }
-            Some(Piece::Error(msg)) => return Err(ApiError::internal(msg)),
+            Some(Piece::Error(e)) => return Err(e),
             None => return Err(ApiError::internal("the request ended without a result")),
         }
     };
@@ -121,8 +121,8 @@ fn stream_response(ts: TextStream, id: String, model: String, include_usage: boo
                     st.queue.push_back(Event::default().data("[DONE]"));
                     st.ts = None;
                 }
-                Some(Piece::Error(msg)) => {
-                    st.queue.push_back(json_event(&ApiError::internal(msg).body()));
+                Some(Piece::Error(e)) => {
+                    st.queue.push_back(json_event(&e.body()));
                     st.queue.push_back(Event::default().data("[DONE]"));
                     st.ts = None;
                 }

@@ -60,7 +60,7 @@ pub async fn completions(
                     text.push_str(&t);
                     break reason;
                 }
-                Some(Piece::Error(msg)) => return Err(ApiError::internal(msg)),
+                Some(Piece::Error(e)) => return Err(e),
                 None => return Err(ApiError::internal("the request ended without a result")),
             }
         };
@@ -90,8 +90,8 @@ pub async fn completions(
                     queue.push_back(Event::default().data("[DONE]"));
                     ts = None;
                 }
-                Some(Piece::Error(msg)) => {
-                    queue.push_back(json_event(&ApiError::internal(msg).body()));
+                Some(Piece::Error(e)) => {
+                    queue.push_back(json_event(&e.body()));
                     queue.push_back(Event::default().data("[DONE]"));
                     ts = None;
                 }

@@ -14,7 +14,8 @@ use serde_json::json;
 pub async fn health(State(state): State<AppState>) -> Response {
     let uptime_s = state.started_at.elapsed().as_secs_f64();
     let model = state.served_model_name();
-    let (status, reason) = match state.backend.health() {
+    let health = if state.drain.is_draining() { HealthState::ShuttingDown } else { state.backend.health() };
+    let (status, reason) = match health {
         HealthState::Serving => {
             return (StatusCode::OK, Json(json!({"status": "ok", "model": model, "uptime_s": uptime_s}))).into_response();
         }
@@ -43,6 +44,14 @@ pub async fn models(State(state): State<AppState>) -> Json<serde_json::Value> {
             "context_length": max,
         }]
     }))
+}
+
+/// The OpenAPI 3 description of the HTTP API (`crates/ft-server/openapi.json`, kept by hand next to
+/// `protocol.rs`, whose validation it describes).
+pub const OPENAPI_JSON: &str = include_str!("../../openapi.json");
+
+pub async fn openapi() -> Response {
+    ([(axum::http::header::CONTENT_TYPE, "application/json")], OPENAPI_JSON).into_response()
 }
 
 pub async fn stats(State(state): State<AppState>) -> Json<serde_json::Value> {

@@ -13,6 +13,7 @@ pub mod info;
 
 use crate::backend::{GenerateRequest, HealthState, RequestStream};
 use crate::detokenizer::IncrementalDetokenizer;
+use crate::drain::LiveGuard;
 use crate::openai_error::ApiError;
 use crate::protocol::{PromptTokensDetails, Usage, ValidatedSampling};
 use crate::server::AppState;
@@ -45,8 +46,11 @@ impl<T: DeserializeOwned> FromRequest<AppState> for OpenAiJson<T> {
     }
 }
 
-/// 503 unless the engine is serving.
+/// 503 unless the engine is serving and the server is not draining for shutdown.
 pub(crate) fn ensure_serving(state: &AppState) -> Result<(), ApiError> {
+    if state.drain.is_draining() {
+        return Err(ApiError::unavailable("the server is shutting down"));
+    }
     match state.backend.health() {
         HealthState::Serving => Ok(()),
         HealthState::Loading => Err(ApiError::unavailable("the model is still loading")),
@@ -104,14 +108,19 @@ pub(crate) enum Piece {
     Text(String),
     /// The request is over: the last text (may be empty) and the OpenAI finish reason.
     Finish { text: String, reason: &'static str },
-    /// The request failed; the message is for the client.
-    Error(String),
+    /// The request failed (engine error, --request-timeout, shutdown); the error is for the client.
+    Error(ApiError),
 }
 
 /// One request's events as text. Owns the [`RequestStream`]: dropping this aborts an unfinished request.
+/// Also where a request gives up waiting: at `--request-timeout`, or when a shutdown cancels it.
 pub(crate) struct TextStream {
     state: AppState,
     stream: RequestStream,
+    /// `--request-timeout` after submission.
+    deadline: Option<tokio::time::Instant>,
+    /// Counts the request as live for a graceful shutdown.
+    _live: LiveGuard,
     detok: IncrementalDetokenizer,
     stops: StopStringMatcher,
     stop_token_ids: Vec<u32>,
@@ -124,7 +133,11 @@ pub(crate) struct TextStream {
 
 impl TextStream {
     pub fn new(state: AppState, stream: RequestStream, prepared: &Prepared) -> Self {
+        let timeout = state.args.request_timeout;
+        let deadline = (timeout > 0.0).then(|| tokio::time::Instant::now() + std::time::Duration::from_secs_f64(timeout));
         TextStream {
+            deadline,
+            _live: state.drain.track(),
             detok: IncrementalDetokenizer::new(&prepared.req.prompt, true),
             stops: StopStringMatcher::new(prepared.stop.clone()),
             stop_token_ids: prepared.req.stop_token_ids.clone(),
@@ -157,9 +170,34 @@ impl TextStream {
             return None;
         }
         loop {
-            let Some(event) = self.stream.next().await else {
+            let deadline = self.deadline;
+            let timed_out = async move {
+                match deadline {
+                    Some(d) => tokio::time::sleep_until(d).await,
+                    None => std::future::pending().await,
+                }
+            };
+            let cancelled = self.state.drain.cancelled();
+            // `biased`: an event that is already there wins over a deadline that passed at the same time.
+            let event = tokio::select! {
+                biased;
+                ev = self.stream.next() => ev,
+                _ = timed_out => {
+                    let secs = self.state.args.request_timeout;
+                    tracing::warn!(id = self.stream.id, "request timed out after {secs} s (--request-timeout); aborting it");
+                    return Some(self.fail(ApiError::request_timeout(format!(
+                        "the request did not finish within {secs} s (--request-timeout) and was aborted"
+                    ))));
+                }
+                _ = cancelled => {
+                    return Some(self.fail(ApiError::unavailable(
+                        "the server is shutting down; the request was cancelled at the end of the --shutdown-grace period",
+                    )));
+                }
+            };
+            let Some(event) = event else {
                 self.done = true;
-                return Some(Piece::Error("the engine stopped before the request finished".into()));
+                return Some(Piece::Error(ApiError::internal("the engine stopped before the request finished")));
             };
             match event {
                 RequestEvent::Started { prompt_tokens, cached_tokens, .. } => {
@@ -174,7 +212,7 @@ impl TextStream {
                     }
                     let text = match self.detok.push(&self.state.tokenizer, token) {
                         Ok(t) => t,
-                        Err(e) => return Some(self.fail(e.to_string())),
+                        Err(e) => return Some(self.fail(ApiError::internal(e.to_string()))),
                     };
                     if text.is_empty() {
                         continue;
@@ -196,7 +234,7 @@ impl TextStream {
                     self.completion_tokens = self.completion_tokens.max(completion_tokens);
                     let tail = match self.detok.finish(&self.state.tokenizer) {
                         Ok(t) => t,
-                        Err(e) => return Some(self.fail(e.to_string())),
+                        Err(e) => return Some(self.fail(ApiError::internal(e.to_string()))),
                     };
                     return Some(match self.stops.push(&tail) {
                         StopOutcome::Stopped(t) => Piece::Finish { text: t, reason: "stop" },
@@ -208,17 +246,17 @@ impl TextStream {
                 }
                 RequestEvent::Failed { message, .. } => {
                     self.done = true;
-                    return Some(Piece::Error(message));
+                    return Some(Piece::Error(ApiError::internal(message)));
                 }
             }
         }
     }
 
-    fn fail(&mut self, message: String) -> Piece {
+    fn fail(&mut self, error: ApiError) -> Piece {
         self.state.backend.abort(self.stream.id);
         self.stream.guard.disarm();
         self.done = true;
-        Piece::Error(message)
+        Piece::Error(error)
     }
 }
 

@@ -337,6 +337,12 @@ impl TestServer {
         (status, parse_sse(&text))
     }
 
+    /// Waits for the server to return by itself (after a signal), without asking it to stop.
+    pub async fn wait_stopped(mut self, within: Duration) {
+        let h = self.handle.take().unwrap();
+        tokio::time::timeout(within, h).await.expect("server returned by itself").unwrap().unwrap();
+    }
+
     pub async fn stop(mut self) {
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
