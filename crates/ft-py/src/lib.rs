@@ -34,7 +34,31 @@ fn model_info(info: &Bound<'_, PyDict>) -> PyResult<ModelInfo> {
         add_bos_token: get(info, "add_bos_token")?.unwrap_or(false),
         bos_token_id: get(info, "bos_token_id")?,
         kv_capacity_tokens: get(info, "kv_capacity_tokens")?.unwrap_or(0),
+        generation_defaults: generation_defaults(info)?,
     })
+}
+
+/// The model's `generation_config.json` sampling values (temperature, top_p, top_k, min_p), if it has any.
+fn generation_defaults(info: &Bound<'_, PyDict>) -> PyResult<Option<ft_core::request::SamplingParams>> {
+    let Some(gen) = info.get_item("generation_config")? else { return Ok(None) };
+    let Ok(gen) = gen.downcast::<PyDict>() else { return Ok(None) };
+    let f = |k: &str| -> PyResult<Option<f64>> {
+        match gen.get_item(k)? {
+            Some(v) if !v.is_none() => Ok(v.extract::<f64>().ok()),
+            _ => Ok(None),
+        }
+    };
+    let (t, p, k, m) = (f("temperature")?, f("top_p")?, f("top_k")?, f("min_p")?);
+    if t.is_none() && p.is_none() && k.is_none() && m.is_none() {
+        return Ok(None);
+    }
+    Ok(Some(ft_core::request::SamplingParams {
+        temperature: t.unwrap_or(1.0) as f32,
+        top_p: p.unwrap_or(1.0) as f32,
+        top_k: k.unwrap_or(0.0) as i32,
+        min_p: m.unwrap_or(0.0) as f32,
+        seed: None,
+    }))
 }
 
 /// Builds the worker for `args` (a dict of the `ft serve` flags) and returns it with its model info.

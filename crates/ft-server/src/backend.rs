@@ -28,6 +28,9 @@ pub struct ModelInfo {
     pub bos_token_id: Option<u32>,
     /// KV capacity in tokens, for logs and `/v1/stats`.
     pub kv_capacity_tokens: usize,
+    /// Sampling values from the model's `generation_config.json` (used under `--sampling-defaults model`
+    /// for fields a request leaves out).
+    pub generation_defaults: Option<SamplingParams>,
 }
 
 /// A generation request after tokenization and validation.

@@ -69,11 +69,14 @@ impl AppState {
         tokenizer: Tokenizer,
         chat_template: ChatTemplate,
     ) -> Self {
-        // `--sampling-defaults none`: greedy. `model`: OpenAI's defaults until the model's
-        // generation_config values are given through `with_default_sampling`.
+        // `--sampling-defaults none`: greedy. `model`: the model's generation_config values, else OpenAI's
+        // defaults (temperature 1).
         let default_sampling = match args.sampling_defaults {
             SamplingDefaults::None => SamplingParams::default(),
-            SamplingDefaults::Model => SamplingParams { temperature: 1.0, ..SamplingParams::default() },
+            SamplingDefaults::Model => info
+                .generation_defaults
+                .clone()
+                .unwrap_or(SamplingParams { temperature: 1.0, ..SamplingParams::default() }),
         };
         AppState {
             inner: Arc::new(AppStateInner {
