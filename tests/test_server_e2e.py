@@ -23,6 +23,7 @@ def server(demo_gguf_path):
     srv = ServerProcess(SERVER_ARGS + ["--enable-cache-report", "--decode-log-interval", "5"])
     yield srv
     assert srv.stop() == 0, srv.log()[-3000:]
+    assert "integrity check failed" not in srv.log(), srv.log()[-3000:]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,75 @@
+"""``ft serve`` on a tiny random Qwen3.5-MoE checkpoint in the released layout (outer ``qwen3_5_moe`` config,
+``model.language_model.*`` tensors, MTP and vision tensors to skip) with the real Qwen3.5/3.6 tokenizer: the
+openai client gets chat answers, streamed and not (noise text, real plumbing), and greedy completions over
+token ids equal HF transformers' greedy continuation of the same weights."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import hf_reference as R
+from server_harness import ServerProcess
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from safetensors.torch import save_file
+
+    from freetoken.loading.qwen_tokenizer import write_qwen_tokenizer_files
+
+    d = tmp_path_factory.mktemp("tiny-qwen3_5_moe")
+    cfg = R.qwen3_5_moe_config(vocab_size=248320, hidden_size=32, moe_intermediate_size=16,
+                               shared_expert_intermediate_size=16)
+    cfg["text_config"].update(eos_token_id=248044, bos_token_id=248044)
+    hf = R.build_hf_model(cfg, seed=5)
+    sd = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v.contiguous()
+          for k, v in hf.state_dict().items()}
+    sd["mtp.fc.weight"] = torch.zeros(2, 2)
+    sd["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(2, 2)
+    save_file(sd, os.path.join(d, "model.safetensors"))
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump({**cfg, "torch_dtype": "float32"}, f)
+    write_qwen_tokenizer_files(str(d))
+    return str(d), hf
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    srv = ServerProcess(["--model-path", checkpoint[0], "--max-running-requests", "4", "--num-tokens", "4096",
+                         "--max-seq-len-override", "1024"])
+    yield srv
+    assert srv.stop() == 0, srv.log()[-3000:]
+
+
+def test_chat_through_openai_client_streaming_and_not(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=120)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "你好, what is 2+2? 🙂"}]
+    full = client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=12)
+    assert full.choices[0].finish_reason in ("stop", "length")
+    assert full.usage.prompt_tokens > 10 and 1 <= full.usage.completion_tokens <= 12
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="tiny", messages=messages, temperature=0, max_tokens=12, stream=True) if c.choices]
+    assert "".join(pieces) == full.choices[0].message.content
+    assert "qwen3_5_moe" in server.log() or "Qwen3_5Moe" in server.log()
+
+
+def test_greedy_completion_matches_hf(server, checkpoint):
+    _, hf = checkpoint
+    prompt = [9707, 11, 1879, 0, 3555, 374, 220, 17, 10, 17, 30]
+    r = server.post("/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                                        "ignore_eos": True, "logprobs": None})
+    assert r.status_code == 200, r.text
+    text = r.json()["choices"][0]["text"]
+    expected, _ = R.hf_greedy(hf, prompt, 8)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(checkpoint[0], "tokenizer.json"))
+    assert text == tok.decode(expected, skip_special_tokens=True)
