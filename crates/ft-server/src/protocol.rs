@@ -124,7 +124,9 @@ impl SamplingFields {
             if !p.is_finite() || p <= 0.0 || p > 1.0 {
                 return Err(ApiError::invalid_param("top_p", format!("top_p must be in (0, 1], got {p}")));
             }
-            sampling.top_p = p as f32;
+            // The worker checks the f32 value: a positive f64 below f32's range (1e-300) would round to 0 and
+            // fail the whole step it rides in. Clamped, it keeps its meaning: only the most likely token.
+            sampling.top_p = (p as f32).max(f32::MIN_POSITIVE);
         }
         if let Some(k) = self.top_k {
             if k < -1 || k > i32::MAX as i64 {
@@ -210,6 +212,21 @@ impl ChatCompletionRequest {
         if self.function_call.as_ref().is_some_and(|v| !v.is_null()) || self.functions.as_ref().is_some_and(|v| !v.is_null()) {
             return Err(ApiError::invalid_param("function_call", "legacy function_call / functions are not supported; use tools"));
         }
+        for (i, tool) in self.tools.iter().flatten().enumerate() {
+            check_tool(tool, &format!("tools[{i}]"))?;
+        }
+        match &self.tool_choice {
+            None | Some(Json::Null) => {}
+            Some(Json::String(s)) if matches!(s.as_str(), "none" | "auto" | "required") => {}
+            Some(choice @ Json::Object(_)) if choice.get("type").and_then(Json::as_str) == Some("function")
+                && choice.get("function").and_then(|f| f.get("name")).is_some_and(Json::is_string) => {}
+            Some(_) => {
+                return Err(ApiError::invalid_param(
+                    "tool_choice",
+                    "tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                ))
+            }
+        }
         Ok(())
     }
 
@@ -279,6 +296,22 @@ impl ChatCompletionRequest {
                 }
             };
             obj.insert("content".into(), Json::String(content));
+            for key in ["name", "tool_call_id"] {
+                if !matches!(obj.get(key), None | Some(Json::Null) | Some(Json::String(_))) {
+                    return Err(ApiError::invalid_param(&format!("{param}.{key}"), format!("{param}.{key} must be a string")));
+                }
+            }
+            match obj.get("tool_calls") {
+                None | Some(Json::Null) => {}
+                Some(Json::Array(calls)) => {
+                    for (j, call) in calls.iter().enumerate() {
+                        check_tool_call(call, &format!("{param}.tool_calls[{j}]"))?;
+                    }
+                }
+                Some(_) => {
+                    return Err(ApiError::invalid_param(&format!("{param}.tool_calls"), format!("{param}.tool_calls must be a list")))
+                }
+            }
             if let Some(Json::Array(calls)) = obj.get_mut("tool_calls") {
                 for call in calls.iter_mut() {
                     if let Some(args) = call.get_mut("function").and_then(|f| f.get_mut("arguments")) {
@@ -298,6 +331,57 @@ impl ChatCompletionRequest {
     pub fn include_usage(&self) -> bool {
         self.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false)
     }
+}
+
+/// A tool definition as OpenAI takes it: `{"type": "function", "function": {"name": "...", "description"?: "...",
+/// "parameters"?: {JSON Schema object}}}`. Templates iterate over these, so garbage is refused here with a 400
+/// rather than left to fail (or silently render) inside the template.
+fn check_tool(tool: &Json, param: &str) -> Result<(), ApiError> {
+    let bad = |what: &str| Err(ApiError::invalid_param(param, format!("{param}: {what}")));
+    let Json::Object(t) = tool else {
+        return bad("a tool must be an object {\"type\": \"function\", \"function\": {...}}");
+    };
+    if t.get("type").and_then(Json::as_str) != Some("function") {
+        return bad("type must be \"function\"");
+    }
+    let Some(Json::Object(f)) = t.get("function") else {
+        return bad("function must be an object with a name");
+    };
+    if !f.get("name").is_some_and(Json::is_string) {
+        return bad("function.name must be a string");
+    }
+    if !matches!(f.get("description"), None | Some(Json::Null) | Some(Json::String(_))) {
+        return bad("function.description must be a string");
+    }
+    if !matches!(f.get("parameters"), None | Some(Json::Null) | Some(Json::Object(_))) {
+        return bad("function.parameters must be a JSON Schema object");
+    }
+    Ok(())
+}
+
+/// An assistant message's tool call: `{"id"?, "type"?: "function", "function": {"name", "arguments"}}`, the
+/// arguments as JSON text (OpenAI) or an object.
+fn check_tool_call(call: &Json, param: &str) -> Result<(), ApiError> {
+    let bad = |what: &str| Err(ApiError::invalid_param(param, format!("{param}: {what}")));
+    let Json::Object(c) = call else {
+        return bad("a tool call must be an object");
+    };
+    if !matches!(c.get("id"), None | Some(Json::Null) | Some(Json::String(_))) {
+        return bad("id must be a string");
+    }
+    if !matches!(c.get("type").map(|t| t.as_str()), None | Some(Some("function"))) {
+        return bad("type must be \"function\"");
+    }
+    let Some(Json::Object(f)) = c.get("function") else {
+        return bad("function must be an object with a name and arguments");
+    };
+    if !f.get("name").is_some_and(Json::is_string) {
+        return bad("function.name must be a string");
+    }
+    if !matches!(f.get("arguments"), None | Some(Json::String(_)) | Some(Json::Object(_))) {
+        return bad("function.arguments must be a JSON string (or an object)");
+    }
+    Ok(())
 }
 
 impl CompletionRequest {
@@ -444,7 +528,9 @@ mod tests {
         assert_eq!(v.sampling, SamplingParams { temperature: 0.0, top_p: 0.5, top_k: 0, min_p: 0.0, seed: Some(7) });
         assert_eq!(v.max_tokens, Some(3));
         assert_eq!(v.stop, vec!["x".to_string()]);
-        let v = fields(json!({"max_tokens": 3, "max_completion_tokens": 5, "stop": ["a", "b"]})).validate(&d).unwrap();
+        let v = fields(json!({"top_p": 1e-300})).validate(&d).unwrap();
+        assert!(v.sampling.top_p > 0.0);
+                let v = fields(json!({"max_tokens": 3, "max_completion_tokens": 5, "stop": ["a", "b"]})).validate(&d).unwrap();
         assert_eq!(v.max_tokens, Some(5));
         assert_eq!(v.stop.len(), 2);
         for (bad, param) in [
@@ -501,6 +587,29 @@ mod tests {
         assert!(chat(json!({"messages": [], "response_format": {"type": "json_object"}})).check_unsupported().is_err());
         assert!(chat(json!({"messages": [], "response_format": {"type": "text"}})).check_unsupported().is_ok());
         assert!(chat(json!({"messages": [], "function_call": "auto"})).check_unsupported().is_err());
+        let tool = json!({"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}});
+        assert!(chat(json!({"messages": [], "tools": [tool], "tool_choice": "auto"})).check_unsupported().is_ok());
+        assert!(chat(json!({"messages": [], "tool_choice": {"type": "function", "function": {"name": "f"}}})).check_unsupported().is_ok());
+        for bad in [
+            json!({"messages": [], "tools": [5]}),
+            json!({"messages": [], "tools": [{"type": "function"}]}),
+            json!({"messages": [], "tools": [{"function": {"name": "f"}}]}),
+            json!({"messages": [], "tools": [{"type": "function", "function": {"name": 5}}]}),
+            json!({"messages": [], "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}),
+            json!({"messages": [], "tool_choice": "sometimes"}),
+            json!({"messages": [], "tool_choice": 5}),
+        ] {
+            assert_eq!(chat(bad.clone()).check_unsupported().unwrap_err().status.as_u16(), 400, "{bad}");
+        }
+        for bad in [
+            json!({"messages": [{"role": "user", "content": "x", "name": 5}]}),
+            json!({"messages": [{"role": "assistant", "content": null, "tool_calls": 5}]}),
+            json!({"messages": [{"role": "assistant", "content": null, "tool_calls": [5]}]}),
+            json!({"messages": [{"role": "assistant", "content": null, "tool_calls": [{"function": {"arguments": "{}"}}]}]}),
+            json!({"messages": [{"role": "assistant", "content": null, "tool_calls": [{"function": {"name": "f", "arguments": 5}}]}]}),
+        ] {
+            assert_eq!(chat(bad.clone()).template_messages().unwrap_err().status.as_u16(), 400, "{bad}");
+        }
     }
 
     #[test]

@@ -70,7 +70,9 @@ pub(crate) fn prepare(state: &AppState, prompt: Vec<u32>, v: ValidatedSampling) 
     if prompt.is_empty() {
         return Err(ApiError::invalid_param("prompt", "the prompt is empty"));
     }
-    let vocab = state.tokenizer.vocab_size().max(state.info.vocab_size);
+    // The model's embedding rows bound what the worker takes (it rejects the whole step otherwise, failing
+    // every request batched with this one); the tokenizer's size only when the worker did not say.
+    let vocab = if state.info.vocab_size > 0 { state.info.vocab_size } else { state.tokenizer.vocab_size() };
     if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
         return Err(ApiError::invalid_param("prompt", format!("token id {bad} is out of the vocabulary (size {vocab})")));
     }
