@@ -5,5 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-cargo test
+cargo test --release  # release: shares the dependency build with the extension (maturin builds release)
 python -m pytest -q tests "$@"
