@@ -13,20 +13,7 @@ import torch
 from torch import nn
 
 from .norm import RMSNorm
-from .rotary import RotaryEmbedding
-
-
-def rope_settings(config) -> tuple[float, float]:
-    """``(theta, partial_rotary_factor)`` from ``rope_parameters`` (transformers 5.x, Qwen3.5 configs) or the flat
-    ``rope_theta`` / ``partial_rotary_factor`` fields (older Qwen3-Next configs). Only plain RoPE is supported;
-    Qwen3.5's interleaved MRoPE equals plain RoPE for text (all three position axes equal, §1.2)."""
-    rp = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    rope_type = rp.get("rope_type", rp.get("type", "default"))
-    if rope_type not in ("default", "mrope", None):
-        raise NotImplementedError(f"rope_type {rope_type!r} is not supported for this model")
-    theta = rp.get("rope_theta", config.get("rope_theta", 10000.0))
-    partial = rp.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
-    return float(theta), float(partial)
+from .rotary import RotaryEmbedding, rope_config
 
 
 class GatedAttention(nn.Module):
@@ -47,8 +34,8 @@ class GatedAttention(nn.Module):
         eps = config.get("rms_norm_eps", 1e-6)
         self.q_norm = RMSNorm(D, eps=eps, one_plus=True)
         self.k_norm = RMSNorm(D, eps=eps, one_plus=True)
-        theta, partial = rope_settings(config)
-        self.rotary = RotaryEmbedding(D, int(D * partial), theta, config.get("max_position_embeddings", 32768))
+        theta, partial, scaling = rope_config(config, default_partial=0.25)
+        self.rotary = RotaryEmbedding(D, int(D * partial), theta, config.get("max_position_embeddings", 32768), scaling)
         self.scale = D**-0.5
 
     def forward(self, x: torch.Tensor, batch) -> torch.Tensor:

@@ -22,6 +22,22 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_mid, mid, scaled)
 
 
+def rope_config(config, default_partial: float = 1.0) -> tuple[float, float, dict | None]:
+    """``(theta, partial_rotary_factor, scaling)`` from either spelling: transformers >= 5 ``rope_parameters`` or
+    the flat ``rope_theta`` / ``rope_scaling`` / ``partial_rotary_factor`` fields. ``scaling`` is None for plain
+    RoPE; ``mrope`` counts as plain, since interleaved MRoPE equals 1-D RoPE for text (all three position axes
+    are equal). Llama-3 scaling is supported; any other scaling type is refused rather than ignored."""
+    params = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    theta = float(params.get("rope_theta") or config.get("rope_theta") or 10000.0)
+    partial = float(params.get("partial_rotary_factor", config.get("partial_rotary_factor", default_partial)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in ("default", "mrope", None):
+        return theta, partial, None
+    if rope_type == "llama3":
+        return theta, partial, params
+    raise NotImplementedError(f"rope_type {rope_type!r} is not supported")
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, rotary_dim: int, base: float, max_positions: int, scaling: dict | None = None):
         super().__init__()

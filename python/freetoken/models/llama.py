@@ -16,17 +16,8 @@ from torch import nn
 
 from ..engine.forward_batch import ForwardBatch
 from ..layers.norm import RMSNorm
-from ..layers.rotary import RotaryEmbedding
+from ..layers.rotary import RotaryEmbedding, rope_config
 from .base import CausalLM, KVLayout, ModelConfig
-
-
-def rope_settings(config: ModelConfig) -> tuple[float, dict | None]:
-    """(theta, scaling) from either spelling: transformers ≥ 5 ``rope_parameters`` or ``rope_theta`` +
-    ``rope_scaling``."""
-    params = config.get("rope_parameters") or {}
-    theta = float(config.get("rope_theta") or params.get("rope_theta") or 10000.0)
-    scaling = config.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
-    return theta, scaling
 
 
 class LlamaAttention(nn.Module):
@@ -86,7 +77,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         head_dim = config.get("head_dim") or config.hidden_size // config.num_attention_heads
-        theta, scaling = rope_settings(config)
+        theta, _, scaling = rope_config(config)
         self.rotary = RotaryEmbedding(head_dim, head_dim, theta, config.max_position_embeddings, scaling)
         factors = config.get("rope_freq_factors")  # GGUF Llama 3.1: llama3 scaling stored as divisors
         if factors is not None:

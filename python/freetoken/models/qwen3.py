@@ -20,23 +20,8 @@ from torch import nn
 from ..engine.forward_batch import ForwardBatch
 from ..layers.moe import GatedMLP
 from ..layers.norm import RMSNorm
-from ..layers.rotary import RotaryEmbedding
+from ..layers.rotary import RotaryEmbedding, rope_config
 from .base import CausalLM, KVLayout, ModelConfig
-
-
-def qwen3_rope(config) -> tuple[float, dict | None]:
-    """``(theta, scaling)`` from ``rope_parameters`` (transformers 5.x) or flat ``rope_theta`` / ``rope_scaling``."""
-    rp = dict(config.get("rope_parameters") or {})
-    rs = config.get("rope_scaling") or {}
-    theta = float(rp.get("rope_theta", config.get("rope_theta", 10000.0)))
-    scaling = {**rs, **{k: v for k, v in rp.items() if k != "rope_theta"}} or None
-    if scaling:
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        if rope_type not in ("default", None, "llama3"):
-            raise NotImplementedError(f"rope_type {rope_type!r} is not supported for Qwen3")
-        if rope_type in ("default", None):
-            scaling = None
-    return theta, scaling
 
 
 class Qwen3Attention(nn.Module):
@@ -56,7 +41,7 @@ class Qwen3Attention(nn.Module):
         eps = config.get("rms_norm_eps", 1e-6)
         self.q_norm = RMSNorm(D, eps=eps)
         self.k_norm = RMSNorm(D, eps=eps)
-        theta, scaling = qwen3_rope(config)
+        theta, _, scaling = rope_config(config)
         self.rotary = RotaryEmbedding(D, D, theta, config.get("max_position_embeddings", 32768), scaling)
         self.scale = D**-0.5
 
