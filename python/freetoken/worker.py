@@ -28,6 +28,7 @@ import torch
 
 from .cache.kv_pool import KVCachePool
 from .fault_injection import FaultInjector
+from .memory_plan import MemoryPlan, measure_peak_bytes
 from .engine.forward_batch import ForwardBatch
 from .engine.step_plan import STEP_CONTRACT_VERSION, StepPlan
 from .errors import InvalidPlan, UnsupportedModel, WorkerOutOfMemory
@@ -235,11 +236,14 @@ class Worker:
             f"cache_type={self.cache_type!r}, page_size={self.page_size}"
         )
 
-        # --- the KV pool
+        # --- the pools, planned (memory_plan.py): weights, recurrent state, the measured workspace of the
+        # largest prefill chunk and the reserve come first; the KV cache gets the rest.
+        used_by_loading = free_before - free_memory_bytes(self.device)
         layout = self.model.kv_layout
         bpt = KVCachePool.bytes_per_token(layout.num_layers, layout.num_kv_heads, layout.head_dim, self.dtype,
                                           layout.v_head_dim)
         self.scratch_tokens = min(self.max_context, _SCRATCH_TOKENS)
+        self.scratch_row = self.max_running_requests  # the page table's spare row
         # hybrid models: one live recurrent-state slot per running request plus snapshot slots for the radix
         # cache (Rust owns 0..num_state_slots), and one scratch slot past them for forward_logits
         self.state = None
@@ -252,10 +256,41 @@ class Worker:
             self.num_state_slots = self.max_running_requests + math.ceil(_STATE_SNAPSHOT_RATIO * self.max_running_requests)
             state_bytes = (self.num_state_slots + 1) * RecurrentStatePool.bytes_per_slot(
                 stl.num_layers, stl.conv_shape, stl.ssm_shape, self.dtype, stl.ssm_dtype)
-        self.kv_capacity_tokens = self._kv_tokens(bpt, free_before, state_bytes)
-        self.kv = KVCachePool(
+            self.state = RecurrentStatePool.from_layout(stl, self.num_state_slots + 1, self.dtype, self.device)
+            logger.info(f"Allocating {self.num_state_slots} recurrent-state slots, {state_bytes / GiB:.2f} GiB")
+        self.memory_plan = plan = MemoryPlan(
+            device=str(self.device),
+            free_before=free_before,
+            memory_ratio=float(a["memory_ratio"]),
+            weights=weights_bytes,
+            state_bytes=state_bytes,
+            scratch_kv_bytes=self.scratch_tokens * bpt,
+            workspace=None,
+            workspace_tokens=min(self.max_prefill_length, self.scratch_tokens),
+            reserve=int(a.get("vram_reserve_mb") or 0) * 2**20,
+        )
+        if self.device.type == "cuda":
+            # dry run of the largest prefill chunk on the scratch slots alone, before the KV pool exists
+            self.kv_capacity_tokens = 0
+            self.kv = self._make_kv_pool(layout, self.scratch_tokens)
+            plan.workspace = measure_peak_bytes(self.device, lambda: self._dry_run(plan.workspace_tokens))
+            self.kv = None
+            torch.cuda.empty_cache()
+        self.kv_capacity_tokens = self._kv_tokens(bpt, plan, used_by_loading)
+        self.kv = self._make_kv_pool(layout, self.kv_capacity_tokens + self.scratch_tokens)
+        plan.kv_tokens, plan.kv_bytes = self.kv_capacity_tokens, self.kv_capacity_tokens * bpt
+        plan.free_after = free_memory_bytes(self.device)
+        logger.info(
+            f"Allocating {self.kv_capacity_tokens} tokens for KV cache, "
+            f"K + V = {self.kv_capacity_tokens * bpt / GiB:.2f} GiB"
+        )
+        logger.info(plan.table())
+        logger.info(f"Free memory after initialization: {plan.free_after / GiB:.2f} GiB")
+
+    def _make_kv_pool(self, layout, num_slots: int) -> KVCachePool:
+        return KVCachePool(
             layout.num_layers,
-            self.kv_capacity_tokens + self.scratch_tokens,
+            num_slots,
             layout.num_kv_heads,
             layout.head_dim,
             self.dtype,
@@ -264,15 +299,19 @@ class Worker:
             max_context=(self.max_context + 31) // 32 * 32,
             v_head_dim=layout.v_head_dim,
         )
-        self.scratch_row = self.max_running_requests  # the page table's spare row
-        if stl is not None:
-            self.state = RecurrentStatePool.from_layout(stl, self.num_state_slots + 1, self.dtype, self.device)
-            logger.info(f"Allocating {self.num_state_slots} recurrent-state slots, {state_bytes / GiB:.2f} GiB")
-        logger.info(
-            f"Allocating {self.kv_capacity_tokens} tokens for KV cache, "
-            f"K + V = {self.kv_capacity_tokens * bpt / GiB:.2f} GiB"
-        )
-        logger.info(f"Free memory after initialization: {free_memory_bytes(self.device) / GiB:.2f} GiB")
+
+    def _dry_run(self, num_tokens: int) -> None:
+        """One prompt chunk of ``num_tokens`` through the real step path on the scratch row and slots."""
+        plan = StepPlan.build([{
+            "tokens": [0] * num_tokens,
+            "prefix_len": 0,
+            "row": self.scratch_row,
+            "table_from": 0,
+            "table_slots": list(range(self.kv_capacity_tokens, self.kv_capacity_tokens + num_tokens)),
+            "state_slot": self.num_state_slots if self.state is not None else -1,
+            "sample": {"temperature": 0.0},
+        }])
+        self.execute_plan(plan, _allow_scratch=True)
 
     # ------------------------------------------------------------------ start-up helpers
 
@@ -319,7 +358,7 @@ class Worker:
 
         return tokenizer_from_gguf(self.checkpoint)
 
-    def _kv_tokens(self, bytes_per_token: int, free_before: int, state_bytes: int = 0) -> int:
+    def _kv_tokens(self, bytes_per_token: int, plan: MemoryPlan, used_by_loading: int) -> int:
         a = self.args
         if a["num_tokens"] is not None and a["num_pages"] is not None:
             raise ValueError("--num-tokens and --num-pages are exclusive")
@@ -328,12 +367,11 @@ class Worker:
         elif a["num_tokens"] is not None:
             tokens = int(a["num_tokens"])
         else:
-            scratch = self.scratch_tokens * bytes_per_token + state_bytes
+            scratch = plan.scratch_kv_bytes + plan.state_bytes
             if self.device.type == "cuda":
-                # memory_ratio of what was free before loading, minus what loading took (REFERENCES 4.6 step 5)
-                free_now = free_memory_bytes(self.device)
-                budget = a["memory_ratio"] * free_before - (free_before - free_now) - scratch
-                tokens = int(budget // bytes_per_token)
+                # memory_ratio of what was free before loading, minus what loading took (REFERENCES 4.6 step 5),
+                # the state pool, the measured prefill workspace and the reserve
+                tokens = int(plan.kv_budget(used_by_loading) // bytes_per_token)
             else:
                 # Host memory is shared with everything else on the machine: take what the scheduler can use
                 # (every row at full context), at most _CPU_KV_TOKEN_CAP tokens, and never more than half of

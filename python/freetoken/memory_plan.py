@@ -1,0 +1,82 @@
+"""The start-up memory plan: what each pool takes, including the transient workspace of the largest prefill
+chunk, measured by a dry run instead of guessed (FreeToken's #110/#401: an unbudgeted prefill workspace made
+the first long request run out of memory). Logged as a table; `/v1/stats`-style numbers for tests.
+
+On CUDA the KV pool gets what is left of ``memory_ratio x free-before-loading`` after the weights, the
+recurrent-state pool, the measured workspace and ``--vram-reserve-mb``. On CPU nothing is measured (host memory
+has no peak counter worth trusting); the table still says what each pool holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+GiB = 1024**3
+
+
+@dataclass
+class MemoryPlan:
+    device: str
+    free_before: int  # bytes free before loading
+    memory_ratio: float
+    weights: int
+    state_bytes: int
+    scratch_kv_bytes: int  # KV slots kept for forward_logits and the dry run
+    workspace: Optional[int]  # measured peak transient bytes of one prefill chunk (None: not measured)
+    workspace_tokens: int
+    reserve: int  # --vram-reserve-mb
+    kv_tokens: int = 0
+    kv_bytes: int = 0
+    free_after: Optional[int] = None
+
+    def kv_budget(self, used_by_loading: int) -> int:
+        """Bytes left for the KV pool (CUDA): memory_ratio of what was free, minus everything else planned."""
+        return int(
+            self.memory_ratio * self.free_before
+            - used_by_loading
+            - self.state_bytes
+            - self.scratch_kv_bytes
+            - (self.workspace or 0)
+            - self.reserve
+        )
+
+    def rows(self) -> list[tuple[str, str]]:
+        def g(b: Optional[int]) -> str:
+            return "not measured" if b is None else f"{b / GiB:.2f} GiB"
+
+        return [
+            ("free before loading", g(self.free_before)),
+            ("weights", g(self.weights)),
+            (f"KV cache ({self.kv_tokens} tokens)", g(self.kv_bytes)),
+            ("KV scratch (dry run, logits)", g(self.scratch_kv_bytes)),
+            ("recurrent state", g(self.state_bytes)),
+            (f"prefill workspace ({self.workspace_tokens}-token chunk)", g(self.workspace)),
+            ("reserve (--vram-reserve-mb)", g(self.reserve)),
+            (f"headroom (1 - memory_ratio {self.memory_ratio:g})", g(int((1 - self.memory_ratio) * self.free_before))),
+            ("free after initialization", g(self.free_after)),
+        ]
+
+    def table(self) -> str:
+        rows = self.rows()
+        width = max(len(k) for k, _ in rows)
+        lines = [f"Memory plan ({self.device}):"] + [f"  {k:<{width}}  {v:>14}" for k, v in rows]
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items()}
+
+
+def measure_peak_bytes(device: torch.device, run: Callable[[], None]) -> Optional[int]:
+    """Peak bytes allocated by ``run`` above what was allocated before it (CUDA only; None elsewhere)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    run()
+    torch.cuda.synchronize(device)
+    return max(0, torch.cuda.max_memory_allocated(device) - base)

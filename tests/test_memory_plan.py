@@ -1,0 +1,64 @@
+"""The start-up memory plan: every pool in the table, the KV budget arithmetic, and on CUDA the measured
+prefill workspace against ``torch.cuda.max_memory_allocated`` after a real max-length prefill."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken.memory_plan import GiB, MemoryPlan
+
+
+def plan(**over) -> MemoryPlan:
+    kw = dict(device="cuda:0", free_before=100 * GiB, memory_ratio=0.9, weights=40 * GiB, state_bytes=1 * GiB,
+              scratch_kv_bytes=GiB // 2, workspace=3 * GiB, workspace_tokens=8192, reserve=GiB)
+    kw.update(over)
+    return MemoryPlan(**kw)
+
+
+def test_kv_budget_subtracts_every_planned_pool():
+    p = plan()
+    # 0.9 x 100 - 40 (loading) - 1 (state) - 0.5 (scratch) - 3 (workspace) - 1 (reserve) = 44.5 GiB
+    assert p.kv_budget(used_by_loading=40 * GiB) == int(44.5 * GiB)
+    assert plan(workspace=None).kv_budget(40 * GiB) == int(47.5 * GiB)
+
+
+def test_table_lists_every_pool():
+    p = plan(kv_tokens=1000, kv_bytes=2 * GiB, free_after=5 * GiB)
+    text = p.table()
+    for label in ("weights", "KV cache (1000 tokens)", "recurrent state", "prefill workspace (8192-token chunk)",
+                  "reserve (--vram-reserve-mb)", "headroom", "free after initialization"):
+        assert label in text, text
+    assert "3.00 GiB" in text and "40.00 GiB" in text
+    assert "not measured" in plan(workspace=None).table()
+
+
+def test_worker_logs_the_plan_on_cpu(tiny_llama_dir, capfd):
+    from freetoken.worker import Worker
+
+    w = Worker({"model_path": tiny_llama_dir, "device": "cpu", "num_tokens": 512, "max_seq_len_override": 256,
+                "load_progress": False})
+    assert w.memory_plan.kv_tokens == 512 and w.memory_plan.workspace is None
+    assert "Memory plan (cpu)" in capfd.readouterr().err
+
+
+@pytest.mark.gpu
+def test_cuda_workspace_covers_a_max_length_prefill(tiny_llama_dir):
+    """The dry run's measured workspace must cover what a real max-length prefill chunk takes."""
+    from freetoken.engine.step_plan import StepPlan
+    from freetoken.worker import Worker
+
+    w = Worker({"model_path": tiny_llama_dir, "device": "cuda", "max_prefill_length": 512,
+                "max_seq_len_override": 512, "load_progress": False, "memory_ratio": 0.5})
+    p = w.memory_plan
+    assert p.workspace is not None and p.workspace > 0 and p.workspace_tokens == 512
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step = StepPlan.build([{"tokens": list(range(1, 513)), "prefix_len": 0, "row": 0, "table_from": 0,
+                            "table_slots": list(range(512)), "sample": {"temperature": 0.0}}])
+    w.execute_plan(step)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    print(f"\nplanned workspace {p.workspace / 2**20:.1f} MiB, measured peak {peak / 2**20:.1f} MiB")
+    assert peak <= p.workspace * 1.1 + 2**20
