@@ -9,6 +9,14 @@ import torch
 from freetoken.memory_plan import GiB, MemoryPlan
 
 
+def _one_prompt(tokens):
+    from freetoken.engine.step_plan import StepPlan
+
+    tokens = list(tokens)
+    return StepPlan.build([{"tokens": tokens, "prefix_len": 0, "row": 0, "table_from": 0,
+                            "table_slots": list(range(len(tokens))), "sample": {"temperature": 0.0}}])
+
+
 def plan(**over) -> MemoryPlan:
     kw = dict(device="cuda:0", free_before=100 * GiB, memory_ratio=0.9, weights=40 * GiB, state_bytes=1 * GiB,
               scratch_kv_bytes=GiB // 2, workspace=3 * GiB, workspace_tokens=8192, reserve=GiB)
@@ -40,12 +48,13 @@ def test_worker_logs_the_plan_on_cpu(tiny_llama_dir, capfd):
                 "load_progress": False})
     assert w.memory_plan.kv_tokens == 512 and w.memory_plan.workspace is None
     assert "Memory plan (cpu)" in capfd.readouterr().err
+    w._dry_run(128)  # the CUDA start-up's dry run path, on the scratch row and slots
+    assert w.execute_plan(_one_prompt(range(1, 9)), _allow_scratch=False).tokens
 
 
 @pytest.mark.gpu
 def test_cuda_workspace_covers_a_max_length_prefill(tiny_llama_dir):
     """The dry run's measured workspace must cover what a real max-length prefill chunk takes."""
-    from freetoken.engine.step_plan import StepPlan
     from freetoken.worker import Worker
 
     w = Worker({"model_path": tiny_llama_dir, "device": "cuda", "max_prefill_length": 512,
@@ -55,9 +64,7 @@ def test_cuda_workspace_covers_a_max_length_prefill(tiny_llama_dir):
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    step = StepPlan.build([{"tokens": list(range(1, 513)), "prefix_len": 0, "row": 0, "table_from": 0,
-                            "table_slots": list(range(512)), "sample": {"temperature": 0.0}}])
-    w.execute_plan(step)
+    w.execute_plan(_one_prompt(range(1, 513)))
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     print(f"\nplanned workspace {p.workspace / 2**20:.1f} MiB, measured peak {peak / 2**20:.1f} MiB")
