@@ -303,3 +303,24 @@ def test_openapi_served_matches_the_file(server):
     labels = {op.ok().label for op in loaded.get_all_operations()}
     assert {"POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /v1/stats",
             "GET /health"} <= labels, labels
+
+
+def test_huge_prompts_do_not_block_health(server, control):
+    """Templating and tokenizing megabytes of prompt takes seconds of CPU: it must not hold the threads that
+    answer /health and stream everyone else's tokens."""
+    import concurrent.futures as cf
+
+    body = {"messages": [{"role": "user", "content": "word " * 1_500_000}], "max_tokens": 2}  # 7.5 MB, 1.5 M tokens
+    latencies = []
+    with cf.ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(post_json, server.url, body, 120.0) for _ in range(3)]
+        while not all(f.done() for f in futures):
+            t = time.monotonic()
+            assert requests.get(server.url + "/health", timeout=CALL_TIMEOUT).status_code == 200
+            latencies.append(time.monotonic() - t)
+            time.sleep(0.05)
+        outs = [f.result() for f in futures]
+    for o in outs:
+        assert o.status == 400 and o.error["code"] == "context_length_exceeded", o
+    assert latencies and max(latencies) < 3.0, (max(latencies), len(latencies))
+    check_control(server, control, "huge prompts")

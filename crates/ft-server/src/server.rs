@@ -43,6 +43,8 @@ pub struct AppStateInner {
     pub created: u64,
     /// Graceful shutdown: refuses new requests, counts and cancels live ones.
     pub drain: Arc<Drain>,
+    /// Requests being templated and tokenized at once (one per core).
+    pub prepare_slots: Arc<tokio::sync::Semaphore>,
 }
 
 impl Deref for AppState {
@@ -89,6 +91,9 @@ impl AppState {
                 started_at: Instant::now(),
                 created: routes::unix_now(),
                 drain: Arc::new(Drain::default()),
+                prepare_slots: Arc::new(tokio::sync::Semaphore::new(
+                    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4).clamp(2, 16),
+                )),
             }),
         }
     }

@@ -5,7 +5,7 @@
 //! `choices` when `stream_options.include_usage`, then `data: [DONE]`. A failure midway sends
 //! `data: {"error": {...}}` and then `[DONE]`.
 
-use super::{ensure_serving, prepare, response_id, unix_now, OpenAiJson, Piece, TextStream};
+use super::{ensure_serving, off_the_async_workers, prepare, response_id, unix_now, OpenAiJson, Piece, Prepared, TextStream};
 use crate::openai_error::ApiError;
 use crate::protocol::{
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatMessageOut,
@@ -22,6 +22,25 @@ pub async fn chat_completions(
     State(state): State<AppState>,
     OpenAiJson(req): OpenAiJson<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
+    let streaming = req.stream.unwrap_or(false);
+    let include_usage = req.include_usage();
+    let st = state.clone();
+    let prepared = off_the_async_workers(&state, move || prepare_chat(&st, &req)).await?;
+    ensure_serving(&state)?;
+    let stream = state.backend.submit(prepared.req.clone())?;
+    tracing::debug!(id = stream.id, prompt_tokens = prepared.req.prompt.len(), "chat completion submitted");
+    let text_stream = TextStream::new(state.clone(), stream, &prepared);
+    let id = response_id("chatcmpl");
+    let model = state.served_model_name();
+    if streaming {
+        Ok(stream_response(text_stream, id, model, include_usage).into_response())
+    } else {
+        whole_response(text_stream, id, model).await
+    }
+}
+
+/// Validation, template and tokenizer: everything before submit (CPU-bound for long prompts).
+fn prepare_chat(state: &AppState, req: &ChatCompletionRequest) -> Result<Prepared, ApiError> {
     req.check_unsupported()?;
     let sampling = req.sampling.validate(&state.default_sampling)?;
     let messages = req.template_messages()?;
@@ -42,18 +61,7 @@ pub async fn chat_completions(
         .tokenizer
         .encode(&prompt_text, false)
         .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
-    let prepared = prepare(&state, prompt, sampling)?;
-    ensure_serving(&state)?;
-    let stream = state.backend.submit(prepared.req.clone())?;
-    tracing::debug!(id = stream.id, prompt_tokens = prepared.req.prompt.len(), "chat completion submitted");
-    let text_stream = TextStream::new(state.clone(), stream, &prepared);
-    let id = response_id("chatcmpl");
-    let model = state.served_model_name();
-    if req.stream.unwrap_or(false) {
-        Ok(stream_response(text_stream, id, model, req.include_usage()).into_response())
-    } else {
-        whole_response(text_stream, id, model).await
-    }
+    prepare(state, prompt, sampling)
 }
 
 async fn whole_response(mut ts: TextStream, id: String, model: String) -> Result<Response, ApiError> {

@@ -1,7 +1,7 @@
 //! `POST /v1/completions`: a raw prompt (text or token ids), no template; whole or streamed.
 
 use super::chat::json_event;
-use super::{ensure_serving, prepare, response_id, unix_now, OpenAiJson, Piece, TextStream};
+use super::{ensure_serving, off_the_async_workers, prepare, response_id, unix_now, OpenAiJson, Piece, Prepared, TextStream};
 use crate::openai_error::ApiError;
 use crate::protocol::{CompletionChoice, CompletionRequest, CompletionResponse, PromptInput};
 use crate::server::AppState;
@@ -15,26 +15,10 @@ pub async fn completions(
     State(state): State<AppState>,
     OpenAiJson(req): OpenAiJson<CompletionRequest>,
 ) -> Result<Response, ApiError> {
-    req.check_unsupported()?;
-    let sampling = req.sampling.validate(&state.default_sampling)?;
-    let (prompt, prompt_text) = match req.prompt_input()? {
-        PromptInput::Text(text) => {
-            let bos = if state.info.add_bos_token { state.info.bos_token_id } else { None };
-            let ids = state.tokenizer.encode_with_bos(&text, bos).map_err(|e| ApiError::invalid_param("prompt", e.to_string()))?;
-            (ids, text)
-        }
-        PromptInput::Tokens(ids) => (ids, String::new()),
-    };
-    let prepared = prepare(&state, prompt, sampling)?;
-    let echo = if req.echo.unwrap_or(false) {
-        if prompt_text.is_empty() {
-            state.tokenizer.decode(&prepared.req.prompt, false).map_err(|e| ApiError::invalid_param("prompt", e.to_string()))?
-        } else {
-            prompt_text
-        }
-    } else {
-        String::new()
-    };
+    let streaming = req.stream.unwrap_or(false);
+    let include_usage = req.include_usage();
+    let st = state.clone();
+    let (prepared, echo) = off_the_async_workers(&state, move || prepare_completion(&st, &req)).await?;
     ensure_serving(&state)?;
     let stream = state.backend.submit(prepared.req.clone())?;
     tracing::debug!(id = stream.id, prompt_tokens = prepared.req.prompt.len(), "completion submitted");
@@ -51,7 +35,7 @@ pub async fn completions(
         usage,
     };
 
-    if !req.stream.unwrap_or(false) {
+    if !streaming {
         let mut text = echo;
         let reason = loop {
             match ts.next().await {
@@ -67,7 +51,6 @@ pub async fn completions(
         return Ok(Json(response(text, Some(reason), Some(ts.usage()))).into_response());
     }
 
-    let include_usage = req.include_usage();
     let mut queue = VecDeque::new();
     if !echo.is_empty() {
         queue.push_back(json_event(&response(echo, None, None)));
@@ -100,4 +83,29 @@ pub async fn completions(
         }
     });
     Ok(Sse::new(body).keep_alive(KeepAlive::new().interval(std::time::Duration::from_secs(15))).into_response())
+}
+
+/// Validation and tokenizer (CPU-bound for long prompts); also the echoed prompt text.
+fn prepare_completion(state: &AppState, req: &CompletionRequest) -> Result<(Prepared, String), ApiError> {
+    req.check_unsupported()?;
+    let sampling = req.sampling.validate(&state.default_sampling)?;
+    let (prompt, prompt_text) = match req.prompt_input()? {
+        PromptInput::Text(text) => {
+            let bos = if state.info.add_bos_token { state.info.bos_token_id } else { None };
+            let ids = state.tokenizer.encode_with_bos(&text, bos).map_err(|e| ApiError::invalid_param("prompt", e.to_string()))?;
+            (ids, text)
+        }
+        PromptInput::Tokens(ids) => (ids, String::new()),
+    };
+    let prepared = prepare(state, prompt, sampling)?;
+    let echo = if req.echo.unwrap_or(false) {
+        if prompt_text.is_empty() {
+            state.tokenizer.decode(&prepared.req.prompt, false).map_err(|e| ApiError::invalid_param("prompt", e.to_string()))?
+        } else {
+            prompt_text
+        }
+    } else {
+        String::new()
+    };
+    Ok((prepared, echo))
 }

@@ -59,6 +59,22 @@ pub(crate) fn ensure_serving(state: &AppState) -> Result<(), ApiError> {
     }
 }
 
+/// Runs request preparation (template rendering, tokenization: seconds of CPU for a prompt of megabytes) on
+/// the blocking pool, so the async workers stay free for `/health`, streaming and everyone else; at most
+/// [`AppState::prepare_slots`] at once, which also bounds the memory that huge prompts can take together.
+pub(crate) async fn off_the_async_workers<T: Send + 'static>(
+    state: &AppState,
+    work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let permit = state.prepare_slots.clone().acquire_owned().await.map_err(|_| ApiError::unavailable("the server is shutting down"))?;
+    tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        work()
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("request preparation failed: {e}")))?
+}
+
 /// A validated request, ready to submit.
 pub(crate) struct Prepared {
     pub req: GenerateRequest,
