@@ -105,8 +105,9 @@ def test_recoverable_fault_fails_only_its_step(demo_gguf_path, fault, needle):
     try:
         with HealthPoller(srv.url) as poller:
             t0 = time.monotonic()
-            outcomes = run_clients(srv.url)
-            failed = assert_answered(outcomes, needle, STEP_TIMEOUT + MARGIN)
+            # not watchdog-bound: the engine goes on, so the bound is the whole batch's generation on 2 busy cores
+            outcomes = run_clients(srv.url, deadline=120)
+            failed = assert_answered(outcomes, needle, 120)
             assert failed, f"{fault} hit no client: {outcomes}"
             # the engine goes on: new requests succeed, streaming and not
             ok = post_json(srv.url, chat_body("What is the capital of France?", max_tokens=8), deadline=60)
@@ -115,7 +116,7 @@ def test_recoverable_fault_fails_only_its_step(demo_gguf_path, fault, needle):
             assert ok.kind == "ok" and ok.done and ok.text, ok
             stats = assert_idle_and_free(srv)
         assert set(poller.statuses()) == {200}, "a recoverable fault never makes /health fail"
-        assert time.monotonic() - t0 < 120
+        assert time.monotonic() - t0 < 240
         log = srv.log()
         assert f"failing its" in log and "FREETOKEN_FAULT" in log, log[-3000:]
         assert srv.proc.poll() is None
