@@ -58,7 +58,12 @@ pub fn run(args: ServeArgs, worker: Box<dyn Worker>, info: ModelInfo, num_state_
         // The engine thread is stuck inside the worker (it may hold the GIL): every client has its answer,
         // so leave now rather than wait for it.
         tracing::error!("The engine is stuck in a step; exiting with status 1 so a supervisor can restart the server");
-        std::process::exit(1);
+        use std::io::Write;
+        let _ = std::io::stderr().flush();
+        let _ = std::io::stdout().flush();
+        // _exit, not exit: atexit handlers (CUDA's among them) can block on a device that is really stuck.
+        // SAFETY: ends the process at once; nothing after this runs.
+        unsafe { libc::_exit(1) };
     }
     engine.shutdown();
     match served {
