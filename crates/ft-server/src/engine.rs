@@ -177,24 +177,6 @@ impl EngineBackend {
         }
     }
 
-    /// Stops admitting new requests (they get 503); running ones go on.
-    pub fn stop_admitting(&self) {
-        let mut health = self.shared.health.lock().unwrap();
-        if *health == HealthState::Serving {
-            *health = HealthState::ShuttingDown;
-        }
-    }
-
-    /// Fails every request still queued or running (the end of a shutdown grace period).
-    pub fn cancel_all(&self, message: &str) {
-        self.shared.fail_every_client(message);
-    }
-
-    /// Requests submitted and not yet answered to the end.
-    pub fn requests_in_flight(&self) -> usize {
-        self.shared.in_flight.load(Ordering::SeqCst)
-    }
-
     /// True once the engine can no longer serve: its thread stopped (fatal worker error, shutdown) or the
     /// watchdog found it stuck.
     pub fn is_finished(&self) -> bool {
