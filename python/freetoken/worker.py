@@ -10,8 +10,9 @@ Failures come back typed (``errors.py``): ``WorkerOutOfMemory`` (cached memory r
 works), ``InvalidPlan`` (checked before any device memory is touched), anything else is fatal.
 
 Start-up follows FreeToken's order and log lines (REFERENCES 4.6, 4.11): free memory before loading, resolved
-config, load, size the KV pool from what is left, ``Allocating N tokens for KV cache, K + V = X GiB``,
-``Free memory after initialization: X GiB``.
+config, load, the memory plan (``memory_plan.py``: on CUDA a dry run of the largest prefill chunk measures its
+workspace), the KV pool from what is left (``Allocating N tokens for KV cache, K + V = X GiB``), the plan as a
+table, ``Free memory after initialization: X GiB``.
 """
 
 from __future__ import annotations
@@ -27,14 +28,14 @@ from typing import Optional
 import torch
 
 from .cache.kv_pool import KVCachePool
-from .fault_injection import FaultInjector
-from .memory_plan import MemoryPlan, measure_peak_bytes
 from .engine.forward_batch import ForwardBatch
 from .engine.step_plan import STEP_CONTRACT_VERSION, StepPlan
 from .errors import InvalidPlan, UnsupportedModel, WorkerOutOfMemory
+from .fault_injection import FaultInjector
 from .layers.attention import make_attention_backend
 from .layers.sampler import sample
 from .log import get_logger
+from .memory_plan import MemoryPlan, measure_peak_bytes
 from .models.base import ModelConfig
 from .models.registry import model_class
 
