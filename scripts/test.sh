@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 cargo test --release  # release: shares the dependency build with the extension (maturin builds release)
-python -m pytest -q tests "$@"
+python -m pytest -q -rs tests "$@"   # -rs: say why each skipped test skipped
