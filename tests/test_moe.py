@@ -123,3 +123,13 @@ def test_fused_experts_impl_pinning():
     assert fe._resolve_impl(torch.zeros(1)) == "torch"
     fe.impl = "auto"
     assert fe._resolve_impl(torch.zeros(1)) == "torch"  # CPU tensors never pick triton
+
+
+def test_checkpoint_tensor_of_the_wrong_shape_is_refused():
+    from freetoken.loading.copy_weight import copy_weight
+
+    dst = torch.zeros(4, 3)
+    with pytest.raises(ValueError, match=r"w: checkpoint shape \(3, 4\) != model shape \(4, 3\)"):
+        copy_weight(dst, torch.ones(3, 4), "w")
+    copy_weight(dst, torch.ones(4, 3, dtype=torch.float64), "w")
+    assert dst.dtype == torch.float32 and bool((dst == 1).all())

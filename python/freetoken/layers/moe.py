@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.fused_moe import fused_moe_torch
+from ..loading.copy_weight import copy_weight
 
 # "auto" = triton on CUDA, torch elsewhere; tests and benchmarks can pin one.
 _DEFAULT_IMPL = "auto"
@@ -110,12 +111,9 @@ class FusedExperts(ExpertsBackend):
 
     @torch.no_grad()
     def load_expert_weight(self, name: str, tensor: torch.Tensor) -> None:
-        E, I, H = self.num_experts, self.intermediate_size, self.hidden_size
+        E, I = self.num_experts, self.intermediate_size
         if name in ("gate_up_proj", "down_proj"):
-            param = getattr(self, name)
-            if tuple(tensor.shape) != tuple(param.shape):
-                raise ValueError(f"experts.{name}: shape {tuple(tensor.shape)} != {tuple(param.shape)}")
-            param.copy_(tensor)
+            copy_weight(getattr(self, name), tensor, f"experts.{name}")
             self._loaded.add(name)
             return
         m = _PER_EXPERT.match(name)
@@ -125,14 +123,12 @@ class FusedExperts(ExpertsBackend):
         if e >= E:
             raise ValueError(f"expert index {e} >= num_experts {E}")
         if kind == "down_proj":
-            want, dst = (H, I), self.down_proj[e]
+            dst = self.down_proj[e]
         elif kind == "gate_proj":
-            want, dst = (I, H), self.gate_up_proj[e, :I]
+            dst = self.gate_up_proj[e, :I]
         else:
-            want, dst = (I, H), self.gate_up_proj[e, I:]
-        if tuple(tensor.shape) != want:
-            raise ValueError(f"experts.{name}: shape {tuple(tensor.shape)} != {want}")
-        dst.copy_(tensor)
+            dst = self.gate_up_proj[e, I:]
+        copy_weight(dst, tensor, f"experts.{name}")
         self._loaded.add((e, kind))
 
     def missing_weights(self) -> list[str]:
@@ -233,10 +229,7 @@ class SparseMoeBlock(nn.Module):
             if name.startswith("experts."):
                 self.experts.load_expert_weight(name[len("experts.") :], t)
             elif name in params and not name.startswith("experts."):
-                p = params[name]
-                if tuple(t.shape) != tuple(p.shape):
-                    raise ValueError(f"{name}: shape {tuple(t.shape)} != {tuple(p.shape)}")
-                p.copy_(t)
+                copy_weight(params[name], t, name)
             else:
                 raise KeyError(f"unexpected MoE tensor {name!r}")
             taken.add(name)

@@ -18,6 +18,7 @@ from ..layers.gated_attention import GatedAttention
 from ..layers.gated_deltanet import GatedDeltaNet
 from ..layers.moe import GatedMLP, SparseMoeBlock
 from ..layers.norm import RMSNorm
+from ..loading.copy_weight import copy_weight
 from .base import CausalLM, KVLayout, ModelConfig, StateLayout
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -163,10 +164,7 @@ class HybridMoeForCausalLM(CausalLM):
                 continue
             if local not in params:
                 raise KeyError(f"unexpected tensor {name!r}")
-            p = params[local]
-            if tuple(tensor.shape) != tuple(p.shape):
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(p.shape)}")
-            p.copy_(tensor)
+            copy_weight(params[local], tensor, name)
             loaded.add(local)
         # MoE blocks track their own (fused or per-expert) tensors
         missing = [n for n in params if n not in loaded and not self._is_moe_param(n)]

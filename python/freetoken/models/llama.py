@@ -17,6 +17,7 @@ from torch import nn
 from ..engine.forward_batch import ForwardBatch
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding, rope_config
+from ..loading.copy_weight import copy_weight
 from .base import CausalLM, KVLayout, ModelConfig
 
 
@@ -131,9 +132,7 @@ class LlamaForCausalLM(CausalLM):
             p = params.get(name)
             if p is None:
                 continue  # MTP / vision / unknown tensors are skipped on purpose
-            if p.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(p.shape)}")
-            p.copy_(tensor)
+            copy_weight(p, tensor, name)
             loaded.add(name)
         if self.tie_word_embeddings:
             loaded.add("lm_head.weight")

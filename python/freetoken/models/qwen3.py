@@ -21,6 +21,7 @@ from ..engine.forward_batch import ForwardBatch
 from ..layers.moe import GatedMLP
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding, rope_config
+from ..loading.copy_weight import copy_weight
 from .base import CausalLM, KVLayout, ModelConfig
 
 
@@ -141,10 +142,7 @@ class Qwen3ForCausalLM(CausalLM):
                 continue
             if name not in params:
                 raise KeyError(f"unexpected checkpoint tensor {name!r}")
-            p = params[name]
-            if tuple(p.shape) != tuple(tensor.shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(p.shape)}")
-            p.copy_(tensor)
+            copy_weight(params[name], tensor, name)
             loaded.add(name)
         missing = []
         for i, layer in enumerate(self.model.layers):
