@@ -59,6 +59,9 @@ def main() -> int:
     ap.add_argument("--out", default="bench/out/serve.json")
     ap.add_argument("--prefill-words", type=int, default=10000)
     ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--max-length-words", type=int, default=0,
+                    help="also prefill a prompt of this many words (near the context limit) and compare the "
+                         "largest step workspace with the memory plan's")
     ap.add_argument("--oom-check", action="store_true", help="FREETOKEN_FAULT=oom@2 is set: the first long prefill must fail alone")
     ap.add_argument("serve_args", nargs=argparse.REMAINDER)
     a = ap.parse_args()
@@ -75,9 +78,10 @@ def main() -> int:
             ok = stream_completion(srv.url, "Hello", 4)
             result["oom_check"] = {"first_long_prefill": failed.get("error"), "health_after": health,
                                    "next_request_ok": "error" not in ok}
-        warm = stream_completion(srv.url, prompt[: len(prompt) // 4], 2)  # warm-up (Triton JIT)
+        warm = stream_completion(srv.url, prompt[: len(prompt) // 4], 2)  # warm-up (what JIT the dry run left)
         if "error" in warm:
             raise RuntimeError(f"warm-up failed: {warm}")
+        result["first_request_ttft_s"] = warm["ttft_s"]
         pre = stream_completion(srv.url, prompt + " final", 2)
         prompt_tokens = pre["usage"]["prompt_tokens"]
         result["prefill"] = {"prompt_tokens": prompt_tokens, "ttft_s": pre["ttft_s"],
@@ -85,8 +89,19 @@ def main() -> int:
         dec = stream_completion(srv.url, "Count slowly:", a.decode_tokens)
         itl = statistics.median(dec["gaps"])
         result["decode_bs1"] = {"tokens": len(dec["gaps"]) + 1, "median_itl_ms": itl * 1e3, "tokens_per_s": 1 / itl}
+        if a.max_length_words:
+            # A prompt near the context limit: every prefill chunk at full size, the last ones attending over
+            # the longest prefixes. The memory plan's workspace must cover the largest step seen.
+            full = stream_completion(srv.url, long_prompt(a.max_length_words), 2)
+            stats = srv.get("/v1/stats").json()
+            result["max_length_prefill"] = {
+                "prompt_tokens": (full.get("usage") or {}).get("prompt_tokens"), "error": full.get("error"),
+                "ttft_s": full.get("ttft_s"),
+                "planned_workspace_bytes": stats.get("planned_workspace_bytes"),
+                "max_step_workspace_bytes": stats.get("max_step_workspace_bytes")}
         log = srv.log()
         result["log_tail"] = log[-3000:]
+        result["memory_plan_table"] = log[log.find("Memory plan"):][:1500] if "Memory plan" in log else None
     finally:
         code = srv.stop()
     result["exit_code"] = code
@@ -98,6 +113,7 @@ def main() -> int:
     if "oom_check" in result:
         oc = result["oom_check"]
         print(f"{'OOM prefill failed alone':<34}{str(bool(oc['first_long_prefill']) and oc['next_request_ok']):>14}")
+    print(f"{'first request TTFT (s)':<34}{result['first_request_ttft_s']:>14.2f}")
     p = result["prefill"]
     print(f"{'prefill tokens':<34}{p['prompt_tokens']:>14}")
     print(f"{'prefill TTFT (s)':<34}{p['ttft_s']:>14.3f}")
@@ -105,6 +121,14 @@ def main() -> int:
     d = result["decode_bs1"]
     print(f"{'decode bs1 median ITL (ms)':<34}{d['median_itl_ms']:>14.2f}")
     print(f"{'decode bs1 (tok/s)':<34}{d['tokens_per_s']:>14.1f}")
+    if "max_length_prefill" in result:
+        m = result["max_length_prefill"]
+        planned, seen = m["planned_workspace_bytes"], m["max_step_workspace_bytes"]
+        print(f"{'max-length prefill tokens':<34}{str(m['prompt_tokens']):>14}")
+        print(f"{'planned workspace (GiB)':<34}{(planned or 0) / 2**30:>14.3f}")
+        print(f"{'largest step workspace (GiB)':<34}{(seen or 0) / 2**30:>14.3f}")
+        if planned:
+            print(f"{'largest / planned':<34}{seen / planned:>14.3f}")
     return 0
 
 

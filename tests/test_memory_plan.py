@@ -67,20 +67,37 @@ def test_worker_logs_the_plan_on_cpu(tiny_llama_dir):
     assert w.execute_plan(_one_prompt(range(1, 9)), _allow_scratch=False).tokens
 
 
+def _chunk(tokens, prefix_len):
+    """A prompt's next chunk on row 0, its KV in slots 0..prefix_len+len(tokens)."""
+    from freetoken.engine.step_plan import StepPlan
+
+    tokens = list(tokens)
+    return StepPlan.build([{"tokens": tokens, "prefix_len": prefix_len, "row": 0, "table_from": prefix_len,
+                            "table_slots": list(range(prefix_len, prefix_len + len(tokens))),
+                            "sample": {"temperature": 0.0}}])
+
+
 @pytest.mark.gpu
-def test_cuda_workspace_covers_a_max_length_prefill(tiny_llama_dir):
-    """The dry run's measured workspace must cover what a real max-length prefill chunk takes."""
+def test_cuda_workspace_covers_a_max_length_prefill(tmp_path):
+    """The dry run's measured workspace must cover every chunk of a max-length prompt (the last ones attend
+    over the longest prefixes), and each step's own ``workspace_bytes`` must be the allocator's peak."""
+    from conftest import make_tiny_llama_dir
     from freetoken.worker import Worker
 
-    w = Worker({"model_path": tiny_llama_dir, "device": "cuda", "max_prefill_length": 512,
-                "max_seq_len_override": 512, "load_progress": False, "memory_ratio": 0.5})
+    chunk, context = 512, 2048
+    w = Worker({"model_path": make_tiny_llama_dir(tmp_path, max_position_embeddings=context), "device": "cuda", "max_prefill_length": chunk,
+                "max_seq_len_override": context, "load_progress": False, "memory_ratio": 0.5})
     p = w.memory_plan
-    assert p.workspace is not None and p.workspace > 0 and p.workspace_tokens == 512
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    w.execute_plan(_one_prompt(range(1, 513)))
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    print(f"\nplanned workspace {p.workspace / 2**20:.1f} MiB, measured peak {peak / 2**20:.1f} MiB")
-    assert peak <= p.workspace * 1.1 + 2**20
+    assert p.workspace is not None and p.workspace > 0 and p.workspace_tokens == chunk
+    assert w.info()["planned_workspace_bytes"] == p.workspace
+    for start in range(0, context, chunk):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        r = w.execute_plan(_chunk([1 + i % 250 for i in range(start, start + chunk)], start))
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        print(f"\nchunk at {start}: planned workspace {p.workspace / 2**20:.1f} MiB, measured peak "
+              f"{peak / 2**20:.1f} MiB, step stat {r.stats['workspace_bytes'] / 2**20:.1f} MiB")
+        assert r.stats["workspace_bytes"] == peak
+        assert peak <= p.workspace * 1.1 + 2**20

@@ -156,6 +156,7 @@ class Worker:
 
         self.args = a = normalize_args(args)
         self.steps_executed = 0
+        self._workspace_warned_at = 0
         self.faults = FaultInjector()
         if int(a["tensor_parallel_size"] or 1) != 1:
             raise UnsupportedModel("tensor parallelism is not supported yet (--tp-size 1)")
@@ -411,6 +412,7 @@ class Worker:
             "add_bos_token": t.add_bos_token,
             "bos_token_id": t.bos_token_id,
             "kv_capacity_tokens": self.kv_capacity_tokens,
+            "planned_workspace_bytes": self.memory_plan.workspace,
             "num_state_slots": self.num_state_slots,
             "step_contract_version": STEP_CONTRACT_VERSION,
             # extras
@@ -431,6 +433,10 @@ class Worker:
         self._check_plan(plan, _allow_scratch)
         t0 = time.perf_counter()
         oom = None
+        on_cuda = self.device.type == "cuda"
+        if on_cuda:  # the step's transient peak, checked against the memory plan (host-side counters, no sync)
+            allocated_before = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
         if not _allow_scratch:
             self.steps_executed += 1
         try:
@@ -457,13 +463,28 @@ class Worker:
             batch = logits = rows = None
             self._release_cached_memory()
             raise WorkerOutOfMemory(f"step {plan.step_id} ({plan.num_tokens} tokens): {oom}")
+        workspace = max(0, torch.cuda.max_memory_allocated(self.device) - allocated_before) if on_cuda else 0
+        if not _allow_scratch:
+            self._check_workspace(plan, workspace)
         stats = {
             "forward_ms": (time.perf_counter() - t0) * 1e3,
             "num_tokens": plan.num_tokens,
             "expert_hits": 0,
             "expert_misses": 0,
+            "workspace_bytes": workspace,
         }
         return StepResult(tokens, logprobs, stats, logits)
+
+    def _check_workspace(self, plan: StepPlan, workspace: int) -> None:
+        """Warns (once per new high) when a step needed more transient memory than the plan set aside."""
+        planned = self.memory_plan.workspace
+        if planned is None or workspace <= max(planned, self._workspace_warned_at):
+            return
+        self._workspace_warned_at = workspace
+        logger.warning(
+            f"Step {plan.step_id} ({plan.num_tokens} tokens) used {workspace / GiB:.2f} GiB of transient memory, "
+            f"more than the planned prefill workspace of {planned / GiB:.2f} GiB; raise --vram-reserve-mb"
+        )
 
     def _release_cached_memory(self) -> None:
         import gc

@@ -34,6 +34,7 @@ fn model_info(info: &Bound<'_, PyDict>) -> PyResult<ModelInfo> {
         add_bos_token: get(info, "add_bos_token")?.unwrap_or(false),
         bos_token_id: get(info, "bos_token_id")?,
         kv_capacity_tokens: get(info, "kv_capacity_tokens")?.unwrap_or(0),
+        planned_workspace_bytes: get(info, "planned_workspace_bytes")?,
         generation_defaults: generation_defaults(info)?,
     })
 }

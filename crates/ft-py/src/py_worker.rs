@@ -108,6 +108,7 @@ fn parse_output(py: Python<'_>, ret: Bound<'_, PyAny>) -> PyResult<StepOutput> {
         out.stats.forward_ms = get_f("forward_ms").unwrap_or(0.0);
         out.stats.expert_hits = get_f("expert_hits").unwrap_or(0.0) as u64;
         out.stats.expert_misses = get_f("expert_misses").unwrap_or(0.0) as u64;
+        out.stats.workspace_bytes = get_f("workspace_bytes").unwrap_or(0.0) as u64;
     }
     let _ = py;
     Ok(out)

@@ -28,6 +28,8 @@ pub struct ModelInfo {
     pub bos_token_id: Option<u32>,
     /// KV capacity in tokens, for logs and `/v1/stats`.
     pub kv_capacity_tokens: usize,
+    /// The memory plan's transient workspace for the largest prefill chunk, measured at start-up (CUDA only).
+    pub planned_workspace_bytes: Option<u64>,
     /// Sampling values from the model's `generation_config.json` (used under `--sampling-defaults model`
     /// for fields a request leaves out).
     pub generation_defaults: Option<SamplingParams>,

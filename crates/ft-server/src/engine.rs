@@ -38,6 +38,8 @@ pub struct EngineConfig {
     pub max_queued_requests: usize,
     /// A step running longer than this is a stall: the watchdog fails every request and the engine is dead.
     pub step_timeout: Duration,
+    /// The memory plan's prefill workspace (CUDA), reported beside the largest step workspace seen.
+    pub planned_workspace_bytes: Option<u64>,
 }
 
 enum Command {
@@ -265,6 +267,9 @@ struct EngineLoop {
     scheduler: Scheduler,
     shared: Arc<Shared>,
     status: StatusLog,
+    planned_workspace_bytes: Option<u64>,
+    /// The largest transient workspace any step has allocated (CUDA), to check the memory plan against.
+    max_step_workspace_bytes: u64,
 }
 
 impl EngineLoop {
@@ -274,6 +279,8 @@ impl EngineLoop {
             scheduler: Scheduler::new(config.scheduler.clone()),
             shared,
             status: StatusLog::new(config.decode_log_interval),
+            planned_workspace_bytes: config.planned_workspace_bytes,
+            max_step_workspace_bytes: 0,
         }
     }
 
@@ -353,6 +360,7 @@ impl EngineLoop {
         }
         match result {
             Ok(out) => {
+                self.max_step_workspace_bytes = self.max_step_workspace_bytes.max(out.stats.workspace_bytes);
                 self.scheduler.commit(&plan, &out);
                 self.status.record(&summary, &self.scheduler.stats(), elapsed);
             }
@@ -422,6 +430,8 @@ impl EngineLoop {
             "requests_in_flight": self.shared.in_flight.load(Ordering::SeqCst),
             "prefill_throughput": self.status.last_prefill_throughput(),
             "decode_throughput": self.status.last_decode_throughput(),
+            "planned_workspace_bytes": self.planned_workspace_bytes,
+            "max_step_workspace_bytes": self.max_step_workspace_bytes,
         });
     }
 

@@ -35,6 +35,7 @@ pub fn run(args: ServeArgs, worker: Box<dyn Worker>, info: ModelInfo, num_state_
         decode_log_interval: args.decode_log_interval,
         max_queued_requests: args.max_queued_requests,
         step_timeout: Duration::from_secs_f64(args.step_timeout),
+        planned_workspace_bytes: info.planned_workspace_bytes,
     };
     let engine = EngineBackend::spawn(worker, config);
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("ft-http").build() {

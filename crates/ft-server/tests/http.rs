@@ -160,6 +160,22 @@ async fn sampling_defaults_none_is_greedy() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failure_while_the_engine_is_unhealthy_is_503() {
+    let s = TestServer::start().await;
+    // The engine dies (the watchdog or a fatal error marks it unhealthy first) while a request is in flight.
+    s.backend.set_script(|_| Ok(Script { tokens: vec![b'a' as u32], end: End::Fail("engine stalled: step 3".into()), delay: Duration::from_millis(300), cached_tokens: 0 }));
+    let backend = s.backend.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        backend.set_health(HealthState::Unhealthy("engine stalled: step 3".into()));
+    });
+    let (status, body) = s.post("/v1/chat/completions", chat_body("x")).await;
+    assert_eq!(status, 503, "{body}");
+    assert_openai_error(&body);
+    assert!(body["error"]["message"].as_str().unwrap().contains("engine stalled"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn finish_length_and_failures() {
     let s = TestServer::start().await;
     // Length: the backend stops at max_tokens.

@@ -264,7 +264,13 @@ impl TextStream {
                 }
                 RequestEvent::Failed { message, .. } => {
                     self.done = true;
-                    return Some(Piece::Error(ApiError::internal(message)));
+                    // A dead or stalled engine is the server's state, not the request's fault: 503 tells the
+                    // client (and a load balancer) to retry elsewhere. A step that failed alone stays 500.
+                    let error = match self.state.backend.health() {
+                        HealthState::Unhealthy(_) => ApiError::unavailable(message),
+                        _ => ApiError::internal(message),
+                    };
+                    return Some(Piece::Error(error));
                 }
             }
         }

@@ -100,6 +100,7 @@ pub fn model_info() -> ModelInfo {
         add_bos_token: false,
         bos_token_id: None,
         kv_capacity_tokens: 4096,
+        planned_workspace_bytes: None,
         generation_defaults: None,
     }
 }
