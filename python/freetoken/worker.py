@@ -233,8 +233,13 @@ class Worker:
         self.cache_type = "naive" if self.model.state_layout else a["cache_type"]
         if self.model.state_layout and a["cache_type"] == "radix":
             logger.warning("cache_type radix -> naive: the hybrid radix cache (GDN state snapshots) is not built yet")
+        gdn = ""
+        if self.model.state_layout:
+            from .layers.gated_deltanet import gdn_backend
+
+            gdn = f", gdn_backend={gdn_backend(self.device)!r}"
         logger.info(
-            f"Resolved config: moe_backend={self.moe_backend!r}, attention_backend={self.attn.name!r}, "
+            f"Resolved config: moe_backend={self.moe_backend!r}, attention_backend={self.attn.name!r}{gdn}, "
             f"cache_type={self.cache_type!r}, page_size={self.page_size}"
         )
 

@@ -158,10 +158,14 @@ def _torch_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, decode,
 
 
 @functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=None)
 def _fla_ops():
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-    except Exception:  # not installed, or no usable triton
+    except Exception as e:  # not installed, or no usable triton: say why once, since the fallback is slower
+        from ..log import get_logger
+
+        get_logger(__name__).warning(f"fla is not importable ({type(e).__name__}: {e}); Gated DeltaNet runs the torch reference")
         return None
     takes_cpu_cu = "cu_seqlens_cpu" in inspect.signature(chunk_gated_delta_rule).parameters
     return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, takes_cpu_cu
