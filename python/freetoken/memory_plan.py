@@ -31,6 +31,12 @@ class MemoryPlan:
     kv_tokens: int = 0
     kv_bytes: int = 0
     free_after: Optional[int] = None
+    # --moe-backend offload: the GPU expert cache (allocated after the dry run), the prefill stream buffers
+    # (part of what loading used) and the banks in host memory (not device memory; listed for the operator)
+    expert_slots: int = 0
+    expert_cache_bytes: int = 0
+    expert_stream_bytes: int = 0
+    host_expert_bytes: int = 0
 
     def kv_budget(self, used_by_loading: int) -> int:
         """Bytes left for the KV pool (CUDA): memory_ratio of what was free, minus everything else planned."""
@@ -41,15 +47,24 @@ class MemoryPlan:
             - self.scratch_kv_bytes
             - (self.workspace or 0)
             - self.reserve
+            - self.expert_cache_bytes
         )
 
     def rows(self) -> list[tuple[str, str]]:
         def g(b: Optional[int]) -> str:
             return "not measured" if b is None else f"{b / GiB:.2f} GiB"
 
+        offload = []
+        if self.host_expert_bytes:
+            offload = [
+                ("routed experts in host memory (not device)", g(self.host_expert_bytes)),
+                (f"expert cache ({self.expert_slots} slots)", g(self.expert_cache_bytes)),
+                ("prefill expert stream buffers", g(self.expert_stream_bytes)),
+            ]
         return [
             ("free before loading", g(self.free_before)),
-            ("weights", g(self.weights)),
+            ("weights" + (" (without routed experts)" if offload else ""), g(self.weights)),
+            *offload,
             (f"KV cache ({self.kv_tokens} tokens)", g(self.kv_bytes)),
             ("KV scratch (dry run, logits)", g(self.scratch_kv_bytes)),
             ("recurrent state", g(self.state_bytes)),

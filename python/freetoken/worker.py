@@ -36,6 +36,9 @@ from .layers.attention import make_attention_backend
 from .layers.sampler import sample
 from .log import get_logger
 from .memory_plan import MemoryPlan, measure_peak_bytes
+from .layers.moe import experts_factory
+from .moe.backend_choice import device_bytes_needed, resolve_moe_backend
+from .moe.offload import ExpertOffload
 from .models.base import ModelConfig
 from .models.registry import model_class
 
@@ -134,22 +137,6 @@ def skip_init(dtype: torch.dtype, device: torch.device):
             setattr(torch.nn.init, n, f)
 
 
-# What each --moe-backend needs; offload/cpu/hybrid arrive with the expert-offload issue.
-_BUILT_MOE_BACKENDS = ("auto", "fused")
-
-
-def resolve_moe_backend(requested: str, has_experts: bool) -> str:
-    """Dense models always run ``fused`` (nothing to offload); MoE models get what was asked for, if built."""
-    if not has_experts:
-        return "fused"
-    if requested not in _BUILT_MOE_BACKENDS:
-        raise UnsupportedModel(
-            f"--moe-backend {requested} is not built yet (expert offload is a later issue); "
-            "use --moe-backend fused to keep every expert on the device"
-        )
-    return "fused"
-
-
 class Worker:
     def __init__(self, args: Optional[dict] = None):
         from .loading.gguf import GGUFCheckpoint, find_gguf
@@ -198,7 +185,12 @@ class Worker:
         self.config = ModelConfig.from_dict(self.checkpoint.config)
         cls = model_class(self.config)
         self.dtype = self._resolve_dtype(a["dtype"])
-        self.moe_backend = resolve_moe_backend(a["moe_backend"], has_experts=int(self.config.get("num_experts") or 0) > 0)
+        has_experts = int(self.config.get("num_experts") or 0) > 0
+        needed = 0
+        if has_experts and a["moe_backend"] == "auto" and self.device.type == "cuda":
+            needed = device_bytes_needed(cls, self.config, self.dtype, int(a.get("kv_reserve_tokens") or 8192))
+        self.moe_backend = resolve_moe_backend(a["moe_backend"], has_experts, self.device, needed,
+                                               int(float(a["memory_ratio"]) * free_before))
 
         rope_max = int(self.config.get("max_position_embeddings") or 4096)
         override = a["max_seq_len_override"]
@@ -209,7 +201,13 @@ class Worker:
 
         # --- the model
         t0 = time.perf_counter()
-        with skip_init(self.dtype, self.device):
+        self.offload = None
+        factory = contextlib.nullcontext()
+        if self.moe_backend == "offload":
+            self.offload = ExpertOffload(self.device, self.dtype, int(self.config.num_experts_per_tok),
+                                         overlap=not a.get("disable_moe_prefill_overlap"))
+            factory = experts_factory(self.offload.make_experts)
+        with skip_init(self.dtype, self.device), factory:
             self.model = cls(self.config)
         self.model.eval()
         if a["dummy_weight"]:
@@ -218,7 +216,16 @@ class Worker:
             fill_dummy_weights(self.model)
         else:
             self.model.load_weights(self.checkpoint.tensors(progress=bool(a["load_progress"])))
+        if self.offload is not None:
+            self.offload.finish_loading()  # pins the host banks, allocates the prefill stream buffers
+            logger.info(
+                f"Expert offload: {self.offload.total_experts} experts in {'pinned ' if self.offload.pinned else ''}"
+                f"host memory ({self.offload.host_bytes / GiB:.2f} GiB), prefill stream buffers "
+                f"{self.offload.stream.nbytes / GiB:.2f} GiB (overlap={self.offload.stream.overlap})"
+            )
         weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if self.offload is not None:
+            weights_bytes -= self.offload.host_bytes  # the banks stay on the host; the plan lists them apart
         logger.info(
             f"Loaded {type(self.model).__name__} ({weights_bytes / GiB:.2f} GiB, {self.dtype}, "
             f"{'dummy weights' if a['dummy_weight'] else os.path.basename(self.checkpoint.path)}) "
@@ -283,6 +290,8 @@ class Worker:
             plan.workspace = measure_peak_bytes(self.device, lambda: self._dry_run(plan.workspace_tokens))
             self.kv = None
             torch.cuda.empty_cache()
+        if self.offload is not None:
+            self._allocate_expert_cache(plan, used_by_loading, bpt)
         self.kv_capacity_tokens = self._kv_tokens(bpt, plan, used_by_loading)
         self.kv = self._make_kv_pool(layout, self.kv_capacity_tokens + self.scratch_tokens)
         plan.kv_tokens, plan.kv_bytes = self.kv_capacity_tokens, self.kv_capacity_tokens * bpt
@@ -293,6 +302,24 @@ class Worker:
         )
         logger.info(plan.table())
         logger.info(f"Free memory after initialization: {plan.free_after / GiB:.2f} GiB")
+
+    def _allocate_expert_cache(self, plan: MemoryPlan, used_by_loading: int, bpt: int) -> None:
+        """The GPU expert cache, sized by the flags or (auto) by what the plan leaves above the KV floor."""
+        off, a = self.offload, self.args
+        budget = None
+        if self.device.type == "cuda":
+            budget = plan.kv_budget(used_by_loading) - int(a.get("kv_reserve_tokens") or 8192) * bpt
+        slots, how = off.cache_slots(a, budget)
+        off.allocate_cache(slots)
+        plan.expert_slots, plan.expert_cache_bytes = slots, off.cache.nbytes
+        plan.host_expert_bytes, plan.expert_stream_bytes = off.host_bytes, off.stream.nbytes
+        if how == "auto":
+            logger.info(f"--moe-cache-auto resolved moe_cache_size={slots}")
+        logger.info(f"Expert cache: {slots} of {off.total_experts} experts on the device "
+                    f"({off.cache.nbytes / GiB:.2f} GiB, {how})")
+        if slots < min(off.min_useful_slots, off.total_experts):
+            logger.warning(f"The expert cache has {slots} slots, under 3 x top_k per MoE layer "
+                           f"({off.min_useful_slots}): expect almost every decode expert to miss")
 
     def _make_kv_pool(self, layout, num_slots: int) -> KVCachePool:
         return KVCachePool(
@@ -438,6 +465,7 @@ class Worker:
         self._check_plan(plan, _allow_scratch)
         t0 = time.perf_counter()
         oom = None
+        hits0, misses0 = self.offload.counters() if self.offload is not None else (0, 0)
         on_cuda = self.device.type == "cuda"
         if on_cuda:  # the step's transient peak, checked against the memory plan (host-side counters, no sync)
             allocated_before = torch.cuda.memory_allocated(self.device)
@@ -471,11 +499,12 @@ class Worker:
         workspace = max(0, torch.cuda.max_memory_allocated(self.device) - allocated_before) if on_cuda else 0
         if not _allow_scratch:
             self._check_workspace(plan, workspace)
+        hits, misses = self.offload.counters() if self.offload is not None else (0, 0)
         stats = {
             "forward_ms": (time.perf_counter() - t0) * 1e3,
             "num_tokens": plan.num_tokens,
-            "expert_hits": 0,
-            "expert_misses": 0,
+            "expert_hits": hits - hits0,
+            "expert_misses": misses - misses0,
             "workspace_bytes": workspace,
         }
         return StepResult(tokens, logprobs, stats, logits)

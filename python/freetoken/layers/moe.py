@@ -21,15 +21,16 @@ The seam for expert placement
 topk_weights [T, k]) -> [T, H]`` (the weighted sum over the k routed experts, shared expert excluded) and
 ``load_expert_weight(name, tensor)``. ``FusedExperts`` keeps every expert resident on the device and runs either the
 torch reference (loop over experts hit) or the grouped Triton kernel (``freetoken.kernels.fused_moe``), picked
-automatically on CUDA. Offload backends (host banks + GPU slot cache, CPU experts) replace ``block.experts`` with
-their own ``ExpertsBackend`` after construction (``block.set_experts_backend(...)``); routing, the shared expert and
-weight-name mapping stay here.
+automatically on CUDA. Expert offload (``freetoken.moe``) builds its own ``ExpertsBackend`` in every block, chosen
+while the model is constructed (``experts_factory``), so resident expert tensors are never allocated on the device;
+routing, the shared expert and weight-name mapping stay here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,39 @@ from ..loading.copy_weight import copy_weight
 
 # "auto" = triton on CUDA, torch elsewhere; tests and benchmarks can pin one.
 _DEFAULT_IMPL = "auto"
+
+
+# Builds each block's experts: (layer_id, num_experts, hidden_size, intermediate_size) -> ExpertsBackend.
+_EXPERTS_FACTORY: Optional[Callable[[int, int, int, int], "ExpertsBackend"]] = None
+
+
+@contextlib.contextmanager
+def experts_factory(factory: Callable[[int, int, int, int], "ExpertsBackend"]):
+    """Within the block, every ``SparseMoeBlock`` built without an explicit backend gets ``factory(layer_id,
+    num_experts, hidden_size, intermediate_size)`` instead of ``FusedExperts``."""
+    global _EXPERTS_FACTORY
+    saved, _EXPERTS_FACTORY = _EXPERTS_FACTORY, factory
+    try:
+        yield
+    finally:
+        _EXPERTS_FACTORY = saved
+
+
+def resolve_moe_impl(impl: str, x: torch.Tensor) -> str:
+    """``auto`` is triton on CUDA tensors, torch elsewhere."""
+    if impl != "auto":
+        return impl
+    return "triton" if x.is_cuda else "torch"
+
+
+def run_experts(impl: str, x, w13, w2, topk_ids, topk_weights) -> torch.Tensor:
+    """The weighted sum over the routed experts, ``topk_ids`` indexing the first dimension of ``w13``/``w2``
+    (expert ids for resident weights, slot ids for an expert cache). ``impl``: auto | torch | triton."""
+    if resolve_moe_impl(impl, x) == "triton":
+        from ..kernels.fused_moe import fused_moe_triton
+
+        return fused_moe_triton(x, w13, w2, topk_ids, topk_weights)
+    return fused_moe_torch(x, w13, w2, topk_ids, topk_weights)
 
 
 def set_default_moe_impl(name: str) -> None:
@@ -97,17 +131,8 @@ class FusedExperts(ExpertsBackend):
         # which parts were loaded: fused tensors, or per-expert pieces (e, 0=gate,1=up,2=down)
         self._loaded: set = set()
 
-    def _resolve_impl(self, x: torch.Tensor) -> str:
-        if self.impl != "auto":
-            return self.impl
-        return "triton" if x.is_cuda else "torch"
-
     def forward(self, x, topk_ids, topk_weights):
-        if self._resolve_impl(x) == "triton":
-            from ..kernels.fused_moe import fused_moe_triton
-
-            return fused_moe_triton(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights)
-        return fused_moe_torch(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights)
+        return run_experts(self.impl, x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights)
 
     @torch.no_grad()
     def load_expert_weight(self, name: str, tensor: torch.Tensor) -> None:
@@ -188,6 +213,8 @@ class SparseMoeBlock(nn.Module):
         if act not in ("silu", "swish"):
             raise ValueError(f"MoE activation {act!r} is not supported (silu only)")
         self.gate = nn.Linear(self.hidden_size, self.num_experts, bias=False)
+        if experts is None and _EXPERTS_FACTORY is not None:
+            experts = _EXPERTS_FACTORY(layer_id, self.num_experts, self.hidden_size, self.intermediate_size)
         self.experts = experts or FusedExperts(self.num_experts, self.hidden_size, self.intermediate_size)
         shared = int(config.get("shared_expert_intermediate_size", 0) or 0)
         self.shared_expert_intermediate_size = shared

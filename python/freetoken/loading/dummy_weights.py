@@ -13,6 +13,21 @@ from torch import nn
 from ..layers.norm import RMSNorm
 
 
+# Host tensors above this many elements (offloaded expert banks: 64 GB for Qwen3.6-35B-A3B) are filled by tiling one
+# random block at shifting offsets: the CPU generator would take minutes, and dummy values need not be independent.
+_TILE = 1 << 24
+
+
+def _fill_tiled(p: torch.Tensor, std: float, gen: torch.Generator) -> None:
+    block = torch.empty(2 * _TILE, dtype=p.dtype)
+    block.normal_(0.0, std, generator=gen)
+    flat = p.view(-1)
+    for n, start in enumerate(range(0, flat.numel(), _TILE)):
+        piece = flat[start:start + _TILE]
+        shift = (n * 7919) % _TILE
+        piece.copy_(block[shift:shift + piece.numel()])
+
+
 @torch.no_grad()
 def fill_dummy_weights(model: nn.Module, std: float = 0.02, seed: int = 0) -> None:
     """Small normal values everywhere except where a value has a meaning: RMSNorm weights are ones (plain
@@ -30,6 +45,8 @@ def fill_dummy_weights(model: nn.Module, std: float = 0.02, seed: int = 0) -> No
             continue
         if name.endswith("bias"):
             p.zero_()
+        elif p.device.type == "cpu" and p.numel() > _TILE:
+            _fill_tiled(p, std, gen_cpu)
         elif p.device.type == "cpu":
             p.normal_(0.0, std, generator=gen_cpu)
         else:

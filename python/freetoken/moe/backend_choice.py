@@ -1,0 +1,52 @@
+"""Which ``--moe-backend`` a model runs with.
+
+``fused`` keeps every expert on the device; ``offload`` keeps them in pinned host memory behind a GPU cache.
+``auto`` picks ``fused`` when the whole model fits in ``memory_ratio`` of free device memory with room left for the
+KV floor (``--kv-reserve-tokens``), else ``offload`` (the point of this engine: MoE models larger than the GPU).
+On CPU there is nothing to offload to, so ``auto`` is ``fused`` there. Dense models are always ``fused``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import UnsupportedModel
+from ..log import get_logger
+
+logger = get_logger(__name__)
+
+BUILT_MOE_BACKENDS = ("auto", "fused", "offload")
+
+
+def device_bytes_needed(model_class, config, dtype: torch.dtype, kv_reserve_tokens: int) -> int:
+    """Parameter bytes of ``model_class(config)`` in ``dtype`` (counted on the meta device) plus the KV floor."""
+    from ..cache.kv_pool import KVCachePool
+
+    with torch.device("meta"):
+        probe = model_class(config)
+    size = torch.empty((), dtype=dtype).element_size()
+    weights = sum(p.numel() for p in probe.parameters()) * size
+    kv = probe.kv_layout
+    bpt = KVCachePool.bytes_per_token(kv.num_layers, kv.num_kv_heads, kv.head_dim, dtype, kv.v_head_dim)
+    return weights + kv_reserve_tokens * bpt
+
+
+def resolve_moe_backend(requested: str, has_experts: bool, device: torch.device, model_bytes: int = 0,
+                        available_bytes: int = 0) -> str:
+    """``requested`` (the flag) -> ``fused`` | ``offload``. ``model_bytes``: weights plus the KV floor
+    (``device_bytes_needed``); ``available_bytes``: ``memory_ratio`` of free device memory. Both are read only
+    for ``auto`` on CUDA."""
+    if not has_experts:
+        return "fused"
+    if requested not in BUILT_MOE_BACKENDS:
+        raise UnsupportedModel(
+            f"--moe-backend {requested} is not built yet (the CPU expert executor is a later issue); "
+            "use --moe-backend offload or fused"
+        )
+    if requested != "auto":
+        return requested
+    if device.type == "cuda" and model_bytes > available_bytes:
+        logger.info(f"Auto-selected MoE backend: offload (weights and the KV floor need {model_bytes / 2**30:.1f} GiB, "
+                    f"{available_bytes / 2**30:.1f} GiB are available)")
+        return "offload"
+    return "fused"

@@ -1,0 +1,118 @@
+"""``ExpertOffload``: what ``--moe-backend offload`` adds to a model, and the worker's one handle on it.
+
+Lifecycle (``worker.py``):
+
+1. ``with experts_factory(offload.make_experts): model = cls(config)`` — every MoE block gets an
+   ``OffloadedExperts`` whose bank lives in host memory; nothing expert-sized touches the device.
+2. Weights load (or the dummy fill) into the host banks through the usual ``load_expert_weight`` path.
+3. ``finish_loading()`` pins the banks in place (pin-after-fill: registering filled pages is faster than a pinned
+   allocation, and exact-size where torch's pinned allocator rounds up to a power of two) and allocates the
+   prefill stream buffers.
+4. After the start-up dry run has measured the workspace, ``allocate_cache(num_slots)`` creates the GPU slot
+   cache from what the memory plan leaves (``cache_slots``).
+
+Hit and miss counters feed each step's ``expert_hits`` / ``expert_misses``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ..log import get_logger
+from .offloaded_experts import OffloadedExperts
+from .prefill_stream import PrefillExpertStream
+from .slot_cache import ExpertSlotCache
+
+logger = get_logger(__name__)
+
+GiB = 1 << 30
+
+
+class ExpertOffload:
+    def __init__(self, device: torch.device, dtype: torch.dtype, top_k: int, overlap: bool = True):
+        self.device, self.dtype, self.top_k, self.overlap = device, dtype, top_k, overlap
+        self.layers: list[OffloadedExperts] = []
+        self.cache: Optional[ExpertSlotCache] = None
+        self.stream: Optional[PrefillExpertStream] = None
+        self.pinned = False
+
+    # ------------------------------------------------------------------ construction
+
+    def make_experts(self, layer_id: int, num_experts: int, hidden_size: int, intermediate_size: int):
+        """The ``experts_factory`` for model construction: one host-resident bank per MoE layer, in order."""
+        experts = OffloadedExperts(self, len(self.layers), num_experts, hidden_size, intermediate_size, self.dtype)
+        self.layers.append(experts)
+        return experts
+
+    def finish_loading(self) -> None:
+        if not self.layers:
+            raise ValueError("--moe-backend offload: the model has no MoE layers")
+        if self.device.type == "cuda":
+            self.pinned = all(_pin_in_place(t) for e in self.layers for t in (e.gate_up_proj, e.down_proj))
+            if not self.pinned:
+                logger.warning("Could not pin the host expert banks; expert copies will be synchronous and slower")
+        first = self.layers[0]
+        self.stream = PrefillExpertStream(
+            [(e.gate_up_proj, e.down_proj) for e in self.layers], tuple(first.gate_up_proj.shape),
+            tuple(first.down_proj.shape), self.dtype, self.device, overlap=self.overlap)
+
+    def allocate_cache(self, num_slots: int) -> None:
+        first = self.layers[0]
+        self.cache = ExpertSlotCache(num_slots, len(self.layers), first.num_experts,
+                                     tuple(first.gate_up_proj.shape[1:]), tuple(first.down_proj.shape[1:]),
+                                     self.dtype, self.device)
+
+    # ------------------------------------------------------------------ sizes
+
+    @property
+    def total_experts(self) -> int:
+        return sum(e.num_experts for e in self.layers)
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert (gate_up + down)."""
+        e = self.layers[0]
+        return (e.gate_up_proj[0].numel() + e.down_proj[0].numel()) * e.gate_up_proj.element_size()
+
+    @property
+    def host_bytes(self) -> int:
+        return self.total_experts * self.expert_bytes
+
+    @property
+    def min_useful_slots(self) -> int:
+        """REFERENCES §7.4: below 3 × top_k slots per layer an LRU expert cache hits almost never."""
+        return 3 * self.top_k * len(self.layers)
+
+    def cache_slots(self, args: dict, budget_bytes: Optional[int]) -> tuple[int, str]:
+        """Slots for ``--moe-cache-size`` / ``--moe-cache-rate`` / auto (what ``budget_bytes`` holds; every expert
+        when no budget is known, as on CPU). Returns (slots, how it was chosen)."""
+        total = self.total_experts
+        if args.get("moe_cache_size"):
+            return min(int(args["moe_cache_size"]), total), "--moe-cache-size"
+        if args.get("moe_cache_rate"):
+            return max(1, min(total, math.ceil(float(args["moe_cache_rate"]) * total))), "--moe-cache-rate"
+        if budget_bytes is None:
+            return total, "auto (every expert)"
+        slots = min(total, budget_bytes // self.expert_bytes)
+        if slots < 1:
+            raise MemoryError(
+                f"no device memory left for the expert cache ({budget_bytes / GiB:.2f} GiB after the KV floor of "
+                "--kv-reserve-tokens); lower --kv-reserve-tokens or --max-prefill-length, or set --moe-cache-size")
+        return int(slots), "auto"
+
+    # ------------------------------------------------------------------ counters
+
+    def counters(self) -> tuple[int, int]:
+        """(hits, misses) so far."""
+        return (self.cache.hits, self.cache.misses) if self.cache is not None else (0, 0)
+
+
+def _pin_in_place(t: torch.Tensor) -> bool:
+    """Page-locks ``t``'s storage (cudaHostRegister) so copies from it are asynchronous DMA."""
+    if t.is_pinned():
+        return True
+    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    return int(rc) == 0

@@ -1,0 +1,82 @@
+"""``ExpertSlotCache``: the GPU's LRU cache of routed experts, one pool of slots shared by every MoE layer.
+
+Each slot holds one expert's ``gate_up [2I, H]`` and ``down [H, I]``. ``lookup(layer, ...)`` makes every expert a
+step routes to in that layer resident (copying misses from the layer's pinned host bank into the least recently
+used slots) and returns the routing rewritten from expert ids to slot ids, so the grouped MoE kernel runs over the
+slot pool unchanged. Slots used by the current lookup are never evicted by it; a slot used earlier in the same
+step can be, because its kernel is already queued on the same stream before the copy that overwrites it.
+
+The bookkeeping is on the host (one device-to-host copy of the routing per MoE layer per step): simple and exact,
+not CUDA-graph capturable. ``slot_of[layer, expert]`` is −1 for an expert not resident.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+
+class ExpertSlotCache:
+    def __init__(self, num_slots: int, num_layers: int, num_experts: int, gate_up_shape: tuple, down_shape: tuple,
+                 dtype: torch.dtype, device: torch.device):
+        if num_slots < 1:
+            raise ValueError("the expert cache needs at least one slot")
+        self.num_slots, self.num_layers, self.num_experts = num_slots, num_layers, num_experts
+        self.device = device
+        self.gate_up = torch.empty((num_slots, *gate_up_shape), dtype=dtype, device=device)
+        self.down = torch.empty((num_slots, *down_shape), dtype=dtype, device=device)
+        self.slot_of = np.full((num_layers, num_experts), -1, dtype=np.int64)
+        self.owner = np.full(num_slots, -1, dtype=np.int64)  # layer * num_experts + expert, −1 = empty
+        self.last_used = np.full(num_slots, -1, dtype=np.int64)  # LRU stamps; empty slots go first
+        self.clock = 0
+        self.hits = 0
+        self.misses = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate_up.numel() * self.gate_up.element_size() + self.down.numel() * self.down.element_size()
+
+    def lookup(self, layer: int, bank_gate_up: torch.Tensor, bank_down: torch.Tensor,
+               topk_ids: torch.Tensor) -> Optional[torch.Tensor]:
+        """``topk_ids [T, k]`` (expert ids of ``layer``) -> slot ids of the same shape, every expert resident.
+        None when the layer needs more distinct experts than there are slots (the caller streams the layer)."""
+        needed = np.unique(topk_ids.detach().cpu().numpy())
+        if len(needed) > self.num_slots:
+            return None
+        self.clock += 1
+        slots = self.slot_of[layer, needed]
+        hit = slots >= 0
+        self.last_used[slots[hit]] = self.clock
+        missing = needed[~hit]
+        self.hits += int(hit.sum())
+        self.misses += len(missing)
+        if len(missing):
+            # Everything this lookup uses is stamped with the current clock, the maximum: the len(missing) oldest
+            # slots are all free to take (len(needed) <= num_slots guarantees there are that many).
+            victims = np.argsort(self.last_used, kind="stable")[: len(missing)]
+            for expert, slot in zip(missing.tolist(), victims.tolist()):
+                old = int(self.owner[slot])
+                if old >= 0:
+                    self.slot_of[old // self.num_experts, old % self.num_experts] = -1
+                self.owner[slot] = layer * self.num_experts + expert
+                self.slot_of[layer, expert] = slot
+                self.last_used[slot] = self.clock
+                self.gate_up[slot].copy_(bank_gate_up[expert], non_blocking=True)
+                self.down[slot].copy_(bank_down[expert], non_blocking=True)
+        lut = torch.tensor(self.slot_of[layer], dtype=torch.int64, device=self.device)
+        return lut[topk_ids]
+
+    def resident(self, layer: int) -> list[int]:
+        """The experts of ``layer`` that are resident now (tests, stats)."""
+        return np.flatnonzero(self.slot_of[layer] >= 0).tolist()
+
+    def check_integrity(self) -> None:
+        """``slot_of`` and ``owner`` describe the same mapping (tests)."""
+        for slot, flat in enumerate(self.owner.tolist()):
+            if flat >= 0:
+                assert self.slot_of[flat // self.num_experts, flat % self.num_experts] == slot
+        layers, experts = np.nonzero(self.slot_of >= 0)
+        for layer, expert in zip(layers.tolist(), experts.tolist()):
+            assert self.owner[self.slot_of[layer, expert]] == layer * self.num_experts + expert

@@ -1,0 +1,159 @@
+"""Expert offload (``--moe-backend offload``) against all-resident experts: the slot cache's LRU bookkeeping, the
+prefill stream, and a tiny Qwen3.5-MoE run through both backends (prefill chunks on the stream path, decode on the
+cache path, caches too small to hold one step's experts) with equal logits and equal greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_reference as R
+from freetoken.layers.moe import experts_factory
+from freetoken.models.base import ModelConfig
+from freetoken.models.registry import model_class
+from freetoken.moe.offload import ExpertOffload
+from freetoken.moe.prefill_stream import PrefillExpertStream
+from freetoken.moe.slot_cache import ExpertSlotCache
+
+E, L = 8, 3
+
+
+def _banks(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(E, 6, 4, generator=g), torch.randn(E, 4, 3, generator=g)) for _ in range(L)]
+
+
+def _lookup(cache, banks, layer, ids):
+    return cache.lookup(layer, banks[layer][0], banks[layer][1], torch.tensor(ids))
+
+
+def test_slot_cache_maps_every_routed_expert_to_a_slot_holding_its_weights():
+    banks = _banks()
+    cache = ExpertSlotCache(12, L, E, (6, 4), (4, 3), torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(1)
+    distinct = 0
+    for step in range(200):
+        layer = step % L
+        ids = torch.randint(0, E, (3, 2), generator=g)
+        distinct += len(set(ids.flatten().tolist()))
+        slots = _lookup(cache, banks, layer, ids.tolist())
+        assert slots.shape == ids.shape
+        for e, s in zip(ids.flatten().tolist(), slots.flatten().tolist()):
+            assert torch.equal(cache.gate_up[s], banks[layer][0][e]) and torch.equal(cache.down[s], banks[layer][1][e])
+        cache.check_integrity()
+    assert cache.hits + cache.misses == distinct  # each distinct expert of a lookup counts once
+    assert cache.hits > 0 and cache.misses > 0
+
+
+def test_slot_cache_is_lru_and_counts_hits_and_misses():
+    banks = _banks()
+    cache = ExpertSlotCache(3, L, E, (6, 4), (4, 3), torch.float32, torch.device("cpu"))
+    _lookup(cache, banks, 0, [[0, 1]])  # misses 0, 1
+    _lookup(cache, banks, 1, [[0]])  # miss (layer 1, 0): the cache is full now
+    assert (cache.hits, cache.misses) == (0, 3)
+    _lookup(cache, banks, 0, [[0]])  # hit; (0, 1) is now the least recently used
+    assert (cache.hits, cache.misses) == (1, 3)
+    _lookup(cache, banks, 2, [[5]])  # miss: evicts (0, 1)
+    assert cache.resident(0) == [0] and cache.resident(1) == [0] and cache.resident(2) == [5]
+    # a lookup never evicts what it uses itself: three misses replace everything but nothing it needs
+    _lookup(cache, banks, 0, [[1, 2], [3, 1]])
+    assert cache.resident(0) == [1, 2, 3] and cache.resident(1) == [] and cache.resident(2) == []
+    cache.check_integrity()
+
+
+def test_slot_cache_refuses_a_step_needing_more_experts_than_slots():
+    banks = _banks()
+    cache = ExpertSlotCache(2, L, E, (6, 4), (4, 3), torch.float32, torch.device("cpu"))
+    assert _lookup(cache, banks, 0, [[0, 1], [2, 0]]) is None
+    assert (cache.hits, cache.misses) == (0, 0) and cache.resident(0) == []
+
+
+def test_prefill_stream_returns_each_layer_whole():
+    banks = _banks()
+    stream = PrefillExpertStream(banks, (E, 6, 4), (E, 4, 3), torch.float32, torch.device("cpu"))
+    assert not stream.overlap  # CPU: one buffer, synchronous copies
+    for layer in (0, 1, 2, 2, 0):
+        gate_up, down = stream.layer_weights(layer)
+        assert torch.equal(gate_up, banks[layer][0]) and torch.equal(down, banks[layer][1])
+    assert stream.layers_copied == 4  # the repeated layer 2 was still in the buffer
+
+
+# ------------------------------------------------------------------------------------------------------------
+# A tiny Qwen3.5-MoE through both backends
+# ------------------------------------------------------------------------------------------------------------
+
+CONFIG = R.qwen3_5_moe_config(num_experts=16, num_experts_per_tok=2)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return R.build_hf_model(CONFIG, seed=3)
+
+
+def _offloaded(hf, slots: int):
+    cfg = ModelConfig.from_dict(CONFIG)
+    off = ExpertOffload(torch.device("cpu"), torch.float32, top_k=2)
+    with experts_factory(off.make_experts):
+        model = model_class(cfg)(cfg).float().eval()
+    model.load_weights(list(hf.state_dict().items()))
+    off.finish_loading()
+    off.allocate_cache(slots)
+    return model, off
+
+
+def _run(model, prompts, steps):
+    """Prefill (two chunks per prompt, so a chunk continues from a cached prefix), then greedy decode of every
+    sequence batched together. Returns the logits of every step and the generated tokens."""
+    eng = R.TinyEngine(model, max_seqs=len(prompts))
+    logits, out = [], {s: [] for s in range(len(prompts))}
+    for s, p in enumerate(prompts):
+        half = len(p) // 2
+        eng.step([(s, p[:half], False)], all_logits=True)
+        last = eng.step([(s, p[half:])], all_logits=True)[0]
+        logits.append(last)
+        out[s].append(int(last[-1].argmax()))
+    for _ in range(steps):
+        rows = eng.step([(s, [out[s][-1]]) for s in out])
+        logits.append(torch.stack(rows))
+        for s, row in zip(out, rows):
+            out[s].append(int(row.argmax()))
+    return logits, out
+
+
+@pytest.mark.parametrize("slots", [1, 3, 8, 64])
+def test_offload_matches_resident_experts(hf, slots):
+    """1 slot: every decode step needs more experts than the cache holds (streamed); 3 and 8: LRU churn; 64:
+    every expert of every layer fits. Logits and greedy tokens equal the all-resident model's."""
+    prompts = [R.prompt(24, seed=1), R.prompt(9, seed=2), R.prompt(17, seed=3)]
+    ref_model = R.build_ours(CONFIG, hf)
+    ref_logits, ref_tokens = _run(ref_model, prompts, steps=12)
+    model, off = _offloaded(hf, slots)
+    logits, tokens = _run(model, prompts, steps=12)
+    assert tokens == ref_tokens
+    for a, b in zip(logits, ref_logits):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+    hits, misses = off.counters()
+    if slots >= 3:  # decode steps (3 tokens x top-2 < 16 experts) went through the cache
+        assert misses > 0
+    if slots == 64:
+        assert hits > misses  # the working set stays resident once loaded
+    if slots == 1:
+        assert (hits, misses) == (0, 0)  # nothing fit: every layer streamed
+    assert off.stream.layers_copied > 0  # prefill chunks streamed whole layers
+    off.cache.check_integrity()
+
+
+def test_expert_offload_sizes(hf):
+    _, off = _offloaded(hf, 4)
+    layers = CONFIG["text_config"]["num_hidden_layers"]
+    H, I = CONFIG["text_config"]["hidden_size"], CONFIG["text_config"]["moe_intermediate_size"]
+    assert off.total_experts == 16 * layers
+    assert off.expert_bytes == 3 * H * I * 4
+    assert off.cache.nbytes == 4 * off.expert_bytes
+    assert off.cache_slots({"moe_cache_size": 10}, None) == (10, "--moe-cache-size")
+    assert off.cache_slots({"moe_cache_size": 10**6}, None)[0] == off.total_experts
+    assert off.cache_slots({"moe_cache_rate": 0.5}, None) == (off.total_experts // 2, "--moe-cache-rate")
+    assert off.cache_slots({}, None) == (off.total_experts, "auto (every expert)")
+    assert off.cache_slots({}, 5 * off.expert_bytes + 1) == (5, "auto")
+    with pytest.raises(MemoryError, match="kv-reserve-tokens"):
+        off.cache_slots({}, off.expert_bytes - 1)
