@@ -101,10 +101,10 @@ def _offloaded(hf, slots: int):
     return model, off
 
 
-def _run(model, prompts, steps):
+def _run(model, prompts, steps, device="cpu"):
     """Prefill (two chunks per prompt, so a chunk continues from a cached prefix), then greedy decode of every
     sequence batched together. Returns the logits of every step and the generated tokens."""
-    eng = R.TinyEngine(model, max_seqs=len(prompts))
+    eng = R.TinyEngine(model, max_seqs=len(prompts), device=device)
     logits, out = [], {s: [] for s in range(len(prompts))}
     for s, p in enumerate(prompts):
         half = len(p) // 2
@@ -157,3 +157,41 @@ def test_expert_offload_sizes(hf):
     assert off.cache_slots({}, 5 * off.expert_bytes + 1) == (5, "auto")
     with pytest.raises(MemoryError, match="kv-reserve-tokens"):
         off.cache_slots({}, off.expert_bytes - 1)
+
+
+@pytest.mark.parametrize("mode", ["uniform", "zipf"])
+def test_bench_routing_draws_distinct_experts_with_the_asked_skew(monkeypatch, mode):
+    import freetoken.layers.moe as moe
+
+    monkeypatch.setattr(moe, "_BENCH_ROUTING", mode)
+    cfg = ModelConfig.from_dict(dict(hidden_size=8, num_experts=64, num_experts_per_tok=4, moe_intermediate_size=4))
+    ids, w = moe.SparseMoeBlock(cfg, layer_id=1).route(torch.randn(4000, 8))
+    assert ids.shape == w.shape == (4000, 4) and 0 <= int(ids.min()) and int(ids.max()) < 64
+    assert all(len(set(row)) == 4 for row in ids.tolist())  # top-k experts are distinct
+    share_of_top = torch.bincount(ids.flatten(), minlength=64).max().item() / ids.numel()
+    # uniform: each expert ~1/64 of the picks; Zipf(1) over 64: the most popular ~1/H(64) ≈ 21% of draws
+    assert share_of_top < 0.03 if mode == "uniform" else share_of_top > 0.1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_offload_matches_resident_experts_on_cuda(hf):
+    """The CUDA paths: pinned banks, the two-buffer stream with its side-stream copies and events, the Triton
+    grouped kernel over the slot pool."""
+    cfg = ModelConfig.from_dict(CONFIG)
+    prompts = [R.prompt(40, seed=1), R.prompt(23, seed=2)]
+    ref = R.build_ours(CONFIG, hf).cuda()
+    off = ExpertOffload(torch.device("cuda"), torch.float32, top_k=2, overlap=True)
+    with experts_factory(off.make_experts), torch.device("cuda"):
+        model = model_class(cfg)(cfg).float().eval()
+    model.load_weights(list(hf.state_dict().items()))
+    off.finish_loading()
+    assert off.pinned and off.stream.overlap
+    off.allocate_cache(5)
+    a_logits, a_tokens = _run(ref, prompts, 10, "cuda")
+    b_logits, b_tokens = _run(model, prompts, 10, "cuda")
+    assert a_tokens == b_tokens
+    for a, b in zip(a_logits, b_logits):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+    assert off.counters()[1] > 0 and off.stream.layers_copied >= 2 * len(off.layers)
+

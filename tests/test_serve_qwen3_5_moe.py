@@ -73,3 +73,27 @@ def test_greedy_completion_matches_hf(server, checkpoint):
 
     tok = Tokenizer.from_file(os.path.join(checkpoint[0], "tokenizer.json"))
     assert text == tok.decode(expected, skip_special_tokens=True)
+
+
+def test_expert_offload_launch_line_serves_the_same_greedy_tokens(checkpoint):
+    """The brief's launch line shape (--moe-backend offload --moe-cache-size N), with a cache far smaller than the
+    model's 32 experts: greedy completions still equal HF's, and /v1/stats counts the cache's hits and misses."""
+    _, hf = checkpoint
+    srv = ServerProcess(["--model-path", checkpoint[0], "--max-running-requests", "1", "--max-seq-len-override",
+                         "1024", "--moe-backend", "offload", "--moe-cache-size", "6", "--num-tokens", "4096"])
+    try:
+        log = srv.log()
+        assert "moe_backend='offload'" in log and "Expert cache: 6 of 32 experts" in log, log[-3000:]
+        prompt = [9707, 11, 1879, 0, 3555, 374, 220, 17, 10, 17, 30]
+        r = srv.post("/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                                         "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        expected, _ = R.hf_greedy(hf, prompt, 8)
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(os.path.join(checkpoint[0], "tokenizer.json"))
+        assert r.json()["choices"][0]["text"] == tok.decode(expected, skip_special_tokens=True)
+        stats = srv.get("/v1/stats").json()
+        assert stats["expert_misses"] > 0 and stats["expert_hits"] + stats["expert_misses"] >= 7 * 4, stats
+    finally:
+        assert srv.stop() == 0, srv.log()[-3000:]

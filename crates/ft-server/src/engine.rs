@@ -270,6 +270,9 @@ struct EngineLoop {
     planned_workspace_bytes: Option<u64>,
     /// The largest transient workspace any step has allocated (CUDA), to check the memory plan against.
     max_step_workspace_bytes: u64,
+    /// Expert-cache lookups since start (`--moe-backend offload`): routed experts found resident / copied in.
+    expert_hits: u64,
+    expert_misses: u64,
 }
 
 impl EngineLoop {
@@ -281,6 +284,8 @@ impl EngineLoop {
             status: StatusLog::new(config.decode_log_interval),
             planned_workspace_bytes: config.planned_workspace_bytes,
             max_step_workspace_bytes: 0,
+            expert_hits: 0,
+            expert_misses: 0,
         }
     }
 
@@ -361,6 +366,8 @@ impl EngineLoop {
         match result {
             Ok(out) => {
                 self.max_step_workspace_bytes = self.max_step_workspace_bytes.max(out.stats.workspace_bytes);
+                self.expert_hits += out.stats.expert_hits;
+                self.expert_misses += out.stats.expert_misses;
                 self.scheduler.commit(&plan, &out);
                 self.status.record(&summary, &self.scheduler.stats(), elapsed);
             }
@@ -432,6 +439,8 @@ impl EngineLoop {
             "decode_throughput": self.status.last_decode_throughput(),
             "planned_workspace_bytes": self.planned_workspace_bytes,
             "max_step_workspace_bytes": self.max_step_workspace_bytes,
+            "expert_hits": self.expert_hits,
+            "expert_misses": self.expert_misses,
         });
     }
 

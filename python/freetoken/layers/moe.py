@@ -29,6 +29,7 @@ routing, the shared expert and weight-name mapping stay here.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 from typing import Callable, Iterable, Optional
 
@@ -41,6 +42,12 @@ from ..loading.copy_weight import copy_weight
 
 # "auto" = triton on CUDA, torch elsewhere; tests and benchmarks can pin one.
 _DEFAULT_IMPL = "auto"
+
+# Benchmarks only. A random model's greedy decode keeps routing to the same experts, so an expert-cache benchmark
+# with dummy weights must drive routing itself (REFERENCES §5.4): FREETOKEN_BENCH_ROUTING=uniform draws each
+# token's experts uniformly (the worst case for a cache), =zipf from a fixed per-layer Zipf(1) popularity (a
+# skewed, more realistic one). The router's weights are kept.
+_BENCH_ROUTING = os.environ.get("FREETOKEN_BENCH_ROUTING", "")
 
 
 # Builds each block's experts: (layer_id, num_experts, hidden_size, intermediate_size) -> ExpertsBackend.
@@ -235,7 +242,19 @@ class SparseMoeBlock(nn.Module):
         w, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             w = w / w.sum(dim=-1, keepdim=True)
+        if _BENCH_ROUTING:
+            ids = self._bench_routing(ids)
         return ids, w.to(x.dtype)
+
+    def _bench_routing(self, ids: torch.Tensor) -> torch.Tensor:
+        T, E = ids.shape[0], self.num_experts
+        if _BENCH_ROUTING == "uniform":
+            return torch.rand(T, E, device=ids.device).topk(self.top_k, dim=-1).indices
+        if _BENCH_ROUTING == "zipf":
+            g = torch.Generator().manual_seed(self.layer_id)
+            popularity = (1.0 / torch.arange(1, E + 1, dtype=torch.float32))[torch.randperm(E, generator=g)]
+            return torch.multinomial(popularity.to(ids.device).expand(T, E), self.top_k)
+        raise ValueError(f"FREETOKEN_BENCH_ROUTING={_BENCH_ROUTING!r}: expected uniform or zipf")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, w = self.route(x)
