@@ -1,0 +1,109 @@
+"""Where a decode step's time goes: builds the worker in-process (no HTTP, no scheduler), prefills one prompt,
+then times batch-1 decode steps through ``Worker.execute_plan`` and profiles a few of them with
+``torch.profiler``. Prints the mean step time, the host time the GPU waited on, and the top operators by host
+(self CPU) and device time; writes JSON.
+
+    python bench/profile_decode.py --out bench/out/profile.json -- --dummy-weight --model-path configs/qwen3.6-35b-a3b
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+from freetoken.engine.step_plan import StepPlan  # noqa: E402
+from freetoken.worker import Worker  # noqa: E402
+
+
+def worker_args(serve_args: list[str]) -> dict:
+    """``--flag value`` / ``--switch`` pairs -> the worker's snake_case dict."""
+    out, i = {"load_progress": False}, 0
+    while i < len(serve_args):
+        key = serve_args[i].lstrip("-").replace("-", "_")
+        if i + 1 < len(serve_args) and not serve_args[i + 1].startswith("--"):
+            val = serve_args[i + 1]
+            out[key] = int(val) if val.isdigit() else val
+            i += 2
+        else:
+            out[key] = True
+            i += 1
+    return out
+
+
+def one_seq(tokens: list[int], prefix: int, state_slot: int) -> StepPlan:
+    return StepPlan.build([{"tokens": tokens, "prefix_len": prefix, "row": 0, "table_from": prefix,
+                            "table_slots": list(range(prefix, prefix + len(tokens))), "state_slot": state_slot,
+                            "sample": {"temperature": 0.0}}])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--profile-steps", type=int, default=5)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out", default="bench/out/profile_decode.json")
+    ap.add_argument("serve_args", nargs=argparse.REMAINDER)
+    a = ap.parse_args()
+    w = Worker(worker_args([x for x in a.serve_args if x != "--"]))
+    state_slot = 0 if w.state is not None else -1
+    sync = torch.cuda.synchronize if w.device.type == "cuda" else (lambda: None)
+    prompt = [(i * 37) % 1000 + 10 for i in range(a.prompt_tokens)]
+    tok = w.execute_plan(one_seq(prompt, 0, state_slot)).tokens[0]
+    pos = len(prompt)
+
+    def step():
+        nonlocal tok, pos
+        tok = w.execute_plan(one_seq([tok], pos, state_slot)).tokens[0]
+        pos += 1
+
+    for _ in range(3):  # warm-up: JIT, allocator
+        step()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(a.steps):
+        step()
+    sync()
+    step_ms = (time.perf_counter() - t0) / a.steps * 1e3
+
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if w.device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(a.profile_steps):
+            step()
+        sync()
+    ka = prof.key_averages()
+    dev_attr = "self_device_time_total" if hasattr(ka[0], "self_device_time_total") else "self_cuda_time_total"
+
+    def rows(attr):
+        top = sorted(ka, key=lambda e: getattr(e, attr, 0), reverse=True)[: a.top]
+        return [{"op": e.key, "calls_per_step": e.count / a.profile_steps,
+                 "self_cpu_ms_per_step": e.self_cpu_time_total / 1e3 / a.profile_steps,
+                 "self_device_ms_per_step": getattr(e, dev_attr, 0) / 1e3 / a.profile_steps} for e in top]
+
+    by_cpu, by_dev = rows("self_cpu_time_total"), rows(dev_attr)
+    device_ms = sum(getattr(e, dev_attr, 0) for e in ka) / 1e3 / a.profile_steps
+    result = {"serve_args": a.serve_args, "step_ms": step_ms, "tok_s": 1e3 / step_ms,
+              "device_busy_ms_per_step": device_ms, "by_self_cpu": by_cpu, "by_device": by_dev}
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"decode step {step_ms:.2f} ms ({1e3 / step_ms:.1f} tok/s); device busy {device_ms:.2f} ms/step")
+    for title, table in (("self CPU", by_cpu), ("device", by_dev)):
+        print(f"\ntop by {title} time (ms per step):")
+        print(f"{'op':<60}{'calls':>8}{'cpu ms':>10}{'dev ms':>10}")
+        for r in table:
+            print(f"{r['op'][:59]:<60}{r['calls_per_step']:>8.0f}{r['self_cpu_ms_per_step']:>10.3f}"
+                  f"{r['self_device_ms_per_step']:>10.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
