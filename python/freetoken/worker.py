@@ -10,7 +10,8 @@ Failures come back typed (``errors.py``): ``WorkerOutOfMemory`` (cached memory r
 works), ``InvalidPlan`` (checked before any device memory is touched), anything else is fatal.
 
 Start-up follows FreeToken's order and log lines (REFERENCES 4.6, 4.11): free memory before loading, resolved
-config, load, the memory plan (``memory_plan.py``: on CUDA a dry run of the largest prefill chunk measures its
+config, load (with ``--moe-backend offload`` the routed experts go to host memory, ``moe/offload.py``), the memory
+plan (``memory_plan.py``: on CUDA a dry run of the largest prefill chunk measures its
 workspace), the KV pool from what is left (``Allocating N tokens for KV cache, K + V = X GiB``), the plan as a
 table, ``Free memory after initialization: X GiB``.
 """
@@ -35,12 +36,12 @@ from .fault_injection import FaultInjector
 from .layers.attention import make_attention_backend
 from .layers.sampler import sample
 from .log import get_logger
-from .memory_plan import MemoryPlan, measure_peak_bytes
 from .layers.moe import experts_factory
-from .moe.backend_choice import device_bytes_needed, resolve_moe_backend
-from .moe.offload import ExpertOffload
+from .memory_plan import MemoryPlan, measure_peak_bytes
 from .models.base import ModelConfig
 from .models.registry import model_class
+from .moe.backend_choice import device_bytes_needed, resolve_moe_backend
+from .moe.offload import ExpertOffload
 
 logger = get_logger(__name__)
 
