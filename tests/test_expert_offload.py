@@ -195,3 +195,22 @@ def test_offload_matches_resident_experts_on_cuda(hf):
         torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
     assert off.counters()[1] > 0 and off.stream.layers_copied >= 2 * len(off.layers)
 
+
+
+def test_auto_backend_offloads_only_a_model_that_does_not_fit_on_cuda():
+    from freetoken.errors import UnsupportedModel
+    from freetoken.moe.backend_choice import device_bytes_needed, resolve_moe_backend
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve_moe_backend("auto", True, cuda, model_bytes=10, available_bytes=9) == "offload"
+    assert resolve_moe_backend("auto", True, cuda, model_bytes=9, available_bytes=10) == "fused"
+    assert resolve_moe_backend("auto", True, cpu, model_bytes=10, available_bytes=9) == "fused"
+    assert resolve_moe_backend("offload", False, cuda) == "fused"  # dense: nothing to offload
+    assert resolve_moe_backend("offload", True, cpu) == "offload"
+    with pytest.raises(UnsupportedModel, match="not built"):
+        resolve_moe_backend("hybrid", True, cuda)
+    cfg = ModelConfig.from_dict(CONFIG)
+    weights_only = device_bytes_needed(model_class(cfg), cfg, torch.bfloat16, 0)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in model_class(cfg)(cfg).parameters())
+    assert weights_only == 2 * n and device_bytes_needed(model_class(cfg), cfg, torch.bfloat16, 100) > weights_only

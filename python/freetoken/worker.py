@@ -186,18 +186,21 @@ class Worker:
         self.config = ModelConfig.from_dict(self.checkpoint.config)
         cls = model_class(self.config)
         self.dtype = self._resolve_dtype(a["dtype"])
-        has_experts = int(self.config.get("num_experts") or 0) > 0
-        needed = 0
-        if has_experts and a["moe_backend"] == "auto" and self.device.type == "cuda":
-            needed = device_bytes_needed(cls, self.config, self.dtype, int(a.get("kv_reserve_tokens") or 8192))
-        self.moe_backend = resolve_moe_backend(a["moe_backend"], has_experts, self.device, needed,
-                                               int(float(a["memory_ratio"]) * free_before))
-
         rope_max = int(self.config.get("max_position_embeddings") or 4096)
         override = a["max_seq_len_override"]
         if override is not None and int(override) > rope_max:
             raise ValueError(f"--max-seq-len-override {override} exceeds the model's max_position_embeddings {rope_max}")
         self.max_context = int(override) if override is not None else rope_max
+        # KV the expert cache never takes: --kv-reserve-tokens, and at least one full context so that any request
+        # the server accepts can run
+        self.kv_floor_tokens = max(int(a.get("kv_reserve_tokens") or 8192), self.max_context)
+
+        has_experts = int(self.config.get("num_experts") or 0) > 0
+        needed = 0
+        if has_experts and a["moe_backend"] == "auto" and self.device.type == "cuda":
+            needed = device_bytes_needed(cls, self.config, self.dtype, self.kv_floor_tokens)
+        self.moe_backend = resolve_moe_backend(a["moe_backend"], has_experts, self.device, needed,
+                                               int(float(a["memory_ratio"]) * free_before))
         self.vocab_size = int(self.config.vocab_size)
 
         # --- the model
@@ -309,7 +312,7 @@ class Worker:
         off, a = self.offload, self.args
         budget = None
         if self.device.type == "cuda":
-            budget = plan.kv_budget(used_by_loading) - int(a.get("kv_reserve_tokens") or 8192) * bpt
+            budget = plan.kv_budget(used_by_loading) - self.kv_floor_tokens * bpt
         slots, how = off.cache_slots(a, budget)
         off.allocate_cache(slots)
         plan.expert_slots, plan.expert_cache_bytes = slots, off.cache.nbytes

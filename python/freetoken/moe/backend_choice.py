@@ -2,7 +2,7 @@
 
 ``fused`` keeps every expert on the device; ``offload`` keeps them in pinned host memory behind a GPU cache.
 ``auto`` picks ``fused`` when the whole model fits in ``memory_ratio`` of free device memory with room left for the
-KV floor (``--kv-reserve-tokens``), else ``offload`` (the point of this engine: MoE models larger than the GPU).
+KV floor (``--kv-reserve-tokens``, at least one full context), else ``offload`` (the point of this engine: MoE models larger than the GPU).
 On CPU there is nothing to offload to, so ``auto`` is ``fused`` there. Dense models are always ``fused``.
 """
 
@@ -18,7 +18,7 @@ logger = get_logger(__name__)
 BUILT_MOE_BACKENDS = ("auto", "fused", "offload")
 
 
-def device_bytes_needed(model_class, config, dtype: torch.dtype, kv_reserve_tokens: int) -> int:
+def device_bytes_needed(model_class, config, dtype: torch.dtype, kv_floor_tokens: int) -> int:
     """Parameter bytes of ``model_class(config)`` in ``dtype`` (counted on the meta device) plus the KV floor."""
     from ..cache.kv_pool import KVCachePool
 
@@ -28,7 +28,7 @@ def device_bytes_needed(model_class, config, dtype: torch.dtype, kv_reserve_toke
     weights = sum(p.numel() for p in probe.parameters()) * size
     kv = probe.kv_layout
     bpt = KVCachePool.bytes_per_token(kv.num_layers, kv.num_kv_heads, kv.head_dim, dtype, kv.v_head_dim)
-    return weights + kv_reserve_tokens * bpt
+    return weights + kv_floor_tokens * bpt
 
 
 def resolve_moe_backend(requested: str, has_experts: bool, device: torch.device, model_bytes: int = 0,

@@ -99,8 +99,9 @@ class ExpertOffload:
         slots = min(total, budget_bytes // self.expert_bytes)
         if slots < 1:
             raise MemoryError(
-                f"no device memory left for the expert cache ({budget_bytes / GiB:.2f} GiB after the KV floor of "
-                "--kv-reserve-tokens); lower --kv-reserve-tokens or --max-prefill-length, or set --moe-cache-size")
+                f"no device memory left for the expert cache ({budget_bytes / GiB:.2f} GiB after the KV floor: "
+                "--kv-reserve-tokens, at least one full context); lower --kv-reserve-tokens, --max-seq-len-override "
+                "or --max-prefill-length, or set --moe-cache-size")
         return int(slots), "auto"
 
     # ------------------------------------------------------------------ counters
