@@ -1,5 +1,6 @@
 //! ft-server: everything between the socket and the engine thread.
 
+pub mod anthropic;
 pub mod backend;
 pub mod engine;
 pub mod chat_template;

@@ -336,7 +336,7 @@ impl ChatCompletionRequest {
 /// A tool definition as OpenAI takes it: `{"type": "function", "function": {"name": "...", "description"?: "...",
 /// "parameters"?: {JSON Schema object}}}`. Templates iterate over these, so garbage is refused here with a 400
 /// rather than left to fail (or silently render) inside the template.
-fn check_tool(tool: &Json, param: &str) -> Result<(), ApiError> {
+pub(crate) fn check_tool(tool: &Json, param: &str) -> Result<(), ApiError> {
     let bad = |what: &str| Err(ApiError::invalid_param(param, format!("{param}: {what}")));
     let Json::Object(t) = tool else {
         return bad("a tool must be an object {\"type\": \"function\", \"function\": {...}}");

@@ -134,6 +134,8 @@ pub fn build_router(state: AppState) -> Router {
     let api = Router::new()
         .route("/v1/chat/completions", post(routes::chat::chat_completions))
         .route("/v1/completions", post(routes::completions::completions))
+        .route("/v1/messages", post(routes::messages::messages))
+        .route("/v1/messages/count_tokens", post(routes::messages::count_tokens))
         .route("/v1/models", get(routes::info::models))
         .route("/v1/stats", get(routes::info::stats))
         .route("/v1", get(routes::info::v1_root).post(routes::info::v1_root))

@@ -21,12 +21,19 @@ pub struct StopStringMatcher {
     stops: Vec<String>,
     held: String,
     stopped: bool,
+    /// The stop string that matched (Anthropic reports it as `stop_sequence`).
+    matched: Option<String>,
 }
 
 impl StopStringMatcher {
     /// Empty stop strings are ignored.
     pub fn new(stops: Vec<String>) -> Self {
-        StopStringMatcher { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), held: String::new(), stopped: false }
+        StopStringMatcher {
+            stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
+            held: String::new(),
+            stopped: false,
+            matched: None,
+        }
     }
 
     pub fn is_empty(&self) -> bool {
@@ -42,9 +49,10 @@ impl StopStringMatcher {
         }
         self.held.push_str(text);
         // The earliest match of any stop string wins.
-        let first = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min();
-        if let Some(pos) = first {
+        let first = self.stops.iter().filter_map(|s| self.held.find(s.as_str()).map(|pos| (pos, s))).min_by_key(|(pos, _)| *pos);
+        if let Some((pos, stop)) = first {
             self.stopped = true;
+            self.matched = Some(stop.clone());
             let out = self.held[..pos].to_string();
             self.held.clear();
             return StopOutcome::Stopped(out);
@@ -53,6 +61,11 @@ impl StopStringMatcher {
         let out = self.held[..keep_from].to_string();
         self.held.drain(..keep_from);
         StopOutcome::Continue(out)
+    }
+
+    /// The stop string that ended the text, once one has.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.as_deref()
     }
 
     /// The stream ended without a match: the held-back text is plain output after all.

@@ -69,7 +69,7 @@ async fn whole_response(mut ts: TextStream, id: String, model: String) -> Result
     let finish_reason = loop {
         match ts.next().await {
             Some(Piece::Text(t)) => content.push_str(&t),
-            Some(Piece::Finish { text, reason }) => {
+            Some(Piece::Finish { text, reason, .. }) => {
                 content.push_str(&text);
                 break reason;
             }
@@ -115,7 +115,7 @@ fn stream_response(ts: TextStream, id: String, model: String, include_usage: boo
             let ts = st.ts.as_mut()?;
             match ts.next().await {
                 Some(Piece::Text(t)) => st.queue.push_back(json_event(&(st.chunk)(ChatDelta { content: Some(t), ..Default::default() }, None))),
-                Some(Piece::Finish { text, reason }) => {
+                Some(Piece::Finish { text, reason, .. }) => {
                     if !text.is_empty() {
                         st.queue.push_back(json_event(&(st.chunk)(ChatDelta { content: Some(text), ..Default::default() }, None)));
                     }

@@ -40,7 +40,7 @@ pub async fn completions(
         let reason = loop {
             match ts.next().await {
                 Some(Piece::Text(t)) => text.push_str(&t),
-                Some(Piece::Finish { text: t, reason }) => {
+                Some(Piece::Finish { text: t, reason, .. }) => {
                     text.push_str(&t);
                     break reason;
                 }
@@ -63,7 +63,7 @@ pub async fn completions(
             let t = ts.as_mut()?;
             match t.next().await {
                 Some(Piece::Text(text)) => queue.push_back(json_event(&response(text, None, None))),
-                Some(Piece::Finish { text, reason }) => {
+                Some(Piece::Finish { text, reason, .. }) => {
                     queue.push_back(json_event(&response(text, Some(reason), None)));
                     if include_usage {
                         let mut last = response(String::new(), None, Some(t.usage()));

@@ -10,6 +10,7 @@
 pub mod chat;
 pub mod completions;
 pub mod info;
+pub mod messages;
 
 use crate::backend::{GenerateRequest, HealthState, RequestStream};
 use crate::detokenizer::IncrementalDetokenizer;
@@ -124,8 +125,9 @@ pub(crate) fn prepare(state: &AppState, prompt: Vec<u32>, v: ValidatedSampling) 
 pub(crate) enum Piece {
     /// More output text (never empty).
     Text(String),
-    /// The request is over: the last text (may be empty) and the OpenAI finish reason.
-    Finish { text: String, reason: &'static str },
+    /// The request is over: the last text (may be empty), the OpenAI finish reason and, when a stop string
+    /// ended it, which one.
+    Finish { text: String, reason: &'static str, stop_string: Option<String> },
     /// The request failed (engine error, --request-timeout, shutdown); the error is for the client.
     Error(ApiError),
 }
@@ -243,7 +245,7 @@ impl TextStream {
                             self.state.backend.abort(self.stream.id);
                             self.stream.guard.disarm();
                             self.done = true;
-                            return Some(Piece::Finish { text: t, reason: "stop" });
+                            return Some(Piece::Finish { text: t, reason: "stop", stop_string: self.stops.matched().map(String::from) });
                         }
                     }
                 }
@@ -255,10 +257,12 @@ impl TextStream {
                         Err(e) => return Some(self.fail(ApiError::internal(e.to_string()))),
                     };
                     return Some(match self.stops.push(&tail) {
-                        StopOutcome::Stopped(t) => Piece::Finish { text: t, reason: "stop" },
+                        StopOutcome::Stopped(t) => {
+                            Piece::Finish { text: t, reason: "stop", stop_string: self.stops.matched().map(String::from) }
+                        }
                         StopOutcome::Continue(mut t) => {
                             t.push_str(&self.stops.finish());
-                            Piece::Finish { text: t, reason: reason.as_openai() }
+                            Piece::Finish { text: t, reason: reason.as_openai(), stop_string: None }
                         }
                     });
                 }
