@@ -73,8 +73,10 @@ def check_schema_is_honest(case, response) -> None:
         return
     if status == 200:
         return
-    error = response.json().get("error", {})
-    inexpressible = error.get("code") == "context_length_exceeded" or "out of the vocabulary" in error.get("message", "")
+    error = response.json().get("error", {})  # OpenAI's and Anthropic's shapes both nest it under "error"
+    message = error.get("message", "")
+    inexpressible = (error.get("code") == "context_length_exceeded" or "maximum context length" in message
+                     or "out of the vocabulary" in message)
     assert inexpressible, f"schema-valid body refused ({status} {error}): {case.body!r:.500}"
 
 

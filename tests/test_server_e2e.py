@@ -92,6 +92,31 @@ def test_streaming_matches_non_streaming(client):
     assert usage.prompt_tokens == full.usage.prompt_tokens
 
 
+def test_anthropic_client_messages_streaming_and_count_tokens(server, client):
+    """The official ``anthropic`` client against ``/v1/messages``: the same greedy answer as chat completions,
+    the stream's text equal to the whole message's, and ``count_tokens`` equal to the prompt's usage."""
+    from anthropic import Anthropic
+
+    ac = Anthropic(base_url=server.url, api_key="unused", timeout=120)
+    msg = ac.messages.create(model="demo", max_tokens=24, temperature=0, messages=QUESTION)
+    text = msg.content[0].text
+    assert "Paris" in text, text
+    assert msg.stop_reason in ("end_turn", "max_tokens") and msg.usage.output_tokens <= 24
+    same = client.chat.completions.create(model="demo", messages=QUESTION, temperature=0, max_tokens=24)
+    assert same.choices[0].message.content == text
+    assert msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0) == same.usage.prompt_tokens
+    with ac.messages.stream(model="demo", max_tokens=24, temperature=0, messages=QUESTION) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == text and final.stop_reason == msg.stop_reason
+    count = ac.messages.count_tokens(model="demo", messages=QUESTION)
+    assert count.input_tokens == same.usage.prompt_tokens
+    stopped = ac.messages.create(model="demo", max_tokens=24, temperature=0, messages=QUESTION,
+                                 stop_sequences=["zzz", "Paris"])
+    assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", "Paris")
+    assert stopped.content[0].text == text[: text.index("Paris")]
+
+
 def test_completions_token_ids_and_exact_counts(server):
     r = server.post("/v1/completions", {"model": "demo", "prompt": [1, 504, 3458, 282], "max_tokens": 7,
                                          "temperature": 0, "ignore_eos": True})

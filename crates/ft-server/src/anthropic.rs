@@ -74,7 +74,7 @@ pub struct MessagesRequest {
     /// `{"type": "enabled", "budget_tokens": N}` or `{"type": "disabled"}`: the template's `enable_thinking`
     /// (the budget is not enforced).
     pub thinking: Option<Json>,
-    pub metadata: Option<Json>,
+    pub metadata: Option<Map<String, Json>>,
 }
 
 impl MessagesRequest {
@@ -146,6 +146,9 @@ impl MessagesRequest {
             None if self.tool_choice.as_ref().is_some_and(|c| !c.is_null()) => {
                 return Err(ApiError::invalid_param("tool_choice", "tool_choice must be an object with a \"type\""))
             }
+            _ if !self.tool_choice.as_ref().and_then(|c| c.get("name")).is_none_or(|n| n.is_null() || n.is_string()) => {
+                return Err(ApiError::invalid_param("tool_choice", "tool_choice.name must be a string"))
+            }
             Some("none") => return Ok(None),
             None | Some("auto" | "any" | "tool") => {}
             Some(other) => {
@@ -184,6 +187,11 @@ impl MessagesRequest {
                 kwargs.insert("enable_thinking".into(), Json::Bool(false));
             }
             Some(_) => return Err(ApiError::invalid_param("thinking", "thinking.type must be \"enabled\" or \"disabled\"")),
+        }
+        if let Some(budget) = self.thinking.as_ref().and_then(|t| t.get("budget_tokens")) {
+            if !(budget.is_null() || budget.is_i64() || budget.is_u64()) {
+                return Err(ApiError::invalid_param("thinking", "thinking.budget_tokens must be an integer"));
+            }
         }
         Ok(kwargs)
     }
@@ -229,15 +237,19 @@ fn convert_blocks(role: &str, blocks: &[Json], param: &str, out: &mut Vec<Json>)
                 };
                 calls.push(json!({"id": id, "type": "function", "function": {"name": name, "arguments": input}}));
             }
-            ("assistant", Some("thinking")) => match b.get("thinking") {
-                Some(Json::String(t)) => reasoning.push(t.clone()),
-                _ => return bad("a thinking block needs a string \"thinking\""),
+            ("assistant", Some("thinking")) => match (b.get("thinking"), optional_string(b, "signature")) {
+                (Some(Json::String(t)), true) => reasoning.push(t.clone()),
+                _ => return bad("a thinking block needs a string \"thinking\" (and a string \"signature\", if any)"),
             },
-            ("assistant", Some("redacted_thinking")) => {}
+            ("assistant", Some("redacted_thinking")) if optional_string(b, "data") => {}
+            ("assistant", Some("redacted_thinking")) => return bad("redacted_thinking.data must be a string"),
             ("user", Some("tool_result")) => {
                 let Some(Json::String(id)) = b.get("tool_use_id") else {
                     return bad("a tool_result block needs a string \"tool_use_id\"");
                 };
+                if !matches!(b.get("is_error"), None | Some(Json::Null) | Some(Json::Bool(_))) {
+                    return bad("tool_result.is_error must be a boolean");
+                }
                 let content = match b.get("content") {
                     None | Some(Json::Null) => String::new(),
                     Some(Json::String(s)) => s.clone(),
@@ -262,6 +274,11 @@ fn convert_blocks(role: &str, blocks: &[Json], param: &str, out: &mut Vec<Json>)
     }
     out.push(msg);
     Ok(())
+}
+
+/// `key` is absent, null or a string.
+fn optional_string(block: &Json, key: &str) -> bool {
+    matches!(block.get(key), None | Some(Json::Null) | Some(Json::String(_)))
 }
 
 /// Anthropic's `stop_reason` and `stop_sequence` for an OpenAI finish reason and the stop string that matched.

@@ -159,6 +159,13 @@ async fn bad_requests_get_anthropic_shaped_4xx() {
         json!({"max_tokens": 4, "tool_choice": {"type": "sometimes"}, "messages": [{"role": "user", "content": "x"}]}),
         json!({"max_tokens": 4, "thinking": {"type": "maybe"}, "messages": [{"role": "user", "content": "x"}]}),
         json!({"max_tokens": "4", "messages": [{"role": "user", "content": "x"}]}),
+        // fields the server does not use are still checked, so the schema in /openapi.json tells the truth
+        json!({"max_tokens": 4, "tool_choice": {"type": "any", "name": false}, "messages": [{"role": "user", "content": "x"}]}),
+        json!({"max_tokens": 4, "thinking": {"type": "enabled", "budget_tokens": "x"}, "messages": [{"role": "user", "content": "x"}]}),
+        json!({"max_tokens": 4, "metadata": 5, "messages": [{"role": "user", "content": "x"}]}),
+        json!({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "is_error": 1}]}]}),
+        json!({"max_tokens": 4, "messages": [{"role": "assistant", "content": [{"type": "thinking", "thinking": "t", "signature": 2}]}]}),
+        json!({"max_tokens": 4, "messages": [{"role": "assistant", "content": [{"type": "redacted_thinking", "data": []}]}]}),
         json!([1, 2]),
     ];
     for case in cases {
