@@ -98,20 +98,21 @@ def test_anthropic_client_messages_streaming_and_count_tokens(server, client):
     from anthropic import Anthropic
 
     ac = Anthropic(base_url=server.url, api_key="unused", timeout=120)
-    msg = ac.messages.create(model="demo", max_tokens=24, temperature=0, messages=QUESTION)
+    GREEDY = {"temperature": 0}  # current clients no longer send sampling fields; the server still takes them
+    msg = ac.messages.create(model="demo", max_tokens=24, messages=QUESTION, extra_body=GREEDY)
     text = msg.content[0].text
     assert "Paris" in text, text
     assert msg.stop_reason in ("end_turn", "max_tokens") and msg.usage.output_tokens <= 24
     same = client.chat.completions.create(model="demo", messages=QUESTION, temperature=0, max_tokens=24)
     assert same.choices[0].message.content == text
     assert msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0) == same.usage.prompt_tokens
-    with ac.messages.stream(model="demo", max_tokens=24, temperature=0, messages=QUESTION) as stream:
+    with ac.messages.stream(model="demo", max_tokens=24, messages=QUESTION, extra_body=GREEDY) as stream:
         streamed = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert streamed == text and final.stop_reason == msg.stop_reason
     count = ac.messages.count_tokens(model="demo", messages=QUESTION)
     assert count.input_tokens == same.usage.prompt_tokens
-    stopped = ac.messages.create(model="demo", max_tokens=24, temperature=0, messages=QUESTION,
+    stopped = ac.messages.create(model="demo", max_tokens=24, messages=QUESTION, extra_body=GREEDY,
                                  stop_sequences=["zzz", "Paris"])
     assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", "Paris")
     assert stopped.content[0].text == text[: text.index("Paris")]
