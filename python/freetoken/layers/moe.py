@@ -83,6 +83,10 @@ def run_experts(impl: str, x, w13, w2, topk_ids, topk_weights) -> torch.Tensor:
     return fused_moe_torch(x, w13, w2, topk_ids, topk_weights)
 
 
+def default_moe_impl() -> str:
+    return _DEFAULT_IMPL
+
+
 def set_default_moe_impl(name: str) -> None:
     """``auto`` | ``torch`` | ``triton``: the implementation new ``FusedExperts`` use (existing ones keep theirs
     unless their ``impl`` is changed)."""
