@@ -78,10 +78,11 @@ pub struct MessagesRequest {
 }
 
 impl MessagesRequest {
-    /// The sampling fields for [`SamplingFields::validate`]; `max_tokens` is required and positive.
-    pub fn sampling_fields(&self) -> Result<SamplingFields, ApiError> {
+    /// The sampling fields for [`SamplingFields::validate`]; `max_tokens` positive, and present when
+    /// `require_max_tokens` (`/v1/messages`; counting tokens does not need it).
+    pub fn sampling_fields(&self, require_max_tokens: bool) -> Result<SamplingFields, ApiError> {
         match self.max_tokens {
-            None => return Err(ApiError::invalid_param("max_tokens", "max_tokens is required")),
+            None if require_max_tokens => return Err(ApiError::invalid_param("max_tokens", "max_tokens is required")),
             Some(n) if n < 1 => return Err(ApiError::invalid_param("max_tokens", format!("max_tokens must be at least 1, got {n}"))),
             _ => {}
         }

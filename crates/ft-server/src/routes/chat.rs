@@ -5,7 +5,7 @@
 //! `choices` when `stream_options.include_usage`, then `data: [DONE]`. A failure midway sends
 //! `data: {"error": {...}}` and then `[DONE]`.
 
-use super::{ensure_serving, off_the_async_workers, prepare, response_id, unix_now, OpenAiJson, Piece, Prepared, TextStream};
+use super::{off_the_async_workers, prepare, submit, response_id, unix_now, OpenAiJson, Piece, Prepared, TextStream};
 use crate::openai_error::ApiError;
 use crate::protocol::{
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatMessageOut,
@@ -26,10 +26,7 @@ pub async fn chat_completions(
     let include_usage = req.include_usage();
     let st = state.clone();
     let prepared = off_the_async_workers(&state, move || prepare_chat(&st, &req)).await?;
-    ensure_serving(&state)?;
-    let stream = state.backend.submit(prepared.req.clone())?;
-    tracing::debug!(id = stream.id, prompt_tokens = prepared.req.prompt.len(), "chat completion submitted");
-    let text_stream = TextStream::new(state.clone(), stream, &prepared);
+    let text_stream = submit(&state, &prepared, "chat completion")?;
     let id = response_id("chatcmpl");
     let model = state.served_model_name();
     if streaming {

@@ -1,7 +1,7 @@
 //! `POST /v1/completions`: a raw prompt (text or token ids), no template; whole or streamed.
 
 use super::chat::json_event;
-use super::{ensure_serving, off_the_async_workers, prepare, response_id, unix_now, OpenAiJson, Piece, Prepared, TextStream};
+use super::{off_the_async_workers, prepare, submit, response_id, unix_now, OpenAiJson, Piece, Prepared};
 use crate::openai_error::ApiError;
 use crate::protocol::{CompletionChoice, CompletionRequest, CompletionResponse, PromptInput};
 use crate::server::AppState;
@@ -19,10 +19,7 @@ pub async fn completions(
     let include_usage = req.include_usage();
     let st = state.clone();
     let (prepared, echo) = off_the_async_workers(&state, move || prepare_completion(&st, &req)).await?;
-    ensure_serving(&state)?;
-    let stream = state.backend.submit(prepared.req.clone())?;
-    tracing::debug!(id = stream.id, prompt_tokens = prepared.req.prompt.len(), "completion submitted");
-    let mut ts = TextStream::new(state.clone(), stream, &prepared);
+    let mut ts = submit(&state, &prepared, "completion")?;
     let id = response_id("cmpl");
     let model = state.served_model_name();
     let created = unix_now();

@@ -5,7 +5,7 @@
 //! `content_block_delta` × n (`text_delta`), `content_block_stop`, `message_delta` (`stop_reason`, output
 //! tokens), `message_stop`. A failure midway sends an `error` event and ends the stream.
 
-use super::{ensure_serving, off_the_async_workers, prepare, OpenAiJson, Piece, Prepared, TextStream};
+use super::{off_the_async_workers, prepare, submit, OpenAiJson, Piece, Prepared, TextStream};
 use crate::anthropic::{stop_reason, usage, AnthropicError, MessagesRequest};
 use crate::openai_error::ApiError;
 use crate::server::AppState;
@@ -25,10 +25,7 @@ pub async fn messages(
     let streaming = req.stream.unwrap_or(false);
     let st = state.clone();
     let prepared = off_the_async_workers(&state, move || prepare_messages(&st, &req)).await?;
-    ensure_serving(&state)?;
-    let stream = state.backend.submit(prepared.req.clone())?;
-    tracing::debug!(id = stream.id, prompt_tokens = prepared.req.prompt.len(), "message submitted");
-    let ts = TextStream::new(state.clone(), stream, &prepared);
+    let ts = submit(&state, &prepared, "message")?;
     let id = format!("msg_{:024x}", rand::random::<u128>() >> 32);
     let model = state.served_model_name();
     if streaming {
@@ -45,9 +42,7 @@ pub async fn count_tokens(
     let req = parse(body)?;
     // The same checks as /v1/messages, so a body counts here exactly when it would be served there
     // (`max_tokens` aside: counting does not need it).
-    let mut checked = req.clone();
-    checked.max_tokens.get_or_insert(1);
-    checked.sampling_fields()?.validate(&state.default_sampling)?;
+    req.sampling_fields(false)?.validate(&state.default_sampling)?;
     let st = state.clone();
     let prompt = off_the_async_workers(&state, move || render(&st, &req)).await?;
     Ok(Json(json!({"input_tokens": prompt.len()})).into_response())
@@ -74,7 +69,7 @@ fn render(state: &AppState, req: &MessagesRequest) -> Result<Vec<u32>, ApiError>
 }
 
 fn prepare_messages(state: &AppState, req: &MessagesRequest) -> Result<Prepared, ApiError> {
-    let sampling = req.sampling_fields()?.validate(&state.default_sampling)?;
+    let sampling = req.sampling_fields(true)?.validate(&state.default_sampling)?;
     let prompt = render(state, req)?;
     prepare(state, prompt, sampling)
 }

@@ -120,6 +120,14 @@ pub(crate) fn prepare(state: &AppState, prompt: Vec<u32>, v: ValidatedSampling) 
     })
 }
 
+/// Submits a prepared request (503 first if the engine is not serving) and returns its text stream.
+pub(crate) fn submit(state: &AppState, prepared: &Prepared, what: &str) -> Result<TextStream, ApiError> {
+    ensure_serving(state)?;
+    let stream = state.backend.submit(prepared.req.clone())?;
+    tracing::debug!(id = stream.id, prompt_tokens = prepared.req.prompt.len(), "{what} submitted");
+    Ok(TextStream::new(state.clone(), stream, prepared))
+}
+
 /// What a [`TextStream`] yields.
 #[derive(Debug)]
 pub(crate) enum Piece {
