@@ -90,10 +90,10 @@ def hf():
     return R.build_hf_model(CONFIG, seed=3)
 
 
-def _offloaded(hf, slots: int):
+def _offloaded(hf, slots: int, device: str = "cpu"):
     cfg = ModelConfig.from_dict(CONFIG)
-    off = ExpertOffload(torch.device("cpu"), torch.float32, top_k=2)
-    with experts_factory(off.make_experts):
+    off = ExpertOffload(torch.device(device), torch.float32, top_k=2)
+    with experts_factory(off.make_experts), torch.device(device):
         model = model_class(cfg)(cfg).float().eval()
     model.load_weights(list(hf.state_dict().items()))
     off.finish_loading()
@@ -178,23 +178,16 @@ def test_bench_routing_draws_distinct_experts_with_the_asked_skew(monkeypatch, m
 def test_offload_matches_resident_experts_on_cuda(hf):
     """The CUDA paths: pinned banks, the two-buffer stream with its side-stream copies and events, the Triton
     grouped kernel over the slot pool."""
-    cfg = ModelConfig.from_dict(CONFIG)
     prompts = [R.prompt(40, seed=1), R.prompt(23, seed=2)]
     ref = R.build_ours(CONFIG, hf).cuda()
-    off = ExpertOffload(torch.device("cuda"), torch.float32, top_k=2, overlap=True)
-    with experts_factory(off.make_experts), torch.device("cuda"):
-        model = model_class(cfg)(cfg).float().eval()
-    model.load_weights(list(hf.state_dict().items()))
-    off.finish_loading()
+    model, off = _offloaded(hf, 5, "cuda")
     assert off.pinned and off.stream.overlap
-    off.allocate_cache(5)
     a_logits, a_tokens = _run(ref, prompts, 10, "cuda")
     b_logits, b_tokens = _run(model, prompts, 10, "cuda")
     assert a_tokens == b_tokens
     for a, b in zip(a_logits, b_logits):
         torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
     assert off.counters()[1] > 0 and off.stream.layers_copied >= 2 * len(off.layers)
-
 
 
 def test_auto_backend_offloads_only_a_model_that_does_not_fit_on_cuda():

@@ -83,10 +83,6 @@ def run_experts(impl: str, x, w13, w2, topk_ids, topk_weights) -> torch.Tensor:
     return fused_moe_torch(x, w13, w2, topk_ids, topk_weights)
 
 
-def default_moe_impl() -> str:
-    return _DEFAULT_IMPL
-
-
 def set_default_moe_impl(name: str) -> None:
     """``auto`` | ``torch`` | ``triton``: the implementation new ``FusedExperts`` use (existing ones keep theirs
     unless their ``impl`` is changed)."""
@@ -131,13 +127,16 @@ _PER_EXPERT = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 class FusedExperts(ExpertsBackend):
     """All experts resident: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, impl: Optional[str] = None):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, impl: Optional[str] = None,
+                 device=None, dtype: Optional[torch.dtype] = None):
+        """``device`` / ``dtype``: where the expert tensors live (default: the ambient default device and dtype)."""
         super().__init__()
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        kw = dict(device=device, dtype=dtype)
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, **kw))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **kw))
         self.impl = impl or _DEFAULT_IMPL
         # which parts were loaded: fused tensors, or per-expert pieces (e, 0=gate,1=up,2=down)
         self._loaded: set = set()
@@ -235,9 +234,6 @@ class SparseMoeBlock(nn.Module):
         else:
             self.shared_expert = None
             self.shared_expert_gate = None
-
-    def set_experts_backend(self, experts: ExpertsBackend) -> None:
-        self.experts = experts
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``topk_ids [T, k]`` int64, ``topk_weights [T, k]`` in x's dtype (HF ``Qwen3_5MoeTopKRouter``)."""

@@ -12,26 +12,17 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch import nn
 
-from ..layers.moe import FusedExperts, default_moe_impl, run_experts
+from ..layers.moe import FusedExperts, run_experts
 
 
 class OffloadedExperts(FusedExperts):
     def __init__(self, offload, index: int, num_experts: int, hidden_size: int, intermediate_size: int,
                  dtype: torch.dtype, impl: Optional[str] = None):
-        nn.Module.__init__(self)  # not FusedExperts.__init__: its tensors would be allocated on the device
+        # the bank lives on the host, whatever the ambient device during model construction
+        super().__init__(num_experts, hidden_size, intermediate_size, impl, device="cpu", dtype=dtype)
         self.offload = offload  # the ExpertOffload that owns the cache and the stream buffers
         self.index = index  # position among the model's MoE layers (forward order)
-        self.num_experts = num_experts
-        self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype, device="cpu"), requires_grad=False)
-        self.down_proj = nn.Parameter(
-            torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype, device="cpu"), requires_grad=False)
-        self.impl = impl or default_moe_impl()
-        self._loaded: set = set()
 
     def forward(self, x, topk_ids, topk_weights):
         cache = self.offload.cache
