@@ -109,3 +109,33 @@ def test_seeded_draw_same_on_cuda_and_cpu():
     a, _ = sample(logits, **p)
     b, _ = sample(logits.cuda(), **p)
     assert torch.equal(a, b.cpu())
+
+
+def test_uniform_from_seed_is_splitmix64():
+    from freetoken.layers.sampler import uniform_from_seed
+
+    def splitmix64(seed):
+        m = (1 << 64) - 1
+        z = (seed + 0x9E3779B97F4A7C15) & m
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+        return z ^ (z >> 31)
+
+    seeds = [0, 1, 12345, (1 << 63) - 1, 1 << 63, (1 << 64) - 1]
+    as_i64 = torch.tensor([s - (1 << 64) if s >= 1 << 63 else s for s in seeds], dtype=torch.int64)
+    got = uniform_from_seed(as_i64).tolist()
+    assert splitmix64(0) == 0xE220A8397B1DCDAF  # the published first output for seed 0
+    assert got == [(splitmix64(s) >> 11) / float(1 << 53) for s in seeds]
+    assert all(0.0 <= u < 1.0 for u in got)
+
+
+def test_sampling_runs_without_host_sync():
+    """The draw is fixed-shape device work: nothing reads a value back to the host (CUDA-graph capturable)."""
+    from freetoken.engine.sync_audit import no_host_sync
+    from freetoken.layers.sampler import draw_tokens, greedy_tokens
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(4))
+    p = _params(3, temperature=0.8, top_p=0.9, top_k=5, min_p=0.01)
+    with no_host_sync():
+        greedy_tokens(logits)
+        draw_tokens(logits, p["temperature"], p["top_p"], p["top_k"], p["min_p"], p["seeds"])
