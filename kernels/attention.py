@@ -318,7 +318,7 @@ class TritonAttention(AttentionBackend):
         kc, vc = batch.kv.k[kv_layer], batch.kv.v[kv_layer]
         q = q.contiguous()
         if batch.is_decode:
-            S = self.num_kv_splits or pick_num_kv_splits(
+            S = self.num_kv_splits or batch.num_kv_splits or pick_num_kv_splits(
                 batch.num_seqs, kc.shape[1], max(batch.context_lens_cpu, default=1)
             )
             return decode_attention_triton(

@@ -25,15 +25,22 @@ except Exception:  # pragma: no cover
     tl = None
 
 
+# decode-sized steps (at most this many (token, expert) pairs) gather their experts' weights instead of looping
+_GATHER_PAIRS = 64
+
+
 def fused_moe_torch(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
 ) -> torch.Tensor:
-    """Reference: loop over the experts hit (HF ``Qwen3_5MoeExperts.forward``)."""
+    """Reference: loop over the experts hit (HF ``Qwen3_5MoeExperts.forward``); a decode-sized step gathers the
+    weights of its pairs instead (fixed shapes, no host sync: what a CPU stand-in for a CUDA graph can run)."""
     T, H = x.shape
     E = w13.shape[0]
     out = torch.zeros_like(x)
     if T == 0:
         return out
+    if T * topk_ids.shape[1] <= _GATHER_PAIRS:
+        return _moe_gather_torch(x, w13, w2, topk_ids, topk_weights)
     flat = topk_ids.reshape(-1).to(torch.int64)
     hit = torch.unique(flat).tolist()
     k = topk_ids.shape[1]
@@ -47,6 +54,21 @@ def fused_moe_torch(
         h = h * topk_weights[tok, slot, None]
         out.index_add_(0, tok, h.to(out.dtype))
     return out
+
+
+def _moe_gather_torch(x, w13, w2, topk_ids, topk_weights) -> torch.Tensor:
+    """Each (token, expert) pair with its own copy of the expert's weights: ``[T*k, ...]`` batched matmuls, rounded
+    where the loop rounds. Ids outside ``[0, E)`` contribute nothing."""
+    T, k = topk_ids.shape
+    E = w13.shape[0]
+    ids = topk_ids.reshape(-1).to(torch.int64)
+    valid = (ids >= 0) & (ids < E)
+    ids = ids.clamp(0, E - 1)
+    xs = x.repeat_interleave(k, dim=0)[:, :, None]  # [P, H, 1]
+    gate, up = torch.bmm(w13[ids], xs)[..., 0].chunk(2, dim=-1)
+    h = torch.bmm(w2[ids], (F.silu(gate) * up)[:, :, None])[..., 0]  # [P, H]
+    h = h * topk_weights.reshape(-1, 1) * valid[:, None]
+    return h.view(T, k, -1).sum(dim=1).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -37,6 +37,9 @@ class MemoryPlan:
     expert_cache_bytes: int = 0
     expert_stream_bytes: int = 0
     host_expert_bytes: int = 0
+    # decode CUDA graphs: planned from a dry decode step (None: no graphs), and the pool measured after capture
+    graph_bytes: Optional[int] = None
+    graph_pool_bytes: Optional[int] = None
 
     def kv_budget(self, used_by_loading: int) -> int:
         """Bytes left for the KV pool (CUDA): memory_ratio of what was free, minus everything else planned."""
@@ -48,6 +51,7 @@ class MemoryPlan:
             - (self.workspace or 0)
             - self.reserve
             - self.expert_cache_bytes
+            - (self.graph_bytes or 0)
         )
 
     def rows(self) -> list[tuple[str, str]]:
@@ -69,6 +73,8 @@ class MemoryPlan:
             ("KV scratch (dry run, logits)", g(self.scratch_kv_bytes)),
             ("recurrent state", g(self.state_bytes)),
             (f"prefill workspace ({self.workspace_tokens}-token chunk)", g(self.workspace)),
+            *([("decode CUDA graphs (planned / captured)", f"{g(self.graph_bytes)} / {g(self.graph_pool_bytes)}")]
+              if self.graph_bytes is not None or self.graph_pool_bytes is not None else []),
             ("reserve (--vram-reserve-mb)", g(self.reserve)),
             (f"headroom (1 - memory_ratio {self.memory_ratio:g})", g(int((1 - self.memory_ratio) * self.free_before))),
             ("free after initialization", g(self.free_after)),

@@ -26,9 +26,11 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from .cache.kv_pool import KVCachePool
+from .engine.decode_graphs import decode_inputs
 from .engine.forward_batch import ForwardBatch
 from .engine.step_plan import STEP_CONTRACT_VERSION, StepPlan
 from .errors import InvalidPlan, UnsupportedModel, WorkerOutOfMemory
@@ -67,6 +69,9 @@ DEFAULT_ARGS: dict = {
     "num_pages": None,  # KV capacity override (pages)
     "tensor_parallel_size": 1,
     "load_progress": True,  # tqdm bar while loading weights
+    "cuda_graph_max_bs": None,  # decode CUDA graphs up to this batch size; None: max_running_requests; 0: off
+    "disable_cuda_graph": False,
+    "emulate_cuda_graphs": False,  # tests: CPU stand-in graphs (replay = call again), audited for host syncs
 }
 _ALIASES = {
     "model": "model_path",
@@ -75,6 +80,7 @@ _ALIASES = {
     "max_extend_length": "max_prefill_length",
     "attn": "attention_backend",
     "tp_size": "tensor_parallel_size",
+    "graph": "cuda_graph_max_bs",
 }
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # CPU KV pool: what the scheduler could ever use (rows x context), but at most this many tokens by default
@@ -156,6 +162,8 @@ class Worker:
             raise ValueError("max_running_requests, max_prefill_length and page_size must be positive")
         # fails fast on fi / fa / trtllm and unknown names, before any loading
         self.attn = make_attention_backend(a["attention_backend"], self.device)
+        self.graph_max_bs = self._graph_max_bs()
+        self.graphs = None
 
         free_before = free_memory_bytes(self.device)
         logger.info(f"Free memory before loading model: {free_before / GiB:.2f} GiB")
@@ -292,6 +300,8 @@ class Worker:
             self.kv_capacity_tokens = 0
             self.kv = self._make_kv_pool(layout, self.scratch_tokens)
             plan.workspace = measure_peak_bytes(self.device, lambda: self._dry_run(plan.workspace_tokens))
+            if self.graph_max_bs:
+                plan.graph_bytes = self._plan_decode_graphs()
             self.kv = None
             torch.cuda.empty_cache()
         if self.offload is not None:
@@ -299,13 +309,62 @@ class Worker:
         self.kv_capacity_tokens = self._kv_tokens(bpt, plan, used_by_loading)
         self.kv = self._make_kv_pool(layout, self.kv_capacity_tokens + self.scratch_tokens)
         plan.kv_tokens, plan.kv_bytes = self.kv_capacity_tokens, self.kv_capacity_tokens * bpt
-        plan.free_after = free_memory_bytes(self.device)
         logger.info(
             f"Allocating {self.kv_capacity_tokens} tokens for KV cache, "
             f"K + V = {self.kv_capacity_tokens * bpt / GiB:.2f} GiB"
         )
+        self.graphs = self._capture_decode_graphs() if self.graph_max_bs else None
+        plan.free_after = free_memory_bytes(self.device)
         logger.info(plan.table())
         logger.info(f"Free memory after initialization: {plan.free_after / GiB:.2f} GiB")
+
+    # ------------------------------------------------------------------ decode CUDA graphs
+
+    def _graph_max_bs(self) -> int:
+        """Largest decode batch run from a CUDA graph (0: none). Graphs need CUDA (or the test emulation)."""
+        a = self.args
+        if a.get("disable_cuda_graph") or not (self.device.type == "cuda" or a.get("emulate_cuda_graphs")):
+            return 0
+        want = a.get("cuda_graph_max_bs")
+        return min(self.max_running_requests, self.max_running_requests if want is None else int(want))
+
+    def _decode_graphs(self, emulate: bool) -> "DecodeGraphs":
+        from .engine.decode_graphs import DecodeGraphs, PaddingTargets
+
+        padding = PaddingTargets(row=self.scratch_row, kv_slot=self.kv_capacity_tokens,
+                                 state_slot=self.num_state_slots if self.state is not None else -1)
+        return DecodeGraphs(self.model, self.kv, self.attn, self.state, self.device, self.graph_max_bs,
+                            self.max_context, padding, expert_offload=self.offload, emulate=emulate,
+                            audit=bool(self.args.get("emulate_cuda_graphs")))
+
+    def _plan_decode_graphs(self) -> int:
+        """Device memory the decode graphs will hold, measured before the KV pool exists: the transient peak of
+        one eager decode step at the largest bucket (sampling included, every row padding), with a margin, plus
+        the logits each smaller bucket's graph keeps."""
+        graphs = self._decode_graphs(emulate=True)
+        bs = graphs.max_bs
+
+        def dry() -> None:
+            graphs._stage_padding(0)
+            with torch.inference_mode():
+                graphs._forward_fn(bs)()
+                graphs._sampler_fn(bs)()
+
+        peak = measure_peak_bytes(self.device, dry) or 0
+        kept = sum(b * self.vocab_size * 4 for b in graphs.sizes[:-1])
+        return int(1.25 * peak) + kept
+
+    def _capture_decode_graphs(self):
+        graphs = self._decode_graphs(emulate=self.device.type != "cuda")
+        logger.info(f"Start capturing CUDA graphs with sizes: {graphs.sizes}")
+        graphs.capture()
+        self.memory_plan.graph_pool_bytes = graphs.pool_bytes
+        logger.info(graphs.describe())
+        planned = self.memory_plan.graph_bytes
+        if planned is not None and graphs.pool_bytes > planned:
+            logger.warning(f"The CUDA graph pool ({graphs.pool_bytes / GiB:.2f} GiB) is larger than planned "
+                           f"({planned / GiB:.2f} GiB); raise --vram-reserve-mb if memory runs short")
+        return graphs
 
     def _allocate_expert_cache(self, plan: MemoryPlan, used_by_loading: int, bpt: int) -> None:
         """The GPU expert cache, sized by the flags or (auto) by what the plan leaves above the KV floor."""
@@ -459,14 +518,44 @@ class Worker:
 
     def execute(self, plan: dict) -> tuple[list[int], list[float], dict]:
         """One step from the flat plan the Rust side sends. Returns the sampled tokens and their logprobs in
-        plan order (one per sampled sequence) and step statistics."""
-        r = self.execute_plan(StepPlan.from_flat(plan))
+        plan order (one per sampled sequence) and step statistics. Plain decode steps replay a CUDA graph."""
+        decode = decode_inputs(plan, self.graph_max_bs) if self.graphs is not None else None
+        if decode is not None:
+            r = self._guarded_step(int(plan["step_id"]), len(decode["rows"]), lambda: self._replay(decode))
+        else:
+            r = self.execute_plan(StepPlan.from_flat(plan))
         return r.tokens, r.logprobs, r.stats
 
+    def _replay(self, inputs: dict) -> tuple[list[int], list[float], None]:
+        self._check_decode_inputs(inputs)
+        out = self.graphs.run(inputs, len(inputs["rows"]))
+        return out.tokens, out.logprobs, None
+
     def execute_plan(self, plan: StepPlan, all_logits: bool = False, _allow_scratch: bool = False) -> StepResult:
-        """One step from a decoded plan (Python callers). ``all_logits`` also returns fp32 logits at every
-        new token ``[T, V]``; otherwise ``logits`` holds the sampled rows ``[S, V]``."""
+        """One step from a decoded plan (Python callers), always eager. ``all_logits`` also returns fp32 logits
+        at every new token ``[T, V]``; otherwise ``logits`` holds the sampled rows ``[S, V]``."""
         self._check_plan(plan, _allow_scratch)
+
+        def run():
+            if self.state is not None and plan.copy_src.numel():
+                self.state.copy(plan.copy_src, plan.copy_dst)  # restore snapshots before the forward
+            batch = ForwardBatch.from_plan(plan, self.kv, self.attn, state=self.state, all_logits=all_logits)
+            logits = self.model(batch)
+            rows = logits
+            if all_logits:
+                rows = logits[(plan.cu_seqlens[1:][plan.sampling.seq_index] - 1).to(logits.device)]
+            s = plan.sampling
+            tokens, logprobs = sample(rows, s.temperature, s.top_p, s.top_k, s.min_p, s.seeds)
+            return tokens.tolist(), logprobs.tolist(), logits
+
+        result = self._guarded_step(plan.step_id, plan.num_tokens, run, count=not _allow_scratch)
+        if not _allow_scratch:
+            self._check_workspace(plan, result.stats["workspace_bytes"])
+        return result
+
+    def _guarded_step(self, step_id: int, num_tokens: int, run, count: bool = True) -> StepResult:
+        """Runs one step: fault injection (tests), out-of-memory turned into ``WorkerOutOfMemory`` with the cached
+        memory released, and the step's statistics (time, expert hits and misses, transient memory peak)."""
         t0 = time.perf_counter()
         oom = None
         hits0, misses0 = self.offload.counters() if self.offload is not None else (0, 0)
@@ -474,22 +563,13 @@ class Worker:
         if on_cuda:  # the step's transient peak, checked against the memory plan (host-side counters, no sync)
             allocated_before = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        if not _allow_scratch:
+        if count:
             self.steps_executed += 1
         try:
-            if not _allow_scratch:
+            if count:
                 self.faults.maybe_inject(self.steps_executed)  # tests only: FREETOKEN_FAULT
             with torch.inference_mode():
-                if self.state is not None and plan.copy_src.numel():
-                    self.state.copy(plan.copy_src, plan.copy_dst)  # restore snapshots before the forward
-                batch = ForwardBatch.from_plan(plan, self.kv, self.attn, state=self.state, all_logits=all_logits)
-                logits = self.model(batch)
-                rows = logits
-                if all_logits:
-                    rows = logits[(plan.cu_seqlens[1:][plan.sampling.seq_index] - 1).to(logits.device)]
-                s = plan.sampling
-                tokens, logprobs = sample(rows, s.temperature, s.top_p, s.top_k, s.min_p, s.seeds)
-                tokens, logprobs = tokens.tolist(), logprobs.tolist()
+                tokens, logprobs, logits = run()
         except torch.OutOfMemoryError as e:
             oom = str(e).splitlines()[0]
         except RuntimeError as e:  # the CPU allocator's spelling of OOM
@@ -497,21 +577,44 @@ class Worker:
                 raise
             oom = str(e).splitlines()[0]
         if oom is not None:  # outside the except block: the traceback's frames no longer pin the tensors
-            batch = logits = rows = None
             self._release_cached_memory()
-            raise WorkerOutOfMemory(f"step {plan.step_id} ({plan.num_tokens} tokens): {oom}")
+            raise WorkerOutOfMemory(f"step {step_id} ({num_tokens} tokens): {oom}")
         workspace = max(0, torch.cuda.max_memory_allocated(self.device) - allocated_before) if on_cuda else 0
-        if not _allow_scratch:
-            self._check_workspace(plan, workspace)
         hits, misses = self.offload.counters() if self.offload is not None else (0, 0)
         stats = {
             "forward_ms": (time.perf_counter() - t0) * 1e3,
-            "num_tokens": plan.num_tokens,
+            "num_tokens": num_tokens,
             "expert_hits": hits - hits0,
             "expert_misses": misses - misses0,
             "workspace_bytes": workspace,
         }
         return StepResult(tokens, logprobs, stats, logits)
+
+    def _check_decode_inputs(self, d: dict) -> None:
+        """``_check_plan`` for the graph path, on the plan's numpy arrays: every index lands inside the pools."""
+
+        def bad(cond: np.ndarray) -> bool:
+            return bool(np.any(cond))
+
+        rows, slots, pos = d["rows"], d["out_cache_loc"], d["positions"]
+        if bad((rows < 0) | (rows >= self.max_running_requests)) or np.unique(rows).size != rows.size:
+            raise InvalidPlan(f"page-table rows out of range [0, {self.max_running_requests}) or repeated: {rows.tolist()}")
+        if bad((slots < 0) | (slots >= self.kv_capacity_tokens)):
+            raise InvalidPlan(f"KV slot out of range [0, {self.kv_capacity_tokens})")
+        if bad((pos < 1) | (pos >= self.max_context)):
+            raise InvalidPlan(f"context length out of range (1, {self.max_context}]")
+        if bad((d["input_ids"] < 0) | (d["input_ids"] >= self.vocab_size)):
+            raise InvalidPlan(f"token id out of range [0, {self.vocab_size})")
+        st = d["state_slots"]
+        if self.state is not None and bad((st < 0) | (st >= self.num_state_slots)):
+            raise InvalidPlan(f"state_slots out of range [0, {self.num_state_slots}): {st.tolist()}")
+        t, p, m = d["temperature"], d["top_p"], d["min_p"]
+        if bad(~np.isfinite(t) | (t < 0)):
+            raise InvalidPlan("temperature must be finite and >= 0")
+        if bad(~(p > 0) | (p > 1)):
+            raise InvalidPlan("top_p must be in (0, 1]")
+        if bad(~(m >= 0) | (m > 1)):
+            raise InvalidPlan("min_p must be in [0, 1]")
 
     def _check_workspace(self, plan: StepPlan, workspace: int) -> None:
         """Warns (once per new high) when a step needed more transient memory than the plan set aside."""

@@ -2,6 +2,10 @@
 
 Layers never look at the plan; they read this. Host-side copies of the small per-sequence lengths are kept
 next to the device tensors so torch reference paths can loop over sequences without a device sync.
+
+A decode batch built for a CUDA graph (``ForwardBatch.for_decode_graph``) has no host copies at all (they are
+None): its device tensors are views of the graph's static input buffers, refilled before every replay, so code
+that runs under a graph must read only device tensors and decide only on shapes and ``is_decode``.
 """
 
 from __future__ import annotations
@@ -27,21 +31,28 @@ class ForwardBatch:
     out_cache_loc: torch.Tensor  # [T] int64, device: KV slot of each new token
     state_slots: torch.Tensor  # [B] int64, device: live recurrent-state slot (-1 when not hybrid)
     logits_indices: torch.Tensor  # [S] int64, device: token rows whose logits are computed
-    # host copies
-    extend_lens_cpu: list[int]
-    prefix_lens_cpu: list[int]
-    context_lens_cpu: list[int]
-    state_slots_cpu: list[int]
-    is_decode: bool  # every sequence has exactly one new token
+    # host copies (None in a CUDA-graph decode batch)
+    extend_lens_cpu: Optional[list[int]]
+    prefix_lens_cpu: Optional[list[int]]
+    context_lens_cpu: Optional[list[int]]
+    state_slots_cpu: Optional[list[int]]
+    is_decode: bool  # every sequence has exactly one new token over a cached prefix
     # the caches this forward reads and writes
     kv: "KVCachePool"
     attn: "AttentionBackend"
     state: Optional[object] = None  # RecurrentStatePool for hybrid models
     snapshots: Optional[list[tuple[int, int, int]]] = None  # (seq_index, upto, slot) recurrent-state captures
+    # split-K count of decode attention: fixed per CUDA-graph bucket; None = chosen from the host lengths
+    num_kv_splits: Optional[int] = None
 
     @property
     def num_seqs(self) -> int:
-        return len(self.extend_lens_cpu)
+        return int(self.rows.numel())
+
+    @property
+    def in_graph(self) -> bool:
+        """Built for CUDA-graph capture: device tensors only."""
+        return self.extend_lens_cpu is None
 
     @property
     def num_tokens(self) -> int:
@@ -96,4 +107,45 @@ class ForwardBatch:
             attn=attn,
             state=state,
             snapshots=list(zip(plan.snap_seq.tolist(), plan.snap_upto.tolist(), plan.snap_slot.tolist())) or None,
+        )
+
+    @classmethod
+    def for_decode_graph(
+        cls,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        rows: torch.Tensor,
+        out_cache_loc: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        context_lens: torch.Tensor,
+        state_slots: torch.Tensor,
+        kv: "KVCachePool",
+        attn: "AttentionBackend",
+        state=None,
+        num_kv_splits: Optional[int] = None,
+    ) -> "ForwardBatch":
+        """A decode batch over static device buffers (one token per sequence): what a CUDA graph captures. Every
+        per-sequence tensor is passed in (a view of a static buffer): anything derived here would be computed once
+        at capture and never again. ``positions`` int64 = ``prefix_lens`` int32 = ``context_lens`` int32 - 1."""
+        b = int(rows.numel())
+        dev = rows.device
+        return cls(
+            input_ids=input_ids,
+            positions=positions,
+            cu_seqlens=torch.arange(b + 1, dtype=torch.int32, device=dev),
+            prefix_lens=prefix_lens,
+            context_lens=context_lens,
+            rows=rows,
+            out_cache_loc=out_cache_loc,
+            state_slots=state_slots,
+            logits_indices=torch.arange(b, dtype=torch.int64, device=dev),
+            extend_lens_cpu=None,
+            prefix_lens_cpu=None,
+            context_lens_cpu=None,
+            state_slots_cpu=None,
+            is_decode=True,
+            kv=kv,
+            attn=attn,
+            state=state,
+            num_kv_splits=num_kv_splits,
         )

@@ -36,6 +36,9 @@ class TorchAttention(AttentionBackend):
     def forward(self, q, k, v, kv_layer, batch, scale):
         self.store_kv(k, v, kv_layer, batch)
         kc, vc = batch.kv.k[kv_layer], batch.kv.v[kv_layer]
+        if batch.in_graph:
+            return decode_attention_padded_torch(q, kc, vc, batch.kv.req_to_token, batch.rows, batch.context_lens,
+                                                 scale)
         nh, nkv = q.shape[1], kc.shape[1]
         out = torch.empty(q.shape[0], nh, vc.shape[2], dtype=q.dtype, device=q.device)
         rows = batch.rows.tolist()
@@ -54,6 +57,21 @@ class TorchAttention(AttentionBackend):
             out[start : start + n] = torch.einsum("hqk,khd->qhd", probs, vals).to(q.dtype)
             start += n
         return out
+
+
+def decode_attention_padded_torch(q, k_cache, v_cache, req_to_token, rows, context_lens, scale) -> torch.Tensor:
+    """Decode attention with fixed shapes (no host reads): every sequence gathers the page table's whole row and
+    masks the positions past its context. ``q [B, nh, D]``, one new token per sequence, already stored. Costs
+    ``B × max_context`` gathers, so it serves CPU CUDA-graph emulation and tests, not production decode."""
+    nh, nkv = q.shape[1], k_cache.shape[1]
+    slots = req_to_token[rows].to(torch.int64)  # [B, max_ctx]
+    keys = k_cache[slots].float().repeat_interleave(nh // nkv, dim=2)  # [B, max_ctx, nh, D]
+    vals = v_cache[slots].float().repeat_interleave(nh // nkv, dim=2)
+    scores = torch.einsum("bhd,bkhd->bhk", q.float(), keys) * scale
+    kpos = torch.arange(slots.shape[1], device=q.device)[None, None, :]
+    scores = scores.masked_fill(kpos >= context_lens.to(torch.int64)[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("bhk,bkhd->bhd", probs, vals).to(q.dtype)
 
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttention}

@@ -122,13 +122,13 @@ def _prepare_torch(q, k, v, g, beta, num_v_heads: int):
 def _torch_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, decode, captures):
     Hv = v.shape[1]
     qf, kf, vf, gf, bf = _prepare_torch(q, k, v, g, beta, Hv)
-    N = len(cu_seqlens) - 1
     if decode and not captures:
         # one token per sequence, row b = sequence b: a single batched recurrence step
         o, final = torch_recurrent_gated_delta_rule(
             qf[:, :, None], kf[:, :, None], vf[:, :, None], gf[:, :, None], bf[:, :, None], initial_state.float()
         )
         return o[:, :, 0], final, {}
+    N = len(cu_seqlens) - 1
     o = torch.empty_like(vf)
     finals = []
     captured: dict[tuple[int, int], torch.Tensor] = {}
@@ -217,7 +217,7 @@ def gated_delta_rule(
     g: torch.Tensor,
     beta: torch.Tensor,
     initial_state: torch.Tensor,
-    cu_seqlens: list[int],
+    cu_seqlens: Optional[list[int]],
     decode: bool,
     captures: Optional[dict[int, list[int]]] = None,
     backend: Optional[str] = None,
@@ -226,7 +226,8 @@ def gated_delta_rule(
 
     ``q, k [T, Hk, dk]`` and ``v [T, Hv, dv]`` are the conv outputs (before l2norm/scale: both backends do that);
     ``g, beta [T, Hv]`` fp32 (log-decay, post-sigmoid beta); ``initial_state [N, Hv, dk, dv]`` (zeros for fresh
-    sequences); ``cu_seqlens`` host list of N+1 offsets; ``decode`` = every sequence has exactly one token.
+    sequences); ``cu_seqlens`` host list of N+1 offsets (None when ``decode``); ``decode`` = every sequence has exactly
+    one token.
     ``captures`` maps a sequence index to offsets (relative to its first token this step) after which its state is
     wanted (snapshots). Returns ``(o [T, Hv, dv] fp32, final [N, Hv, dk, dv] fp32, {(seq, offset): state})``."""
     backend = backend or gdn_backend(q.device)
@@ -329,13 +330,50 @@ class GatedDeltaNet(nn.Module):
         return qkv, z.reshape(T, Hv, dv), b.reshape(T, Hv), a.reshape(T, Hv)
 
     def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
+        T = x.shape[0]
+        qkv, z, b, a = self.project(x)
+        if batch.is_decode and not batch.snapshots:
+            o = self._decode(qkv, b, a, batch)
+        else:
+            o = self._extend(qkv, b, a, batch)
+        o = self.norm(o.reshape(T * self.num_v_heads, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(o.reshape(T, self.value_dim))
+
+    def _gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(g, beta)`` fp32 ``[T, Hv]``: log-decay and write strength."""
+        beta = torch.sigmoid(b.float())
+        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
+        return g, beta
+
+    def _split_heads(self, y: torch.Tensor):
+        T = y.shape[0]
+        q, k, v = torch.split(y, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return (q.reshape(T, self.num_k_heads, self.head_k_dim), k.reshape(T, self.num_k_heads, self.head_k_dim),
+                v.reshape(T, self.num_v_heads, self.head_v_dim))
+
+    def _decode(self, qkv, b, a, batch) -> torch.Tensor:
+        """One token per sequence, every sequence continuing from its slot: batched over sequences with device
+        tensors only (CUDA-graph capturable). Returns ``o [B, Hv, dv]`` in the activation dtype."""
+        pool = batch.state
+        conv_pool, ssm_pool = pool.conv[self.state_layer], pool.ssm[self.state_layer]
+        slots = batch.state_slots
+        w = self.conv1d.weight[:, 0, :]  # [C, Kc]
+        xx = torch.cat([conv_pool[slots].to(qkv.dtype), qkv[:, :, None]], dim=-1)  # [B, C, Kc]
+        y = F.silu((xx * w.to(qkv.dtype)).sum(-1))
+        conv_pool[slots] = xx[:, :, 1:].to(conv_pool.dtype)
+        q, k, v = self._split_heads(y)
+        g, beta = self._gates(b, a)
+        o, final, _ = gated_delta_rule(q, k, v, g, beta, ssm_pool[slots].float(), None, decode=True)
+        ssm_pool[slots] = final.to(ssm_pool.dtype)
+        return o.to(qkv.dtype)
+
+    def _extend(self, qkv, b, a, batch) -> torch.Tensor:
+        """Prompt chunks (and mixed batches): per sequence on the host lengths; captures snapshots."""
         pool = batch.state
         li = self.state_layer
         conv_pool, ssm_pool = pool.conv[li], pool.ssm[li]
-        T = x.shape[0]
         Kc1 = self.conv_kernel - 1
         w = self.conv1d.weight[:, 0, :]  # [C, Kc]
-        qkv, z, b, a = self.project(x)
 
         snaps = batch.snapshots or []
         captures: dict[int, list[int]] = {}
@@ -346,50 +384,36 @@ class GatedDeltaNet(nn.Module):
 
                 raise InvalidPlan(f"snapshot at {upto} outside the tokens of sequence {seq} in this step")
             captures.setdefault(seq, []).append(rel)
-        decode = batch.is_decode and not snaps
 
         slots = batch.state_slots
         has_init = batch.has_initial_state_cpu
-        if decode:
-            # every sequence continues from its slot with one token: batched conv update
-            xx = torch.cat([conv_pool[slots].to(qkv.dtype), qkv[:, :, None]], dim=-1)  # [B, C, Kc]
-            y = F.silu((xx * w.to(qkv.dtype)).sum(-1))
-            conv_pool[slots] = xx[:, :, 1:].to(conv_pool.dtype)
-            init = ssm_pool[slots].float()
-            conv_windows = None
-        else:
-            y = torch.empty_like(qkv)
-            conv_windows = []
-            inits = []
-            cu = 0
-            for s, n in enumerate(batch.extend_lens_cpu):
-                slot = batch.state_slots_cpu[s]
-                if has_init[s]:
-                    prev = conv_pool[slot].to(qkv.dtype)
-                    inits.append(ssm_pool[slot].float())
-                else:
-                    prev = qkv.new_zeros(self.conv_dim, Kc1)
-                    inits.append(torch.zeros(self.ssm_state_shape, dtype=torch.float32, device=x.device))
-                xx = torch.cat([prev, qkv[cu : cu + n].t()], dim=-1)  # [C, Kc-1+n]; column j = position p0-Kc+1+j
-                y[cu : cu + n] = F.silu(F.conv1d(xx[None], w[:, None, :].to(qkv.dtype), groups=self.conv_dim)[0].t())
-                conv_windows.append(xx)
-                cu += n
-            init = torch.stack(inits)
-            # write the conv states only after every sequence has read its own
-            for s, xx in enumerate(conv_windows):
-                conv_pool[batch.state_slots_cpu[s]] = xx[:, xx.shape[1] - Kc1 :].to(conv_pool.dtype)
+        y = torch.empty_like(qkv)
+        conv_windows = []
+        inits = []
+        cu = 0
+        for s, n in enumerate(batch.extend_lens_cpu):
+            slot = batch.state_slots_cpu[s]
+            if has_init[s]:
+                prev = conv_pool[slot].to(qkv.dtype)
+                inits.append(ssm_pool[slot].float())
+            else:
+                prev = qkv.new_zeros(self.conv_dim, Kc1)
+                inits.append(torch.zeros(self.ssm_state_shape, dtype=torch.float32, device=qkv.device))
+            xx = torch.cat([prev, qkv[cu : cu + n].t()], dim=-1)  # [C, Kc-1+n]; column j = position p0-Kc+1+j
+            y[cu : cu + n] = F.silu(F.conv1d(xx[None], w[:, None, :].to(qkv.dtype), groups=self.conv_dim)[0].t())
+            conv_windows.append(xx)
+            cu += n
+        init = torch.stack(inits)
+        # write the conv states only after every sequence has read its own
+        for s, xx in enumerate(conv_windows):
+            conv_pool[batch.state_slots_cpu[s]] = xx[:, xx.shape[1] - Kc1 :].to(conv_pool.dtype)
 
-        q, k, v = torch.split(y, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(T, self.num_k_heads, self.head_k_dim)
-        k = k.reshape(T, self.num_k_heads, self.head_k_dim)
-        v = v.reshape(T, self.num_v_heads, self.head_v_dim)
-        beta = torch.sigmoid(b.float())
-        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
-
+        q, k, v = self._split_heads(y)
+        g, beta = self._gates(b, a)
         cu_list = [0]
         for n in batch.extend_lens_cpu:
             cu_list.append(cu_list[-1] + n)
-        o, final, captured = gated_delta_rule(q, k, v, g, beta, init, cu_list, decode, captures or None)
+        o, final, captured = gated_delta_rule(q, k, v, g, beta, init, cu_list, False, captures or None)
         ssm_pool[slots] = final.to(ssm_pool.dtype)
 
         # snapshots: state after `upto` tokens into the snapshot slot (conv window = the Kc-1 inputs before upto)
@@ -397,6 +421,4 @@ class GatedDeltaNet(nn.Module):
             rel = upto - batch.prefix_lens_cpu[seq]
             conv_pool[slot] = conv_windows[seq][:, rel : rel + Kc1].to(conv_pool.dtype)
             ssm_pool[slot] = captured[(seq, rel)].to(ssm_pool.dtype)
-
-        o = self.norm(o.to(x.dtype).reshape(T * self.num_v_heads, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-        return self.out_proj(o.reshape(T, self.value_dim))
+        return o.to(qkv.dtype)

@@ -1,0 +1,294 @@
+"""Decode CUDA graphs: a decode step replayed as one graph per batch-size bucket.
+
+At start-up ``DecodeGraphs.capture()`` records, for every bucket in ``graph_batch_sizes(--cuda-graph-max-bs)``
+(largest first, so the smaller graphs reuse its memory pool), the whole decode step: the page-table write of
+each sequence's new slot, every layer, the final norm, lm_head and the greedy token with its logprob. A second,
+small graph per bucket holds the filtered draw (temperature, top-k/p, min-p, seeds), replayed only when some
+sequence samples.
+
+Per step the host does little: the plan's flat arrays are packed into two pinned staging buffers (numpy, no
+torch ops), copied to the graph's static input buffers in two asynchronous copies, the graph is replayed, and the
+sampled tokens come back through one event. A batch smaller than its bucket is padded with rows that point at
+the worker's scratch page-table row, scratch KV slot and scratch state slot: they compute garbage nobody reads,
+and the expert cache is told how many rows are real (``num_valid_tokens``) so padding fetches no experts.
+
+    plan (flat dict) ──pack──▶ pinned staging ──H2D──▶ static inputs ──replay──▶ tokens ──D2H + event──▶ host
+
+On CPU there are no graphs; ``emulate=True`` (tests) records the step function and replays it by calling it
+again on the same static buffers, which checks the static-buffer plumbing and padding without a GPU, and
+``sync_audit.no_host_sync`` during "capture" checks that nothing in the step would break a real capture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from ..layers.sampler import draw_tokens, greedy_tokens, is_greedy, token_logprobs
+from ..log import get_logger
+from .forward_batch import ForwardBatch
+
+logger = get_logger(__name__)
+
+# int64 fields of the static input buffer, in packing order
+_INT_FIELDS = ("input_ids", "positions", "rows", "out_cache_loc", "state_slots", "top_k", "seeds")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p")
+
+
+def decode_inputs(flat: dict, max_bs: int) -> Optional[dict[str, np.ndarray]]:
+    """The graph inputs of a flat step plan (``step_plan.py``'s encoding), or None when the step is not a plain
+    decode step a graph can run: every sequence one token over a cached prefix, sampled, sending exactly its new
+    token's KV slot, no state copies or snapshots, at most ``max_bs`` sequences. Views over the plan's bytes (no
+    copies); the caller validates the values."""
+    if flat.get("kind") != "decode":
+        return None
+    arr = lambda key, dt: np.frombuffer(flat.get(key, b""), dtype=dt)  # noqa: E731
+    rows = arr("rows", "<i4")
+    n = rows.size
+    if not 0 < n <= max_bs:
+        return None
+    ids, pre, slots = arr("input_ids", "<i4"), arr("prefix_lens", "<i4"), arr("table_slots", "<i4")
+    sample_index = arr("sample_index", "<i4")
+    if ids.size != n or slots.size != n or sample_index.size != n or arr("copy_src", "<i4").size or arr("snap_seq", "<i4").size:
+        return None
+    if not (np.array_equal(arr("table_from", "<i4"), pre) and np.array_equal(sample_index, np.arange(n))):
+        return None
+    return {"input_ids": ids, "positions": pre, "rows": rows, "out_cache_loc": slots,
+            "state_slots": arr("state_slots", "<i4"), "top_k": arr("top_k", "<i4"), "seeds": arr("seeds", "<i8"),
+            "temperature": arr("temperature", "<f4"), "top_p": arr("top_p", "<f4"), "min_p": arr("min_p", "<f4")}
+
+
+def graph_batch_sizes(max_bs: int) -> list[int]:
+    """Buckets 1, 2, 4, 8, then every multiple of 8, up to ``max_bs`` (``max_bs`` itself included)."""
+    if max_bs <= 0:
+        return []
+    sizes = [b for b in (1, 2, 4, 8) if b <= max_bs] + list(range(16, max_bs + 1, 8))
+    if sizes[-1] != max_bs:
+        sizes.append(max_bs)
+    return sizes
+
+
+@dataclass
+class PaddingTargets:
+    """Where padding rows point: the page table's spare row, a scratch KV slot, a scratch state slot (-1: the
+    model has no recurrent state)."""
+
+    row: int
+    kv_slot: int
+    state_slot: int
+
+
+class _EmulatedGraph:
+    """CPU stand-in for ``torch.cuda.CUDAGraph``: replay calls the recorded function again."""
+
+    def __init__(self, fn: Callable[[], None]):
+        self.fn = fn
+
+    def replay(self) -> None:
+        self.fn()
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[int]
+    logprobs: list[float]
+
+
+class DecodeGraphs:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv,
+        attn,
+        state,
+        device: torch.device,
+        max_bs: int,
+        max_context: int,
+        padding: PaddingTargets,
+        expert_offload=None,
+        emulate: bool = False,
+        audit: bool = False,
+    ):
+        self.model, self.kv, self.attn, self.state = model, kv, attn, state
+        self.device = device
+        self.sizes = graph_batch_sizes(max_bs)
+        self.max_bs = self.sizes[-1] if self.sizes else 0
+        self.max_context = max_context
+        self.padding = padding
+        self.offload = expert_offload
+        self.emulate = emulate
+        self.audit = audit  # emulate only: run each captured function under no_host_sync()
+        self.pool = None
+        self.graphs: dict[int, object] = {}  # bucket -> forward graph
+        self.samplers: dict[int, object] = {}  # bucket -> filtered-draw graph
+        self.logits: dict[int, torch.Tensor] = {}  # bucket -> the forward graph's logits output
+        self.capture_s = 0.0
+        self.pool_bytes = 0
+        B = self.max_bs
+        pin = device.type == "cuda"
+        # static inputs: one int64 and one float32 device buffer, views per field; pinned staging beside them
+        self._host_i = torch.zeros(len(_INT_FIELDS) * B + 1, dtype=torch.int64, pin_memory=pin)
+        self._host_f = torch.zeros(len(_FLOAT_FIELDS) * B, dtype=torch.float32, pin_memory=pin)
+        self._dev_i = torch.zeros_like(self._host_i, device=device)
+        self._dev_f = torch.zeros_like(self._host_f, device=device)
+        self._np_i, self._np_f = self._host_i.numpy(), self._host_f.numpy()
+        self.inputs = {name: self._dev_i[i * B : (i + 1) * B] for i, name in enumerate(_INT_FIELDS)}
+        self.inputs.update({name: self._dev_f[i * B : (i + 1) * B] for i, name in enumerate(_FLOAT_FIELDS)})
+        self.num_valid = self._dev_i[len(_INT_FIELDS) * B :]  # [1]: real (non-padding) rows this step
+        self.prefix_lens = torch.zeros(B, dtype=torch.int32, device=device)
+        self.context_lens = torch.zeros(B, dtype=torch.int32, device=device)
+        # outputs
+        self.tokens = torch.zeros(B, dtype=torch.int64, device=device)
+        self.logprobs = torch.zeros(B, dtype=torch.float32, device=device)
+        self._out_tokens = torch.zeros(B, dtype=torch.int64, pin_memory=pin)
+        self._out_logprobs = torch.zeros(B, dtype=torch.float32, pin_memory=pin)
+        self._done = torch.cuda.Event() if device.type == "cuda" else None
+        self._pad = self._padding_values()
+
+    # ------------------------------------------------------------------ capture
+
+    def bucket(self, batch_size: int) -> Optional[int]:
+        for b in self.sizes:
+            if b >= batch_size:
+                return b
+        return None
+
+    def _batch(self, bs: int) -> ForwardBatch:
+        i = self.inputs
+        # split-K of decode attention: fixed per bucket, sized for the longest context (short contexts leave
+        # splits empty, which the merge weighs zero)
+        from ..kernels.attention import pick_num_kv_splits  # noqa: PLC0415 (triton is optional on CPU)
+
+        splits = pick_num_kv_splits(bs, self.kv.num_kv_heads, self.max_context)
+        return ForwardBatch.for_decode_graph(
+            i["input_ids"][:bs], i["positions"][:bs], i["rows"][:bs], i["out_cache_loc"][:bs],
+            self.prefix_lens[:bs], self.context_lens[:bs], i["state_slots"][:bs], self.kv, self.attn, self.state,
+            num_kv_splits=splits,
+        )
+
+    def _forward_fn(self, bs: int) -> Callable[[], None]:
+        batch = self._batch(bs)
+        i = self.inputs
+
+        def step() -> None:
+            pos = i["positions"][:bs]
+            self.prefix_lens[:bs].copy_(pos)
+            self.context_lens[:bs].copy_(pos + 1)
+            self.kv.req_to_token[batch.rows, pos] = batch.out_cache_loc.to(torch.int32)  # the new token's slot
+            logits = self.model(batch)
+            tok, lp = greedy_tokens(logits)
+            self.tokens[:bs].copy_(tok)
+            self.logprobs[:bs].copy_(lp)
+            self.logits[bs] = logits
+
+        return step
+
+    def _sampler_fn(self, bs: int) -> Callable[[], None]:
+        i = self.inputs
+
+        def draw() -> None:
+            logits = self.logits[bs]
+            temp, top_k = i["temperature"][:bs], i["top_k"][:bs]
+            drawn = draw_tokens(logits, temp, i["top_p"][:bs], top_k, i["min_p"][:bs], i["seeds"][:bs])
+            tok = torch.where(is_greedy(temp, top_k), self.tokens[:bs], drawn)
+            self.tokens[:bs].copy_(tok)
+            self.logprobs[:bs].copy_(token_logprobs(logits, tok))
+
+        return draw
+
+    def capture(self) -> None:
+        """Record every bucket (largest first). Padding inputs are staged first, so the warm-up runs touch only
+        scratch rows and slots."""
+        if not self.sizes:
+            return
+        t0 = time.perf_counter()
+        reserved0 = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
+        self._stage_padding(0)
+        if self.offload is not None:
+            self.offload.num_valid_tokens = self.num_valid
+        try:
+            for bs in reversed(self.sizes):
+                fwd, draw = self._forward_fn(bs), self._sampler_fn(bs)
+                self.graphs[bs] = self._record(fwd)
+                self.samplers[bs] = self._record(draw)
+        finally:
+            if self.offload is not None:
+                self.offload.num_valid_tokens = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved0
+        self.capture_s = time.perf_counter() - t0
+
+    def _record(self, fn: Callable[[], None]):
+        if self.emulate or self.device.type != "cuda":
+            from .sync_audit import no_host_sync
+
+            with torch.inference_mode(), (no_host_sync() if self.audit else contextlib.nullcontext()):
+                fn()  # what capture would record must run without a host sync
+            return _EmulatedGraph(fn)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side), torch.inference_mode():
+            for _ in range(2):  # compile Triton kernels, settle allocator and autotuner state
+                fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
+            fn()
+        return graph
+
+    # ------------------------------------------------------------------ replay
+
+    def _padding_values(self) -> dict:
+        p = self.padding
+        return {"input_ids": 0, "positions": 0, "rows": p.row, "out_cache_loc": p.kv_slot,
+                "state_slots": p.state_slot, "top_k": 0, "seeds": 0, "temperature": 0.0, "top_p": 1.0, "min_p": 0.0}
+
+    def _stage_padding(self, start: int) -> None:
+        """Rows ``start..max_bs`` of the staging buffers become padding rows; copies them to the device."""
+        B, pad = self.max_bs, self._padding_values()
+        for f, name in enumerate(_INT_FIELDS):
+            self._np_i[f * B + start : (f + 1) * B] = pad[name]
+        self._np_i[len(_INT_FIELDS) * B] = start
+        for f, name in enumerate(_FLOAT_FIELDS):
+            self._np_f[f * B + start : (f + 1) * B] = pad[name]
+        self._dev_i.copy_(self._host_i)
+        self._dev_f.copy_(self._host_f)
+
+    def run(self, inputs: dict[str, np.ndarray], batch_size: int) -> DecodeResult:
+        """One decode step of ``batch_size`` sequences. ``inputs`` maps every field of ``_INT_FIELDS`` and
+        ``_FLOAT_FIELDS`` to an array of ``batch_size`` values (validated by the caller)."""
+        bs = self.bucket(batch_size)
+        assert bs is not None, f"batch of {batch_size} exceeds the largest graph ({self.max_bs})"
+        B, n = self.max_bs, batch_size
+        ni, nf, pad = self._np_i, self._np_f, self._pad
+        for f, name in enumerate(_INT_FIELDS):
+            ni[f * B : f * B + n] = inputs[name]
+            ni[f * B + n : f * B + bs] = pad[name]  # padding rows: never a real row's slots
+        ni[len(_INT_FIELDS) * B] = n
+        for f, name in enumerate(_FLOAT_FIELDS):
+            nf[f * B : f * B + n] = inputs[name]
+            nf[f * B + n : f * B + bs] = pad[name]
+        sampling = not bool(np.all((inputs["temperature"] <= 0) | (inputs["top_k"] == 1)))
+        self._dev_i.copy_(self._host_i, non_blocking=True)
+        self._dev_f.copy_(self._host_f, non_blocking=True)
+        self.graphs[bs].replay()
+        if sampling:
+            self.samplers[bs].replay()
+        self._out_tokens[:n].copy_(self.tokens[:n], non_blocking=True)
+        self._out_logprobs[:n].copy_(self.logprobs[:n], non_blocking=True)
+        if self._done is not None:
+            self._done.record()
+            self._done.synchronize()
+        return DecodeResult(self._out_tokens[:n].tolist(), self._out_logprobs[:n].tolist())
+
+    def describe(self) -> str:
+        return (f"Captured CUDA graphs for batch sizes {self.sizes} in {self.capture_s:.1f} s "
+                f"(graph memory pool {self.pool_bytes / 2**30:.2f} GiB)")

@@ -1,0 +1,142 @@
+"""Decode CUDA graphs (engine/decode_graphs.py) against eager decoding.
+
+On CPU the graphs are emulated (replay = calling the recorded step again on the same static buffers) and every
+recorded step runs under ``no_host_sync()``, so these tests check what a real capture needs without a GPU: the
+step reads only the static buffers, padding rows disturb no real sequence, nothing syncs the host. The gpu-marked
+test captures real graphs and compares greedy tokens with ``--disable-cuda-graph``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import hf_reference as R
+from freetoken.engine.decode_graphs import decode_inputs, graph_batch_sizes
+from freetoken.errors import InvalidPlan
+from test_worker_steps import GREEDY, Seq, encode_plan
+
+
+def test_graph_batch_sizes():
+    assert graph_batch_sizes(0) == []
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(4) == [1, 2, 4]
+    assert graph_batch_sizes(5) == [1, 2, 4, 5]
+    assert graph_batch_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert graph_batch_sizes(36) == [1, 2, 4, 8, 16, 24, 32, 36]
+
+
+def test_only_plain_decode_steps_take_the_graph_path():
+    a, b = Seq(0, [5, 6, 7], 0), Seq(1, [8, 9], 100)
+    a.advance(3, 11)
+    b.advance(2, 12)
+    plain = encode_plan([a.item(sample=GREEDY), b.item(sample=GREEDY)])
+    got = decode_inputs(plain, 4)
+    assert got["rows"].tolist() == [0, 1] and got["positions"].tolist() == [3, 2]
+    assert got["out_cache_loc"].tolist() == [a.slot(3), b.slot(2)] and got["input_ids"].tolist() == [11, 12]
+    assert decode_inputs(plain, 1) is None  # more sequences than the largest graph
+    c = Seq(2, [1, 2, 3], 200)
+    assert decode_inputs(encode_plan([a.item(sample=GREEDY), c.item(sample=GREEDY)]), 4) is None  # mixed
+    assert decode_inputs(encode_plan([a.item(sample=GREEDY)], copies=[(0, 1)]), 4) is None
+    assert decode_inputs(encode_plan([a.item(sample=None)], kind="decode"), 4) is None  # not sampled
+    resent = dict(a.item(sample=GREEDY), table_from=0, table_slots=[a.slot(q) for q in range(4)])
+    assert decode_inputs(encode_plan([resent]), 4) is None  # sends more than the new token's slot
+
+
+def _qwen35_dir(tmp_path_factory) -> str:
+    from safetensors.torch import save_file
+
+    d = tmp_path_factory.mktemp("tiny-qwen3_5_moe-graphs")
+    cfg = R.qwen3_5_moe_config()
+    hf = R.build_hf_model(cfg, seed=3)
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, os.path.join(d, "model.safetensors"))
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump({**cfg, "torch_dtype": "float32"}, f)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tiny_llama_dir, tmp_path_factory):
+    return {"llama": tiny_llama_dir, "qwen3_5_moe": _qwen35_dir(tmp_path_factory)}
+
+
+def _worker(path: str, graphs: bool, **extra):
+    from freetoken.worker import Worker
+
+    args = {"model_path": path, "device": "cpu", "dtype": "float32", "num_tokens": 2048, "max_running_requests": 4,
+            "max_seq_len_override": 512, "load_progress": False, "emulate_cuda_graphs": graphs,
+            "disable_cuda_graph": not graphs, **extra}
+    return Worker(args)
+
+
+def _state_slot(w, row):
+    return row if w.state is not None else -1
+
+
+def _drive(w, steps: int = 6) -> list:
+    """Three prompts prefilled together, then decode steps over changing subsets (batch sizes 3, 2, 1: padded to
+    4, 2, 1), greedy and seeded sampling mixed. Returns every step's (tokens, logprobs)."""
+    seqs = {0: Seq(0, [5, 17, 23, 99, 3, 41], 0), 2: Seq(2, [7, 8, 9, 10], 300, 2), 3: Seq(3, [100, 3, 3], 700)}
+    out = []
+    items = [dict(s.item(sample=GREEDY), state_slot=_state_slot(w, r)) for r, s in seqs.items()]
+    toks, lps, _ = w.execute(encode_plan(items))
+    for (r, s), t in zip(seqs.items(), toks):
+        s.advance(len(s.tokens) - s.cached, t)
+    out.append((toks, lps))
+    for step in range(1, steps + 1):
+        live = [r for r in seqs if step <= {0: steps, 2: 3, 3: 4}[r]]
+        sample = lambda r: {"temperature": 0.8, "top_p": 0.9, "seed": 1000 * step + r} if r == 2 else GREEDY  # noqa: E731
+        items = [dict(seqs[r].item(sample=sample(r)), state_slot=_state_slot(w, r)) for r in live]
+        plan = encode_plan(items, step_id=step)
+        assert decode_inputs(plan, 4) is not None
+        toks, lps, _ = w.execute(plan)
+        for r, t in zip(live, toks):
+            seqs[r].advance(1, t)
+        out.append((toks, lps))
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5_moe"])
+def test_emulated_graphs_match_eager(model_dirs, family):
+    eager = _worker(model_dirs[family], graphs=False)
+    graphs = _worker(model_dirs[family], graphs=True)
+    assert eager.graphs is None and graphs.graphs is not None and graphs.graphs.sizes == [1, 2, 4]
+    want, got = _drive(eager), _drive(graphs)
+    for (wt, wl), (gt, gl) in zip(want, got):
+        assert gt == wt
+        np.testing.assert_allclose(gl, wl, atol=1e-4)
+
+
+def test_graph_step_rejects_out_of_range_indices(model_dirs):
+    w = _worker(model_dirs["llama"], graphs=True)
+    a = Seq(0, [5, 6, 7], 0)
+    w.execute(encode_plan([a.item(sample=GREEDY)]))
+    a.advance(3, 9)
+    good = a.item(sample=GREEDY)
+    for bad in (dict(good, row=4), dict(good, table_slots=[2048]), dict(good, tokens=[256])):
+        plan = encode_plan([bad])
+        assert decode_inputs(plan, 4) is not None
+        with pytest.raises(InvalidPlan):
+            w.execute(plan)
+    assert w.execute(encode_plan([good]))[0]  # the worker goes on
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "qwen3_5_moe"])
+def test_cuda_graphs_match_eager(model_dirs, family):
+    """Real graphs on CUDA: greedy tokens equal ``--disable-cuda-graph`` token for token."""
+    kw = {"device": "cuda", "emulate_cuda_graphs": False}
+    eager = _worker(model_dirs[family], graphs=False, **kw)
+    want = _drive(eager)
+    del eager
+    torch.cuda.empty_cache()
+    graphs = _worker(model_dirs[family], graphs=True, **{**kw, "disable_cuda_graph": False})
+    assert graphs.graphs is not None and not graphs.graphs.emulate
+    got = _drive(graphs)
+    for (wt, wl), (gt, gl) in zip(want, got):
+        assert gt == wt
+        np.testing.assert_allclose(gl, wl, atol=2e-3)
