@@ -5,6 +5,10 @@ Importable as ``freetoken.kernels`` (``python/freetoken/kernels`` is a symlink t
 - ``fused_moe``: grouped MoE over all-resident fused experts (``fused_moe_torch`` reference, ``fused_moe_triton``).
 - ``attention``: paged attention over the KV pool (``extend_attention_*``, ``decode_attention_*``) and the
   ``TritonAttention`` backend, registered as ``"triton"`` in ``freetoken.layers.attention`` on import.
+- ``rms_norm``: ``rms_norm``, ``add_rms_norm`` (the residual add fused, optionally in place), ``gated_rms_norm``.
+- ``activation``: ``silu_and_mul`` over a fused ``[gate | up]`` projection.
+- ``rope``: ``qk_norm_rope``, per-head q/k RMSNorm (optional) and partial or full rotate-half RoPE in one kernel.
+- ``moe_routing``: ``topk_softmax``, the router's softmax, top-k and renormalisation in one kernel.
 
 Importing this package never requires CUDA; the Triton paths are chosen only on CUDA tensors (or under
 ``TRITON_INTERPRET=1`` in tests).
