@@ -9,7 +9,13 @@ Lifecycle (``worker.py``):
    allocation, and exact-size where torch's pinned allocator rounds up to a power of two) and allocates the
    prefill stream buffers.
 4. After the start-up dry run has measured the workspace, ``allocate_cache(num_slots)`` creates the GPU slot
-   cache from what the memory plan leaves (``cache_slots``).
+   cache (``DeviceExpertCache``: bookkeeping on the device, capturable in a CUDA graph) from what the memory plan
+   leaves (``cache_slots``).
+
+CUDA graphs: a graph runner that pads a decode batch sets ``num_valid_tokens`` (a device int tensor, the number of
+real tokens; the rows after them are padding) before capturing and leaves it set for the replays; every
+``OffloadedExperts`` passes it to the cache, so padding rows neither count nor fetch experts. None (the default)
+means every row is real. Set it back to None for eager steps.
 
 Hit and miss counters feed each step's ``expert_hits`` / ``expert_misses``.
 """
@@ -22,9 +28,9 @@ from typing import Optional
 import torch
 
 from ..log import get_logger
+from .device_slot_cache import DeviceExpertCache
 from .offloaded_experts import OffloadedExperts
 from .prefill_stream import PrefillExpertStream
-from .slot_cache import ExpertSlotCache
 
 logger = get_logger(__name__)
 
@@ -35,7 +41,8 @@ class ExpertOffload:
     def __init__(self, device: torch.device, dtype: torch.dtype, top_k: int, overlap: bool = True):
         self.device, self.dtype, self.top_k, self.overlap = device, dtype, top_k, overlap
         self.layers: list[OffloadedExperts] = []
-        self.cache: Optional[ExpertSlotCache] = None
+        self.cache: Optional[DeviceExpertCache] = None
+        self.num_valid_tokens: Optional[torch.Tensor] = None  # CUDA-graph padding: see the module docstring
         self.stream: Optional[PrefillExpertStream] = None
         self.pinned = False
 
@@ -61,9 +68,9 @@ class ExpertOffload:
 
     def allocate_cache(self, num_slots: int) -> None:
         first = self.layers[0]
-        self.cache = ExpertSlotCache(num_slots, len(self.layers), first.num_experts,
-                                     tuple(first.gate_up_proj.shape[1:]), tuple(first.down_proj.shape[1:]),
-                                     self.dtype, self.device)
+        self.cache = DeviceExpertCache(num_slots, len(self.layers), first.num_experts,
+                                       tuple(first.gate_up_proj.shape[1:]), tuple(first.down_proj.shape[1:]),
+                                       self.dtype, self.device)
 
     # ------------------------------------------------------------------ sizes
 
@@ -107,12 +114,14 @@ class ExpertOffload:
     # ------------------------------------------------------------------ counters
 
     def counters(self) -> tuple[int, int]:
-        """(hits, misses) so far."""
+        """(hits, misses) so far (reads the device counters: one sync)."""
         return (self.cache.hits, self.cache.misses) if self.cache is not None else (0, 0)
 
 
 def _pin_in_place(t: torch.Tensor) -> bool:
-    """Page-locks ``t``'s storage (cudaHostRegister) so copies from it are asynchronous DMA."""
+    """Page-locks ``t``'s storage (cudaHostRegister) so copies from it are asynchronous DMA. The default flags map
+    it into the device's address space too (under UVA, i.e. 64-bit Linux): the expert gather kernel reads the banks
+    through that address."""
     if t.is_pinned():
         return True
     rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
