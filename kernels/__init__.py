@@ -5,6 +5,8 @@ Importable as ``freetoken.kernels`` (``python/freetoken/kernels`` is a symlink t
 - ``fused_moe``: grouped MoE over all-resident fused experts (``fused_moe_torch`` reference, ``fused_moe_triton``).
 - ``attention``: paged attention over the KV pool (``extend_attention_*``, ``decode_attention_*``) and the
   ``TritonAttention`` backend, registered as ``"triton"`` in ``freetoken.layers.attention`` on import.
+- ``gdn_decode``: one Gated DeltaNet decode step in place on the state pool's slots (``gdn_conv_decode``,
+  ``gdn_recurrent_decode``: Triton on CUDA, ``*_torch`` references elsewhere; CUDA-graph capturable).
 - ``rms_norm``: ``rms_norm``, ``add_rms_norm`` (the residual add fused, optionally in place), ``gated_rms_norm``.
 - ``activation``: ``silu_and_mul`` over a fused ``[gate | up]`` projection.
 - ``rope``: ``qk_norm_rope``, per-head q/k RMSNorm (optional) and partial or full rotate-half RoPE in one kernel.
