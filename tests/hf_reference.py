@@ -179,12 +179,16 @@ def split_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def build_ours(config: dict, hf_model, weights: dict[str, torch.Tensor] | None = None):
-    """Our model for ``config`` (through the registry), loaded from ``weights`` (default: the HF state dict)."""
+    """Our model for ``config`` (through the registry), loaded from ``weights`` (default: the HF state dict), its
+    projections fused as the worker fuses them."""
     from freetoken.models.registry import model_class
+
+    from freetoken.layers.fused_linear import fuse_projections
 
     cfg = ModelConfig.from_dict(config)
     model = model_class(cfg)(cfg).float().eval()
     model.load_weights(list((weights if weights is not None else hf_model.state_dict()).items()))
+    fuse_projections(model)  # as the worker does: every check below runs the fused projections
     return model
 
 

@@ -36,6 +36,7 @@ from .engine.step_plan import STEP_CONTRACT_VERSION, StepPlan
 from .errors import InvalidPlan, UnsupportedModel, WorkerOutOfMemory
 from .fault_injection import FaultInjector
 from .layers.attention import make_attention_backend
+from .layers.fused_linear import fuse_projections
 from .layers.sampler import sample
 from .log import get_logger
 from .layers.moe import experts_factory
@@ -228,6 +229,7 @@ class Worker:
             fill_dummy_weights(self.model)
         else:
             self.model.load_weights(self.checkpoint.tensors(progress=bool(a["load_progress"])))
+        fuse_projections(self.model)  # q|k|v, gate|up, GDN in_proj, router|shared expert: one GEMM each
         if self.offload is not None:
             self.offload.finish_loading()  # pins the host banks, allocates the prefill stream buffers
             logger.info(

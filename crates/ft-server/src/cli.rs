@@ -210,9 +210,14 @@ pub struct ServeArgs {
     #[arg(long = "tensor-parallel-size", visible_alias = "tp-size", default_value_t = 1)]
     pub tensor_parallel_size: usize,
 
-    /// Largest decode batch captured in a CUDA graph (default = --max-running-requests; 0 disables).
+    /// Largest decode batch captured in a CUDA graph: buckets 1, 2, 4, 8, 16, 24, ... up to it (default =
+    /// --max-running-requests; 0 disables). Larger decode batches and prefill steps run eagerly.
     #[arg(long = "cuda-graph-max-bs", visible_alias = "graph")]
     pub cuda_graph_max_bs: Option<usize>,
+
+    /// Run every step eagerly: no decode CUDA graphs (SGLang's spelling; same as --cuda-graph-max-bs 0).
+    #[arg(long)]
+    pub disable_cuda_graph: bool,
 
     /// KV capacity in pages (exclusive with --num-tokens).
     #[arg(long, conflicts_with = "num_tokens")]

@@ -9,9 +9,13 @@ Attention runs through the batch's backend over the paged KV pool; ``kv_layer`` 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
+from ..kernels.rope import qk_norm_rope
+from .fused_linear import FusedLinear, fuse_linears
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding, rope_config
 
@@ -37,15 +41,25 @@ class GatedAttention(nn.Module):
         theta, partial, scaling = rope_config(config, default_partial=0.25)
         self.rotary = RotaryEmbedding(D, int(D * partial), theta, config.get("max_position_embeddings", 32768), scaling)
         self.scale = D**-0.5
+        self._qkv: Optional[FusedLinear] = None
+
+    def fuse_projections(self) -> None:
+        if self._qkv is None:
+            self._qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
         T, D = x.shape[0], self.head_dim
-        qg = self.q_proj(x).view(T, self.num_heads, 2 * D)
+        if self._qkv is not None:
+            qg, k, v = self._qkv.split(self._qkv(x))
+        else:
+            qg, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        qg = qg.view(T, self.num_heads, 2 * D)
         q, gate = qg[..., :D], qg[..., D:].reshape(T, self.num_heads * D)
-        k = self.k_proj(x).view(T, self.num_kv_heads, D)
-        v = self.v_proj(x).view(T, self.num_kv_heads, D)
-        q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(batch.positions, q, k)
+        k = k.view(T, self.num_kv_heads, D)
+        v = v.view(T, self.num_kv_heads, D)
+        # q/k (1+w) norms, then the partial rotary: one kernel on CUDA
+        q, k = qk_norm_rope(q, k, batch.positions, self.rotary.inv_freq, self.rotary.rotary_dim,
+                            self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, one_plus=True)
         o = batch.attn.forward(q, k, v, self.kv_layer, batch, self.scale)
         o = o.reshape(T, self.num_heads * D) * torch.sigmoid(gate)
         return self.o_proj(o)

@@ -27,6 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.gdn_decode import gdn_conv_decode, gdn_recurrent_decode
+from ..kernels.rms_norm import gated_rms_norm
+from .fused_linear import FusedLinear, fuse_linears
+
 CHUNK_SIZE = 64
 
 
@@ -257,11 +261,7 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * xf.to(dtype)
-        return (out * F.silu(gate.float())).to(dtype)
+        return gated_rms_norm(x, gate, self.weight, self.eps)
 
 
 class GatedDeltaNet(nn.Module):
@@ -305,6 +305,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, eps=config.get("rms_norm_eps", 1e-6))
         self.out_proj = nn.Linear(self.value_dim, H, bias=False)
+        self._in_proj: Optional[FusedLinear] = None
 
     # shapes of this layer's state slot, for the pool
     @property
@@ -315,17 +316,30 @@ class GatedDeltaNet(nn.Module):
     def ssm_state_shape(self) -> tuple[int, int, int]:
         return (self.num_v_heads, self.head_k_dim, self.head_v_dim)
 
+    def fuse_projections(self) -> None:
+        """All input projections in one GEMM (``layers/fused_linear.py``)."""
+        if self._in_proj is None:
+            parts = ((self.in_proj_qkvz, self.in_proj_ba) if self.interleaved_proj
+                     else (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
+            self._in_proj = fuse_linears(*parts)
+
     def project(self, x: torch.Tensor):
-        """``x [T, H]`` → ``qkv [T, C]`` (channels q | k | v), ``z [T, Hv, dv]``, ``b, a [T, Hv]``."""
+        """``x [T, H]`` → ``qkv [T, C]`` (channels q | k | v), ``z [T, Hv, dv]``, ``b, a [T, Hv]`` (column views of
+        one output when the projections are fused)."""
         T = x.shape[0]
         Hk, Hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         if not self.interleaved_proj:
+            if self._in_proj is not None:
+                qkv, z, b, a = self._in_proj.split(self._in_proj(x))
+                return qkv, z.view(T, Hv, dv), b, a
             return self.in_proj_qkv(x), self.in_proj_z(x).view(T, Hv, dv), self.in_proj_b(x), self.in_proj_a(x)
         r = Hv // Hk
-        qkvz = self.in_proj_qkvz(x).view(T, Hk, 2 * dk + 2 * r * dv)
-        q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=-1)
-        ba = self.in_proj_ba(x).view(T, Hk, 2 * r)
-        b, a = torch.split(ba, [r, r], dim=-1)
+        if self._in_proj is not None:
+            qkvz, ba = self._in_proj.split(self._in_proj(x))
+        else:
+            qkvz, ba = self.in_proj_qkvz(x), self.in_proj_ba(x)
+        q, k, v, z = torch.split(qkvz.view(T, Hk, 2 * dk + 2 * r * dv), [dk, dk, r * dv, r * dv], dim=-1)
+        b, a = torch.split(ba.reshape(T, Hk, 2 * r), [r, r], dim=-1)
         qkv = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
         return qkv, z.reshape(T, Hv, dv), b.reshape(T, Hv), a.reshape(T, Hv)
 
@@ -352,20 +366,15 @@ class GatedDeltaNet(nn.Module):
                 v.reshape(T, self.num_v_heads, self.head_v_dim))
 
     def _decode(self, qkv, b, a, batch) -> torch.Tensor:
-        """One token per sequence, every sequence continuing from its slot: batched over sequences with device
-        tensors only (CUDA-graph capturable). Returns ``o [B, Hv, dv]`` in the activation dtype."""
+        """One token per sequence, every sequence continuing from its slot: two kernels batched over sequences,
+        working in place on the state pools (``kernels/gdn_decode.py``), device tensors only (CUDA-graph
+        capturable). Returns ``o [B, Hv, dv]`` in the activation dtype."""
         pool = batch.state
         conv_pool, ssm_pool = pool.conv[self.state_layer], pool.ssm[self.state_layer]
         slots = batch.state_slots
-        w = self.conv1d.weight[:, 0, :]  # [C, Kc]
-        xx = torch.cat([conv_pool[slots].to(qkv.dtype), qkv[:, :, None]], dim=-1)  # [B, C, Kc]
-        y = F.silu((xx * w.to(qkv.dtype)).sum(-1))
-        conv_pool[slots] = xx[:, :, 1:].to(conv_pool.dtype)
+        y = gdn_conv_decode(qkv, conv_pool, self.conv1d.weight[:, 0, :], slots)
         q, k, v = self._split_heads(y)
-        g, beta = self._gates(b, a)
-        o, final, _ = gated_delta_rule(q, k, v, g, beta, ssm_pool[slots].float(), None, decode=True)
-        ssm_pool[slots] = final.to(ssm_pool.dtype)
-        return o.to(qkv.dtype)
+        return gdn_recurrent_decode(q, k, v, a, b, self.A_log, self.dt_bias, ssm_pool, slots)
 
     def _extend(self, qkv, b, a, batch) -> torch.Tensor:
         """Prompt chunks (and mixed batches): per sequence on the host lengths; captures snapshots."""

@@ -37,8 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.activation import silu_and_mul
 from ..kernels.fused_moe import fused_moe_torch
+from ..kernels.moe_routing import topk_softmax
 from ..loading.copy_weight import copy_weight
+from .fused_linear import FusedLinear, fuse_linears
 
 # "auto" = triton on CUDA, torch elsewhere; tests and benchmarks can pin one.
 _DEFAULT_IMPL = "auto"
@@ -95,14 +98,26 @@ def set_default_moe_impl(name: str) -> None:
 class GatedMLP(nn.Module):
     """SwiGLU MLP: ``down(silu(gate x) * up x)`` with HF names ``gate_proj``, ``up_proj``, ``down_proj``."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+        self._gate_up: Optional[FusedLinear] = None
+
+    def fuse_projections(self) -> None:
+        if self._gate_up is None and not getattr(self, "fused_by_parent", False):
+            self._gate_up = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._gate_up is not None:
+            return self.activate(self._gate_up(x))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``down(silu(gate) * up)`` from the fused ``[gate | up]`` projection."""
+        return self.down_proj(silu_and_mul(gate_up))
 
 
 class ExpertsBackend(nn.Module):
@@ -234,14 +249,26 @@ class SparseMoeBlock(nn.Module):
         else:
             self.shared_expert = None
             self.shared_expert_gate = None
+        self._fused: Optional[FusedLinear] = None  # [router | shared gate | shared gate_up], see fuse_projections
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``topk_ids [T, k]`` int64, ``topk_weights [T, k]`` in x's dtype (HF ``Qwen3_5MoeTopKRouter``)."""
-        logits = F.linear(x, self.gate.weight)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        w, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            w = w / w.sum(dim=-1, keepdim=True)
+    def fuse_projections(self) -> None:
+        """One GEMM for everything that reads the block's input: router logits, the shared expert's gate logit and
+        its gate|up projection."""
+        if self._fused is not None:
+            return
+        if self.shared_expert is None:
+            self._fused = fuse_linears(self.gate)
+            return
+        self.shared_expert.fused_by_parent = True
+        se = self.shared_expert
+        self._fused = fuse_linears(self.gate, self.shared_expert_gate, se.gate_proj, se.up_proj)
+
+    def route(self, x: torch.Tensor, logits: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``topk_ids [T, k]`` int64, ``topk_weights [T, k]`` in x's dtype (HF ``Qwen3_5MoeTopKRouter``).
+        ``logits``: the router logits when the caller already has them (fused projection)."""
+        if logits is None:
+            logits = F.linear(x, self.gate.weight)
+        ids, w = topk_softmax(logits, self.top_k, self.norm_topk_prob)
         if _BENCH_ROUTING:
             ids = self._bench_routing(ids)
         return ids, w.to(x.dtype)
@@ -257,11 +284,22 @@ class SparseMoeBlock(nn.Module):
         raise ValueError(f"FREETOKEN_BENCH_ROUTING={_BENCH_ROUTING!r}: expected uniform or zipf")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fused is not None:
+            return self._forward_fused(x)
         ids, w = self.route(x)
         out = self.experts(x, ids, w)
         if self.shared_expert is not None:
             s = self.shared_expert(x)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * s
+        return out
+
+    def _forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        parts = self._fused.split(self._fused(x))
+        ids, w = self.route(x, logits=parts[0])
+        out = self.experts(x, ids, w)
+        if self.shared_expert is not None:
+            gate_logit, gate_up = parts[1], torch.cat(parts[2:], dim=-1) if len(parts) > 3 else parts[2]
+            out = out + torch.sigmoid(gate_logit) * self.shared_expert.activate(gate_up)
         return out
 
     @torch.no_grad()

@@ -17,7 +17,7 @@ from ..errors import UnsupportedModel
 from ..layers.gated_attention import GatedAttention
 from ..layers.gated_deltanet import GatedDeltaNet
 from ..layers.moe import GatedMLP, SparseMoeBlock
-from ..layers.norm import RMSNorm
+from ..layers.norm import RMSNorm, final_norm, pre_norm
 from ..loading.copy_weight import copy_weight
 from .base import CausalLM, KVLayout, ModelConfig, StateLayout
 
@@ -67,11 +67,13 @@ class HybridDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=eps, one_plus=True)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps, one_plus=True)
 
-    def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = self.input_layernorm(h)
+    def forward(self, h: torch.Tensor, residual: Optional[torch.Tensor], batch: ForwardBatch):
+        """``h`` is the previous layer's output, ``residual`` the stream before it (None at the first layer):
+        returns this layer's output and the stream, so each residual add is fused into the next norm."""
+        x, residual = pre_norm(self.input_layernorm, h, residual)
         mixer = self.linear_attn if self.layer_type == LINEAR else self.self_attn
-        h = h + mixer(x, batch)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x, residual = self.post_attention_layernorm.add(mixer(x, batch), residual)
+        return self.mlp(x), residual
 
 
 class HybridMoeForCausalLM(CausalLM):
@@ -129,10 +131,10 @@ class HybridMoeForCausalLM(CausalLM):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         if batch.state is None and self.num_gdn_layers:
             raise ValueError("hybrid model forward needs batch.state (a RecurrentStatePool)")
-        h = self.embed_tokens(batch.input_ids)
+        h, residual = self.embed_tokens(batch.input_ids), None
         for layer in self.layers:
-            h = layer(h, batch)
-        h = self.norm(h[batch.logits_indices])  # the final norm is per token: only the rows we need
+            h, residual = layer(h, residual, batch)
+        h = final_norm(self.norm, h, residual, batch.logits_indices)
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.nn.functional.linear(h, w).float()
 
