@@ -1,8 +1,8 @@
 """``DeviceExpertCache`` (expert LRU bookkeeping on the device) against the host ``ExpertSlotCache``: the same
 decisions after every call of long random sequences (slot_of, owner, LRU stamps, hit and miss counts, slot
-contents), padding rows, the expert gather kernel (CPU under TRITON_INTERPRET=1 in a subprocess, CUDA reading a
-pinned host bank), an audit that ``ensure`` neither syncs nor takes data-dependent shapes, and a CUDA-graph
-capture of ``ensure`` + the grouped MoE kernel replayed with new routing."""
+contents), padding rows, the Triton admission and gather kernels (CPU under TRITON_INTERPRET=1 in a subprocess;
+CUDA, the gather reading a pinned host bank), an audit that ``ensure`` neither syncs nor takes data-dependent
+shapes, and a CUDA-graph capture of ``ensure`` + the grouped MoE kernel replayed with new routing."""
 
 from __future__ import annotations
 
@@ -65,13 +65,13 @@ def assert_same_state(device_cache: DeviceExpertCache, host: ExpertSlotCache, ba
             assert torch.equal(device_cache.down[slot].cpu(), down[flat % host.num_experts])
 
 
-def replay_against_host(T, k, S, calls, seed=0, padded=False, gather="auto", device="cpu", banks=None):
+def replay_against_host(T, k, S, calls, seed=0, padded=False, impl="auto", device="cpu", banks=None):
     """Runs one routing sequence through both caches, comparing after every call. Returns (hits, misses)."""
     banks = banks or make_banks(seed)
     gate_up, down = tuple(banks[0][0].shape[1:]), tuple(banks[0][1].shape[1:])
     dtype = banks[0][0].dtype
     host = ExpertSlotCache(S, L, E, gate_up, down, dtype, torch.device("cpu"))
-    cache = DeviceExpertCache(S, L, E, gate_up, down, dtype, torch.device(device), gather=gather)
+    cache = DeviceExpertCache(S, L, E, gate_up, down, dtype, torch.device(device), impl=impl)
     for layer, ids, n in routing_sequence(T, k, S, calls, seed, padded):
         valid = torch.tensor(n, device=device) if padded else None
         got = cache.ensure(layer, *banks[layer], ids.to(device), valid)
@@ -157,7 +157,7 @@ def test_ensure_neither_syncs_nor_sizes_anything_by_the_data(T, k, S):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# The Triton gather kernel under the interpreter
+# The Triton kernels (admission, gather) under the interpreter
 # ------------------------------------------------------------------------------------------------------------
 
 _INTERPRETER_SCRIPT = textwrap.dedent(
@@ -176,15 +176,20 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
             gather_experts_triton(*banks[0], *pools, src, dst, torch.tensor(n), chunk=chunk, block=block)
             gather_experts_torch(*banks[0], *ref, src, dst, torch.tensor(n))
             assert all(torch.equal(a, b) for a, b in zip(pools, ref)), (gate_up, n)
+    # the Triton admission and gather against the host cache, with the pool's stamps scanned in several blocks
+    # and the pairs compared in several tiles
+    from freetoken.kernels import expert_admission
+    expert_admission.SLOT_BLOCK, expert_admission.PAIR_TILE = 4, 8
     banks = make_banks(5, dtype=torch.float16)
-    replay_against_host(3, 2, 6, calls=40, seed=1, padded=True, gather="triton", banks=banks)
-    replay_against_host(1, 4, 4, calls=40, seed=2, gather="triton", banks=banks)
+    for T, k, S, padded in [(1, 4, 4, False), (1, 2, 5, True), (3, 2, 6, True), (8, 2, 5, False), (8, 4, 10, True),
+                            (8, 4, 30, True)]:
+        replay_against_host(T, k, S, calls=40, seed=S, padded=padded, impl="triton", banks=banks)
     print("OK")
     """
 )
 
 
-def test_gather_kernel_interpreter_cpu():
+def test_triton_admission_and_gather_interpreter_cpu():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.path.join(ROOT, "python"))
     script = _INTERPRETER_SCRIPT.format(tests=os.path.join(ROOT, "tests"))
     r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
@@ -241,19 +246,21 @@ def _unpin(banks):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("T,k,S", [(1, 4, 4), (3, 2, 6), (8, 4, 10), (8, 2, 16)])
-def test_device_cache_on_cuda_reads_the_pinned_bank(T, k, S):
-    """Admission in CUDA ops and the Triton gather reading host memory through its device address."""
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("T,k,S", [(1, 4, 4), (3, 2, 6), (8, 4, 10), (8, 2, 16), (32, 8, 300)])
+def test_device_cache_on_cuda_reads_the_pinned_bank(T, k, S, impl):
+    """Both admissions on CUDA, the Triton gather reading host memory through its device address."""
     banks = _pinned(make_banks(T, dtype=torch.bfloat16, gate_up=(64, 96), down=(96, 32)))
     try:
-        replay_against_host(T, k, S, calls=150, seed=S, padded=True, device="cuda", banks=banks)
+        replay_against_host(T, k, S, calls=150, seed=S, padded=True, impl=impl, device="cuda", banks=banks)
     finally:
         _unpin(banks)
 
 
 @pytest.mark.gpu
 @cuda
-def test_ensure_and_grouped_kernel_captured_in_a_cuda_graph():
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_ensure_and_grouped_kernel_captured_in_a_cuda_graph(impl):
     """One graph holds every MoE layer (admission, gather of the misses from pinned host banks, grouped kernel
     over the slot pool); each replay gets new routing and a new count of valid tokens. The outputs equal the
     reference over all-resident experts, the cache state equals the host cache's after the same lookups."""
@@ -264,7 +271,7 @@ def test_ensure_and_grouped_kernel_captured_in_a_cuda_graph():
                                                                     down=(H, I))])
     try:
         host = ExpertSlotCache(S, L, E, (2 * I, H), (H, I), torch.bfloat16, torch.device("cpu"))
-        cache = DeviceExpertCache(S, L, E, (2 * I, H), (H, I), torch.bfloat16, torch.device("cuda"))
+        cache = DeviceExpertCache(S, L, E, (2 * I, H), (H, I), torch.bfloat16, torch.device("cuda"), impl=impl)
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
         ids = torch.zeros(L, T, k, dtype=torch.int64, device="cuda")
         w = torch.full((T, k), 0.5, device="cuda", dtype=torch.bfloat16)

@@ -12,14 +12,14 @@ routing's ``[T, k]``:
   empty, so empty slots go first), ``clock [1] int64`` (one tick per ``ensure``), ``counts [2] int64`` (hits,
   misses). The last entry of ``slot_of``, ``owner`` and ``stamp`` is a trash entry: updates that are masked out are
   redirected there instead of branching on the data.
-- admission (``ensure``), in plain torch ops over the ``P = T*k`` routed pairs: a pairwise P x P compare finds each
-  expert's first occurrence and ranks the missing experts by expert id; ``topk`` over ``stamp * S + slot`` gives the
-  oldest slots in (stamp, slot index) order, the order of the host's stable argsort; missing expert of rank r takes
-  the r-th oldest slot. Hits are stamped first with the current clock, the newest stamp, so a call never evicts a
-  slot it uses itself. A slot used by an earlier layer of the same step can be evicted: that layer's kernel is
-  already queued on the same stream, before the copy that overwrites it.
-- fetch: ``kernels/expert_gather.py``; on CUDA a Triton kernel reading the pinned host bank directly, with
-  ``num_jobs`` read on the device (``gather_experts_torch`` on CPU, where nothing needs to be capturable).
+- admission (``kernels/expert_admission.py``): one clock tick per call; hits are stamped with it; the missing
+  experts, in ascending expert id, take the oldest slots in ascending (stamp, slot index) order, the order of the
+  host's stable argsort. The current call's slots carry the newest stamp, so a call never evicts what it uses
+  itself. A slot used by an earlier layer of the same step can be evicted: that layer's kernel is already queued on
+  the same stream, before the copy that overwrites it. On CUDA one single-program Triton kernel; the torch version
+  (fixed-shape ops, about 45 small kernels) is its reference and the CPU path.
+- fetch (``kernels/expert_gather.py``): on CUDA a Triton kernel reading the pinned host bank directly through its
+  device address, the job count read on the device; on CPU the torch version (fixed shapes too).
 
 The caller must make sure a call routes to at most ``num_slots`` distinct experts (more cannot be resident at once;
 the result is then undefined, though no memory outside the cache is touched). Decide by shape: ``T * k <= S``
@@ -35,6 +35,7 @@ from typing import Optional
 
 import torch
 
+from ..kernels.expert_admission import admit_experts_torch, admit_experts_triton
 from ..kernels.expert_gather import gather_experts_torch, gather_experts_triton
 from ..log import get_logger
 
@@ -43,15 +44,17 @@ logger = get_logger(__name__)
 
 class DeviceExpertCache:
     def __init__(self, num_slots: int, num_layers: int, num_experts: int, gate_up_shape: tuple, down_shape: tuple,
-                 dtype: torch.dtype, device: torch.device, gather: str = "auto"):
-        """``gather``: how misses are copied: ``auto`` (Triton on CUDA, torch elsewhere), ``triton`` or ``torch``."""
+                 dtype: torch.dtype, device: torch.device, impl: str = "auto"):
+        """``impl``: ``auto`` (Triton on CUDA, torch elsewhere), ``triton`` (also on CPU under TRITON_INTERPRET=1,
+        in tests) or ``torch``: the admission, and on CPU the gather too (on CUDA the gather is always the Triton
+        kernel: nothing else reads a host bank without the host)."""
         if num_slots < 1:
             raise ValueError("the expert cache needs at least one slot")
-        if gather not in ("auto", "triton", "torch"):
-            raise ValueError(f"unknown expert gather {gather!r}")
+        if impl not in ("auto", "triton", "torch"):
+            raise ValueError(f"unknown expert cache implementation {impl!r}")
         self.num_slots, self.num_layers, self.num_experts = num_slots, num_layers, num_experts
         self.device = torch.device(device)
-        self.gather = ("triton" if self.device.type == "cuda" else "torch") if gather == "auto" else gather
+        self.impl = ("triton" if self.device.type == "cuda" else "torch") if impl == "auto" else impl
         S, dev = num_slots, self.device
         self.gate_up = torch.empty((S, *gate_up_shape), dtype=dtype, device=dev)
         self.down = torch.empty((S, *down_shape), dtype=dtype, device=dev)
@@ -61,7 +64,6 @@ class DeviceExpertCache:
         self.stamp = torch.full((S + 1,), -1, dtype=torch.int64, device=dev)
         self.clock = torch.zeros(1, dtype=torch.int64, device=dev)
         self.counts = torch.zeros(2, dtype=torch.int64, device=dev)  # hits, misses
-        self.slot_index = torch.arange(S, dtype=torch.int64, device=dev)
         self._pinned: dict[int, bool] = {}  # bank data_ptr -> readable by the gather kernel
 
     # ------------------------------------------------------------------ host-side reads (each one syncs)
@@ -108,58 +110,20 @@ class DeviceExpertCache:
     @torch.no_grad()
     def admit(self, layer: int, topk_ids: torch.Tensor, num_valid_tokens: Optional[torch.Tensor] = None):
         """The bookkeeping half of ``ensure``: updates the state and returns ``(slot_ids [T, k] int64, job_src [P],
-        job_dst [P], num_jobs)``, the misses to copy (expert of the bank -> slot), in ascending expert order."""
-        T, k = topk_ids.shape
-        P, S, E, dev = T * k, self.num_slots, self.num_experts, self.device
-        self.clock += 1
-        if P == 0:
-            empty = torch.zeros(0, dtype=torch.int64, device=dev)
-            return empty.view(T, k), empty, empty, torch.zeros((), dtype=torch.int64, device=dev)
-        expert = topk_ids.reshape(-1).to(device=dev, dtype=torch.int64)
-        position = torch.arange(P, device=dev)
-        if num_valid_tokens is None:
-            valid = torch.ones(P, dtype=torch.bool, device=dev)
-        else:
-            valid = position // k < num_valid_tokens.reshape(()).to(dev)
-        flat = torch.where(valid, expert + layer * E, self.trash_id)
-
-        # the first occurrence of each expert counts (the host looks at the unique ids)
-        earlier = torch.ones(P, P, dtype=torch.bool, device=dev).tril(-1)  # [i, j]: j < i
-        repeated = ((flat[:, None] == flat[None, :]) & earlier).any(1)
-        first = valid & ~repeated
-        current = self.slot_of[flat].long()
-        hit = first & (current >= 0)
-        miss = first & (current < 0)
-        self.counts += torch.stack((hit.sum(), miss.sum()))
-        self.stamp.index_put_((torch.where(hit, current, S),), self.clock)
-
-        # missing expert of rank r (ascending expert id) takes the r-th oldest slot (ascending stamp, then slot)
-        rank = (miss[None, :] & (expert[None, :] < expert[:, None])).sum(1)
-        candidates = min(P, S)
-        oldest = torch.topk(self.stamp[:S] * S + self.slot_index, candidates, largest=False, sorted=True).indices
-        victim = oldest[rank.clamp(max=candidates - 1)]
-        evicted = self.owner[victim].long()
-        self.slot_of.index_fill_(0, torch.where(miss & (evicted >= 0), evicted, self.trash_id), -1)
-        self.slot_of.index_put_((torch.where(miss, flat, self.trash_id),), victim.to(torch.int32))
-        taken = torch.where(miss, victim, S)
-        self.owner.index_put_((taken,), flat.to(torch.int32))
-        self.stamp.index_put_((taken,), self.clock)
-
-        job_src = torch.zeros(P + 1, dtype=torch.int64, device=dev)
-        job_src.index_put_((torch.where(miss, rank, P),), expert)
-        job_dst = oldest[position.clamp(max=candidates - 1)]
-        slot_ids = torch.where(valid, self.slot_of[flat].long(), 0).view(T, k)
-        return slot_ids, job_src[:P], job_dst, miss.sum()
+        job_dst [P], num_jobs)``, the misses to copy (``kernels/expert_admission.py``)."""
+        admit = admit_experts_triton if self.impl == "triton" else admit_experts_torch
+        return admit(self.slot_of, self.owner, self.stamp, self.clock, self.counts, topk_ids, layer,
+                     self.num_experts, num_valid_tokens)
 
     @torch.no_grad()
     def fetch(self, bank_gate_up, bank_down, job_src, job_dst, num_jobs) -> None:
         """Copies the jobs ``admit`` returned from the layer's bank into their slots."""
-        if self.gather == "torch":
-            gather_experts_torch(bank_gate_up, bank_down, self.gate_up, self.down, job_src, job_dst, num_jobs)
-        elif self.device.type != "cuda" or self._readable_from_device(bank_gate_up, bank_down):
+        if self.device.type == "cuda" and not self._readable_from_device(bank_gate_up, bank_down):
+            self._fetch_unpinned(bank_gate_up, bank_down, job_src, job_dst, num_jobs)
+        elif self.device.type == "cuda" or self.impl == "triton":
             gather_experts_triton(bank_gate_up, bank_down, self.gate_up, self.down, job_src, job_dst, num_jobs)
         else:
-            self._fetch_unpinned(bank_gate_up, bank_down, job_src, job_dst, num_jobs)
+            gather_experts_torch(bank_gate_up, bank_down, self.gate_up, self.down, job_src, job_dst, num_jobs)
 
     def _readable_from_device(self, *banks) -> bool:
         key = banks[0].data_ptr()

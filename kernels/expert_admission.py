@@ -1,0 +1,201 @@
+"""LRU admission of one MoE layer's routed experts into the device expert cache (the bookkeeping half of
+``DeviceExpertCache.ensure``), with no host sync and shapes that depend only on the routing's ``[T, k]``.
+
+State (device tensors, updated in place; see ``freetoken.moe.device_slot_cache``): ``slot_of [L*E + 1] int32``
+(flat id ``layer*E + expert`` -> slot, -1 = not resident), ``owner [S + 1] int32`` (slot -> flat id, -1 = empty),
+``stamp [S + 1] int64`` (LRU stamps, -1 = empty), ``clock [1] int64``, ``counts [2] int64`` (hits, misses). The last
+entries of ``slot_of``, ``owner`` and ``stamp`` are trash: the torch version sends masked-out updates there.
+
+One call, exactly like the host ``ExpertSlotCache.lookup``: the clock ticks; each distinct expert of the valid rows
+(rows before ``num_valid_tokens``) is a hit (its slot is stamped with the clock) or a miss; the missing experts, in
+ascending expert id, take the oldest slots in ascending (stamp, slot index) order, which never includes a slot
+this call uses (it carries the newest stamp). Returns ``(slot_ids [T, k] int64`` (0 on padding rows),
+``job_src [P]``, ``job_dst [P]``, ``num_jobs``): miss r copies bank row ``job_src[r]`` into slot ``job_dst[r]`` for
+``r < num_jobs`` (``kernels/expert_gather.py``). Entries past ``num_jobs`` are unspecified.
+
+``admit_experts_torch``: the reference, in plain torch ops (a pairwise P x P compare for first occurrences and
+miss ranks, ``topk`` over ``stamp * S + slot`` for the P oldest slots, scatters redirected to the trash entries).
+About 45 small kernels on CUDA. ``admit_experts_triton``: the same in one single-program kernel launch, for the
+decode step's CUDA graph.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+try:  # triton is a hard dependency on GPU machines; keep the reference importable without it
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover
+    triton = None
+    tl = None
+
+
+# the pool's stamps are scanned in blocks of SLOT_BLOCK, the pairwise compares run in tiles of PAIR_TILE columns
+# (the interpreter test lowers both to cover several blocks and tiles)
+SLOT_BLOCK = 1024
+PAIR_TILE = 32
+
+
+def _empty_result(T: int, k: int, device):
+    empty = torch.zeros(0, dtype=torch.int64, device=device)
+    return empty.view(T, k), empty, empty, torch.zeros((), dtype=torch.int64, device=device)
+
+
+def admit_experts_torch(slot_of, owner, stamp, clock, counts, topk_ids: torch.Tensor, layer: int, num_experts: int,
+                        num_valid_tokens: Optional[torch.Tensor] = None):
+    """Reference admission; see the module docstring."""
+    T, k = topk_ids.shape
+    P, S, E, dev = T * k, owner.numel() - 1, num_experts, slot_of.device
+    trash_id = slot_of.numel() - 1
+    clock += 1
+    if P == 0:
+        return _empty_result(T, k, dev)
+    expert = topk_ids.reshape(-1).to(device=dev, dtype=torch.int64)
+    position = torch.arange(P, device=dev)
+    if num_valid_tokens is None:
+        valid = torch.ones(P, dtype=torch.bool, device=dev)
+    else:
+        valid = position // k < num_valid_tokens.reshape(()).to(dev)
+    flat = torch.where(valid, expert + layer * E, trash_id)
+
+    # the first occurrence of each expert counts (the host looks at the unique ids)
+    earlier = torch.ones(P, P, dtype=torch.bool, device=dev).tril(-1)  # [i, j]: j < i
+    first = valid & ~((flat[:, None] == flat[None, :]) & earlier).any(1)
+    current = slot_of[flat].long()
+    hit = first & (current >= 0)
+    miss = first & (current < 0)
+    counts += torch.stack((hit.sum(), miss.sum()))
+    stamp.index_put_((torch.where(hit, current, S),), clock)
+
+    # missing expert of rank r (ascending expert id) takes the r-th oldest slot (ascending stamp, then slot)
+    rank = (miss[None, :] & (expert[None, :] < expert[:, None])).sum(1)
+    candidates = min(P, S)
+    key = stamp[:S] * S + torch.arange(S, device=dev)
+    oldest = torch.topk(key, candidates, largest=False, sorted=True).indices
+    victim = oldest[rank.clamp(max=candidates - 1)]
+    evicted = owner[victim].long()
+    slot_of.index_fill_(0, torch.where(miss & (evicted >= 0), evicted, trash_id), -1)
+    slot_of.index_put_((torch.where(miss, flat, trash_id),), victim.to(torch.int32))
+    taken = torch.where(miss, victim, S)
+    owner.index_put_((taken,), flat.to(torch.int32))
+    stamp.index_put_((taken,), clock)
+
+    job_src = torch.zeros(P + 1, dtype=torch.int64, device=dev)
+    job_src.index_put_((torch.where(miss, rank, P),), expert)
+    job_dst = oldest[position.clamp(max=candidates - 1)]
+    slot_ids = torch.where(valid, slot_of[flat].long(), 0).view(T, k)
+    return slot_ids, job_src[:P], job_dst, miss.sum()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _admit_kernel(
+        ids_ptr, num_valid_ptr,  # [P] routed expert ids (row-major [T, k]); [1] valid rows (if HAS_VALID)
+        slot_of_ptr, owner_ptr, stamp_ptr, clock_ptr, counts_ptr,  # cache state, updated in place
+        slot_ids_ptr, job_src_ptr, job_dst_ptr, num_jobs_ptr,  # outputs
+        miss_expert_ptr,  # [P] scratch: the expert of each first-occurrence miss, -1 elsewhere
+        layer_base, P, S,
+        K: tl.constexpr, HAS_VALID: tl.constexpr, PB: tl.constexpr, JB: tl.constexpr, SB: tl.constexpr,
+    ):
+        # One program: every decision depends on all P pairs and on the whole pool's stamps. The pairwise compares
+        # run in [PB, JB] tiles (columns reloaded from memory) to bound registers. tl.debug_barrier (bar.sync)
+        # orders this program's global reads and writes of the same addresses across its warps.
+        offs = tl.arange(0, PB)
+        in_range = offs < P
+        if HAS_VALID:
+            num_valid = tl.load(num_valid_ptr)
+        else:
+            num_valid = P
+        valid = in_range & (offs // K < num_valid)
+        expert = tl.load(ids_ptr + offs, mask=in_range, other=0).to(tl.int32)
+        flat = tl.where(valid, expert + layer_base, -1)
+
+        repeated = tl.zeros([PB], dtype=tl.int32)
+        for j0 in range(0, P, JB):
+            oj = j0 + tl.arange(0, JB)
+            vj = (oj < P) & (oj // K < num_valid)
+            fj = tl.where(vj, tl.load(ids_ptr + oj, mask=oj < P, other=0).to(tl.int32) + layer_base, -2)
+            same = (fj[None, :] == flat[:, None]) & (oj[None, :] < offs[:, None])
+            repeated = tl.maximum(repeated, tl.max(same.to(tl.int32), axis=1))
+        first = valid & (repeated == 0)
+        current = tl.load(slot_of_ptr + flat, mask=first, other=0)
+        hit = first & (current >= 0)
+        miss = first & (current < 0)
+        num_hits = tl.sum(hit.to(tl.int64), axis=0)
+        num_misses = tl.sum(miss.to(tl.int64), axis=0)
+        clock = tl.load(clock_ptr) + 1
+        hits_before = tl.load(counts_ptr)
+        misses_before = tl.load(counts_ptr + 1)
+        # warps run unsynchronised and replicate scalars: all must read before one of them writes
+        tl.debug_barrier()
+        tl.store(clock_ptr, clock)
+        tl.store(counts_ptr, hits_before + num_hits)
+        tl.store(counts_ptr + 1, misses_before + num_misses)
+        tl.store(num_jobs_ptr, num_misses)
+        tl.store(stamp_ptr + current, clock, mask=hit)  # before the search below: a hit is never a victim
+        tl.store(miss_expert_ptr + offs, tl.where(miss, expert, -1), mask=in_range)
+        tl.debug_barrier()
+
+        rank = tl.zeros([PB], dtype=tl.int32)
+        for j0 in range(0, P, JB):
+            oj = j0 + tl.arange(0, JB)
+            mj = tl.load(miss_expert_ptr + oj, mask=oj < P, other=-1)
+            rank += tl.sum(((mj[None, :] >= 0) & (mj[None, :] < expert[:, None])).to(tl.int32), axis=1)
+
+        # the r-th oldest slot for r < num_misses: the smallest key (stamp + 1) * S + slot above the previous one
+        # (keys are distinct). One pass over the pool per miss; a decode step misses a few experts per layer.
+        never = 0x7FFFFFFFFFFFFFFF
+        previous = tl.full([], -1, dtype=tl.int64)
+        for r in range(num_misses.to(tl.int32)):
+            best = tl.full([], never, dtype=tl.int64)
+            for s0 in range(0, S, SB):
+                slots = s0 + tl.arange(0, SB)
+                key = (tl.load(stamp_ptr + slots, mask=slots < S, other=0) + 1) * S + slots
+                key = tl.where((slots < S) & (key > previous), key, never)
+                best = tl.minimum(best, tl.min(key, axis=0))
+            tl.store(job_dst_ptr + r, best % S)
+            previous = best
+        tl.debug_barrier()
+
+        victim = tl.load(job_dst_ptr + rank, mask=miss, other=0)
+        evicted = tl.load(owner_ptr + victim, mask=miss, other=-1)
+        tl.debug_barrier()  # the old owners are read (in every warp holding a copy) before they change
+        tl.store(slot_of_ptr + evicted, -1, mask=miss & (evicted >= 0))
+        tl.store(slot_of_ptr + flat, victim, mask=miss)
+        tl.store(owner_ptr + victim, flat, mask=miss)
+        tl.store(stamp_ptr + victim, clock, mask=miss)
+        tl.store(job_src_ptr + rank, expert.to(tl.int64), mask=miss)
+        tl.debug_barrier()
+        slot = tl.load(slot_of_ptr + flat, mask=valid, other=0)
+        tl.store(slot_ids_ptr + offs, tl.where(valid, slot, 0).to(tl.int64), mask=in_range)
+
+
+def admit_experts_triton(slot_of, owner, stamp, clock, counts, topk_ids: torch.Tensor, layer: int,
+                         num_experts: int, num_valid_tokens: Optional[torch.Tensor] = None):
+    """Same contract as ``admit_experts_torch``, one kernel launch. Works on CUDA, or on CPU under
+    TRITON_INTERPRET=1."""
+    assert triton is not None, "triton is not installed"
+    T, k = topk_ids.shape
+    P, S, dev = T * k, owner.numel() - 1, slot_of.device
+    if P == 0:
+        clock += 1
+        return _empty_result(T, k, dev)
+    ids = topk_ids.reshape(-1)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    slot_ids = torch.empty(P, dtype=torch.int64, device=dev)
+    job_src = torch.empty(P, dtype=torch.int64, device=dev)
+    job_dst = torch.empty(P, dtype=torch.int64, device=dev)
+    num_jobs = torch.empty((), dtype=torch.int64, device=dev)
+    miss_expert = torch.empty(P, dtype=torch.int32, device=dev)
+    pb = triton.next_power_of_2(P)
+    _admit_kernel[(1,)](
+        ids, num_valid_tokens if num_valid_tokens is not None else ids, slot_of, owner, stamp, clock, counts,
+        slot_ids, job_src, job_dst, num_jobs, miss_expert, layer * num_experts, P, S,
+        K=k, HAS_VALID=num_valid_tokens is not None, PB=pb, JB=min(pb, PAIR_TILE), SB=SLOT_BLOCK, num_warps=4,
+    )
+    return slot_ids.view(T, k), job_src, job_dst, num_jobs
