@@ -7,7 +7,9 @@ slot pool unchanged. Slots used by the current lookup are never evicted by it; a
 step can be, because its kernel is already queued on the same stream before the copy that overwrites it.
 
 The bookkeeping is on the host (one device-to-host copy of the routing per MoE layer per step): simple and exact,
-not CUDA-graph capturable. ``slot_of[layer, expert]`` is −1 for an expert not resident.
+not CUDA-graph capturable. ``slot_of[layer, expert]`` is −1 for an expert not resident. The engine runs
+``DeviceExpertCache`` (``device_slot_cache.py``: the same decisions with the bookkeeping on the device); this class
+is the reference its tests replay every lookup against.
 """
 
 from __future__ import annotations
