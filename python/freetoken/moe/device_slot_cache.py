@@ -76,6 +76,11 @@ class DeviceExpertCache:
     def misses(self) -> int:
         return int(self.counts[1])
 
+    def counters(self) -> tuple[int, int]:
+        """(hits, misses) in one read."""
+        hits, misses = self.counts.tolist()
+        return hits, misses
+
     @property
     def nbytes(self) -> int:
         return self.gate_up.numel() * self.gate_up.element_size() + self.down.numel() * self.down.element_size()
@@ -135,7 +140,7 @@ class DeviceExpertCache:
         return self._pinned[key]
 
     def _fetch_unpinned(self, bank_gate_up, bank_down, job_src, job_dst, num_jobs) -> None:
-        # pageable host memory is not addressable by a kernel: read the job list on the host and copy row by row
+        # pageable host memory is not addressable by a kernel: read the job list on the host, copy the rows over
         n = int(num_jobs)
         src, dst = job_src[:n].cpu(), job_dst[:n]
         self.gate_up[dst] = bank_gate_up[src].to(self.device)

@@ -115,7 +115,7 @@ class ExpertOffload:
 
     def counters(self) -> tuple[int, int]:
         """(hits, misses) so far (reads the device counters: one sync)."""
-        return (self.cache.hits, self.cache.misses) if self.cache is not None else (0, 0)
+        return self.cache.counters() if self.cache is not None else (0, 0)
 
 
 def _pin_in_place(t: torch.Tensor) -> bool:
