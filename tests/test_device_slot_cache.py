@@ -232,16 +232,10 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def _pinned(banks):
-    from freetoken.moe.offload import _pin_in_place
-
-    assert all(_pin_in_place(t) for bank in banks for t in bank)
-    return banks
-
-
-def _unpin(banks):
-    for bank in banks:
-        for t in bank:
-            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+    # torch's pinned allocator (cudaHostAlloc: mapped under UVA). The engine's cudaHostRegister-ed banks go through
+    # the same kernel in test_expert_offload.py::test_offload_matches_resident_experts_on_cuda; registering small
+    # test tensors here could fail on pages they share with other allocations.
+    return [(gate_up.pin_memory(), down.pin_memory()) for gate_up, down in banks]
 
 
 @pytest.mark.gpu
@@ -251,10 +245,8 @@ def _unpin(banks):
 def test_device_cache_on_cuda_reads_the_pinned_bank(T, k, S, impl):
     """Both admissions on CUDA, the Triton gather reading host memory through its device address."""
     banks = _pinned(make_banks(T, dtype=torch.bfloat16, gate_up=(64, 96), down=(96, 32)))
-    try:
-        replay_against_host(T, k, S, calls=150, seed=S, padded=True, impl=impl, device="cuda", banks=banks)
-    finally:
-        _unpin(banks)
+    assert all(t.is_pinned() for bank in banks for t in bank)
+    replay_against_host(T, k, S, calls=150, seed=S, padded=True, impl=impl, device="cuda", banks=banks)
 
 
 @pytest.mark.gpu
@@ -269,50 +261,47 @@ def test_ensure_and_grouped_kernel_captured_in_a_cuda_graph(impl):
     T, k, S, H, I = 4, 2, 8, 128, 64
     banks = _pinned([(gu * 0.1, d * 0.1) for gu, d in make_banks(11, dtype=torch.bfloat16, gate_up=(2 * I, H),
                                                                     down=(H, I))])
-    try:
-        host = ExpertSlotCache(S, L, E, (2 * I, H), (H, I), torch.bfloat16, torch.device("cpu"))
-        cache = DeviceExpertCache(S, L, E, (2 * I, H), (H, I), torch.bfloat16, torch.device("cuda"), impl=impl)
-        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-        ids = torch.zeros(L, T, k, dtype=torch.int64, device="cuda")
-        w = torch.full((T, k), 0.5, device="cuda", dtype=torch.bfloat16)
-        valid = torch.tensor(T, device="cuda")
-        seq = routing_sequence(T, k, S, calls=10**6, seed=5)
-        rng = random.Random(0)
+    host = ExpertSlotCache(S, L, E, (2 * I, H), (H, I), torch.bfloat16, torch.device("cpu"))
+    cache = DeviceExpertCache(S, L, E, (2 * I, H), (H, I), torch.bfloat16, torch.device("cuda"), impl=impl)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    ids = torch.zeros(L, T, k, dtype=torch.int64, device="cuda")
+    w = torch.full((T, k), 0.5, device="cuda", dtype=torch.bfloat16)
+    valid = torch.tensor(T, device="cuda")
+    seq = routing_sequence(T, k, S, calls=10**6, seed=5)
+    rng = random.Random(0)
 
-        def new_routing() -> int:
-            for layer in range(L):
-                ids[layer].copy_(next(seq)[1])
-            n = rng.randint(0, T)
-            valid.fill_(n)
-            return n
+    def new_routing() -> int:
+        for layer in range(L):
+            ids[layer].copy_(next(seq)[1])
+        n = rng.randint(0, T)
+        valid.fill_(n)
+        return n
 
-        def moe_layers():
-            return [fused_moe_triton(x, cache.gate_up, cache.down,
-                                     cache.ensure(layer, *banks[layer], ids[layer], valid), w) for layer in range(L)]
+    def moe_layers():
+        return [fused_moe_triton(x, cache.gate_up, cache.down,
+                                 cache.ensure(layer, *banks[layer], ids[layer], valid), w) for layer in range(L)]
 
-        def host_lookups(n):
-            for layer in range(L):
-                host.lookup(layer, *banks[layer], ids[layer][:n].cpu())
+    def host_lookups(n):
+        for layer in range(L):
+            host.lookup(layer, *banks[layer], ids[layer][:n].cpu())
 
+    n = new_routing()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile the kernels before capture
+        moe_layers()
+    torch.cuda.current_stream().wait_stream(side)
+    host_lookups(n)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # capture records, it does not run: the cache state is unchanged
+        outs = moe_layers()
+    assert_same_state(cache, host, banks)
+    for _ in range(8):
         n = new_routing()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # compile the kernels before capture
-            moe_layers()
-        torch.cuda.current_stream().wait_stream(side)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
         host_lookups(n)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # capture records, it does not run: the cache state is unchanged
-            outs = moe_layers()
         assert_same_state(cache, host, banks)
-        for _ in range(8):
-            n = new_routing()
-            x.copy_(torch.randn_like(x))
-            graph.replay()
-            host_lookups(n)
-            assert_same_state(cache, host, banks)
-            for layer in range(L):
-                ref = fused_moe_torch(x[:n], banks[layer][0].cuda(), banks[layer][1].cuda(), ids[layer][:n], w[:n])
-                torch.testing.assert_close(outs[layer][:n].float(), ref.float(), atol=3e-2, rtol=3e-2)
-    finally:
-        _unpin(banks)
+        for layer in range(L):
+            ref = fused_moe_torch(x[:n], banks[layer][0].cuda(), banks[layer][1].cuda(), ids[layer][:n], w[:n])
+            torch.testing.assert_close(outs[layer][:n].float(), ref.float(), atol=3e-2, rtol=3e-2)
