@@ -167,7 +167,8 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
     from freetoken.kernels.expert_gather import gather_experts_torch, gather_experts_triton
     from test_device_slot_cache import make_banks, replay_against_host
     # several chunks per expert, partial last chunks, gate_up and down of different sizes
-    for (gate_up, down, chunk, block) in [((6, 40), (40, 3), 64, 32), ((8, 16), (16, 4), 32, 16), ((2, 3), (3, 1), 16, 16)]:
+    shapes = [((6, 40), (40, 3), 64, 32), ((8, 16), (16, 4), 32, 16), ((2, 3), (3, 1), 16, 16)]
+    for gate_up, down, chunk, block in shapes:
         banks = make_banks(2, gate_up=gate_up, down=down, layers=1, experts=7)
         src, dst = torch.tensor([3, 1, 6, 0, 2]), torch.tensor([4, 0, 2, 1, 3])
         for n in range(6):
