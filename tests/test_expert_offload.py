@@ -160,18 +160,34 @@ def test_expert_offload_sizes(hf):
         off.cache_slots({}, off.expert_bytes - 1)
 
 
-@pytest.mark.parametrize("mode", ["uniform", "zipf"])
+@pytest.mark.parametrize("mode", ["uniform", "zipf", "hot"])
 def test_bench_routing_draws_distinct_experts_with_the_asked_skew(monkeypatch, mode):
     import freetoken.layers.moe as moe
+    from freetoken.moe import bench_routing
 
-    monkeypatch.setattr(moe, "_BENCH_ROUTING", mode)
+    monkeypatch.setattr(bench_routing, "_mode", mode)
     cfg = ModelConfig.from_dict(dict(hidden_size=8, num_experts=64, num_experts_per_tok=4, moe_intermediate_size=4))
     ids, w = moe.SparseMoeBlock(cfg, layer_id=1).route(torch.randn(4000, 8))
     assert ids.shape == w.shape == (4000, 4) and 0 <= int(ids.min()) and int(ids.max()) < 64
     assert all(len(set(row)) == 4 for row in ids.tolist())  # top-k experts are distinct
     share_of_top = torch.bincount(ids.flatten(), minlength=64).max().item() / ids.numel()
-    # uniform: each expert ~1/64 of the picks; Zipf(1) over 64: the most popular ~1/H(64) ≈ 21% of draws
-    assert share_of_top < 0.03 if mode == "uniform" else share_of_top > 0.1
+    # uniform: each expert ~1/64 of the picks; Zipf(1) over 64: the most popular ~1/H(64) ≈ 21% of draws;
+    # hot: the same 4 experts for every token
+    assert {"uniform": share_of_top < 0.03, "zipf": share_of_top > 0.1, "hot": share_of_top == 0.25}[mode]
+
+
+def test_bench_routing_mode_switches_through_its_file(tmp_path, monkeypatch):
+    from freetoken.moe import bench_routing
+
+    monkeypatch.setattr(bench_routing, "_mode", "off")
+    path = tmp_path / "routing"
+    control = bench_routing.BenchRoutingControl(str(path))
+    assert not control.poll()  # no file yet
+    path.write_text("zipf\n")
+    assert control.poll() and bench_routing.mode() == "zipf"
+    assert not control.poll()  # unchanged
+    with pytest.raises(ValueError, match="expected one of"):
+        bench_routing.set_mode("sideways")
 
 
 @pytest.mark.gpu

@@ -43,6 +43,7 @@ from .layers.moe import experts_factory
 from .memory_plan import MemoryPlan, measure_peak_bytes
 from .models.base import ModelConfig
 from .models.registry import model_class
+from .moe.bench_routing import BenchRoutingControl
 from .moe.backend_choice import device_bytes_needed, resolve_moe_backend
 from .moe.offload import ExpertOffload
 
@@ -165,6 +166,7 @@ class Worker:
         self.attn = make_attention_backend(a["attention_backend"], self.device)
         self.graph_max_bs = self._graph_max_bs()
         self.graphs = None
+        self.bench_routing = BenchRoutingControl()
 
         free_before = free_memory_bytes(self.device)
         logger.info(f"Free memory before loading model: {free_before / GiB:.2f} GiB")
@@ -356,6 +358,12 @@ class Worker:
         kept = sum(b * self.vocab_size * 4 for b in graphs.sizes[:-1])
         return int(1.25 * peak) + kept
 
+    def _recapture_decode_graphs(self) -> None:
+        """New graphs after something they captured changed (the benchmark routing mode)."""
+        self.graphs = None
+        self._release_cached_memory()
+        self.graphs = self._capture_decode_graphs()
+
     def _capture_decode_graphs(self):
         graphs = self._decode_graphs(emulate=self.device.type != "cuda")
         logger.info(f"Start capturing CUDA graphs with sizes: {graphs.sizes}")
@@ -521,6 +529,8 @@ class Worker:
     def execute(self, plan: dict) -> tuple[list[int], list[float], dict]:
         """One step from the flat plan the Rust side sends. Returns the sampled tokens and their logprobs in
         plan order (one per sampled sequence) and step statistics. Plain decode steps replay a CUDA graph."""
+        if self.bench_routing.poll() and self.graphs is not None:  # benchmarks switching the routing mode
+            self._recapture_decode_graphs()
         decode = decode_inputs(plan, self.graph_max_bs) if self.graphs is not None else None
         if decode is not None:
             r = self._guarded_step(int(plan["step_id"]), len(decode["rows"]), lambda: self._replay(decode))

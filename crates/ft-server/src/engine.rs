@@ -19,7 +19,7 @@ use crate::status_log::StatusLog;
 use ft_core::config::SchedulerConfig;
 use ft_core::request::{AdmissionError, FinishReason, NewRequest, RequestEvent};
 use ft_core::scheduler::Scheduler;
-use ft_core::step::{Worker, WorkerError};
+use ft_core::step::{StepKind, Worker, WorkerError};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc as std_mpsc;
@@ -273,6 +273,12 @@ struct EngineLoop {
     /// Expert-cache lookups since start (`--moe-backend offload`): routed experts found resident / copied in.
     expert_hits: u64,
     expert_misses: u64,
+    /// Decode-only steps so far, with the worker's own time for them and the engine's whole time (planning,
+    /// the worker call, commit and handing tokens to the HTTP side): benchmarks read the per-token cost of each
+    /// layer from these (`/v1/stats`).
+    decode_steps: u64,
+    decode_forward_ms: f64,
+    decode_engine_ms: f64,
 }
 
 impl EngineLoop {
@@ -286,6 +292,9 @@ impl EngineLoop {
             max_step_workspace_bytes: 0,
             expert_hits: 0,
             expert_misses: 0,
+            decode_steps: 0,
+            decode_forward_ms: 0.0,
+            decode_engine_ms: 0.0,
         }
     }
 
@@ -348,6 +357,7 @@ impl EngineLoop {
 
     /// One forward pass. Errors only for a fatal worker failure.
     fn step(&mut self) -> Result<(), WorkerError> {
+        let began = Instant::now();
         let Some(plan) = self.scheduler.next_step() else {
             self.dispatch_events();
             return Ok(());
@@ -365,6 +375,10 @@ impl EngineLoop {
         }
         match result {
             Ok(out) => {
+                if plan.kind == StepKind::Decode {
+                    self.decode_steps += 1;
+                    self.decode_forward_ms += out.stats.forward_ms;
+                }
                 self.max_step_workspace_bytes = self.max_step_workspace_bytes.max(out.stats.workspace_bytes);
                 self.expert_hits += out.stats.expert_hits;
                 self.expert_misses += out.stats.expert_misses;
@@ -387,6 +401,9 @@ impl EngineLoop {
             }
         }
         self.dispatch_events();
+        if plan.kind == StepKind::Decode {
+            self.decode_engine_ms += began.elapsed().as_secs_f64() * 1e3;
+        }
         self.publish_stats();
         Ok(())
     }
@@ -441,6 +458,9 @@ impl EngineLoop {
             "max_step_workspace_bytes": self.max_step_workspace_bytes,
             "expert_hits": self.expert_hits,
             "expert_misses": self.expert_misses,
+            "decode_steps": self.decode_steps,
+            "decode_forward_ms_total": self.decode_forward_ms,
+            "decode_engine_ms_total": self.decode_engine_ms,
         });
     }
 

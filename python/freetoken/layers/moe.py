@@ -29,7 +29,6 @@ routing, the shared expert and weight-name mapping stay here.
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 from typing import Callable, Iterable, Optional
 
@@ -41,17 +40,11 @@ from ..kernels.activation import silu_and_mul
 from ..kernels.fused_moe import fused_moe_torch
 from ..kernels.moe_routing import topk_softmax
 from ..loading.copy_weight import copy_weight
+from ..moe import bench_routing
 from .fused_linear import FusedLinear, fuse_linears
 
 # "auto" = triton on CUDA, torch elsewhere; tests and benchmarks can pin one.
 _DEFAULT_IMPL = "auto"
-
-# Benchmarks only. A random model's greedy decode keeps routing to the same experts, so an expert-cache benchmark
-# with dummy weights must drive routing itself (REFERENCES §5.4): FREETOKEN_BENCH_ROUTING=uniform draws each
-# token's experts uniformly (the worst case for a cache), =zipf from a fixed per-layer Zipf(1) popularity (a
-# skewed, more realistic one). The router's weights are kept.
-_BENCH_ROUTING = os.environ.get("FREETOKEN_BENCH_ROUTING", "")
-
 
 # Builds each block's experts: (layer_id, num_experts, hidden_size, intermediate_size) -> ExpertsBackend.
 _EXPERTS_FACTORY: Optional[Callable[[int, int, int, int], "ExpertsBackend"]] = None
@@ -269,19 +262,8 @@ class SparseMoeBlock(nn.Module):
         if logits is None:
             logits = F.linear(x, self.gate.weight)
         ids, w = topk_softmax(logits, self.top_k, self.norm_topk_prob)
-        if _BENCH_ROUTING:
-            ids = self._bench_routing(ids)
+        ids = bench_routing.override(ids, self.layer_id, self.num_experts)  # benchmarks only; ids when off
         return ids, w.to(x.dtype)
-
-    def _bench_routing(self, ids: torch.Tensor) -> torch.Tensor:
-        T, E = ids.shape[0], self.num_experts
-        if _BENCH_ROUTING == "uniform":
-            return torch.rand(T, E, device=ids.device).topk(self.top_k, dim=-1).indices
-        if _BENCH_ROUTING == "zipf":
-            g = torch.Generator().manual_seed(self.layer_id)
-            popularity = (1.0 / torch.arange(1, E + 1, dtype=torch.float32))[torch.randperm(E, generator=g)]
-            return torch.multinomial(popularity.to(ids.device).expand(T, E), self.top_k)
-        raise ValueError(f"FREETOKEN_BENCH_ROUTING={_BENCH_ROUTING!r}: expected uniform or zipf")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fused is not None:

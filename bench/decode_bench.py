@@ -1,0 +1,304 @@
+"""Decode benchmark (issue 9): our server with decode CUDA graphs against the same server run eagerly
+(``--disable-cuda-graph``, the baseline beside it on the same card), all through the HTTP API, with the hardware
+limits measured first. Prints a table and writes JSON.
+
+    python bench/decode_bench.py --model-path configs/qwen3.6-35b-a3b --out bench/out/decode.json
+
+Runs, one server at a time:
+- ``graphs``: all experts resident. Prefill of one long prompt with the dummy router and with uniform routing;
+  decode of 1 stream and of ``--streams`` concurrent streams (aggregate tok/s, p50/p99 inter-token gap); the
+  engine's own per-step times from ``/v1/stats`` (worker step, whole engine iteration) beside the gap seen over
+  HTTP, which together say what each layer of the stack costs per token.
+- ``eager``: the same decode runs with ``--disable-cuda-graph``.
+- ``offload`` (unless ``--skip-offload``): ``--moe-backend offload --moe-cache-size N``, 1 stream under Zipf,
+  uniform and hot (all-hit) routing, switched while the server runs (``FREETOKEN_BENCH_ROUTING_FILE``), with the
+  measured hit rate and the PCIe floor (misses per token x expert bytes / measured PCIe bandwidth).
+
+Against the hardware: the HBM roofline of a batch-1 step is the bytes a decode token must read (every dense
+weight, lm_head, top-k experts per MoE layer, the recurrent state read and written) over the measured
+device-to-device copy bandwidth. Reference figures of FreeToken 0.1.2 on the same H200 (REFERENCES §5.4) are
+printed beside ours: 262.7 tok/s all resident, 174.6 tok/s offload (an all-hit figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+from serve_bench import long_prompt, stream_completion  # noqa: E402
+from server_harness import ServerProcess  # noqa: E402
+
+FREETOKEN_012 = {"resident_bs1": 262.7, "offload_all_hit_bs1": 174.6}  # tok/s, REFERENCES §5.4
+
+
+# ------------------------------------------------------------------ the hardware
+
+
+def measure_bandwidth() -> dict:
+    """Device-to-device copy bandwidth (bytes read + written) and pinned host-to-device bandwidth, medians."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+
+    def timed(fn, reps=10) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        return statistics.median(times)
+
+    n = 1 << 30
+    src, dst = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
+    hbm = 2 * n / timed(lambda: dst.copy_(src))
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    pcie = n / timed(lambda: dst.copy_(host, non_blocking=True))
+    del src, dst, host
+    torch.cuda.empty_cache()
+    return {"hbm_copy_gb_s": hbm / 1e9, "pcie_h2d_gb_s": pcie / 1e9}
+
+
+def decode_bytes_per_token(model_path: str) -> dict:
+    """Bytes one batch-1 decode token must read, from the model's shapes (built on the meta device): every
+    parameter but the embedding table (one row) and the routed experts (top-k per MoE layer), plus the recurrent
+    state read and written. Also the bytes of one routed expert."""
+    import torch
+
+    from freetoken.models.base import ModelConfig
+    from freetoken.models.registry import model_class
+
+    with open(os.path.join(model_path, "config.json")) as f:
+        cfg = ModelConfig.from_dict(json.load(f))
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg)
+    elt = 2  # bf16
+    total = sum(p.numel() for p in model.parameters()) * elt
+    embed = model.embed_tokens.weight if hasattr(model, "embed_tokens") else model.model.embed_tokens.weight
+    experts = [m for m in model.modules() if type(m).__name__ == "FusedExperts"]
+    expert_bytes = (experts[0].gate_up_proj[0].numel() + experts[0].down_proj[0].numel()) * elt if experts else 0
+    routed = sum((e.gate_up_proj.numel() + e.down_proj.numel()) * elt for e in experts)
+    top_k = int(cfg.get("num_experts_per_tok") or 0)
+    active = total - embed.numel() * elt - routed + len(experts) * top_k * expert_bytes
+    state = 0
+    if model.state_layout is not None:
+        s = model.state_layout
+        state = 2 * s.num_layers * (torch.Size(s.ssm_shape).numel() * 4 + torch.Size(s.conv_shape).numel() * elt)
+    return {"weight_bytes": active, "state_bytes": state, "bytes": active + state, "expert_bytes": expert_bytes}
+
+
+# ------------------------------------------------------------------ measurements through HTTP
+
+
+def set_routing(path: str, mode: str) -> None:
+    with open(path, "w") as f:
+        f.write(mode)
+
+
+def decode_stats(srv) -> dict:
+    s = srv.get("/v1/stats").json()
+    return {k: s.get(k, 0) for k in ("decode_steps", "decode_forward_ms_total", "decode_engine_ms_total",
+                                     "expert_hits", "expert_misses")}
+
+
+def one_stream(srv, tokens: int) -> dict:
+    before = decode_stats(srv)
+    r = stream_completion(srv.url, "Count slowly:", tokens)
+    after = decode_stats(srv)
+    if "error" in r:
+        raise RuntimeError(f"decode failed: {r}")
+    n = r["usage"]["completion_tokens"]
+    span = sum(r["gaps"])
+    d = {k: after[k] - before[k] for k in after}
+    steps = max(1, d["decode_steps"])
+    hits, misses = d["expert_hits"], d["expert_misses"]
+    return {
+        "tokens": n,
+        "tok_s": (n - 1) / span,
+        "itl_ms_p50": statistics.median(r["gaps"]) * 1e3,
+        "http_ms_per_token": span / (n - 1) * 1e3,
+        "engine_ms_per_step": d["decode_engine_ms_total"] / steps,
+        "worker_ms_per_step": d["decode_forward_ms_total"] / steps,
+        "hit_rate": hits / (hits + misses) if hits + misses else None,
+        "misses_per_token": misses / steps,
+    }
+
+
+def many_streams(srv, streams: int, tokens: int) -> dict:
+    results: list = [None] * streams
+
+    def run(i):
+        results[i] = stream_completion(srv.url, f"Count slowly, stream {i}:", tokens)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    bad = [r for r in results if "error" in r]
+    if bad:
+        raise RuntimeError(f"{len(bad)} of {streams} streams failed: {bad[0]}")
+    gaps = sorted(g for r in results for g in r["gaps"])
+    decoded = sum(r["usage"]["completion_tokens"] - 1 for r in results)
+    span = statistics.mean(sum(r["gaps"]) for r in results)
+    return {"streams": streams, "tok_s": decoded / span, "itl_ms_p50": gaps[len(gaps) // 2] * 1e3,
+            "itl_ms_p99": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] * 1e3}
+
+
+def prefill(srv, words: int) -> dict:
+    r = stream_completion(srv.url, long_prompt(words) + " end", 2)
+    if "error" in r:
+        raise RuntimeError(f"prefill failed: {r}")
+    return {"prompt_tokens": r["usage"]["prompt_tokens"], "tok_s": r["usage"]["prompt_tokens"] / r["ttft_s"]}
+
+
+def start(label: str, args: list[str], env: dict, timeout: float = 900) -> tuple:
+    t0 = time.perf_counter()
+    srv = ServerProcess(args, env=env, ready_timeout=timeout)
+    startup = time.perf_counter() - t0
+    log = srv.log()
+    lines = [ln for ln in log.splitlines() if any(k in ln for k in ("Captured CUDA graphs", "Start capturing",
+                                                                   "Resolved config", "Expert cache", "WARNING"))]
+    print(f"[{label}] ready in {startup:.0f} s", *lines, sep="\n  ", flush=True)
+    return srv, {"label": label, "serve_args": args, "startup_s": startup, "log_excerpt": lines}
+
+
+# ------------------------------------------------------------------ the runs
+
+
+def resident_run(label: str, args: list[str], env: dict, a, routing_file: str, with_prefill: bool) -> dict:
+    srv, row = start(label, args, env)
+    try:
+        stream_completion(srv.url, "warm up", 8)
+        if with_prefill:
+            set_routing(routing_file, "off")
+            row["prefill_dummy_router"] = prefill(srv, a.prefill_words)
+            set_routing(routing_file, "uniform")
+            row["prefill_uniform"] = prefill(srv, a.prefill_words)
+            set_routing(routing_file, "off")
+            stream_completion(srv.url, "warm up", 4)  # the routing change recaptures the graphs
+        one_stream(srv, 16)
+        row["bs1"] = one_stream(srv, a.decode_tokens)
+        row["many"] = many_streams(srv, a.streams, a.decode_tokens)
+    finally:
+        row["exit_code"] = srv.stop()
+    return row
+
+
+def offload_run(args: list[str], env: dict, a, routing_file: str) -> dict:
+    srv, row = start("offload", args, env)
+    row["cache_size"] = a.cache_size
+    try:
+        for mode in ("zipf", "uniform", "hot"):
+            set_routing(routing_file, mode)
+            stream_completion(srv.url, "warm up", 48)  # recapture, and fill the cache under this routing
+            row[mode] = one_stream(srv, a.decode_tokens)
+    finally:
+        row["exit_code"] = srv.stop()
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--prefill-words", type=int, default=7000, help="~8k tokens with the Qwen tokenizer")
+    ap.add_argument("--cache-size", type=int, default=1024)
+    ap.add_argument("--skip-eager", action="store_true")
+    ap.add_argument("--skip-offload", action="store_true")
+    ap.add_argument("--out", default="bench/out/decode.json")
+    ap.add_argument("serve_args", nargs=argparse.REMAINDER)
+    a = ap.parse_args()
+    extra = [x for x in a.serve_args if x != "--"]
+    hw = measure_bandwidth()
+    need = decode_bytes_per_token(a.model_path)
+    print(f"hardware: {hw}; decode bytes/token: {need['bytes'] / 1e9:.2f} GB", flush=True)
+    routing_file = os.path.join(tempfile.mkdtemp(prefix="ft-bench-"), "routing")
+    set_routing(routing_file, "off")
+    env = {"FREETOKEN_BENCH_ROUTING_FILE": routing_file}
+    common = ["--model-path", a.model_path, "--dummy-weight", "--max-seq-len-override", "16384",
+              "--max-prefill-length", "8192", *extra]
+    resident = ["--moe-backend", "fused", "--max-running-requests", str(a.streams)]
+    report = {"hardware": hw, "decode_bytes": need, "freetoken_0_1_2": FREETOKEN_012, "runs": {}}
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+
+    def save():
+        with open(a.out, "w") as f:
+            json.dump(report, f, indent=2)
+
+    report["runs"]["graphs"] = resident_run("graphs", common + resident, env, a, routing_file, with_prefill=True)
+    save()
+    if not a.skip_eager:
+        report["runs"]["eager"] = resident_run("eager", common + resident + ["--disable-cuda-graph"], env, a,
+                                               routing_file, with_prefill=False)
+        save()
+    if not a.skip_offload:
+        off = ["--moe-backend", "offload", "--moe-cache-size", str(a.cache_size), "--max-running-requests", "4"]
+        report["runs"]["offload"] = offload_run(common + off, env, a, routing_file)
+        save()
+    print_table(report)
+    return 0
+
+
+def print_table(report: dict) -> None:
+    hw, need, runs = report["hardware"], report["decode_bytes"], report["runs"]
+    roof_ms = need["bytes"] / (hw["hbm_copy_gb_s"] * 1e9) * 1e3 if hw else None
+    g = runs["graphs"]
+    print(f"\nHBM copy {hw.get('hbm_copy_gb_s', 0):.0f} GB/s, PCIe H2D {hw.get('pcie_h2d_gb_s', 0):.1f} GB/s; a decode "
+          f"token reads {need['bytes'] / 1e9:.2f} GB -> HBM roofline {roof_ms or 0:.2f} ms/token")
+    print(f"{'run':<34}{'tok/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'worker ms':>11}{'engine ms':>11}{'vs eager':>10}"
+          f"{'vs FT 0.1.2':>13}{'roofline':>10}")
+    e = runs.get("eager")
+
+    def line(name, r, base=None, ft=None, roof=True):
+        cells = [f"{r['tok_s']:.1f}", f"{r['itl_ms_p50']:.2f}", f"{r['itl_ms_p99']:.2f}" if "itl_ms_p99" in r else "-",
+                 f"{r['worker_ms_per_step']:.2f}" if "worker_ms_per_step" in r else "-",
+                 f"{r['engine_ms_per_step']:.2f}" if "engine_ms_per_step" in r else "-",
+                 f"{r['tok_s'] / base:.2f}x" if base else "-", f"{r['tok_s'] / ft:.2f}x" if ft else "-",
+                 f"{roof_ms * r['tok_s'] / 1e3:.2f}" if roof and roof_ms else "-"]
+        print(f"{name:<34}" + "".join(f"{c:>{w}}" for c, w in zip(cells, (10, 9, 9, 11, 11, 10, 13, 10))))
+
+    line("resident, 1 stream, graphs", g["bs1"], e and e["bs1"]["tok_s"], FREETOKEN_012["resident_bs1"])
+    if e:
+        line("resident, 1 stream, eager", e["bs1"], None, FREETOKEN_012["resident_bs1"])
+    line(f"resident, {g['many']['streams']} streams, graphs", g["many"], e and e["many"]["tok_s"], roof=False)
+    if e:
+        line(f"resident, {e['many']['streams']} streams, eager", e["many"], roof=False)
+    b = g["bs1"]
+    print(f"per token at 1 stream: HTTP gap {b['http_ms_per_token']:.2f} ms, engine iteration "
+          f"{b['engine_ms_per_step']:.2f} ms, worker step {b['worker_ms_per_step']:.2f} ms -> HTTP path "
+          f"{b['http_ms_per_token'] - b['engine_ms_per_step']:.2f} ms, engine outside the worker "
+          f"{b['engine_ms_per_step'] - b['worker_ms_per_step']:.2f} ms")
+    for k, name in (("prefill_dummy_router", "dummy router"), ("prefill_uniform", "uniform routing")):
+        if k in g:
+            print(f"prefill {g[k]['prompt_tokens']} tokens, {name}: {g[k]['tok_s']:.0f} tok/s")
+    off = runs.get("offload")
+    if off:
+        pcie = hw.get("pcie_h2d_gb_s", 55.0) * 1e9
+        print(f"\n{'offload, cache ' + str(off['cache_size']):<34}{'tok/s':>10}{'hit rate':>10}{'miss/tok':>10}"
+              f"{'PCIe floor ms':>15}{'floor/ITL':>11}{'vs FT all-hit':>15}")
+        for mode in ("zipf", "uniform", "hot"):
+            r = off[mode]
+            floor = r["misses_per_token"] * need["expert_bytes"] / pcie * 1e3
+            hr = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
+            cells = [f"{r['tok_s']:.1f}", hr, f"{r['misses_per_token']:.1f}", f"{floor:.2f}",
+                     f"{floor / r['http_ms_per_token']:.2f}", f"{r['tok_s'] / FREETOKEN_012['offload_all_hit_bs1']:.2f}x"]
+            print(f"{mode + ' routing':<34}" + "".join(f"{c:>{w}}" for c, w in zip(cells, (10, 10, 10, 15, 11, 15))))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
