@@ -1,6 +1,6 @@
 """Where a decode step's time goes: builds the worker in-process (no HTTP, no scheduler), prefills one prompt,
-then times batch-1 decode steps through ``Worker.execute_plan`` and profiles a few of them with
-``torch.profiler``. Prints the mean step time, the host time the GPU waited on, and the top operators by host
+then times batch-1 decode steps from the decode CUDA graph (``Worker.execute``) and eagerly (``Worker.execute_plan``)
+and profiles a few eager ones with ``torch.profiler``. Prints the mean step time, the host time the GPU waited on, and the top operators by host
 (self CPU) and device time; writes JSON.
 
     python bench/profile_decode.py --out bench/out/profile.json -- --dummy-weight --model-path configs/qwen3.6-35b-a3b
@@ -58,19 +58,30 @@ def main() -> int:
     tok = w.execute_plan(one_seq(prompt, 0, state_slot)).tokens[0]
     pos = len(prompt)
 
+    eager = True
+
     def step():
         nonlocal tok, pos
-        tok = w.execute_plan(one_seq([tok], pos, state_slot)).tokens[0]
+        plan = one_seq([tok], pos, state_slot)
+        tok = (w.execute_plan(plan).tokens if eager else w.execute(plan.to_flat())[0])[0]
         pos += 1
 
-    for _ in range(3):  # warm-up: JIT, allocator
-        step()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(a.steps):
-        step()
-    sync()
-    step_ms = (time.perf_counter() - t0) / a.steps * 1e3
+    def timed() -> float:
+        for _ in range(3):  # warm-up: JIT, allocator
+            step()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(a.steps):
+            step()
+        sync()
+        return (time.perf_counter() - t0) / a.steps * 1e3
+
+    graph_ms = None
+    if w.graphs is not None:  # the decode CUDA graph first, then the same step eagerly
+        eager = False
+        graph_ms = timed()
+        eager = True
+    step_ms = timed()
 
     from torch.profiler import ProfilerActivity, profile
 
@@ -90,12 +101,15 @@ def main() -> int:
 
     by_cpu, by_dev = rows("self_cpu_time_total"), rows(dev_attr)
     device_ms = sum(getattr(e, dev_attr, 0) for e in ka) / 1e3 / a.profile_steps
-    result = {"serve_args": a.serve_args, "step_ms": step_ms, "tok_s": 1e3 / step_ms,
+    result = {"serve_args": a.serve_args, "graph_step_ms": graph_ms, "step_ms": step_ms, "tok_s": 1e3 / step_ms,
               "device_busy_ms_per_step": device_ms, "by_self_cpu": by_cpu, "by_device": by_dev}
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=2)
-    print(f"decode step {step_ms:.2f} ms ({1e3 / step_ms:.1f} tok/s); device busy {device_ms:.2f} ms/step")
+    if graph_ms is not None:
+        print(f"decode step from the CUDA graph {graph_ms:.2f} ms ({1e3 / graph_ms:.1f} tok/s)")
+    print(f"decode step eager {step_ms:.2f} ms ({1e3 / step_ms:.1f} tok/s); device busy {device_ms:.2f} ms/step "
+          f"(profiled eagerly: the same kernels the graph replays, plus the launches)")
     for title, table in (("self CPU", by_cpu), ("device", by_dev)):
         print(f"\ntop by {title} time (ms per step):")
         print(f"{'op':<60}{'calls':>8}{'cpu ms':>10}{'dev ms':>10}")

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # What we run on the GPU machine (H200, torch 2.11, triton 3.6, no Rust toolchain) in one batched call, by section
-# (SECTIONS, default all three):
+# (SECTIONS, default tests serve offload):
 #   tests    the gpu-marked tests (GPU_TESTS overrides the list)
+#   profile  bench/profile_decode.py on the Qwen3.6-35B-A3B config: decode step from the CUDA graph and eagerly,
+#            the eager step's kernels by device time
+#   decode   bench/decode_bench.py: graphs vs eager through HTTP (1 and 32 streams), offload under three routings
+#            (DECODE_FLAGS adds flags, e.g. --skip-offload)
 #   serve    the serving benchmark of the Qwen3.6-35B-A3B config with dummy weights: an out-of-memory error
 #            injected into its first long prefill, then prefill/decode figures and a near-context-limit prompt
 #            against the memory plan's workspace
@@ -19,9 +23,19 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 SECTIONS=${SECTIONS:-tests serve offload}
 python3 -c "import fla.ops.gated_delta_rule" 2>&1 | tail -1 | sed 's/^/fla import: /'
 if [[ " $SECTIONS " == *" tests "* ]]; then
-  timeout ${GPU_TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -rs ${GPU_TESTS:-tests/test_memory_plan.py \
+  timeout ${GPU_TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -rfs ${GPU_TESTS:-tests/test_memory_plan.py \
       tests/test_worker_steps.py tests/test_sampler.py tests/test_expert_offload.py tests/test_gated_deltanet.py \
-      tests/test_qwen3_5_moe_vs_hf.py} -s 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|error|planned workspace|chunk at" | tail -25
+      tests/test_qwen3_5_moe_vs_hf.py tests/test_decode_graphs.py tests/test_triton_small_ops.py tests/test_gdn_decode.py \
+      tests/test_device_slot_cache.py tests/test_triton_moe.py tests/test_triton_attention.py} -s 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|error|planned workspace|chunk at" | tail -25
+fi
+if [[ " $SECTIONS " == *" profile "* ]]; then
+  timeout ${PROFILE_TIMEOUT:-300} python3 bench/profile_decode.py --out "$OUT/profile_decode.json" -- \
+      --dummy-weight --model-path configs/qwen3.6-35b-a3b --max-running-requests 4 --max-seq-len-override 32768 \
+      --moe-backend fused 2>&1 | tee "$OUT/profile_decode.log" | grep -vE "^\[|^  " | tail -40
+fi
+if [[ " $SECTIONS " == *" decode "* ]]; then
+  timeout ${DECODE_TIMEOUT:-560} python3 bench/decode_bench.py --model-path configs/qwen3.6-35b-a3b \
+      --out "$OUT/decode_qwen36_dummy.json" ${DECODE_FLAGS:-} 2>&1 | tee "$OUT/decode_bench.log" | tail -30
 fi
 if [[ " $SECTIONS " == *" serve "* ]]; then
   FREETOKEN_FAULT=oom@2 timeout ${BENCH_TIMEOUT:-330} python3 bench/serve_bench.py --oom-check --max-length-words 27000 \

@@ -129,6 +129,23 @@ class StepPlan:
         plan.validate()
         return plan
 
+    def to_flat(self, version: int = STEP_CONTRACT_VERSION) -> dict:
+        """The flat encoding ``from_flat`` decodes (what crates/ft-py sends): Python callers of ``Worker.execute``."""
+        i32 = lambda t: t.numpy().astype(_I32).tobytes()  # noqa: E731
+        s = self.sampling
+        return {
+            "version": version, "step_id": self.step_id, "kind": self.kind,
+            "request_ids": self.request_ids.numpy().astype(_I64).tobytes(), "input_ids": i32(self.input_ids),
+            "cu_seqlens": i32(self.cu_seqlens), "prefix_lens": i32(self.prefix_lens), "rows": i32(self.rows),
+            "table_from": i32(self.table_from), "table_indptr": i32(self.table_indptr),
+            "table_slots": i32(self.table_slots), "state_slots": i32(self.state_slots),
+            "sample_index": i32(s.seq_index), "temperature": s.temperature.numpy().astype(_F32).tobytes(),
+            "top_p": s.top_p.numpy().astype(_F32).tobytes(), "top_k": i32(s.top_k),
+            "min_p": s.min_p.numpy().astype(_F32).tobytes(), "seeds": s.seeds.numpy().astype(_I64).tobytes(),
+            "copy_src": i32(self.copy_src), "copy_dst": i32(self.copy_dst), "snap_seq": i32(self.snap_seq),
+            "snap_upto": i32(self.snap_upto), "snap_slot": i32(self.snap_slot),
+        }
+
     def validate(self) -> None:
         """Cheap shape checks: a malformed plan is an InvalidPlan, never a crash deep inside a kernel."""
         from ..errors import InvalidPlan
