@@ -378,7 +378,11 @@ def test_decode_kernels_cuda_graph():
         conv_ref, ssm_ref = conv_pool.clone(), ssm_pool.clone()
         conv_before, ssm_before = conv_pool.clone(), ssm_pool.clone()
         graph.replay()
-        y = gdn_conv_decode_torch(proj[:B, :C], conv_ref, weight, real.cuda())
+        # the reference continues from the same conv output: the torch conv rounds differently in bf16 (checked
+        # against it loosely through o below), and the state comparison is about the recurrence
+        y_torch = gdn_conv_decode_torch(proj[:B, :C], conv_ref.clone(), weight, real.cuda())
+        y = gdn_conv_decode(proj[:B, :C], conv_ref, weight, real.cuda())
+        torch.testing.assert_close(y.float(), y_torch.float(), atol=3e-2, rtol=3e-2)
         q, k, v = torch.split(y, [Hk * dk, Hk * dk, Hv * dv], dim=-1)
         o_ref = gdn_recurrent_decode_torch(q.reshape(B, Hk, dk), k.reshape(B, Hk, dk), v.reshape(B, Hv, dv),
                                            proj[:B, C + Hv :], proj[:B, C : C + Hv], A_log, dt_bias, ssm_ref,

@@ -365,7 +365,7 @@ class Worker:
         self.graphs = self._capture_decode_graphs()
 
     def _capture_decode_graphs(self):
-        graphs = self._decode_graphs(emulate=self.device.type != "cuda")
+        graphs = self._decode_graphs(emulate=self.device.type != "cuda" or bool(self.args.get("emulate_cuda_graphs")))
         logger.info(f"Start capturing CUDA graphs with sizes: {graphs.sizes}")
         graphs.capture()
         self.memory_plan.graph_pool_bytes = graphs.pool_bytes

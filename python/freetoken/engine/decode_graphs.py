@@ -127,6 +127,7 @@ class DecodeGraphs:
         self.graphs: dict[int, object] = {}  # bucket -> forward graph
         self.samplers: dict[int, object] = {}  # bucket -> filtered-draw graph
         self.logits: dict[int, torch.Tensor] = {}  # bucket -> the forward graph's logits output
+        self._recorded: list[Callable[[], None]] = []  # every captured function, kept alive with its inputs
         self.capture_s = 0.0
         self.pool_bytes = 0
         B = self.max_bs
@@ -225,6 +226,9 @@ class DecodeGraphs:
         self.capture_s = time.perf_counter() - t0
 
     def _record(self, fn: Callable[[], None]):
+        # The step function holds its ForwardBatch, whose tensors (cu_seqlens, logits_indices) were allocated
+        # outside the graph's pool: a replay reads them, so they must live as long as the graph.
+        self._recorded.append(fn)
         if self.emulate or self.device.type != "cuda":
             from .sync_audit import no_host_sync
 

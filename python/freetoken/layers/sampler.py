@@ -80,7 +80,7 @@ def draw_tokens(
     mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass of the more likely tokens
     keep &= mass_before < top_p.to(torch.float32)[:, None]
     keep &= sorted_p >= min_p.to(torch.float32)[:, None] * sorted_p[:, :1]
-    keep[:, 0] = True  # the most likely token always survives
+    keep |= rank == 0  # the most likely token always survives (no scalar write: a CUDA graph replays it)
     kept = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
     cdf = torch.cumsum(kept.double(), dim=-1)
     u = uniform_from_seed(seeds) * cdf[:, -1]
