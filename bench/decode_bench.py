@@ -240,23 +240,31 @@ def main() -> int:
         with open(a.out, "w") as f:
             json.dump(report, f, indent=2)
 
-    report["runs"]["graphs"] = resident_run("graphs", common + resident, env, a, routing_file, with_prefill=True)
-    save()
-    if not a.skip_eager:
-        report["runs"]["eager"] = resident_run("eager", common + resident + ["--disable-cuda-graph"], env, a,
-                                               routing_file, with_prefill=False)
+    def attempt(name, fn, *args, **kw):
+        """A run that fails is recorded with its error; the others still run and print."""
+        try:
+            report["runs"][name] = fn(*args, **kw)
+        except Exception as e:  # noqa: BLE001
+            print(f"[{name}] failed: {e}", flush=True)
+            report["errors"] = {**report.get("errors", {}), name: str(e)[-3000:]}
         save()
+
+    attempt("graphs", resident_run, "graphs", common + resident, env, a, routing_file, with_prefill=True)
+    if not a.skip_eager:
+        attempt("eager", resident_run, "eager", common + resident + ["--disable-cuda-graph"], env, a, routing_file,
+                with_prefill=False)
     if not a.skip_offload:
         off = ["--moe-backend", "offload", "--moe-cache-size", str(a.cache_size), "--max-running-requests", "4"]
-        report["runs"]["offload"] = offload_run(common + off, env, a, routing_file)
-        save()
+        attempt("offload", offload_run, common + off, env, a, routing_file)
     print_table(report)
-    return 0
+    return 1 if report.get("errors") else 0
 
 
 def print_table(report: dict) -> None:
     hw, need, runs = report["hardware"], report["decode_bytes"], report["runs"]
     roof_ms = need["bytes"] / (hw["hbm_copy_gb_s"] * 1e9) * 1e3 if hw else None
+    if "graphs" not in runs:
+        return
     g = runs["graphs"]
     print(f"\nHBM copy {hw.get('hbm_copy_gb_s', 0):.0f} GB/s, PCIe H2D {hw.get('pcie_h2d_gb_s', 0):.1f} GB/s; a decode "
           f"token reads {need['bytes'] / 1e9:.2f} GB -> HBM roofline {roof_ms or 0:.2f} ms/token")

@@ -274,6 +274,10 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     return sorted_ids, block_expert
 
 
+# a weight-streaming kernel needs about two programs per SM (132 on an H100/H200) to reach HBM bandwidth
+_MIN_PROGRAMS = 264
+
+
 def _pick_block_m(num_pairs: int, num_experts: int) -> int:
     per_expert = num_pairs / max(1, min(num_experts, num_pairs))
     if per_expert <= 16:
@@ -312,6 +316,8 @@ def fused_moe_triton(
     inter = torch.empty(n, I, dtype=x.dtype, device=x.device)
     bk1 = min(block_k, max(16, triton.next_power_of_2(H)))
     bn1 = min(block_n, max(16, triton.next_power_of_2(I)))
+    while bn1 > 16 and nblocks * triton.cdiv(I, bn1) < _MIN_PROGRAMS:  # decode: few blocks, spread over N
+        bn1 //= 2
     _moe_gate_up_kernel[(nblocks, triton.cdiv(I, bn1))](
         x, w13, inter, sorted_ids, block_expert, n, H, I,
         x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),

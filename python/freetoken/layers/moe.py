@@ -276,12 +276,12 @@ class SparseMoeBlock(nn.Module):
         return out
 
     def _forward_fused(self, x: torch.Tensor) -> torch.Tensor:
-        parts = self._fused.split(self._fused(x))
-        ids, w = self.route(x, logits=parts[0])
+        y = self._fused(x)
+        E = self.num_experts
+        ids, w = self.route(x, logits=y[:, :E])
         out = self.experts(x, ids, w)
-        if self.shared_expert is not None:
-            gate_logit, gate_up = parts[1], torch.cat(parts[2:], dim=-1) if len(parts) > 3 else parts[2]
-            out = out + torch.sigmoid(gate_logit) * self.shared_expert.activate(gate_up)
+        if self.shared_expert is not None:  # columns [E] the shared gate logit, [E+1:] its gate | up
+            out = out + torch.sigmoid(y[:, E : E + 1]) * self.shared_expert.activate(y[:, E + 1 :])
         return out
 
     @torch.no_grad()
