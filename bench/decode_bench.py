@@ -220,6 +220,7 @@ def main() -> int:
     ap.add_argument("--cache-size", type=int, default=1024)
     ap.add_argument("--skip-eager", action="store_true")
     ap.add_argument("--skip-offload", action="store_true")
+    ap.add_argument("--skip-resident", action="store_true", help="only the offload run")
     ap.add_argument("--out", default="bench/out/decode.json")
     ap.add_argument("serve_args", nargs=argparse.REMAINDER)
     a = ap.parse_args()
@@ -249,8 +250,9 @@ def main() -> int:
             report["errors"] = {**report.get("errors", {}), name: str(e)[-3000:]}
         save()
 
-    attempt("graphs", resident_run, "graphs", common + resident, env, a, routing_file, with_prefill=True)
-    if not a.skip_eager:
+    if not a.skip_resident:
+        attempt("graphs", resident_run, "graphs", common + resident, env, a, routing_file, with_prefill=True)
+    if not a.skip_eager and not a.skip_resident:
         attempt("eager", resident_run, "eager", common + resident + ["--disable-cuda-graph"], env, a, routing_file,
                 with_prefill=False)
     if not a.skip_offload:
@@ -263,8 +265,13 @@ def main() -> int:
 def print_table(report: dict) -> None:
     hw, need, runs = report["hardware"], report["decode_bytes"], report["runs"]
     roof_ms = need["bytes"] / (hw["hbm_copy_gb_s"] * 1e9) * 1e3 if hw else None
-    if "graphs" not in runs:
-        return
+    if "graphs" in runs:
+        print_resident(runs, hw, need, roof_ms)
+    if "offload" in runs:
+        print_offload(runs["offload"], hw, need)
+
+
+def print_resident(runs: dict, hw: dict, need: dict, roof_ms) -> None:
     g = runs["graphs"]
     print(f"\nHBM copy {hw.get('hbm_copy_gb_s', 0):.0f} GB/s, PCIe H2D {hw.get('pcie_h2d_gb_s', 0):.1f} GB/s; a decode "
           f"token reads {need['bytes'] / 1e9:.2f} GB -> HBM roofline {roof_ms or 0:.2f} ms/token")
@@ -294,8 +301,10 @@ def print_table(report: dict) -> None:
     for k, name in (("prefill_dummy_router", "dummy router"), ("prefill_uniform", "uniform routing")):
         if k in g:
             print(f"prefill {g[k]['prompt_tokens']} tokens, {name}: {g[k]['tok_s']:.0f} tok/s")
-    off = runs.get("offload")
-    if off:
+
+
+def print_offload(off: dict, hw: dict, need: dict) -> None:
+    if True:
         pcie = hw.get("pcie_h2d_gb_s", 55.0) * 1e9
         print(f"\n{'offload, cache ' + str(off['cache_size']):<34}{'tok/s':>10}{'hit rate':>10}{'miss/tok':>10}"
               f"{'PCIe floor ms':>15}{'floor/ITL':>11}{'vs FT all-hit':>15}")

@@ -41,11 +41,23 @@ def set_mode(name: str) -> None:
 set_mode(_mode)  # fail at import on a bad value
 
 
-def _popularity(layer_id: int, num_experts: int, device) -> torch.Tensor:
-    """Zipf(1) weights over a fixed per-layer permutation of the experts."""
-    g = torch.Generator().manual_seed(layer_id)
-    weights = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float32)
-    return weights[torch.randperm(num_experts, generator=g)].to(device)
+# per (kind, layer, experts, device): made on the first (eager) call, so a CUDA-graph capture, which cannot copy
+# pageable host memory to the device, finds them there
+_tables: dict = {}
+
+
+def _table(kind: str, layer_id: int, num_experts: int, k: int, device) -> torch.Tensor:
+    key = (kind, layer_id, num_experts, k, str(device))
+    if key not in _tables:
+        if kind == "zipf":  # log of Zipf(1) weights over a fixed per-layer permutation of the experts
+            g = torch.Generator().manual_seed(layer_id)
+            weights = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float32)
+            t = torch.log(weights[torch.randperm(num_experts, generator=g)])
+        else:  # hot: k fixed experts per layer
+            g = torch.Generator().manual_seed(1000 + layer_id)
+            t = torch.randperm(num_experts, generator=g)[:k]
+        _tables[key] = t.to(device)
+    return _tables[key]
 
 
 def override(ids: torch.Tensor, layer_id: int, num_experts: int) -> torch.Tensor:
@@ -54,13 +66,11 @@ def override(ids: torch.Tensor, layer_id: int, num_experts: int) -> torch.Tensor
         return ids
     T, k = ids.shape
     if _mode == "hot":
-        g = torch.Generator().manual_seed(1000 + layer_id)
-        fixed = torch.randperm(num_experts, generator=g)[:k].to(ids.device, ids.dtype)
-        return fixed.expand(T, k).contiguous()
+        return _table("hot", layer_id, num_experts, k, ids.device).to(ids.dtype).expand(T, k).contiguous()
     u = torch.rand(T, num_experts, device=ids.device).clamp_(min=1e-20)
     gumbel = -torch.log(-torch.log(u))
     if _mode == "zipf":
-        gumbel = gumbel + torch.log(_popularity(layer_id, num_experts, ids.device))
+        gumbel = gumbel + _table("zipf", layer_id, num_experts, k, ids.device)
     return gumbel.topk(k, dim=-1).indices.to(ids.dtype)
 
 
