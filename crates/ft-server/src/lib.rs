@@ -15,4 +15,5 @@ pub mod routes;
 pub mod server;
 pub mod status_log;
 pub mod stop_strings;
+pub mod text;
 pub mod tokenizer;

@@ -1,0 +1,98 @@
+//! What happens to the model's output text between the detokenizer and the wire: reasoning split out of
+//! `<think>` blocks (`reasoning`), tool calls parsed out of the content (`tool_calls`).
+//!
+//! ```text
+//!   tokens ─▶ detokenizer ─▶ stop strings ─▶ ReasoningParser ─┬─ reasoning ─────────────▶ reasoning_content / thinking
+//!                                                             └─ content ─▶ ToolCallParser ─┬─ text ─▶ content / text blocks
+//!                                                                                            └─ calls ▶ tool_calls / tool_use
+//! ```
+//!
+//! Both parsers take text deltas split anywhere (a tag can straddle two deltas) and give the same result
+//! whatever the split; both hold back only the shortest tail that could still grow into a tag.
+
+pub mod reasoning;
+pub mod tool_calls;
+
+/// Length in bytes of the longest suffix of `text` that is a proper, non-empty prefix of `tag` (0 when none).
+/// That tail is held back: the next delta may complete the tag. Always a char boundary of `text`.
+pub(crate) fn partial_tag_suffix(text: &str, tag: &str) -> usize {
+    let max = tag.len().saturating_sub(1).min(text.len());
+    for n in (1..=max).rev() {
+        let start = text.len() - n;
+        if text.is_char_boundary(start) && tag.starts_with(&text[start..]) {
+            return n;
+        }
+    }
+    0
+}
+
+/// How `text` stands against `tag`, for decisions that need the whole tag: `Some(true)` if it starts with
+/// it, `Some(false)` if it cannot (a character differs), `None` if `text` is a proper prefix of it (wait).
+pub(crate) fn starts_with_tag(text: &str, tag: &str) -> Option<bool> {
+    if text.starts_with(tag) {
+        Some(true)
+    } else if tag.starts_with(text) {
+        None
+    } else {
+        Some(false)
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod split_testing {
+    //! Random splits of one output into deltas, for the "same result whatever the split" tests.
+
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    /// `text` cut at random char boundaries into pieces of 0..=max_len chars (empty deltas included: the
+    /// detokenizer emits them while a character is still split).
+    pub fn random_split(text: &str, seed: u64, max_len: usize) -> Vec<String> {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let chars: Vec<char> = text.chars().collect();
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < chars.len() {
+            let n = rng.gen_range(0..=max_len).min(chars.len() - i);
+            out.push(chars[i..i + n].iter().collect());
+            i += n;
+        }
+        out
+    }
+
+    /// Every way to cut `text` into at most three pieces (all pairs of char boundaries).
+    pub fn all_three_way_splits(text: &str) -> Vec<Vec<String>> {
+        let bounds: Vec<usize> = text.char_indices().map(|(i, _)| i).chain(std::iter::once(text.len())).collect();
+        let mut out = Vec::new();
+        for (a, &i) in bounds.iter().enumerate() {
+            for &j in &bounds[a..] {
+                out.push(vec![text[..i].to_string(), text[i..j].to_string(), text[j..].to_string()]);
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn partial_suffix() {
+        assert_eq!(partial_tag_suffix("abc<tool", "<tool_call>"), 5);
+        assert_eq!(partial_tag_suffix("abc<", "<tool_call>"), 1);
+        assert_eq!(partial_tag_suffix("abc", "<tool_call>"), 0);
+        // The whole tag is not a *proper* prefix: the caller has found it already.
+        assert_eq!(partial_tag_suffix("<think>", "<think>"), 0);
+        assert_eq!(partial_tag_suffix("é<th", "<think>"), 3);
+        assert_eq!(partial_tag_suffix("", "<think>"), 0);
+    }
+
+    #[test]
+    fn tag_prefix_states() {
+        assert_eq!(starts_with_tag("<function=f>", "<function="), Some(true));
+        assert_eq!(starts_with_tag("<func", "<function="), None);
+        assert_eq!(starts_with_tag("", "<function="), None);
+        assert_eq!(starts_with_tag("<fun!", "<function="), Some(false));
+    }
+}

@@ -1,0 +1,403 @@
+//! A JSON object as the model writes it, checked character by character while it streams, so the arguments
+//! of a call can be forwarded before the call is over and still always close into valid JSON.
+//!
+//! Only a prefix that stays valid when closed is released; the rest is held:
+//!
+//! ```text
+//!   model writes            released            closers (what a cut-off call is finished with)
+//!   {                       {                   }
+//!   {"city                  {                   }        (inside a key: held)
+//!   {"city": "Pa            {"city": "Pa        "}
+//!   {"city": "Paris", "d    {"city": "Paris"    }        (a comma only goes out with the next member)
+//!   {"n": 12                {"n": 12            }        (a number that is complete so far)
+//!   {"n": 1.                {"n": 1             }
+//!   {"ok": tr               {                   }        (a literal only once whole)
+//! ```
+//!
+//! Raw control characters inside strings (models write real newlines in code arguments) are released
+//! escaped, so the arguments stay valid JSON.
+
+/// How feeding went.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Feed {
+    /// All the input was taken; the object is not closed yet.
+    More,
+    /// The object closed; this many bytes of the input belonged to it.
+    Done(usize),
+    /// Not a JSON object (the offending character is at this byte of the input).
+    Error(usize),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Esc {
+    None,
+    Backslash,
+    /// Inside `\uXXXX`, this many hex digits seen.
+    Unicode(u8),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Num {
+    Minus,
+    Zero,
+    Int,
+    Dot,
+    Frac,
+    Exp,
+    ExpSign,
+    ExpDigits,
+}
+
+impl Num {
+    fn complete(self) -> bool {
+        matches!(self, Num::Zero | Num::Int | Num::Frac | Num::ExpDigits)
+    }
+
+    fn next(self, c: char) -> Option<Num> {
+        Some(match (self, c) {
+            (Num::Minus, '0') => Num::Zero,
+            (Num::Minus, '1'..='9') => Num::Int,
+            (Num::Zero | Num::Int, '.') => Num::Dot,
+            (Num::Int, '0'..='9') => Num::Int,
+            (Num::Dot | Num::Frac, '0'..='9') => Num::Frac,
+            (Num::Zero | Num::Int | Num::Frac, 'e' | 'E') => Num::Exp,
+            (Num::Exp, '+' | '-') => Num::ExpSign,
+            (Num::Exp | Num::ExpSign | Num::ExpDigits, '0'..='9') => Num::ExpDigits,
+            _ => return None,
+        })
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    /// Nothing yet: `{` must come.
+    Start,
+    /// Just after `{`: a key or `}`.
+    KeyOrEnd,
+    /// After `,` in an object: a key.
+    Key,
+    /// After a key: `:`.
+    Colon,
+    /// Just after `[`: a value or `]`.
+    ValueOrEnd,
+    /// After `:` or `,` in an array: a value.
+    Value,
+    /// After a value: `,` or the container's end.
+    CommaOrEnd,
+    Str {
+        key: bool,
+        esc: Esc,
+    },
+    Number(Num),
+    Literal {
+        word: &'static str,
+        matched: usize,
+    },
+    Done,
+}
+
+pub(crate) struct JsonStream {
+    /// Closing characters of the open containers, innermost last.
+    stack: Vec<char>,
+    state: State,
+    /// Taken but not yet released (it would not close into valid JSON).
+    held: String,
+    /// What closes everything released so far.
+    closers: String,
+}
+
+impl JsonStream {
+    pub fn new() -> Self {
+        JsonStream { stack: Vec::new(), state: State::Start, held: String::new(), closers: String::new() }
+    }
+
+    /// What finishes the released text into valid JSON (empty before the `{` or once the object closed).
+    pub fn closers(&self) -> &str {
+        &self.closers
+    }
+
+    /// Takes `input`, appending what became safe to release to `out`.
+    pub fn feed(&mut self, input: &str, out: &mut String) -> Feed {
+        for (i, c) in input.char_indices() {
+            if !self.take(c) {
+                return Feed::Error(i);
+            }
+            if self.safe() {
+                out.push_str(&self.held);
+                self.held.clear();
+                self.closers = self.current_closers();
+            }
+            if self.state == State::Done {
+                return Feed::Done(i + c.len_utf8());
+            }
+        }
+        Feed::More
+    }
+
+    fn safe(&self) -> bool {
+        match self.state {
+            State::KeyOrEnd | State::ValueOrEnd | State::CommaOrEnd | State::Done => true,
+            State::Str { key: false, esc: Esc::None } => true,
+            State::Number(n) => n.complete(),
+            _ => false,
+        }
+    }
+
+    fn current_closers(&self) -> String {
+        let mut s = String::new();
+        if matches!(self.state, State::Str { .. }) {
+            s.push('"');
+        }
+        s.extend(self.stack.iter().rev());
+        s
+    }
+
+    fn after_value(&mut self) {
+        self.state = if self.stack.is_empty() { State::Done } else { State::CommaOrEnd };
+    }
+
+    /// One character; false if it cannot continue a JSON object.
+    fn take(&mut self, c: char) -> bool {
+        let ws = matches!(c, ' ' | '\t' | '\n' | '\r');
+        match self.state {
+            State::Start => {
+                if ws {
+                    return true; // not released: the object has not begun
+                }
+                if c != '{' {
+                    return false;
+                }
+                self.stack.push('}');
+                self.state = State::KeyOrEnd;
+            }
+            State::KeyOrEnd | State::Key => {
+                if c == '"' {
+                    self.state = State::Str { key: true, esc: Esc::None };
+                } else if c == '}' && self.state == State::KeyOrEnd {
+                    self.stack.pop();
+                    self.after_value();
+                } else if !ws {
+                    return false;
+                }
+            }
+            State::Colon => {
+                if c == ':' {
+                    self.state = State::Value;
+                } else if !ws {
+                    return false;
+                }
+            }
+            State::ValueOrEnd | State::Value => {
+                if ws {
+                } else if c == ']' && self.state == State::ValueOrEnd {
+                    self.stack.pop();
+                    self.after_value();
+                } else if !self.start_value(c) {
+                    return false;
+                }
+            }
+            State::CommaOrEnd => {
+                if c == ',' {
+                    self.state = if self.stack.last() == Some(&'}') { State::Key } else { State::Value };
+                } else if Some(&c) == self.stack.last() {
+                    self.stack.pop();
+                    self.after_value();
+                } else if !ws {
+                    return false;
+                }
+            }
+            State::Str { key, esc } => match esc {
+                Esc::None => match c {
+                    '"' => {
+                        if key {
+                            self.state = State::Colon;
+                        } else {
+                            self.after_value();
+                        }
+                    }
+                    '\\' => self.state = State::Str { key, esc: Esc::Backslash },
+                    c if (c as u32) < 0x20 => {
+                        // A raw control character: released in its escaped form.
+                        match c {
+                            '\n' => self.held.push_str("\\n"),
+                            '\r' => self.held.push_str("\\r"),
+                            '\t' => self.held.push_str("\\t"),
+                            _ => self.held.push_str(&format!("\\u{:04x}", c as u32)),
+                        }
+                        return true;
+                    }
+                    _ => {}
+                },
+                Esc::Backslash => match c {
+                    '"' | '\\' | '/' | 'b' | 'f' | 'n' | 'r' | 't' => self.state = State::Str { key, esc: Esc::None },
+                    'u' => self.state = State::Str { key, esc: Esc::Unicode(0) },
+                    _ => return false,
+                },
+                Esc::Unicode(n) => {
+                    if !c.is_ascii_hexdigit() {
+                        return false;
+                    }
+                    self.state = State::Str { key, esc: if n == 3 { Esc::None } else { Esc::Unicode(n + 1) } };
+                }
+            },
+            State::Number(n) => match n.next(c) {
+                Some(next) => self.state = State::Number(next),
+                None if n.complete() => {
+                    // The number ended at this character, which belongs to what follows.
+                    self.after_value();
+                    return self.take(c);
+                }
+                None => return false,
+            },
+            State::Literal { word, matched } => {
+                if word[matched..].chars().next() != Some(c) {
+                    return false;
+                }
+                if matched + 1 == word.len() {
+                    self.held.push(c);
+                    self.after_value();
+                    return true;
+                }
+                self.state = State::Literal { word, matched: matched + 1 };
+            }
+            State::Done => return false,
+        }
+        self.held.push(c);
+        true
+    }
+
+    fn start_value(&mut self, c: char) -> bool {
+        self.state = match c {
+            '{' => {
+                self.stack.push('}');
+                State::KeyOrEnd
+            }
+            '[' => {
+                self.stack.push(']');
+                State::ValueOrEnd
+            }
+            '"' => State::Str { key: false, esc: Esc::None },
+            '-' => State::Number(Num::Minus),
+            '0' => State::Number(Num::Zero),
+            '1'..='9' => State::Number(Num::Int),
+            't' => State::Literal { word: "true", matched: 1 },
+            'f' => State::Literal { word: "false", matched: 1 },
+            'n' => State::Literal { word: "null", matched: 1 },
+            _ => return false,
+        };
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Feeds `text` one char at a time; after every char the released text closed with the closers must
+    /// parse. Returns (released, closers, outcome).
+    fn feed_chars(text: &str) -> (String, String, Feed) {
+        let mut js = JsonStream::new();
+        let mut out = String::new();
+        let mut offset = 0;
+        for c in text.chars() {
+            let s = c.to_string();
+            let r = js.feed(&s, &mut out);
+            if !out.is_empty() {
+                let closed = format!("{out}{}", js.closers());
+                assert!(serde_json::from_str::<serde_json::Value>(&closed).is_ok(), "{closed:?} from {text:?}");
+            }
+            match r {
+                Feed::More => offset += c.len_utf8(),
+                Feed::Done(n) => return (out, js.closers().to_string(), Feed::Done(offset + n)),
+                Feed::Error(n) => return (out, js.closers().to_string(), Feed::Error(offset + n)),
+            }
+        }
+        (out, js.closers().to_string(), Feed::More)
+    }
+
+    #[test]
+    fn doc_table() {
+        let released = |t: &str| {
+            let (out, closers, _) = feed_chars(t);
+            (out, closers)
+        };
+        let s = |a: &str, b: &str| (a.to_string(), b.to_string());
+        assert_eq!(released("{"), s("{", "}"));
+        assert_eq!(released("{\"city"), s("{", "}"));
+        assert_eq!(released("{\"city\": \"Pa"), s("{\"city\": \"Pa", "\"}"));
+        assert_eq!(released("{\"city\": \"Paris\", \"d"), s("{\"city\": \"Paris\"", "}"));
+        assert_eq!(released("{\"n\": 12"), s("{\"n\": 12", "}"));
+        assert_eq!(released("{\"n\": 1."), s("{\"n\": 1", "}"));
+        assert_eq!(released("{\"ok\": tr"), s("{", "}"));
+        assert_eq!(released("{\"a\": [1, {\"b\": [\"x"), s("{\"a\": [1, {\"b\": [\"x", "\"]}]}"));
+    }
+
+    #[test]
+    fn whole_objects_round_trip() {
+        for text in [
+            "{}",
+            "{ }",
+            "{\"a\": 1}",
+            "{\"a\": -0.5e+10, \"b\": [true, false, null, [], {}], \"c\": {\"d\": \"e\\\"\\\\\\u00e9\"}}",
+            "{\"emoji\": \"😀\", \"cjk\": \"中文\"}",
+            "{\"n\":0,\"m\":-1}",
+        ] {
+            let (out, closers, r) = feed_chars(text);
+            assert_eq!(r, Feed::Done(text.len()), "{text}");
+            assert_eq!(out, text);
+            assert_eq!(closers, "");
+            let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+            assert_eq!(v, serde_json::from_str::<serde_json::Value>(text).unwrap());
+        }
+    }
+
+    #[test]
+    fn stops_at_the_object_end() {
+        let mut js = JsonStream::new();
+        let mut out = String::new();
+        assert_eq!(js.feed("{\"a\": 1}\n}</tool_call>", &mut out), Feed::Done(8));
+        assert_eq!(out, "{\"a\": 1}");
+        // A number ended by the closing brace.
+        let mut js = JsonStream::new();
+        let mut out = String::new();
+        assert_eq!(js.feed("{\"a\":10}x", &mut out), Feed::Done(8));
+    }
+
+    #[test]
+    fn raw_control_characters_are_escaped() {
+        let (out, _, r) = feed_chars("{\"code\": \"a\nb\tc\u{1}\"}");
+        assert!(matches!(r, Feed::Done(_)));
+        assert_eq!(out, "{\"code\": \"a\\nb\\tc\\u0001\"}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v["code"], "a\nb\tc\u{1}");
+    }
+
+    #[test]
+    fn errors() {
+        for (text, at) in [
+            ("[1]", 0),
+            ("\"s\"", 0),
+            ("{a: 1}", 1),
+            ("{\"a\" 1}", 5),
+            ("{\"a\": True}", 6),
+            ("{\"a\": 01}", 7),
+            ("{\"a\": 1,}", 8),
+            ("{\"a\": \"\\x\"}", 8),
+            ("{\"a\": [1 2]}", 9),
+            ("{\"a\": 1]", 7),
+            ("{\"a\": -}", 7),
+        ] {
+            assert_eq!(feed_chars(text).2, Feed::Error(at), "{text}");
+        }
+    }
+
+    #[test]
+    fn escapes_split_are_held() {
+        let (out, closers, _) = feed_chars("{\"a\": \"x\\");
+        assert_eq!((out.as_str(), closers.as_str()), ("{\"a\": \"x", "\"}"));
+        let (out, _, _) = feed_chars("{\"a\": \"x\\u00");
+        assert_eq!(out, "{\"a\": \"x");
+        let (out, _, _) = feed_chars("{\"a\": \"x\\u00e9");
+        assert_eq!(out, "{\"a\": \"x\\u00e9");
+    }
+}
