@@ -3,6 +3,8 @@
 Importable as ``freetoken.kernels`` (``python/freetoken/kernels`` is a symlink to this directory).
 
 - ``fused_moe``: grouped MoE over all-resident fused experts (``fused_moe_torch`` reference, ``fused_moe_triton``).
+- ``moe_decode``: routed experts of decode-sized steps as two GEMVs (gate_up with SiLU-and-mul; down with the k
+  pairs weighted and summed, the shared expert optionally added), ``moe_decode_torch`` reference.
 - ``attention``: paged attention over the KV pool (``extend_attention_*``, ``decode_attention_*``) and the
   ``TritonAttention`` backend, registered as ``"triton"`` in ``freetoken.layers.attention`` on import.
 - ``gdn_decode``: one Gated DeltaNet decode step in place on the state pool's slots (``gdn_conv_decode``,

@@ -219,7 +219,7 @@ def test_references_equal_the_layers(dtype):
         blk = blk.to(dtype)
         ids, w = topk_softmax_torch(F.linear(x, blk.gate.weight), 4, blk.norm_topk_prob)
         ref_ids, ref_w = blk.route(x)
-        assert torch.equal(ids, ref_ids) and torch.equal(w.to(dtype), ref_w)
+        assert torch.equal(ids, ref_ids) and torch.equal(w, ref_w)  # route leaves the cast to the experts
 
 
 def test_dispatch_uses_the_reference_off_cuda():

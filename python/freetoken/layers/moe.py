@@ -9,7 +9,8 @@ Parameter names follow transformers 5.x exactly, relative to the block (``model.
     shared_expert_gate.weight        [1, H]
 
 Router (REFERENCES §1.8): ``softmax(x·gateᵀ)`` in fp32 over all experts → top-k → renormalise (always for
-Qwen3.5/3.6; if ``norm_topk_prob`` for Qwen3-Next / Qwen3-MoE) → weights cast to x's dtype.
+Qwen3.5/3.6; if ``norm_topk_prob`` for Qwen3-Next / Qwen3-MoE) → weights cast to x's dtype. The cast happens where
+the weights are applied (``run_experts``, or inside the decode kernel), not as a kernel of its own per layer.
 
 Checkpoints ship experts either fused (BF16 Qwen3.5/3.6) or per expert (``experts.{e}.{gate,up,down}_proj.weight``:
 Qwen3-MoE, Qwen3-Next, quantized checkpoints); ``SparseMoeBlock.load_weights`` accepts both and merges per-expert
@@ -18,10 +19,12 @@ tensors into the fused parameters at load.
 The seam for expert placement
 -----------------------------
 ``SparseMoeBlock.experts`` is an ``ExpertsBackend``: a module with ``forward(x [T, H], topk_ids [T, k],
-topk_weights [T, k]) -> [T, H]`` (the weighted sum over the k routed experts, shared expert excluded) and
-``load_expert_weight(name, tensor)``. ``FusedExperts`` keeps every expert resident on the device and runs either the
-torch reference (loop over experts hit) or the grouped Triton kernel (``freetoken.kernels.fused_moe``), picked
-automatically on CUDA. Expert offload (``freetoken.moe``) builds its own ``ExpertsBackend`` in every block, chosen
+topk_weights [T, k], shared=None) -> [T, H]`` (the weighted sum over the k routed experts, plus the block's shared
+expert when it hands one over as a ``SharedExpertTerm``) and ``load_expert_weight(name, tensor)``. ``FusedExperts``
+keeps every expert resident on the device and runs either the torch reference (loop over experts hit) or, picked
+automatically on CUDA, Triton: the decode GEMVs (``freetoken.kernels.moe_decode``, which also add the shared expert
+in their epilogue) for decode-sized steps, the grouped kernel (``freetoken.kernels.fused_moe``) above them.
+Expert offload (``freetoken.moe``) builds its own ``ExpertsBackend`` in every block, chosen
 while the model is constructed (``experts_factory``), so resident expert tensors are never allocated on the device;
 routing, the shared expert and weight-name mapping stay here.
 """
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -38,6 +42,7 @@ from torch import nn
 
 from ..kernels.activation import silu_and_mul
 from ..kernels.fused_moe import fused_moe_torch
+from ..kernels.moe_decode import MAX_PAIRS as DECODE_MAX_PAIRS
 from ..kernels.moe_routing import topk_softmax
 from ..loading.copy_weight import copy_weight
 from ..moe import bench_routing
@@ -69,14 +74,48 @@ def resolve_moe_impl(impl: str, x: torch.Tensor) -> str:
     return "triton" if x.is_cuda else "torch"
 
 
-def run_experts(impl: str, x, w13, w2, topk_ids, topk_weights) -> torch.Tensor:
+@dataclass
+class SharedExpertTerm:
+    """A block's shared expert, handed to its experts backend so that the decode kernel can add it in its epilogue:
+    ``sigmoid(gate_logit) * s``, ``s`` the shared expert's output, either given (``output [T, H]``) or still to be
+    computed from its gate|up projection (``gate_up [T, 2Is]``, ``down_weight [H, Is]``: ``s = down(silu_and_mul(
+    gate_up))``, which the kernel then does too). Tensors may be column views of the block's fused projection."""
+
+    gate_logit: torch.Tensor  # [T, 1]
+    output: Optional[torch.Tensor] = None
+    gate_up: Optional[torch.Tensor] = None
+    down_weight: Optional[torch.Tensor] = None
+
+    def add_to(self, routed: torch.Tensor) -> torch.Tensor:
+        """``routed + sigmoid(gate_logit) * s`` in torch ops (the block's own formula)."""
+        s = self.output if self.output is not None else F.linear(silu_and_mul(self.gate_up), self.down_weight)
+        return routed + torch.sigmoid(self.gate_logit) * s
+
+    def kernel_args(self) -> dict:
+        """The shared-expert arguments of ``moe_decode``."""
+        if self.output is not None:
+            return dict(shared=self.output, shared_gate=self.gate_logit)
+        return dict(shared_gate=self.gate_logit, shared_gate_up=self.gate_up, shared_down=self.down_weight)
+
+
+def run_experts(impl: str, x, w13, w2, topk_ids, topk_weights, shared: Optional[SharedExpertTerm] = None):
     """The weighted sum over the routed experts, ``topk_ids`` indexing the first dimension of ``w13``/``w2``
-    (expert ids for resident weights, slot ids for an expert cache). ``impl``: auto | torch | triton."""
+    (expert ids for resident weights, slot ids for an expert cache), plus ``shared`` when given. ``topk_weights``
+    fp32 or x's dtype: every path applies them rounded to x's dtype. ``impl``: auto | torch | triton; triton runs
+    steps of at most ``DECODE_MAX_PAIRS`` (token, expert) pairs through the decode GEMVs (shared term fused), larger
+    ones through the grouped kernel."""
+    T, k = topk_ids.shape
     if resolve_moe_impl(impl, x) == "triton":
+        if T * k <= DECODE_MAX_PAIRS:
+            from ..kernels.moe_decode import moe_decode_triton
+
+            return moe_decode_triton(x, w13, w2, topk_ids, topk_weights, **(shared.kernel_args() if shared else {}))
         from ..kernels.fused_moe import fused_moe_triton
 
-        return fused_moe_triton(x, w13, w2, topk_ids, topk_weights)
-    return fused_moe_torch(x, w13, w2, topk_ids, topk_weights)
+        out = fused_moe_triton(x, w13, w2, topk_ids, topk_weights.to(x.dtype))
+    else:
+        out = fused_moe_torch(x, w13, w2, topk_ids, topk_weights.to(x.dtype))
+    return out if shared is None else shared.add_to(out)
 
 
 def set_default_moe_impl(name: str) -> None:
@@ -118,7 +157,8 @@ class ExpertsBackend(nn.Module):
 
     num_experts: int
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                shared: Optional[SharedExpertTerm] = None) -> torch.Tensor:
         raise NotImplementedError
 
     def load_expert_weight(self, name: str, tensor: torch.Tensor) -> None:
@@ -149,8 +189,8 @@ class FusedExperts(ExpertsBackend):
         # which parts were loaded: fused tensors, or per-expert pieces (e, 0=gate,1=up,2=down)
         self._loaded: set = set()
 
-    def forward(self, x, topk_ids, topk_weights):
-        return run_experts(self.impl, x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights)
+    def forward(self, x, topk_ids, topk_weights, shared=None):
+        return run_experts(self.impl, x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, shared)
 
     @torch.no_grad()
     def load_expert_weight(self, name: str, tensor: torch.Tensor) -> None:
@@ -257,32 +297,34 @@ class SparseMoeBlock(nn.Module):
         self._fused = fuse_linears(self.gate, self.shared_expert_gate, se.gate_proj, se.up_proj)
 
     def route(self, x: torch.Tensor, logits: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``topk_ids [T, k]`` int64, ``topk_weights [T, k]`` in x's dtype (HF ``Qwen3_5MoeTopKRouter``).
-        ``logits``: the router logits when the caller already has them (fused projection)."""
+        """``topk_ids [T, k]`` int64, ``topk_weights [T, k]`` fp32 (HF ``Qwen3_5MoeTopKRouter``, whose cast to x's
+        dtype the experts backend applies). ``logits``: the router logits when the caller already has them (fused
+        projection)."""
         if logits is None:
             logits = F.linear(x, self.gate.weight)
         ids, w = topk_softmax(logits, self.top_k, self.norm_topk_prob)
         ids = bench_routing.override(ids, self.layer_id, self.num_experts)  # benchmarks only; ids when off
-        return ids, w.to(x.dtype)
+        return ids, w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fused is not None:
             return self._forward_fused(x)
         ids, w = self.route(x)
-        out = self.experts(x, ids, w)
+        shared = None
         if self.shared_expert is not None:
-            s = self.shared_expert(x)
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * s
-        return out
+            shared = SharedExpertTerm(self.shared_expert_gate(x), output=self.shared_expert(x))
+        return self.experts(x, ids, w, shared)
 
     def _forward_fused(self, x: torch.Tensor) -> torch.Tensor:
         y = self._fused(x)
         E = self.num_experts
         ids, w = self.route(x, logits=y[:, :E])
-        out = self.experts(x, ids, w)
+        shared = None
         if self.shared_expert is not None:  # columns [E] the shared gate logit, [E+1:] its gate | up
-            out = out + torch.sigmoid(y[:, E : E + 1]) * self.shared_expert.activate(y[:, E + 1 :])
-        return out
+            # the whole shared expert goes to the experts backend: the decode kernel runs its down projection too
+            shared = SharedExpertTerm(y[:, E : E + 1], gate_up=y[:, E + 1 :],
+                                      down_weight=self.shared_expert.down_proj.weight)
+        return self.experts(x, ids, w, shared)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

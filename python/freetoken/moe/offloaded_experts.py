@@ -25,12 +25,12 @@ class OffloadedExperts(FusedExperts):
         self.offload = offload  # the ExpertOffload that owns the cache, the stream buffers and num_valid_tokens
         self.index = index  # position among the model's MoE layers (forward order)
 
-    def forward(self, x, topk_ids, topk_weights):
+    def forward(self, x, topk_ids, topk_weights, shared=None):
         cache = self.offload.cache
         pairs = topk_ids.shape[0] * topk_ids.shape[1]
         if cache is not None and pairs < self.num_experts and pairs <= cache.num_slots:
             slot_ids = cache.ensure(self.index, self.gate_up_proj, self.down_proj, topk_ids,
                                     self.offload.num_valid_tokens)
-            return run_experts(self.impl, x, cache.gate_up, cache.down, slot_ids, topk_weights)
+            return run_experts(self.impl, x, cache.gate_up, cache.down, slot_ids, topk_weights, shared)
         gate_up, down = self.offload.stream.layer_weights(self.index)
-        return run_experts(self.impl, x, gate_up, down, topk_ids, topk_weights)
+        return run_experts(self.impl, x, gate_up, down, topk_ids, topk_weights, shared)
