@@ -9,7 +9,8 @@ key a query sees (cached prefix and new tokens alike) is read through ``req_to_t
   (prefix 0), chunked prefill / prefix-cache hits (prefix > 0) and mixed batches (decode rows are extend len 1).
 - ``decode``: one query per sequence over ``context_lens[b]`` keys, split-K over the context (stage 1: each split
   writes a partial output and its log-sum-exp; stage 2 merges the splits). A whole GQA group of q heads shares each
-  K/V tile load.
+  K/V tile load. An optional output gate (gated attention: ``out * sigmoid(gate)``, rounded as those two torch ops
+  round) is applied by stage 2, saving the gated layer its sigmoid, its multiply and the copy of its strided gate.
 
 GQA: kv head j serves q heads ``j·G … (j+1)·G−1`` (G = nh / nkv). Head dims up to 256; bf16 / fp16 / fp32 (fp32 runs
 the dots in IEEE precision, never TF32). Accumulation is fp32; outputs are in q's dtype.
@@ -23,7 +24,7 @@ import math
 
 import torch
 
-from freetoken.layers.attention import AttentionBackend, register_attention_backend
+from freetoken.layers.attention import AttentionBackend, gate_output, register_attention_backend
 
 try:
     import triton
@@ -59,11 +60,13 @@ def extend_attention_torch(q, k_cache, v_cache, req_to_token, rows, cu_seqlens, 
     return out
 
 
-def decode_attention_torch(q, k_cache, v_cache, req_to_token, rows, context_lens, scale):
-    """``q [B, nh, D]`` (one new token per sequence, already stored in the pool) → ``[B, nh, Dv]``."""
+def decode_attention_torch(q, k_cache, v_cache, req_to_token, rows, context_lens, scale, gate=None):
+    """``q [B, nh, D]`` (one new token per sequence, already stored in the pool) → ``[B, nh, Dv]``, times
+    ``sigmoid(gate [B, nh, Dv])`` when a gate is given."""
     ctx = [int(x) for x in context_lens.tolist()] if torch.is_tensor(context_lens) else list(context_lens)
     cu = list(range(len(ctx) + 1))
-    return extend_attention_torch(q, k_cache, v_cache, req_to_token, rows, cu, [c - 1 for c in ctx], scale)
+    out = extend_attention_torch(q, k_cache, v_cache, req_to_token, rows, cu, [c - 1 for c in ctx], scale)
+    return gate_output(out, gate)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -198,10 +201,10 @@ if triton is not None:
 
     @triton.jit
     def _decode_stage2_kernel(
-        MidO, MidL, O,
-        stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
+        MidO, MidL, O, Gate,
+        stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh, stride_gb, stride_gh,
         DV, NUM_SPLITS,
-        BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+        BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_GATE: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -218,6 +221,12 @@ if triton is not None:
             mask=s_mask[:, None] & dv_mask[None, :], other=0.0,
         )
         out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+        if HAS_GATE:
+            # ``out * torch.sigmoid(gate)`` in the output dtype: the output, the sigmoid and the product each rounded
+            dt = O.dtype.element_ty
+            g = tl.load(Gate + b * stride_gb + h * stride_gh + offs_dv, mask=dv_mask, other=0.0).to(tl.float32)
+            sg = (1.0 / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+            out = out.to(dt).to(tl.float32) * sg
         tl.store(O + b * stride_ob + h * stride_oh + offs_dv, out.to(O.dtype.element_ty), mask=dv_mask)
 
 
@@ -266,8 +275,10 @@ def pick_num_kv_splits(batch_size: int, num_kv_heads: int, max_context: int) -> 
     return 1 << (s.bit_length() - 1)
 
 
-def decode_attention_triton(q, k_cache, v_cache, req_to_token, rows, context_lens, scale, num_kv_splits: int = 8, out=None):
-    """Triton split-K ``decode``; same contract as ``decode_attention_torch``."""
+def decode_attention_triton(q, k_cache, v_cache, req_to_token, rows, context_lens, scale, num_kv_splits: int = 8, out=None,
+                            gate=None):
+    """Triton split-K ``decode``; same contract as ``decode_attention_torch``. ``gate`` may be a strided view (its
+    last dim contiguous), e.g. the gate half of a ``[B, nh, 2D]`` projection."""
     B, nh, D = q.shape
     nkv, DV = k_cache.shape[1], v_cache.shape[2]
     if out is None:
@@ -290,11 +301,15 @@ def decode_attention_triton(q, k_cache, v_cache, req_to_token, rows, context_len
         GROUP=G, BLOCK_H=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_D=bd,
         BLOCK_DV=bdv, PREC=_prec(k_cache.dtype), num_warps=4, num_stages=2,
     )
+    if gate is not None:
+        assert gate.shape == out.shape and gate.stride(-1) == 1, "the gate is [B, nh, Dv] with a contiguous last dim"
+    g = out if gate is None else gate  # a placeholder the kernel never reads without HAS_GATE
     _decode_stage2_kernel[(B, nh)](
-        mid_o, mid_l, out,
+        mid_o, mid_l, out, g,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_l.stride(0), mid_l.stride(1), out.stride(0), out.stride(1),
+        g.stride(0), g.stride(1),
         DV, S,
-        BLOCK_S=triton.next_power_of_2(S), BLOCK_DV=bdv,
+        BLOCK_S=triton.next_power_of_2(S), BLOCK_DV=bdv, HAS_GATE=gate is not None,
     )
     return out
 
@@ -313,7 +328,7 @@ class TritonAttention(AttentionBackend):
     def __init__(self, num_kv_splits: int | None = None):
         self.num_kv_splits = num_kv_splits  # None: pick per step from the batch shape
 
-    def forward(self, q, k, v, kv_layer, batch, scale):
+    def forward(self, q, k, v, kv_layer, batch, scale, gate=None):
         self.store_kv(k, v, kv_layer, batch)
         kc, vc = batch.kv.k[kv_layer], batch.kv.v[kv_layer]
         q = q.contiguous()
@@ -321,13 +336,16 @@ class TritonAttention(AttentionBackend):
             S = self.num_kv_splits or batch.num_kv_splits or pick_num_kv_splits(
                 batch.num_seqs, kc.shape[1], max(batch.context_lens_cpu, default=1)
             )
+            if gate is not None and gate.stride(-1) != 1:
+                gate = gate.contiguous()
             return decode_attention_triton(
-                q, kc, vc, batch.kv.req_to_token, batch.rows, batch.context_lens, scale, num_kv_splits=S
+                q, kc, vc, batch.kv.req_to_token, batch.rows, batch.context_lens, scale, num_kv_splits=S, gate=gate
             )
-        return extend_attention_triton(
+        out = extend_attention_triton(
             q, kc, vc, batch.kv.req_to_token, batch.rows, batch.cu_seqlens, batch.prefix_lens, scale,
             max_extend_len=max(batch.extend_lens_cpu, default=1),
         )
+        return gate_output(out, gate)
 
 
 register_attention_backend("triton", TritonAttention)

@@ -46,20 +46,29 @@ def extend_case(nh, nkv, D, DV, ext, pre, dtype, device, seed=0):
     torch.testing.assert_close(out.float(), ref.float(), atol=_tol(dtype), rtol=_tol(dtype))
 
 
-def decode_case(nh, nkv, D, DV, ctx, dtype, device, splits, seed=0):
+def decode_case(nh, nkv, D, DV, ctx, dtype, device, splits, seed=0, gated=False):
+    """``gated``: the output gate of gated attention, given as the strided gate half of a ``[B, nh, 2*DV]``
+    projection and applied by the merge kernel."""
     from freetoken.kernels.attention import decode_attention_torch, decode_attention_triton
 
     B = len(ctx)
     kc, vc, r2t = _pool(nkv, D, DV, dtype, device, B + 1, max(ctx) + 2, seed)
     rows = torch.randperm(B + 1, generator=torch.Generator().manual_seed(seed))[:B]
     q = torch.randn(B, nh, D, generator=torch.Generator().manual_seed(seed + 1)).to(device, dtype)
+    gate = None
+    if gated:
+        gate = (3 * torch.randn(B, nh, 2 * DV, generator=torch.Generator().manual_seed(seed + 2)))[..., DV:]
+        gate = gate.to(device, dtype)
     scale = D**-0.5
-    ref = decode_attention_torch(q, kc, vc, r2t, rows, torch.tensor(ctx), scale)
+    ref = decode_attention_torch(q, kc, vc, r2t, rows, torch.tensor(ctx), scale, gate=gate)
     out = decode_attention_triton(
         q, kc, vc, r2t, rows.to(device), torch.tensor(ctx, dtype=torch.int32, device=device), scale,
-        num_kv_splits=splits,
+        num_kv_splits=splits, gate=gate,
     )
     torch.testing.assert_close(out.float(), ref.float(), atol=_tol(dtype), rtol=_tol(dtype))
+    if gated:  # the reference is the gated layer's own two ops
+        plain = decode_attention_torch(q, kc, vc, r2t, rows, torch.tensor(ctx), scale)
+        assert torch.equal(ref, plain * torch.sigmoid(gate))
 
 
 def backend_case(device, dtype):
@@ -108,6 +117,43 @@ def backend_case(device, dtype):
         torch.testing.assert_close(b, a, atol=_tol(dtype) * 10, rtol=_tol(dtype) * 10)
 
 
+def gated_backend_case(device, dtype):
+    """Both backends' ``forward`` with an output gate (the strided gate half of gated attention's projection) over
+    prefill, a mixed step and decode: the same gated output (Triton decode applies the gate in its merge kernel)."""
+    from freetoken.cache.kv_pool import KVCachePool
+    from freetoken.engine.forward_batch import ForwardBatch
+    from freetoken.engine.step_plan import StepPlan
+    from freetoken.kernels.attention import TritonAttention
+    from freetoken.layers.attention import TorchAttention
+
+    nh, nkv, D = 4, 2, 16
+    steps = [
+        [(0, 0, list(range(1, 10))), (1, 0, [5, 6, 7])],
+        [(0, 9, [11, 12]), (1, 3, [8])],
+        [(0, 11, [2]), (1, 4, [3])],  # pure decode
+    ]
+    outs = {}
+    for name, attn in (("torch", TorchAttention()), ("triton", TritonAttention())):
+        kv = KVCachePool(1, 64, nkv, D, dtype, torch.device(device), 2, 32)
+        g = torch.Generator().manual_seed(0)
+        res = []
+        for seqs in steps:
+            plan = StepPlan.build([
+                dict(tokens=t, prefix_len=p, row=r, table_from=p, table_slots=[32 * r + p + i for i in range(len(t))])
+                for r, p, t in seqs
+            ])
+            batch = ForwardBatch.from_plan(plan, kv, attn, all_logits=True)
+            T = sum(len(t) for _, _, t in seqs)
+            q, k, v = (torch.randn(T, h, D, generator=g).to(device, dtype) for h in (nh, nkv, nkv))
+            gate = (3 * torch.randn(T, nh, 2 * D, generator=g)).to(device, dtype)[..., D:]
+            with torch.no_grad():
+                res.append(attn.forward(q, k, v, 0, batch, D**-0.5, gate=gate).float())
+        assert batch.is_decode
+        outs[name] = res
+    for a, b in zip(outs["torch"], outs["triton"]):
+        torch.testing.assert_close(b, a, atol=_tol(dtype) * 10, rtol=_tol(dtype) * 10)
+
+
 _CPU_SCRIPT = textwrap.dedent(
     """
     import sys, torch
@@ -119,7 +165,9 @@ _CPU_SCRIPT = textwrap.dedent(
         t.extend_case(2, 2, 24, 8, [17], [33], dt, "cpu", seed=1)  # non-power-of-2 D, DV != D, no GQA
         t.decode_case(4, 1, 16, 16, [1, 9, 40], dt, "cpu", splits=1)
         t.decode_case(6, 2, 16, 32, [1, 9, 40, 3], dt, "cpu", splits=3)  # GQA group 3, empty splits
+        t.decode_case(4, 2, 16, 24, [1, 9, 40], dt, "cpu", splits=2, gated=True)  # output gate in the merge
     t.backend_case("cpu", torch.float32)
+    t.gated_backend_case("cpu", torch.float32)
     print("OK")
     """
 )
@@ -180,8 +228,24 @@ def test_decode_cuda(nh, nkv, D, DV, ctx, splits, dtype):
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [1, 16])
+@pytest.mark.parametrize("nh,nkv,D,DV,ctx", [(16, 2, 256, 256, [1, 17, 2049, 300]), (12, 4, 96, 80, [33, 70, 2])])
+def test_decode_gated_cuda(nh, nkv, D, DV, ctx, splits, dtype):
+    decode_case(nh, nkv, D, DV, ctx, dtype, "cuda", splits, gated=True)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_backend_in_model_cuda(dtype):
     backend_case("cuda", dtype)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_backends_cuda(dtype):
+    gated_backend_case("cuda", dtype)
 
 
 @pytest.mark.gpu

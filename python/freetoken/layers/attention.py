@@ -8,6 +8,7 @@ causal offset of the cached prefix. It works on CPU and CUDA.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Optional
 
 import torch
 
@@ -23,17 +24,27 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: int, batch: ForwardBatch, scale: float
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: int, batch: ForwardBatch, scale: float,
+        gate: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``q [T, nh, D]``, ``k [T, nkv, D]``, ``v [T, nkv, Dv]`` for this step's new tokens. Stores k and v
         at ``batch.out_cache_loc`` in layer ``kv_layer`` of the pool, then attends every new token causally over
-        its sequence's whole context. Returns ``[T, nh, Dv]`` in q's dtype."""
+        its sequence's whole context. Returns ``[T, nh, Dv]`` in q's dtype, times ``sigmoid(gate [T, nh, Dv])``
+        when a gate is given (gated attention; ``gate_output`` is the reference)."""
+
+
+def gate_output(out: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
+    """Gated attention's output gate, ``out * sigmoid(gate)`` in out's dtype (``out`` itself without a gate)."""
+    return out if gate is None else out * torch.sigmoid(gate)
 
 
 class TorchAttention(AttentionBackend):
     name = "torch"
 
-    def forward(self, q, k, v, kv_layer, batch, scale):
+    def forward(self, q, k, v, kv_layer, batch, scale, gate=None):
+        return gate_output(self._attend(q, k, v, kv_layer, batch, scale), gate)
+
+    def _attend(self, q, k, v, kv_layer, batch, scale):
         self.store_kv(k, v, kv_layer, batch)
         kc, vc = batch.kv.k[kv_layer], batch.kv.v[kv_layer]
         if batch.in_graph:

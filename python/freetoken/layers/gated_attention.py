@@ -54,12 +54,12 @@ class GatedAttention(nn.Module):
         else:
             qg, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         qg = qg.view(T, self.num_heads, 2 * D)
-        q, gate = qg[..., :D], qg[..., D:].reshape(T, self.num_heads * D)
+        q, gate = qg[..., :D], qg[..., D:]
         k = k.view(T, self.num_kv_heads, D)
         v = v.view(T, self.num_kv_heads, D)
         # q/k (1+w) norms, then the partial rotary: one kernel on CUDA
         q, k = qk_norm_rope(q, k, batch.positions, self.rotary.inv_freq, self.rotary.rotary_dim,
                             self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, one_plus=True)
-        o = batch.attn.forward(q, k, v, self.kv_layer, batch, self.scale)
-        o = o.reshape(T, self.num_heads * D) * torch.sigmoid(gate)
-        return self.o_proj(o)
+        # the output gate goes to the backend: decode applies it in the split merge kernel
+        o = batch.attn.forward(q, k, v, self.kv_layer, batch, self.scale, gate=gate)
+        return self.o_proj(o.reshape(T, self.num_heads * D))
