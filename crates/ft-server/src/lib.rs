@@ -9,6 +9,7 @@ pub mod detokenizer;
 pub mod drain;
 pub mod launch;
 pub mod logging;
+pub mod metrics;
 pub mod openai_error;
 pub mod protocol;
 pub mod routes;
