@@ -5,8 +5,10 @@ Importable as ``freetoken.kernels`` (``python/freetoken/kernels`` is a symlink t
 - ``fused_moe``: grouped MoE over all-resident fused experts (``fused_moe_torch`` reference, ``fused_moe_triton``).
 - ``moe_decode``: routed experts of decode-sized steps as two GEMVs (gate_up with SiLU-and-mul; down with the k
   pairs weighted and summed, the shared expert optionally added), ``moe_decode_torch`` reference.
-- ``attention``: paged attention over the KV pool (``extend_attention_*``, ``decode_attention_*``) and the
-  ``TritonAttention`` backend, registered as ``"triton"`` in ``freetoken.layers.attention`` on import.
+- ``attention``: paged attention over the KV pool (``extend_attention_*``, ``decode_attention_*``, the latter with
+  gated attention's output gate in its merge kernel) and the ``TritonAttention`` backend, registered as ``"triton"``
+  in ``freetoken.layers.attention`` on import.
+- ``kv_store``: a step's new K and V written into the pool in one launch (``store_kv_torch`` reference).
 - ``gdn_decode``: one Gated DeltaNet decode step in place on the state pool's slots (``gdn_conv_decode``,
   ``gdn_recurrent_decode``: Triton on CUDA, ``*_torch`` references elsewhere; CUDA-graph capturable).
 - ``rms_norm``: ``rms_norm``, ``add_rms_norm`` (the residual add fused, optionally in place), ``gated_rms_norm``.

@@ -13,14 +13,15 @@ from typing import Optional
 import torch
 
 from ..engine.forward_batch import ForwardBatch
+from ..kernels.kv_store import store_kv
 
 
 class AttentionBackend(ABC):
     name: str = "abstract"
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_layer: int, batch: ForwardBatch) -> None:
-        batch.kv.k[kv_layer][batch.out_cache_loc] = k.to(batch.kv.dtype)
-        batch.kv.v[kv_layer][batch.out_cache_loc] = v.to(batch.kv.dtype)
+        # K and V in one kernel on CUDA (kernels/kv_store.py; its reference is the two index assignments)
+        store_kv(batch.kv.k[kv_layer], batch.kv.v[kv_layer], batch.out_cache_loc, k, v)
 
     @abstractmethod
     def forward(
