@@ -16,14 +16,15 @@ grouping buys no weight reuse while it pads each pair to a 16-row tensor-core ti
 writes ``[T*k, H]`` fp32 partials and sums them in a third kernel. Here:
 
 - ``gate_up``: one program per (pair, block of I rows), each reading its expert's gate and up rows along H with
-  wide loads, SiLU-and-mul in the epilogue -> ``inter [T*k, I]``. Block sizes are picked so the grid has about
-  four programs per SM (a weight-streaming kernel needs several in flight per SM to cover HBM latency).
-- ``down``: one program per (token, block of H rows), looping over the token's k pairs (unrolled, so their loads
-  can all be in flight), weighting and summing in fp32, plus the shared term -> ``out [T, H]`` in x's dtype.
+  16-byte loads, SiLU-and-mul in the epilogue -> ``inter [T*k, I]``.
+- ``down``: one program per (token, block of H rows) holding all k pairs in one ``[rows, k, cols]`` tile (every
+  expert's rows load at once), weighting and summing in fp32, plus the shared term -> ``out [T, H]`` in x's dtype.
 
-A pair whose expert repeats (two tokens routed to one expert) reads that expert's weights once per pair; the
-programs of one expert run together, so the repeat mostly comes from L2. That is why this path is for small steps
-only: ``MAX_PAIRS``.
+Block sizes are picked so the grid has about four programs per SM, and the K loops are software-pipelined (loads
+run ahead through shared memory): a weight-streaming kernel needs that many bytes in flight per SM to reach HBM
+bandwidth. A pair whose expert repeats (two tokens routed to one expert) reads that expert's weights once per pair;
+the programs of one weight block are launched next to each other, so the repeat mostly comes from L2. That is why
+this path is for small steps only: ``MAX_PAIRS``.
 
 Rounding: the same points as ``fused_moe_torch``'s gather path, i.e. as the layers in torch: gate and up rounded to
 x's dtype, the SiLU rounded, the product rounded; the down projection rounded, the routing weight rounded to x's
