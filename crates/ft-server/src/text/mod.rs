@@ -75,7 +75,55 @@ pub(crate) mod split_testing {
 
 #[cfg(test)]
 mod tests {
+    use super::reasoning::{ReasoningFormat, ReasoningParser};
+    use super::split_testing::random_split;
+    use super::tool_calls::{ParsedOutput, ToolCallFormat, ToolParserOptions, ToolSpec};
     use super::*;
+
+    /// The two parsers chained as a route chains them: reasoning first, its content into the tool parser.
+    fn pipeline(prompt_opened: bool, deltas: &[String]) -> (String, ParsedOutput) {
+        let tools = ToolSpec::from_openai_tools(&[serde_json::json!({"type": "function", "function": {"name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}})]);
+        let mut reasoning = ReasoningParser::new(ReasoningFormat::Qwen3, prompt_opened);
+        let mut calls = ToolCallFormat::Qwen3Coder.parser(tools, ToolParserOptions::default());
+        let (mut thought, mut out) = (String::new(), ParsedOutput::default());
+        let mut split: Vec<_> = deltas.iter().map(|d| reasoning.push(d)).collect();
+        split.push(reasoning.finish());
+        for d in split {
+            thought.push_str(&d.reasoning);
+            for e in calls.push(&d.content) {
+                out.apply(&e);
+            }
+        }
+        for e in calls.finish() {
+            out.apply(&e);
+        }
+        (thought, out)
+    }
+
+    #[test]
+    fn reasoning_then_tool_calls() {
+        let call = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>";
+        for (prompt_opened, text, content) in [
+            (true, format!("Need the weather.\n</think>\n\nChecking.\n{call}"), "Checking."),
+            (false, format!("<think>\nNeed the weather.\n</think>\n\n{call}"), ""),
+            // The call starts inside the unclosed block (Qwen3.5 does this).
+            (true, format!("Need the weather.\n{call}"), ""),
+        ] {
+            for seed in 0..100 {
+                let (thought, out) = pipeline(prompt_opened, &random_split(&text, seed, 7));
+                assert_eq!(thought, "Need the weather.");
+                assert_eq!(out.content, content);
+                assert_eq!(out.calls.len(), 1);
+                assert_eq!(out.calls[0].arguments, "{\"city\": \"Paris\", \"days\": 2}");
+                assert!(out.calls[0].complete);
+            }
+        }
+        // A whole call inside the block ends it even if a `</think>` follows (what vLLM's qwen3 parser does
+        // too); the stray tag is then content.
+        let (thought, out) = pipeline(true, &[format!("maybe {call}?</think>No call needed.")]);
+        assert_eq!((thought.as_str(), out.calls.len(), out.content.as_str()), ("maybe", 1, "?</think>No call needed."));
+    }
 
     #[test]
     fn partial_suffix() {

@@ -34,11 +34,12 @@
 //! ```
 //!
 //! Guarantees, all tested with random splits of the same output: the events are the same whatever the
-//! split (only their grouping into `push` results differs); text that is not a well-formed call is
-//! text, verbatim (a `<tool_call>` mentioned in prose, a call naming a tool the request does not have, and
-//! under [`CallCommit::OnClose`] a call cut off by the end of the output); the arguments of every call are
-//! valid JSON (an object), also for a call cut off under [`CallCommit::OnHeader`], which is closed with
-//! what was parsed and ends with `complete: false`.
+//! split (once adjacent text deltas, and adjacent argument deltas, are joined); text that is not a
+//! well-formed call is text, verbatim (a `<tool_call>` mentioned in prose, a call naming a tool the request
+//! does not have, and under [`CallCommit::OnClose`] a call cut off by the end of the output or malformed);
+//! only whitespace touching a call is dropped; the arguments of every call are a valid JSON object, also
+//! for a call cut off under [`CallCommit::OnHeader`], which is closed with what was parsed and ends with
+//! `complete: false`. Feed it content only (after the reasoning parser): a call inside `<think>` is not run.
 
 mod hermes;
 mod json_stream;
@@ -297,7 +298,7 @@ pub trait CallBody: Send {
 
 /// The known tools, looked up by name.
 #[derive(Clone, Debug, Default)]
-pub struct Tools(Vec<ToolSpec>);
+pub(crate) struct Tools(Vec<ToolSpec>);
 
 impl Tools {
     pub fn find(&self, name: &str) -> Option<&ToolSpec> {
