@@ -1,14 +1,16 @@
 //! Free lists for the indices Rust hands out and Python backs with memory.
 //!
 //! Rust owns every index the worker uses: which KV slots a request writes, which page-table row it lives
-//! in, which recurrent-state slot it owns. Python owns the tensors behind them and never decides which
-//! index to use. Two allocators cover all of it:
+//! in, which recurrent-state slot it owns or a snapshot sits in. Python owns the tensors behind them and
+//! never decides which index to use. Three allocators cover all of it:
 //!
 //! * [`KvSlotAllocator`]: the KV pool, handed out a page at a time. Page `p` is the slot ids
 //!   `p * page_size .. (p + 1) * page_size`, so a token's slot is `page * page_size + position % page_size`
 //!   and the worker's page table stays token-granular (`req_to_token[row, position] -> slot`) whatever the
 //!   page size.
-//! * [`IdPool`]: a plain free list of small integer ids (page-table rows, live recurrent-state slots).
+//! * [`IdPool`]: a plain free list of small integer ids (page-table rows).
+//! * [`StateSlotPool`]: the recurrent-state slots of a hybrid model, each free, the *live* state of a
+//!   running request, or a *snapshot* kept by the hybrid radix cache; two capped accounts over one id space.
 //!
 //! ```text
 //!   page_size = 4, capacity = 16 slots = 4 pages
@@ -17,8 +19,9 @@
 //!   a request holding pages [2, 0] for positions 0..6 uses slots [8 9 10 11 0 1]
 //! ```
 //!
-//! Both allocators detect double frees and foreign ids (a bookkeeping bug) by panicking: silently
-//! accepting one would hand the same KV memory to two requests, which corrupts outputs without any error.
+//! All of them detect double frees and foreign ids (a bookkeeping bug) by panicking: silently accepting
+//! one would hand the same KV memory or recurrent state to two owners, which corrupts outputs without any
+//! error.
 
 /// The KV pool's free pages.
 #[derive(Clone, Debug)]
@@ -142,7 +145,7 @@ impl KvSlotAllocator {
     }
 }
 
-/// A free list of the ids `0..n` (page-table rows, recurrent-state slots).
+/// A free list of the ids `0..n` (page-table rows; the id space under [`StateSlotPool`]).
 #[derive(Clone, Debug)]
 pub struct IdPool {
     /// Free ids, used as a stack; the lowest ids are handed out first while the pool is fresh.
@@ -204,6 +207,180 @@ impl IdPool {
     }
 }
 
+/// What one recurrent-state slot holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StateSlotUse {
+    /// Nothing: on the free list.
+    Free,
+    /// The running state of one request (read and written by every step of that request).
+    Live,
+    /// A frozen state: owned by a radix tree node, or being captured by a step in flight.
+    Snapshot,
+}
+
+/// The recurrent-state slots of a hybrid (Gated DeltaNet) model: ids `0..live_cap + snapshot_cap`, which
+/// the worker backs with one conv + SSM state each.
+///
+/// ```text
+///   live_cap = 2, snapshot_cap = 4: ids 0..6, at most 2 live and at most 4 snapshots at a time
+///   id:    0     1     2     3     4     5
+///   use:  live  snap  free  live  snap  free      live 2/2, snapshots 2/4
+///   request holding 3 finishes, donating it:     live 1/2, snapshots 3/4 (id 3 now a snapshot)
+/// ```
+///
+/// The two kinds are capped *counts* over one id space, not fixed id ranges: a finished request's live
+/// slot becomes a tree snapshot in place ([`StateSlotPool::donate`]: donate, not copy), and a free id
+/// serves either kind. Because the caps add up to the number of ids, a free id exists whenever either
+/// kind is under its cap, so `alloc_live` and `alloc_snapshot` fail only on their own cap.
+#[derive(Clone, Debug)]
+pub struct StateSlotPool {
+    /// The free ids.
+    ids: IdPool,
+    /// `kind[id]`: what each id holds (`Free` exactly when `ids` lists it as free).
+    kind: Vec<StateSlotUse>,
+    /// Most live slots at a time (one per running request).
+    live_cap: usize,
+    /// Most snapshots at a time (FreeToken's `linear_state_cache_ratio` x max running requests by default).
+    snapshot_cap: usize,
+    /// Ids holding live state now.
+    live: usize,
+    /// Ids holding snapshots now.
+    snapshots: usize,
+}
+
+impl StateSlotPool {
+    /// `live_cap + snapshot_cap` ids, all free.
+    pub fn new(live_cap: usize, snapshot_cap: usize) -> Self {
+        let n = live_cap + snapshot_cap;
+        assert!(n <= i32::MAX as usize, "state slot ids must fit i32");
+        StateSlotPool {
+            ids: IdPool::new(n),
+            kind: vec![StateSlotUse::Free; n],
+            live_cap,
+            snapshot_cap,
+            live: 0,
+            snapshots: 0,
+        }
+    }
+
+    /// Ids in the pool (what the worker must back).
+    pub fn capacity(&self) -> usize {
+        self.kind.len()
+    }
+
+    /// Most live slots at a time.
+    pub fn live_capacity(&self) -> usize {
+        self.live_cap
+    }
+
+    /// Most snapshots at a time.
+    pub fn snapshot_capacity(&self) -> usize {
+        self.snapshot_cap
+    }
+
+    /// Live slots handed out.
+    pub fn live_in_use(&self) -> usize {
+        self.live
+    }
+
+    /// Snapshots held (in the tree or being captured).
+    pub fn snapshots_in_use(&self) -> usize {
+        self.snapshots
+    }
+
+    /// Live slots that can still be handed out.
+    pub fn live_available(&self) -> usize {
+        self.live_cap - self.live
+    }
+
+    /// Snapshots that can still be taken without evicting one.
+    pub fn snapshot_room(&self) -> usize {
+        self.snapshot_cap - self.snapshots
+    }
+
+    /// Ids on the free list.
+    pub fn free_ids(&self) -> usize {
+        self.ids.available()
+    }
+
+    /// What `id` holds now.
+    pub fn use_of(&self, id: u32) -> StateSlotUse {
+        self.kind[id as usize]
+    }
+
+    fn take(&mut self, kind: StateSlotUse) -> u32 {
+        let id = self.ids.alloc().expect("the caps add up to the ids: a free id exists under either cap");
+        self.kind[id as usize] = kind;
+        id
+    }
+
+    /// A slot for a request's live state, `None` at the live cap.
+    pub fn alloc_live(&mut self) -> Option<u32> {
+        if self.live == self.live_cap {
+            return None;
+        }
+        self.live += 1;
+        Some(self.take(StateSlotUse::Live))
+    }
+
+    /// A slot for a new snapshot, `None` at the snapshot cap (evict one first).
+    pub fn alloc_snapshot(&mut self) -> Option<u32> {
+        if self.snapshots == self.snapshot_cap {
+            return None;
+        }
+        self.snapshots += 1;
+        Some(self.take(StateSlotUse::Snapshot))
+    }
+
+    /// Returns a live slot or a snapshot to the free list. Panics on a free or foreign id.
+    pub fn free(&mut self, id: u32) {
+        assert!((id as usize) < self.kind.len(), "state slot {id} is outside the pool");
+        match self.kind[id as usize] {
+            StateSlotUse::Free => panic!("double free of state slot {id}"),
+            StateSlotUse::Live => self.live -= 1,
+            StateSlotUse::Snapshot => self.snapshots -= 1,
+        }
+        self.kind[id as usize] = StateSlotUse::Free;
+        self.ids.free(id);
+    }
+
+    /// Turns live slot `id` into a snapshot in place (a finished request's final state handed to the tree,
+    /// no copy). Panics if `id` is not live or the snapshot account is full (evict one first).
+    pub fn donate(&mut self, id: u32) {
+        assert_eq!(self.kind[id as usize], StateSlotUse::Live, "donating state slot {id} that is not live");
+        assert!(self.snapshots < self.snapshot_cap, "donating state slot {id} with no snapshot room");
+        self.kind[id as usize] = StateSlotUse::Snapshot;
+        self.live -= 1;
+        self.snapshots += 1;
+    }
+
+    /// Checks the free list, the kinds and the two counts agree, and the counts respect the caps.
+    pub fn check_integrity(&self) -> Result<(), String> {
+        self.ids.check_integrity()?;
+        let mut counts = [0usize; 3];
+        for (id, &k) in self.kind.iter().enumerate() {
+            if (k == StateSlotUse::Free) == self.ids.is_in_use(id as u32) {
+                return Err(format!("state slot {id} is {k:?} but the free list disagrees"));
+            }
+            counts[k as usize] += 1;
+        }
+        if counts[StateSlotUse::Live as usize] != self.live || counts[StateSlotUse::Snapshot as usize] != self.snapshots
+        {
+            return Err(format!(
+                "state slot counts: live {} / snapshots {} recorded, {} / {} held",
+                self.live,
+                self.snapshots,
+                counts[StateSlotUse::Live as usize],
+                counts[StateSlotUse::Snapshot as usize]
+            ));
+        }
+        if self.live > self.live_cap || self.snapshots > self.snapshot_cap {
+            return Err("state slot pool over a cap".into());
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -248,5 +425,41 @@ mod tests {
         p.free(a);
         assert_eq!(p.alloc(), Some(0));
         p.check_integrity().unwrap();
+    }
+
+    #[test]
+    fn state_pool_caps_and_donation() {
+        let mut p = StateSlotPool::new(2, 3);
+        assert_eq!(p.capacity(), 5);
+        let a = p.alloc_live().unwrap();
+        let b = p.alloc_live().unwrap();
+        assert!(p.alloc_live().is_none(), "live cap");
+        let s: Vec<u32> = (0..3).map(|_| p.alloc_snapshot().unwrap()).collect();
+        assert!(p.alloc_snapshot().is_none(), "snapshot cap");
+        p.free(s[0]);
+        p.donate(a); // a finished request's state becomes a snapshot in place
+        assert_eq!((p.live_in_use(), p.snapshots_in_use()), (1, 3));
+        assert_eq!(p.use_of(a), StateSlotUse::Snapshot);
+        assert_eq!(p.alloc_live(), Some(s[0]), "the freed snapshot id serves a live slot now");
+        p.free(b);
+        p.check_integrity().unwrap();
+    }
+
+    #[test]
+    #[should_panic(expected = "double free of state slot")]
+    fn state_pool_double_free_panics() {
+        let mut p = StateSlotPool::new(1, 1);
+        let a = p.alloc_snapshot().unwrap();
+        p.free(a);
+        p.free(a);
+    }
+
+    #[test]
+    #[should_panic(expected = "no snapshot room")]
+    fn state_pool_donation_needs_room() {
+        let mut p = StateSlotPool::new(1, 1);
+        let a = p.alloc_live().unwrap();
+        p.alloc_snapshot().unwrap();
+        p.donate(a);
     }
 }

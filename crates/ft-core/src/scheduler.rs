@@ -37,10 +37,43 @@
 //! too (`table_from = 0`). When it ends, the tokens whose KV exists (prompt plus all but the last sampled
 //! token) go into the radix tree; see [`kv_cache`].
 //!
-//! Hybrid models (`num_state_slots > 0`) get no prefix hits yet: a hit must resume from a recurrent-state
-//! snapshot, and snapshots come with the hybrid radix cache (a later issue). Each running hybrid request
-//! owns one live state slot (`ScheduledSeq::state_slot`); a sequence whose first chunk has
-//! `prefix_len == 0` starts from a zeroed state.
+//! **Hybrid models** (`num_state_slots > 0`): each running request owns one live recurrent-state slot
+//! (`ScheduledSeq::state_slot`); a sequence whose first chunk has `prefix_len == 0` starts from a zeroed
+//! state. A prefix hit must resume from a state snapshot, so with [`CacheType::Radix`] or
+//! [`CacheType::Naive`] a hybrid request matches nothing; [`CacheType::HybridRadix`] keeps snapshots in
+//! the tree on a fixed grid (`snapshot_grid()`, the 64-token GDN chunk):
+//!
+//! ```text
+//!   prompt of 300 tokens, grid 64, budget 128/step:   chunk       captures (state after upto tokens)
+//!                                                     0..128      upto 128  (chunk cut down to the grid)
+//!                                                     128..256    upto 256
+//!                                                     256..300    upto 256? no: last grid point in
+//!   the same prompt again matches prompt[..299]:                  (256, min(300, 299)] is none
+//!   deepest snapshot <= 299 is 256 -> StateCopy{snap -> live}, prefix_len 256, computes 256..300
+//! ```
+//!
+//! * A chunk cut by the step budget ends on the grid (if that leaves it a token), and each chunk captures
+//!   (`StepPlan::snapshots`, run by the worker after the forward) the state at its last grid point `g`
+//!   with `start < g <= min(end, prompt_len - 1)`: a chunk end, or inside the final chunk. Captures at
+//!   the end of a non-final chunk are *cold* (the next chunk supersedes them): they are the first
+//!   snapshots evicted, so a long prompt's chunk ends never push out the end of another conversation. Because the
+//!   bound is `prompt_len - 1`, the same prompt sent again (which matches `prompt[..len - 1]`) always finds
+//!   the snapshot at the last grid point below its length: SGLang's n-1 mid-edge miss (sglang#22935)
+//!   cannot happen. At commit each capture goes into the tree at once ([`KvCache::cache_snapshot`]), so
+//!   requests sharing a system prompt reuse it while the first one still runs.
+//! * Branch points are snapshotted deliberately: when the tree holds more of a new prompt's KV than the
+//!   snapshot it resumes from (`PrefixMatch::kv_len`: another cached sequence shares the prompt up to
+//!   there, then branches off), the request also captures the last grid point `<= kv_len`. The first
+//!   request after a shared system prompt captured only past it (a chunk's last grid point lies in its
+//!   own question); the second captures the branch point; every later one resumes there.
+//! * When a request ends normally its live state is donated (no copy) to the node ending at its computed
+//!   length (module docs of [`kv_cache`]), so the next turn of a conversation resumes at the end of the
+//!   previous answer.
+//! * With `snapshot_token_id` (`--enable-special-token-ckpt`), the decode step that feeds back that
+//!   sampled token captures the state right after it.
+//! * A match is cut back to the deepest node owning a snapshot; the request's first step carries
+//!   `StateCopy { src: snapshot, dst: live slot }` (`StepPlan::state_copies`, run before the forward) and
+//!   starts at that node's length. The snapshot stays locked until that step is committed.
 //!
 //! **Sampling seeds**: every draw gets `sample_seed(request seed, tokens generated so far)`, so a seeded
 //! request samples the same tokens whatever else is in its batch.
@@ -52,8 +85,8 @@ use std::collections::VecDeque;
 use crate::allocator::IdPool;
 use crate::config::{CacheType, SchedulerConfig};
 use crate::request::{AdmissionError, FinishReason, NewRequest, RequestEvent, SamplingParams};
-use crate::step::{SampleSpec, ScheduledSeq, StepKind, StepOutput, StepPlan};
-use kv_cache::{CachedPrefix, KvCache};
+use crate::step::{SampleSpec, ScheduledSeq, SnapshotCapture, StateCopy, StepKind, StepOutput, StepPlan};
+use kv_cache::{CachedPrefix, Holders, KvCache, LiveState};
 
 /// splitmix64's output function: a strong 64-bit mix (Steele, Lea, Flood 2014).
 pub fn splitmix64_mix(mut z: u64) -> u64 {
@@ -92,6 +125,33 @@ pub struct SchedulerStats {
     pub free_rows: usize,
     /// Live recurrent-state slots not owned by a request (0 for non-hybrid models).
     pub free_state_slots: usize,
+    /// Recurrent-state slots the worker backs, live and snapshot (0 for non-hybrid models).
+    pub state_slots_total: usize,
+    /// State slots neither free nor evictable: running requests' live slots, snapshots being captured or
+    /// about to be restored (FreeToken's `#mamba-slot: used/total`; cached snapshots nothing locks do not
+    /// count, as evictable KV does not count in `kv_used_tokens`).
+    pub state_slots_used: usize,
+    /// Most snapshots the hybrid radix cache may hold (0 unless `hybrid_radix`).
+    pub snapshot_slots_total: usize,
+    /// Snapshots held: owned by tree nodes or being captured.
+    pub snapshot_slots_used: usize,
+    /// Cached snapshots nothing locks (reclaimable on demand).
+    pub evictable_snapshots: usize,
+    /// Requests admitted with a snapshot restore (hybrid radix hits), since start.
+    pub snapshot_hits: u64,
+    /// Prompt tokens those requests skipped, since start.
+    pub snapshot_hit_tokens: u64,
+}
+
+impl SchedulerStats {
+    /// `state_slots_used / state_slots_total` (FreeToken's `mamba usage`), 0 without state slots.
+    pub fn mamba_usage(&self) -> f64 {
+        if self.state_slots_total == 0 {
+            0.0
+        } else {
+            self.state_slots_used as f64 / self.state_slots_total as f64
+        }
+    }
 }
 
 /// What a plan does, for the `Prefill batch, #new-seq: ..., #new-token: ..., #cached-token: ...` line.
@@ -141,7 +201,17 @@ struct RunningRequest {
     row: u32,
     /// Live recurrent-state slot, -1 for non-hybrid models.
     state_slot: i32,
-    /// The locked cached prefix this request started from.
+    /// Whether the live slot holds the state after `computed_len` tokens (a step has been committed).
+    /// Until then a hybrid radix hit's first step restores its snapshot into it.
+    state_valid: bool,
+    /// Snapshots the step in flight captures for this request, `(upto, slot, cold)` ascending (cold: an
+    /// intermediate chunk end, see [`crate::radix::RadixTree::set_snapshot`]).
+    pending_snapshots: Vec<(usize, u32, bool)>,
+    /// Hybrid radix: a grid point past the restored prefix up to which the tree already held this prompt's
+    /// KV (another cached sequence branches off there); captured by the chunk that crosses it.
+    branch_point: Option<usize>,
+    /// The locked cached prefix: where the request's tree-owned KV ends. It starts as the match and moves
+    /// down each time a snapshot of the request is cached while it runs.
     prefix: CachedPrefix,
     /// KV slot of each position, whole pages: `slots[..prefix.len]` are the tree's, the rest the request's.
     slots: Vec<u32>,
@@ -149,7 +219,8 @@ struct RunningRequest {
     scheduled_len: usize,
     /// Positions whose KV the worker has written (committed steps only).
     computed_len: usize,
-    /// Positions whose slots the worker's page table has received.
+    /// Positions whose slots the worker's page table holds (below `scheduled_len` when caching a snapshot
+    /// swapped some duplicate slots for the tree's: the next step resends from here).
     table_sent: usize,
     /// Pages still to allocate to reach the whole budget (prompt + output); reserved at admission.
     reserved_pages: usize,
@@ -160,6 +231,10 @@ struct RunningRequest {
 impl RunningRequest {
     fn prompt_len(&self) -> usize {
         self.prompt.len()
+    }
+    /// The first `n` tokens (prompt, then output).
+    fn tokens(&self, n: usize) -> Vec<u32> {
+        self.prompt.iter().chain(self.output.iter()).copied().take(n).collect()
     }
     fn wants_prefill(&self) -> bool {
         self.in_flight.is_none() && self.scheduled_len < self.prompt.len()
@@ -187,12 +262,10 @@ const SUMMARIES_KEPT: usize = 8;
 pub struct Scheduler {
     /// Limits (validated).
     cfg: SchedulerConfig,
-    /// KV pool and prefix cache.
+    /// KV pool, recurrent-state slots and prefix cache.
     kv: KvCache,
     /// Page-table rows.
     rows: IdPool,
-    /// Live recurrent-state slots (empty pool for non-hybrid models).
-    state_slots: IdPool,
     /// Waiting requests, first come first served.
     queue: VecDeque<QueuedRequest>,
     /// Admitted requests in admission order.
@@ -209,6 +282,10 @@ pub struct Scheduler {
     rng_state: u64,
     /// Summaries of the latest plans, by step id.
     summaries: VecDeque<(u64, PlanSummary)>,
+    /// Admissions that restored a snapshot.
+    snapshot_hits: u64,
+    /// Prompt tokens those admissions skipped.
+    snapshot_hit_tokens: u64,
 }
 
 impl Scheduler {
@@ -218,9 +295,14 @@ impl Scheduler {
             panic!("invalid scheduler config: {e}");
         }
         Scheduler {
-            kv: KvCache::new(cfg.kv_capacity_tokens, cfg.page_size, cfg.cache_type),
+            kv: KvCache::with_state_slots(
+                cfg.kv_capacity_tokens,
+                cfg.page_size,
+                cfg.cache_type,
+                cfg.live_state_slots(),
+                cfg.num_state_slots - cfg.live_state_slots(),
+            ),
             rows: IdPool::new(cfg.max_running_requests),
-            state_slots: IdPool::new(cfg.num_state_slots),
             queue: VecDeque::new(),
             running: Vec::new(),
             reserved_pages: 0,
@@ -229,6 +311,8 @@ impl Scheduler {
             prefill_streak: 0,
             rng_state: cfg.seed,
             summaries: VecDeque::new(),
+            snapshot_hits: 0,
+            snapshot_hit_tokens: 0,
             cfg,
         }
     }
@@ -238,7 +322,7 @@ impl Scheduler {
         &self.cfg
     }
 
-    /// The KV pool and prefix cache (read-only; for tests and diagnostics).
+    /// The KV pool, state slots and prefix cache (read-only; for tests and diagnostics).
     pub fn kv_cache(&self) -> &KvCache {
         &self.kv
     }
@@ -340,7 +424,21 @@ impl Scheduler {
         if self.summaries.len() > SUMMARIES_KEPT {
             self.summaries.pop_front();
         }
-        Some(StepPlan { step_id, kind, seqs, state_copies: Vec::new(), snapshots: Vec::new() })
+        // Hybrid: restores run before the forward, captures after it.
+        let mut state_copies = Vec::new();
+        let mut snapshots = Vec::new();
+        if self.cfg.num_state_slots > 0 {
+            for (k, seq) in seqs.iter().enumerate() {
+                let r = self.running.iter().find(|r| r.id == seq.request_id).expect("scheduled requests run");
+                if let (false, Some(src)) = (r.state_valid, r.prefix.restore) {
+                    state_copies.push(StateCopy { src: src as i32, dst: r.state_slot });
+                }
+                for &(upto, slot, _) in &r.pending_snapshots {
+                    snapshots.push(SnapshotCapture { seq_index: k as u32, upto: upto as u32, slot: slot as i32 });
+                }
+            }
+        }
+        Some(StepPlan { step_id, kind, seqs, state_copies, snapshots })
     }
 
     /// Prompt chunks for a step with `budget` tokens: chunked prompts under way first, then newly
@@ -374,17 +472,20 @@ impl Scheduler {
     /// `running`.
     fn admit_head(&mut self) -> Option<usize> {
         let head = self.queue.front()?;
-        if self.rows.available() == 0 || (self.cfg.num_state_slots > 0 && self.state_slots.available() == 0) {
+        let hybrid = self.cfg.num_state_slots > 0;
+        if self.rows.available() == 0 || (hybrid && self.kv.states().live_available() == 0) {
             return None;
         }
         let p = head.req.prompt.len();
         let budget_tokens = p + head.max_new_tokens as usize - 1;
-        // Hybrid models can only resume where a recurrent-state snapshot exists (the match is truncated to
-        // the deepest node holding one). None are captured yet, so they match nothing: reusing the KV
-        // without the state would run the linear-attention layers from a wrong state.
-        let matchable = if self.cfg.num_state_slots > 0 { 0 } else { p - 1 };
+        // Hybrid models can only resume where a recurrent-state snapshot exists: the hybrid radix cache cuts
+        // the match back to the deepest node owning one; any other cache type keeps none, so they match
+        // nothing (reusing the KV without the state would run the linear-attention layers from a wrong
+        // state).
+        let matchable = if hybrid && self.cfg.cache_type != CacheType::HybridRadix { 0 } else { p - 1 };
         // Lock the cached prefix first so the availability below cannot count it as evictable.
-        let (prefix, cached_slots) = self.kv.match_prefix(&head.req.prompt[..matchable]);
+        let m = self.kv.match_prefix(&head.req.prompt[..matchable]);
+        let (prefix, cached_slots) = (m.prefix, m.slots);
         self.kv.lock(prefix);
         let need = self.kv.pages_for(budget_tokens) - prefix.len / self.cfg.page_size;
         if need > self.kv.available_pages().saturating_sub(self.reserved_pages) {
@@ -393,11 +494,13 @@ impl Scheduler {
         }
         let q = self.queue.pop_front().expect("head exists");
         let row = self.rows.alloc().expect("checked a row is free");
-        let state_slot = if self.cfg.num_state_slots > 0 {
-            self.state_slots.alloc().expect("checked a state slot is free") as i32
-        } else {
-            -1
-        };
+        let state_slot = if hybrid { self.kv.alloc_live().expect("checked a live slot is free") as i32 } else { -1 };
+        if prefix.restore.is_some() {
+            self.snapshot_hits += 1;
+            self.snapshot_hit_tokens += prefix.len as u64;
+        }
+        let grid = self.cfg.snapshot_grid();
+        let branch = m.kv_len / grid * grid;
         self.reserved_pages += need;
         self.events.push(RequestEvent::Started {
             id: q.req.id,
@@ -416,6 +519,9 @@ impl Scheduler {
             ignore_eos: q.req.ignore_eos,
             row,
             state_slot,
+            state_valid: false,
+            pending_snapshots: Vec::new(),
+            branch_point: (self.cfg.cache_type == CacheType::HybridRadix && branch > prefix.len).then_some(branch),
             prefix,
             slots: cached_slots,
             scheduled_len: prefix.len,
@@ -441,13 +547,32 @@ impl Scheduler {
         self.reserved_pages -= pages;
     }
 
-    /// The next chunk (at most `max_tokens`) of request `i`'s prompt.
+    /// The next chunk (at most `max_tokens`) of request `i`'s prompt. With the hybrid radix cache a chunk
+    /// cut by `max_tokens` ends on the snapshot grid when that leaves it a token, and the chunk captures
+    /// the state at its last grid point `g`, `start < g <= min(end, prompt_len - 1)`, and at the request's
+    /// branch point if it crosses it (module docs).
     fn schedule_chunk(&mut self, i: usize, max_tokens: usize, step_id: u64) -> ScheduledSeq {
-        let (start, end) = {
-            let r = &self.running[i];
-            (r.scheduled_len, r.prompt_len().min(r.scheduled_len + max_tokens))
-        };
+        let snapshots = self.cfg.cache_type == CacheType::HybridRadix;
+        let grid = self.cfg.snapshot_grid();
+        let (start, n) = (self.running[i].scheduled_len, self.running[i].prompt_len());
+        let mut end = n.min(start + max_tokens);
+        if snapshots && end < n && end / grid * grid > start {
+            end = end / grid * grid;
+        }
         self.ensure_slots(i, end);
+        let g = end.min(n - 1) / grid * grid;
+        let branch = self.running[i].branch_point.filter(|&b| b > start && b <= end);
+        // A non-final chunk's capture is an intermediate state, superseded by the next chunk's: cold.
+        let points =
+            [branch.filter(|&b| b != g).map(|b| (b, false)), (g > start).then_some((g, end < n && branch != Some(g)))];
+        for (upto, cold) in points.into_iter().flatten().filter(|_| snapshots) {
+            if let Some(slot) = self.kv.alloc_snapshot() {
+                self.running[i].pending_snapshots.push((upto, slot, cold));
+            }
+        }
+        if branch.is_some() {
+            self.running[i].branch_point = None;
+        }
         let r = &mut self.running[i];
         let seq = ScheduledSeq {
             request_id: r.id,
@@ -465,10 +590,17 @@ impl Scheduler {
         seq
     }
 
-    /// A one-token decode of request `i` (its last sampled token).
+    /// A one-token decode of request `i` (its last sampled token). With `snapshot_token_id` and the hybrid
+    /// radix cache, feeding that token back also captures the state after it (if that length ends a page).
     fn schedule_decode(&mut self, i: usize, step_id: u64) -> ScheduledSeq {
         let pos = self.running[i].scheduled_len;
         self.ensure_slots(i, pos + 1);
+        let anchor = self.cfg.snapshot_token_id.is_some_and(|t| self.running[i].output.last() == Some(&t));
+        if anchor && (pos + 1).is_multiple_of(self.cfg.page_size) {
+            if let Some(slot) = self.kv.alloc_snapshot() {
+                self.running[i].pending_snapshots.push((pos + 1, slot, false));
+            }
+        }
         let r = &mut self.running[i];
         debug_assert_eq!(pos, r.prompt_len() + r.output.len() - 1);
         let seq = ScheduledSeq {
@@ -511,6 +643,16 @@ impl Scheduler {
             let r = &mut self.running[i];
             r.in_flight = None;
             r.computed_len = seq.context_len() as usize;
+            if r.state_slot >= 0 {
+                r.state_valid = true;
+                self.kv.restored(&mut r.prefix);
+            }
+            for (upto, slot, cold) in std::mem::take(&mut r.pending_snapshots) {
+                let tokens = r.tokens(upto);
+                if let Some(pos) = self.kv.cache_snapshot(&tokens, &mut r.slots, &mut r.prefix, slot, cold) {
+                    r.table_sent = r.table_sent.min(pos);
+                }
+            }
             let Some((token, logprob)) = sampled else { continue };
             r.output.push(token);
             self.events.push(RequestEvent::Token { id: r.id, token, logprob });
@@ -554,18 +696,20 @@ impl Scheduler {
         }
     }
 
-    /// Releases running request `i` and reports how it ended.
+    /// Releases running request `i` and reports how it ended. A finished hybrid radix request donates its
+    /// live state unless a step of it is still in flight (that step would still advance the slot).
     fn end_running(&mut self, i: usize, ending: Ending) {
         let r = self.running.remove(i);
-        let insert = matches!(ending, Ending::Finished(_)) && self.cfg.cache_type == CacheType::Radix;
-        let computed: Vec<u32> =
-            r.prompt.iter().chain(r.output.iter()).copied().take(if insert { r.computed_len } else { 0 }).collect();
-        self.kv.release(&computed, &r.slots, r.prefix, insert);
+        let insert = matches!(ending, Ending::Finished(_)) && self.cfg.cache_type.caches();
+        let computed = r.tokens(if insert { r.computed_len } else { 0 });
+        for &(_, slot, _) in &r.pending_snapshots {
+            self.kv.free_snapshot(slot);
+        }
+        let live = (r.state_slot >= 0)
+            .then(|| LiveState { slot: r.state_slot as u32, valid: r.state_valid && r.in_flight.is_none() });
+        self.kv.release(&computed, &r.slots, r.prefix, insert, live);
         self.reserved_pages -= r.reserved_pages;
         self.rows.free(r.row);
-        if r.state_slot >= 0 {
-            self.state_slots.free(r.state_slot as u32);
-        }
         self.events.push(match ending {
             Ending::Finished(reason) => {
                 RequestEvent::Finished { id: r.id, reason, completion_tokens: r.output.len() as u32 }
@@ -585,6 +729,8 @@ impl Scheduler {
         let free = self.kv.allocator().free_pages() * self.cfg.page_size;
         let evictable = self.kv.tree().evictable_tokens();
         let used = capacity - free - evictable;
+        let states = self.kv.states();
+        let evictable_snapshots = self.kv.tree().evictable_snapshots();
         SchedulerStats {
             running: self.running.len(),
             queued: self.queue.len(),
@@ -594,7 +740,18 @@ impl Scheduler {
             cached_tokens_in_tree: self.kv.tree().total_tokens(),
             evictable_tokens: evictable,
             free_rows: self.rows.available(),
-            free_state_slots: self.state_slots.available(),
+            free_state_slots: states.live_available(),
+            state_slots_total: states.capacity(),
+            state_slots_used: states.capacity() - states.free_ids() - evictable_snapshots,
+            snapshot_slots_total: if self.cfg.cache_type == CacheType::HybridRadix {
+                states.snapshot_capacity()
+            } else {
+                0
+            },
+            snapshot_slots_used: states.snapshots_in_use(),
+            evictable_snapshots,
+            snapshot_hits: self.snapshot_hits,
+            snapshot_hit_tokens: self.snapshot_hit_tokens,
         }
     }
 
@@ -620,9 +777,11 @@ impl Scheduler {
         s
     }
 
-    /// Evicts every cached sequence no running request uses; returns the tokens freed (for an admin
-    /// `flush_cache` endpoint, and for tests that check the pool comes back whole).
+    /// Evicts every cached sequence no running request uses, and every snapshot no restore is pending
+    /// on; returns the KV tokens freed (for an admin `flush_cache` endpoint, and for tests that check the
+    /// pools come back whole).
     pub fn flush_cache(&mut self) -> usize {
+        self.kv.evict_snapshots(usize::MAX);
         self.kv.evict(usize::MAX)
     }
 
@@ -631,31 +790,45 @@ impl Scheduler {
         self.queue.is_empty() && self.running.is_empty()
     }
 
-    /// Cross-checks all bookkeeping: every KV page is free, cached or owned by exactly one request; tree
-    /// lock counts equal the running requests' locks; token counters and eviction order recount right;
-    /// rows and state slots are owned by exactly the running requests; reservations add up and are
-    /// covered by free + evictable KV. O(pool pages + tree nodes + requests); cheap enough when idle.
+    /// Cross-checks all bookkeeping: every KV page is free, cached or owned by exactly one request; every
+    /// state slot is free, a tree snapshot, a pending capture or a live slot of exactly one running
+    /// request; tree lock and snapshot-lock counts equal the running requests' locks; token counters and
+    /// eviction orders recount right; rows are owned by exactly the running requests; reservations add
+    /// up and are covered by free + evictable KV. O(pool pages + state slots + tree nodes + requests);
+    /// cheap enough when idle.
     pub fn check_integrity(&self) -> Result<(), String> {
         let ps = self.cfg.page_size;
-        let own_slots: Vec<&[u32]> = self.running.iter().map(|r| &r.slots[r.prefix.len..]).collect();
-        let locks: Vec<_> = self.running.iter().map(|r| r.prefix.node).collect();
-        self.kv.check_integrity(own_slots, &locks)?;
+        let holders = Holders {
+            kv_slots: self.running.iter().map(|r| &r.slots[r.prefix.len..]).collect(),
+            locks: self.running.iter().map(|r| r.prefix.node).collect(),
+            snapshot_locks: self.running.iter().filter(|r| r.prefix.restore.is_some()).map(|r| r.prefix.node).collect(),
+            live_states: self.running.iter().filter(|r| r.state_slot >= 0).map(|r| r.state_slot as u32).collect(),
+            pending_snapshots: self.running.iter().flat_map(|r| r.pending_snapshots.iter().map(|p| p.1)).collect(),
+        };
+        self.kv.check_integrity(&holders)?;
         self.rows.check_integrity()?;
-        self.state_slots.check_integrity()?;
         if self.rows.capacity() - self.rows.available() != self.running.len() {
             return Err("rows in use differ from running requests".into());
         }
         let hybrid = self.cfg.num_state_slots > 0;
-        if hybrid && self.state_slots.capacity() - self.state_slots.available() != self.running.len() {
-            return Err("state slots in use differ from running requests".into());
+        if hybrid && self.kv.states().live_in_use() != self.running.len() {
+            return Err("live state slots in use differ from running requests".into());
         }
         let mut reserved = 0;
         for r in &self.running {
             if !self.rows.is_in_use(r.row) {
                 return Err(format!("request {} holds row {} that is marked free", r.id, r.row));
             }
-            if hybrid != (r.state_slot >= 0) || (hybrid && !self.state_slots.is_in_use(r.state_slot as u32)) {
+            if hybrid != (r.state_slot >= 0) {
                 return Err(format!("request {} holds a bad state slot {}", r.id, r.state_slot));
+            }
+            if r.prefix.restore.is_some()
+                && (r.state_valid || self.kv.tree().state_slot(r.prefix.node) != r.prefix.restore)
+            {
+                return Err(format!("request {} has a pending restore that is not its node's snapshot", r.id));
+            }
+            if !r.pending_snapshots.is_empty() && r.in_flight.is_none() {
+                return Err(format!("request {} holds snapshot captures outside a step in flight", r.id));
             }
             let budget = self.kv.pages_for(r.prompt_len() + r.max_new_tokens as usize - 1);
             if r.slots.len() % ps != 0 || r.slots.len() / ps + r.reserved_pages != budget {
@@ -664,7 +837,8 @@ impl Scheduler {
             if !(r.prefix.len <= r.computed_len
                 && r.computed_len <= r.scheduled_len
                 && r.scheduled_len <= r.slots.len())
-                || r.table_sent != r.scheduled_len
+                || r.table_sent > r.scheduled_len
+                || (r.in_flight.is_some() && r.table_sent != r.scheduled_len)
             {
                 return Err(format!("request {} has inconsistent progress counters", r.id));
             }

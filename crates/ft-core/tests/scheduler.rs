@@ -25,6 +25,9 @@ fn small_cfg() -> SchedulerConfig {
         mixed_decode: true,
         decode_interleave_every: 0,
         num_state_slots: 0,
+        num_snapshot_slots: 0,
+        snapshot_interval: 64,
+        snapshot_token_id: None,
         seed: 7,
     }
 }

@@ -25,6 +25,11 @@ pub fn scheduler_config(args: &ServeArgs, info: &ModelInfo, num_state_slots: usi
         mixed_decode: args.decode_interleave_every == 0,
         decode_interleave_every: args.decode_interleave_every,
         num_state_slots,
+        // The hybrid radix cache (ft-core) is not switched on here yet: no snapshot slots, so every state
+        // slot is a live one and a hybrid model matches nothing, as before.
+        num_snapshot_slots: 0,
+        snapshot_interval: ft_core::config::GDN_CHUNK_TOKENS,
+        snapshot_token_id: None,
         seed: rand::random(),
     }
 }

@@ -5,6 +5,10 @@
 //! Decode batch, #running-req: 1, #token: 9000, token usage: 0.13, gen throughput (token/s): 80.12, #queue-req: 0
 //! ```
 //!
+//! Models with recurrent state (Gated DeltaNet) add FreeToken's `#mamba-slot: used/total, mamba usage: r, `
+//! after `token usage` in both lines (used: live slots of running requests plus snapshots locked or being
+//! captured; cached snapshots nothing locks count as free, as evictable KV does in `token usage`).
+//!
 //! One Prefill line per step that computes prompt tokens; one Decode line every `decode_log_interval` decode
 //! steps. Throughput = tokens since the previous line of the same kind / wall time since that line.
 
@@ -44,11 +48,12 @@ impl StatusLog {
             self.prefill_tps = summary.new_tokens as f64 / secs;
             self.last_prefill_line = Instant::now();
             tracing::info!(
-                "Prefill batch, #new-seq: {}, #new-token: {}, #cached-token: {}, token usage: {:.2}, #running-req: {}, #queue-req: {}, input throughput (token/s): {:.2}",
+                "Prefill batch, #new-seq: {}, #new-token: {}, #cached-token: {}, token usage: {:.2}, {}#running-req: {}, #queue-req: {}, input throughput (token/s): {:.2}",
                 summary.new_seqs,
                 summary.new_tokens,
                 summary.cached_tokens,
                 stats.token_usage,
+                mamba_part(stats),
                 stats.running,
                 stats.queued,
                 self.prefill_tps
@@ -64,10 +69,11 @@ impl StatusLog {
                 let secs = self.last_decode_line.elapsed().as_secs_f64().max(1e-9);
                 self.decode_tps = self.decode_tokens_since as f64 / secs;
                 tracing::info!(
-                    "Decode batch, #running-req: {}, #token: {}, token usage: {:.2}, gen throughput (token/s): {:.2}, #queue-req: {}",
+                    "Decode batch, #running-req: {}, #token: {}, token usage: {:.2}, {}gen throughput (token/s): {:.2}, #queue-req: {}",
                     stats.running,
                     stats.kv_used_tokens,
                     stats.token_usage,
+                    mamba_part(stats),
                     self.decode_tps,
                     stats.queued
                 );
@@ -83,5 +89,50 @@ impl StatusLog {
 
     pub fn last_decode_throughput(&self) -> f64 {
         self.decode_tps
+    }
+}
+
+/// FreeToken's `#mamba-slot: used/total, mamba usage: r, ` for models with recurrent state, empty otherwise.
+pub fn mamba_part(stats: &SchedulerStats) -> String {
+    if stats.state_slots_total == 0 {
+        return String::new();
+    }
+    format!(
+        "#mamba-slot: {}/{}, mamba usage: {:.2}, ",
+        stats.state_slots_used,
+        stats.state_slots_total,
+        stats.mamba_usage()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stats(used: usize, total: usize) -> SchedulerStats {
+        SchedulerStats {
+            running: 1,
+            queued: 0,
+            kv_used_tokens: 0,
+            kv_capacity_tokens: 1,
+            token_usage: 0.0,
+            cached_tokens_in_tree: 0,
+            evictable_tokens: 0,
+            free_rows: 0,
+            free_state_slots: 0,
+            state_slots_total: total,
+            state_slots_used: used,
+            snapshot_slots_total: 0,
+            snapshot_slots_used: 0,
+            evictable_snapshots: 0,
+            snapshot_hits: 0,
+            snapshot_hit_tokens: 0,
+        }
+    }
+
+    #[test]
+    fn mamba_slots_only_for_models_with_recurrent_state() {
+        assert_eq!(mamba_part(&stats(0, 0)), "");
+        assert_eq!(mamba_part(&stats(3, 12)), "#mamba-slot: 3/12, mamba usage: 0.25, ");
     }
 }

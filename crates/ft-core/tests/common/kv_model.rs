@@ -10,7 +10,7 @@
 use std::collections::{HashMap, HashSet};
 
 use ft_core::config::CacheType;
-use ft_core::scheduler::kv_cache::{CachedPrefix, KvCache};
+use ft_core::scheduler::kv_cache::{CachedPrefix, Holders, KvCache};
 
 /// One operation on the cache, as a scheduler would issue it.
 #[derive(Clone, Debug)]
@@ -108,7 +108,9 @@ impl Harness {
     /// Match in both and compare; stamps the model like the tree's LRU.
     fn matched(&mut self, q: &[u32]) -> (CachedPrefix, Vec<u32>) {
         let expected = self.model_match(q);
-        let (prefix, slots) = self.kv.match_prefix(q);
+        let m = self.kv.match_prefix(q);
+        assert_eq!(m.kv_len, m.slots.len(), "a radix match uses all the KV it finds");
+        let (prefix, slots) = (m.prefix, m.slots);
         self.clock += 1;
         assert_eq!(slots, expected, "match of {q:?} disagrees with the reference");
         assert_eq!(prefix.len, slots.len());
@@ -168,7 +170,7 @@ impl Harness {
                     let s = self.live.swap_remove(idx % self.live.len());
                     let computed = s.prefix.len + (*keep).min(s.tokens.len() - s.prefix.len);
                     let key = &s.tokens[..computed];
-                    let taken = self.kv.release(key, &s.slots, s.prefix, *insert);
+                    let taken = self.kv.release(key, &s.slots, s.prefix, *insert, None).taken;
                     if *insert {
                         self.clock += 1;
                         let aligned = computed - computed % self.ps;
@@ -266,7 +268,8 @@ impl Harness {
             self.live.iter().map(|s| s.prefix.node).chain(self.pins.iter().map(|p| p.prefix.node)).collect();
         let own: Vec<&[u32]> = self.live.iter().map(|s| &s.slots[s.prefix.len..]).collect();
         // 5. Slot conservation and exclusive ownership: free + tree + requests == capacity, no page twice.
-        self.kv.check_integrity(own.iter().copied(), &locks).unwrap_or_else(|e| panic!("integrity: {e}"));
+        let holders = Holders { kv_slots: own.clone(), locks, ..Holders::default() };
+        self.kv.check_integrity(&holders).unwrap_or_else(|e| panic!("integrity: {e}"));
         let mut seen = HashSet::new();
         let model_slots = self.model.values().flat_map(|e| e.slots.iter().copied());
         let own_slots = own.iter().flat_map(|s| s.iter().copied());

@@ -1,5 +1,7 @@
-//! Shared test support: the KV cache reference model and the fake worker for scheduler runs.
+//! Shared test support: the KV cache and hybrid cache reference models and the fake worker for scheduler
+//! runs.
 #![allow(dead_code)]
 
+pub mod hybrid_model;
 pub mod kv_model;
 pub mod sim;

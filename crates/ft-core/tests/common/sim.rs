@@ -6,6 +6,13 @@
 //! right K/V: a stale slot, one overwritten by another request, or a wrong prefix-cache hit shows up
 //! as a hash mismatch the next time any sequence reads that position. Sampled tokens are a function of
 //! the plan's `SampleSpec.seed` only (or scripted per request), so seeded requests are reproducible.
+//!
+//! For hybrid models it also keeps the recurrent-state slots: each holds `(tokens folded in, hash of those
+//! tokens)`, or nothing. It runs a plan the way the real worker does (state copies, then the forward, then
+//! the snapshot captures) and checks that every sequence continuing from its live slot (`prefix_len > 0`)
+//! finds exactly the state after its `prefix_len` tokens there: a restore from the wrong snapshot, a
+//! capture at the wrong `upto`, a snapshot slot handed out while still live, or a live slot reused too
+//! early shows up as a mismatch.
 
 use std::collections::{HashMap, HashSet};
 
@@ -24,6 +31,8 @@ struct WorkerSeq {
     prefix_hash: Vec<u64>,
     /// Positions whose KV this worker computed or found cached.
     kv_len: usize,
+    /// Whether its first chunk has run (its row's table belongs to it).
+    started: bool,
     /// Sampling seeds seen, in order.
     seeds: Vec<u64>,
 }
@@ -46,8 +55,23 @@ pub struct FakeWorker {
     table: Vec<Vec<u32>>,
     /// `row_owner[row]`.
     row_owner: Vec<Option<u64>>,
+    /// Requests that ended: a plan already in flight when one ended still runs on the device (its KV and
+    /// state writes land in slots the scheduler has freed), but nothing checks or keeps its row.
+    gone: HashSet<u64>,
     /// `pool[slot]`: prefix hash of the K/V written there.
     pool: Vec<Option<u64>>,
+    /// `states[slot]`: `(tokens folded in, hash of them)` of the recurrent state in each state slot.
+    states: Vec<Option<(usize, u64)>>,
+    /// Tokens per KV page, the snapshot grid and the special-token checkpoint, to check capture points.
+    page_size: usize,
+    grid: usize,
+    snapshot_token_id: Option<u32>,
+    /// State copies and snapshot captures run so far (anchor: off the grid, after the special token).
+    pub copies: usize,
+    pub captures: usize,
+    pub anchor_captures: usize,
+    /// A token sampled one draw in eight (to exercise `--enable-special-token-ckpt`), if set.
+    pub favourite: Option<u32>,
     /// Scripted tokens: `(request id, output index) -> token`.
     pub script: HashMap<(u64, usize), u32>,
 }
@@ -58,7 +82,16 @@ impl FakeWorker {
             seqs: HashMap::new(),
             table: vec![Vec::new(); cfg.max_running_requests],
             row_owner: vec![None; cfg.max_running_requests],
+            gone: HashSet::new(),
             pool: vec![None; cfg.kv_capacity_tokens],
+            states: vec![None; cfg.num_state_slots],
+            page_size: cfg.page_size,
+            grid: cfg.snapshot_grid(),
+            snapshot_token_id: cfg.snapshot_token_id,
+            copies: 0,
+            captures: 0,
+            anchor_captures: 0,
+            favourite: None,
             script: HashMap::new(),
         }
     }
@@ -77,6 +110,7 @@ impl FakeWorker {
                 *o = None;
             }
         }
+        self.gone.insert(id);
     }
 
     /// Sampling seeds the request saw, in order.
@@ -84,29 +118,63 @@ impl FakeWorker {
         &self.seqs[&id].seeds
     }
 
-    /// Runs a plan: checks it against the page table and the KV pool contents, writes the new K/V,
-    /// samples.
+    /// The state a slot holds: `(tokens folded in, their hash)`.
+    pub fn state(&self, slot: i32) -> Option<(usize, u64)> {
+        self.states[slot as usize]
+    }
+
+    /// Runs a plan: state copies first, then checks it against the page table, the KV pool and the state
+    /// slots, writes the new K/V and states, samples; snapshot captures last.
     pub fn execute(&mut self, plan: &StepPlan) -> StepOutput {
         let mut out = StepOutput::default();
+        // Restores: copy-on-write of a snapshot into a live slot, before the forward.
+        for c in &plan.state_copies {
+            let src = self.states[c.src as usize];
+            assert!(src.is_some(), "state copy from slot {} that holds no state", c.src);
+            self.states[c.dst as usize] = src;
+            self.copies += 1;
+        }
+        let mut final_states = Vec::new();
         for seq in &plan.seqs {
             let id = seq.request_id;
             let row = seq.row as usize;
             let ctx = seq.context_len() as usize;
             let s = self.seqs.get_mut(&id).unwrap_or_else(|| panic!("plan schedules unknown request {id}"));
-            if seq.table_from == 0 {
+            if self.gone.contains(&id) {
+                // Ended while this plan was in flight: the device still writes its KV and states.
+                s.hash_upto(ctx);
+                for (k, pos) in (seq.table_from as usize..ctx).enumerate() {
+                    if pos >= seq.prefix_len as usize {
+                        self.pool[seq.table_slots[k] as usize] = Some(s.prefix_hash[pos]);
+                    }
+                }
+                if seq.state_slot >= 0 {
+                    final_states.push((seq.state_slot, (ctx, s.prefix_hash[ctx - 1])));
+                }
+                if seq.sample.is_some() {
+                    out.tokens.push(0);
+                    out.logprobs.push(0.0);
+                }
+                continue;
+            }
+            if !s.started {
+                assert_eq!(seq.table_from, 0, "request {id}'s first chunk must send its whole table");
                 assert!(
                     self.row_owner[row].is_none(),
                     "request {id} starts in row {row} still owned by {:?}",
                     self.row_owner[row]
                 );
-                assert!(s.kv_len == 0, "request {id} sends its whole table twice");
                 assert!((seq.prefix_len as usize) < s.prompt_len, "a cache hit must leave a token to compute");
                 self.row_owner[row] = Some(id);
                 self.table[row].clear();
                 s.kv_len = seq.prefix_len as usize;
+                s.started = true;
             } else {
                 assert_eq!(self.row_owner[row], Some(id), "request {id} moved rows");
-                assert_eq!(seq.table_from as usize, self.table[row].len(), "table_from skips or repeats positions");
+                // A resend (after the tree swapped duplicate slots for its own) restarts below the end.
+                assert!(seq.table_from as usize <= self.table[row].len(), "table_from skips positions");
+                assert!(seq.table_from <= seq.prefix_len, "table_from past the new tokens");
+                self.table[row].truncate(seq.table_from as usize);
             }
             assert_eq!(seq.prefix_len as usize, s.kv_len, "prefix_len is not the KV the worker holds");
             assert_eq!(seq.table_slots.len(), ctx - seq.table_from as usize, "table_slots length");
@@ -132,17 +200,54 @@ impl FakeWorker {
                 self.pool[slot] = Some(s.prefix_hash[pos]);
             }
             s.kv_len = ctx;
+            if seq.state_slot >= 0 {
+                let p = seq.prefix_len as usize;
+                if p > 0 {
+                    let want = Some((p, s.prefix_hash[p - 1]));
+                    assert_eq!(
+                        self.states[seq.state_slot as usize], want,
+                        "request {id} continues at {p} from live slot {} holding another state",
+                        seq.state_slot
+                    );
+                }
+                final_states.push((seq.state_slot, (ctx, s.prefix_hash[ctx - 1])));
+            }
             let final_or_decode = ctx >= s.prompt_len;
             assert_eq!(seq.sample.is_some(), final_or_decode, "sample must be set exactly on the final chunk / decode");
             if let Some(spec) = &seq.sample {
                 assert_eq!(ctx, s.tokens.len(), "sampling before the previous token was fed back");
                 let n = s.tokens.len() - s.prompt_len;
-                let token =
-                    self.script.get(&(id, n)).copied().unwrap_or(100 + (splitmix64_mix(spec.seed) % 1000) as u32);
+                let drawn = splitmix64_mix(spec.seed);
+                let drawn = match self.favourite {
+                    Some(t) if drawn.is_multiple_of(8) => t,
+                    _ => 100 + (drawn % 1000) as u32,
+                };
+                let token = self.script.get(&(id, n)).copied().unwrap_or(drawn);
                 s.seeds.push(spec.seed);
                 s.tokens.push(token);
                 out.tokens.push(token);
                 out.logprobs.push(-0.5);
+            }
+        }
+        for (slot, state) in final_states {
+            self.states[slot as usize] = Some(state);
+        }
+        // Snapshots: the state after `upto` tokens of the sequence, after the forward.
+        for c in &plan.snapshots {
+            let seq = &plan.seqs[c.seq_index as usize];
+            let s = &self.seqs[&seq.request_id];
+            let upto = c.upto as usize;
+            assert!(upto > seq.prefix_len as usize && upto <= seq.context_len() as usize, "capture outside the step");
+            assert!(upto.is_multiple_of(self.page_size), "capture at {upto}: not a page boundary");
+            let anchor = self.snapshot_token_id.is_some_and(|t| s.tokens[upto - 1] == t);
+            assert!(
+                upto.is_multiple_of(self.grid) || anchor,
+                "capture at {upto}: off the grid and not after the anchor token"
+            );
+            self.states[c.slot as usize] = Some((upto, s.prefix_hash[upto - 1]));
+            self.captures += 1;
+            if !upto.is_multiple_of(self.grid) {
+                self.anchor_captures += 1;
             }
         }
         out
@@ -292,7 +397,27 @@ impl Sim {
                 );
             }
         }
-        assert!(plan.state_copies.is_empty() && plan.snapshots.is_empty());
+        let live: HashSet<i32> = plan.seqs.iter().map(|s| s.state_slot).filter(|&s| s >= 0).collect();
+        let mut dsts = HashSet::new();
+        for c in &plan.state_copies {
+            assert!(
+                c.src >= 0 && (c.src as usize) < self.cfg.num_state_slots && !live.contains(&c.src),
+                "bad copy source"
+            );
+            let seq =
+                plan.seqs.iter().find(|s| s.state_slot == c.dst).expect("a copy restores a live slot of the plan");
+            assert!(seq.table_from == 0 && seq.prefix_len > 0, "a restore outside a request's first chunk");
+            assert!(dsts.insert(c.dst), "two restores into one live slot");
+        }
+        let mut snap_slots = HashSet::new();
+        for c in &plan.snapshots {
+            assert!((c.seq_index as usize) < plan.seqs.len());
+            assert!(
+                c.slot >= 0 && (c.slot as usize) < self.cfg.num_state_slots && !live.contains(&c.slot),
+                "bad capture slot"
+            );
+            assert!(snap_slots.insert(c.slot), "two captures into one slot");
+        }
         let st = self.sched.stats();
         assert!(st.kv_used_tokens + st.evictable_tokens <= st.kv_capacity_tokens);
         assert!(st.running <= c.max_running_requests);
@@ -363,11 +488,16 @@ impl Sim {
         let st = self.sched.stats();
         assert_eq!(st.kv_used_tokens, 0, "an idle scheduler holds KV outside the cache");
         assert_eq!(st.free_rows, self.cfg.max_running_requests);
-        assert_eq!(st.free_state_slots, self.cfg.num_state_slots);
+        assert_eq!(st.free_state_slots, self.cfg.live_state_slots());
         assert_eq!(st.evictable_tokens, st.cached_tokens_in_tree, "idle: every cached token is evictable");
+        assert_eq!(st.state_slots_used, 0, "an idle scheduler holds state slots outside the cache");
+        assert_eq!(st.snapshot_slots_used, st.evictable_snapshots, "idle: every snapshot is evictable");
+        assert_eq!(st.snapshot_slots_used, self.sched.kv_cache().tree().num_snapshots(), "snapshots outside the tree");
         self.sched.flush_cache();
         let st = self.sched.stats();
         assert_eq!(st.cached_tokens_in_tree, 0);
+        assert_eq!(st.snapshot_slots_used, 0);
+        assert_eq!(self.sched.kv_cache().states().free_ids(), self.cfg.num_state_slots, "state slots not all free");
         assert_eq!(
             self.sched.kv_cache().allocator().free_pages(),
             self.sched.kv_cache().allocator().total_pages(),
