@@ -264,18 +264,6 @@ impl RadixTree {
         len
     }
 
-    /// KV slots of the whole path from the root to the end of `node`.
-    pub fn path_slots(&self, node: NodeId) -> Vec<u32> {
-        let mut parts = Vec::new();
-        let mut cur = node;
-        while cur != NodeId::ROOT {
-            assert!(self.nodes[cur.idx()].live, "path of an evicted radix node");
-            parts.push(&self.nodes[cur.idx()].value[..]);
-            cur = self.nodes[cur.idx()].parent.expect("non-root node has a parent");
-        }
-        parts.iter().rev().flat_map(|p| p.iter().copied()).collect()
-    }
-
     /// Length of the longest page-aligned prefix of `key`, rounding down.
     fn aligned(&self, len: usize) -> usize {
         len - len % self.page_size

@@ -60,7 +60,9 @@
 //!   bound is `prompt_len - 1`, the same prompt sent again (which matches `prompt[..len - 1]`) always finds
 //!   the snapshot at the last grid point below its length: SGLang's n-1 mid-edge miss (sglang#22935)
 //!   cannot happen. At commit each capture goes into the tree at once ([`KvCache::cache_snapshot`]), so
-//!   requests sharing a system prompt reuse it while the first one still runs.
+//!   requests sharing a system prompt reuse it while the first one still runs. (KV pages of the request
+//!   that the tree held already stay the request's until it ends: its page table is never resent, and a
+//!   plan sends `table_from == 0` only in a request's first step.)
 //! * Branch points are snapshotted deliberately: when the tree holds more of a new prompt's KV than the
 //!   snapshot it resumes from (`PrefixMatch::kv_len`: another cached sequence shares the prompt up to
 //!   there, then branches off), the request also captures the last grid point `<= kv_len`. The first
@@ -213,14 +215,17 @@ struct RunningRequest {
     /// The locked cached prefix: where the request's tree-owned KV ends. It starts as the match and moves
     /// down each time a snapshot of the request is cached while it runs.
     prefix: CachedPrefix,
-    /// KV slot of each position, whole pages: `slots[..prefix.len]` are the tree's, the rest the request's.
+    /// KV slot of each position (what the worker's page table holds), whole pages: `slots[prefix.len..]`
+    /// are the request's; below `prefix.len` they are the tree's, except `duplicates`.
     slots: Vec<u32>,
+    /// Pages below `prefix.len` the request computed itself although the tree held them too (found when a
+    /// snapshot of it was cached): still in its page table, the request's own, freed when it ends.
+    duplicates: Vec<u32>,
     /// Positions whose computation has been put in a plan.
     scheduled_len: usize,
     /// Positions whose KV the worker has written (committed steps only).
     computed_len: usize,
-    /// Positions whose slots the worker's page table holds (below `scheduled_len` when caching a snapshot
-    /// swapped some duplicate slots for the tree's: the next step resends from here).
+    /// Positions whose slots the worker's page table has received.
     table_sent: usize,
     /// Pages still to allocate to reach the whole budget (prompt + output); reserved at admission.
     reserved_pages: usize,
@@ -524,6 +529,7 @@ impl Scheduler {
             branch_point: (self.cfg.cache_type == CacheType::HybridRadix && branch > prefix.len).then_some(branch),
             prefix,
             slots: cached_slots,
+            duplicates: Vec::new(),
             scheduled_len: prefix.len,
             computed_len: prefix.len,
             table_sent: 0,
@@ -649,9 +655,8 @@ impl Scheduler {
             }
             for (upto, slot, cold) in std::mem::take(&mut r.pending_snapshots) {
                 let tokens = r.tokens(upto);
-                if let Some(pos) = self.kv.cache_snapshot(&tokens, &mut r.slots, &mut r.prefix, slot, cold) {
-                    r.table_sent = r.table_sent.min(pos);
-                }
+                let duplicates = self.kv.cache_snapshot(&tokens, &r.slots, &mut r.prefix, slot, cold);
+                r.duplicates.extend(duplicates);
             }
             let Some((token, logprob)) = sampled else { continue };
             r.output.push(token);
@@ -708,6 +713,7 @@ impl Scheduler {
         let live = (r.state_slot >= 0)
             .then(|| LiveState { slot: r.state_slot as u32, valid: r.state_valid && r.in_flight.is_none() });
         self.kv.release(&computed, &r.slots, r.prefix, insert, live);
+        self.kv.free_slots(&r.duplicates);
         self.reserved_pages -= r.reserved_pages;
         self.rows.free(r.row);
         self.events.push(match ending {
@@ -799,7 +805,7 @@ impl Scheduler {
     pub fn check_integrity(&self) -> Result<(), String> {
         let ps = self.cfg.page_size;
         let holders = Holders {
-            kv_slots: self.running.iter().map(|r| &r.slots[r.prefix.len..]).collect(),
+            kv_slots: self.running.iter().flat_map(|r| [&r.slots[r.prefix.len..], &r.duplicates[..]]).collect(),
             locks: self.running.iter().map(|r| r.prefix.node).collect(),
             snapshot_locks: self.running.iter().filter(|r| r.prefix.restore.is_some()).map(|r| r.prefix.node).collect(),
             live_states: self.running.iter().filter(|r| r.state_slot >= 0).map(|r| r.state_slot as u32).collect(),
@@ -837,8 +843,7 @@ impl Scheduler {
             if !(r.prefix.len <= r.computed_len
                 && r.computed_len <= r.scheduled_len
                 && r.scheduled_len <= r.slots.len())
-                || r.table_sent > r.scheduled_len
-                || (r.in_flight.is_some() && r.table_sent != r.scheduled_len)
+                || r.table_sent != r.scheduled_len
             {
                 return Err(format!("request {} has inconsistent progress counters", r.id));
             }

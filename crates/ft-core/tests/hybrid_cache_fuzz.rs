@@ -47,14 +47,14 @@ fn fuzz(seed: u64, ops: usize, capacity: usize, page: usize, grid: usize, live: 
 fn assert_exercised(h: &HybridHarness) {
     // The run must actually exercise the interesting paths, or it proves nothing.
     let report = format!(
-        "admitted {} refused {} restores {} captures {} (cold {}) swaps {} donations {} snapshot evictions {} \
+        "admitted {} refused {} restores {} captures {} (cold {}) over cached KV {} donations {} snapshot evictions {} \
          snapshots lost with KV {} evicted tokens {} tiered evictions {}",
         h.admitted,
         h.refused,
         h.restores,
         h.captures,
         h.cold_captures,
-        h.duplicate_swaps,
+        h.captures_over_cached_kv,
         h.donations,
         h.snapshot_evictions,
         h.snapshots_lost_with_kv,
@@ -64,7 +64,10 @@ fn assert_exercised(h: &HybridHarness) {
     eprintln!("{report}");
     assert!(h.admitted > 10_000 && h.refused > 100, "{report}");
     assert!(h.restores > 2_000 && h.captures > 1_000 && h.cold_captures > 300 && h.donations > 500, "{report}");
-    assert!(h.duplicate_swaps > 100 && h.snapshot_evictions > 1_000 && h.snapshots_lost_with_kv > 50, "{report}");
+    assert!(
+        h.captures_over_cached_kv > 100 && h.snapshot_evictions > 1_000 && h.snapshots_lost_with_kv > 50,
+        "{report}"
+    );
     assert!(h.evicted_tokens > 10_000 && h.tiered_evictions > 20, "{report}");
 }
 

@@ -62,7 +62,7 @@ proptest! {
 }
 
 /// A hand-written sequence that walks each path once, so a broken harness shows up even if the random
-/// search were to miss: restore, capture with a duplicate swap, donation, tombstone, tiered KV eviction.
+/// search were to miss: restore, capture over cached KV (duplicates), donation, tombstone, tiered KV eviction.
 #[test]
 fn scripted_sequence_covers_restore_capture_donation_and_both_evictions() {
     let mut h = HybridHarness::new(16, 1, 2, 2, 2);
@@ -76,8 +76,8 @@ fn scripted_sequence_covers_restore_capture_donation_and_both_evictions() {
     h.apply(&HOp::Finish { idx: 0, keep: 0, insert: true, donate: true }); // restore pending: no donation
     assert_eq!(h.donations, 1);
     h.apply(&HOp::Admit(vec![1, 2, 9, 9])); // no snapshot on [1 2]: recomputes, KV [1 2] is a duplicate
-    h.apply(&HOp::Capture { idx: 0, pick: 0, cold: false }); // capture at 2 swaps the duplicate slots for the tree's
-    assert_eq!(h.duplicate_swaps, 1);
+    h.apply(&HOp::Capture { idx: 0, pick: 0, cold: false }); // capture at 2: [1 2] was cached, ours is a duplicate
+    assert_eq!(h.captures_over_cached_kv, 1);
     h.apply(&HOp::EvictSnapshots(1)); // the oldest unlocked snapshot (at 4) is tombstoned
     h.apply(&HOp::Finish { idx: 0, keep: 2, insert: true, donate: true }); // full: evicts one more to donate
     h.apply(&HOp::Admit(vec![7; 12])); // KV pressure: snapshot-less leaves go first

@@ -15,6 +15,8 @@
 //!             restored(prefix)                                hybrid: its first step copied the snapshot
 //!             alloc_snapshot() ... cache_snapshot(..)         hybrid: a capture taken at a grid point goes into
 //!                                                             the tree, the request's lock moves down to it
+//!                                                             (KV the tree had already stays the request's
+//!                                                             duplicate until free_slots at its end)
 //!   finish:   release(tokens with KV, slots, prefix,          radix: insert the computed tokens, free the
 //!                     insert, live state)                     duplicates and the unaligned tail, unlock;
 //!                                                             hybrid_radix: donate the live state to the node
@@ -94,7 +96,7 @@ pub struct Released {
 /// Who holds what outside the tree and the free lists, for [`KvCache::check_integrity`].
 #[derive(Clone, Debug, Default)]
 pub struct Holders<'a> {
-    /// The KV slots each request owns itself (past its cached prefix).
+    /// The KV slots each request owns itself (past its cached prefix, and duplicates below it).
     pub kv_slots: Vec<&'a [u32]>,
     /// The node each request (or other user) locked.
     pub locks: Vec<NodeId>,
@@ -283,40 +285,44 @@ impl KvCache {
     /// (a whole number of pages, all with KV written: `slots[..tokens.len()]`). The computed prefix goes
     /// into the tree now (so other requests can resume from it while this one still runs), the snapshot is
     /// attached to the node ending there (or freed, if that node already owns one), and the request's lock
-    /// moves down to that node: `prefix` becomes it and the request's first `tokens.len()` slots become
-    /// the tree's. Where the tree already held KV for some of those positions (cached meanwhile by
-    /// another request), the request's duplicates are freed and `slots` is rewritten with the tree's;
-    /// returns the first position whose slot changed (the worker's page table must be resent from there),
-    /// or `None`. `cold`: an intermediate chunk end (see [`RadixTree::set_snapshot`]).
+    /// moves down to that node: `prefix` becomes it.
+    ///
+    /// Where the tree already held KV for some of those positions (KV-only nodes past the snapshot the
+    /// request resumed from, or cached meanwhile by another request), the tree keeps its own slots and the
+    /// request keeps its duplicates for the rest of its life: its page table already points at them, so
+    /// nothing is resent (a plan sends `table_from == 0` only in a request's first step). Returns those
+    /// duplicate slots; the caller owns them from now on, beside its slots past `prefix.len`, and gives
+    /// them back with [`KvCache::free_slots`] when the request ends. `cold`: an intermediate chunk end (see
+    /// [`RadixTree::set_snapshot`]).
     pub fn cache_snapshot(
         &mut self,
         tokens: &[u32],
-        slots: &mut [u32],
+        slots: &[u32],
         prefix: &mut CachedPrefix,
         slot: u32,
         cold: bool,
-    ) -> Option<usize> {
+    ) -> Vec<u32> {
         let g = tokens.len();
         assert_eq!(self.cache_type, CacheType::HybridRadix, "snapshots need the hybrid radix cache");
         assert!(g > prefix.len && g <= slots.len(), "snapshot at {g} outside the request's computed tokens");
         assert!(prefix.restore.is_none(), "a snapshot taken before the restore it continues from has run");
         let (already, node) = self.tree.insert_at(tokens, &slots[..g]);
         debug_assert!(already >= prefix.len, "a locked prefix went missing from the tree");
-        let mut changed = None;
-        if already > prefix.len {
-            // Positions prefix.len..already were cached by someone else meanwhile: ours are duplicates.
-            self.allocator.free(&slots[prefix.len..already]);
-            let tree_slots = self.tree.path_slots(node);
-            slots[prefix.len..already].copy_from_slice(&tree_slots[prefix.len..already]);
-            changed = Some(prefix.len);
-        }
+        // Positions prefix.len..already were in the tree already: ours are duplicates the request keeps.
+        let duplicates = slots[prefix.len..already.max(prefix.len)].to_vec();
         self.tree.lock(node);
         self.tree.unlock(prefix.node);
         *prefix = CachedPrefix { node, len: g, restore: None };
         if !self.tree.set_snapshot(node, slot, cold) {
             self.states.free(slot);
         }
-        changed
+        duplicates
+    }
+
+    /// Frees KV pages a request owns outside its slots past the prefix (the duplicates
+    /// [`KvCache::cache_snapshot`] left it), as it ends.
+    pub fn free_slots(&mut self, slots: &[u32]) {
+        self.allocator.free(slots);
     }
 
     /// Ends a request's use of the pool. `slots` are all the slots it holds by position (the first

@@ -15,8 +15,9 @@
 //! * KV eviction never takes a locked prefix, takes snapshot-less leaves before leaves with a snapshot
 //!   and LRU within each group, and frees a node's snapshot with it, so every snapshot's prefix is always
 //!   KV-cached (KV is never freed under a snapshot);
-//! * inserts report the tokens taken over; captures move the request's lock down and swap duplicate slots
-//!   for the tree's (reporting where the page table must be resent); donation follows the finish rule;
+//! * inserts report the tokens taken over; captures move the request's lock down and hand back the
+//!   request's duplicates of KV the tree already had (it keeps them until it ends); donation follows the
+//!   finish rule;
 //! * both pools are conserved: every KV page free / cached / request-owned, every state slot free / live /
 //!   snapshot, none owned twice; live and snapshot counts within their caps.
 
@@ -55,6 +56,8 @@ pub enum HOp {
 struct Req {
     tokens: Vec<u32>,
     slots: Vec<u32>,
+    /// Its own pages below `prefix.len` (duplicates of the tree's), freed when it ends.
+    duplicates: Vec<u32>,
     prefix: CachedPrefix,
     live: u32,
     computed: usize,
@@ -110,7 +113,7 @@ pub struct HybridHarness {
     pub restored_tokens: usize,
     pub captures: usize,
     pub cold_captures: usize,
-    pub duplicate_swaps: usize,
+    pub captures_over_cached_kv: usize,
     pub donations: usize,
     pub snapshot_evictions: usize,
     pub snapshots_lost_with_kv: usize,
@@ -142,7 +145,7 @@ impl HybridHarness {
             restored_tokens: 0,
             captures: 0,
             cold_captures: 0,
-            duplicate_swaps: 0,
+            captures_over_cached_kv: 0,
             donations: 0,
             snapshot_evictions: 0,
             snapshots_lost_with_kv: 0,
@@ -303,7 +306,15 @@ impl HybridHarness {
                                 self.restores += 1;
                                 self.restored_tokens += prefix.len;
                             }
-                            self.reqs.push(Req { tokens: tokens.clone(), slots, prefix, live, computed: prefix.len });
+                            let duplicates = Vec::new();
+                            self.reqs.push(Req {
+                                tokens: tokens.clone(),
+                                slots,
+                                duplicates,
+                                prefix,
+                                live,
+                                computed: prefix.len,
+                            });
                             self.admitted += 1;
                         }
                         None => {
@@ -369,6 +380,7 @@ impl HybridHarness {
                     }
                     let live = Some(LiveState { slot: r.live, valid });
                     let out = self.kv.release(key, &r.slots, r.prefix, *insert, live);
+                    self.kv.free_slots(&r.duplicates);
                     assert_eq!(out.taken, taken, "tree took over a different number of tokens than the model");
                     assert_eq!(out.donated, donated, "donation of {key:?} disagrees with the model");
                 }
@@ -406,8 +418,7 @@ impl HybridHarness {
         let p = r.prefix.len;
         let own = r.slots[..g].to_vec();
         let (already, _) = self.model_insert(&key, &own);
-        let expected_change = (already > p).then_some(p);
-        let expected_slots = self.chain_slots(&key, g);
+        let expected_duplicates = own[p..already.max(p)].to_vec();
         let dup = self.snaps.contains_key(&key);
         if !dup {
             let stamp = if cold {
@@ -422,14 +433,14 @@ impl HybridHarness {
             }
         }
         let r = &mut self.reqs[i];
-        let changed = self.kv.cache_snapshot(&key, &mut r.slots, &mut r.prefix, slot, cold);
-        assert_eq!(changed, expected_change, "capture at {g}: first resent position");
-        assert_eq!(&r.slots[..g], &expected_slots[..], "capture at {g}: the request's slots are not the tree's");
+        let duplicates = self.kv.cache_snapshot(&key, &r.slots, &mut r.prefix, slot, cold);
+        assert_eq!(duplicates, expected_duplicates, "capture at {g}: the request's duplicates of the tree's KV");
         assert_eq!((r.prefix.len, r.prefix.restore), (g, None), "capture at {g}: lock did not move down");
         self.captures += 1;
-        if expected_change.is_some() {
-            self.duplicate_swaps += 1;
+        if !duplicates.is_empty() {
+            self.captures_over_cached_kv += 1;
         }
+        r.duplicates.extend(duplicates);
     }
 
     fn check(&mut self, kv_evict: Option<(usize, LeafInfo)>, snap_victims: HashSet<Vec<u32>>) {
@@ -517,7 +528,7 @@ impl HybridHarness {
         let unlocked_snaps = self.snaps.keys().filter(|k| !snap_locked.contains_key(*k)).count();
         assert_eq!(t.evictable_snapshots(), unlocked_snaps, "evictable snapshots");
         // 6. The cache's own structural check with the harness's holdings.
-        let own: Vec<&[u32]> = self.reqs.iter().map(|r| &r.slots[r.prefix.len..]).collect();
+        let own: Vec<&[u32]> = self.reqs.iter().flat_map(|r| [&r.slots[r.prefix.len..], &r.duplicates[..]]).collect();
         let holders = Holders {
             kv_slots: own.clone(),
             locks: self.reqs.iter().map(|r| r.prefix.node).chain(self.pins.iter().map(|p| p.prefix.node)).collect(),
@@ -550,10 +561,14 @@ impl HybridHarness {
         for id in self.reqs.iter().map(|r| r.live).chain(self.snaps.values().map(|s| s.slot)) {
             assert!(ids.insert(id), "state slot {id} held twice");
         }
-        // 9. Every request's locked prefix is still the tree's, and a pending restore names its snapshot.
+        // 9. Every request's locked prefix is still the tree's (where the request does not read its own
+        // duplicate), and a pending restore names its snapshot.
         for r in &self.reqs {
             let p = r.prefix.len;
-            assert_eq!(&r.slots[..p], &self.chain_slots(&r.tokens, p)[..], "request lost its locked prefix");
+            let tree_slots = self.chain_slots(&r.tokens, p);
+            for (i, s) in r.slots[..p].iter().enumerate() {
+                assert!(*s == tree_slots[i] || r.duplicates.contains(s), "request lost its locked prefix at {i}");
+            }
             assert_eq!(self.kv.tree().depth(r.prefix.node), p);
             if let Some(s) = r.prefix.restore {
                 assert_eq!(self.snaps[&r.tokens[..p]].slot, s, "pending restore of a different snapshot");
