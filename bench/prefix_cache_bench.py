@@ -34,7 +34,7 @@ def run(srv: ServerProcess, reqs: list[list[dict]], max_tokens: int) -> dict:
     ttfts, cached, prompt = [], 0, 0
     t0 = time.perf_counter()
     for messages in reqs:  # sequential: TTFT then measures prefill, not queueing
-        body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+        body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}}
         start, first = time.perf_counter(), None
         with requests.post(srv.url + "/v1/chat/completions", json=body, stream=True, timeout=600) as r:

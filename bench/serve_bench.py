@@ -33,7 +33,7 @@ def long_prompt(n_words: int) -> str:
 
 def stream_completion(url: str, prompt: str, max_tokens: int, timeout: float = 600) -> dict:
     """One streaming /v1/completions request; returns TTFT, the inter-token gaps and usage."""
-    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     stamps, usage, error = [], None, None

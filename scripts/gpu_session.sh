@@ -17,7 +17,7 @@ OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 # FREETOKEN_TEST_ALLOW_FLA: keep fla importable in the test process too (tests/hf_reference.py blocks it otherwise)
-export PYTHONPATH=/tmp/site:$PWD/python FREETOKEN_CACHE=$PWD/.gpucache PYTHONUNBUFFERED=1 FREETOKEN_TEST_ALLOW_FLA=1
+export PYTHONPATH=/tmp/site:$PWD/python FREETOKEN_CACHE_DIR=$PWD/.gpucache PYTHONUNBUFFERED=1 FREETOKEN_TEST_ALLOW_FLA=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 SECTIONS=${SECTIONS:-tests serve offload}

@@ -79,7 +79,7 @@ def _state_slot(w, row):
 
 def _drive(w, steps: int = 6) -> list:
     """Three prompts prefilled together, then decode steps over changing subsets (batch sizes 3, 2, 1: padded to
-    4, 2, 1), greedy and seeded sampling mixed. Returns every step's (tokens, logprobs)."""
+    4, 2, 1), greedy, seeded sampling and penalties mixed. Returns every step's (tokens, logprobs)."""
     seqs = {0: Seq(0, [5, 17, 23, 99, 3, 41], 0), 2: Seq(2, [7, 8, 9, 10], 300, 2), 3: Seq(3, [100, 3, 3], 700)}
     out = []
     items = [dict(s.item(sample=GREEDY), state_slot=_state_slot(w, r)) for r, s in seqs.items()]
@@ -89,7 +89,10 @@ def _drive(w, steps: int = 6) -> list:
     out.append((toks, lps))
     for step in range(1, steps + 1):
         live = [r for r in seqs if step <= {0: steps, 2: 3, 3: 4}[r]]
-        sample = lambda r: {"temperature": 0.8, "top_p": 0.9, "seed": 1000 * step + r} if r == 2 else GREEDY  # noqa: E731
+        def sample(r):  # row 2 samples, row 3 is greedy under penalties, row 0 plain greedy
+            if r == 2:
+                return {"temperature": 0.8, "top_p": 0.9, "seed": 1000 * step + r}
+            return {"temperature": 0.0, "presence_penalty": 0.5, "frequency_penalty": 0.7} if r == 3 else GREEDY
         items = [dict(seqs[r].item(sample=sample(r)), state_slot=_state_slot(w, r)) for r in live]
         plan = encode_plan(items, step_id=step)
         assert decode_inputs(plan, 4) is not None

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hf_reference as R
-from freetoken.layers.moe import experts_factory
+from freetoken.layers.fused_linear import fuse_projections
 from freetoken.models.base import ModelConfig
 from freetoken.models.registry import model_class
 from freetoken.moe.offload import ExpertOffload
@@ -93,9 +93,10 @@ def hf():
 def _offloaded(hf, slots: int, device: str = "cpu"):
     cfg = ModelConfig.from_dict(CONFIG)
     off = ExpertOffload(torch.device(device), torch.float32, top_k=2)
-    with experts_factory(off.make_experts), torch.device(device):
-        model = model_class(cfg)(cfg).float().eval()
+    with torch.device(device):
+        model = model_class(cfg)(cfg, experts_factory=off.make_experts).float().eval()
     model.load_weights(list(hf.state_dict().items()))
+    fuse_projections(model)
     off.finish_loading()
     off.allocate_cache(slots)
     return model, off

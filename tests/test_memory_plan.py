@@ -63,7 +63,7 @@ def test_worker_logs_the_plan_on_cpu(tiny_llama_dir):
         logging.getLogger("freetoken").removeHandler(lines)
     assert w.memory_plan.kv_tokens == 512 and w.memory_plan.workspace is None
     assert any(line.startswith("Memory plan (cpu):") for line in lines.lines), lines.lines
-    w._dry_run(128)  # the CUDA start-up's dry run path, on the scratch row and slots
+    w.dry_run(128)  # the CUDA start-up's dry run path, on the scratch row and slots
     assert w.execute_plan(_one_prompt(range(1, 9)), _allow_scratch=False).tokens
 
 

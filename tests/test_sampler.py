@@ -139,3 +139,12 @@ def test_sampling_runs_without_host_sync():
     with no_host_sync():
         greedy_tokens(logits)
         draw_tokens(logits, p["temperature"], p["top_p"], p["top_k"], p["min_p"], p["seeds"])
+
+
+def test_penalties_subtract_presence_once_and_frequency_per_count():
+    from freetoken.layers.sampler import apply_penalties
+
+    logits = torch.zeros(2, 5)
+    counts = torch.tensor([[0, 1, 3, 0, 0], [2, 0, 0, 0, 1]], dtype=torch.int32)
+    out = apply_penalties(logits, counts, torch.tensor([0.5, 0.0]), torch.tensor([0.25, 1.0]))
+    assert torch.allclose(out, torch.tensor([[0, -0.75, -1.25, 0, 0], [-2.0, 0, 0, 0, -1.0]]))

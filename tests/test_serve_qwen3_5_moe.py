@@ -41,7 +41,8 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    srv = ServerProcess(["--model-path", checkpoint[0], "--max-running-requests", "4", "--num-tokens", "4096",
+    srv = ServerProcess(["--model-path", checkpoint[0], "--served-model-name", "tiny", "--max-running-requests", "4",
+                         "--num-tokens", "4096",
                          "--max-seq-len-override", "1024"])
     yield srv
     assert srv.stop() == 0, srv.log()[-3000:]
@@ -79,7 +80,8 @@ def test_expert_offload_launch_line_serves_the_same_greedy_tokens(checkpoint):
     """The brief's launch line shape (--moe-backend offload --moe-cache-size N), with a cache far smaller than the
     model's 32 experts: greedy completions still equal HF's, and /v1/stats counts the cache's hits and misses."""
     _, hf = checkpoint
-    srv = ServerProcess(["--model-path", checkpoint[0], "--max-running-requests", "1", "--max-seq-len-override",
+    srv = ServerProcess(["--model-path", checkpoint[0], "--served-model-name", "tiny", "--max-running-requests", "1",
+                         "--max-seq-len-override",
                          "1024", "--moe-backend", "offload", "--moe-cache-size", "6", "--num-tokens", "4096"])
     try:
         log = srv.log()

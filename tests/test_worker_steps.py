@@ -43,6 +43,8 @@ def encode_plan(seqs: list[dict], step_id: int = 0, kind: str | None = None, ver
         "top_p": f32(p.get("top_p", 1.0) for _, p in sampled),
         "top_k": i32(p.get("top_k", 0) for _, p in sampled),
         "min_p": f32(p.get("min_p", 0.0) for _, p in sampled),
+        "presence_penalty": f32(p.get("presence_penalty", 0.0) for _, p in sampled),
+        "frequency_penalty": f32(p.get("frequency_penalty", 0.0) for _, p in sampled),
         "seeds": i64(u64(p.get("seed", 0)) for _, p in sampled),
         "copy_src": i32(c[0] for c in copies),
         "copy_dst": i32(c[1] for c in copies),
@@ -252,3 +254,20 @@ def test_cuda_worker_matches_cpu(worker, tiny_llama_dir):
                   "load_progress": False})
     got = wbf.forward_logits(ids).cpu()
     assert got.dtype == torch.float32 and (got - ref).abs().max().item() < 0.05
+
+
+def test_frequency_penalty_forbids_repeats_and_counts_start_fresh_with_each_request(worker):
+    """A large frequency penalty makes greedy decoding avoid every token it generated; the counts belong to the
+    request, so a new request in the same row starts from none (its first token is the unpenalized argmax)."""
+    strong = {"temperature": 0.0, "frequency_penalty": 50.0}
+    seq = Seq(2, [7, 7, 7, 7], slot_base=0)
+    got = []
+    for step in range(12):
+        toks, _, _ = worker.execute(encode_plan([seq.item(sample=strong)], step_id=step))
+        seq.advance(len(seq.tokens) - seq.cached, toks[0])
+        got.append(toks[0])
+    assert len(set(got)) == len(got), got
+    fresh = Seq(2, [7, 7, 7, 7], slot_base=600)  # a new request in the same row
+    toks, lps, _ = worker.execute(encode_plan([fresh.item(sample=strong)], step_id=99))
+    want, want_lp = _ref_next(worker, fresh.tokens)
+    assert toks == [want] and abs(lps[0] - want_lp) < 1e-4  # logprobs stay the model's own

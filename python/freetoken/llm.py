@@ -7,6 +7,7 @@ logits of one sequence for tests and notebooks.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
@@ -14,10 +15,15 @@ from typing import Optional, Sequence, Union
 
 @dataclass
 class SamplingParams:
+    """The OpenAI-named sampling fields; checked by the server's validation layer (a bad value raises
+    ``ValueError`` naming the field)."""
+
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: Optional[int] = None
     max_tokens: int = 64
     ignore_eos: bool = False
@@ -39,23 +45,11 @@ class LLM:
         from . import _core
         from .worker import Worker
 
-        args = {"model_path": model_path, **worker_args}
-        self.worker = Worker(args)
+        self.worker = Worker({"model_path": model_path, **worker_args})
         self.info = self.worker.info()
         self._tokenizer = None
-        config = {
-            "max_running_requests": int(args.get("max_running_requests") or 4),
-            "max_prefill_tokens": int(args.get("max_prefill_length") or 8192),
-            "kv_capacity_tokens": int(self.info["kv_capacity_tokens"]),
-            "page_size": int(args.get("page_size") or 1),
-            "max_context": int(self.info["max_context"]),
-            "cache_type": args.get("cache_type") or "radix",
-            "num_state_slots": int(self.info.get("num_state_slots", 0)),
-        }
-        if args.get("decode_interleave_every") is not None:
-            config["decode_interleave_every"] = int(args["decode_interleave_every"])
-            config["mixed_decode"] = False
-        self.engine = _core.OfflineEngine(self.worker, config)
+        # the scheduler as `ft serve` configures it, from the worker's settings and engine description
+        self.engine = _core.OfflineEngine(self.worker)
         self._ids = itertools.count(1)
 
     @property
@@ -91,9 +85,7 @@ class LLM:
             rid = next(self._ids)
             order.append(rid)
             outputs[rid] = RequestOutput(prompt_token_ids=ids)
-            self.engine.add_request(
-                rid, ids, sp.max_tokens, sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.seed, stop_ids, sp.ignore_eos
-            )
+            self.engine.add_request(rid, ids, dataclasses.asdict(sp))
         while not self.engine.is_idle():
             for kind, rid, a, b in self.engine.step():
                 out = outputs.get(rid)

@@ -71,7 +71,7 @@ class MemoryPlan:
             *offload,
             (f"KV cache ({self.kv_tokens} tokens)", g(self.kv_bytes)),
             ("KV scratch (dry run, logits)", g(self.scratch_kv_bytes)),
-            ("recurrent state", g(self.state_bytes)),
+            ("recurrent state, output token counts", g(self.state_bytes)),
             (f"prefill workspace ({self.workspace_tokens}-token chunk)", g(self.workspace)),
             *([("decode CUDA graphs (planned / captured)", f"{g(self.graph_bytes)} / {g(self.graph_pool_bytes)}")]
               if self.graph_bytes is not None or self.graph_pool_bytes is not None else []),

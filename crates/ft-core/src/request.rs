@@ -8,13 +8,25 @@ pub struct SamplingParams {
     pub top_p: f32,
     pub top_k: i32,
     pub min_p: f32,
+    /// Subtracted from the logit of every token the request generated before (OpenAI's presence penalty).
+    pub presence_penalty: f32,
+    /// Times how often the request generated each token before (OpenAI's frequency penalty).
+    pub frequency_penalty: f32,
     /// `None`: the scheduler draws a random seed at admission.
     pub seed: Option<u64>,
 }
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams { temperature: 0.0, top_p: 1.0, top_k: 0, min_p: 0.0, seed: None }
+        SamplingParams {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: None,
+        }
     }
 }
 

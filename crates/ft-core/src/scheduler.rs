@@ -254,6 +254,8 @@ impl RunningRequest {
             top_p: s.top_p,
             top_k: s.top_k,
             min_p: s.min_p,
+            presence_penalty: s.presence_penalty,
+            frequency_penalty: s.frequency_penalty,
             seed: sample_seed(self.seed, self.output.len() as u64),
         }
     }

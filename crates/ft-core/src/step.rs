@@ -14,7 +14,7 @@
 //! before the forward (restore a snapshot into a live slot: copy-on-write), `snapshots` after it.
 
 /// Bumped on every change to [`StepPlan`] / [`StepOutput`] or their flat encoding.
-pub const STEP_CONTRACT_VERSION: u32 = 1;
+pub const STEP_CONTRACT_VERSION: u32 = 2;
 
 /// How a sequence samples its next token this step.
 #[derive(Clone, Debug, PartialEq)]
@@ -27,6 +27,9 @@ pub struct SampleSpec {
     pub top_k: i32,
     /// 0.0 disables min-p filtering.
     pub min_p: f32,
+    /// OpenAI's presence and frequency penalties over the tokens the request generated (0.0 disables).
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
     /// Seed of this draw: derived from the request seed and the output position, so a seeded request
     /// samples the same tokens whatever the batch it runs in.
     pub seed: u64,

@@ -7,42 +7,54 @@
 mod offline;
 mod py_worker;
 
-use ft_server::backend::ModelInfo;
+use ft_server::backend::EngineDescription;
 use ft_server::cli::Command;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use py_worker::PyWorker;
 
-/// Reads the worker's `info()` dict into the HTTP side's [`ModelInfo`].
-fn model_info(info: &Bound<'_, PyDict>) -> PyResult<ModelInfo> {
-    fn get<'py, T: FromPyObject<'py>>(d: &Bound<'py, PyDict>, k: &str) -> PyResult<Option<T>> {
-        match d.get_item(k)? {
-            Some(v) if !v.is_none() => Ok(Some(v.extract()?)),
-            _ => Ok(None),
-        }
+/// Reads the worker's `info()` dict (its engine description) strictly: a key that is missing or of the wrong
+/// type is a start-up error naming it, never a default.
+pub(crate) fn engine_description(info: &Bound<'_, PyDict>) -> PyResult<EngineDescription> {
+    fn req<'py, T: FromPyObject<'py>>(d: &Bound<'py, PyDict>, k: &str) -> PyResult<T> {
+        let v = d.get_item(k)?.ok_or_else(|| {
+            pyo3::exceptions::PyKeyError::new_err(format!("the worker's engine description lacks {k:?}"))
+        })?;
+        v.extract().map_err(|e| pyo3::exceptions::PyTypeError::new_err(format!("engine description {k:?}: {e}")))
     }
-    Ok(ModelInfo {
-        served_model_name: get(info, "served_model_name")?.unwrap_or_default(),
-        architecture: get(info, "architecture")?.unwrap_or_default(),
-        max_context: get(info, "max_context")?.unwrap_or(4096),
-        vocab_size: get(info, "vocab_size")?.unwrap_or(0),
-        tokenizer_path: get::<String>(info, "tokenizer_path")?.unwrap_or_default().into(),
-        chat_template: get(info, "chat_template")?,
-        bos_token: get(info, "bos_token")?,
-        eos_token: get(info, "eos_token")?,
-        eos_token_ids: get(info, "eos_token_ids")?.unwrap_or_default(),
-        add_bos_token: get(info, "add_bos_token")?.unwrap_or(false),
-        bos_token_id: get(info, "bos_token_id")?,
-        kv_capacity_tokens: get(info, "kv_capacity_tokens")?.unwrap_or(0),
-        planned_workspace_bytes: get(info, "planned_workspace_bytes")?,
-        generation_defaults: generation_defaults(info)?,
+    let version: u32 = req(info, "step_contract_version")?;
+    if version != ft_core::step::STEP_CONTRACT_VERSION {
+        return Err(pyo3::exceptions::PyRuntimeError::new_err(format!(
+            "step contract mismatch: worker speaks version {version}, engine {}",
+            ft_core::step::STEP_CONTRACT_VERSION
+        )));
+    }
+    Ok(EngineDescription {
+        served_model_name: req(info, "served_model_name")?,
+        model_aliases: req(info, "model_aliases")?,
+        architecture: req(info, "architecture")?,
+        max_context: req(info, "max_context")?,
+        vocab_size: req(info, "vocab_size")?,
+        kv_capacity_tokens: req(info, "kv_capacity_tokens")?,
+        num_state_slots: req(info, "num_state_slots")?,
+        cache_types: req(info, "cache_types")?,
+        tokenizer_path: req::<String>(info, "tokenizer_path")?.into(),
+        chat_template: req(info, "chat_template")?,
+        bos_token: req(info, "bos_token")?,
+        eos_token: req(info, "eos_token")?,
+        eos_token_ids: req(info, "eos_token_ids")?,
+        add_bos_token: req(info, "add_bos_token")?,
+        bos_token_id: req(info, "bos_token_id")?,
+        planned_workspace_bytes: req(info, "planned_workspace_bytes")?,
+        cuda_graph_sizes: req(info, "cuda_graph_sizes")?,
+        dtype: req(info, "dtype")?,
+        device: req(info, "device")?,
+        generation_defaults: generation_defaults(&req(info, "generation_config")?)?,
     })
 }
 
 /// The model's `generation_config.json` sampling values (temperature, top_p, top_k, min_p), if it has any.
-fn generation_defaults(info: &Bound<'_, PyDict>) -> PyResult<Option<ft_core::request::SamplingParams>> {
-    let Some(gen) = info.get_item("generation_config")? else { return Ok(None) };
-    let Ok(gen) = gen.downcast::<PyDict>() else { return Ok(None) };
+fn generation_defaults(gen: &Bound<'_, PyDict>) -> PyResult<Option<ft_core::request::SamplingParams>> {
     let f = |k: &str| -> PyResult<Option<f64>> {
         match gen.get_item(k)? {
             Some(v) if !v.is_none() => Ok(v.extract::<f64>().ok()),
@@ -58,24 +70,16 @@ fn generation_defaults(info: &Bound<'_, PyDict>) -> PyResult<Option<ft_core::req
         top_p: p.unwrap_or(1.0) as f32,
         top_k: k.unwrap_or(0.0) as i32,
         min_p: m.unwrap_or(0.0) as f32,
-        seed: None,
+        ..Default::default()
     }))
 }
 
-/// Builds the worker for `args` (a dict of the `ft serve` flags) and returns it with its model info.
-pub(crate) fn build_worker(py: Python<'_>, args: &Bound<'_, PyDict>) -> PyResult<(PyWorker, ModelInfo, usize)> {
+/// Builds the worker for `args` (a dict of the `ft serve` flags) and returns it with its engine description.
+pub(crate) fn build_worker(py: Python<'_>, args: &Bound<'_, PyDict>) -> PyResult<(PyWorker, EngineDescription)> {
     let worker = py.import("freetoken.worker")?.getattr("Worker")?.call1((args,))?;
     let info_obj = worker.call_method0("info")?;
-    let info = info_obj.downcast::<PyDict>()?;
-    let version: u32 = info.get_item("step_contract_version")?.map(|v| v.extract()).transpose()?.unwrap_or(0);
-    if version != ft_core::step::STEP_CONTRACT_VERSION {
-        return Err(pyo3::exceptions::PyRuntimeError::new_err(format!(
-            "step contract mismatch: worker speaks version {version}, engine {}",
-            ft_core::step::STEP_CONTRACT_VERSION
-        )));
-    }
-    let num_state_slots: usize = info.get_item("num_state_slots")?.map(|v| v.extract()).transpose()?.unwrap_or(0);
-    Ok((PyWorker::new(worker.unbind()), model_info(info)?, num_state_slots))
+    let description = engine_description(info_obj.downcast::<PyDict>()?)?;
+    Ok((PyWorker::new(worker.unbind()), description))
 }
 
 /// `ft ...`: returns the process exit code.
@@ -102,7 +106,7 @@ fn serve(py: Python<'_>, args: ft_server::cli::ServeArgs) -> PyResult<i32> {
     let json = serde_json::to_string(&args).map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))?;
     let args_dict = py.import("json")?.getattr("loads")?.call1((json,))?;
     let args_dict = args_dict.downcast::<PyDict>()?;
-    let (worker, info, num_state_slots) = match build_worker(py, args_dict) {
+    let (worker, info) = match build_worker(py, args_dict) {
         Ok(x) => x,
         Err(e) => {
             // Load failures (unsupported model, missing file) are the user's to fix: one clear line, exit 1.
@@ -117,8 +121,18 @@ fn serve(py: Python<'_>, args: ft_server::cli::ServeArgs) -> PyResult<i32> {
         }
     };
     let worker = worker.with_stack_dump(args.step_timeout);
-    let code = py.allow_threads(move || ft_server::launch::run(args, Box::new(worker), info, num_state_slots));
+    let code = py.allow_threads(move || ft_server::launch::run(args, Box::new(worker), info));
     Ok(code)
+}
+
+/// Every `ft serve` flag with its default, as JSON (snake_case keys): the Python side's defaults, so they are
+/// declared once, on the flags.
+#[pyfunction]
+fn serve_defaults() -> PyResult<String> {
+    let cli = ft_server::cli::parse_cli(vec!["ft".into(), "serve".into()])
+        .map_err(|(msg, _)| pyo3::exceptions::PyRuntimeError::new_err(msg))?;
+    let Command::Serve(args) = cli.command;
+    serde_json::to_string(&args).map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(e.to_string()))
 }
 
 #[pymodule]
@@ -126,6 +140,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("STEP_CONTRACT_VERSION", ft_core::step::STEP_CONTRACT_VERSION)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(main, m)?)?;
+    m.add_function(wrap_pyfunction!(serve_defaults, m)?)?;
     m.add_class::<offline::OfflineEngine>()?;
     Ok(())
 }

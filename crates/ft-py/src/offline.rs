@@ -3,7 +3,6 @@
 //! scheduling, chunking and caching as `ft serve`.
 
 use crate::py_worker::PyWorker;
-use ft_core::config::{CacheType, SchedulerConfig};
 use ft_core::request::{FinishReason, NewRequest, RequestEvent, SamplingParams};
 use ft_core::scheduler::Scheduler;
 use ft_core::step::{Worker, WorkerError};
@@ -15,6 +14,8 @@ use pyo3::types::PyDict;
 pub struct OfflineEngine {
     scheduler: Scheduler,
     worker: PyWorker,
+    /// What requests are validated against, as `ft serve` validates them.
+    limits: ft_server::validation::Limits,
 }
 
 fn event_tuple(py: Python<'_>, ev: RequestEvent) -> PyResult<PyObject> {
@@ -37,60 +38,38 @@ fn event_tuple(py: Python<'_>, ev: RequestEvent) -> PyResult<PyObject> {
 
 #[pymethods]
 impl OfflineEngine {
-    /// `worker`: a `freetoken.worker.Worker`; `config`: scheduler settings (max_running_requests,
-    /// max_prefill_tokens, kv_capacity_tokens, page_size, max_context, cache_type "radix"|"naive",
-    /// mixed_decode, decode_interleave_every, num_state_slots, seed). Missing keys keep the defaults.
+    /// `worker`: a `freetoken.worker.Worker`. The scheduler is configured exactly as `ft serve` configures it,
+    /// from the worker's settings (`worker.args`: every `ft serve` flag) and its engine description.
     #[new]
-    fn new(worker: PyObject, config: &Bound<'_, PyDict>) -> PyResult<Self> {
-        let mut cfg = SchedulerConfig::default();
-        macro_rules! set {
-            ($field:ident, $ty:ty) => {
-                if let Some(v) = config.get_item(stringify!($field))? {
-                    cfg.$field = v.extract::<$ty>()?;
-                }
-            };
-        }
-        set!(max_running_requests, usize);
-        set!(max_prefill_tokens, usize);
-        set!(kv_capacity_tokens, usize);
-        set!(page_size, usize);
-        set!(max_context, usize);
-        set!(mixed_decode, bool);
-        set!(decode_interleave_every, usize);
-        set!(num_state_slots, usize);
-        set!(seed, u64);
-        if let Some(v) = config.get_item("cache_type")? {
-            cfg.cache_type = match v.extract::<String>()?.as_str() {
-                "radix" => CacheType::Radix,
-                "naive" => CacheType::Naive,
-                other => return Err(PyValueError::new_err(format!("unknown cache_type {other:?}"))),
-            };
-        }
-        Ok(OfflineEngine { scheduler: Scheduler::new(cfg), worker: PyWorker::new(worker) })
+    fn new(py: Python<'_>, worker: PyObject) -> PyResult<Self> {
+        let w = worker.bind(py);
+        let info = crate::engine_description(w.call_method0("info")?.downcast::<PyDict>()?)?;
+        let json: String = py.import("json")?.getattr("dumps")?.call1((w.getattr("args")?,))?.extract()?;
+        let args: ft_server::cli::ServeArgs =
+            serde_json::from_str(&json).map_err(|e| PyValueError::new_err(format!("worker settings: {e}")))?;
+        let cfg = ft_server::launch::scheduler_config(&args, &info);
+        let limits = ft_server::validation::Limits::new(&info, &args);
+        Ok(OfflineEngine { scheduler: Scheduler::new(cfg), worker: PyWorker::new(worker), limits })
     }
 
-    #[pyo3(signature = (id, prompt, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, stop_token_ids=vec![], ignore_eos=false))]
-    #[allow(clippy::too_many_arguments)]
-    fn add_request(
-        &mut self,
-        id: u64,
-        prompt: Vec<u32>,
-        max_new_tokens: u32,
-        temperature: f32,
-        top_p: f32,
-        top_k: i32,
-        min_p: f32,
-        seed: Option<u64>,
-        stop_token_ids: Vec<u32>,
-        ignore_eos: bool,
-    ) -> PyResult<()> {
+    /// Queues a request. `sampling`: the OpenAI-named sampling and budget fields (`temperature`, `top_p`, `top_k`,
+    /// `min_p`, `presence_penalty`, `frequency_penalty`, `seed`, `max_tokens`, `stop_token_ids`, `ignore_eos`),
+    /// checked by the server's own validation layer: a bad value raises `ValueError` naming the field.
+    fn add_request(&mut self, py: Python<'_>, id: u64, prompt: Vec<u32>, sampling: &Bound<'_, PyDict>) -> PyResult<()> {
+        let json: String = py.import("json")?.getattr("dumps")?.call1((sampling,))?.extract()?;
+        let fields: ft_server::http::protocol::SamplingFields =
+            serde_json::from_str(&json).map_err(|e| PyValueError::new_err(format!("sampling: {e}")))?;
+        let bad = |e: ft_server::http::openai_error::ApiError| PyValueError::new_err(e.message);
+        let v = ft_server::validation::sampling(&fields, &SamplingParams::default()).map_err(bad)?;
+        let prepared = ft_server::validation::request(&self.limits, prompt, v, "prompt").map_err(bad)?;
+        let r = prepared.req;
         let req = NewRequest {
             id,
-            prompt,
-            max_new_tokens,
-            sampling: SamplingParams { temperature, top_p, top_k, min_p, seed },
-            stop_token_ids,
-            ignore_eos,
+            prompt: r.prompt,
+            max_new_tokens: r.max_new_tokens,
+            sampling: r.sampling,
+            stop_token_ids: r.stop_token_ids,
+            ignore_eos: r.ignore_eos,
         };
         self.scheduler.add_request(req).map_err(|e| PyValueError::new_err(e.to_string()))
     }

@@ -73,6 +73,8 @@ pub fn flatten_plan<'py>(py: Python<'py>, plan: &StepPlan) -> PyResult<Bound<'py
     put("top_p", f32_bytes(sampled.iter().map(|(_, p)| p.top_p)))?;
     put("top_k", i32_bytes(sampled.iter().map(|(_, p)| p.top_k as i64)))?;
     put("min_p", f32_bytes(sampled.iter().map(|(_, p)| p.min_p)))?;
+    put("presence_penalty", f32_bytes(sampled.iter().map(|(_, p)| p.presence_penalty)))?;
+    put("frequency_penalty", f32_bytes(sampled.iter().map(|(_, p)| p.frequency_penalty)))?;
     put("seeds", i64_bytes(sampled.iter().map(|(_, p)| p.seed as i64)))?;
     put("copy_src", i32_bytes(plan.state_copies.iter().map(|c| c.src as i64)))?;
     put("copy_dst", i32_bytes(plan.state_copies.iter().map(|c| c.dst as i64)))?;

@@ -5,16 +5,27 @@ use ft_core::request::{AdmissionError, RequestEvent, SamplingParams};
 use std::path::PathBuf;
 use tokio::sync::mpsc;
 
-/// What the worker reported about the loaded model; everything the HTTP side needs to know about it.
+/// What the worker reports about the loaded model and its pools, once at start-up (its `info()`, defined in
+/// `python/freetoken/engine/description.py`, versioned with the step contract). Every fact the server needs
+/// about the model comes from here; nothing re-derives one.
 #[derive(Clone, Debug, Default)]
-pub struct ModelInfo {
-    /// The id `/v1/models` lists (`--served-model-name`, else the model path's basename).
+pub struct EngineDescription {
+    /// The id `/v1/models` lists (`--served-model-name`'s first name, else the model path's basename).
     pub served_model_name: String,
-    /// Architecture name, for logs (`llama`, `qwen3_5_moe`, ...).
+    /// Other names requests may use (`--served-model-name`'s further names; `demo` for the demo model).
+    pub model_aliases: Vec<String>,
+    /// Architecture name, for logs (`LlamaForCausalLM`, `Qwen3_5MoeForConditionalGeneration`, ...).
     pub architecture: String,
     /// Longest sequence (prompt + output) the engine accepts.
     pub max_context: usize,
+    /// Embedding rows: token ids at or past it are refused.
     pub vocab_size: usize,
+    /// KV capacity in tokens (slots the scheduler owns).
+    pub kv_capacity_tokens: usize,
+    /// Recurrent-state slots the scheduler owns (0: not a hybrid model).
+    pub num_state_slots: usize,
+    /// Prefix caches the model supports (`radix`, `naive`).
+    pub cache_types: Vec<String>,
     /// A `tokenizer.json` the HF `tokenizers` crate loads (the worker writes one for GGUF models).
     pub tokenizer_path: PathBuf,
     /// The model's own Jinja chat template, if it has one.
@@ -26,10 +37,12 @@ pub struct ModelInfo {
     /// Prepend BOS when encoding raw completion prompts.
     pub add_bos_token: bool,
     pub bos_token_id: Option<u32>,
-    /// KV capacity in tokens, for logs and `/v1/stats`.
-    pub kv_capacity_tokens: usize,
     /// The memory plan's transient workspace for the largest prefill chunk, measured at start-up (CUDA only).
     pub planned_workspace_bytes: Option<u64>,
+    /// Decode batch sizes replayed from CUDA graphs (empty: every step eager).
+    pub cuda_graph_sizes: Vec<usize>,
+    pub dtype: String,
+    pub device: String,
     /// Sampling values from the model's `generation_config.json` (used under `--sampling-defaults model`
     /// for fields a request leaves out).
     pub generation_defaults: Option<SamplingParams>,
@@ -115,11 +128,24 @@ pub enum HealthState {
     ShuttingDown,
 }
 
+impl HealthState {
+    /// Why generation is refused in this state (`None` while serving): the one wording every refusal, 503 and
+    /// `/health` answer uses.
+    pub fn refusal(&self) -> Option<String> {
+        match self {
+            HealthState::Serving => None,
+            HealthState::Loading => Some("the model is still loading".into()),
+            HealthState::ShuttingDown => Some("the server is shutting down".into()),
+            HealthState::Unhealthy(why) => Some(format!("the engine is unhealthy: {why}")),
+        }
+    }
+}
+
 pub trait Backend: Send + Sync + 'static {
     fn submit(&self, req: GenerateRequest) -> Result<RequestStream, SubmitError>;
     /// Ends a request early (stop string matched, client gone). Idempotent.
     fn abort(&self, id: u64);
     fn health(&self) -> HealthState;
     /// Counters for `/v1/stats` (running, queued, token usage, throughput ...).
-    fn stats(&self) -> serde_json::Value;
+    fn stats(&self) -> crate::engine::stats::EngineStats;
 }

@@ -5,7 +5,7 @@
 //! is not built yet ([`unsupported_feature`]) exit 2 with a one-line `error: ...`.
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// `--max-output-tokens` when not given.
 pub const DEFAULT_MAX_OUTPUT_TOKENS: u32 = 32768;
@@ -29,7 +29,7 @@ pub enum Command {
     Serve(ServeArgs),
 }
 
-#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Dtype {
     Auto,
@@ -38,7 +38,7 @@ pub enum Dtype {
     Float32,
 }
 
-#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum MoeBackend {
     Auto,
@@ -48,7 +48,7 @@ pub enum MoeBackend {
     Hybrid,
 }
 
-#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Nvfp4Backend {
     Auto,
@@ -57,7 +57,7 @@ pub enum Nvfp4Backend {
     Triton,
 }
 
-#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum AttentionBackend {
     Auto,
@@ -68,14 +68,14 @@ pub enum AttentionBackend {
     Trtllm,
 }
 
-#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum CacheType {
     Radix,
     Naive,
 }
 
-#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum SamplingDefaults {
     /// temperature / top_k / top_p from the model's `generation_config.json`.
@@ -84,13 +84,13 @@ pub enum SamplingDefaults {
     None,
 }
 
-#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum MoeCachePolicy {
     Lru,
 }
 
-#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Device {
     Auto,
@@ -116,8 +116,9 @@ macro_rules! eq_flag_spelling {
 }
 eq_flag_spelling!(Dtype, MoeBackend, Nvfp4Backend, AttentionBackend, CacheType, SamplingDefaults, MoeCachePolicy, Device);
 
-/// Every `ft serve` flag. Field names are the Python side's names (snake_case of the long flag).
-#[derive(Args, Debug, Clone, Serialize)]
+/// Every `ft serve` flag. Field names are the Python side's names (snake_case of the long flag). Deserializable
+/// so the offline engine (`freetoken.LLM`) reads the worker's settings back as the same struct.
+#[derive(Args, Debug, Clone, Serialize, Deserialize)]
 pub struct ServeArgs {
     /// Local model dir, HF repo id or FTW dir; absent = the built-in demo model.
     #[arg(long = "model-path", visible_alias = "model")]
@@ -187,7 +188,9 @@ pub struct ServeArgs {
     #[arg(long)]
     pub moe_prefill_hit_d2d: bool,
 
-    /// The id `/v1/models` lists (default: the model path's basename).
+    /// The names the API serves the model under, comma-separated; the first is the id `/v1/models` lists
+    /// (default: the model path's basename; the demo model also answers to `demo`). Requests naming another
+    /// model get 404 `model_not_found`.
     #[arg(long)]
     pub served_model_name: Option<String>,
 
@@ -298,20 +301,6 @@ impl ServeArgs {
     /// The output budget of a request that names none.
     pub fn max_output_tokens(&self) -> u32 {
         self.max_output_tokens.unwrap_or(DEFAULT_MAX_OUTPUT_TOKENS)
-    }
-
-    /// `--served-model-name`, else the model path's basename, else `demo`.
-    pub fn default_served_model_name(&self) -> String {
-        if let Some(name) = &self.served_model_name {
-            return name.clone();
-        }
-        match &self.model_path {
-            Some(p) => {
-                let trimmed = p.trim_end_matches('/');
-                trimmed.rsplit('/').next().filter(|s| !s.is_empty()).unwrap_or(trimmed).to_string()
-            }
-            None => "demo".to_string(),
-        }
     }
 
     /// The CORS origins; empty = CORS disabled.
@@ -535,7 +524,6 @@ mod tests {
         assert_eq!(a.sampling_defaults, SamplingDefaults::Model);
         assert_eq!(a.log_level, "info");
         assert!(a.cache_type == "radix");
-        assert_eq!(a.default_served_model_name(), "demo");
         assert_eq!(a.cors_origin_list().len(), 3);
     }
 
@@ -543,7 +531,6 @@ mod tests {
     fn aliases() {
         let a = serve(&["--model", "/m/Qwen3-0.6B/", "--max-extend-length", "4096", "--attn", "triton", "--tp-size", "1", "--graph", "8"]).unwrap();
         assert_eq!(a.model_path.as_deref(), Some("/m/Qwen3-0.6B/"));
-        assert_eq!(a.default_served_model_name(), "Qwen3-0.6B");
         assert_eq!(a.max_prefill_length, 4096);
         assert_eq!(a.attention_backend, AttentionBackend::Triton);
         assert_eq!(a.cuda_graph_max_bs, Some(8));
@@ -551,7 +538,7 @@ mod tests {
         assert_eq!(a.max_prefill_length, 2048);
         assert_eq!(a.num_tokens, Some(1000));
         let a = serve(&["--model-path", "x/y", "--served-model-name", "mine", "--log-level", "warn"]).unwrap();
-        assert_eq!(a.default_served_model_name(), "mine");
+        assert_eq!(a.served_model_name.as_deref(), Some("mine"));
         assert_eq!(a.log_level, "warn");
     }
 

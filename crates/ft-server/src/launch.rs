@@ -3,7 +3,7 @@
 //! shutdown, 1 when the engine died (so a supervisor restarts the server; every waiting client has been
 //! answered with an error by then).
 
-use crate::backend::{Backend, ModelInfo};
+use crate::backend::{Backend, EngineDescription};
 use crate::cli::ServeArgs;
 use crate::engine::{EngineBackend, EngineConfig};
 use ft_core::config::{CacheType, SchedulerConfig};
@@ -11,20 +11,22 @@ use ft_core::step::Worker;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// The scheduler settings for `args` and the loaded model.
-pub fn scheduler_config(args: &ServeArgs, info: &ModelInfo, num_state_slots: usize) -> SchedulerConfig {
+/// The scheduler settings for `args` and the loaded model. The prefix cache is the one asked for when the
+/// model supports it (its description lists the cache types), else none.
+pub fn scheduler_config(args: &ServeArgs, info: &EngineDescription) -> SchedulerConfig {
+    let radix = args.cache_type == "radix" && info.cache_types.iter().any(|c| c == "radix");
     SchedulerConfig {
         max_running_requests: args.max_running_requests,
         max_prefill_tokens: args.max_prefill_length,
         kv_capacity_tokens: info.kv_capacity_tokens,
         page_size: args.page_size,
         max_context: info.max_context,
-        cache_type: if args.cache_type == "naive" { CacheType::Naive } else { CacheType::Radix },
+        cache_type: if radix { CacheType::Radix } else { CacheType::Naive },
         // `--decode-interleave-every N` selects interleaved decode steps; by default decodes ride along in
         // prefill steps.
         mixed_decode: args.decode_interleave_every == 0,
         decode_interleave_every: args.decode_interleave_every,
-        num_state_slots,
+        num_state_slots: info.num_state_slots,
         // The hybrid radix cache (ft-core) is not switched on here yet: no snapshot slots, so every state
         // slot is a live one and a hybrid model matches nothing, as before.
         num_snapshot_slots: 0,
@@ -34,9 +36,9 @@ pub fn scheduler_config(args: &ServeArgs, info: &ModelInfo, num_state_slots: usi
     }
 }
 
-pub fn run(args: ServeArgs, worker: Box<dyn Worker>, info: ModelInfo, num_state_slots: usize) -> i32 {
+pub fn run(args: ServeArgs, worker: Box<dyn Worker>, info: EngineDescription) -> i32 {
     let config = EngineConfig {
-        scheduler: scheduler_config(&args, &info, num_state_slots),
+        scheduler: scheduler_config(&args, &info),
         decode_log_interval: args.decode_log_interval,
         max_queued_requests: args.max_queued_requests,
         step_timeout: Duration::from_secs_f64(args.step_timeout),
@@ -58,7 +60,7 @@ pub fn run(args: ServeArgs, worker: Box<dyn Worker>, info: ModelInfo, num_state_
         }
     };
     let backend: Arc<dyn Backend> = engine.clone();
-    let served = runtime.block_on(crate::server::run_server(args, backend, info, engine_died));
+    let served = runtime.block_on(crate::http::server::run_server(args, backend, info, engine_died));
     let died = engine.is_finished();
     if engine.is_stalled() {
         // The engine thread is stuck inside the worker (it may hold the GIL): every client has its answer,

@@ -1,20 +1,18 @@
-//! ft-server: everything between the socket and the engine thread.
+//! ft-server: everything between the socket and the engine thread, grouped by concern:
+//!
+//! - `cli` the flags, `launch` start-up, `logging`;
+//! - `http` the server, routes, the shared SSE loop, wire types and errors; `validation` the one place that
+//!   checks a request's content and builds what the engine runs;
+//! - `text` tokenizer, chat template, detokenizer, stop strings, tool-call and reasoning parsers;
+//! - `engine` the engine thread, its watchdog and status lines; `backend` the seam between HTTP and engine;
+//!   `metrics` the Prometheus registry.
 
-pub mod anthropic;
 pub mod backend;
-pub mod engine;
-pub mod chat_template;
 pub mod cli;
-pub mod detokenizer;
-pub mod drain;
+pub mod engine;
+pub mod http;
 pub mod launch;
 pub mod logging;
 pub mod metrics;
-pub mod openai_error;
-pub mod protocol;
-pub mod routes;
-pub mod server;
-pub mod status_log;
-pub mod stop_strings;
 pub mod text;
-pub mod tokenizer;
+pub mod validation;

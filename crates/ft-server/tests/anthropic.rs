@@ -9,13 +9,13 @@ use serde_json::{json, Value};
 use std::time::Duration;
 
 async fn server() -> TestServer {
-    let mut info = model_info();
+    let mut info = engine_description();
     info.max_context = 4096;
     TestServer::start_with(&[], info).await
 }
 
 fn body(content: &str) -> Value {
-    json!({"model": "claude-anything", "max_tokens": 16, "messages": [{"role": "user", "content": content}]})
+    json!({"model": "test-model", "max_tokens": 16, "messages": [{"role": "user", "content": content}]})
 }
 
 /// `(event name, data)` pairs of an SSE body with named events.

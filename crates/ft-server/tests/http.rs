@@ -2,6 +2,7 @@
 
 mod common;
 
+use ft_server::backend::EngineDescription;
 use common::*;
 use ft_core::request::{AdmissionError, FinishReason};
 use ft_server::backend::{HealthState, SubmitError};
@@ -94,7 +95,7 @@ async fn chat_streaming_framing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_streaming_without_usage_and_with_cache_report() {
-    let s = TestServer::start_with(&["--enable-cache-report"], model_info()).await;
+    let s = TestServer::start_with(&["--enable-cache-report"], engine_description()).await;
     s.backend.set_script(|_| Ok(Script { cached_tokens: 3, ..Script::reply("ok") }));
     let mut body = chat_body("Hi");
     body["stream"] = json!(true);
@@ -113,12 +114,12 @@ async fn chat_streaming_without_usage_and_with_cache_report() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_uses_model_template_and_sampling_fields() {
-    let mut info = model_info();
+    let mut info = engine_description();
     info.chat_template = Some("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}".into());
     info.max_context = 4096;
     let s = TestServer::start_with(&["--max-output-tokens", "100"], info).await;
     let body = json!({
-        "model": "anything",
+        "model": "test-model",
         "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
         "temperature": 0, "top_p": 0.9, "top_k": 5, "min_p": 0.1, "seed": 42,
         "ignore_eos": true, "stop_token_ids": [7], "presence_penalty": 0.5
@@ -152,7 +153,7 @@ async fn chat_uses_model_template_and_sampling_fields() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sampling_defaults_none_is_greedy() {
-    let s = TestServer::start_with(&["--sampling-defaults", "none"], model_info()).await;
+    let s = TestServer::start_with(&["--sampling-defaults", "none"], engine_description()).await;
     let (status, _) = s.post("/v1/chat/completions", chat_body("x")).await;
     assert_eq!(status, 200);
     assert_eq!(s.backend.submitted()[0].sampling.temperature, 0.0);
@@ -324,7 +325,8 @@ async fn models_health_stats_and_404() {
 
     let (status, body) = s.get("/v1/stats").await;
     assert_eq!(status, 200);
-    assert_eq!(body["queued"], 0);
+    assert_eq!(body["queued_requests"], 0);
+    assert_eq!(body["running_requests"], 0);
 
     s.backend.set_health(HealthState::Unhealthy("step 12 ran past its 600 s deadline".into()));
     let (status, body) = s.get("/health").await;
@@ -400,9 +402,11 @@ async fn context_length_and_submit_errors() {
     assert_eq!(status, 400, "{body}");
     assert_openai_error(&body);
     assert_eq!(body["error"]["code"], "context_length_exceeded");
+    assert_eq!(body["error"]["param"], "messages");
     let (status, body) = s.post("/v1/completions", json!({"prompt": long})).await;
     assert_eq!(status, 400);
     assert_eq!(body["error"]["code"], "context_length_exceeded");
+    assert_eq!(body["error"]["param"], "prompt");
     assert!(s.backend.submitted().is_empty());
 
     // The engine's own admission errors map the same way.
@@ -424,7 +428,7 @@ async fn context_length_and_submit_errors() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_body_is_413() {
-    let s = TestServer::start_with(&["--max-request-body-bytes", "1024"], model_info()).await;
+    let s = TestServer::start_with(&["--max-request-body-bytes", "1024"], engine_description()).await;
     let body = chat_body(&"x".repeat(4096));
     let (status, resp) = s.post_raw("/v1/chat/completions", body.to_string()).await;
     assert_eq!(status, 413);
@@ -489,7 +493,7 @@ async fn disconnect_mid_stream_aborts() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disconnect_while_waiting_non_streaming_aborts() {
-    let mut info = model_info();
+    let mut info = engine_description();
     info.max_context = 100000;
     let s = TestServer::start_with(&[], info).await;
     s.backend.set_script(|_| Ok(Script { tokens: vec![], end: End::Trickle(b'a' as u32), delay: Duration::from_millis(5), cached_tokens: 0 }));
@@ -505,7 +509,7 @@ async fn disconnect_while_waiting_non_streaming_aborts() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn api_key_guards_everything_but_health() {
-    let s = TestServer::start_with(&["--api-key", "sekret"], model_info()).await;
+    let s = TestServer::start_with(&["--api-key", "sekret"], engine_description()).await;
     let (status, body) = s.get("/v1/models").await;
     assert_eq!(status, 401);
     assert_openai_error(&body);
@@ -541,10 +545,12 @@ async fn run_server_binds_and_shuts_down() {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().port()
     };
-    let args = ft_server::cli::parse_serve_args(["--port".to_string(), port.to_string(), "--served-model-name".into(), "named".into()]).unwrap();
+    let args = ft_server::cli::parse_serve_args(["--port".to_string(), port.to_string()]).unwrap();
     let backend = ScriptedBackend::new();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(ft_server::server::run_server(args, backend.clone(), model_info(), async move {
+    // the worker names the model (its engine description); the server lists that name
+    let info = EngineDescription { served_model_name: "named".into(), ..engine_description() };
+    let server = tokio::spawn(ft_server::http::server::run_server(args, backend.clone(), info, async move {
         let _ = rx.await;
     }));
     let client = reqwest::Client::new();
@@ -563,4 +569,34 @@ async fn run_server_binds_and_shuts_down() {
     tokio::time::timeout(Duration::from_secs(10), server).await.unwrap().unwrap().unwrap();
     assert!(client.get(format!("http://127.0.0.1:{port}/health")).send().await.is_err());
     let _ = FinishReason::Stop;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_model_is_404_and_aliases_are_served() {
+    let info = EngineDescription { model_aliases: vec!["alias".into()], ..engine_description() };
+    let s = TestServer::start_with(&[], info).await;
+    for path in ["/v1/chat/completions", "/v1/completions", "/v1/messages"] {
+        let body = json!({"model": "gpt-nonexistent", "prompt": "x", "max_tokens": 2,
+                          "messages": [{"role": "user", "content": "x"}]});
+        let (status, resp) = s.post(path, body).await;
+        assert_eq!(status, 404, "{path}: {resp}");
+        let code = if path == "/v1/messages" { &resp["error"]["type"] } else { &resp["error"]["code"] };
+        assert!(code == "model_not_found" || code == "not_found_error", "{path}: {resp}");
+    }
+    assert!(s.backend.submitted().is_empty());
+    for model in [json!("test-model"), json!("alias"), Value::Null] {
+        let (status, resp) = s.post("/v1/completions", json!({"model": model, "prompt": "x", "max_tokens": 2})).await;
+        assert_eq!(status, 200, "{model}: {resp}");
+    }
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_method_is_405_in_openai_shape() {
+    let s = TestServer::start().await;
+    let (status, body) = s.get("/v1/chat/completions").await;
+    assert_eq!(status, 405, "{body}");
+    assert_openai_error(&body);
+    assert_eq!(body["error"]["code"], "method_not_allowed");
+    s.stop().await;
 }

@@ -12,7 +12,7 @@ fn trickle(delay_ms: u64) -> impl Fn(&ft_server::backend::GenerateRequest) -> Re
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_timeout_aborts_with_408_or_an_sse_error() {
-    let mut info = model_info();
+    let mut info = engine_description();
     info.max_context = 1_000_000;
     let s = TestServer::start_with(&["--request-timeout", "0.5"], info).await;
     s.backend.set_script(trickle(5));
@@ -61,7 +61,7 @@ async fn no_request_timeout_by_default() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn openapi_document_lists_the_routes() {
-    let s = TestServer::start_with(&["--api-key", "k"], model_info()).await;
+    let s = TestServer::start_with(&["--api-key", "k"], engine_description()).await;
     // Public, like /health.
     let (status, doc) = s.get("/openapi.json").await;
     assert_eq!(status, 200);

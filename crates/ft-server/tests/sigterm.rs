@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drains_then_cancels_after_the_grace_period() {
-    let mut info = model_info();
+    let mut info = engine_description();
     info.max_context = 1_000_000;
     let s = TestServer::start_with(&["--shutdown-grace", "1.5"], info).await;
     let (status, _) = s.get("/health").await;

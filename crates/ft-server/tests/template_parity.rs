@@ -3,7 +3,7 @@
 //! (`python/freetoken/loading/qwen_tokenizer.py`) and SmolLM2's. Skips when no Python with jinja2 is found
 //! (set `FT_PYTHON` to choose the interpreter).
 
-use ft_server::chat_template::ChatTemplate;
+use ft_server::text::chat_template::ChatTemplate;
 use serde_json::{json, Value};
 use std::io::Write;
 use std::process::{Command, Stdio};
@@ -116,7 +116,7 @@ fn minijinja_matches_hf_jinja2() {
         return;
     };
     let mut templates = vec![("qwen", qwen_template()), ("smollm2", SMOLLM2.to_string()), ("features", FEATURES.to_string())];
-    templates.push(("chatml", ft_server::chat_template::CHATML_TEMPLATE.to_string()));
+    templates.push(("chatml", ft_server::text::chat_template::CHATML_TEMPLATE.to_string()));
     let mut cases = vec![];
     for (name, template) in &templates {
         for (messages, tools) in conversations() {

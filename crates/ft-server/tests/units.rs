@@ -3,7 +3,7 @@
 mod common;
 
 use common::*;
-use ft_server::detokenizer::IncrementalDetokenizer;
+use ft_server::text::detokenizer::IncrementalDetokenizer;
 
 #[test]
 fn tokenizer_wrapper() {
@@ -26,9 +26,9 @@ fn tokenizer_wrapper() {
     assert_eq!(tok.encode_with_bos("<|endoftext|>Hello", Some(ENDOFTEXT)).unwrap(), vec![ENDOFTEXT, 262]);
     assert_eq!(tok.encode_with_bos("Hello", None).unwrap(), vec![262]);
     // From a file too.
-    let from_file = ft_server::tokenizer::Tokenizer::from_file(write_tokenizer()).unwrap();
+    let from_file = ft_server::text::tokenizer::Tokenizer::from_file(write_tokenizer()).unwrap();
     assert_eq!(from_file.vocab_size(), VOCAB);
-    assert!(ft_server::tokenizer::Tokenizer::from_file("/nonexistent/tokenizer.json").is_err());
+    assert!(ft_server::text::tokenizer::Tokenizer::from_file("/nonexistent/tokenizer.json").is_err());
 }
 
 fn detok_all(prompt: &[u32], ids: &[u32]) -> Vec<String> {

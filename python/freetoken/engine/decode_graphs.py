@@ -3,8 +3,8 @@
 At start-up ``DecodeGraphs.capture()`` records, for every bucket in ``graph_batch_sizes(--cuda-graph-max-bs)``
 (largest first, so the smaller graphs reuse its memory pool), the whole decode step: the page-table write of
 each sequence's new slot, every layer, the final norm, lm_head and the greedy token with its logprob. A second,
-small graph per bucket holds the filtered draw (temperature, top-k/p, min-p, seeds), replayed only when some
-sequence samples.
+small graph per bucket holds the penalties and the filtered draw (temperature, top-k/p, min-p, seeds), replayed only
+when some sequence samples or has a penalty; the sampled tokens are then counted for the penalties.
 
 Per step the host does little: the plan's flat arrays are packed into two pinned staging buffers (numpy, no
 torch ops), copied to the graph's static input buffers in two asynchronous copies, the graph is replayed, and the
@@ -29,7 +29,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from ..layers.sampler import draw_tokens, greedy_tokens, is_greedy, token_logprobs
+from ..layers.sampler import apply_penalties, draw_tokens, greedy_tokens, is_greedy, token_logprobs
 from ..log import get_logger
 from .forward_batch import ForwardBatch
 
@@ -37,7 +37,7 @@ logger = get_logger(__name__)
 
 # int64 fields of the static input buffer, in packing order
 _INT_FIELDS = ("input_ids", "positions", "rows", "out_cache_loc", "state_slots", "top_k", "seeds")
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty")
 
 
 def decode_inputs(flat: dict, max_bs: int) -> Optional[dict[str, np.ndarray]]:
@@ -60,7 +60,8 @@ def decode_inputs(flat: dict, max_bs: int) -> Optional[dict[str, np.ndarray]]:
         return None
     return {"input_ids": ids, "positions": pre, "rows": rows, "out_cache_loc": slots,
             "state_slots": arr("state_slots", "<i4"), "top_k": arr("top_k", "<i4"), "seeds": arr("seeds", "<i8"),
-            "temperature": arr("temperature", "<f4"), "top_p": arr("top_p", "<f4"), "min_p": arr("min_p", "<f4")}
+            "temperature": arr("temperature", "<f4"), "top_p": arr("top_p", "<f4"), "min_p": arr("min_p", "<f4"),
+            "presence_penalty": arr("presence_penalty", "<f4"), "frequency_penalty": arr("frequency_penalty", "<f4")}
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -110,6 +111,7 @@ class DecodeGraphs:
         max_bs: int,
         max_context: int,
         padding: PaddingTargets,
+        token_counts,
         expert_offload=None,
         emulate: bool = False,
         audit: bool = False,
@@ -120,6 +122,7 @@ class DecodeGraphs:
         self.max_bs = self.sizes[-1] if self.sizes else 0
         self.max_context = max_context
         self.padding = padding
+        self.counts = token_counts  # OutputTokenCounts: what the penalties read, updated after every replay
         self.offload = expert_offload
         self.emulate = emulate
         self.audit = audit  # emulate only: run each captured function under no_host_sync()
@@ -194,9 +197,11 @@ class DecodeGraphs:
 
         def draw() -> None:
             logits = self.logits[bs]
+            counts = self.counts.counts[i["rows"][:bs]]
+            penalized = apply_penalties(logits, counts, i["presence_penalty"][:bs], i["frequency_penalty"][:bs])
             temp, top_k = i["temperature"][:bs], i["top_k"][:bs]
-            drawn = draw_tokens(logits, temp, i["top_p"][:bs], top_k, i["min_p"][:bs], i["seeds"][:bs])
-            tok = torch.where(is_greedy(temp, top_k), self.tokens[:bs], drawn)
+            drawn = draw_tokens(penalized, temp, i["top_p"][:bs], top_k, i["min_p"][:bs], i["seeds"][:bs])
+            tok = torch.where(is_greedy(temp, top_k), torch.argmax(penalized, dim=-1), drawn)
             self.tokens[:bs].copy_(tok)
             self.logprobs[:bs].copy_(token_logprobs(logits, tok))
 
@@ -253,7 +258,8 @@ class DecodeGraphs:
     def _padding_values(self) -> dict:
         p = self.padding
         return {"input_ids": 0, "positions": 0, "rows": p.row, "out_cache_loc": p.kv_slot,
-                "state_slots": p.state_slot, "top_k": 0, "seeds": 0, "temperature": 0.0, "top_p": 1.0, "min_p": 0.0}
+                "state_slots": p.state_slot, "top_k": 0, "seeds": 0, "temperature": 0.0, "top_p": 1.0, "min_p": 0.0,
+                "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
     def _stage_padding(self, start: int) -> None:
         """Rows ``start..max_bs`` of the staging buffers become padding rows; copies them to the device."""
@@ -280,12 +286,15 @@ class DecodeGraphs:
         for f, name in enumerate(_FLOAT_FIELDS):
             nf[f * B : f * B + n] = inputs[name]
             nf[f * B + n : f * B + bs] = pad[name]
-        sampling = not bool(np.all((inputs["temperature"] <= 0) | (inputs["top_k"] == 1)))
+        greedy = (inputs["temperature"] <= 0) | (inputs["top_k"] == 1)
+        penalized = (inputs["presence_penalty"] != 0) | (inputs["frequency_penalty"] != 0)
+        sampling = not bool(np.all(greedy & ~penalized))
         self._dev_i.copy_(self._host_i, non_blocking=True)
         self._dev_f.copy_(self._host_f, non_blocking=True)
         self.graphs[bs].replay()
         if sampling:
             self.samplers[bs].replay()
+        self.counts.add(self.inputs["rows"][:n], self.tokens[:n])
         self._out_tokens[:n].copy_(self.tokens[:n], non_blocking=True)
         self._out_logprobs[:n].copy_(self.logprobs[:n], non_blocking=True)
         if self._done is not None:

@@ -16,7 +16,7 @@ Encoding (B sequences, T new tokens, S sampled sequences, C state copies, N snap
                                                     table_from[b] .. prefix_lens[b] + extend_len[b] of row b
     state_slots   i32[B]   live recurrent-state slot (-1: not hybrid)
     sample_index  i32[S]   which sequences sample, with their temperature f32[S], top_p f32[S], top_k i32[S],
-                           min_p f32[S], seeds i64[S] (u64 bits)
+                           min_p f32[S], presence_penalty f32[S], frequency_penalty f32[S], seeds i64[S] (u64 bits)
     copy_src, copy_dst  i32[C]          state copies to run before the forward
     snap_seq, snap_upto, snap_slot i32[N]  recurrent-state snapshots to capture
 """
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-STEP_CONTRACT_VERSION = 1
+STEP_CONTRACT_VERSION = 2
 
 _I32 = np.dtype("<i4")
 _I64 = np.dtype("<i8")
@@ -49,6 +49,8 @@ class SamplingBatch:
     top_p: torch.Tensor  # f32 [S]
     top_k: torch.Tensor  # i64 [S]; <= 0 disables
     min_p: torch.Tensor  # f32 [S]
+    presence_penalty: torch.Tensor  # f32 [S]; subtracted from every token generated before (OpenAI)
+    frequency_penalty: torch.Tensor  # f32 [S]; times how often each token was generated before
     seeds: torch.Tensor  # i64 [S]
 
     def __len__(self) -> int:
@@ -118,6 +120,8 @@ class StepPlan:
                 top_p=_arr(d, "top_p", _F32),
                 top_k=i32("top_k"),
                 min_p=_arr(d, "min_p", _F32),
+                presence_penalty=_arr(d, "presence_penalty", _F32),
+                frequency_penalty=_arr(d, "frequency_penalty", _F32),
                 seeds=_arr(d, "seeds", _I64),
             ),
             copy_src=i32("copy_src"),
@@ -142,6 +146,8 @@ class StepPlan:
             "sample_index": i32(s.seq_index), "temperature": s.temperature.numpy().astype(_F32).tobytes(),
             "top_p": s.top_p.numpy().astype(_F32).tobytes(), "top_k": i32(s.top_k),
             "min_p": s.min_p.numpy().astype(_F32).tobytes(), "seeds": s.seeds.numpy().astype(_I64).tobytes(),
+            "presence_penalty": s.presence_penalty.numpy().astype(_F32).tobytes(),
+            "frequency_penalty": s.frequency_penalty.numpy().astype(_F32).tobytes(),
             "copy_src": i32(self.copy_src), "copy_dst": i32(self.copy_dst), "snap_seq": i32(self.snap_seq),
             "snap_upto": i32(self.snap_upto), "snap_slot": i32(self.snap_slot),
         }
@@ -167,7 +173,7 @@ class StepPlan:
             raise InvalidPlan("table_indptr does not add up to table_slots")
         s = self.sampling
         n = len(s)
-        for name in ("temperature", "top_p", "top_k", "min_p", "seeds"):
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "seeds"):
             if getattr(s, name).numel() != n:
                 raise InvalidPlan(f"sampling {name} has the wrong length")
         if n and (int(s.seq_index.min()) < 0 or int(s.seq_index.max()) >= b):
@@ -181,7 +187,7 @@ class StepPlan:
     ) -> "StepPlan":
         """Build a plan from per-sequence dicts (tests and the offline path). Each dict has ``tokens``,
         ``prefix_len``, ``row``, ``table_from``, ``table_slots``, optional ``state_slot`` and optional
-        ``sample`` (dict with temperature, top_p, top_k, min_p, seed)."""
+        ``sample`` (dict with temperature, top_p, top_k, min_p, presence_penalty, frequency_penalty, seed)."""
         lens = [len(s["tokens"]) for s in seqs]
         cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
         sent = [len(s["table_slots"]) for s in seqs]
@@ -208,6 +214,8 @@ class StepPlan:
                 top_p=f32([p.get("top_p", 1.0) for p in sp]),
                 top_k=t64([p.get("top_k", 0) for p in sp]),
                 min_p=f32([p.get("min_p", 0.0) for p in sp]),
+                presence_penalty=f32([p.get("presence_penalty", 0.0) for p in sp]),
+                frequency_penalty=f32([p.get("frequency_penalty", 0.0) for p in sp]),
                 seeds=t64([p.get("seed", 0) for p in sp]),
             ),
         )

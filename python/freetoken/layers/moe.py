@@ -24,14 +24,13 @@ expert when it hands one over as a ``SharedExpertTerm``) and ``load_expert_weigh
 keeps every expert resident on the device and runs either the torch reference (loop over experts hit) or, picked
 automatically on CUDA, Triton: the decode GEMVs (``freetoken.kernels.moe_decode``, which also add the shared expert
 in their epilogue) for decode-sized steps, the grouped kernel (``freetoken.kernels.fused_moe``) above them.
-Expert offload (``freetoken.moe``) builds its own ``ExpertsBackend`` in every block, chosen
-while the model is constructed (``experts_factory``), so resident expert tensors are never allocated on the device;
-routing, the shared expert and weight-name mapping stay here.
+Expert offload (``freetoken.moe``) builds its own ``ExpertsBackend`` in every block: the model's
+constructor takes an ``experts_factory`` and hands it to each block, so resident expert tensors are never allocated
+on the device; routing, the shared expert and weight-name mapping stay here.
 """
 
 from __future__ import annotations
 
-import contextlib
 import re
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
@@ -50,22 +49,6 @@ from .fused_linear import FusedLinear, fuse_linears
 
 # "auto" = triton on CUDA, torch elsewhere; tests and benchmarks can pin one.
 _DEFAULT_IMPL = "auto"
-
-# Builds each block's experts: (layer_id, num_experts, hidden_size, intermediate_size) -> ExpertsBackend.
-_EXPERTS_FACTORY: Optional[Callable[[int, int, int, int], "ExpertsBackend"]] = None
-
-
-@contextlib.contextmanager
-def experts_factory(factory: Callable[[int, int, int, int], "ExpertsBackend"]):
-    """Within the block, every ``SparseMoeBlock`` built without an explicit backend gets ``factory(layer_id,
-    num_experts, hidden_size, intermediate_size)`` instead of ``FusedExperts``."""
-    global _EXPERTS_FACTORY
-    saved, _EXPERTS_FACTORY = _EXPERTS_FACTORY, factory
-    try:
-        yield
-    finally:
-        _EXPERTS_FACTORY = saved
-
 
 def resolve_moe_impl(impl: str, x: torch.Tensor) -> str:
     """``auto`` is triton on CUDA tensors, torch elsewhere."""
@@ -258,8 +241,14 @@ def _always_renormalise(config) -> bool:
     return bool(config.get("norm_topk_prob", default))
 
 
+# Builds a block's experts instead of ``FusedExperts``: (layer_id, num_experts, hidden_size, intermediate_size) ->
+# ExpertsBackend. Expert offload passes one through the model's constructor (``ExpertOffload.make_experts``).
+ExpertsFactory = Callable[[int, int, int, int], "ExpertsBackend"]
+
+
 class SparseMoeBlock(nn.Module):
-    def __init__(self, config, layer_id: int = 0, experts: Optional[ExpertsBackend] = None):
+    def __init__(self, config, layer_id: int = 0, experts: Optional[ExpertsBackend] = None,
+                 experts_factory: Optional[ExpertsFactory] = None):
         super().__init__()
         self.layer_id = layer_id
         self.hidden_size = config.hidden_size
@@ -271,8 +260,8 @@ class SparseMoeBlock(nn.Module):
         if act not in ("silu", "swish"):
             raise ValueError(f"MoE activation {act!r} is not supported (silu only)")
         self.gate = nn.Linear(self.hidden_size, self.num_experts, bias=False)
-        if experts is None and _EXPERTS_FACTORY is not None:
-            experts = _EXPERTS_FACTORY(layer_id, self.num_experts, self.hidden_size, self.intermediate_size)
+        if experts is None and experts_factory is not None:
+            experts = experts_factory(layer_id, self.num_experts, self.hidden_size, self.intermediate_size)
         self.experts = experts or FusedExperts(self.num_experts, self.hidden_size, self.intermediate_size)
         shared = int(config.get("shared_expert_intermediate_size", 0) or 0)
         self.shared_expert_intermediate_size = shared

@@ -12,6 +12,8 @@ Determinism: the draw of a row uses one uniform number derived from that row's s
 tensor arithmetic (inverse-CDF over the filtered distribution sorted by probability, ties by token id). So a
 row's token depends only on its logits, its settings and its seed: not on the batch it runs in, nor the device.
 
+Presence and frequency penalties (``apply_penalties``) change the logits first, greedy rows included.
+
 Logprob returned: ``log_softmax`` of the raw logits (temperature 1, before any filtering) at the chosen token,
 i.e. the model's own log-probability, which is what OpenAI-style ``logprobs`` report.
 """
@@ -52,6 +54,14 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """The raw model log-probability of ``tokens`` (``log_softmax`` at temperature 1), f32 [S]."""
     picked = logits.gather(1, tokens[:, None]).squeeze(1)
     return (picked - torch.logsumexp(logits, dim=-1)).float()
+
+
+def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor,
+                    frequency: torch.Tensor) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties over the tokens a row generated before: ``logits - presence ·
+    [count > 0] - frequency · count``. ``counts [S, V]`` int, the penalties ``[S]``; zeros leave a row unchanged."""
+    c = counts.to(torch.float32)
+    return logits - presence.to(torch.float32)[:, None] * (c > 0) - frequency.to(torch.float32)[:, None] * c
 
 
 def is_greedy(temperature: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:

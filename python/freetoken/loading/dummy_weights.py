@@ -2,7 +2,7 @@
 memory planning, benchmarks and tests without downloading weights.
 
 Filling is in place on the device (the model is built with ``torch.empty``-style storage, see
-``worker.skip_init``), so it costs one pass of a random-number kernel, not a host round trip.
+``model_loader.skip_init``), so it costs one pass of a random-number kernel, not a host round trip.
 """
 
 from __future__ import annotations

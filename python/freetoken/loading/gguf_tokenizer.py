@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from ..errors import UnsupportedModel
 from ..log import get_logger
+from .cache_dir import cache_dir
 
 logger = get_logger(__name__)
 
@@ -74,14 +75,10 @@ def bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs)))
 
 
-def cache_root() -> str:
-    return os.environ.get("FREETOKEN_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "freetoken")
-
-
 def _cache_dir(gguf_path: str) -> str:
     st = os.stat(gguf_path)
     key = f"{_FORMAT_VERSION}|{os.path.abspath(gguf_path)}|{st.st_size}|{st.st_mtime_ns}"
-    return os.path.join(cache_root(), "tokenizers", hashlib.sha256(key.encode()).hexdigest()[:16])
+    return os.path.join(cache_dir(), "tokenizers", hashlib.sha256(key.encode()).hexdigest()[:16])
 
 
 def _byte_level_bpe(tokens: list[str], token_types: list[int], merges: list[str], pre: str | None, add_bos: bool,

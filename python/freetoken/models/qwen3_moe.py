@@ -9,9 +9,11 @@ iff ``norm_topk_prob`` (HF default False; real checkpoints set True). Checkpoint
 
 from __future__ import annotations
 
+from typing import Optional
+
 from torch import nn
 
-from ..layers.moe import GatedMLP, SparseMoeBlock
+from ..layers.moe import ExpertsFactory, GatedMLP, SparseMoeBlock
 from .base import ModelConfig
 from .qwen3 import Qwen3ForCausalLM
 
@@ -23,13 +25,13 @@ def is_moe_layer(config, layer_id: int) -> bool:
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, experts_factory: Optional[ExpertsFactory] = None):
         if config.get("shared_expert_intermediate_size"):
             raise ValueError("qwen3_moe has no shared expert; shared_expert_intermediate_size must be 0")
-        super().__init__(config)
+        super().__init__(config, experts_factory)
 
     @staticmethod
-    def make_mlp(config, layer_id: int) -> nn.Module:
+    def make_mlp(config, layer_id: int, experts_factory: Optional[ExpertsFactory] = None) -> nn.Module:
         if is_moe_layer(config, layer_id):
-            return SparseMoeBlock(config, layer_id)
+            return SparseMoeBlock(config, layer_id, experts_factory=experts_factory)
         return GatedMLP(config.hidden_size, config.intermediate_size)

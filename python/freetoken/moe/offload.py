@@ -2,8 +2,8 @@
 
 Lifecycle (``worker.py``):
 
-1. ``with experts_factory(offload.make_experts): model = cls(config)`` — every MoE block gets an
-   ``OffloadedExperts`` whose bank lives in host memory; nothing expert-sized touches the device.
+1. ``model = cls(config, experts_factory=offload.make_experts)`` — every MoE block gets an ``OffloadedExperts``
+   whose bank lives in host memory; nothing expert-sized touches the device.
 2. Weights load (or the dummy fill) into the host banks through the usual ``load_expert_weight`` path.
 3. ``finish_loading()`` pins the banks in place (pin-after-fill: registering filled pages is faster than a pinned
    allocation, and exact-size where torch's pinned allocator rounds up to a power of two) and allocates the

@@ -1,5 +1,6 @@
-//! What happens to the model's output text between the detokenizer and the wire: reasoning split out of
-//! `<think>` blocks (`reasoning`), tool calls parsed out of the content (`tool_calls`).
+//! Text in and out of the model: the tokenizer, the chat template, and what happens to the output between the
+//! tokens and the wire: the incremental detokenizer, stop strings, reasoning split out of `<think>` blocks
+//! (`reasoning`), tool calls parsed out of the content (`tool_calls`).
 //!
 //! ```text
 //!   tokens ─▶ detokenizer ─▶ stop strings ─▶ ReasoningParser ─┬─ reasoning ─────────────▶ reasoning_content / thinking
@@ -10,7 +11,11 @@
 //! Both parsers take text deltas split anywhere (a tag can straddle two deltas) and give the same result
 //! whatever the split; both hold back only the shortest tail that could still grow into a tag.
 
+pub mod chat_template;
+pub mod detokenizer;
 pub mod reasoning;
+pub mod stop_strings;
+pub mod tokenizer;
 pub mod tool_calls;
 
 /// Length in bytes of the longest suffix of `text` that is a proper, non-empty prefix of `tag` (0 when none).

@@ -2,10 +2,10 @@
 #![allow(dead_code)]
 
 use ft_core::request::{FinishReason, RequestEvent};
-use ft_server::backend::{AbortOnDrop, Backend, GenerateRequest, HealthState, ModelInfo, RequestStream, SubmitError};
+use ft_server::backend::{AbortOnDrop, Backend, GenerateRequest, HealthState, EngineDescription, RequestStream, SubmitError};
 use ft_server::cli::{parse_serve_args, ServeArgs};
-use ft_server::server::{serve_listener, AppState};
-use ft_server::tokenizer::Tokenizer;
+use ft_server::http::server::{serve_listener, AppState};
+use ft_server::text::tokenizer::Tokenizer;
 use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -86,8 +86,8 @@ pub fn write_tokenizer() -> PathBuf {
     path
 }
 
-pub fn model_info() -> ModelInfo {
-    ModelInfo {
+pub fn engine_description() -> EngineDescription {
+    EngineDescription {
         served_model_name: "test-model".into(),
         architecture: "test".into(),
         max_context: 64,
@@ -102,6 +102,7 @@ pub fn model_info() -> ModelInfo {
         kv_capacity_tokens: 4096,
         planned_workspace_bytes: None,
         generation_defaults: None,
+        ..Default::default()
     }
 }
 
@@ -270,8 +271,8 @@ impl Backend for ScriptedBackend {
         self.health.lock().unwrap().clone()
     }
 
-    fn stats(&self) -> Value {
-        json!({"running": 0, "queued": 0, "submitted": self.record.submitted.lock().unwrap().len()})
+    fn stats(&self) -> ft_server::engine::stats::EngineStats {
+        ft_server::engine::stats::EngineStats { requests_in_flight: self.record.submitted.lock().unwrap().len(), ..Default::default() }
     }
 }
 
@@ -285,11 +286,11 @@ pub struct TestServer {
 
 impl TestServer {
     pub async fn start() -> TestServer {
-        Self::start_with(&[], model_info()).await
+        Self::start_with(&[], engine_description()).await
     }
 
     /// `flags`: extra `ft serve` flags.
-    pub async fn start_with(flags: &[&str], info: ModelInfo) -> TestServer {
+    pub async fn start_with(flags: &[&str], info: EngineDescription) -> TestServer {
         let args: ServeArgs = parse_serve_args(flags.iter().copied()).unwrap();
         let backend = ScriptedBackend::new();
         let state = AppState::new(args, backend.clone(), info).unwrap();

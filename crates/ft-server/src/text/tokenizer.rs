@@ -1,5 +1,5 @@
 //! The model's tokenizer: a thin wrapper over the HF `tokenizers` crate, loaded from the `tokenizer.json` the
-//! worker points at (`ModelInfo::tokenizer_path`). Encoding and decoding never take the GIL.
+//! worker points at (`EngineDescription::tokenizer_path`). Encoding and decoding never take the GIL.
 
 use anyhow::{anyhow, Context};
 use std::path::Path;

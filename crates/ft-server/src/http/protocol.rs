@@ -3,15 +3,11 @@
 //! Requests deserialize leniently (unknown fields are ignored, `null` means absent) and are then checked
 //! field by field, so every refusal names the field at fault in an OpenAI-shaped 400. Fields whose shape
 //! varies (`messages`, `content`, `stop`, `prompt`) are taken as raw JSON and checked by hand for the same
-//! reason.
+//! reason. The sampling and budget fields every API shares are checked in `validation.rs`.
 
-use crate::openai_error::ApiError;
-use ft_core::request::SamplingParams;
+use crate::http::openai_error::ApiError;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value as Json};
-
-/// Below this a temperature means greedy.
-const GREEDY_TEMPERATURE: f64 = 1e-5;
 
 /// Sampling and budget fields shared by both endpoints.
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -30,9 +26,10 @@ pub struct SamplingFields {
     pub ignore_eos: Option<bool>,
     pub n: Option<i64>,
     pub logit_bias: Option<Json>,
-    /// Accepted and ignored (as FreeToken does).
+    /// OpenAI's penalties over the tokens generated so far, in [-2, 2].
     pub presence_penalty: Option<f64>,
     pub frequency_penalty: Option<f64>,
+    /// Only 1 (off) is served.
     pub repetition_penalty: Option<f64>,
 }
 
@@ -86,115 +83,6 @@ pub struct CompletionRequest {
 pub enum PromptInput {
     Text(String),
     Tokens(Vec<u32>),
-}
-
-/// Sampling fields after validation, before the prompt is known.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ValidatedSampling {
-    pub sampling: SamplingParams,
-    /// What the client asked for (`None`: the server default).
-    pub max_tokens: Option<u32>,
-    pub stop: Vec<String>,
-    pub stop_token_ids: Vec<u32>,
-    pub ignore_eos: bool,
-}
-
-impl SamplingFields {
-    /// Checks every field; unset ones take `defaults`.
-    pub fn validate(&self, defaults: &SamplingParams) -> Result<ValidatedSampling, ApiError> {
-        if let Some(n) = self.n {
-            if n != 1 {
-                return Err(ApiError::invalid_param("n", format!("n must be 1 (only one choice per request is supported), got {n}")));
-            }
-        }
-        if let Some(lb) = &self.logit_bias {
-            let empty = lb.is_null() || lb.as_object().is_some_and(|m| m.is_empty());
-            if !empty {
-                return Err(ApiError::invalid_param("logit_bias", "logit_bias is not supported"));
-            }
-        }
-        let mut sampling = defaults.clone();
-        if let Some(t) = self.temperature {
-            if !t.is_finite() || !(0.0..=2.0).contains(&t) {
-                return Err(ApiError::invalid_param("temperature", format!("temperature must be between 0 and 2, got {t}")));
-            }
-            sampling.temperature = t as f32;
-        }
-        if let Some(p) = self.top_p {
-            if !p.is_finite() || p <= 0.0 || p > 1.0 {
-                return Err(ApiError::invalid_param("top_p", format!("top_p must be in (0, 1], got {p}")));
-            }
-            // The worker checks the f32 value: a positive f64 below f32's range (1e-300) would round to 0 and
-            // fail the whole step it rides in. Clamped, it keeps its meaning: only the most likely token.
-            sampling.top_p = (p as f32).max(f32::MIN_POSITIVE);
-        }
-        if let Some(k) = self.top_k {
-            if k < -1 || k > i32::MAX as i64 {
-                return Err(ApiError::invalid_param("top_k", format!("top_k must be -1, 0 (disabled) or positive, got {k}")));
-            }
-            sampling.top_k = k.max(0) as i32;
-        }
-        if let Some(m) = self.min_p {
-            if !m.is_finite() || !(0.0..=1.0).contains(&m) {
-                return Err(ApiError::invalid_param("min_p", format!("min_p must be in [0, 1], got {m}")));
-            }
-            sampling.min_p = m as f32;
-        }
-        if let Some(s) = self.seed {
-            sampling.seed = Some(s as u64);
-        }
-        if (sampling.temperature as f64) < GREEDY_TEMPERATURE {
-            sampling.temperature = 0.0;
-        }
-        for (name, v) in [
-            ("presence_penalty", self.presence_penalty),
-            ("frequency_penalty", self.frequency_penalty),
-            ("repetition_penalty", self.repetition_penalty),
-        ] {
-            if let Some(v) = v {
-                if !v.is_finite() {
-                    return Err(ApiError::invalid_param(name, format!("{name} must be a finite number")));
-                }
-            }
-        }
-        let max_tokens = match (self.max_completion_tokens, self.max_tokens) {
-            (Some(m), _) => Some(("max_completion_tokens", m)),
-            (None, Some(m)) => Some(("max_tokens", m)),
-            (None, None) => None,
-        };
-        let max_tokens = match max_tokens {
-            Some((name, m)) if m < 1 => {
-                return Err(ApiError::invalid_param(name, format!("{name} must be at least 1, got {m}")));
-            }
-            Some((_, m)) => Some(m.min(u32::MAX as i64) as u32),
-            None => None,
-        };
-        let stop = match &self.stop {
-            None | Some(Json::Null) => vec![],
-            Some(Json::String(s)) => vec![s.clone()],
-            Some(Json::Array(items)) => {
-                let mut out = Vec::with_capacity(items.len());
-                for item in items {
-                    match item {
-                        Json::String(s) => out.push(s.clone()),
-                        _ => return Err(ApiError::invalid_param("stop", "stop must be a string or a list of strings")),
-                    }
-                }
-                out
-            }
-            Some(_) => return Err(ApiError::invalid_param("stop", "stop must be a string or a list of strings")),
-        };
-        if stop.iter().any(|s| s.is_empty()) {
-            return Err(ApiError::invalid_param("stop", "stop strings must not be empty"));
-        }
-        Ok(ValidatedSampling {
-            sampling,
-            max_tokens,
-            stop,
-            stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
-            ignore_eos: self.ignore_eos.unwrap_or(false),
-        })
-    }
 }
 
 impl ChatCompletionRequest {
@@ -513,47 +401,6 @@ pub struct CompletionResponse {
 mod tests {
     use super::*;
     use serde_json::json;
-
-    fn fields(v: Json) -> SamplingFields {
-        serde_json::from_value(v).unwrap()
-    }
-
-    #[test]
-    fn sampling_validation() {
-        let d = SamplingParams { temperature: 0.7, ..Default::default() };
-        let v = fields(json!({})).validate(&d).unwrap();
-        assert_eq!(v.sampling.temperature, 0.7);
-        assert_eq!(v.max_tokens, None);
-        let v = fields(json!({"temperature": 0, "top_p": 0.5, "top_k": -1, "seed": 7, "max_tokens": 3, "stop": "x"})).validate(&d).unwrap();
-        assert_eq!(v.sampling, SamplingParams { temperature: 0.0, top_p: 0.5, top_k: 0, min_p: 0.0, seed: Some(7) });
-        assert_eq!(v.max_tokens, Some(3));
-        assert_eq!(v.stop, vec!["x".to_string()]);
-        let v = fields(json!({"top_p": 1e-300})).validate(&d).unwrap();
-        assert!(v.sampling.top_p > 0.0);
-                let v = fields(json!({"max_tokens": 3, "max_completion_tokens": 5, "stop": ["a", "b"]})).validate(&d).unwrap();
-        assert_eq!(v.max_tokens, Some(5));
-        assert_eq!(v.stop.len(), 2);
-        for (bad, param) in [
-            (json!({"temperature": -0.1}), "temperature"),
-            (json!({"temperature": 2.5}), "temperature"),
-            (json!({"top_p": 0}), "top_p"),
-            (json!({"top_p": 1.1}), "top_p"),
-            (json!({"top_k": -2}), "top_k"),
-            (json!({"min_p": 2}), "min_p"),
-            (json!({"max_tokens": 0}), "max_tokens"),
-            (json!({"max_completion_tokens": -1}), "max_completion_tokens"),
-            (json!({"n": 2}), "n"),
-            (json!({"logit_bias": {"1": 5}}), "logit_bias"),
-            (json!({"stop": 5}), "stop"),
-            (json!({"stop": ["a", 1]}), "stop"),
-            (json!({"stop": [""]}), "stop"),
-        ] {
-            let e = fields(bad.clone()).validate(&d).unwrap_err();
-            assert_eq!(e.status.as_u16(), 400, "{bad}");
-            assert_eq!(e.param.as_deref(), Some(param), "{bad}");
-        }
-        assert!(fields(json!({"logit_bias": {}, "n": 1})).validate(&d).is_ok());
-    }
 
     fn chat(v: Json) -> ChatCompletionRequest {
         serde_json::from_value(v).unwrap()

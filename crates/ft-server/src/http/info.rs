@@ -2,8 +2,8 @@
 //! thread beyond the backend's cheap `health()` / `stats()`, so they answer while a step runs.
 
 use crate::backend::HealthState;
-use crate::openai_error::ApiError;
-use crate::server::AppState;
+use crate::http::openai_error::ApiError;
+use crate::http::state::AppState;
 use axum::extract::State;
 use axum::http::{StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
@@ -15,13 +15,13 @@ pub async fn health(State(state): State<AppState>) -> Response {
     let uptime_s = state.started_at.elapsed().as_secs_f64();
     let model = state.served_model_name();
     let health = if state.drain.is_draining() { HealthState::ShuttingDown } else { state.backend.health() };
-    let (status, reason) = match health {
+    let (status, reason) = match &health {
         HealthState::Serving => {
             return (StatusCode::OK, Json(json!({"status": "ok", "model": model, "uptime_s": uptime_s}))).into_response();
         }
-        HealthState::Loading => ("loading", "the model is still loading".to_string()),
-        HealthState::Unhealthy(reason) => ("unhealthy", reason),
-        HealthState::ShuttingDown => ("shutting_down", "the server is shutting down".to_string()),
+        HealthState::Loading => ("loading", health.refusal().unwrap_or_default()),
+        HealthState::Unhealthy(reason) => ("unhealthy", reason.clone()),
+        HealthState::ShuttingDown => ("shutting_down", health.refusal().unwrap_or_default()),
     };
     (
         StatusCode::SERVICE_UNAVAILABLE,
@@ -54,7 +54,7 @@ pub async fn openapi() -> Response {
     ([(axum::http::header::CONTENT_TYPE, "application/json")], OPENAPI_JSON).into_response()
 }
 
-pub async fn stats(State(state): State<AppState>) -> Json<serde_json::Value> {
+pub async fn stats(State(state): State<AppState>) -> Json<crate::engine::stats::EngineStats> {
     Json(state.backend.stats())
 }
 
@@ -65,4 +65,9 @@ pub async fn v1_root() -> Json<serde_json::Value> {
 
 pub async fn not_found(uri: Uri) -> ApiError {
     ApiError::not_found(format!("no route for {}", uri.path()))
+}
+
+/// A known route called with the wrong method: 405 in OpenAI's error shape.
+pub async fn method_not_allowed() -> ApiError {
+    ApiError::method_not_allowed()
 }

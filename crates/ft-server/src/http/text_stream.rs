@@ -1,5 +1,5 @@
-//! HTTP handlers. Shared here: the JSON extractor that answers bad bodies in OpenAI's shape, the prompt →
-//! [`GenerateRequest`] step both generation endpoints take, and [`TextStream`], which turns a request's
+//! What every generation route shares: the JSON extractor that answers bad bodies in OpenAI's shape, the
+//! serving check, preparation on the blocking pool, [`submit`], and [`TextStream`], which turns a request's
 //! token events into text (incremental detokenizer + stop strings) for both the streaming and the
 //! non-streaming paths.
 //!
@@ -7,18 +7,15 @@
 //! it, in the handler future or in the SSE body. A client that disconnects makes hyper drop that future or
 //! body, which drops the stream, whose guard aborts the request in the engine.
 
-pub mod chat;
-pub mod completions;
-pub mod info;
-pub mod messages;
 
-use crate::backend::{GenerateRequest, HealthState, RequestStream};
-use crate::detokenizer::IncrementalDetokenizer;
-use crate::drain::LiveGuard;
-use crate::openai_error::ApiError;
-use crate::protocol::{PromptTokensDetails, Usage, ValidatedSampling};
-use crate::server::AppState;
-use crate::stop_strings::{StopOutcome, StopStringMatcher};
+use crate::backend::{HealthState, RequestStream};
+use crate::text::detokenizer::IncrementalDetokenizer;
+use crate::http::drain::LiveGuard;
+use crate::http::openai_error::ApiError;
+use crate::http::protocol::{PromptTokensDetails, Usage};
+use crate::validation::Prepared;
+use crate::http::state::AppState;
+use crate::text::stop_strings::{StopOutcome, StopStringMatcher};
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request};
 use ft_core::request::RequestEvent;
@@ -50,13 +47,11 @@ impl<T: DeserializeOwned> FromRequest<AppState> for OpenAiJson<T> {
 /// 503 unless the engine is serving and the server is not draining for shutdown.
 pub(crate) fn ensure_serving(state: &AppState) -> Result<(), ApiError> {
     if state.drain.is_draining() {
-        return Err(ApiError::unavailable("the server is shutting down"));
+        return Err(ApiError::unavailable(HealthState::ShuttingDown.refusal().unwrap_or_default()));
     }
-    match state.backend.health() {
-        HealthState::Serving => Ok(()),
-        HealthState::Loading => Err(ApiError::unavailable("the model is still loading")),
-        HealthState::Unhealthy(reason) => Err(ApiError::unavailable(format!("the engine is unhealthy: {reason}"))),
-        HealthState::ShuttingDown => Err(ApiError::unavailable("the server is shutting down")),
+    match state.backend.health().refusal() {
+        None => Ok(()),
+        Some(why) => Err(ApiError::unavailable(why)),
     }
 }
 
@@ -74,50 +69,6 @@ pub(crate) async fn off_the_async_workers<T: Send + 'static>(
     })
     .await
     .map_err(|e| ApiError::internal(format!("request preparation failed: {e}")))?
-}
-
-/// A validated request, ready to submit.
-pub(crate) struct Prepared {
-    pub req: GenerateRequest,
-    pub stop: Vec<String>,
-}
-
-/// Budget, context check and stop tokens: the last step before `submit`.
-pub(crate) fn prepare(state: &AppState, prompt: Vec<u32>, v: ValidatedSampling) -> Result<Prepared, ApiError> {
-    if prompt.is_empty() {
-        return Err(ApiError::invalid_param("prompt", "the prompt is empty"));
-    }
-    // The model's embedding rows bound what the worker takes (it rejects the whole step otherwise, failing
-    // every request batched with this one); the tokenizer's size only when the worker did not say.
-    let vocab = if state.info.vocab_size > 0 { state.info.vocab_size } else { state.tokenizer.vocab_size() };
-    if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
-        return Err(ApiError::invalid_param("prompt", format!("token id {bad} is out of the vocabulary (size {vocab})")));
-    }
-    let max_context = state.max_context();
-    if prompt.len() >= max_context {
-        return Err(ApiError::context_length_exceeded(format!(
-            "This model's maximum context length is {max_context} tokens. However, your prompt has {} tokens, which leaves no room for output. Please shorten your prompt.",
-            prompt.len()
-        )));
-    }
-    let room = (max_context - prompt.len()).min(u32::MAX as usize) as u32;
-    let asked = v.max_tokens.unwrap_or_else(|| state.args.max_output_tokens());
-    let mut stop_token_ids = state.info.eos_token_ids.clone();
-    for t in v.stop_token_ids {
-        if !stop_token_ids.contains(&t) {
-            stop_token_ids.push(t);
-        }
-    }
-    Ok(Prepared {
-        req: GenerateRequest {
-            prompt,
-            max_new_tokens: asked.min(room).max(1),
-            sampling: v.sampling,
-            stop_token_ids,
-            ignore_eos: v.ignore_eos,
-        },
-        stop: v.stop,
-    })
 }
 
 /// Submits a prepared request (503 first if the engine is not serving) and returns its text stream.

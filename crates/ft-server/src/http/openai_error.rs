@@ -32,8 +32,22 @@ impl ApiError {
         Self::invalid(message).with_param(param)
     }
 
-    pub fn context_length_exceeded(message: impl Into<String>) -> Self {
-        Self::invalid(message).with_param("messages").with_code("context_length_exceeded")
+    /// The prompt leaves no room for output; `param` names the field that holds it (`messages`, `prompt`).
+    pub fn context_length_exceeded(param: &str, message: impl Into<String>) -> Self {
+        Self::invalid(message).with_param(param).with_code("context_length_exceeded")
+    }
+
+    /// A request names a model this server does not serve (OpenAI's and vLLM's answer).
+    pub fn model_not_found(name: &str) -> Self {
+        Self::new(StatusCode::NOT_FOUND, "invalid_request_error", format!("The model `{name}` does not exist"))
+            .with_param("model")
+            .with_code("model_not_found")
+    }
+
+    /// A route called with the wrong method.
+    pub fn method_not_allowed() -> Self {
+        Self::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "method not allowed on this route")
+            .with_code("method_not_allowed")
     }
 
     pub fn payload_too_large(limit: usize) -> Self {
@@ -112,7 +126,7 @@ impl From<crate::backend::SubmitError> for ApiError {
         use ft_core::request::AdmissionError;
         match e {
             SubmitError::Admission(a @ AdmissionError::ContextLengthExceeded { .. }) => {
-                ApiError::context_length_exceeded(a.to_string())
+                ApiError::context_length_exceeded("messages", a.to_string())
             }
             SubmitError::Admission(a @ AdmissionError::TooLargeForCache { .. }) => {
                 ApiError::invalid(a.to_string()).with_code("context_length_exceeded")

@@ -14,7 +14,7 @@
 //!
 //! A delta that ends in U+FFFD is held back (both offsets stay) until the character's last byte arrives.
 
-use crate::tokenizer::Tokenizer;
+use crate::text::tokenizer::Tokenizer;
 
 /// How many prompt tokens seed the window, so the first output token decodes in context.
 const PROMPT_CONTEXT_TOKENS: usize = 5;

@@ -1,12 +1,11 @@
-//! The axum server: shared state, the router, and the listener with graceful shutdown.
+//! The axum server: the router and the listener with graceful shutdown. Handlers share [`AppState`]
+//! (`state.rs`).
 
-use crate::backend::{Backend, ModelInfo};
-use crate::chat_template::ChatTemplate;
-use crate::cli::{SamplingDefaults, ServeArgs};
-use crate::drain::Drain;
-use crate::openai_error::ApiError;
-use crate::routes;
-use crate::tokenizer::Tokenizer;
+use crate::backend::{Backend, EngineDescription};
+pub use crate::http::state::AppState;
+use crate::cli::ServeArgs;
+use crate::http::openai_error::ApiError;
+
 use anyhow::Context;
 use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{header, HeaderValue, Method};
@@ -14,136 +13,30 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use ft_core::request::SamplingParams;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::ops::Deref;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use futures::future::FutureExt;
 use std::future::IntoFuture;
 use tower_http::cors::{AllowOrigin, Any, CorsLayer};
 
-/// Everything a handler needs. Cheap to clone (one `Arc`); configure it before handing it to the router.
-#[derive(Clone)]
-pub struct AppState {
-    inner: Arc<AppStateInner>,
-}
-
-pub struct AppStateInner {
-    pub backend: Arc<dyn Backend>,
-    pub tokenizer: Tokenizer,
-    pub chat_template: ChatTemplate,
-    pub info: ModelInfo,
-    pub args: ServeArgs,
-    /// Sampling values for fields a request leaves out (see [`AppState::with_default_sampling`]).
-    pub default_sampling: SamplingParams,
-    pub started_at: Instant,
-    /// Unix time the server started (`created` of `/v1/models`).
-    pub created: u64,
-    /// Graceful shutdown: refuses new requests, counts and cancels live ones.
-    pub drain: Arc<Drain>,
-    /// Requests being templated and tokenized at once (one per core).
-    pub prepare_slots: Arc<tokio::sync::Semaphore>,
-}
-
-impl Deref for AppState {
-    type Target = AppStateInner;
-    fn deref(&self) -> &AppStateInner {
-        &self.inner
-    }
-}
-
-impl AppState {
-    /// Loads the tokenizer from `info.tokenizer_path` and compiles `info.chat_template` (ChatML if none).
-    pub fn new(args: ServeArgs, backend: Arc<dyn Backend>, info: ModelInfo) -> anyhow::Result<Self> {
-        let tokenizer = Tokenizer::from_file(&info.tokenizer_path)?;
-        let chat_template = ChatTemplate::new(info.chat_template.as_deref(), info.bos_token.clone(), info.eos_token.clone())
-            .map_err(|e| anyhow::anyhow!("{e}"))?;
-        Ok(Self::from_parts(args, backend, info, tokenizer, chat_template))
-    }
-
-    /// From an already loaded tokenizer and template.
-    pub fn from_parts(
-        args: ServeArgs,
-        backend: Arc<dyn Backend>,
-        info: ModelInfo,
-        tokenizer: Tokenizer,
-        chat_template: ChatTemplate,
-    ) -> Self {
-        // `--sampling-defaults none`: greedy. `model`: the model's generation_config values, else OpenAI's
-        // defaults (temperature 1).
-        let default_sampling = match args.sampling_defaults {
-            SamplingDefaults::None => SamplingParams::default(),
-            SamplingDefaults::Model => info
-                .generation_defaults
-                .clone()
-                .unwrap_or(SamplingParams { temperature: 1.0, ..SamplingParams::default() }),
-        };
-        AppState {
-            inner: Arc::new(AppStateInner {
-                backend,
-                tokenizer,
-                chat_template,
-                info,
-                args,
-                default_sampling,
-                started_at: Instant::now(),
-                created: routes::unix_now(),
-                drain: Arc::new(Drain::default()),
-                prepare_slots: Arc::new(tokio::sync::Semaphore::new(
-                    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4).clamp(2, 16),
-                )),
-            }),
-        }
-    }
-
-    /// Sets the sampling defaults (the model's `generation_config.json`). Ignored under
-    /// `--sampling-defaults none`. Panics if the state was already cloned.
-    pub fn with_default_sampling(mut self, sampling: SamplingParams) -> Self {
-        let inner = Arc::get_mut(&mut self.inner).expect("configure AppState before cloning it");
-        if inner.args.sampling_defaults == SamplingDefaults::Model {
-            inner.default_sampling = sampling;
-        }
-        self
-    }
-
-    /// `--served-model-name`, else the worker's name for the model, else the model path's basename.
-    pub fn served_model_name(&self) -> String {
-        if let Some(name) = &self.args.served_model_name {
-            return name.clone();
-        }
-        if !self.info.served_model_name.is_empty() {
-            return self.info.served_model_name.clone();
-        }
-        self.args.default_served_model_name()
-    }
-
-    /// Longest prompt + output the engine takes.
-    pub fn max_context(&self) -> usize {
-        match (self.info.max_context, self.args.max_seq_len_override) {
-            (0, Some(n)) => n,
-            (0, None) => usize::MAX / 2,
-            (n, _) => n,
-        }
-    }
-}
-
 /// All routes, with the body limit, optional API key and CORS.
 pub fn build_router(state: AppState) -> Router {
     let api = Router::new()
-        .route("/v1/chat/completions", post(routes::chat::chat_completions))
-        .route("/v1/completions", post(routes::completions::completions))
-        .route("/v1/messages", post(routes::messages::messages))
-        .route("/v1/messages/count_tokens", post(routes::messages::count_tokens))
-        .route("/v1/models", get(routes::info::models))
-        .route("/v1/stats", get(routes::info::stats))
-        .route("/v1", get(routes::info::v1_root).post(routes::info::v1_root))
-        .fallback(routes::info::not_found)
+        .route("/v1/chat/completions", post(crate::http::chat::chat_completions))
+        .route("/v1/completions", post(crate::http::completions::completions))
+        .route("/v1/messages", post(crate::http::messages::messages))
+        .route("/v1/messages/count_tokens", post(crate::http::messages::count_tokens))
+        .route("/v1/models", get(crate::http::info::models))
+        .route("/v1/stats", get(crate::http::info::stats))
+        .route("/v1", get(crate::http::info::v1_root).post(crate::http::info::v1_root))
+        .fallback(crate::http::info::not_found)
+        .method_not_allowed_fallback(crate::http::info::method_not_allowed)
         .route_layer(middleware::from_fn_with_state(state.clone(), require_api_key));
     let mut router = Router::new()
-        .route("/health", get(routes::info::health))
-        .route("/openapi.json", get(routes::info::openapi))
+        .route("/health", get(crate::http::info::health))
+        .route("/openapi.json", get(crate::http::info::openapi))
         .merge(api)
         .layer(DefaultBodyLimit::max(state.args.max_request_body_bytes))
         .with_state(state.clone());
@@ -204,7 +97,7 @@ enum StopReason {
 
 /// Serves `state` on an already bound listener until `shutdown` resolves or SIGINT / SIGTERM arrives.
 ///
-/// `shutdown` stops at once. A signal drains (see [`crate::drain`]): new generation requests and `/health`
+/// `shutdown` stops at once. A signal drains (see [`crate::http::drain`]): new generation requests and `/health`
 /// get 503 while in-flight requests run on for up to `--shutdown-grace` seconds; then the rest are cancelled
 /// with an error, the listener closes, and this returns `Ok`.
 pub async fn serve_listener(
@@ -294,7 +187,7 @@ where
 pub async fn run_server(
     args: ServeArgs,
     backend: Arc<dyn Backend>,
-    info: ModelInfo,
+    info: EngineDescription,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let state = AppState::new(args, backend, info)?;

@@ -9,7 +9,7 @@
 //!          ─▶ close the listener, let the last responses flush, return
 //! ```
 //!
-//! A request is live from the moment its [`TextStream`](crate::routes) exists (right after submit) until the
+//! A request is live from the moment its [`TextStream`](crate::http) exists (right after submit) until the
 //! stream is dropped: the non-streaming handler returned, or the SSE body sent its final event or lost its
 //! client. Requests that slip past the 503 gate while the drain starts are caught by the cancel flag, which
 //! stays set: a stream created after it is cancelled at its first wait.

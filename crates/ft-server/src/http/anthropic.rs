@@ -5,8 +5,8 @@
 //! Output is text (no tool-call or reasoning parser yet). Errors use Anthropic's shape:
 //! `{"type": "error", "error": {"type": "invalid_request_error", "message": ...}}`.
 
-use crate::openai_error::ApiError;
-use crate::protocol::{check_tool, SamplingFields, Usage};
+use crate::http::openai_error::ApiError;
+use crate::http::protocol::{check_tool, SamplingFields, Usage};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
@@ -81,10 +81,9 @@ impl MessagesRequest {
     /// The sampling fields for [`SamplingFields::validate`]; `max_tokens` positive, and present when
     /// `require_max_tokens` (`/v1/messages`; counting tokens does not need it).
     pub fn sampling_fields(&self, require_max_tokens: bool) -> Result<SamplingFields, ApiError> {
-        match self.max_tokens {
-            None if require_max_tokens => return Err(ApiError::invalid_param("max_tokens", "max_tokens is required")),
-            Some(n) if n < 1 => return Err(ApiError::invalid_param("max_tokens", format!("max_tokens must be at least 1, got {n}"))),
-            _ => {}
+        // (its range is checked with every other API's in validation.rs)
+        if require_max_tokens && self.max_tokens.is_none() {
+            return Err(ApiError::invalid_param("max_tokens", "max_tokens is required"));
         }
         let stop = match &self.stop_sequences {
             None | Some(Json::Null) => None,

@@ -1,0 +1,221 @@
+//! The engine loop, on the engine thread (the only thread that takes the GIL):
+//!
+//! ```text
+//!   loop { drain commands into the scheduler; plan = scheduler.next_step(); out = worker.execute(plan);
+//!          scheduler.commit(plan, out) or fail_step; send events; status lines; publish stats }
+//! ```
+
+use super::stats::EngineStats;
+use super::watchdog::RunningStep;
+use super::{Command, EngineConfig, Shared};
+use crate::backend::HealthState;
+use crate::engine::status_log::StatusLog;
+use ft_core::request::{FinishReason, RequestEvent};
+use ft_core::scheduler::Scheduler;
+use ft_core::step::{StepKind, Worker, WorkerError};
+use std::sync::atomic::Ordering;
+use std::sync::mpsc as std_mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub(super) struct EngineLoop {
+    worker: Box<dyn Worker>,
+    scheduler: Scheduler,
+    shared: Arc<Shared>,
+    status: StatusLog,
+    planned_workspace_bytes: Option<u64>,
+    /// The largest transient workspace any step has allocated (CUDA), to check the memory plan against.
+    max_step_workspace_bytes: u64,
+    /// Expert-cache lookups since start (`--moe-backend offload`): routed experts found resident / copied in.
+    expert_hits: u64,
+    expert_misses: u64,
+    /// Decode-only steps so far, with the worker's own time for them and the engine's whole time (planning,
+    /// the worker call, commit and handing tokens to the HTTP side): benchmarks read the per-token cost of each
+    /// layer from these (`/v1/stats`).
+    decode_steps: u64,
+    decode_forward_ms: f64,
+    decode_engine_ms: f64,
+}
+
+impl EngineLoop {
+    pub(super) fn new(worker: Box<dyn Worker>, config: EngineConfig, shared: Arc<Shared>) -> Self {
+        EngineLoop {
+            worker,
+            scheduler: Scheduler::new(config.scheduler.clone()),
+            shared,
+            status: StatusLog::new(config.decode_log_interval),
+            planned_workspace_bytes: config.planned_workspace_bytes,
+            max_step_workspace_bytes: 0,
+            expert_hits: 0,
+            expert_misses: 0,
+            decode_steps: 0,
+            decode_forward_ms: 0.0,
+            decode_engine_ms: 0.0,
+        }
+    }
+
+    pub(super) fn run(mut self, commands: std_mpsc::Receiver<Command>) {
+        loop {
+            // Block while idle; otherwise take whatever arrived since the last step.
+            if self.scheduler.is_idle() {
+                self.publish_stats();
+                match commands.recv_timeout(Duration::from_secs(60)) {
+                    Ok(cmd) => {
+                        if !self.handle(cmd) {
+                            return self.stop("the server is shutting down");
+                        }
+                    }
+                    Err(std_mpsc::RecvTimeoutError::Timeout) => {
+                        tracing::debug!("Scheduler is idle, waiting for new reqs...");
+                        continue;
+                    }
+                    Err(std_mpsc::RecvTimeoutError::Disconnected) => return self.stop("the server is shutting down"),
+                }
+            }
+            while let Ok(cmd) = commands.try_recv() {
+                if !self.handle(cmd) {
+                    return self.stop("the server is shutting down");
+                }
+            }
+            if let Err(fatal) = self.step() {
+                // (health is already Unhealthy: `step` sets it before failing anyone)
+                return self.stop(&fatal.to_string());
+            }
+            if self.scheduler.is_idle() {
+                if let Err(e) = self.scheduler.check_integrity() {
+                    tracing::error!("cache integrity check failed while idle: {e}");
+                }
+                tracing::info!("Scheduler is idle, waiting for new reqs...");
+            }
+        }
+    }
+
+    /// Applies one command; false means shut down.
+    fn handle(&mut self, cmd: Command) -> bool {
+        match cmd {
+            Command::Submit { req } => {
+                let id = req.id;
+                if let Err(e) = self.scheduler.add_request(req) {
+                    if let Some(events) = self.shared.senders.lock().unwrap().remove(&id) {
+                        let _ = events.send(RequestEvent::Failed { id, message: e.to_string() });
+                        self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+                    }
+                }
+            }
+            Command::Finish { id, reason } => {
+                self.scheduler.finish(id, reason);
+                self.dispatch_events();
+            }
+            Command::Shutdown => return false,
+        }
+        true
+    }
+
+    /// One forward pass. Errors only for a fatal worker failure.
+    fn step(&mut self) -> Result<(), WorkerError> {
+        let began = Instant::now();
+        let Some(plan) = self.scheduler.next_step() else {
+            self.dispatch_events();
+            return Ok(());
+        };
+        self.dispatch_events();
+        let summary = self.scheduler.plan_summary(&plan);
+        let started = Instant::now();
+        *self.shared.current_step.lock().unwrap() = Some(RunningStep { step_id: plan.step_id, started });
+        let result = self.worker.execute(&plan);
+        *self.shared.current_step.lock().unwrap() = None;
+        let elapsed = started.elapsed();
+        if self.shared.stalled.load(Ordering::SeqCst) {
+            // The watchdog already answered everyone and the server is going down.
+            return Err(WorkerError::Fatal("step overran --step-timeout".into()));
+        }
+        match result {
+            Ok(out) => {
+                if plan.kind == StepKind::Decode {
+                    self.decode_steps += 1;
+                    self.decode_forward_ms += out.stats.forward_ms;
+                }
+                self.max_step_workspace_bytes = self.max_step_workspace_bytes.max(out.stats.workspace_bytes);
+                self.expert_hits += out.stats.expert_hits;
+                self.expert_misses += out.stats.expert_misses;
+                self.scheduler.commit(&plan, &out);
+                self.status.record(&summary, &self.scheduler.stats(), elapsed);
+            }
+            Err(WorkerError::Fatal(msg)) => {
+                tracing::error!("Engine stopped: {msg}");
+                // Clients and /health get the first line; the traceback is in the log.
+                let why = format!("engine failed: {}", msg.lines().next().unwrap_or_default());
+                // Unhealthy before any client hears of the failure, so none of them sees /health 200 after.
+                *self.shared.health.lock().unwrap() = HealthState::Unhealthy(why.clone());
+                self.scheduler.fail_all(&why);
+                self.dispatch_events();
+                return Err(WorkerError::Fatal(msg));
+            }
+            Err(e) => {
+                tracing::error!("Step {} failed, failing its {} request(s): {e}", plan.step_id, plan.seqs.len());
+                self.scheduler.fail_step(&plan, &e.to_string());
+            }
+        }
+        self.dispatch_events();
+        if plan.kind == StepKind::Decode {
+            self.decode_engine_ms += began.elapsed().as_secs_f64() * 1e3;
+        }
+        self.publish_stats();
+        Ok(())
+    }
+
+    fn dispatch_events(&mut self) {
+        let events = self.scheduler.drain_events();
+        if events.is_empty() {
+            return;
+        }
+        let mut gone = Vec::new();
+        {
+            let mut senders = self.shared.senders.lock().unwrap();
+            for ev in events {
+                let id = ev.request_id();
+                let ends = matches!(ev, RequestEvent::Finished { .. } | RequestEvent::Failed { .. });
+                let delivered = senders.get(&id).map(|tx| tx.send(ev).is_ok()).unwrap_or(false);
+                if ends {
+                    if senders.remove(&id).is_some() {
+                        self.shared.in_flight.fetch_sub(1, Ordering::SeqCst);
+                    }
+                } else if !delivered {
+                    gone.push(id);
+                }
+            }
+        }
+        // A client that is gone: end its request now rather than compute for nobody (its Finished event,
+        // dispatched next, releases its channel).
+        if !gone.is_empty() {
+            for id in gone {
+                self.scheduler.finish(id, FinishReason::Abort);
+            }
+            self.dispatch_events();
+        }
+    }
+
+    fn publish_stats(&self) {
+        let stats = EngineStats {
+            requests_in_flight: self.shared.in_flight.load(Ordering::SeqCst),
+            prefill_throughput: self.status.last_prefill_throughput(),
+            decode_throughput: self.status.last_decode_throughput(),
+            planned_workspace_bytes: self.planned_workspace_bytes,
+            max_step_workspace_bytes: self.max_step_workspace_bytes,
+            expert_hits: self.expert_hits,
+            expert_misses: self.expert_misses,
+            decode_steps: self.decode_steps,
+            decode_forward_ms_total: self.decode_forward_ms,
+            decode_engine_ms_total: self.decode_engine_ms,
+            ..EngineStats::from_scheduler(&self.scheduler.stats())
+        };
+        *self.shared.stats.lock().unwrap() = stats;
+    }
+
+    /// Fails everything still pending so no client waits forever.
+    fn stop(mut self, why: &str) {
+        self.scheduler.fail_all(why);
+        self.dispatch_events();
+        self.shared.fail_every_client(why);
+    }
+}

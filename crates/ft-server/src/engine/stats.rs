@@ -1,0 +1,71 @@
+//! `/v1/stats`: what the engine publishes after every step, typed. The scheduler's counters and the engine's own
+//! (throughput, memory peaks, expert-cache and decode timings), one struct the HTTP side serializes as is.
+
+use ft_core::scheduler::SchedulerStats;
+use serde::Serialize;
+
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct EngineStats {
+    /// Requests admitted and not finished / waiting for admission.
+    pub running_requests: usize,
+    pub queued_requests: usize,
+    /// Submitted and not finished (queued + running), as the 429 check counts them.
+    pub requests_in_flight: usize,
+    /// KV slots used by running requests and the prefixes they lock, out of the pool.
+    pub kv_used_tokens: usize,
+    pub kv_capacity_tokens: usize,
+    pub token_usage: f64,
+    /// Prefix-cache tokens held by the radix tree, and those nothing locks.
+    pub cached_tokens_in_tree: usize,
+    pub evictable_tokens: usize,
+    pub free_rows: usize,
+    /// Recurrent-state slots (hybrid models): live ones free, all in use, total; snapshots held, evictable, most.
+    pub free_state_slots: usize,
+    pub state_slots_used: usize,
+    pub state_slots_total: usize,
+    pub snapshot_slots_used: usize,
+    pub snapshot_slots_total: usize,
+    pub evictable_snapshots: usize,
+    /// Requests that resumed from a recurrent-state snapshot, and the prompt tokens they skipped.
+    pub snapshot_hits: u64,
+    pub snapshot_hit_tokens: u64,
+    /// Tokens per second of the last `Prefill batch` / `Decode batch` status line.
+    pub prefill_throughput: f64,
+    pub decode_throughput: f64,
+    /// The memory plan's prefill workspace and the largest any step allocated (CUDA).
+    pub planned_workspace_bytes: Option<u64>,
+    pub max_step_workspace_bytes: u64,
+    /// Expert-cache lookups since start (`--moe-backend offload`): found resident / copied in.
+    pub expert_hits: u64,
+    pub expert_misses: u64,
+    /// Decode-only steps since start, the worker's time in them and the engine's whole time (planning, the worker
+    /// call, commit, handing tokens to HTTP): the per-token cost of each layer of the stack.
+    pub decode_steps: u64,
+    pub decode_forward_ms_total: f64,
+    pub decode_engine_ms_total: f64,
+}
+
+impl EngineStats {
+    /// The scheduler's part; the engine fills in its own counters.
+    pub fn from_scheduler(s: &SchedulerStats) -> Self {
+        EngineStats {
+            running_requests: s.running,
+            queued_requests: s.queued,
+            kv_used_tokens: s.kv_used_tokens,
+            kv_capacity_tokens: s.kv_capacity_tokens,
+            token_usage: s.token_usage,
+            cached_tokens_in_tree: s.cached_tokens_in_tree,
+            evictable_tokens: s.evictable_tokens,
+            free_rows: s.free_rows,
+            free_state_slots: s.free_state_slots,
+            state_slots_used: s.state_slots_used,
+            state_slots_total: s.state_slots_total,
+            snapshot_slots_used: s.snapshot_slots_used,
+            snapshot_slots_total: s.snapshot_slots_total,
+            evictable_snapshots: s.evictable_snapshots,
+            snapshot_hits: s.snapshot_hits,
+            snapshot_hit_tokens: s.snapshot_hit_tokens,
+            ..Default::default()
+        }
+    }
+}

@@ -1,0 +1,129 @@
+//! `POST /v1/chat/completions`: template the messages, submit, answer whole or as SSE chunks.
+//!
+//! Stream shape (per OpenAI, and what compatibility suites check): a first chunk whose delta carries
+//! `role: "assistant"`, content chunks, exactly one chunk with a `finish_reason`, a usage chunk with empty
+//! `choices` when `stream_options.include_usage`, then `data: [DONE]`. A failure midway sends
+//! `data: {"error": {...}}` and then `[DONE]`.
+
+use super::sse::{collect, done_event, json_event, sse, Ending, StreamFormat};
+use super::{off_the_async_workers, submit, response_id, unix_now, OpenAiJson, TextStream};
+use crate::validation::{self, Prepared};
+use crate::http::openai_error::ApiError;
+use crate::http::protocol::{
+    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatMessageOut,
+};
+use crate::http::state::AppState;
+use axum::extract::State;
+use axum::response::sse::Event;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+
+pub async fn chat_completions(
+    State(state): State<AppState>,
+    OpenAiJson(req): OpenAiJson<ChatCompletionRequest>,
+) -> Result<Response, ApiError> {
+    let streaming = req.stream.unwrap_or(false);
+    let include_usage = req.include_usage();
+    let st = state.clone();
+    let prepared = off_the_async_workers(&state, move || prepare_chat(&st, &req)).await?;
+    let text_stream = submit(&state, &prepared, "chat completion")?;
+    let id = response_id("chatcmpl");
+    let model = state.served_model_name();
+    if streaming {
+        Ok(sse(text_stream, ChatFormat { id, model, created: unix_now(), include_usage }).into_response())
+    } else {
+        whole_response(text_stream, id, model).await
+    }
+}
+
+/// Validation, template and tokenizer: everything before submit (CPU-bound for long prompts).
+fn prepare_chat(state: &AppState, req: &ChatCompletionRequest) -> Result<Prepared, ApiError> {
+    validation::model(state, req.model.as_deref())?;
+    req.check_unsupported()?;
+    let sampling = validation::sampling(&req.sampling, &state.default_sampling)?;
+    let messages = req.template_messages()?;
+    let tools = match req.tool_choice.as_ref().and_then(|c| c.as_str()) {
+        Some("none") => None,
+        _ => req.tools.as_deref().filter(|t| !t.is_empty()),
+    };
+    let mut kwargs = req.chat_template_kwargs.clone().unwrap_or_default();
+    if let Some(effort) = &req.reasoning_effort {
+        kwargs.entry("reasoning_effort").or_insert_with(|| serde_json::Value::String(effort.clone()));
+    }
+    let prompt_text = state
+        .chat_template
+        .render(&messages, tools, req.add_generation_prompt.unwrap_or(true), Some(&kwargs))
+        .map_err(|e| ApiError::invalid_param("messages", e.0))?;
+    // The template writes BOS and special tokens itself.
+    let prompt = state
+        .tokenizer
+        .encode(&prompt_text, false)
+        .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
+    validation::request(&state.limits, prompt, sampling, "messages")
+}
+
+async fn whole_response(mut ts: TextStream, id: String, model: String) -> Result<Response, ApiError> {
+    let (content, ending) = collect(&mut ts).await?;
+    let body = ChatCompletionResponse {
+        id,
+        object: "chat.completion",
+        created: unix_now(),
+        model,
+        choices: vec![ChatChoice {
+            index: 0,
+            message: ChatMessageOut { role: "assistant", content },
+            logprobs: None,
+            finish_reason: ending.reason,
+        }],
+        usage: ending.usage,
+    };
+    Ok(Json(body).into_response())
+}
+
+/// Chat completion chunks: a first delta with the role, content deltas, one chunk with the finish reason, the
+/// usage chunk (empty `choices`) when asked for, `[DONE]`.
+struct ChatFormat {
+    id: String,
+    model: String,
+    created: u64,
+    include_usage: bool,
+}
+
+impl ChatFormat {
+    fn chunk(&self, delta: ChatDelta, finish_reason: Option<&'static str>) -> ChatCompletionChunk {
+        ChatCompletionChunk {
+            id: self.id.clone(),
+            object: "chat.completion.chunk",
+            created: self.created,
+            model: self.model.clone(),
+            choices: vec![ChatChunkChoice { index: 0, delta, logprobs: None, finish_reason }],
+            usage: None,
+        }
+    }
+}
+
+impl StreamFormat for ChatFormat {
+    fn start(&mut self) -> Vec<Event> {
+        vec![json_event(&self.chunk(ChatDelta { role: Some("assistant"), content: Some(String::new()) }, None))]
+    }
+
+    fn text(&mut self, text: String) -> Vec<Event> {
+        vec![json_event(&self.chunk(ChatDelta { content: Some(text), ..Default::default() }, None))]
+    }
+
+    fn finish(&mut self, ending: Ending) -> Vec<Event> {
+        let mut events = vec![json_event(&self.chunk(ChatDelta::default(), Some(ending.reason)))];
+        if self.include_usage {
+            let mut usage_chunk = self.chunk(ChatDelta::default(), None);
+            usage_chunk.choices.clear();
+            usage_chunk.usage = Some(ending.usage);
+            events.push(json_event(&usage_chunk));
+        }
+        events.push(done_event());
+        events
+    }
+
+    fn error(&mut self, error: ApiError) -> Vec<Event> {
+        vec![json_event(&error.body()), done_event()]
+    }
+}

@@ -1,0 +1,115 @@
+//! What every handler shares: the backend, the tokenizer and chat template, the engine description and the
+//! limits requests are validated against, the flags, and the shutdown drain. Cheap to clone (one `Arc`).
+
+use crate::backend::{Backend, EngineDescription};
+use crate::cli::{SamplingDefaults, ServeArgs};
+use crate::http::drain::Drain;
+use crate::text::chat_template::ChatTemplate;
+use crate::text::tokenizer::Tokenizer;
+use ft_core::request::SamplingParams;
+use std::ops::Deref;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Everything a handler needs. Cheap to clone (one `Arc`); configure it before handing it to the router.
+#[derive(Clone)]
+pub struct AppState {
+    inner: Arc<AppStateInner>,
+}
+
+pub struct AppStateInner {
+    pub backend: Arc<dyn Backend>,
+    pub tokenizer: Tokenizer,
+    pub chat_template: ChatTemplate,
+    pub info: EngineDescription,
+    pub args: ServeArgs,
+    /// What requests are validated against (from `info` and `args`).
+    pub limits: crate::validation::Limits,
+    /// Sampling values for fields a request leaves out (see [`AppState::with_default_sampling`]).
+    pub default_sampling: SamplingParams,
+    pub started_at: Instant,
+    /// Unix time the server started (`created` of `/v1/models`).
+    pub created: u64,
+    /// Graceful shutdown: refuses new requests, counts and cancels live ones.
+    pub drain: Arc<Drain>,
+    /// Requests being templated and tokenized at once (one per core).
+    pub prepare_slots: Arc<tokio::sync::Semaphore>,
+}
+
+impl Deref for AppState {
+    type Target = AppStateInner;
+    fn deref(&self) -> &AppStateInner {
+        &self.inner
+    }
+}
+
+impl AppState {
+    /// Loads the tokenizer from `info.tokenizer_path` and compiles `info.chat_template` (ChatML if none).
+    pub fn new(args: ServeArgs, backend: Arc<dyn Backend>, info: EngineDescription) -> anyhow::Result<Self> {
+        let tokenizer = Tokenizer::from_file(&info.tokenizer_path)?;
+        let chat_template = ChatTemplate::new(info.chat_template.as_deref(), info.bos_token.clone(), info.eos_token.clone())
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        Ok(Self::from_parts(args, backend, info, tokenizer, chat_template))
+    }
+
+    /// From an already loaded tokenizer and template.
+    pub fn from_parts(
+        args: ServeArgs,
+        backend: Arc<dyn Backend>,
+        info: EngineDescription,
+        tokenizer: Tokenizer,
+        chat_template: ChatTemplate,
+    ) -> Self {
+        // `--sampling-defaults none`: greedy. `model`: the model's generation_config values, else OpenAI's
+        // defaults (temperature 1).
+        let default_sampling = match args.sampling_defaults {
+            SamplingDefaults::None => SamplingParams::default(),
+            SamplingDefaults::Model => info
+                .generation_defaults
+                .clone()
+                .unwrap_or(SamplingParams { temperature: 1.0, ..SamplingParams::default() }),
+        };
+        AppState {
+            inner: Arc::new(AppStateInner {
+                backend,
+                tokenizer,
+                chat_template,
+                limits: crate::validation::Limits::new(&info, &args),
+                info,
+                args,
+                default_sampling,
+                started_at: Instant::now(),
+                created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+                drain: Arc::new(Drain::default()),
+                prepare_slots: Arc::new(tokio::sync::Semaphore::new(
+                    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4).clamp(2, 16),
+                )),
+            }),
+        }
+    }
+
+    /// Sets the sampling defaults (the model's `generation_config.json`). Ignored under
+    /// `--sampling-defaults none`. Panics if the state was already cloned.
+    pub fn with_default_sampling(mut self, sampling: SamplingParams) -> Self {
+        let inner = Arc::get_mut(&mut self.inner).expect("configure AppState before cloning it");
+        if inner.args.sampling_defaults == SamplingDefaults::Model {
+            inner.default_sampling = sampling;
+        }
+        self
+    }
+
+    /// The id `/v1/models` lists and responses name (the engine description's).
+    pub fn served_model_name(&self) -> String {
+        self.info.served_model_name.clone()
+    }
+
+    /// Whether requests may name the model `name`: its served name or one of its aliases.
+    pub fn serves_model(&self, name: &str) -> bool {
+        self.info.served_model_name == name || self.info.model_aliases.iter().any(|a| a == name)
+    }
+
+    /// Longest prompt + output the engine takes (the engine description's; nobody re-derives it).
+    pub fn max_context(&self) -> usize {
+        self.info.max_context
+    }
+}

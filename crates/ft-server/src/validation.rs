@@ -1,0 +1,258 @@
+//! The validation layer: the one place that answers a request's content with a 4xx, and the only builder of the
+//! request the engine runs ([`GenerateRequest`], which the engine turns into ft-core's request).
+//!
+//! ```text
+//!   OpenAI / Anthropic body ──wire types (protocol.rs, anthropic.rs)──▶ SamplingFields ──sampling()──▶
+//!   ValidatedSampling ──(template, tokenizer)──▶ prompt ids ──request()──▶ Prepared { GenerateRequest, stops }
+//! ```
+//!
+//! Every limit is checked here once: the model name, sampling ranges, `max_tokens >= 1`, stop strings, the prompt
+//! against the vocabulary, the context length and the KV pool, and the output budget clamped to what they leave.
+//! Behind this layer the engine, the scheduler and the worker assert these invariants instead of re-checking
+//! them. The offline engine (`freetoken.LLM`) validates through the same [`sampling`] and [`request`].
+
+use crate::backend::{EngineDescription, GenerateRequest};
+use crate::cli::ServeArgs;
+use crate::http::openai_error::ApiError;
+use crate::http::protocol::SamplingFields;
+use crate::http::server::AppState;
+use ft_core::request::SamplingParams;
+use serde_json::Value as Json;
+
+/// Below this a temperature means greedy.
+const GREEDY_TEMPERATURE: f64 = 1e-5;
+
+/// Sampling fields after validation, before the prompt is known.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ValidatedSampling {
+    pub sampling: SamplingParams,
+    /// What the client asked for (`None`: the server default).
+    pub max_tokens: Option<u32>,
+    pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+}
+
+/// A validated request, ready to submit.
+pub struct Prepared {
+    pub req: GenerateRequest,
+    pub stop: Vec<String>,
+}
+
+/// Checks every sampling and budget field; unset ones take `defaults`.
+pub fn sampling(f: &SamplingFields, defaults: &SamplingParams) -> Result<ValidatedSampling, ApiError> {
+    unsupported_choices(f)?;
+    let mut s = defaults.clone();
+    if let Some(t) = f.temperature {
+        s.temperature = in_range("temperature", t, 0.0, 2.0, "between 0 and 2")? as f32;
+    }
+    if let Some(p) = f.top_p {
+        if !p.is_finite() || p <= 0.0 || p > 1.0 {
+            return Err(ApiError::invalid_param("top_p", format!("top_p must be in (0, 1], got {p}")));
+        }
+        // The worker checks the f32 value: a positive f64 below f32's range (1e-300) would round to 0 and fail the
+        // whole step it rides in. Clamped, it keeps its meaning: only the most likely token.
+        s.top_p = (p as f32).max(f32::MIN_POSITIVE);
+    }
+    if let Some(k) = f.top_k {
+        if k < -1 || k > i32::MAX as i64 {
+            return Err(ApiError::invalid_param("top_k", format!("top_k must be -1, 0 (disabled) or positive, got {k}")));
+        }
+        s.top_k = k.max(0) as i32;
+    }
+    if let Some(m) = f.min_p {
+        s.min_p = in_range("min_p", m, 0.0, 1.0, "in [0, 1]")? as f32;
+    }
+    if let Some(seed) = f.seed {
+        s.seed = Some(seed as u64);
+    }
+    if (s.temperature as f64) < GREEDY_TEMPERATURE {
+        s.temperature = 0.0;
+    }
+    if let Some(p) = f.presence_penalty {
+        s.presence_penalty = in_range("presence_penalty", p, -2.0, 2.0, "between -2 and 2")? as f32;
+    }
+    if let Some(p) = f.frequency_penalty {
+        s.frequency_penalty = in_range("frequency_penalty", p, -2.0, 2.0, "between -2 and 2")? as f32;
+    }
+    if let Some(r) = f.repetition_penalty.filter(|&r| r != 1.0) {
+        return Err(ApiError::invalid_param("repetition_penalty", format!(
+            "repetition_penalty {r} is not supported (only 1); use presence_penalty / frequency_penalty")));
+    }
+    Ok(ValidatedSampling {
+        sampling: s,
+        max_tokens: max_tokens(f)?,
+        stop: stop_strings(f.stop.as_ref())?,
+        stop_token_ids: f.stop_token_ids.clone().unwrap_or_default(),
+        ignore_eos: f.ignore_eos.unwrap_or(false),
+    })
+}
+
+/// `n` other than 1 and a non-empty `logit_bias` are refused: one choice per request, no logit bias.
+fn unsupported_choices(f: &SamplingFields) -> Result<(), ApiError> {
+    if let Some(n) = f.n.filter(|&n| n != 1) {
+        return Err(ApiError::invalid_param("n", format!("n must be 1 (only one choice per request is supported), got {n}")));
+    }
+    if let Some(lb) = &f.logit_bias {
+        if !(lb.is_null() || lb.as_object().is_some_and(|m| m.is_empty())) {
+            return Err(ApiError::invalid_param("logit_bias", "logit_bias is not supported"));
+        }
+    }
+    Ok(())
+}
+
+fn in_range(name: &str, v: f64, lo: f64, hi: f64, spelled: &str) -> Result<f64, ApiError> {
+    if !v.is_finite() || v < lo || v > hi {
+        return Err(ApiError::invalid_param(name, format!("{name} must be {spelled}, got {v}")));
+    }
+    Ok(v)
+}
+
+/// `max_completion_tokens` (preferred) or `max_tokens`: at least 1 when given.
+fn max_tokens(f: &SamplingFields) -> Result<Option<u32>, ApiError> {
+    let asked = match (f.max_completion_tokens, f.max_tokens) {
+        (Some(m), _) => ("max_completion_tokens", m),
+        (None, Some(m)) => ("max_tokens", m),
+        (None, None) => return Ok(None),
+    };
+    match asked {
+        (name, m) if m < 1 => Err(ApiError::invalid_param(name, format!("{name} must be at least 1, got {m}"))),
+        (_, m) => Ok(Some(m.min(u32::MAX as i64) as u32)),
+    }
+}
+
+/// A string or a list of strings, none empty.
+fn stop_strings(stop: Option<&Json>) -> Result<Vec<String>, ApiError> {
+    let bad = || ApiError::invalid_param("stop", "stop must be a string or a list of strings");
+    let stop = match stop {
+        None | Some(Json::Null) => vec![],
+        Some(Json::String(s)) => vec![s.clone()],
+        Some(Json::Array(items)) => items.iter().map(|i| i.as_str().map(String::from).ok_or_else(bad)).collect::<Result<_, _>>()?,
+        Some(_) => return Err(bad()),
+    };
+    if stop.iter().any(String::is_empty) {
+        return Err(ApiError::invalid_param("stop", "stop strings must not be empty"));
+    }
+    Ok(stop)
+}
+
+/// What a request is checked against: the engine description's limits and the server's output default.
+#[derive(Clone, Debug)]
+pub struct Limits {
+    pub vocab_size: usize,
+    pub max_context: usize,
+    pub kv_capacity_tokens: usize,
+    pub eos_token_ids: Vec<u32>,
+    /// `--max-output-tokens`: the budget of a request that names none.
+    pub default_max_output: u32,
+}
+
+impl Limits {
+    pub fn new(info: &EngineDescription, args: &ServeArgs) -> Self {
+        Limits {
+            vocab_size: info.vocab_size,
+            max_context: info.max_context,
+            kv_capacity_tokens: info.kv_capacity_tokens,
+            eos_token_ids: info.eos_token_ids.clone(),
+            default_max_output: args.max_output_tokens(),
+        }
+    }
+}
+
+/// The model a request names: the served name or an alias; none named means the served model.
+pub(crate) fn model(state: &AppState, name: Option<&str>) -> Result<(), ApiError> {
+    match name {
+        Some(n) if !state.serves_model(n) => Err(ApiError::model_not_found(n)),
+        _ => Ok(()),
+    }
+}
+
+/// The prompt against the vocabulary, the context and the KV pool, the output budget clamped to what both leave,
+/// the model's stop tokens added: the request the engine runs. `param` names the field holding the prompt.
+pub fn request(limits: &Limits, prompt: Vec<u32>, v: ValidatedSampling, param: &str) -> Result<Prepared, ApiError> {
+    if prompt.is_empty() {
+        return Err(ApiError::invalid_param(param, "the prompt is empty"));
+    }
+    // The model's embedding rows bound what the worker takes (it would reject the whole step, failing every
+    // request batched with this one).
+    let vocab = limits.vocab_size;
+    if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+        return Err(ApiError::invalid_param(param, format!("token id {bad} is out of the vocabulary (size {vocab})")));
+    }
+    // the room for output: what the context leaves, and what the whole KV pool leaves
+    let room = limits.max_context.min(limits.kv_capacity_tokens).saturating_sub(prompt.len());
+    if room == 0 {
+        let max = limits.max_context.min(limits.kv_capacity_tokens);
+        return Err(ApiError::context_length_exceeded(param, format!(
+            "This model's maximum context length is {max} tokens. However, your prompt has {} tokens, which leaves no room for output. Please shorten your prompt.",
+            prompt.len()
+        )));
+    }
+    let asked = v.max_tokens.unwrap_or(limits.default_max_output);
+    let mut stop_token_ids = limits.eos_token_ids.clone();
+    for t in v.stop_token_ids {
+        if !stop_token_ids.contains(&t) {
+            stop_token_ids.push(t);
+        }
+    }
+    let req = GenerateRequest {
+        prompt,
+        max_new_tokens: asked.min(room.min(u32::MAX as usize) as u32).max(1),
+        sampling: v.sampling,
+        stop_token_ids,
+        ignore_eos: v.ignore_eos,
+    };
+    Ok(Prepared { req, stop: v.stop })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn fields(v: Json) -> SamplingFields {
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn sampling_validation() {
+        let d = SamplingParams { temperature: 0.7, ..Default::default() };
+        let v = sampling(&fields(json!({})), &d).unwrap();
+        assert_eq!(v.sampling.temperature, 0.7);
+        assert_eq!(v.max_tokens, None);
+        let v = sampling(&fields(json!({"temperature": 0, "top_p": 0.5, "top_k": -1, "seed": 7, "max_tokens": 3, "stop": "x"})), &d).unwrap();
+        assert_eq!(v.sampling, SamplingParams { temperature: 0.0, top_p: 0.5, seed: Some(7), ..Default::default() });
+        assert_eq!(v.max_tokens, Some(3));
+        assert_eq!(v.stop, vec!["x".to_string()]);
+        let v = sampling(&fields(json!({"top_p": 1e-300})), &d).unwrap();
+        assert!(v.sampling.top_p > 0.0);
+        let v = sampling(&fields(json!({"max_tokens": 3, "max_completion_tokens": 5, "stop": ["a", "b"]})), &d).unwrap();
+        assert_eq!(v.max_tokens, Some(5));
+        assert_eq!(v.stop.len(), 2);
+        for (bad, param) in [
+            (json!({"temperature": -0.1}), "temperature"),
+            (json!({"temperature": 2.5}), "temperature"),
+            (json!({"top_p": 0}), "top_p"),
+            (json!({"top_p": 1.1}), "top_p"),
+            (json!({"top_k": -2}), "top_k"),
+            (json!({"min_p": 2}), "min_p"),
+            (json!({"max_tokens": 0}), "max_tokens"),
+            (json!({"max_completion_tokens": -1}), "max_completion_tokens"),
+            (json!({"n": 2}), "n"),
+            (json!({"logit_bias": {"1": 5}}), "logit_bias"),
+            (json!({"stop": 5}), "stop"),
+            (json!({"stop": ["a", 1]}), "stop"),
+            (json!({"stop": [""]}), "stop"),
+            (json!({"presence_penalty": 2.5}), "presence_penalty"),
+            (json!({"frequency_penalty": -3}), "frequency_penalty"),
+            (json!({"repetition_penalty": 1.2}), "repetition_penalty"),
+        ] {
+            let e = sampling(&fields(bad.clone()), &d).unwrap_err();
+            assert_eq!(e.status.as_u16(), 400, "{bad}");
+            assert_eq!(e.param.as_deref(), Some(param), "{bad}");
+        }
+        assert!(sampling(&fields(json!({"logit_bias": {}, "n": 1, "repetition_penalty": 1.0})), &d).is_ok());
+        let v = sampling(&fields(json!({"presence_penalty": 0.5, "frequency_penalty": -1.5})), &d).unwrap();
+        assert_eq!((v.sampling.presence_penalty, v.sampling.frequency_penalty), (0.5, -1.5));
+    }
+}

@@ -1,0 +1,199 @@
+"""The worker's pools, planned at start-up (``memory_plan.py``), after the model is loaded
+(``loading/model_loader.py``):
+
+    recurrent-state pool (hybrid models) ─▶ memory plan ─▶ dry runs on CUDA: the largest prefill chunk and the
+    largest decode graph bucket measure their transient memory ─▶ expert cache (offload) ─▶ KV pool (the rest) ─▶
+    decode CUDA graphs captured ─▶ the plan logged as a table
+
+Rust owns the indices into every pool (KV slots, page-table rows, state slots); past them the worker keeps a scratch
+page-table row, ``_SCRATCH_TOKENS`` KV slots and one state slot for dry runs, ``forward_logits`` and graph padding.
+Log lines follow FreeToken's (``Allocating N tokens for KV cache, K + V = X GiB``, ``Start capturing CUDA graphs with
+sizes: [...]``, ``Free memory after initialization: X GiB``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from .cache.kv_pool import KVCachePool
+from .cache.output_counts import OutputTokenCounts
+from .errors import WorkerOutOfMemory
+from .loading.model_loader import free_memory_bytes
+from .log import get_logger
+from .memory_plan import MemoryPlan, measure_peak_bytes
+
+if TYPE_CHECKING:
+    from .engine.decode_graphs import DecodeGraphs
+    from .worker import Worker
+
+logger = get_logger(__name__)
+
+GiB = 1 << 30
+# forward_logits / dry-run scratch region (past the Rust-owned slots); also bounds its sequence length
+_SCRATCH_TOKENS = 8192
+# CPU KV pool: what the scheduler could ever use (rows x context), but at most this many tokens by default
+_CPU_KV_TOKEN_CAP = 1 << 17
+# hybrid models: recurrent-state snapshot slots per running request (FreeToken's linear_state_cache_ratio)
+_STATE_SNAPSHOT_RATIO = 2.0
+
+
+def allocate_pools(w: "Worker") -> None:
+    """Sizes and allocates every pool of ``w`` (its model already loaded) and captures the decode graphs."""
+    a = w.args
+    used_by_loading = w.loaded.free_before - free_memory_bytes(w.device)
+    layout = w.model.kv_layout
+    bpt = KVCachePool.bytes_per_token(layout.num_layers, layout.num_kv_heads, layout.head_dim, w.dtype,
+                                      layout.v_head_dim)
+    w.scratch_tokens = min(w.max_context, _SCRATCH_TOKENS)
+    w.scratch_row = w.max_running_requests  # the page table's spare row
+    state_bytes = _allocate_state_pool(w)
+    w.token_counts = OutputTokenCounts(w.max_running_requests + 1, w.vocab_size, w.device)
+    w.memory_plan = plan = MemoryPlan(
+        device=str(w.device), free_before=w.loaded.free_before, memory_ratio=float(a["memory_ratio"]),
+        weights=w.loaded.weights_bytes, state_bytes=state_bytes + w.token_counts.nbytes,
+        scratch_kv_bytes=w.scratch_tokens * bpt,
+        workspace=None, workspace_tokens=min(w.max_prefill_length, w.scratch_tokens),
+        reserve=int(a["vram_reserve_mb"] or 0) * 2**20,
+    )
+    if w.device.type == "cuda":
+        # dry runs on the scratch slots alone, before the KV pool exists
+        w.kv_capacity_tokens = 0
+        w.kv = make_kv_pool(w, w.scratch_tokens)
+        plan.workspace = measure_peak_bytes(w.device, lambda: w.dry_run(plan.workspace_tokens))
+        if w.graph_max_bs:
+            plan.graph_bytes = plan_decode_graphs(w)
+        w.kv = None
+        torch.cuda.empty_cache()
+    if w.offload is not None:
+        _allocate_expert_cache(w, plan, used_by_loading, bpt)
+    w.kv_capacity_tokens = _kv_tokens(w, bpt, plan, used_by_loading)
+    w.kv = make_kv_pool(w, w.kv_capacity_tokens + w.scratch_tokens)
+    plan.kv_tokens, plan.kv_bytes = w.kv_capacity_tokens, w.kv_capacity_tokens * bpt
+    logger.info(f"Allocating {w.kv_capacity_tokens} tokens for KV cache, K + V = {plan.kv_bytes / GiB:.2f} GiB")
+    w.graphs = capture_decode_graphs(w) if w.graph_max_bs else None
+    plan.free_after = free_memory_bytes(w.device)
+    logger.info(plan.table())
+    logger.info(f"Free memory after initialization: {plan.free_after / GiB:.2f} GiB")
+
+
+def _allocate_state_pool(w: "Worker") -> int:
+    """Hybrid models: one live recurrent-state slot per running request plus snapshot slots for the radix cache
+    (Rust owns 0..num_state_slots) and one scratch slot past them. Returns the pool's bytes."""
+    w.state, w.num_state_slots = None, 0
+    stl = w.model.state_layout
+    if stl is None:
+        return 0
+    from .cache.state_pool import RecurrentStatePool
+
+    w.num_state_slots = w.max_running_requests + math.ceil(_STATE_SNAPSHOT_RATIO * w.max_running_requests)
+    w.state = RecurrentStatePool.from_layout(stl, w.num_state_slots + 1, w.dtype, w.device)
+    nbytes = w.state.nbytes()
+    logger.info(f"Allocating {w.num_state_slots} recurrent-state slots, {nbytes / GiB:.2f} GiB")
+    return nbytes
+
+
+def make_kv_pool(w: "Worker", num_slots: int) -> KVCachePool:
+    layout = w.model.kv_layout
+    return KVCachePool(layout.num_layers, num_slots, layout.num_kv_heads, layout.head_dim, w.dtype, w.device,
+                       max_rows=w.max_running_requests, max_context=(w.max_context + 31) // 32 * 32,
+                       v_head_dim=layout.v_head_dim)
+
+
+def _allocate_expert_cache(w: "Worker", plan: MemoryPlan, used_by_loading: int, bpt: int) -> None:
+    """The GPU expert cache, sized by the flags or (auto) by what the plan leaves above the KV floor."""
+    off = w.offload
+    budget = None
+    if w.device.type == "cuda":
+        budget = plan.kv_budget(used_by_loading) - w.loaded.kv_floor_tokens * bpt
+    slots, how = off.cache_slots(w.args, budget)
+    off.allocate_cache(slots)
+    plan.expert_slots, plan.expert_cache_bytes = slots, off.cache.nbytes
+    plan.host_expert_bytes, plan.expert_stream_bytes = off.host_bytes, off.stream.nbytes
+    if how == "auto":
+        logger.info(f"--moe-cache-auto resolved moe_cache_size={slots}")
+    logger.info(f"Expert cache: {slots} of {off.total_experts} experts on the device "
+                f"({off.cache.nbytes / GiB:.2f} GiB, {how})")
+    if slots < min(off.min_useful_slots, off.total_experts):
+        logger.warning(f"The expert cache has {slots} slots, under 3 x top_k per MoE layer "
+                       f"({off.min_useful_slots}): expect almost every decode expert to miss")
+
+
+def _kv_tokens(w: "Worker", bytes_per_token: int, plan: MemoryPlan, used_by_loading: int) -> int:
+    a = w.args
+    if a["num_pages"] is not None:
+        tokens = int(a["num_pages"]) * w.page_size
+    elif a["num_tokens"] is not None:
+        tokens = int(a["num_tokens"])
+    elif w.device.type == "cuda":
+        # memory_ratio of what was free before loading, minus what loading took (REFERENCES 4.6 step 5), the state
+        # pool, the measured workspaces and the reserve
+        tokens = int(plan.kv_budget(used_by_loading) // bytes_per_token)
+    else:
+        # Host memory is shared with everything else on the machine: take what the scheduler can use (every row at
+        # full context), at most _CPU_KV_TOKEN_CAP tokens, and never more than half of memory_ratio x available
+        # memory (the pool is zero-filled lazily, but filled as it is used).
+        want = w.max_running_requests * w.max_context
+        budget = 0.5 * a["memory_ratio"] * free_memory_bytes(w.device) - plan.scratch_kv_bytes - plan.state_bytes
+        tokens = min(want, _CPU_KV_TOKEN_CAP, int(budget // bytes_per_token))
+    tokens = tokens // w.page_size * w.page_size
+    if tokens <= 0:
+        raise WorkerOutOfMemory(
+            "no memory left for the KV cache (weights took it all); lower the model size or raise --memory-ratio")
+    if tokens < w.max_context:
+        logger.warning(f"KV cache ({tokens} tokens) is smaller than the context length ({w.max_context})")
+    return tokens
+
+
+# ---------------------------------------------------------------------------------------------------- decode graphs
+
+
+def graph_max_bs(a: dict, device: torch.device, max_running_requests: int) -> int:
+    """Largest decode batch run from a CUDA graph (0: none). Graphs need CUDA (or the test emulation)."""
+    if a["disable_cuda_graph"] or not (device.type == "cuda" or a["emulate_cuda_graphs"]):
+        return 0
+    want = a["cuda_graph_max_bs"]
+    return min(max_running_requests, max_running_requests if want is None else int(want))
+
+
+def make_decode_graphs(w: "Worker", emulate: bool) -> "DecodeGraphs":
+    from .engine.decode_graphs import DecodeGraphs, PaddingTargets
+
+    padding = PaddingTargets(row=w.scratch_row, kv_slot=w.kv_capacity_tokens,
+                             state_slot=w.num_state_slots if w.state is not None else -1)
+    return DecodeGraphs(w.model, w.kv, w.attn, w.state, w.device, w.graph_max_bs, w.max_context, padding,
+                        w.token_counts, expert_offload=w.offload, emulate=emulate,
+                        audit=bool(w.args["emulate_cuda_graphs"]))
+
+
+def plan_decode_graphs(w: "Worker") -> int:
+    """Device memory the decode graphs will hold, measured before the KV pool exists: the transient peak of one
+    eager decode step at the largest bucket (sampling included, every row padding), with a margin, plus the logits
+    each smaller bucket's graph keeps."""
+    graphs = make_decode_graphs(w, emulate=True)
+    bs = graphs.max_bs
+
+    def dry() -> None:
+        graphs._stage_padding(0)
+        with torch.inference_mode():
+            graphs._forward_fn(bs)()
+            graphs._sampler_fn(bs)()
+
+    peak = measure_peak_bytes(w.device, dry) or 0
+    kept = sum(b * w.vocab_size * 4 for b in graphs.sizes[:-1])
+    return int(1.25 * peak) + kept
+
+
+def capture_decode_graphs(w: "Worker") -> "DecodeGraphs":
+    graphs = make_decode_graphs(w, emulate=w.device.type != "cuda" or bool(w.args["emulate_cuda_graphs"]))
+    logger.info(f"Start capturing CUDA graphs with sizes: {graphs.sizes}")
+    graphs.capture()
+    w.memory_plan.graph_pool_bytes = graphs.pool_bytes
+    logger.info(graphs.describe())
+    planned = w.memory_plan.graph_bytes
+    if planned is not None and graphs.pool_bytes > planned:
+        logger.warning(f"The CUDA graph pool ({graphs.pool_bytes / GiB:.2f} GiB) is larger than planned "
+                       f"({planned / GiB:.2f} GiB); raise --vram-reserve-mb if memory runs short")
+    return graphs
