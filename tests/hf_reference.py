@@ -291,6 +291,32 @@ def logit_tol(ref: torch.Tensor) -> float:
     return LOGIT_TOL * max(1.0, float(ref.abs().max()) / 10.0)
 
 
+def write_released_qwen3_5_moe(d: str, seed: int = 5):
+    """A tiny random Qwen3.5-MoE checkpoint in the released layout (outer ``qwen3_5_moe`` config,
+    ``model.language_model.*`` tensors, MTP and vision tensors to skip, fp32) with the real Qwen3.5/3.6 tokenizer
+    files, written to ``d``. Returns the HF model holding the same weights."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    from freetoken.loading.qwen_tokenizer import write_qwen_tokenizer_files
+
+    cfg = qwen3_5_moe_config(vocab_size=248320, hidden_size=32, moe_intermediate_size=16,
+                             shared_expert_intermediate_size=16)
+    cfg["text_config"].update(eos_token_id=248044, bos_token_id=248044)
+    hf = build_hf_model(cfg, seed=seed)
+    sd = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v.contiguous()
+          for k, v in hf.state_dict().items()}
+    sd["mtp.fc.weight"] = torch.zeros(2, 2)
+    sd["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(2, 2)
+    save_file(sd, os.path.join(d, "model.safetensors"))
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump({**cfg, "torch_dtype": "float32"}, f)
+    write_qwen_tokenizer_files(str(d))
+    return hf
+
+
 def prompt(n: int, seed: int, vocab: int = 160) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 

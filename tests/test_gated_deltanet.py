@@ -13,6 +13,7 @@ from freetoken.cache.state_pool import RecurrentStatePool, default_ssm_dtype
 from freetoken.layers.gated_deltanet import (
     GatedDeltaNet,
     gated_delta_rule,
+    gated_delta_rule_in_rounds,
     l2norm,
     torch_chunk_gated_delta_rule,
     torch_recurrent_gated_delta_rule,
@@ -104,6 +105,42 @@ def test_captures_are_prefix_states():
     for at in (37, 64, 100):
         _, s_ref = naive_gdn(q[:at], k[:at], v[:at], g[:at], beta[:at], state)
         assert (cap[(0, at)] - s_ref).abs().max() < 2e-5
+
+
+def _torch_varlen(q, k, v, g, beta, init, cu, decode):
+    """The capture-free torch path in the signature the fla path has, to test the rounds on the CPU."""
+    o, final, _ = gated_delta_rule(q, k, v, g, beta, init, cu, decode, backend="torch")
+    return o, final
+
+
+@pytest.mark.parametrize("captures", [{0: [37, 64], 2: [1]}, {1: [70]}, {0: [5], 1: [1, 69], 2: [3]}, {3: [2]}])
+def test_rounds_give_the_states_at_capture_points(captures):
+    """The fla path's snapshot captures (pieces run in rounds) against per-token states from the formula: outputs,
+    finals and every captured state, with sequences of different piece counts in one batch."""
+    lens = [100, 70, 4, 2]
+    seqs = [rand_inputs(n, seed=40 + i) for i, n in enumerate(lens)]
+    cat = [torch.cat([s[j] for s in seqs]) for j in range(5)]
+    init = torch.stack([s[5] for s in seqs])
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    calls = []
+
+    def counted(*a):
+        calls.append(len(a[6]) - 1)
+        return _torch_varlen(*a)
+
+    o, final, cap = gated_delta_rule_in_rounds(counted, *cat, init, cu, captures)
+    assert len(calls) == 1 + max(len([c for c in cs if c < lens[b]]) for b, cs in captures.items())
+    for i, s in enumerate(seqs):
+        o_ref, s_ref = naive_gdn(*s)
+        assert (o[cu[i] : cu[i + 1]] - o_ref).abs().max() < 2e-5
+        assert (final[i] - s_ref).abs().max() < 2e-5
+    for b, offsets in captures.items():
+        q, k, v, g, beta, state = seqs[b]
+        for at in offsets:
+            _, s_ref = naive_gdn(q[:at], k[:at], v[:at], g[:at], beta[:at], state)
+            assert (cap[(b, at)] - s_ref).abs().max() < 2e-5, (b, at)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -317,3 +354,23 @@ def test_fla_matches_torch(decode):
     o_f, f_f, _ = gated_delta_rule(*cat, init.clone(), cu, decode=decode, backend="fla")
     assert (o_f.float() - o_t).abs().max() < 2e-3
     assert (f_f.float() - f_t).abs().max() < 2e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fla_captures_match_torch():
+    from freetoken.layers.gated_deltanet import _fla_ops
+
+    if _fla_ops() is None:
+        pytest.skip("fla not importable")
+    lens = [130, 64, 9]
+    seqs = [rand_inputs(n, Hk=2, Hv=4, dk=64, dv=64, seed=60 + i) for i, n in enumerate(lens)]
+    cat = [torch.cat([s[j] for s in seqs]).cuda() for j in range(5)]
+    init = torch.stack([s[5] for s in seqs]).cuda()
+    cu = [0, 130, 194, 203]
+    captures = {0: [64, 100], 1: [64], 2: [1]}
+    o_t, f_t, c_t = gated_delta_rule(*cat, init.clone(), cu, False, captures=captures, backend="torch")
+    o_f, f_f, c_f = gated_delta_rule(*cat, init.clone(), cu, False, captures=captures, backend="fla")
+    assert (o_f - o_t).abs().max() < 2e-3 and (f_f - f_t).abs().max() < 2e-3
+    for key, state in c_t.items():
+        assert (c_f[key] - state).abs().max() < 2e-3, key

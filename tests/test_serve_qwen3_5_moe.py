@@ -5,11 +5,9 @@ token ids equal HF transformers' greedy continuation of the same weights."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
-import torch
 
 import hf_reference as R
 from server_harness import ServerProcess
@@ -19,24 +17,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from safetensors.torch import save_file
-
-    from freetoken.loading.qwen_tokenizer import write_qwen_tokenizer_files
-
-    d = tmp_path_factory.mktemp("tiny-qwen3_5_moe")
-    cfg = R.qwen3_5_moe_config(vocab_size=248320, hidden_size=32, moe_intermediate_size=16,
-                               shared_expert_intermediate_size=16)
-    cfg["text_config"].update(eos_token_id=248044, bos_token_id=248044)
-    hf = R.build_hf_model(cfg, seed=5)
-    sd = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v.contiguous()
-          for k, v in hf.state_dict().items()}
-    sd["mtp.fc.weight"] = torch.zeros(2, 2)
-    sd["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(2, 2)
-    save_file(sd, os.path.join(d, "model.safetensors"))
-    with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump({**cfg, "torch_dtype": "float32"}, f)
-    write_qwen_tokenizer_files(str(d))
-    return str(d), hf
+    d = str(tmp_path_factory.mktemp("tiny-qwen3_5_moe"))
+    return d, R.write_released_qwen3_5_moe(d, seed=5)
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +56,24 @@ def test_greedy_completion_matches_hf(server, checkpoint):
 
     tok = Tokenizer.from_file(os.path.join(checkpoint[0], "tokenizer.json"))
     assert text == tok.decode(expected, skip_special_tokens=True)
+
+
+def test_hybrid_radix_hit_through_the_server_equals_hf(server, checkpoint):
+    """The server resolves radix to hybrid_radix on this hybrid model: a prompt sent twice resumes from a
+    recurrent-state snapshot the second time (counted in /v1/stats) and both answers equal HF's."""
+    _, hf = checkpoint
+    prompt = R.prompt(150, seed=9, vocab=5000)
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    hits0 = server.get("/v1/stats").json()["snapshot_hits"]
+    texts = [server.post("/v1/completions", body).json()["choices"][0]["text"] for _ in range(2)]
+    stats = server.get("/v1/stats").json()
+    assert stats["snapshot_hits"] >= hits0 + 1 and stats["snapshot_slots_total"] == 8, stats
+    assert "cache_type='hybrid_radix'" in server.log()
+    expected, _ = R.hf_greedy(hf, prompt, 6)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(checkpoint[0], "tokenizer.json"))
+    assert texts == [tok.decode(expected, skip_special_tokens=True)] * 2
 
 
 def test_expert_offload_launch_line_serves_the_same_greedy_tokens(checkpoint):

@@ -36,8 +36,6 @@ GiB = 1 << 30
 _SCRATCH_TOKENS = 8192
 # CPU KV pool: what the scheduler could ever use (rows x context), but at most this many tokens by default
 _CPU_KV_TOKEN_CAP = 1 << 17
-# hybrid models: recurrent-state snapshot slots per running request (FreeToken's linear_state_cache_ratio)
-_STATE_SNAPSHOT_RATIO = 2.0
 
 
 def allocate_pools(w: "Worker") -> None:
@@ -80,18 +78,25 @@ def allocate_pools(w: "Worker") -> None:
 
 
 def _allocate_state_pool(w: "Worker") -> int:
-    """Hybrid models: one live recurrent-state slot per running request plus snapshot slots for the radix cache
-    (Rust owns 0..num_state_slots) and one scratch slot past them. Returns the pool's bytes."""
-    w.state, w.num_state_slots = None, 0
+    """Hybrid models: one live recurrent-state slot per running request, snapshot slots for the hybrid radix
+    cache (``--num-snapshot-slots``, else ``--linear-state-cache-ratio`` per running request; none without a
+    prefix cache), Rust owning 0..num_state_slots, and one scratch slot past them. Returns the pool's bytes."""
+    w.state, w.num_state_slots, w.num_snapshot_slots = None, 0, 0
     stl = w.model.state_layout
     if stl is None:
         return 0
     from .cache.state_pool import RecurrentStatePool
 
-    w.num_state_slots = w.max_running_requests + math.ceil(_STATE_SNAPSHOT_RATIO * w.max_running_requests)
+    a = w.args
+    if a["cache_type"] != "naive":
+        count = a["num_snapshot_slots"]
+        w.num_snapshot_slots = int(count) if count is not None else math.ceil(
+            float(a["linear_state_cache_ratio"]) * w.max_running_requests)
+    w.num_state_slots = w.max_running_requests + w.num_snapshot_slots
     w.state = RecurrentStatePool.from_layout(stl, w.num_state_slots + 1, w.dtype, w.device)
     nbytes = w.state.nbytes()
-    logger.info(f"Allocating {w.num_state_slots} recurrent-state slots, {nbytes / GiB:.2f} GiB")
+    logger.info(f"Allocating {w.num_state_slots} recurrent-state slots ({w.num_snapshot_slots} for prefix-cache "
+                f"snapshots), {nbytes / GiB:.2f} GiB")
     return nbytes
 
 

@@ -69,18 +69,14 @@ class Worker:
         # fails fast on fi / fa / trtllm and unknown names
         self.attn = make_attention_backend(a["attention_backend"], self.device)
         self.graph_max_bs = startup.graph_max_bs(a, self.device, self.max_running_requests)
-        self.cache_types = ["naive"] if self.model.state_layout else ["radix", "naive"]
+        # hybrid models cache prefixes with recurrent-state snapshots (hybrid_radix), others KV alone (radix)
+        self.cache_types = ["hybrid_radix" if self.model.state_layout else "radix", "naive"]
         self._log_resolved_config()
         startup.allocate_pools(self)
 
     def _log_resolved_config(self) -> None:
         a, gdn = self.args, ""
-        cache_type = a["cache_type"] if a["cache_type"] in self.cache_types else "naive"
-        if cache_type != a["cache_type"]:
-            # Hybrid models need recurrent-state snapshots to reuse a cached prefix (hybrid_radix, not built yet):
-            # until then their prefix cache is off, since a KV-only hit would resume from the wrong state.
-            logger.warning(f"cache_type {a['cache_type']} -> {cache_type}: the hybrid radix cache (GDN state "
-                           "snapshots) is not built yet")
+        cache_type = "naive" if a["cache_type"] == "naive" else self.cache_types[0]
         if self.model.state_layout:
             from .layers.gated_deltanet import gdn_backend
 
@@ -110,7 +106,8 @@ class Worker:
             served_model_name=m.served_names[0], model_aliases=m.served_names[1:],
             architecture=(m.config.get("architectures") or [type(self.model).__name__])[0],
             max_context=self.max_context, vocab_size=self.vocab_size, kv_capacity_tokens=self.kv_capacity_tokens,
-            num_state_slots=self.num_state_slots, cache_types=list(self.cache_types),
+            num_state_slots=self.num_state_slots, num_snapshot_slots=self.num_snapshot_slots,
+            cache_types=list(self.cache_types), tool_call_token_id=t.tool_call_token_id,
             tokenizer_path=str(t.tokenizer_path), chat_template=t.chat_template, bos_token=t.bos_token,
             eos_token=t.eos_token, bos_token_id=t.bos_token_id, eos_token_ids=[int(x) for x in t.eos_token_ids],
             add_bos_token=bool(t.add_bos_token), planned_workspace_bytes=self.memory_plan.workspace,

@@ -37,6 +37,8 @@ pub(crate) fn engine_description(info: &Bound<'_, PyDict>) -> PyResult<EngineDes
         vocab_size: req(info, "vocab_size")?,
         kv_capacity_tokens: req(info, "kv_capacity_tokens")?,
         num_state_slots: req(info, "num_state_slots")?,
+        num_snapshot_slots: req(info, "num_snapshot_slots")?,
+        tool_call_token_id: req(info, "tool_call_token_id")?,
         cache_types: req(info, "cache_types")?,
         tokenizer_path: req::<String>(info, "tokenizer_path")?.into(),
         chat_template: req(info, "chat_template")?,
@@ -112,7 +114,12 @@ fn serve(py: Python<'_>, args: ft_server::cli::ServeArgs) -> PyResult<i32> {
             // Load failures (unsupported model, missing file) are the user's to fix: one clear line, exit 1.
             let msg = e.value(py).to_string();
             let kind = e.get_type(py).name().map(|n| n.to_string()).unwrap_or_default();
-            if kind == "UnsupportedModel" || kind == "FileNotFoundError" || kind == "ValueError" {
+            // UnsupportedModel and its subclasses (MissingConfigKey: a key config.json lacks).
+            let unsupported = py
+                .import("freetoken.errors")
+                .and_then(|m| m.getattr("UnsupportedModel"))
+                .is_ok_and(|cls| e.is_instance(py, &cls));
+            if unsupported || kind == "FileNotFoundError" || kind == "ValueError" {
                 tracing::error!("{msg}");
                 eprintln!("error: {msg}");
                 return Ok(1);

@@ -98,7 +98,7 @@ impl OfflineEngine {
         self.scheduler.is_idle()
     }
 
-    /// Scheduler counters (running, queued, KV use, cached tokens) as a dict.
+    /// Scheduler counters (running, queued, KV use, cached tokens, hybrid radix snapshots) as a dict.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.scheduler.stats();
         let d = PyDict::new(py);
@@ -108,6 +108,11 @@ impl OfflineEngine {
         d.set_item("kv_capacity_tokens", s.kv_capacity_tokens)?;
         d.set_item("cached_tokens_in_tree", s.cached_tokens_in_tree)?;
         d.set_item("evictable_tokens", s.evictable_tokens)?;
+        d.set_item("snapshot_slots_total", s.snapshot_slots_total)?;
+        d.set_item("snapshot_slots_used", s.snapshot_slots_used)?;
+        d.set_item("evictable_snapshots", s.evictable_snapshots)?;
+        d.set_item("snapshot_hits", s.snapshot_hits)?;
+        d.set_item("snapshot_hit_tokens", s.snapshot_hit_tokens)?;
         Ok(d)
     }
 

@@ -22,9 +22,13 @@ pub struct EngineDescription {
     pub vocab_size: usize,
     /// KV capacity in tokens (slots the scheduler owns).
     pub kv_capacity_tokens: usize,
-    /// Recurrent-state slots the scheduler owns (0: not a hybrid model).
+    /// Recurrent-state slots the scheduler owns (0: not a hybrid model), of which `num_snapshot_slots` may hold
+    /// prefix-cache snapshots (the rest are live slots, one per running request).
     pub num_state_slots: usize,
-    /// Prefix caches the model supports (`radix`, `naive`).
+    pub num_snapshot_slots: usize,
+    /// The tool-call opener's token id (`<tool_call>`), if the tokenizer has one.
+    pub tool_call_token_id: Option<u32>,
+    /// Prefix caches the model supports (`radix` or `hybrid_radix`, and `naive`).
     pub cache_types: Vec<String>,
     /// A `tokenizer.json` the HF `tokenizers` crate loads (the worker writes one for GGUF models).
     pub tokenizer_path: PathBuf,

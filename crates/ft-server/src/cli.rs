@@ -92,6 +92,21 @@ pub enum MoeCachePolicy {
 
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
+pub enum ModelSource {
+    Huggingface,
+    Modelscope,
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ExpertLoad {
+    Auto,
+    Serial,
+    Parallel,
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Device {
     Auto,
     Cpu,
@@ -114,13 +129,25 @@ macro_rules! eq_flag_spelling {
         }
     )*};
 }
-eq_flag_spelling!(Dtype, MoeBackend, Nvfp4Backend, AttentionBackend, CacheType, SamplingDefaults, MoeCachePolicy, Device);
+eq_flag_spelling!(
+    Dtype,
+    MoeBackend,
+    Nvfp4Backend,
+    AttentionBackend,
+    CacheType,
+    SamplingDefaults,
+    MoeCachePolicy,
+    Device,
+    ModelSource,
+    ExpertLoad
+);
 
 /// Every `ft serve` flag. Field names are the Python side's names (snake_case of the long flag). Deserializable
 /// so the offline engine (`freetoken.LLM`) reads the worker's settings back as the same struct.
 #[derive(Args, Debug, Clone, Serialize, Deserialize)]
 pub struct ServeArgs {
-    /// Local model dir, HF repo id or FTW dir; absent = the built-in demo model.
+    /// A local model: an HF-layout directory (config.json + safetensors) or a GGUF file; absent = the built-in
+    /// demo model. Nothing is downloaded: HF repo ids and FTW directories are refused.
     #[arg(long = "model-path", visible_alias = "model")]
     pub model_path: Option<String>,
 
@@ -171,6 +198,7 @@ pub struct ServeArgs {
     #[arg(long, conflicts_with_all = ["moe_cache_size", "moe_cache_rate"])]
     pub moe_cache_auto: bool,
 
+    /// NVFP4 GEMM kernels; NVFP4 checkpoints are not supported yet, so only auto is accepted.
     #[arg(long, value_enum, default_value_t = Nvfp4Backend::Auto)]
     pub nvfp4_backend: Nvfp4Backend,
 
@@ -233,11 +261,11 @@ pub struct ServeArgs {
     #[arg(long, value_enum, default_value_t = SamplingDefaults::Model)]
     pub sampling_defaults: SamplingDefaults,
 
-    /// Tool-call parser (default: chosen from the model).
+    /// Tool-call parser: qwen3_coder, qwen, qwen25, hermes, auto (default: chosen from the model), off.
     #[arg(long)]
     pub tool_call_parser: Option<String>,
 
-    /// Reasoning parser (default: chosen from the model; `off` disables).
+    /// Reasoning parser: qwen3, deepseek_r1, auto (default: chosen from the model), off.
     #[arg(long)]
     pub reasoning_parser: Option<String>,
 
@@ -245,14 +273,30 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 8192)]
     pub kv_reserve_tokens: usize,
 
+    /// Hybrid models (hybrid_radix): recurrent-state snapshot slots per running request (FreeToken's
+    /// `linear_state_cache_ratio`).
+    #[arg(long, default_value_t = 2.0)]
+    pub linear_state_cache_ratio: f64,
+
+    /// Hybrid models: recurrent-state snapshot slots in all (overrides --linear-state-cache-ratio).
+    #[arg(long)]
+    pub num_snapshot_slots: Option<usize>,
+
+    /// Hybrid models: also snapshot the recurrent state right after the tool-call opener token, so a client that
+    /// re-renders the call recomputes only the call.
+    #[arg(long)]
+    pub enable_special_token_ckpt: bool,
+
+    /// Expert-cache eviction policy (LRU, the only one).
     #[arg(long, value_enum, default_value_t = MoeCachePolicy::Lru)]
     pub moe_cache_policy: MoeCachePolicy,
 
-    /// CPU expert-executor threads (0 = physical cores).
+    /// CPU expert-executor threads (0 = physical cores); the executor is not built, so only 0 is accepted.
     #[arg(long, default_value_t = 0)]
     pub moe_cpu_threads: usize,
 
-    /// Hybrid backend: most experts fetched over PCIe per layer per step (-1 = auto, 0 = never).
+    /// Hybrid backend: most experts fetched over PCIe per layer per step (-1 = auto, 0 = never); the hybrid
+    /// backend is not built, so only -1 is accepted.
     #[arg(long, default_value_t = -1, allow_negative_numbers = true)]
     pub moe_hybrid_max_fetch: i64,
 
@@ -260,9 +304,37 @@ pub struct ServeArgs {
     #[arg(long, default_value = "tauri://localhost,http://tauri.localhost,http://localhost:1420")]
     pub cors_origins: String,
 
-    /// Require `Authorization: Bearer KEY` on every route but /health.
+    /// Require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on every route but /health (and /metrics
+    /// with --metrics-without-api-key).
     #[arg(long)]
     pub api_key: Option<String>,
+
+    /// Serve `GET /metrics` without --api-key (for a scraper that sends no key); by default it needs the key
+    /// like every other route.
+    #[arg(long)]
+    pub metrics_without_api_key: bool,
+
+    /// Requests templated and tokenized at once, on the blocking pool (0 = one per core, 2 to 16).
+    #[arg(long = "num-tokenizer", visible_alias = "tokenizer-count", default_value_t = 0)]
+    pub num_tokenizer: usize,
+
+    /// Kept so FreeToken launch lines work: FreeToken runs one rank, so there is no NCCL to disable (logged).
+    #[arg(long)]
+    pub disable_pynccl: bool,
+
+    /// Where HF repo ids are downloaded from; nothing is downloaded (--model-path is a local path), so only
+    /// the default is accepted.
+    #[arg(long, value_enum, default_value_t = ModelSource::Huggingface)]
+    pub model_source: ModelSource,
+
+    /// How host expert banks are read (FreeToken: serial / parallel O_DIRECT); only auto (the checkpoint
+    /// reader's own) is built.
+    #[arg(long, value_enum, default_value_t = ExpertLoad::Auto)]
+    pub expert_load: ExpertLoad,
+
+    /// MoE layers decoded on the CPU expert executor (not built: refused).
+    #[arg(long)]
+    pub moe_cpu_layers: Option<String>,
 
     /// VRAM (MiB) kept free after the start-up dry run.
     #[arg(long)]
@@ -310,6 +382,9 @@ impl ServeArgs {
 
     /// Cross-flag checks clap cannot express. `Err` is the message (without the `error: ` prefix).
     pub fn validate(&self) -> Result<(), String> {
+        // Parser names (which one fits the model is resolved once it is loaded: `AppState`).
+        crate::text::tool_calls::ToolCallFormat::resolve(self.tool_call_parser.as_deref(), "", None)?;
+        crate::text::reasoning::ReasoningFormat::resolve(self.reasoning_parser.as_deref(), "", None)?;
         let in_unit = |x: f64| x.is_finite() && x > 0.0 && x <= 1.0;
         if !in_unit(self.memory_ratio) {
             return Err(format!("--memory-ratio must be in (0, 1], got {}", self.memory_ratio));
@@ -366,6 +441,25 @@ impl ServeArgs {
         if self.max_request_body_bytes == 0 {
             return Err("--max-request-body-bytes must be at least 1".into());
         }
+        if !self.linear_state_cache_ratio.is_finite() || self.linear_state_cache_ratio < 0.0 {
+            return Err(format!("--linear-state-cache-ratio must be >= 0, got {}", self.linear_state_cache_ratio));
+        }
+        if self.moe_backend == MoeBackend::Fused {
+            // Offload settings under a backend that keeps every expert on the device would do nothing.
+            let offload_flag = [
+                (self.moe_cache_size.is_some(), "--moe-cache-size"),
+                (self.moe_cache_rate.is_some(), "--moe-cache-rate"),
+                (self.moe_cache_auto, "--moe-cache-auto"),
+                (self.disable_moe_prefill_overlap, "--disable-moe-prefill-overlap"),
+            ]
+            .into_iter()
+            .find_map(|(set, flag)| set.then_some(flag));
+            if let Some(flag) = offload_flag {
+                return Err(format!(
+                    "{flag} applies to expert offload, but --moe-backend fused keeps every expert on the device (use offload or auto)"
+                ));
+            }
+        }
         if self.moe_hybrid_max_fetch < -1 {
             return Err(format!("--moe-hybrid-max-fetch must be -1 (auto) or >= 0, got {}", self.moe_hybrid_max_fetch));
         }
@@ -404,12 +498,11 @@ pub fn unsupported_feature(args: &ServeArgs) -> Option<String> {
         }
         _ => {}
     }
-    match args.nvfp4_backend {
-        Nvfp4Backend::Marlin | Nvfp4Backend::Flashinfer => {
-            let name = args.nvfp4_backend.as_str();
-            return Some(format!("--nvfp4-backend {name} is not supported yet: only auto and triton are built"));
-        }
-        _ => {}
+    if args.nvfp4_backend != Nvfp4Backend::Auto {
+        let name = args.nvfp4_backend.as_str();
+        return Some(format!(
+            "--nvfp4-backend {name} is not supported yet: NVFP4 checkpoints are not loaded yet, so no NVFP4 kernel runs (leave it auto)"
+        ));
     }
     match args.moe_backend {
         MoeBackend::Cpu | MoeBackend::Hybrid => {
@@ -422,6 +515,34 @@ pub fn unsupported_feature(args: &ServeArgs) -> Option<String> {
     }
     if args.moe_prefill_hit_d2d {
         return Some("--moe-prefill-hit-d2d is not supported yet: device-to-device prefill expert copies are not built".into());
+    }
+    // The CPU expert executor's knobs: without it they would do nothing.
+    if args.moe_cpu_threads != 0 {
+        return Some(format!(
+            "--moe-cpu-threads {} is not supported yet: the CPU expert executor is not built (leave it 0)",
+            args.moe_cpu_threads
+        ));
+    }
+    if let Some(layers) = &args.moe_cpu_layers {
+        return Some(format!("--moe-cpu-layers {layers} is not supported yet: the CPU expert executor is not built"));
+    }
+    if args.moe_hybrid_max_fetch != -1 {
+        return Some(format!(
+            "--moe-hybrid-max-fetch {} is not supported yet: the hybrid MoE backend is not built (leave it -1)",
+            args.moe_hybrid_max_fetch
+        ));
+    }
+    if args.expert_load != ExpertLoad::Auto {
+        return Some(format!(
+            "--expert-load {} is not supported yet: host expert banks are read one way (the checkpoint reader's; leave it auto)",
+            args.expert_load.as_str()
+        ));
+    }
+    if args.model_source != ModelSource::Huggingface {
+        return Some(format!(
+            "--model-source {} is not supported: nothing is downloaded (--model-path is a local directory or GGUF file)",
+            args.model_source.as_str()
+        ));
     }
     None
 }
@@ -600,15 +721,57 @@ mod tests {
             (&["--moe-backend", "cpu"], "--moe-backend cpu"),
             (&["--moe-backend", "hybrid"], "--moe-backend hybrid"),
             (&["--moe-prefill-hit-d2d"], "--moe-prefill-hit-d2d"),
+            (&["--nvfp4-backend", "triton"], "--nvfp4-backend triton"),
+            (&["--moe-cpu-threads", "8"], "--moe-cpu-threads 8"),
+            (&["--moe-cpu-layers", "3,7"], "--moe-cpu-layers 3,7"),
+            (&["--moe-hybrid-max-fetch", "0"], "--moe-hybrid-max-fetch 0"),
+            (&["--expert-load", "parallel"], "--expert-load parallel"),
+            (&["--model-source", "modelscope"], "--model-source modelscope"),
         ] {
             let (msg, code) = serve(flags).unwrap_err();
             assert_eq!(code, 2);
             assert!(msg.contains(needle), "{msg}");
-            assert!(msg.contains("not supported yet"), "{msg}");
+            assert!(msg.contains("not supported"), "{msg}");
             assert_eq!(msg.lines().count(), 1);
         }
-        // Accepted values of the same flags.
-        serve(&["--attn", "triton", "--nvfp4-backend", "triton", "--moe-backend", "fused", "--tp-size", "1"]).unwrap();
+        // Accepted values of the same flags (their defaults, spelled out).
+        serve(&[
+            "--attn", "triton", "--nvfp4-backend", "auto", "--moe-backend", "fused", "--tp-size", "1", "--moe-cpu-threads", "0",
+            "--moe-hybrid-max-fetch", "-1", "--expert-load", "auto", "--model-source", "huggingface", "--moe-cache-policy", "lru",
+        ])
+        .unwrap();
+    }
+
+    #[test]
+    fn offload_flags_under_fused_are_refused() {
+        for flags in [
+            &["--moe-backend", "fused", "--moe-cache-size", "64"][..],
+            &["--moe-backend", "fused", "--moe-cache-rate", "0.5"],
+            &["--moe-backend", "fused", "--moe-cache-auto"],
+            &["--moe-backend", "fused", "--disable-moe-prefill-overlap"],
+        ] {
+            let (msg, code) = serve(flags).unwrap_err();
+            assert_eq!(code, 2);
+            assert!(msg.contains(flags[2]) && msg.contains("--moe-backend fused"), "{msg}");
+            assert_eq!(msg.lines().count(), 1);
+        }
+        for backend in ["offload", "auto"] {
+            serve(&["--moe-backend", backend, "--moe-cache-size", "64", "--disable-moe-prefill-overlap"]).unwrap();
+        }
+    }
+
+    #[test]
+    fn compatibility_flags_that_work() {
+        let a = serve(&["--num-tokenizer", "3", "--disable-pynccl", "--metrics-without-api-key"]).unwrap();
+        assert_eq!(a.num_tokenizer, 3);
+        assert!(a.disable_pynccl && a.metrics_without_api_key);
+        assert_eq!(serve(&["--tokenizer-count", "2"]).unwrap().num_tokenizer, 2);
+        let d = ServeArgs::default();
+        assert_eq!((d.num_tokenizer, d.disable_pynccl, d.metrics_without_api_key), (0, false, false));
+        // --help says what --model-path takes, and promises no download.
+        let (help, _) = parse_cli(vec!["ft".into(), "serve".into(), "--help".into()]).unwrap_err();
+        assert!(help.contains("Nothing is downloaded"), "{help}");
+        assert!(!help.contains("HF repo id or"), "{help}");
     }
 
     #[test]
@@ -621,5 +784,23 @@ mod tests {
         assert!(msg.contains("--max-running-requests"));
         let (_, code) = parse_cli(vec!["ft".into()]).unwrap_err();
         assert_eq!(code, 2);
+    }
+
+    #[test]
+    fn output_parser_names_are_checked() {
+        let (msg, code) = serve(&["--tool-call-parser", "nonsense_xyz"]).unwrap_err();
+        assert_eq!(code, 2);
+        assert_eq!(msg, "error: unknown --tool-call-parser \"nonsense_xyz\" (valid: qwen3_coder, qwen, qwen25, hermes, auto, off)");
+        let (msg, code) = serve(&["--reasoning-parser", "glm"]).unwrap_err();
+        assert_eq!(code, 2);
+        assert_eq!(msg, "error: unknown --reasoning-parser \"glm\" (valid: qwen3, deepseek_r1, auto, off)");
+        for flags in [
+            &["--tool-call-parser", "qwen3_coder", "--reasoning-parser", "qwen3"][..],
+            &["--tool-call-parser", "auto", "--reasoning-parser", "auto"],
+            &["--tool-call-parser", "off", "--reasoning-parser", "off"],
+            &["--tool-call-parser", "hermes", "--reasoning-parser", "deepseek_r1"],
+        ] {
+            serve(flags).unwrap();
+        }
     }
 }

@@ -11,38 +11,49 @@ use ft_core::step::Worker;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// The scheduler settings for `args` and the loaded model. The prefix cache is the one asked for when the
-/// model supports it (its description lists the cache types), else none.
+/// The scheduler settings for `args` and the loaded model. The prefix cache is the one asked for, resolved for the
+/// model (radix on a hybrid model is `hybrid_radix`: KV plus recurrent-state snapshots) when the model supports
+/// it (its description lists the cache types), else none.
 pub fn scheduler_config(args: &ServeArgs, info: &EngineDescription) -> SchedulerConfig {
-    let radix = args.cache_type == "radix" && info.cache_types.iter().any(|c| c == "radix");
+    let asked = if args.cache_type == "naive" { CacheType::Naive } else { CacheType::Radix };
+    let mut cache_type = CacheType::resolve(asked, info.num_state_slots > 0);
+    if !info.cache_types.iter().any(|c| c == cache_type.as_str()) {
+        tracing::warn!("cache_type {} -> naive: the model does not support it", cache_type.as_str());
+        cache_type = CacheType::Naive;
+    }
+    let snapshots = if cache_type == CacheType::HybridRadix { info.num_snapshot_slots } else { 0 };
     SchedulerConfig {
         max_running_requests: args.max_running_requests,
         max_prefill_tokens: args.max_prefill_length,
         kv_capacity_tokens: info.kv_capacity_tokens,
         page_size: args.page_size,
         max_context: info.max_context,
-        cache_type: if radix { CacheType::Radix } else { CacheType::Naive },
+        cache_type,
         // `--decode-interleave-every N` selects interleaved decode steps; by default decodes ride along in
         // prefill steps.
         mixed_decode: args.decode_interleave_every == 0,
         decode_interleave_every: args.decode_interleave_every,
         num_state_slots: info.num_state_slots,
-        // The hybrid radix cache (ft-core) is not switched on here yet: no snapshot slots, so every state
-        // slot is a live one and a hybrid model matches nothing, as before.
-        num_snapshot_slots: 0,
+        num_snapshot_slots: snapshots,
         snapshot_interval: ft_core::config::GDN_CHUNK_TOKENS,
-        snapshot_token_id: None,
+        snapshot_token_id: if args.enable_special_token_ckpt { info.tool_call_token_id } else { None },
         seed: rand::random(),
     }
 }
 
 pub fn run(args: ServeArgs, worker: Box<dyn Worker>, info: EngineDescription) -> i32 {
+    if args.disable_pynccl {
+        tracing::info!("--disable-pynccl: nothing to disable (one rank, no NCCL)");
+    }
+    // One registry for the whole server: the routes time requests, the engine sets its gauges.
+    let metrics = Arc::new(crate::metrics::Metrics::new(&info.served_model_name));
     let config = EngineConfig {
         scheduler: scheduler_config(&args, &info),
         decode_log_interval: args.decode_log_interval,
         max_queued_requests: args.max_queued_requests,
         step_timeout: Duration::from_secs_f64(args.step_timeout),
         planned_workspace_bytes: info.planned_workspace_bytes,
+        metrics: metrics.clone(),
     };
     let engine = EngineBackend::spawn(worker, config);
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("ft-http").build() {
@@ -60,7 +71,10 @@ pub fn run(args: ServeArgs, worker: Box<dyn Worker>, info: EngineDescription) ->
         }
     };
     let backend: Arc<dyn Backend> = engine.clone();
-    let served = runtime.block_on(crate::http::server::run_server(args, backend, info, engine_died));
+    let served = runtime.block_on(async move {
+        let state = crate::http::state::AppState::new(args, backend, info)?.with_metrics(metrics);
+        crate::http::server::serve_on_bind_address(state, engine_died).await
+    });
     let died = engine.is_finished();
     if engine.is_stalled() {
         // The engine thread is stuck inside the worker (it may hold the GIL): every client has its answer,

@@ -21,14 +21,16 @@ class EngineDescription:
     max_context: int  # longest sequence (prompt + output) the engine runs
     vocab_size: int  # embedding rows: token ids at or past it are refused
     kv_capacity_tokens: int  # KV slots the scheduler owns
-    num_state_slots: int  # recurrent-state slots the scheduler owns (0: not a hybrid model)
-    cache_types: list[str]  # prefix caches the model supports (`radix` needs KV-only state)
+    num_state_slots: int  # recurrent-state slots the scheduler owns (0: not a hybrid model) ...
+    num_snapshot_slots: int  # ... of which this many may hold prefix-cache snapshots (hybrid_radix)
+    cache_types: list[str]  # prefix caches the model supports: `radix` (KV alone) or `hybrid_radix`, and `naive`
     tokenizer_path: str  # a tokenizer.json the HF `tokenizers` crate loads
     chat_template: Optional[str]
     bos_token: Optional[str]
     eos_token: Optional[str]
     bos_token_id: Optional[int]
     eos_token_ids: list[int]  # ids that end a turn
+    tool_call_token_id: Optional[int]  # `<tool_call>`, where --enable-special-token-ckpt snapshots
     add_bos_token: bool  # raw completion prompts get BOS prepended
     planned_workspace_bytes: Optional[int]  # the memory plan's prefill workspace (CUDA)
     cuda_graph_sizes: list[int]  # decode batch sizes replayed from CUDA graphs

@@ -161,7 +161,6 @@ def _torch_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, decode,
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=1)
 @functools.lru_cache(maxsize=None)
 def _fla_ops():
     try:
@@ -209,6 +208,39 @@ def _fla_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, decode):
     return o[0], final
 
 
+def gated_delta_rule_in_rounds(varlen, q, k, v, g, beta, initial_state, cu_seqlens, captures):
+    """States at snapshot points from a varlen kernel that only returns final states: each sequence is cut at
+    its capture offsets, and round r runs the r-th piece of every sequence that has one in one varlen call,
+    starting from the state the previous round ended with. Pieces of one sequence depend on each other, so a
+    step with at most two snapshots per sequence costs at most three calls.
+
+    ``varlen(q, k, v, g, beta, init, cu_seqlens, decode) -> (o, final)`` is the capture-free kernel.
+    Returns ``(o [T, Hv, dv] fp32, final [N, Hv, dk, dv] fp32, {(seq, offset): state})``."""
+    N = len(cu_seqlens) - 1
+    pieces = []  # per sequence: [(start, end)] token ranges, relative to the sequence
+    for b in range(N):
+        n = cu_seqlens[b + 1] - cu_seqlens[b]
+        bounds = [0, *sorted({c for c in captures.get(b, ()) if 0 < c < n}), n]
+        pieces.append(list(zip(bounds[:-1], bounds[1:])))
+    state = [initial_state[b].float() for b in range(N)]
+    o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    captured: dict[tuple[int, int], torch.Tensor] = {}
+    for r in range(max(len(p) for p in pieces)):
+        seqs = [b for b in range(N) if r < len(pieces[b])]
+        ranges = [(cu_seqlens[b] + pieces[b][r][0], cu_seqlens[b] + pieces[b][r][1]) for b in seqs]
+        idx = torch.cat([torch.arange(a, z, device=q.device) for a, z in ranges])
+        cu = [0]
+        for a, z in ranges:
+            cu.append(cu[-1] + z - a)
+        init = torch.stack([state[b] for b in seqs]).to(initial_state.dtype)
+        o_r, final_r = varlen(q[idx], k[idx], v[idx], g[idx], beta[idx], init, cu, False)
+        o[idx] = o_r.float()
+        for i, b in enumerate(seqs):
+            state[b] = final_r[i].float()
+            captured[(b, pieces[b][r][1])] = state[b]
+    return o, torch.stack(state), captured
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # dispatch
 # ----------------------------------------------------------------------------------------------------------------
@@ -237,10 +269,8 @@ def gated_delta_rule(
     backend = backend or gdn_backend(q.device)
     if backend == "fla":
         if captures:
-            # TODO(hybrid radix): states at snapshot points on the fla path, e.g. split the varlen batch at the
-            # capture offsets and chain two kernel calls, or read the chunk kernel's per-chunk states h on the
-            # 64-token grid.
-            raise NotImplementedError("GDN state snapshots are not implemented on the fla path yet")
+            return gated_delta_rule_in_rounds(_fla_gated_delta_rule, q, k, v, g, beta, initial_state, cu_seqlens,
+                                              captures)
         o, final = _fla_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, decode)
         return o, final.float(), {}
     return _torch_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, decode, captures)

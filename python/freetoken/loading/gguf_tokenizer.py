@@ -61,6 +61,15 @@ class TokenizerInfo:
     add_bos_token: bool
     eos_token_ids: list[int] = field(default_factory=list)  # eos plus end-of-turn tokens
 
+    @property
+    def tool_call_token_id(self) -> int | None:
+        """The id of ``<tool_call>`` when the vocabulary has it as one token (Qwen's tool-call opener)."""
+        if not self.tokenizer_path:
+            return None
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(self.tokenizer_path)).token_to_id("<tool_call>")
+
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character map (the byte-level BPE alphabet)."""

@@ -1,0 +1,124 @@
+"""The hybrid radix cache end to end (issue 12): a tiny random Qwen3.5-MoE (Gated DeltaNet + gated attention)
+through the offline engine, which runs the production scheduler. A prefix hit on a hybrid model resumes the
+linear-attention layers from a recurrent-state snapshot, so every hit must give the tokens (and logprobs) of the
+same request run cold on the naive cache: multi-turn conversations, a repeated prompt, a shared system prompt
+(alone and batched), and a snapshot pool small enough to evict. Each test also checks that hits happened, so
+equality cannot come from both runs computing everything."""
+
+from __future__ import annotations
+
+import pytest
+
+import hf_reference as R
+
+pytestmark = pytest.mark.slow
+
+GRID = 64  # snapshots sit on the GDN chunk grid
+ENGINE_ARGS = dict(device="cpu", num_tokens=4096, max_seq_len_override=1024, load_progress=False,
+                   max_prefill_length=128, max_running_requests=4)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("tiny-qwen3_5_moe-radix"))
+    R.write_released_qwen3_5_moe(d, seed=11)
+    return d
+
+
+@pytest.fixture(scope="module")
+def cached(checkpoint):
+    from freetoken import LLM
+
+    return LLM(checkpoint, **ENGINE_ARGS)  # --cache-type radix (default), resolved to hybrid_radix
+
+
+@pytest.fixture(scope="module")
+def cold(checkpoint):
+    from freetoken import LLM
+
+    return LLM(checkpoint, cache_type="naive", **ENGINE_ARGS)
+
+
+def greedy(n: int):
+    from freetoken import SamplingParams
+
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def assert_same(hit, ref):
+    """Same tokens; logprobs equal up to the float reordering of a different chunking."""
+    assert hit.token_ids == ref.token_ids
+    assert max(abs(a - b) for a, b in zip(hit.logprobs, ref.logprobs)) < 1e-4
+
+
+def test_resolved_cache_and_snapshot_pool(cached, cold):
+    assert cached.worker.info()["cache_types"][0] == "hybrid_radix"
+    s = cached.engine.stats()
+    # --linear-state-cache-ratio 2.0: ceil(2.0 x 4 running requests) snapshot slots
+    assert s["snapshot_slots_total"] == 8
+    assert cold.engine.stats()["snapshot_slots_total"] == 0
+
+
+def test_multi_turn_conversation_resumes_where_the_last_answer_ended(cached, cold):
+    history = R.prompt(150, seed=1)
+    for turn in range(3):
+        hit, = cached.generate([history], greedy(10))
+        ref, = cold.generate([history], greedy(10))
+        assert_same(hit, ref)
+        assert ref.cached_tokens == 0
+        if turn:  # the previous request donated its live state at the end of its answer
+            assert hit.cached_tokens == previous - 1
+        previous = len(history) + len(hit.token_ids)
+        history = history + hit.token_ids + R.prompt(40, seed=100 + turn)
+    cached.engine.check_integrity()
+
+
+def test_same_prompt_twice_resumes_at_the_last_grid_point_below_its_length(cached, cold):
+    prompt = R.prompt(200, seed=2)
+    first, = cached.generate([prompt], greedy(6))
+    again, = cached.generate([prompt], greedy(6))
+    ref, = cold.generate([prompt], greedy(6))
+    assert first.cached_tokens == 0
+    assert again.cached_tokens == (len(prompt) - 1) // GRID * GRID == 192
+    assert_same(first, ref)
+    assert_same(again, ref)
+
+
+def test_shared_system_prompt_alone_and_batched(cached, cold):
+    system = R.prompt(130, seed=3)
+    questions = [R.prompt(20 + 7 * i, seed=30 + i) for i in range(5)]
+    prompts = [system + q for q in questions]
+    hits0 = cached.engine.stats()["snapshot_hits"]
+    alone = [cached.generate([p], greedy(8))[0] for p in prompts[:2]]
+    batched = cached.generate(prompts[2:], greedy(8))
+    refs = [cold.generate([p], greedy(8))[0] for p in prompts]
+    for out, ref in zip(alone + batched, refs):
+        assert_same(out, ref)
+    assert alone[0].cached_tokens == 0
+    assert all(GRID <= o.cached_tokens <= len(system) for o in alone[1:] + batched)
+    assert cached.engine.stats()["snapshot_hits"] >= hits0 + 4
+    cached.engine.check_integrity()
+
+
+def test_small_snapshot_pool_evicts_and_stays_exact(checkpoint, cold):
+    """Four conversations on two snapshot slots: the second turns, most recent first, find the latest
+    conversations' snapshots and miss the evicted ones, and every answer equals the cold run."""
+    from freetoken import LLM
+
+    small = LLM(checkpoint, num_snapshot_slots=2, **ENGINE_ARGS)
+    assert small.engine.stats()["snapshot_slots_total"] == 2
+    first_turns = [R.prompt(140 + 10 * i, seed=50 + i) for i in range(4)]
+    answers = []
+    for p in first_turns:
+        out, = small.generate([p], greedy(5))
+        assert_same(out, cold.generate([p], greedy(5))[0])
+        answers.append(out.token_ids)
+    resumed = []
+    for i in reversed(range(4)):
+        p = first_turns[i] + answers[i] + R.prompt(30, seed=60 + i)
+        out, = small.generate([p], greedy(5))
+        assert_same(out, cold.generate([p], greedy(5))[0])
+        resumed.append(out.cached_tokens == len(first_turns[i]) + 4)
+        small.engine.check_integrity()
+    assert resumed[0] and not all(resumed), resumed
+    assert small.engine.stats()["snapshot_slots_used"] <= 2
