@@ -14,6 +14,7 @@
 use crate::backend::{EngineDescription, GenerateRequest};
 use crate::cli::ServeArgs;
 use crate::http::openai_error::ApiError;
+use crate::http::output::{tool_name, ToolChoice, ToolRequest};
 use crate::http::protocol::SamplingFields;
 use crate::http::server::AppState;
 use ft_core::request::SamplingParams;
@@ -165,6 +166,41 @@ pub(crate) fn model(state: &AppState, name: Option<&str>) -> Result<(), ApiError
         Some(n) if !state.serves_model(n) => Err(ApiError::model_not_found(n)),
         _ => Ok(()),
     }
+}
+
+/// A request's tools against its `tool_choice` and the server's tool-call parser: `required` and a named
+/// tool need tools (the named one among them) and a parser (they are started for the model, see
+/// `http::output`); `none` keeps the tools from the template and the output. `tools` are checked already
+/// (`protocol::check_tool`).
+pub(crate) fn tools(state: &AppState, tools: Option<Vec<Json>>, choice: ToolChoice, parallel: bool) -> Result<ToolRequest, ApiError> {
+    let tools = tools.unwrap_or_default();
+    let forced = match &choice {
+        ToolChoice::Required => Some("\"required\"".to_string()),
+        ToolChoice::Named(name) => Some(format!("naming {name:?}")),
+        _ => None,
+    };
+    if let Some(what) = forced {
+        if tools.is_empty() {
+            return Err(bad_choice(format!("tool_choice {what} needs tools, and the request has none")));
+        }
+        if let ToolChoice::Named(name) = &choice {
+            if !tools.iter().any(|t| tool_name(t) == Some(name.as_str())) {
+                return Err(bad_choice(format!("tool_choice names {name:?}, which is not one of the tools")));
+            }
+        }
+        if state.tool_call_format.is_none() {
+            return Err(bad_choice(format!(
+                "tool_choice {what} cannot be served: this server parses no tool calls for its model (start it with --tool-call-parser)")));
+        }
+    }
+    let format = if choice == ToolChoice::None { None } else { state.tool_call_format };
+    Ok(ToolRequest { tools, choice, parallel, format })
+}
+
+/// A `tool_choice` the request's tools or the server cannot satisfy (`invalid_tool_choice`: what a static
+/// schema cannot say).
+fn bad_choice(message: String) -> ApiError {
+    ApiError::invalid_param("tool_choice", message).with_code("invalid_tool_choice")
 }
 
 /// The prompt against the vocabulary, the context and the KV pool, the output budget clamped to what both leave,

@@ -88,7 +88,7 @@ async fn stream_events_in_anthropic_order() {
     let (status, events) = post_events(&s, req).await;
     assert_eq!(status, 200);
     let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
-    assert_eq!(&names[..3], ["message_start", "content_block_start", "ping"]);
+    assert_eq!(&names[..3], ["message_start", "ping", "content_block_start"]);
     assert_eq!(&names[names.len() - 3..], ["content_block_stop", "message_delta", "message_stop"]);
     assert!(names[3..names.len() - 3].iter().all(|n| *n == "content_block_delta"));
     let text: String = events.iter().filter(|(n, _)| n == "content_block_delta").map(|(_, d)| d["delta"]["text"].as_str().unwrap()).collect();

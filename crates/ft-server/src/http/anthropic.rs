@@ -1,11 +1,13 @@
 //! Anthropic Messages wire types (`POST /v1/messages`, `/v1/messages/count_tokens`) and their mapping onto the
 //! chat pipeline: `system` + `messages` (text, `tool_use`, `tool_result` and `thinking` blocks) become chat
 //! template messages, `tools` become OpenAI-style tool definitions (what the templates iterate over),
-//! `max_tokens` / `stop_sequences` / `temperature` / `top_p` / `top_k` become the shared sampling fields.
-//! Output is text (no tool-call or reasoning parser yet). Errors use Anthropic's shape:
+//! `max_tokens` / `stop_sequences` / `temperature` / `top_p` / `top_k` become the shared sampling fields,
+//! `tool_choice` (`auto` / `any` / `tool` / `none`, `disable_parallel_tool_use`) the shared [`ToolChoice`].
+//! The output comes back as `thinking`, `text` and `tool_use` blocks (`messages.rs`). Errors use Anthropic's shape:
 //! `{"type": "error", "error": {"type": "invalid_request_error", "message": ...}}`.
 
 use crate::http::openai_error::ApiError;
+use crate::http::output::ToolChoice;
 use crate::http::protocol::{check_tool, SamplingFields, Usage};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -149,6 +151,12 @@ impl MessagesRequest {
             _ if !self.tool_choice.as_ref().and_then(|c| c.get("name")).is_none_or(|n| n.is_null() || n.is_string()) => {
                 return Err(ApiError::invalid_param("tool_choice", "tool_choice.name must be a string"))
             }
+            _ if !self.tool_choice.as_ref().and_then(|c| c.get("disable_parallel_tool_use")).is_none_or(|d| d.is_null() || d.is_boolean()) => {
+                return Err(ApiError::invalid_param("tool_choice", "tool_choice.disable_parallel_tool_use must be a boolean"))
+            }
+            Some("tool") if !self.tool_choice.as_ref().and_then(|c| c.get("name")).is_some_and(Json::is_string) => {
+                return Err(ApiError::invalid_param("tool_choice", "tool_choice of type \"tool\" needs the tool's \"name\""))
+            }
             Some("none") => return Ok(None),
             None | Some("auto" | "any" | "tool") => {}
             Some(other) => {
@@ -173,6 +181,23 @@ impl MessagesRequest {
             out.push(tool);
         }
         Ok(Some(out))
+    }
+
+    /// `tool_choice` as the shared choice, and whether parallel calls are allowed (not
+    /// `disable_parallel_tool_use`). Its shape is checked by [`openai_tools`](Self::openai_tools).
+    pub(crate) fn tool_choice(&self) -> (ToolChoice, bool) {
+        let c = self.tool_choice.as_ref().filter(|c| !c.is_null());
+        let parallel = !c.and_then(|c| c.get("disable_parallel_tool_use")).and_then(Json::as_bool).unwrap_or(false);
+        let choice = match c.and_then(|c| c.get("type")).and_then(Json::as_str) {
+            Some("none") => ToolChoice::None,
+            Some("any") => ToolChoice::Required,
+            Some("tool") => match c.and_then(|c| c.get("name")).and_then(Json::as_str) {
+                Some(name) => ToolChoice::Named(name.to_string()),
+                None => ToolChoice::Auto,
+            },
+            _ => ToolChoice::Auto,
+        };
+        (choice, parallel)
     }
 
     /// Template keyword arguments: `enable_thinking` from `thinking`.
@@ -285,6 +310,7 @@ fn optional_string(block: &Json, key: &str) -> bool {
 pub fn stop_reason(reason: &str, stop_string: Option<String>) -> (&'static str, Option<String>) {
     match (reason, stop_string) {
         ("length", _) => ("max_tokens", None),
+        ("tool_calls", _) => ("tool_use", None),
         (_, Some(s)) => ("stop_sequence", Some(s)),
         _ => ("end_turn", None),
     }
@@ -340,6 +366,17 @@ mod tests {
         assert_eq!(stop_reason("length", None), ("max_tokens", None));
         assert_eq!(stop_reason("stop", Some("END".into())), ("stop_sequence", Some("END".into())));
         assert_eq!(stop_reason("stop", None), ("end_turn", None));
+        assert_eq!(stop_reason("tool_calls", Some("x".into())), ("tool_use", None));
+        assert_eq!(r.tool_choice(), (ToolChoice::Auto, true));
+        let any = req(json!({"messages": [], "tool_choice": {"type": "any", "disable_parallel_tool_use": true}}));
+        assert_eq!(any.tool_choice(), (ToolChoice::Required, false));
+        let named = req(json!({"messages": [], "tools": [{"name": "f"}], "tool_choice": {"type": "tool", "name": "f"}}));
+        assert_eq!(named.tool_choice(), (ToolChoice::Named("f".into()), true));
+        assert_eq!(none.tool_choice(), (ToolChoice::None, true));
+        for bad in [json!({"type": "tool"}), json!({"type": "auto", "disable_parallel_tool_use": "yes"})] {
+            let r = req(json!({"messages": [], "tools": [{"name": "f"}], "tool_choice": bad}));
+            assert!(r.openai_tools().is_err(), "{bad}");
+        }
         assert_eq!(error_type(StatusCode::SERVICE_UNAVAILABLE), "overloaded_error");
         assert_eq!(error_type(StatusCode::PAYLOAD_TOO_LARGE), "request_too_large");
     }

@@ -1,16 +1,23 @@
 //! `POST /v1/chat/completions`: template the messages, submit, answer whole or as SSE chunks.
 //!
+//! The output goes through the reasoning and tool-call parsers (`output.rs`): `reasoning_content`,
+//! `tool_calls` (ids, `type: "function"`, arguments as JSON text) and `finish_reason: "tool_calls"`.
+//!
 //! Stream shape (per OpenAI, and what compatibility suites check): a first chunk whose delta carries
-//! `role: "assistant"`, content chunks, exactly one chunk with a `finish_reason`, a usage chunk with empty
-//! `choices` when `stream_options.include_usage`, then `data: [DONE]`. A failure midway sends
-//! `data: {"error": {...}}` and then `[DONE]`.
+//! `role: "assistant"`, then `reasoning_content` / `content` deltas and tool-call deltas (a call's first delta has
+//! its `index`, `id`, `type` and `function.name` with `arguments: ""`, the next ones add to `arguments`),
+//! exactly one chunk with a `finish_reason`, a usage chunk with empty `choices` when
+//! `stream_options.include_usage`, then `data: [DONE]`. A failure midway sends `data: {"error": {...}}` and
+//! then `[DONE]`.
 
+use super::output::{Output, OutputSpec};
 use super::sse::{collect, done_event, json_event, sse, Ending, StreamFormat};
 use super::{off_the_async_workers, submit, response_id, unix_now, OpenAiJson, TextStream};
 use crate::validation::{self, Prepared};
 use crate::http::openai_error::ApiError;
 use crate::http::protocol::{
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatMessageOut,
+    FunctionCallDelta, FunctionCallOut, ToolCallDelta, ToolCallOut,
 };
 use crate::http::state::AppState;
 use axum::extract::State;
@@ -25,45 +32,52 @@ pub async fn chat_completions(
     let streaming = req.stream.unwrap_or(false);
     let include_usage = req.include_usage();
     let st = state.clone();
-    let prepared = off_the_async_workers(&state, move || prepare_chat(&st, &req)).await?;
+    let (prepared, spec) = off_the_async_workers(&state, move || prepare_chat(&st, &req)).await?;
     let text_stream = submit(&state, &prepared, "chat completion")?;
     let id = response_id("chatcmpl");
     let model = state.served_model_name();
     if streaming {
-        Ok(sse(text_stream, ChatFormat { id, model, created: unix_now(), include_usage }).into_response())
+        Ok(sse(text_stream, &spec, ChatFormat { id, model, created: unix_now(), include_usage }).into_response())
     } else {
-        whole_response(text_stream, id, model).await
+        whole_response(text_stream, &spec, id, model).await
     }
 }
 
-/// Validation, template and tokenizer: everything before submit (CPU-bound for long prompts).
-fn prepare_chat(state: &AppState, req: &ChatCompletionRequest) -> Result<Prepared, ApiError> {
+/// Validation, template and tokenizer: everything before submit (CPU-bound for long prompts); also how the
+/// output is parsed.
+fn prepare_chat(state: &AppState, req: &ChatCompletionRequest) -> Result<(Prepared, OutputSpec), ApiError> {
     validation::model(state, req.model.as_deref())?;
     req.check_unsupported()?;
     let sampling = validation::sampling(&req.sampling, &state.default_sampling)?;
     let messages = req.template_messages()?;
-    let tools = match req.tool_choice.as_ref().and_then(|c| c.as_str()) {
-        Some("none") => None,
-        _ => req.tools.as_deref().filter(|t| !t.is_empty()),
-    };
+    let tools = validation::tools(state, req.tools.clone(), req.tool_choice(), req.parallel_tool_calls.unwrap_or(true))?;
     let mut kwargs = req.chat_template_kwargs.clone().unwrap_or_default();
     if let Some(effort) = &req.reasoning_effort {
         kwargs.entry("reasoning_effort").or_insert_with(|| serde_json::Value::String(effort.clone()));
     }
-    let prompt_text = state
+    let template_tools = tools.template_tools();
+    let mut prompt_text = state
         .chat_template
-        .render(&messages, tools, req.add_generation_prompt.unwrap_or(true), Some(&kwargs))
+        .render(&messages, template_tools.as_deref(), req.add_generation_prompt.unwrap_or(true), Some(&kwargs))
         .map_err(|e| ApiError::invalid_param("messages", e.0))?;
+    let (spec, forced) = OutputSpec::for_chat(state.reasoning_format, &tools, &prompt_text);
+    prompt_text.push_str(&forced);
     // The template writes BOS and special tokens itself.
     let prompt = state
         .tokenizer
         .encode(&prompt_text, false)
         .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
-    validation::request(&state.limits, prompt, sampling, "messages")
+    Ok((validation::request(&state.limits, prompt, sampling, "messages")?, spec))
 }
 
-async fn whole_response(mut ts: TextStream, id: String, model: String) -> Result<Response, ApiError> {
-    let (content, ending) = collect(&mut ts).await?;
+async fn whole_response(mut ts: TextStream, spec: &OutputSpec, id: String, model: String) -> Result<Response, ApiError> {
+    let (message, ending) = collect(&mut ts, spec).await?;
+    let tool_calls: Vec<ToolCallOut> = message
+        .calls
+        .into_iter()
+        .map(|c| ToolCallOut { id: c.id, kind: "function", function: FunctionCallOut { name: c.name, arguments: c.arguments } })
+        .collect();
+    let content = if message.content.is_empty() && !tool_calls.is_empty() { None } else { Some(message.content) };
     let body = ChatCompletionResponse {
         id,
         object: "chat.completion",
@@ -71,7 +85,12 @@ async fn whole_response(mut ts: TextStream, id: String, model: String) -> Result
         model,
         choices: vec![ChatChoice {
             index: 0,
-            message: ChatMessageOut { role: "assistant", content },
+            message: ChatMessageOut {
+                role: "assistant",
+                content,
+                reasoning_content: message.reasoning,
+                tool_calls: (!tool_calls.is_empty()).then_some(tool_calls),
+            },
             logprobs: None,
             finish_reason: ending.reason,
         }],
@@ -104,11 +123,28 @@ impl ChatFormat {
 
 impl StreamFormat for ChatFormat {
     fn start(&mut self) -> Vec<Event> {
-        vec![json_event(&self.chunk(ChatDelta { role: Some("assistant"), content: Some(String::new()) }, None))]
+        vec![json_event(&self.chunk(ChatDelta { role: Some("assistant"), content: Some(String::new()), ..Default::default() }, None))]
     }
 
-    fn text(&mut self, text: String) -> Vec<Event> {
-        vec![json_event(&self.chunk(ChatDelta { content: Some(text), ..Default::default() }, None))]
+    fn output(&mut self, output: Output) -> Vec<Event> {
+        let delta = match output {
+            Output::Text(text) => ChatDelta { content: Some(text), ..Default::default() },
+            Output::Reasoning(text) => ChatDelta { reasoning_content: Some(text), ..Default::default() },
+            Output::CallStart { index, id, name } => call_delta(ToolCallDelta {
+                index,
+                id: Some(id),
+                kind: Some("function"),
+                function: FunctionCallDelta { name: Some(name), arguments: Some(String::new()) },
+            }),
+            Output::CallArguments { index, delta } => call_delta(ToolCallDelta {
+                index,
+                id: None,
+                kind: None,
+                function: FunctionCallDelta { name: None, arguments: Some(delta) },
+            }),
+            Output::CallEnd { .. } => return vec![],
+        };
+        vec![json_event(&self.chunk(delta, None))]
     }
 
     fn finish(&mut self, ending: Ending) -> Vec<Event> {
@@ -126,4 +162,8 @@ impl StreamFormat for ChatFormat {
     fn error(&mut self, error: ApiError) -> Vec<Event> {
         vec![json_event(&error.body()), done_event()]
     }
+}
+
+fn call_delta(call: ToolCallDelta) -> ChatDelta {
+    ChatDelta { tool_calls: Some(vec![call]), ..Default::default() }
 }

@@ -1,5 +1,7 @@
-//! `POST /v1/completions`: a raw prompt (text or token ids), no template; whole or streamed.
+//! `POST /v1/completions`: a raw prompt (text or token ids), no template; whole or streamed. The output is raw
+//! text (no reasoning or tool-call parsing).
 
+use super::output::{Output, OutputSpec};
 use super::sse::{collect, done_event, json_event, sse, Ending, StreamFormat};
 use super::{off_the_async_workers, submit, response_id, unix_now, OpenAiJson};
 use crate::validation::{self, Prepared};
@@ -23,10 +25,10 @@ pub async fn completions(
     let format = CompletionFormat { id: response_id("cmpl"), model: state.served_model_name(), created: unix_now(),
                                     include_usage, echo };
     if streaming {
-        return Ok(sse(ts, format).into_response());
+        return Ok(sse(ts, &OutputSpec::raw(), format).into_response());
     }
-    let (text, ending) = collect(&mut ts).await?;
-    let text = format.echo.clone() + &text;
+    let (message, ending) = collect(&mut ts, &OutputSpec::raw()).await?;
+    let text = format.echo.clone() + &message.content;
     Ok(Json(format.response(text, Some(ending.reason), Some(ending.usage))).into_response())
 }
 
@@ -62,8 +64,12 @@ impl StreamFormat for CompletionFormat {
         vec![json_event(&self.response(echo, None, None))]
     }
 
-    fn text(&mut self, text: String) -> Vec<Event> {
-        vec![json_event(&self.response(text, None, None))]
+    /// Raw text only ([`OutputSpec::raw`] parses nothing out of it).
+    fn output(&mut self, output: Output) -> Vec<Event> {
+        match output {
+            Output::Text(text) | Output::Reasoning(text) => vec![json_event(&self.response(text, None, None))],
+            Output::CallStart { .. } | Output::CallArguments { .. } | Output::CallEnd { .. } => vec![],
+        }
     }
 
     fn finish(&mut self, ending: Ending) -> Vec<Event> {

@@ -1,6 +1,7 @@
 //! The HTTP side: the axum server and its shared state (`server`), the routes (OpenAI chat and completions,
 //! Anthropic messages, info), the one response loop they share (`sse`), a request's output as text
-//! (`text_stream`), the wire types and errors of both APIs, and the graceful-shutdown drain.
+//! (`text_stream`) and that text parsed into reasoning, content and tool calls (`output`), the wire types and
+//! errors of both APIs, and the graceful-shutdown drain.
 //!
 //! Content is validated before any of this submits a request (`crate::validation`).
 
@@ -11,6 +12,7 @@ pub mod drain;
 pub mod info;
 pub mod messages;
 pub mod openai_error;
+pub(crate) mod output;
 pub mod protocol;
 pub mod server;
 pub(crate) mod sse;

@@ -6,6 +6,7 @@
 //! reason. The sampling and budget fields every API shares are checked in `validation.rs`.
 
 use crate::http::openai_error::ApiError;
+use crate::http::output::ToolChoice;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value as Json};
 
@@ -116,6 +117,20 @@ impl ChatCompletionRequest {
             }
         }
         Ok(())
+    }
+
+    /// `tool_choice` (its shape is checked by [`check_unsupported`](Self::check_unsupported)); absent means
+    /// `auto` (with no tools, nothing to call).
+    pub(crate) fn tool_choice(&self) -> ToolChoice {
+        match &self.tool_choice {
+            Some(Json::String(s)) if s == "none" => ToolChoice::None,
+            Some(Json::String(s)) if s == "required" => ToolChoice::Required,
+            Some(c @ Json::Object(_)) => match c.get("function").and_then(|f| f.get("name")).and_then(Json::as_str) {
+                Some(name) => ToolChoice::Named(name.to_string()),
+                None => ToolChoice::Auto,
+            },
+            _ => ToolChoice::Auto,
+        }
     }
 
     /// The messages as the chat template wants them: roles checked (`developer` becomes `system`), text
@@ -329,7 +344,48 @@ pub struct Usage {
 #[derive(Clone, Debug, Serialize)]
 pub struct ChatMessageOut {
     pub role: &'static str,
-    pub content: String,
+    /// `null` when the answer is only tool calls.
+    pub content: Option<String>,
+    /// What the reasoning parser split out of a `<think>` block (absent when there was none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallOut>>,
+}
+
+/// A tool call the model made: `arguments` is the JSON object as text.
+#[derive(Clone, Debug, Serialize)]
+pub struct ToolCallOut {
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub function: FunctionCallOut,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct FunctionCallOut {
+    pub name: String,
+    pub arguments: String,
+}
+
+/// One streamed piece of a tool call: the first names it (`id`, `type`, `function.name`, `arguments: ""`),
+/// the next ones add to its `arguments`.
+#[derive(Clone, Debug, Serialize)]
+pub struct ToolCallDelta {
+    pub index: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    pub function: FunctionCallDelta,
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct FunctionCallDelta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub arguments: Option<String>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -356,6 +412,10 @@ pub struct ChatDelta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallDelta>>,
 }
 
 #[derive(Clone, Debug, Serialize)]

@@ -1,11 +1,14 @@
-//! The one response loop every generation endpoint shares: a request's [`TextStream`] turned into a whole
-//! response ([`collect`]) or into server-sent events ([`sse`]) in the wire format of its API
-//! ([`StreamFormat`]: OpenAI chat, OpenAI completions, Anthropic messages).
+//! The one response loop every generation endpoint shares: a request's [`TextStream`], parsed into [`Output`]
+//! events (reasoning, text, tool calls: `output.rs`), turned into a whole response ([`collect`]) or into
+//! server-sent events ([`sse`]) in the wire format of its API ([`StreamFormat`]: OpenAI chat, OpenAI
+//! completions, Anthropic messages).
 //!
 //! The SSE body owns the `TextStream`, so hyper dropping the body (client gone) drops the stream, whose guard
 //! aborts the request in the engine.
 
+use super::output::{Message, Output, OutputSpec};
 use super::{Piece, TextStream};
+use crate::text::tool_calls::CallCommit;
 use crate::http::openai_error::ApiError;
 use crate::http::protocol::Usage;
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -15,7 +18,7 @@ use std::convert::Infallible;
 /// How a request ended, as every API needs to say it.
 #[derive(Debug)]
 pub(crate) struct Ending {
-    /// OpenAI's finish reason (`stop`, `length`, `abort`).
+    /// OpenAI's finish reason (`stop`, `length`, `abort`, `tool_calls`).
     pub reason: &'static str,
     /// The stop string that ended it, if one did.
     pub stop_string: Option<String>,
@@ -26,23 +29,29 @@ pub(crate) struct Ending {
 pub(crate) trait StreamFormat: Send + 'static {
     /// Events sent before any output (a role delta, `message_start`).
     fn start(&mut self) -> Vec<Event>;
-    /// More output text (never empty).
-    fn text(&mut self, text: String) -> Vec<Event>;
+    /// More output: text (never empty), reasoning, tool-call events (only where the route's [`OutputSpec`]
+    /// parses them).
+    fn output(&mut self, output: Output) -> Vec<Event>;
     /// The request ended; the last events, `[DONE]` included where the API has one.
     fn finish(&mut self, ending: Ending) -> Vec<Event>;
     /// The request failed midway; the last events.
     fn error(&mut self, error: ApiError) -> Vec<Event>;
 }
 
-/// The whole output of a request, or the error that ended it.
-pub(crate) async fn collect(ts: &mut TextStream) -> Result<(String, Ending), ApiError> {
-    let mut text = String::new();
+/// The whole output of a request, parsed by `spec` (a call counts only once it closed well-formed), or the
+/// error that ended it.
+pub(crate) async fn collect(ts: &mut TextStream, spec: &OutputSpec) -> Result<(Message, Ending), ApiError> {
+    let mut parser = spec.parser(CallCommit::OnClose);
+    let mut message = Message::default();
     loop {
         match ts.next().await {
-            Some(Piece::Text(t)) => text.push_str(&t),
-            Some(Piece::Finish { text: t, reason, stop_string }) => {
-                text.push_str(&t);
-                return Ok((text, Ending { reason, stop_string, usage: ts.usage() }));
+            Some(Piece::Text(t)) => parser.push(&t).into_iter().for_each(|o| message.apply(o)),
+            Some(Piece::Finish { text, reason, stop_string }) => {
+                parser.push(&text).into_iter().chain(parser.finish()).for_each(|o| message.apply(o));
+                if parser.saw_reasoning() && message.reasoning.is_none() {
+                    message.reasoning = Some(String::new());
+                }
+                return Ok((message, Ending { reason: parser.finish_reason(reason), stop_string, usage: ts.usage() }));
             }
             Some(Piece::Error(e)) => return Err(e),
             None => return Err(ApiError::internal("the request ended without a result")),
@@ -50,21 +59,27 @@ pub(crate) async fn collect(ts: &mut TextStream) -> Result<(String, Ending), Api
     }
 }
 
-/// The streamed response: `format`'s events for every piece of `ts`, with SSE keep-alive comments.
-pub(crate) fn sse<F: StreamFormat>(ts: TextStream, mut format: F) -> Sse<impl futures::Stream<Item = Result<Event, Infallible>>> {
+/// The streamed response: `format`'s events for every output of `ts` parsed by `spec` (calls stream from
+/// their header on), with SSE keep-alive comments.
+pub(crate) fn sse<F: StreamFormat>(
+    ts: TextStream,
+    spec: &OutputSpec,
+    mut format: F,
+) -> Sse<impl futures::Stream<Item = Result<Event, Infallible>>> {
     let queue: VecDeque<Event> = format.start().into();
-    let body = futures::stream::unfold((Some(ts), queue, format), |(mut ts, mut queue, mut format)| async move {
+    let parser = spec.parser(CallCommit::OnHeader);
+    let body = futures::stream::unfold((Some(ts), queue, format, parser), |(mut ts, mut queue, mut format, mut parser)| async move {
         loop {
             if let Some(ev) = queue.pop_front() {
-                return Some((Ok(ev), (ts, queue, format)));
+                return Some((Ok(ev), (ts, queue, format, parser)));
             }
             let stream = ts.as_mut()?;
             match stream.next().await {
-                Some(Piece::Text(t)) => queue.extend(format.text(t)),
+                Some(Piece::Text(t)) => parser.push(&t).into_iter().for_each(|o| queue.extend(format.output(o))),
                 Some(Piece::Finish { text, reason, stop_string }) => {
-                    if !text.is_empty() {
-                        queue.extend(format.text(text));
-                    }
+                    let outputs: Vec<Output> = parser.push(&text).into_iter().chain(parser.finish()).collect();
+                    outputs.into_iter().for_each(|o| queue.extend(format.output(o)));
+                    let reason = parser.finish_reason(reason);
                     queue.extend(format.finish(Ending { reason, stop_string, usage: stream.usage() }));
                     ts = None;
                 }

@@ -5,7 +5,9 @@ use crate::backend::{Backend, EngineDescription};
 use crate::cli::{SamplingDefaults, ServeArgs};
 use crate::http::drain::Drain;
 use crate::text::chat_template::ChatTemplate;
+use crate::text::reasoning::ReasoningFormat;
 use crate::text::tokenizer::Tokenizer;
+use crate::text::tool_calls::ToolCallFormat;
 use ft_core::request::SamplingParams;
 use std::ops::Deref;
 use std::sync::Arc;
@@ -23,6 +25,10 @@ pub struct AppStateInner {
     pub chat_template: ChatTemplate,
     pub info: EngineDescription,
     pub args: ServeArgs,
+    /// `--tool-call-parser` resolved for the model (`None`: tool calls stay text).
+    pub tool_call_format: Option<ToolCallFormat>,
+    /// `--reasoning-parser` resolved for the model (`None`: no reasoning is split out).
+    pub reasoning_format: Option<ReasoningFormat>,
     /// What requests are validated against (from `info` and `args`).
     pub limits: crate::validation::Limits,
     /// Sampling values for fields a request leaves out (see [`AppState::with_default_sampling`]).
@@ -49,17 +55,28 @@ impl AppState {
         let tokenizer = Tokenizer::from_file(&info.tokenizer_path)?;
         let chat_template = ChatTemplate::new(info.chat_template.as_deref(), info.bos_token.clone(), info.eos_token.clone())
             .map_err(|e| anyhow::anyhow!("{e}"))?;
-        Ok(Self::from_parts(args, backend, info, tokenizer, chat_template))
+        Self::from_parts(args, backend, info, tokenizer, chat_template)
     }
 
-    /// From an already loaded tokenizer and template.
+    /// From an already loaded tokenizer and template. Resolves the output parsers for the model (an unknown
+    /// parser name is an error; `ServeArgs::validate` refuses one before the model loads).
     pub fn from_parts(
         args: ServeArgs,
         backend: Arc<dyn Backend>,
         info: EngineDescription,
         tokenizer: Tokenizer,
         chat_template: ChatTemplate,
-    ) -> Self {
+    ) -> anyhow::Result<Self> {
+        let template = info.chat_template.as_deref();
+        let tool_call_format = ToolCallFormat::resolve(args.tool_call_parser.as_deref(), &info.architecture, template)
+            .map_err(|e| anyhow::anyhow!(e))?;
+        let reasoning_format = ReasoningFormat::resolve(args.reasoning_parser.as_deref(), &info.architecture, template)
+            .map_err(|e| anyhow::anyhow!(e))?;
+        tracing::info!(
+            "Output parsers: tool calls {}, reasoning {}",
+            tool_call_format.map_or("off", |f| f.name()),
+            reasoning_format.map_or("off", |f| f.name())
+        );
         // `--sampling-defaults none`: greedy. `model`: the model's generation_config values, else OpenAI's
         // defaults (temperature 1).
         let default_sampling = match args.sampling_defaults {
@@ -69,11 +86,13 @@ impl AppState {
                 .clone()
                 .unwrap_or(SamplingParams { temperature: 1.0, ..SamplingParams::default() }),
         };
-        AppState {
+        Ok(AppState {
             inner: Arc::new(AppStateInner {
                 backend,
                 tokenizer,
                 chat_template,
+                tool_call_format,
+                reasoning_format,
                 limits: crate::validation::Limits::new(&info, &args),
                 info,
                 args,
@@ -85,7 +104,7 @@ impl AppState {
                     std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4).clamp(2, 16),
                 )),
             }),
-        }
+        })
     }
 
     /// Sets the sampling defaults (the model's `generation_config.json`). Ignored under

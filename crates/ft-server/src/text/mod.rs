@@ -18,6 +18,14 @@ pub mod stop_strings;
 pub mod tokenizer;
 pub mod tool_calls;
 
+/// An architecture as the parsers' `resolve` compares it: HF's class name (`Qwen3_5MoeForConditionalGeneration`,
+/// what the engine description carries) or a model type (`qwen3_5_moe`), lower-cased, without the `For...`
+/// suffix and without underscores: `qwen35moe`.
+pub(crate) fn model_family(architecture: &str) -> String {
+    let name = architecture.find("For").map_or(architecture, |i| &architecture[..i]);
+    name.chars().filter(|c| *c != '_' && *c != '-').flat_map(char::to_lowercase).collect()
+}
+
 /// Length in bytes of the longest suffix of `text` that is a proper, non-empty prefix of `tag` (0 when none).
 /// That tail is held back: the next delta may complete the tag. Always a char boundary of `text`.
 pub(crate) fn partial_tag_suffix(text: &str, tag: &str) -> usize {
@@ -128,6 +136,15 @@ mod tests {
         // too); the stray tag is then content.
         let (thought, out) = pipeline(true, &[format!("maybe {call}?</think>No call needed.")]);
         assert_eq!((thought.as_str(), out.calls.len(), out.content.as_str()), ("maybe", 1, "?</think>No call needed."));
+    }
+
+    #[test]
+    fn model_families() {
+        assert_eq!(model_family("Qwen3_5MoeForConditionalGeneration"), "qwen35moe");
+        assert_eq!(model_family("qwen3_5_moe"), "qwen35moe");
+        assert_eq!(model_family("Qwen3MoeForCausalLM"), "qwen3moe");
+        assert_eq!(model_family("LlamaForCausalLM"), "llama");
+        assert_eq!(model_family(""), "");
     }
 
     #[test]

@@ -35,10 +35,10 @@ pub enum ReasoningFormat {
 }
 
 impl ReasoningFormat {
-    /// Every name `--reasoning-parser` takes (`auto` picks from the model).
-    pub const NAMES: &'static [&'static str] = &["qwen3", "deepseek_r1", "auto"];
+    /// Every name `--reasoning-parser` takes (`auto` picks from the model, `off` splits nothing).
+    pub const NAMES: &'static [&'static str] = &["qwen3", "deepseek_r1", "auto", "off"];
 
-    /// A named format; `auto` is not one (see [`ReasoningFormat::resolve`]).
+    /// A named format; `auto` and `off` are not one (see [`ReasoningFormat::resolve`]).
     pub fn from_name(name: &str) -> Result<Self, String> {
         match name {
             "qwen3" | "deepseek_r1" => Ok(ReasoningFormat::Qwen3),
@@ -46,15 +46,16 @@ impl ReasoningFormat {
         }
     }
 
-    /// What `--reasoning-parser` resolves to for this model: a named parser as asked; `auto` (and no flag)
-    /// picks `qwen3` when the chat template writes `<think>` or the architecture is a thinking Qwen3, else
-    /// none (the output is all content).
+    /// What `--reasoning-parser` resolves to for this model: a named parser as asked (`off`: none); `auto` (and
+    /// no flag) picks `qwen3` when the chat template writes `<think>` or the architecture (HF class name or
+    /// model type) is a Qwen3, else none (the output is all content).
     pub fn resolve(flag: Option<&str>, architecture: &str, chat_template: Option<&str>) -> Result<Option<Self>, String> {
         match flag {
+            Some("off") => Ok(None),
             Some(name) if name != "auto" => Self::from_name(name).map(Some),
             _ => {
                 let template_thinks = chat_template.is_some_and(|t| t.contains(THINK_OPEN));
-                let arch_thinks = architecture.starts_with("qwen3");
+                let arch_thinks = super::model_family(architecture).starts_with("qwen3");
                 Ok((template_thinks || arch_thinks).then_some(ReasoningFormat::Qwen3))
             }
         }
@@ -460,5 +461,8 @@ mod tests {
         assert_eq!(ReasoningFormat::resolve(None, "llama", Some("plain")), Ok(None));
         assert_eq!(ReasoningFormat::resolve(Some("qwen3"), "llama", None), Ok(Some(ReasoningFormat::Qwen3)));
         assert!(ReasoningFormat::resolve(Some("bogus"), "qwen3", None).is_err());
+        assert_eq!(ReasoningFormat::resolve(Some("off"), "qwen3", None), Ok(None));
+        assert_eq!(ReasoningFormat::resolve(None, "Qwen3MoeForCausalLM", None), Ok(Some(ReasoningFormat::Qwen3)));
+        assert_eq!(ReasoningFormat::resolve(None, "LlamaForCausalLM", None), Ok(None));
     }
 }

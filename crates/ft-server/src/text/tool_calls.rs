@@ -149,10 +149,10 @@ pub enum ToolCallFormat {
 }
 
 impl ToolCallFormat {
-    /// Every name `--tool-call-parser` takes (`auto` picks from the model).
-    pub const NAMES: &'static [&'static str] = &["qwen3_coder", "qwen", "qwen25", "hermes", "auto"];
+    /// Every name `--tool-call-parser` takes (`auto` picks from the model, `off` parses no calls).
+    pub const NAMES: &'static [&'static str] = &["qwen3_coder", "qwen", "qwen25", "hermes", "auto", "off"];
 
-    /// A named format; `auto` is not one (see [`ToolCallFormat::resolve`]).
+    /// A named format; `auto` and `off` are not one (see [`ToolCallFormat::resolve`]).
     pub fn from_name(name: &str) -> Result<Self, String> {
         match name {
             "qwen3_coder" => Ok(ToolCallFormat::Qwen3Coder),
@@ -161,14 +161,16 @@ impl ToolCallFormat {
         }
     }
 
-    /// What `--tool-call-parser` resolves to for this model. A name is taken as is; `auto` (and no flag)
-    /// looks at the chat template first (it says how the model was taught to call: `<function=` and
-    /// `<parameter=` mean qwen3_coder, `<tool_call>` alone hermes), then the architecture (Qwen3.5/3.6:
-    /// qwen3_coder; Qwen2/2.5/3/3-MoE/3-Next: hermes); `None` when neither tells (no parsing: output stays
-    /// text).
+    /// What `--tool-call-parser` resolves to for this model. A name is taken as is (`off`: none); `auto` (and
+    /// no flag) looks at the chat template first (it says how the model was taught to call: `<function=` and
+    /// `<parameter=` mean qwen3_coder, `<tool_call>` alone hermes), then the architecture (HF class name or
+    /// model type; Qwen3.5/3.6: qwen3_coder; Qwen2/2.5/3/3-MoE/3-Next: hermes); `None` when neither tells (no
+    /// parsing: output stays text).
     pub fn resolve(flag: Option<&str>, architecture: &str, chat_template: Option<&str>) -> Result<Option<Self>, String> {
-        if let Some(name) = flag.filter(|n| *n != "auto") {
-            return Self::from_name(name).map(Some);
+        match flag {
+            Some("off") => return Ok(None),
+            Some(name) if name != "auto" => return Self::from_name(name).map(Some),
+            _ => {}
         }
         if let Some(t) = chat_template {
             if t.contains("<function=") && t.contains("<parameter=") {
@@ -178,10 +180,13 @@ impl ToolCallFormat {
                 return Ok(Some(ToolCallFormat::Hermes));
             }
         }
-        Ok(match architecture {
-            a if a.starts_with("qwen3_5") => Some(ToolCallFormat::Qwen3Coder),
-            "qwen2" | "qwen2_moe" | "qwen3" | "qwen3_moe" | "qwen3_next" => Some(ToolCallFormat::Hermes),
-            _ => None,
+        let family = super::model_family(architecture);
+        Ok(if family.starts_with("qwen35") || family.starts_with("qwen36") {
+            Some(ToolCallFormat::Qwen3Coder)
+        } else if family.starts_with("qwen2") || family.starts_with("qwen3") {
+            Some(ToolCallFormat::Hermes)
+        } else {
+            None
         })
     }
 

@@ -535,7 +535,8 @@ fn registry_names() {
         assert_eq!(ToolCallFormat::from_name(n), Ok(HERMES));
     }
     let err = ToolCallFormat::from_name("nonsense_xyz").unwrap_err();
-    assert_eq!(err, "unknown --tool-call-parser \"nonsense_xyz\" (valid: qwen3_coder, qwen, qwen25, hermes, auto)");
+    assert_eq!(err, "unknown --tool-call-parser \"nonsense_xyz\" (valid: qwen3_coder, qwen, qwen25, hermes, auto, off)");
+    assert_eq!(ToolCallFormat::resolve(Some("off"), "qwen3_5_moe", None), Ok(None));
     assert!(ToolCallFormat::resolve(Some("nonsense_xyz"), "qwen3", None).is_err());
     assert_eq!(ToolCallFormat::resolve(Some("hermes"), "qwen3_5_moe", None), Ok(Some(HERMES)));
 }
@@ -548,11 +549,13 @@ fn auto_resolution() {
     assert_eq!(ToolCallFormat::resolve(Some("auto"), "qwen3_5_moe", Some(hermes_template)), Ok(Some(HERMES)));
     assert_eq!(ToolCallFormat::resolve(None, "qwen3_5_moe", None), Ok(Some(CODER)));
     assert_eq!(ToolCallFormat::resolve(None, "qwen3_5_moe", Some("no tools here")), Ok(Some(CODER)));
-    for arch in ["qwen2", "qwen3", "qwen3_moe", "qwen3_next"] {
+    assert_eq!(ToolCallFormat::resolve(None, "Qwen3_5MoeForConditionalGeneration", None), Ok(Some(CODER)));
+    for arch in ["qwen2", "qwen3", "qwen3_moe", "qwen3_next", "Qwen3MoeForCausalLM", "Qwen2ForCausalLM"] {
         assert_eq!(ToolCallFormat::resolve(None, arch, None), Ok(Some(HERMES)), "{arch}");
     }
     assert_eq!(ToolCallFormat::resolve(None, "llama", Some("{{ messages }}")), Ok(None));
     assert_eq!(ToolCallFormat::resolve(None, "llama", None), Ok(None));
+    assert_eq!(ToolCallFormat::resolve(None, "LlamaForCausalLM", None), Ok(None));
 }
 
 #[test]
