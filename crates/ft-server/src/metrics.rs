@@ -171,6 +171,12 @@ pub struct Metrics {
     health: Mutex<HealthState>,
 }
 
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics").field("model_name", &self.model_name).finish_non_exhaustive()
+    }
+}
+
 impl Metrics {
     pub fn new(model_name: &str) -> Self {
         Metrics {

@@ -10,6 +10,7 @@ use super::watchdog::RunningStep;
 use super::{Command, EngineConfig, Shared};
 use crate::backend::HealthState;
 use crate::engine::status_log::StatusLog;
+use crate::metrics::{EngineGauges, Metrics};
 use ft_core::request::{FinishReason, RequestEvent};
 use ft_core::scheduler::Scheduler;
 use ft_core::step::{StepKind, Worker, WorkerError};
@@ -23,6 +24,7 @@ pub(super) struct EngineLoop {
     scheduler: Scheduler,
     shared: Arc<Shared>,
     status: StatusLog,
+    metrics: Arc<Metrics>,
     planned_workspace_bytes: Option<u64>,
     /// The largest transient workspace any step has allocated (CUDA), to check the memory plan against.
     max_step_workspace_bytes: u64,
@@ -44,6 +46,7 @@ impl EngineLoop {
             scheduler: Scheduler::new(config.scheduler.clone()),
             shared,
             status: StatusLog::new(config.decode_log_interval),
+            metrics: config.metrics.clone(),
             planned_workspace_bytes: config.planned_workspace_bytes,
             max_step_workspace_bytes: 0,
             expert_hits: 0,
@@ -146,7 +149,7 @@ impl EngineLoop {
                 // Clients and /health get the first line; the traceback is in the log.
                 let why = format!("engine failed: {}", msg.lines().next().unwrap_or_default());
                 // Unhealthy before any client hears of the failure, so none of them sees /health 200 after.
-                *self.shared.health.lock().unwrap() = HealthState::Unhealthy(why.clone());
+                self.shared.set_health(HealthState::Unhealthy(why.clone()));
                 self.scheduler.fail_all(&why);
                 self.dispatch_events();
                 return Err(WorkerError::Fatal(msg));
@@ -157,9 +160,11 @@ impl EngineLoop {
             }
         }
         self.dispatch_events();
+        let step_time = began.elapsed().as_secs_f64();
         if plan.kind == StepKind::Decode {
-            self.decode_engine_ms += began.elapsed().as_secs_f64() * 1e3;
+            self.decode_engine_ms += step_time * 1e3;
         }
+        self.metrics.observe_step(plan.kind, step_time);
         self.publish_stats();
         Ok(())
     }
@@ -209,6 +214,14 @@ impl EngineLoop {
             decode_engine_ms_total: self.decode_engine_ms,
             ..EngineStats::from_scheduler(&self.scheduler.stats())
         };
+        self.metrics.set_gauges(EngineGauges {
+            running_requests: stats.running_requests as u64,
+            queued_requests: stats.queued_requests as u64,
+            kv_used_tokens: stats.kv_used_tokens as u64,
+            kv_capacity_tokens: stats.kv_capacity_tokens as u64,
+            state_slots: (stats.state_slots_total > 0).then_some((stats.state_slots_used as u64, stats.state_slots_total as u64)),
+        });
+        self.metrics.set_expert_cache_totals(self.expert_hits, self.expert_misses);
         *self.shared.stats.lock().unwrap() = stats;
     }
 

@@ -20,6 +20,7 @@ pub mod status_log;
 mod watchdog;
 
 use crate::backend::{AbortOnDrop, Backend, GenerateRequest, HealthState, RequestStream, SubmitError};
+use crate::metrics::Metrics;
 use engine_loop::EngineLoop;
 use ft_core::config::SchedulerConfig;
 use ft_core::request::{FinishReason, NewRequest, RequestEvent};
@@ -46,6 +47,9 @@ pub struct EngineConfig {
     pub step_timeout: Duration,
     /// The memory plan's prefill workspace (CUDA), reported beside the largest step workspace seen.
     pub planned_workspace_bytes: Option<u64>,
+    /// `/metrics`, shared with the HTTP side: the engine sets the gauges and step times after every step and
+    /// the health where it changes.
+    pub metrics: Arc<Metrics>,
 }
 
 pub(crate) enum Command {
@@ -57,7 +61,9 @@ pub(crate) enum Command {
 
 /// State shared between the engine thread, the watchdog and the HTTP side.
 pub(crate) struct Shared {
+    /// Written through [`Shared::set_health`] only, so `/metrics` sees every change.
     health: Mutex<HealthState>,
+    metrics: Arc<Metrics>,
     stats: Mutex<EngineStats>,
     /// Submitted but not yet finished (queued + running), for the 429 check.
     in_flight: AtomicUsize,
@@ -71,6 +77,12 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    fn set_health(&self, health: HealthState) {
+        let mut h = self.health.lock().unwrap();
+        self.metrics.set_health(&health);
+        *h = health;
+    }
+
     /// Sends `Failed` to every live request and forgets them.
     fn fail_every_client(&self, message: &str) {
         let senders: Vec<_> = self.senders.lock().unwrap().drain().collect();
@@ -94,8 +106,10 @@ impl EngineBackend {
     /// Starts the engine thread around `worker`.
     pub fn spawn(worker: Box<dyn Worker>, config: EngineConfig) -> Arc<EngineBackend> {
         let (tx, rx) = std_mpsc::channel();
+        config.metrics.set_health(&HealthState::Serving);
         let shared = Arc::new(Shared {
             health: Mutex::new(HealthState::Serving),
+            metrics: config.metrics.clone(),
             stats: Mutex::new(EngineStats::default()),
             in_flight: AtomicUsize::new(0),
             senders: Mutex::new(HashMap::new()),
@@ -132,6 +146,7 @@ impl EngineBackend {
             let mut health = self.shared.health.lock().unwrap();
             if *health == HealthState::Serving {
                 *health = HealthState::ShuttingDown;
+                self.shared.metrics.set_health(&health);
             }
         }
         let _ = self.commands.send(Command::Shutdown);

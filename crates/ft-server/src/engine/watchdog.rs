@@ -39,7 +39,7 @@ pub(super) fn watchdog(shared: Arc<Shared>, timeout: Duration) {
             );
             tracing::error!("{why}; failing every request and stopping the server");
             // Health first: a submit that races with us either is drained below or sees it and backs out.
-            *shared.health.lock().unwrap() = HealthState::Unhealthy(why.clone());
+            shared.set_health(HealthState::Unhealthy(why.clone()));
             shared.fail_every_client(&why);
             // `stalled` makes the server exit without waiting for the stuck thread. Give faulthandler, armed
             // for the same deadline, a moment to write the Python stacks to the log first (and /health a

@@ -71,3 +71,11 @@ pub async fn not_found(uri: Uri) -> ApiError {
 pub async fn method_not_allowed() -> ApiError {
     ApiError::method_not_allowed()
 }
+
+/// `GET /metrics`: Prometheus' text format (`crate::metrics`). The health series is refreshed from the
+/// backend here, so a scrape sees what `/health` would answer (draining included).
+pub async fn metrics(State(state): State<AppState>) -> Response {
+    let health = if state.drain.is_draining() { HealthState::ShuttingDown } else { state.backend.health() };
+    state.metrics.set_health(&health);
+    ([(axum::http::header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], state.metrics.render()).into_response()
+}

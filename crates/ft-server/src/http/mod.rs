@@ -14,6 +14,7 @@ pub mod messages;
 pub mod openai_error;
 pub(crate) mod output;
 pub mod protocol;
+pub(crate) mod request_metrics;
 pub mod server;
 pub(crate) mod sse;
 pub mod state;

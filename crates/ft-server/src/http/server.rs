@@ -23,19 +23,29 @@ use tower_http::cors::{AllowOrigin, Any, CorsLayer};
 
 /// All routes, with the body limit, optional API key and CORS.
 pub fn build_router(state: AppState) -> Router {
-    let api = Router::new()
-        .route("/v1/chat/completions", post(crate::http::chat::chat_completions))
-        .route("/v1/completions", post(crate::http::completions::completions))
-        .route("/v1/messages", post(crate::http::messages::messages))
+    use axum::handler::Handler;
+    // Generation routes: every request counted in /metrics once, however it ends (request_metrics.rs).
+    let tracked = || middleware::from_fn_with_state(state.clone(), crate::http::request_metrics::track);
+    let mut api = Router::new()
+        .route("/v1/chat/completions", post(crate::http::chat::chat_completions.layer(tracked())))
+        .route("/v1/completions", post(crate::http::completions::completions.layer(tracked())))
+        .route("/v1/messages", post(crate::http::messages::messages.layer(tracked())))
         .route("/v1/messages/count_tokens", post(crate::http::messages::count_tokens))
         .route("/v1/models", get(crate::http::info::models))
         .route("/v1/stats", get(crate::http::info::stats))
-        .route("/v1", get(crate::http::info::v1_root).post(crate::http::info::v1_root))
+        .route("/v1", get(crate::http::info::v1_root).post(crate::http::info::v1_root));
+    // /metrics needs --api-key like the API unless --metrics-without-api-key.
+    let mut open = Router::new().route("/health", get(crate::http::info::health));
+    if state.args.metrics_without_api_key {
+        open = open.route("/metrics", get(crate::http::info::metrics));
+    } else {
+        api = api.route("/metrics", get(crate::http::info::metrics));
+    }
+    let api = api
         .fallback(crate::http::info::not_found)
         .method_not_allowed_fallback(crate::http::info::method_not_allowed)
         .route_layer(middleware::from_fn_with_state(state.clone(), require_api_key));
-    let mut router = Router::new()
-        .route("/health", get(crate::http::info::health))
+    let mut router = open
         .route("/openapi.json", get(crate::http::info::openapi))
         .merge(api)
         .layer(DefaultBodyLimit::max(state.args.max_request_body_bytes))
@@ -46,7 +56,8 @@ pub fn build_router(state: AppState) -> Router {
     router
 }
 
-/// `--api-key`: `Authorization: Bearer KEY` (or `x-api-key: KEY`) on every route but `/health`.
+/// `--api-key`: `Authorization: Bearer KEY` (or `x-api-key: KEY`) on every route but `/health` (and `/metrics`
+/// under `--metrics-without-api-key`).
 async fn require_api_key(State(state): State<AppState>, req: Request, next: Next) -> Response {
     let Some(key) = state.args.api_key.as_deref() else {
         return next.run(req).await;
@@ -190,7 +201,11 @@ pub async fn run_server(
     info: EngineDescription,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let state = AppState::new(args, backend, info)?;
+    serve_on_bind_address(AppState::new(args, backend, info)?, shutdown).await
+}
+
+/// [`run_server`] with a state already built (`ft serve` shares its metrics registry with the engine).
+pub async fn serve_on_bind_address(state: AppState, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
     let bind = format!("{}:{}", state.args.host, state.args.port);
     let listener = tokio::net::TcpListener::bind(&bind).await.with_context(|| format!("cannot listen on {bind}"))?;
     serve_listener(listener, state, shutdown).await

@@ -4,6 +4,7 @@
 use crate::backend::{Backend, EngineDescription};
 use crate::cli::{SamplingDefaults, ServeArgs};
 use crate::http::drain::Drain;
+use crate::metrics::Metrics;
 use crate::text::chat_template::ChatTemplate;
 use crate::text::reasoning::ReasoningFormat;
 use crate::text::tokenizer::Tokenizer;
@@ -38,8 +39,10 @@ pub struct AppStateInner {
     pub created: u64,
     /// Graceful shutdown: refuses new requests, counts and cancels live ones.
     pub drain: Arc<Drain>,
-    /// Requests being templated and tokenized at once (one per core).
+    /// Requests being templated and tokenized at once (`--num-tokenizer`, else one per core).
     pub prepare_slots: Arc<tokio::sync::Semaphore>,
+    /// What `GET /metrics` serves; shared with the engine (see [`AppState::with_metrics`]).
+    pub metrics: Arc<Metrics>,
 }
 
 impl Deref for AppState {
@@ -86,6 +89,11 @@ impl AppState {
                 .clone()
                 .unwrap_or(SamplingParams { temperature: 1.0, ..SamplingParams::default() }),
         };
+        let prepare_slots = match args.num_tokenizer {
+            0 => std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4).clamp(2, 16),
+            n => n,
+        };
+        let metrics = Arc::new(Metrics::new(&info.served_model_name));
         Ok(AppState {
             inner: Arc::new(AppStateInner {
                 backend,
@@ -100,9 +108,8 @@ impl AppState {
                 started_at: Instant::now(),
                 created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
                 drain: Arc::new(Drain::default()),
-                prepare_slots: Arc::new(tokio::sync::Semaphore::new(
-                    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(4).clamp(2, 16),
-                )),
+                prepare_slots: Arc::new(tokio::sync::Semaphore::new(prepare_slots)),
+                metrics,
             }),
         })
     }
@@ -114,6 +121,13 @@ impl AppState {
         if inner.args.sampling_defaults == SamplingDefaults::Model {
             inner.default_sampling = sampling;
         }
+        self
+    }
+
+    /// Serves `metrics` (the registry the engine also writes to) instead of a registry of its own. Panics if
+    /// the state was already cloned.
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        Arc::get_mut(&mut self.inner).expect("configure AppState before cloning it").metrics = metrics;
         self
     }
 

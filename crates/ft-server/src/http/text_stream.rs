@@ -11,6 +11,7 @@
 use crate::backend::{HealthState, RequestStream};
 use crate::text::detokenizer::IncrementalDetokenizer;
 use crate::http::drain::LiveGuard;
+use crate::metrics::{RequestOutcome, RequestTimer};
 use crate::http::openai_error::ApiError;
 use crate::http::protocol::{PromptTokensDetails, Usage};
 use crate::validation::Prepared;
@@ -104,6 +105,8 @@ pub(crate) struct TextStream {
     stops: StopStringMatcher,
     stop_token_ids: Vec<u32>,
     ignore_eos: bool,
+    /// `/metrics`: this request's timings and how it ended (timed from arrival, see `request_metrics`).
+    timer: RequestTimer,
     prompt_tokens: u32,
     cached_tokens: u32,
     completion_tokens: u32,
@@ -121,6 +124,7 @@ impl TextStream {
             stops: StopStringMatcher::new(prepared.stop.clone()),
             stop_token_ids: prepared.req.stop_token_ids.clone(),
             ignore_eos: prepared.req.ignore_eos,
+            timer: crate::http::request_metrics::timer_for_stream(&state.metrics),
             prompt_tokens: prepared.req.prompt.len() as u32,
             cached_tokens: 0,
             completion_tokens: 0,
@@ -164,11 +168,13 @@ impl TextStream {
                 _ = timed_out => {
                     let secs = self.state.args.request_timeout;
                     tracing::warn!(id = self.stream.id, "request timed out after {secs} s (--request-timeout); aborting it");
+                    self.timer.finish_at(RequestOutcome::Timeout, std::time::Instant::now());
                     return Some(self.fail(ApiError::request_timeout(format!(
                         "the request did not finish within {secs} s (--request-timeout) and was aborted"
                     ))));
                 }
                 _ = cancelled => {
+                    self.timer.finish_at(RequestOutcome::Abort, std::time::Instant::now());
                     return Some(self.fail(ApiError::unavailable(
                         "the server is shutting down; the request was cancelled at the end of the --shutdown-grace period",
                     )));
@@ -176,15 +182,18 @@ impl TextStream {
             };
             let Some(event) = event else {
                 self.done = true;
+                self.timer.finish_at(RequestOutcome::Error, std::time::Instant::now());
                 return Some(Piece::Error(ApiError::internal("the engine stopped before the request finished")));
             };
             match event {
                 RequestEvent::Started { prompt_tokens, cached_tokens, .. } => {
                     self.prompt_tokens = prompt_tokens;
                     self.cached_tokens = cached_tokens;
+                    self.timer.started(prompt_tokens, cached_tokens);
                 }
                 RequestEvent::Token { token, .. } => {
                     self.completion_tokens += 1;
+                    self.timer.token();
                     // A stop token ends the turn; it is not part of the text.
                     if !self.ignore_eos && self.stop_token_ids.contains(&token) {
                         continue;
@@ -204,6 +213,7 @@ impl TextStream {
                             self.state.backend.abort(self.stream.id);
                             self.stream.guard.disarm();
                             self.done = true;
+                            self.timer.finish_at(RequestOutcome::Stop, std::time::Instant::now());
                             return Some(Piece::Finish { text: t, reason: "stop", stop_string: self.stops.matched().map(String::from) });
                         }
                     }
@@ -217,16 +227,19 @@ impl TextStream {
                     };
                     return Some(match self.stops.push(&tail) {
                         StopOutcome::Stopped(t) => {
+                            self.timer.finish_at(RequestOutcome::Stop, std::time::Instant::now());
                             Piece::Finish { text: t, reason: "stop", stop_string: self.stops.matched().map(String::from) }
                         }
                         StopOutcome::Continue(mut t) => {
                             t.push_str(&self.stops.finish());
+                            self.timer.finish_at(RequestOutcome::from_finish(reason), std::time::Instant::now());
                             Piece::Finish { text: t, reason: reason.as_openai(), stop_string: None }
                         }
                     });
                 }
                 RequestEvent::Failed { message, .. } => {
                     self.done = true;
+                    self.timer.finish_at(RequestOutcome::Error, std::time::Instant::now());
                     // A dead or stalled engine is the server's state, not the request's fault: 503 tells the
                     // client (and a load balancer) to retry elsewhere. A step that failed alone stays 500.
                     let error = match self.state.backend.health() {
@@ -239,7 +252,9 @@ impl TextStream {
         }
     }
 
+    /// Ends the request with `error` (counted as an error unless the caller already counted it otherwise).
     fn fail(&mut self, error: ApiError) -> Piece {
+        self.timer.finish_at(RequestOutcome::Error, std::time::Instant::now());
         self.state.backend.abort(self.stream.id);
         self.stream.guard.disarm();
         self.done = true;
