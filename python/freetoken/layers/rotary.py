@@ -35,7 +35,9 @@ def rope_config(config, default_partial: float = 1.0) -> tuple[float, float, dic
         return theta, partial, None
     if rope_type == "llama3":
         return theta, partial, params
-    raise NotImplementedError(f"rope_type {rope_type!r} is not supported")
+    from ..errors import UnsupportedModel
+
+    raise UnsupportedModel(f"config.json: rope_type {rope_type!r} is not supported (default, mrope and llama3 are)")
 
 
 class RotaryEmbedding(nn.Module):

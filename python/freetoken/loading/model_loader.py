@@ -77,6 +77,9 @@ def load_model(a: dict) -> LoadedModel:
         needed = device_bytes_needed(cls, config, dtype, kv_floor)
     moe_backend = resolve_moe_backend(a["moe_backend"], has_experts, device, needed,
                                       int(float(a["memory_ratio"]) * free_before))
+    _warn_unused_offload_flags(a, moe_backend, has_experts)
+    if not a["dummy_weight"]:
+        refuse_quantized(checkpoint.config)
     t0 = time.perf_counter()
     offload = None
     if moe_backend == "offload":
@@ -102,6 +105,30 @@ def load_model(a: dict) -> LoadedModel:
                 f"in {time.perf_counter() - t0:.1f} s")
     return LoadedModel(device, dtype, config, checkpoint, is_gguf, names, max_context, kv_floor, moe_backend,
                        offload, model, weights_bytes, tokenizer_for(checkpoint, config, is_gguf), free_before)
+
+
+def _warn_unused_offload_flags(a: dict, moe_backend: str, has_experts: bool) -> None:
+    """The expert-offload flags do nothing when the experts stay on the device (a dense model, or ``auto`` picked
+    fused; an explicit ``--moe-backend fused`` with them is refused by the CLI): say so rather than ignore them."""
+    if moe_backend == "offload":
+        return
+    given = [flag for flag, key in (("--moe-cache-size", "moe_cache_size"), ("--moe-cache-rate", "moe_cache_rate"),
+                                    ("--moe-cache-auto", "moe_cache_auto"),
+                                    ("--disable-moe-prefill-overlap", "disable_moe_prefill_overlap")) if a.get(key)]
+    if given:
+        why = "the model has no experts" if not has_experts else f"--moe-backend {a['moe_backend']} chose fused"
+        logger.warning(f"{', '.join(given)}: no effect, every weight stays on the device ({why})")
+
+
+def refuse_quantized(config: dict) -> None:
+    """Quantized checkpoints (NVFP4, FP8: ``quantization_config``) are not loaded yet: one line, not garbage weights
+    or a missing-tensor traceback."""
+    q = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    if q:
+        method = q.get("quant_method") if isinstance(q, dict) else None
+        raise UnsupportedModel(f"config.json has quantization_config (quant_method {method!r}): quantized checkpoints "
+                               "are not supported yet (BF16/FP16/FP32 safetensors and GGUF are; --dummy-weight runs "
+                               "the shapes)")
 
 
 def resolve_device(name: Optional[str]) -> torch.device:
