@@ -291,10 +291,10 @@ def logit_tol(ref: torch.Tensor) -> float:
     return LOGIT_TOL * max(1.0, float(ref.abs().max()) / 10.0)
 
 
-def write_released_qwen3_5_moe(d: str, seed: int = 5):
+def write_released_qwen3_5_moe(d: str, seed: int = 5, **over):
     """A tiny random Qwen3.5-MoE checkpoint in the released layout (outer ``qwen3_5_moe`` config,
     ``model.language_model.*`` tensors, MTP and vision tensors to skip, fp32) with the real Qwen3.5/3.6 tokenizer
-    files, written to ``d``. Returns the HF model holding the same weights."""
+    files, written to ``d`` (``over``: text-config fields). Returns the HF model holding the same weights."""
     import json
     import os
 
@@ -303,7 +303,7 @@ def write_released_qwen3_5_moe(d: str, seed: int = 5):
     from freetoken.loading.qwen_tokenizer import write_qwen_tokenizer_files
 
     cfg = qwen3_5_moe_config(vocab_size=248320, hidden_size=32, moe_intermediate_size=16,
-                             shared_expert_intermediate_size=16)
+                             shared_expert_intermediate_size=16, **over)
     cfg["text_config"].update(eos_token_id=248044, bos_token_id=248044)
     hf = build_hf_model(cfg, seed=seed)
     sd = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v.contiguous()

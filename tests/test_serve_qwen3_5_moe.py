@@ -76,6 +76,39 @@ def test_hybrid_radix_hit_through_the_server_equals_hf(server, checkpoint):
     assert texts == [tok.decode(expected, skip_special_tokens=True)] * 2
 
 
+def test_tool_call_round_trip_reuses_the_history_and_equals_naive(server, checkpoint):
+    """A chat that goes user -> assistant tool call -> tool result -> assistant, rendered by the model's chat
+    template: the second request reuses the first one's prefix (hybrid radix) and both answers equal a server
+    with --cache-type naive."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    first = [{"role": "system", "content": "You are a weather agent. " * 20},
+             {"role": "user", "content": "What is the weather in Paris today?"}]
+    call = {"role": "assistant", "content": "",
+            "tool_calls": [{"id": "call_1", "type": "function",
+                            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]}
+    second = first + [call, {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C, light wind."}]
+
+    def ask(srv, messages):
+        body = {"model": "tiny", "messages": messages, "tools": tools, "max_tokens": 8, "temperature": 0}
+        r = srv.post("/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    naive = ServerProcess(["--model-path", checkpoint[0], "--served-model-name", "tiny", "--max-running-requests",
+                           "4", "--num-tokens", "4096", "--max-seq-len-override", "1024", "--cache-type", "naive"])
+    try:
+        refs = [ask(naive, m)["choices"][0]["message"] for m in (first, second)]
+    finally:
+        assert naive.stop() == 0
+    hits0 = server.get("/v1/stats").json()["snapshot_hit_tokens"]
+    outs = [ask(server, m)["choices"][0]["message"] for m in (first, second)]
+    assert outs == refs
+    # the tool round trip resumed past the shared system prompt and question
+    assert server.get("/v1/stats").json()["snapshot_hit_tokens"] >= hits0 + 64
+
+
 def test_expert_offload_launch_line_serves_the_same_greedy_tokens(checkpoint):
     """The brief's launch line shape (--moe-backend offload --moe-cache-size N), with a cache far smaller than the
     model's 32 experts: greedy completions still equal HF's, and /v1/stats counts the cache's hits and misses."""
