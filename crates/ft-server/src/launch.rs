@@ -41,9 +41,34 @@ pub fn scheduler_config(args: &ServeArgs, info: &EngineDescription) -> Scheduler
     }
 }
 
-pub fn run(args: ServeArgs, worker: Box<dyn Worker>, info: EngineDescription) -> i32 {
+/// Flags that are valid but have nothing to act on for this model or device, said once at start-up (the CLI
+/// refuses the ones that could never work; these depend on what was loaded).
+pub fn unused_flag_notes(args: &ServeArgs, info: &EngineDescription) -> Vec<String> {
+    let mut notes = Vec::new();
     if args.disable_pynccl {
-        tracing::info!("--disable-pynccl: nothing to disable (one rank, no NCCL)");
+        notes.push("--disable-pynccl: nothing to disable (one rank, no NCCL)".to_string());
+    }
+    if let Some(bs) = args.cuda_graph_max_bs.filter(|bs| *bs > 0) {
+        if info.cuda_graph_sizes.is_empty() && !args.disable_cuda_graph {
+            notes.push(format!("--cuda-graph-max-bs {bs}: no decode CUDA graphs on {} (every step runs eagerly)", info.device));
+        }
+    }
+    if info.num_state_slots == 0 {
+        if let Some(n) = args.num_snapshot_slots {
+            notes.push(format!("--num-snapshot-slots {n}: no effect, the model has no recurrent state"));
+        }
+        if args.enable_special_token_ckpt {
+            notes.push("--enable-special-token-ckpt: no effect, the model has no recurrent state to snapshot".to_string());
+        }
+    } else if args.enable_special_token_ckpt && info.tool_call_token_id.is_none() {
+        notes.push("--enable-special-token-ckpt: no effect, the tokenizer has no tool-call opener token".to_string());
+    }
+    notes
+}
+
+pub fn run(args: ServeArgs, worker: Box<dyn Worker>, info: EngineDescription) -> i32 {
+    for note in unused_flag_notes(&args, &info) {
+        tracing::warn!("{note}");
     }
     // One registry for the whole server: the routes time requests, the engine sets its gauges.
     let metrics = Arc::new(crate::metrics::Metrics::new(&info.served_model_name));
@@ -98,5 +123,34 @@ pub fn run(args: ServeArgs, worker: Box<dyn Worker>, info: EngineDescription) ->
             1
         }
         Ok(()) => 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_with_nothing_to_act_on_are_noted() {
+        let args = |flags: &[&str]| crate::cli::parse_serve_args(flags.iter().copied()).unwrap();
+        let dense_cpu = EngineDescription { device: "cpu".into(), ..Default::default() };
+        assert!(unused_flag_notes(&args(&[]), &dense_cpu).is_empty());
+        let notes = unused_flag_notes(
+            &args(&["--disable-pynccl", "--cuda-graph-max-bs", "8", "--num-snapshot-slots", "4", "--enable-special-token-ckpt"]),
+            &dense_cpu,
+        );
+        let text = notes.join("\n");
+        for flag in ["--disable-pynccl", "--cuda-graph-max-bs 8", "--num-snapshot-slots 4", "--enable-special-token-ckpt"] {
+            assert!(text.contains(flag), "{text}");
+        }
+        // On CUDA with graphs captured, a hybrid model with a tool-call token: nothing to note.
+        let hybrid_cuda = EngineDescription {
+            device: "cuda:0".into(),
+            cuda_graph_sizes: vec![1, 2, 4, 8],
+            num_state_slots: 12,
+            tool_call_token_id: Some(151657),
+            ..Default::default()
+        };
+        assert!(unused_flag_notes(&args(&["--cuda-graph-max-bs", "8", "--enable-special-token-ckpt"]), &hybrid_cuda).is_empty());
     }
 }
