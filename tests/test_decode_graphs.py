@@ -45,6 +45,12 @@ def test_only_plain_decode_steps_take_the_graph_path():
     assert decode_inputs(encode_plan([a.item(sample=None)], kind="decode"), 4) is None  # not sampled
     resent = dict(a.item(sample=GREEDY), table_from=0, table_slots=[a.slot(q) for q in range(4)])
     assert decode_inputs(encode_plan([resent]), 4) is None  # sends more than the new token's slot
+    # a snapshot right after the step's token (the tool-call anchor) rides along as a copy after the replay
+    anchored = decode_inputs(encode_plan([dict(a.item(sample=GREEDY), state_slot=0), dict(b.item(sample=GREEDY),
+                                                                                           state_slot=1)],
+                                         snapshots=[(1, 3, 7)]), 4)
+    assert anchored["snap_src"].tolist() == [1] and anchored["snap_dst"].tolist() == [7]
+    assert decode_inputs(encode_plan([a.item(sample=GREEDY)], snapshots=[(0, 3, 7)]), 4) is None  # not after it
 
 
 def _qwen35_dir(tmp_path_factory) -> str:
@@ -112,6 +118,28 @@ def test_emulated_graphs_match_eager(model_dirs, family):
     for (wt, wl), (gt, gl) in zip(want, got):
         assert gt == wt
         np.testing.assert_allclose(gl, wl, atol=1e-4)
+
+
+def test_anchor_snapshot_on_the_graph_path_equals_eager(model_dirs):
+    """A decode step that snapshots a sequence's state after its token (``--enable-special-token-ckpt``): the
+    graph path copies the live slot after the replay; the snapshot equals the eager path's, which captures it
+    inside the GDN layers, and the live state after the step."""
+    states = []
+    for graphs in (False, True):
+        w = _worker(model_dirs["qwen3_5_moe"], graphs=graphs)
+        snap = w.max_running_requests + 1  # a snapshot slot past the live ones
+        a = Seq(0, [5, 17, 23, 99, 3, 41], 0)
+        toks, _, _ = w.execute(encode_plan([dict(a.item(sample=GREEDY), state_slot=0)]))
+        a.advance(6, toks[0])
+        plan = encode_plan([dict(a.item(sample=GREEDY), state_slot=0)], step_id=1, snapshots=[(0, 7, snap)])
+        assert decode_inputs(plan, 4) is not None  # the graph worker replays this step
+        w.execute(plan)
+        for layer in range(w.state.num_layers):
+            torch.testing.assert_close(w.state.ssm[layer][snap], w.state.ssm[layer][0], rtol=0, atol=0)
+            torch.testing.assert_close(w.state.conv[layer][snap], w.state.conv[layer][0], rtol=0, atol=0)
+        states.append([w.state.ssm[layer][snap].clone() for layer in range(w.state.num_layers)])
+    for eager, graph in zip(*states):
+        torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)
 
 
 def test_graph_step_rejects_out_of_range_indices(model_dirs):

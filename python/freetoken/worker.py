@@ -32,6 +32,7 @@ from .layers.sampler import apply_penalties, sample, token_logprobs
 from .loading.model_loader import load_model
 from .log import get_logger
 from .moe.bench_routing import BenchRoutingControl
+from .scripted_output import force as force_scripted_tokens
 from .serve_defaults import normalize_args
 
 logger = get_logger(__name__)
@@ -132,6 +133,8 @@ class Worker:
     def _replay(self, inputs: dict) -> tuple[list[int], list[float], None]:
         self._check_decode_inputs(inputs)
         out = self.graphs.run(inputs, len(inputs["rows"]))
+        if inputs["snap_dst"].size:  # the tool-call anchor: the live state after this token, kept as a snapshot
+            self.state.copy(torch.from_numpy(inputs["snap_src"].copy()), torch.from_numpy(inputs["snap_dst"].copy()))
         return out.tokens, out.logprobs, None
 
     def execute_plan(self, plan: StepPlan, all_logits: bool = False, _allow_scratch: bool = False) -> StepResult:
@@ -164,6 +167,7 @@ class Worker:
             penalized = apply_penalties(logits, self.token_counts.rows(rows), s.presence_penalty.to(logits.device),
                                         s.frequency_penalty.to(logits.device))
         tokens, logprobs = sample(penalized, s.temperature, s.top_p, s.top_k, s.min_p, s.seeds)
+        tokens = force_scripted_tokens(tokens, rows)  # tests only: FREETOKEN_TEST_SCRIPT (scripted_output.py)
         if penalized is not logits:
             logprobs = token_logprobs(logits.float(), tokens)
         self.token_counts.add(rows, tokens)
@@ -224,6 +228,11 @@ class Worker:
         st = d["state_slots"]
         if self.state is not None and bad((st < 0) | (st >= self.num_state_slots)):
             raise InvalidPlan(f"state_slots out of range [0, {self.num_state_slots}): {st.tolist()}")
+        snap = d["snap_dst"]
+        if snap.size and (self.state is None or bad((snap < 0) | (snap >= self.num_state_slots))
+                          or np.intersect1d(snap, st).size or np.unique(snap).size != snap.size):
+            raise InvalidPlan(f"snap_slot out of range [0, {self.num_state_slots}), a live slot or repeated: "
+                              f"{snap.tolist()}")
         t, p, m = d["temperature"], d["top_p"], d["min_p"]
         if bad(~np.isfinite(t) | (t < 0)):
             raise InvalidPlan("temperature must be finite and >= 0")

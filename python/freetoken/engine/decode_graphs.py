@@ -43,8 +43,10 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency
 def decode_inputs(flat: dict, max_bs: int) -> Optional[dict[str, np.ndarray]]:
     """The graph inputs of a flat step plan (``step_plan.py``'s encoding), or None when the step is not a plain
     decode step a graph can run: every sequence one token over a cached prefix, sampled, sending exactly its new
-    token's KV slot, no state copies or snapshots, at most ``max_bs`` sequences. Views over the plan's bytes (no
-    copies); the caller validates the values."""
+    token's KV slot, no state restores, at most ``max_bs`` sequences. Snapshots of the state right after the
+    step's token (the tool-call anchor of ``--enable-special-token-ckpt``) are slot copies the caller runs after
+    the replay: ``snap_src`` (the live slots) to ``snap_dst``. Views over the plan's bytes (no copies); the
+    caller validates the values."""
     if flat.get("kind") != "decode":
         return None
     arr = lambda key, dt: np.frombuffer(flat.get(key, b""), dtype=dt)  # noqa: E731
@@ -54,14 +56,19 @@ def decode_inputs(flat: dict, max_bs: int) -> Optional[dict[str, np.ndarray]]:
         return None
     ids, pre, slots = arr("input_ids", "<i4"), arr("prefix_lens", "<i4"), arr("table_slots", "<i4")
     sample_index = arr("sample_index", "<i4")
-    if ids.size != n or slots.size != n or sample_index.size != n or arr("copy_src", "<i4").size or arr("snap_seq", "<i4").size:
+    if ids.size != n or slots.size != n or sample_index.size != n or arr("copy_src", "<i4").size:
         return None
     if not (np.array_equal(arr("table_from", "<i4"), pre) and np.array_equal(sample_index, np.arange(n))):
         return None
+    state_slots = arr("state_slots", "<i4")
+    snap_seq, snap_upto = arr("snap_seq", "<i4"), arr("snap_upto", "<i4")
+    if snap_seq.size and (np.any((snap_seq < 0) | (snap_seq >= n)) or np.any(snap_upto != pre[snap_seq] + 1)):
+        return None  # a capture anywhere but after the step's one token: the eager path runs it
     return {"input_ids": ids, "positions": pre, "rows": rows, "out_cache_loc": slots,
-            "state_slots": arr("state_slots", "<i4"), "top_k": arr("top_k", "<i4"), "seeds": arr("seeds", "<i8"),
+            "state_slots": state_slots, "top_k": arr("top_k", "<i4"), "seeds": arr("seeds", "<i8"),
             "temperature": arr("temperature", "<f4"), "top_p": arr("top_p", "<f4"), "min_p": arr("min_p", "<f4"),
-            "presence_penalty": arr("presence_penalty", "<f4"), "frequency_penalty": arr("frequency_penalty", "<f4")}
+            "presence_penalty": arr("presence_penalty", "<f4"), "frequency_penalty": arr("frequency_penalty", "<f4"),
+            "snap_src": state_slots[snap_seq], "snap_dst": arr("snap_slot", "<i4")}
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
