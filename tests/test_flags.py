@@ -65,3 +65,10 @@ def test_unused_offload_flags_are_logged(tiny_llama_dir, caplog):
         logging.getLogger("freetoken").removeHandler(caplog.handler)
     assert any("--moe-cache-size, --disable-moe-prefill-overlap: no effect" in m and "no experts" in m
                for m in caplog.messages), caplog.messages
+
+
+def test_offline_llm_refuses_the_same_settings(tiny_llama_dir):
+    from freetoken import LLM
+
+    with pytest.raises(ValueError, match="--moe-cpu-threads 4 is not supported yet"):
+        LLM(tiny_llama_dir, device="cpu", num_tokens=256, load_progress=False, moe_cpu_threads=4)

@@ -47,6 +47,10 @@ impl OfflineEngine {
         let json: String = py.import("json")?.getattr("dumps")?.call1((w.getattr("args")?,))?.extract()?;
         let args: ft_server::cli::ServeArgs =
             serde_json::from_str(&json).map_err(|e| PyValueError::new_err(format!("worker settings: {e}")))?;
+        // The same refusals as `ft serve`: a setting that would do nothing is an error here too.
+        if let Some(msg) = args.validate().err().or_else(|| ft_server::cli::unsupported_feature(&args)) {
+            return Err(PyValueError::new_err(msg));
+        }
         let cfg = ft_server::launch::scheduler_config(&args, &info);
         let limits = ft_server::validation::Limits::new(&info, &args);
         Ok(OfflineEngine { scheduler: Scheduler::new(cfg), worker: PyWorker::new(worker), limits })
