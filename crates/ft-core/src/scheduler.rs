@@ -88,7 +88,7 @@ use crate::allocator::IdPool;
 use crate::config::{CacheType, SchedulerConfig};
 use crate::request::{AdmissionError, FinishReason, NewRequest, RequestEvent, SamplingParams};
 use crate::step::{SampleSpec, ScheduledSeq, SnapshotCapture, StateCopy, StepKind, StepOutput, StepPlan};
-use kv_cache::{CachedPrefix, Holders, KvCache, LiveState};
+use kv_cache::{CachedPrefix, Holders, KvCache, LiveState, PrefixMatch};
 
 /// splitmix64's output function: a strong 64-bit mix (Steele, Lea, Flood 2014).
 pub fn splitmix64_mix(mut z: u64) -> u64 {
@@ -234,6 +234,41 @@ struct RunningRequest {
 }
 
 impl RunningRequest {
+    /// The request `q` admitted onto page-table `row` and live state slot `state_slot`, resuming after the
+    /// locked cached prefix of `m`, with `reserved_pages` of KV set aside for the rest.
+    fn start(
+        q: QueuedRequest,
+        row: u32,
+        state_slot: i32,
+        m: PrefixMatch,
+        reserved_pages: usize,
+        branch_point: Option<usize>,
+    ) -> Self {
+        RunningRequest {
+            id: q.req.id,
+            prompt: q.req.prompt,
+            output: Vec::new(),
+            max_new_tokens: q.max_new_tokens,
+            sampling: q.req.sampling,
+            seed: q.seed,
+            stop_token_ids: q.req.stop_token_ids,
+            ignore_eos: q.req.ignore_eos,
+            row,
+            state_slot,
+            state_valid: false,
+            pending_snapshots: Vec::new(),
+            branch_point,
+            prefix: m.prefix,
+            slots: m.slots,
+            duplicates: Vec::new(),
+            scheduled_len: m.prefix.len,
+            computed_len: m.prefix.len,
+            table_sent: 0,
+            reserved_pages,
+            in_flight: None,
+        }
+    }
+
     fn prompt_len(&self) -> usize {
         self.prompt.len()
     }
@@ -478,67 +513,53 @@ impl Scheduler {
     /// Starts the head of the queue if a row, a state slot and enough KV are free; returns its index in
     /// `running`.
     fn admit_head(&mut self) -> Option<usize> {
-        let head = self.queue.front()?;
         let hybrid = self.cfg.num_state_slots > 0;
         if self.rows.available() == 0 || (hybrid && self.kv.states().live_available() == 0) {
             return None;
         }
+        let (m, need) = self.lock_head_prefix()?;
+        let q = self.queue.pop_front().expect("head exists");
+        let row = self.rows.alloc().expect("checked a row is free");
+        let state_slot = if hybrid { self.kv.alloc_live().expect("checked a live slot is free") as i32 } else { -1 };
+        if m.prefix.restore.is_some() {
+            self.snapshot_hits += 1;
+            self.snapshot_hit_tokens += m.prefix.len as u64;
+        }
+        let grid = self.cfg.snapshot_grid();
+        let branch = m.kv_len / grid * grid;
+        let branch_point = (self.cfg.cache_type == CacheType::HybridRadix && branch > m.prefix.len).then_some(branch);
+        self.reserved_pages += need;
+        self.events.push(RequestEvent::Started {
+            id: q.req.id,
+            prompt_tokens: q.req.prompt.len() as u32,
+            cached_tokens: m.prefix.len as u32,
+            max_new_tokens: q.max_new_tokens,
+        });
+        self.running.push(RunningRequest::start(q, row, state_slot, m, need, branch_point));
+        Some(self.running.len() - 1)
+    }
+
+    /// Matches and locks the queue head's cached prefix and checks that the KV pages its prompt and output
+    /// budget need beyond it are free; returns the match and that page count, or None (nothing held).
+    fn lock_head_prefix(&mut self) -> Option<(PrefixMatch, usize)> {
+        let head = self.queue.front()?;
         let p = head.req.prompt.len();
         let budget_tokens = p + head.max_new_tokens as usize - 1;
         // Hybrid models can only resume where a recurrent-state snapshot exists: the hybrid radix cache cuts
         // the match back to the deepest node owning one; any other cache type keeps none, so they match
         // nothing (reusing the KV without the state would run the linear-attention layers from a wrong
         // state).
+        let hybrid = self.cfg.num_state_slots > 0;
         let matchable = if hybrid && self.cfg.cache_type != CacheType::HybridRadix { 0 } else { p - 1 };
         // Lock the cached prefix first so the availability below cannot count it as evictable.
         let m = self.kv.match_prefix(&head.req.prompt[..matchable]);
-        let (prefix, cached_slots) = (m.prefix, m.slots);
-        self.kv.lock(prefix);
-        let need = self.kv.pages_for(budget_tokens) - prefix.len / self.cfg.page_size;
+        self.kv.lock(m.prefix);
+        let need = self.kv.pages_for(budget_tokens) - m.prefix.len / self.cfg.page_size;
         if need > self.kv.available_pages().saturating_sub(self.reserved_pages) {
-            self.kv.unlock(prefix);
+            self.kv.unlock(m.prefix);
             return None;
         }
-        let q = self.queue.pop_front().expect("head exists");
-        let row = self.rows.alloc().expect("checked a row is free");
-        let state_slot = if hybrid { self.kv.alloc_live().expect("checked a live slot is free") as i32 } else { -1 };
-        if prefix.restore.is_some() {
-            self.snapshot_hits += 1;
-            self.snapshot_hit_tokens += prefix.len as u64;
-        }
-        let grid = self.cfg.snapshot_grid();
-        let branch = m.kv_len / grid * grid;
-        self.reserved_pages += need;
-        self.events.push(RequestEvent::Started {
-            id: q.req.id,
-            prompt_tokens: p as u32,
-            cached_tokens: prefix.len as u32,
-            max_new_tokens: q.max_new_tokens,
-        });
-        self.running.push(RunningRequest {
-            id: q.req.id,
-            prompt: q.req.prompt,
-            output: Vec::new(),
-            max_new_tokens: q.max_new_tokens,
-            sampling: q.req.sampling,
-            seed: q.seed,
-            stop_token_ids: q.req.stop_token_ids,
-            ignore_eos: q.req.ignore_eos,
-            row,
-            state_slot,
-            state_valid: false,
-            pending_snapshots: Vec::new(),
-            branch_point: (self.cfg.cache_type == CacheType::HybridRadix && branch > prefix.len).then_some(branch),
-            prefix,
-            slots: cached_slots,
-            duplicates: Vec::new(),
-            scheduled_len: prefix.len,
-            computed_len: prefix.len,
-            table_sent: 0,
-            reserved_pages: need,
-            in_flight: None,
-        });
-        Some(self.running.len() - 1)
+        Some((m, need))
     }
 
     /// Makes sure request `i` has KV slots for positions `..end`, drawing on its reservation.
