@@ -29,12 +29,14 @@ def test_kv_budget_subtracts_every_planned_pool():
     # 0.9 x 100 - 40 (loading) - 1 (state) - 0.5 (scratch) - 3 (workspace) - 1 (reserve) = 44.5 GiB
     assert p.kv_budget(used_by_loading=40 * GiB) == int(44.5 * GiB)
     assert plan(workspace=None).kv_budget(40 * GiB) == int(47.5 * GiB)
+    assert plan(token_count_bytes=GiB // 2).kv_budget(40 * GiB) == int(44.0 * GiB)
 
 
 def test_table_lists_every_pool():
-    p = plan(kv_tokens=1000, kv_bytes=2 * GiB, free_after=5 * GiB)
+    p = plan(kv_tokens=1000, kv_bytes=2 * GiB, free_after=5 * GiB, live_state_slots=4, snapshot_slots=8)
     text = p.table()
-    for label in ("weights", "KV cache (1000 tokens)", "recurrent state", "prefill workspace (8192-token chunk)",
+    for label in ("weights", "KV cache (1000 tokens)", "recurrent state (4 live + 8 snapshot slots)",
+                  "output token counts", "prefill workspace (8192-token chunk)",
                   "reserve (--vram-reserve-mb)", "headroom", "free after initialization"):
         assert label in text, text
     assert "3.00 GiB" in text and "40.00 GiB" in text

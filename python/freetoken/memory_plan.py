@@ -23,7 +23,7 @@ class MemoryPlan:
     free_before: int  # bytes free before loading
     memory_ratio: float
     weights: int
-    state_bytes: int
+    state_bytes: int  # the recurrent-state pool (live slots, hybrid radix snapshots, the scratch slot)
     scratch_kv_bytes: int  # KV slots kept for forward_logits and the dry run
     workspace: Optional[int]  # measured peak transient bytes of one prefill chunk (None: not measured)
     workspace_tokens: int
@@ -40,6 +40,10 @@ class MemoryPlan:
     # decode CUDA graphs: planned from a dry decode step (None: no graphs), and the pool measured after capture
     graph_bytes: Optional[int] = None
     graph_pool_bytes: Optional[int] = None
+    # hybrid models: live recurrent-state slots and snapshot slots; every model: output-token counts (penalties)
+    live_state_slots: int = 0
+    snapshot_slots: int = 0
+    token_count_bytes: int = 0
 
     def kv_budget(self, used_by_loading: int) -> int:
         """Bytes left for the KV pool (CUDA): memory_ratio of what was free, minus everything else planned."""
@@ -47,6 +51,7 @@ class MemoryPlan:
             self.memory_ratio * self.free_before
             - used_by_loading
             - self.state_bytes
+            - self.token_count_bytes
             - self.scratch_kv_bytes
             - (self.workspace or 0)
             - self.reserve
@@ -71,7 +76,9 @@ class MemoryPlan:
             *offload,
             (f"KV cache ({self.kv_tokens} tokens)", g(self.kv_bytes)),
             ("KV scratch (dry run, logits)", g(self.scratch_kv_bytes)),
-            ("recurrent state, output token counts", g(self.state_bytes)),
+            *([(f"recurrent state ({self.live_state_slots} live + {self.snapshot_slots} snapshot slots)",
+                 g(self.state_bytes))] if self.state_bytes else []),
+            ("output token counts (penalties)", g(self.token_count_bytes)),
             (f"prefill workspace ({self.workspace_tokens}-token chunk)", g(self.workspace)),
             *([("decode CUDA graphs (planned / captured)", f"{g(self.graph_bytes)} / {g(self.graph_pool_bytes)}")]
               if self.graph_bytes is not None or self.graph_pool_bytes is not None else []),

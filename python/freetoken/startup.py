@@ -51,7 +51,8 @@ def allocate_pools(w: "Worker") -> None:
     w.token_counts = OutputTokenCounts(w.max_running_requests + 1, w.vocab_size, w.device)
     w.memory_plan = plan = MemoryPlan(
         device=str(w.device), free_before=w.loaded.free_before, memory_ratio=float(a["memory_ratio"]),
-        weights=w.loaded.weights_bytes, state_bytes=state_bytes + w.token_counts.nbytes,
+        weights=w.loaded.weights_bytes, state_bytes=state_bytes, token_count_bytes=w.token_counts.nbytes,
+        live_state_slots=w.max_running_requests if w.state is not None else 0, snapshot_slots=w.num_snapshot_slots,
         scratch_kv_bytes=w.scratch_tokens * bpt,
         workspace=None, workspace_tokens=min(w.max_prefill_length, w.scratch_tokens),
         reserve=int(a["vram_reserve_mb"] or 0) * 2**20,
@@ -141,7 +142,7 @@ def _kv_tokens(w: "Worker", bytes_per_token: int, plan: MemoryPlan, used_by_load
         # full context), at most _CPU_KV_TOKEN_CAP tokens, and never more than half of memory_ratio x available
         # memory (the pool is zero-filled lazily, but filled as it is used).
         want = w.max_running_requests * w.max_context
-        budget = 0.5 * a["memory_ratio"] * free_memory_bytes(w.device) - plan.scratch_kv_bytes - plan.state_bytes
+        budget = 0.5 * a["memory_ratio"] * free_memory_bytes(w.device) - plan.scratch_kv_bytes - plan.state_bytes - plan.token_count_bytes
         tokens = min(want, _CPU_KV_TOKEN_CAP, int(budget // bytes_per_token))
     tokens = tokens // w.page_size * w.page_size
     if tokens <= 0:
