@@ -663,7 +663,6 @@ impl RadixTree {
         }
         out
     }
-
 }
 
 #[cfg(test)]

@@ -9,9 +9,9 @@ mod py_worker;
 
 use ft_server::backend::EngineDescription;
 use ft_server::cli::Command;
+use py_worker::PyWorker;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use py_worker::PyWorker;
 
 /// Reads the worker's `info()` dict (its engine description) strictly: a key that is missing or of the wrong
 /// type is a start-up error naming it, never a default.

@@ -23,7 +23,9 @@ fn event_tuple(py: Python<'_>, ev: RequestEvent) -> PyResult<PyObject> {
         RequestEvent::Started { id, prompt_tokens, cached_tokens, .. } => {
             ("started", id, prompt_tokens, cached_tokens).into_pyobject(py)?.into_any().unbind()
         }
-        RequestEvent::Token { id, token, logprob } => ("token", id, token, logprob).into_pyobject(py)?.into_any().unbind(),
+        RequestEvent::Token { id, token, logprob } => {
+            ("token", id, token, logprob).into_pyobject(py)?.into_any().unbind()
+        }
         RequestEvent::Finished { id, reason, completion_tokens } => {
             let r = match reason {
                 FinishReason::Stop => "stop",

@@ -93,10 +93,7 @@ pub fn classify_error(py: Python<'_>, err: PyErr) -> WorkerError {
         "WorkerOutOfMemory" | "OutOfMemoryError" => WorkerError::OutOfMemory(message),
         "InvalidPlan" => WorkerError::InvalidPlan(message),
         _ => {
-            let tb = err
-                .traceback(py)
-                .and_then(|tb| tb.format().ok())
-                .unwrap_or_default();
+            let tb = err.traceback(py).and_then(|tb| tb.format().ok()).unwrap_or_default();
             WorkerError::Fatal(format!("{type_name}: {message}\n{tb}"))
         }
     }

@@ -433,10 +433,16 @@ impl ServeArgs {
             return Err(format!("--step-timeout must be a positive number of seconds, got {}", self.step_timeout));
         }
         if !(self.request_timeout.is_finite() && self.request_timeout >= 0.0) {
-            return Err(format!("--request-timeout must be 0 (none) or a positive number of seconds, got {}", self.request_timeout));
+            return Err(format!(
+                "--request-timeout must be 0 (none) or a positive number of seconds, got {}",
+                self.request_timeout
+            ));
         }
         if !(self.shutdown_grace.is_finite() && self.shutdown_grace >= 0.0) {
-            return Err(format!("--shutdown-grace must be a non-negative number of seconds, got {}", self.shutdown_grace));
+            return Err(format!(
+                "--shutdown-grace must be a non-negative number of seconds, got {}",
+                self.shutdown_grace
+            ));
         }
         if self.max_request_body_bytes == 0 {
             return Err("--max-request-body-bytes must be at least 1".into());
@@ -514,7 +520,9 @@ pub fn unsupported_feature(args: &ServeArgs) -> Option<String> {
         _ => {}
     }
     if args.moe_prefill_hit_d2d {
-        return Some("--moe-prefill-hit-d2d is not supported yet: device-to-device prefill expert copies are not built".into());
+        return Some(
+            "--moe-prefill-hit-d2d is not supported yet: device-to-device prefill expert copies are not built".into(),
+        );
     }
     // The CPU expert executor's knobs: without it they would do nothing.
     if args.moe_cpu_threads != 0 {
@@ -650,7 +658,19 @@ mod tests {
 
     #[test]
     fn aliases() {
-        let a = serve(&["--model", "/m/Qwen3-0.6B/", "--max-extend-length", "4096", "--attn", "triton", "--tp-size", "1", "--graph", "8"]).unwrap();
+        let a = serve(&[
+            "--model",
+            "/m/Qwen3-0.6B/",
+            "--max-extend-length",
+            "4096",
+            "--attn",
+            "triton",
+            "--tp-size",
+            "1",
+            "--graph",
+            "8",
+        ])
+        .unwrap();
         assert_eq!(a.model_path.as_deref(), Some("/m/Qwen3-0.6B/"));
         assert_eq!(a.max_prefill_length, 4096);
         assert_eq!(a.attention_backend, AttentionBackend::Triton);
@@ -701,7 +721,12 @@ mod tests {
             assert_eq!(err.1, 2, "{bad:?}: {}", err.0);
             assert!(err.0.starts_with("error:"), "{bad:?}: {}", err.0);
         }
-        for bad in [&["--memory-ratio", "1.5"][..], &["--dtype", "int8"], &["--num-pages", "1", "--num-tokens", "1"], &["--bogus"]] {
+        for bad in [
+            &["--memory-ratio", "1.5"][..],
+            &["--dtype", "int8"],
+            &["--num-pages", "1", "--num-tokens", "1"],
+            &["--bogus"],
+        ] {
             let (msg, _) = serve(bad).unwrap_err();
             assert_eq!(msg.lines().count(), 1, "{msg}");
         }
@@ -736,8 +761,24 @@ mod tests {
         }
         // Accepted values of the same flags (their defaults, spelled out).
         serve(&[
-            "--attn", "triton", "--nvfp4-backend", "auto", "--moe-backend", "fused", "--tp-size", "1", "--moe-cpu-threads", "0",
-            "--moe-hybrid-max-fetch", "-1", "--expert-load", "auto", "--model-source", "huggingface", "--moe-cache-policy", "lru",
+            "--attn",
+            "triton",
+            "--nvfp4-backend",
+            "auto",
+            "--moe-backend",
+            "fused",
+            "--tp-size",
+            "1",
+            "--moe-cpu-threads",
+            "0",
+            "--moe-hybrid-max-fetch",
+            "-1",
+            "--expert-load",
+            "auto",
+            "--model-source",
+            "huggingface",
+            "--moe-cache-policy",
+            "lru",
         ])
         .unwrap();
     }
@@ -790,7 +831,10 @@ mod tests {
     fn output_parser_names_are_checked() {
         let (msg, code) = serve(&["--tool-call-parser", "nonsense_xyz"]).unwrap_err();
         assert_eq!(code, 2);
-        assert_eq!(msg, "error: unknown --tool-call-parser \"nonsense_xyz\" (valid: qwen3_coder, qwen, qwen25, hermes, auto, off)");
+        assert_eq!(
+            msg,
+            "error: unknown --tool-call-parser \"nonsense_xyz\" (valid: qwen3_coder, qwen, qwen25, hermes, auto, off)"
+        );
         let (msg, code) = serve(&["--reasoning-parser", "glm"]).unwrap_err();
         assert_eq!(code, 2);
         assert_eq!(msg, "error: unknown --reasoning-parser \"glm\" (valid: qwen3, deepseek_r1, auto, off)");

@@ -50,7 +50,10 @@ pub fn unused_flag_notes(args: &ServeArgs, info: &EngineDescription) -> Vec<Stri
     }
     if let Some(bs) = args.cuda_graph_max_bs.filter(|bs| *bs > 0) {
         if info.cuda_graph_sizes.is_empty() && !args.disable_cuda_graph {
-            notes.push(format!("--cuda-graph-max-bs {bs}: no decode CUDA graphs on {} (every step runs eagerly)", info.device));
+            notes.push(format!(
+                "--cuda-graph-max-bs {bs}: no decode CUDA graphs on {} (every step runs eagerly)",
+                info.device
+            ));
         }
     }
     if info.num_state_slots == 0 {
@@ -58,7 +61,9 @@ pub fn unused_flag_notes(args: &ServeArgs, info: &EngineDescription) -> Vec<Stri
             notes.push(format!("--num-snapshot-slots {n}: no effect, the model has no recurrent state"));
         }
         if args.enable_special_token_ckpt {
-            notes.push("--enable-special-token-ckpt: no effect, the model has no recurrent state to snapshot".to_string());
+            notes.push(
+                "--enable-special-token-ckpt: no effect, the model has no recurrent state to snapshot".to_string(),
+            );
         }
     } else if args.enable_special_token_ckpt && info.tool_call_token_id.is_none() {
         notes.push("--enable-special-token-ckpt: no effect, the tokenizer has no tool-call opener token".to_string());
@@ -136,11 +141,20 @@ mod tests {
         let dense_cpu = EngineDescription { device: "cpu".into(), ..Default::default() };
         assert!(unused_flag_notes(&args(&[]), &dense_cpu).is_empty());
         let notes = unused_flag_notes(
-            &args(&["--disable-pynccl", "--cuda-graph-max-bs", "8", "--num-snapshot-slots", "4", "--enable-special-token-ckpt"]),
+            &args(&[
+                "--disable-pynccl",
+                "--cuda-graph-max-bs",
+                "8",
+                "--num-snapshot-slots",
+                "4",
+                "--enable-special-token-ckpt",
+            ]),
             &dense_cpu,
         );
         let text = notes.join("\n");
-        for flag in ["--disable-pynccl", "--cuda-graph-max-bs 8", "--num-snapshot-slots 4", "--enable-special-token-ckpt"] {
+        for flag in
+            ["--disable-pynccl", "--cuda-graph-max-bs 8", "--num-snapshot-slots 4", "--enable-special-token-ckpt"]
+        {
             assert!(text.contains(flag), "{text}");
         }
         // On CUDA with graphs captured, a hybrid model with a tool-call token: nothing to note.
@@ -151,6 +165,7 @@ mod tests {
             tool_call_token_id: Some(151657),
             ..Default::default()
         };
-        assert!(unused_flag_notes(&args(&["--cuda-graph-max-bs", "8", "--enable-special-token-ckpt"]), &hybrid_cuda).is_empty());
+        assert!(unused_flag_notes(&args(&["--cuda-graph-max-bs", "8", "--enable-special-token-ckpt"]), &hybrid_cuda)
+            .is_empty());
     }
 }

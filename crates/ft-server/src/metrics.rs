@@ -99,22 +99,28 @@ pub struct EngineGauges {
 
 // Bucket bounds, in seconds or tokens. vLLM's where they fit; finer at the low end for latencies a
 // resident decode step reaches (a few milliseconds per token).
-const TTFT_BUCKETS: &[f64] =
-    &[0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0];
-const ITL_BUCKETS: &[f64] = &[
-    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
-    40.0, 80.0,
+const TTFT_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+    160.0, 640.0, 2560.0,
 ];
-const REQUEST_TIME_BUCKETS: &[f64] =
-    &[0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0];
-const STEP_BUCKETS: &[f64] =
-    &[0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+const ITL_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+    5.0, 10.0, 20.0, 40.0, 80.0,
+];
+const REQUEST_TIME_BUCKETS: &[f64] = &[
+    0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+    1920.0, 7680.0,
+];
+const STEP_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
 const TOKEN_BUCKETS: &[f64] = &[
-    1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0, 20000.0, 50000.0, 100000.0, 200000.0, 500000.0,
-    1000000.0,
+    1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0, 20000.0, 50000.0, 100000.0,
+    200000.0, 500000.0, 1000000.0,
 ];
 
-const STEP_KINDS: [(StepKind, &str); 3] = [(StepKind::Prefill, "prefill"), (StepKind::Decode, "decode"), (StepKind::Mixed, "mixed")];
+const STEP_KINDS: [(StepKind, &str); 3] =
+    [(StepKind::Prefill, "prefill"), (StepKind::Decode, "decode"), (StepKind::Mixed, "mixed")];
 
 struct Histogram {
     bounds: &'static [f64],
@@ -267,28 +273,78 @@ impl Metrics {
         let mut w = Writer { out: String::with_capacity(16 * 1024), model: escape_label(&self.model_name) };
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
 
-        w.family("freetoken_requests_total", "counter", "Requests ended, by outcome (stop, length, abort, timeout, error, rejected).");
+        w.family(
+            "freetoken_requests_total",
+            "counter",
+            "Requests ended, by outcome (stop, length, abort, timeout, error, rejected).",
+        );
         for (o, n) in RequestOutcome::ALL.iter().zip(&self.requests) {
             w.sample("freetoken_requests_total", &[("outcome", o.label())], load(n));
         }
         w.counter("freetoken_prompt_tokens_total", "Prompt tokens of the requests started.", load(&self.prompt_tokens));
         w.counter("freetoken_generation_tokens_total", "Tokens generated.", load(&self.generation_tokens));
-        w.counter("freetoken_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache.", load(&self.prefix_cache_queries));
-        w.counter("freetoken_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", load(&self.prefix_cache_hits));
+        w.counter(
+            "freetoken_prefix_cache_queries_total",
+            "Prompt tokens looked up in the prefix cache.",
+            load(&self.prefix_cache_queries),
+        );
+        w.counter(
+            "freetoken_prefix_cache_hits_total",
+            "Prompt tokens found in the prefix cache.",
+            load(&self.prefix_cache_hits),
+        );
         w.counter(
             "freetoken_expert_cache_hits_total",
             "Routed-expert lookups served from the GPU expert cache.",
             load(&self.expert_cache_hits),
         );
-        w.counter("freetoken_expert_cache_misses_total", "Routed-expert lookups read from host memory.", load(&self.expert_cache_misses));
+        w.counter(
+            "freetoken_expert_cache_misses_total",
+            "Routed-expert lookups read from host memory.",
+            load(&self.expert_cache_misses),
+        );
 
-        w.histogram("freetoken_time_to_first_token_seconds", "Time from a request's arrival to its first token.", &[], &self.ttft);
-        w.histogram("freetoken_inter_token_latency_seconds", "Time between consecutive tokens of a request.", &[], &self.itl);
-        w.histogram("freetoken_e2e_request_latency_seconds", "Time from a request's arrival to its end.", &[], &self.e2e);
-        w.histogram("freetoken_request_queue_time_seconds", "Time from a request's arrival to its admission.", &[], &self.queue_time);
-        w.histogram("freetoken_request_prompt_tokens", "Prompt tokens per finished request.", &[], &self.request_prompt_tokens);
-        w.histogram("freetoken_request_generation_tokens", "Generated tokens per finished request.", &[], &self.request_generation_tokens);
-        w.family("freetoken_step_time_seconds", "histogram", "Wall time of one engine step, by kind (prefill, decode, mixed).");
+        w.histogram(
+            "freetoken_time_to_first_token_seconds",
+            "Time from a request's arrival to its first token.",
+            &[],
+            &self.ttft,
+        );
+        w.histogram(
+            "freetoken_inter_token_latency_seconds",
+            "Time between consecutive tokens of a request.",
+            &[],
+            &self.itl,
+        );
+        w.histogram(
+            "freetoken_e2e_request_latency_seconds",
+            "Time from a request's arrival to its end.",
+            &[],
+            &self.e2e,
+        );
+        w.histogram(
+            "freetoken_request_queue_time_seconds",
+            "Time from a request's arrival to its admission.",
+            &[],
+            &self.queue_time,
+        );
+        w.histogram(
+            "freetoken_request_prompt_tokens",
+            "Prompt tokens per finished request.",
+            &[],
+            &self.request_prompt_tokens,
+        );
+        w.histogram(
+            "freetoken_request_generation_tokens",
+            "Generated tokens per finished request.",
+            &[],
+            &self.request_generation_tokens,
+        );
+        w.family(
+            "freetoken_step_time_seconds",
+            "histogram",
+            "Wall time of one engine step, by kind (prefill, decode, mixed).",
+        );
         for ((_, kind), h) in STEP_KINDS.iter().zip(&self.steps) {
             w.histogram_samples("freetoken_step_time_seconds", &[("kind", kind)], h);
         }
@@ -296,7 +352,8 @@ impl Metrics {
         let g = self.gauges.lock().unwrap_or_else(|e| e.into_inner()).clone();
         w.gauge("freetoken_num_requests_running", "Requests in the running batch.", g.running_requests as f64);
         w.gauge("freetoken_num_requests_waiting", "Requests queued for admission.", g.queued_requests as f64);
-        let kv_usage = if g.kv_capacity_tokens > 0 { g.kv_used_tokens as f64 / g.kv_capacity_tokens as f64 } else { 0.0 };
+        let kv_usage =
+            if g.kv_capacity_tokens > 0 { g.kv_used_tokens as f64 / g.kv_capacity_tokens as f64 } else { 0.0 };
         w.gauge("freetoken_kv_cache_usage_perc", "Fraction of the KV cache in use (0 to 1).", kv_usage);
         w.gauge("freetoken_kv_cache_used_tokens", "KV cache tokens in use.", g.kv_used_tokens as f64);
         w.gauge("freetoken_kv_cache_capacity_tokens", "KV cache capacity in tokens.", g.kv_capacity_tokens as f64);
@@ -521,7 +578,8 @@ mod tests {
             };
             let (fname, kind) = family.clone().expect("sample before any TYPE");
             let belongs = match kind.as_str() {
-                "histogram" => [format!("{fname}_bucket"), format!("{fname}_sum"), format!("{fname}_count")].contains(&name.to_string()),
+                "histogram" => [format!("{fname}_bucket"), format!("{fname}_sum"), format!("{fname}_count")]
+                    .contains(&name.to_string()),
                 _ => name == fname,
             };
             assert!(belongs, "{name} is not in family {fname}");
@@ -640,7 +698,11 @@ mod tests {
         let sum = value(&samples, "freetoken_time_to_first_token_seconds_sum", &[]);
         assert!((sum - (0.0005 + 0.001 + 0.003 + 0.2 + 7.0 + 1e6)).abs() < 1e-6);
         // Bounds print as Python's client prints them.
-        assert!(m.render().contains("le=\"1.0\"") && m.render().contains("le=\"0.001\"") && m.render().contains("le=\"+Inf\""));
+        assert!(
+            m.render().contains("le=\"1.0\"")
+                && m.render().contains("le=\"0.001\"")
+                && m.render().contains("le=\"+Inf\"")
+        );
     }
 
     #[test]

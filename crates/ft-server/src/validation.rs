@@ -57,7 +57,10 @@ pub fn sampling(f: &SamplingFields, defaults: &SamplingParams) -> Result<Validat
     }
     if let Some(k) = f.top_k {
         if k < -1 || k > i32::MAX as i64 {
-            return Err(ApiError::invalid_param("top_k", format!("top_k must be -1, 0 (disabled) or positive, got {k}")));
+            return Err(ApiError::invalid_param(
+                "top_k",
+                format!("top_k must be -1, 0 (disabled) or positive, got {k}"),
+            ));
         }
         s.top_k = k.max(0) as i32;
     }
@@ -77,8 +80,10 @@ pub fn sampling(f: &SamplingFields, defaults: &SamplingParams) -> Result<Validat
         s.frequency_penalty = in_range("frequency_penalty", p, -2.0, 2.0, "between -2 and 2")? as f32;
     }
     if let Some(r) = f.repetition_penalty.filter(|&r| r != 1.0) {
-        return Err(ApiError::invalid_param("repetition_penalty", format!(
-            "repetition_penalty {r} is not supported (only 1); use presence_penalty / frequency_penalty")));
+        return Err(ApiError::invalid_param(
+            "repetition_penalty",
+            format!("repetition_penalty {r} is not supported (only 1); use presence_penalty / frequency_penalty"),
+        ));
     }
     Ok(ValidatedSampling {
         sampling: s,
@@ -92,7 +97,10 @@ pub fn sampling(f: &SamplingFields, defaults: &SamplingParams) -> Result<Validat
 /// `n` other than 1 and a non-empty `logit_bias` are refused: one choice per request, no logit bias.
 fn unsupported_choices(f: &SamplingFields) -> Result<(), ApiError> {
     if let Some(n) = f.n.filter(|&n| n != 1) {
-        return Err(ApiError::invalid_param("n", format!("n must be 1 (only one choice per request is supported), got {n}")));
+        return Err(ApiError::invalid_param(
+            "n",
+            format!("n must be 1 (only one choice per request is supported), got {n}"),
+        ));
     }
     if let Some(lb) = &f.logit_bias {
         if !(lb.is_null() || lb.as_object().is_some_and(|m| m.is_empty())) {
@@ -128,7 +136,9 @@ fn stop_strings(stop: Option<&Json>) -> Result<Vec<String>, ApiError> {
     let stop = match stop {
         None | Some(Json::Null) => vec![],
         Some(Json::String(s)) => vec![s.clone()],
-        Some(Json::Array(items)) => items.iter().map(|i| i.as_str().map(String::from).ok_or_else(bad)).collect::<Result<_, _>>()?,
+        Some(Json::Array(items)) => {
+            items.iter().map(|i| i.as_str().map(String::from).ok_or_else(bad)).collect::<Result<_, _>>()?
+        }
         Some(_) => return Err(bad()),
     };
     if stop.iter().any(String::is_empty) {
@@ -172,7 +182,12 @@ pub(crate) fn model(state: &AppState, name: Option<&str>) -> Result<(), ApiError
 /// tool need tools (the named one among them) and a parser (they are started for the model, see
 /// `http::output`); `none` keeps the tools from the template and the output. `tools` are checked already
 /// (`protocol::check_tool`).
-pub(crate) fn tools(state: &AppState, tools: Option<Vec<Json>>, choice: ToolChoice, parallel: bool) -> Result<ToolRequest, ApiError> {
+pub(crate) fn tools(
+    state: &AppState,
+    tools: Option<Vec<Json>>,
+    choice: ToolChoice,
+    parallel: bool,
+) -> Result<ToolRequest, ApiError> {
     let tools = tools.unwrap_or_default();
     let forced = match &choice {
         ToolChoice::Required => Some("\"required\"".to_string()),
@@ -256,13 +271,18 @@ mod tests {
         let v = sampling(&fields(json!({})), &d).unwrap();
         assert_eq!(v.sampling.temperature, 0.7);
         assert_eq!(v.max_tokens, None);
-        let v = sampling(&fields(json!({"temperature": 0, "top_p": 0.5, "top_k": -1, "seed": 7, "max_tokens": 3, "stop": "x"})), &d).unwrap();
+        let v = sampling(
+            &fields(json!({"temperature": 0, "top_p": 0.5, "top_k": -1, "seed": 7, "max_tokens": 3, "stop": "x"})),
+            &d,
+        )
+        .unwrap();
         assert_eq!(v.sampling, SamplingParams { temperature: 0.0, top_p: 0.5, seed: Some(7), ..Default::default() });
         assert_eq!(v.max_tokens, Some(3));
         assert_eq!(v.stop, vec!["x".to_string()]);
         let v = sampling(&fields(json!({"top_p": 1e-300})), &d).unwrap();
         assert!(v.sampling.top_p > 0.0);
-        let v = sampling(&fields(json!({"max_tokens": 3, "max_completion_tokens": 5, "stop": ["a", "b"]})), &d).unwrap();
+        let v =
+            sampling(&fields(json!({"max_tokens": 3, "max_completion_tokens": 5, "stop": ["a", "b"]})), &d).unwrap();
         assert_eq!(v.max_tokens, Some(5));
         assert_eq!(v.stop.len(), 2);
         for (bad, param) in [

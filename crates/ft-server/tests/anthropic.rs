@@ -68,9 +68,14 @@ async fn whole_message_with_usage_and_end_turn() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stop_reasons_max_tokens_and_stop_sequence() {
     let s = server().await;
-    s.backend.set_script(|_| Ok(Script { tokens: vec![], end: End::Trickle(b'a' as u32), delay: Duration::ZERO, cached_tokens: 0 }));
+    s.backend.set_script(|_| {
+        Ok(Script { tokens: vec![], end: End::Trickle(b'a' as u32), delay: Duration::ZERO, cached_tokens: 0 })
+    });
     let (_, b) = s.post("/v1/messages", body("x")).await;
-    assert_eq!((b["stop_reason"].as_str(), b["content"][0]["text"].as_str()), (Some("max_tokens"), Some("aaaaaaaaaaaaaaaa")));
+    assert_eq!(
+        (b["stop_reason"].as_str(), b["content"][0]["text"].as_str()),
+        (Some("max_tokens"), Some("aaaaaaaaaaaaaaaa"))
+    );
     s.backend.set_script(|_| Ok(Script::reply("one two three four")));
     let mut req = body("x");
     req["stop_sequences"] = json!(["zzz", "three"]);
@@ -91,7 +96,11 @@ async fn stream_events_in_anthropic_order() {
     assert_eq!(&names[..3], ["message_start", "ping", "content_block_start"]);
     assert_eq!(&names[names.len() - 3..], ["content_block_stop", "message_delta", "message_stop"]);
     assert!(names[3..names.len() - 3].iter().all(|n| *n == "content_block_delta"));
-    let text: String = events.iter().filter(|(n, _)| n == "content_block_delta").map(|(_, d)| d["delta"]["text"].as_str().unwrap()).collect();
+    let text: String = events
+        .iter()
+        .filter(|(n, _)| n == "content_block_delta")
+        .map(|(_, d)| d["delta"]["text"].as_str().unwrap())
+        .collect();
     assert_eq!(text, "Hello 😀 world");
     let start = &events[0].1["message"];
     assert_eq!((start["role"].as_str(), start["usage"]["output_tokens"].as_u64()), (Some("assistant"), Some(0)));
@@ -106,7 +115,14 @@ async fn stream_events_in_anthropic_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failure_midstream_is_an_error_event() {
     let s = server().await;
-    s.backend.set_script(|_| Ok(Script { tokens: tokenizer().encode("part", false).unwrap(), end: End::Fail("worker died".into()), delay: Duration::ZERO, cached_tokens: 0 }));
+    s.backend.set_script(|_| {
+        Ok(Script {
+            tokens: tokenizer().encode("part", false).unwrap(),
+            end: End::Fail("worker died".into()),
+            delay: Duration::ZERO,
+            cached_tokens: 0,
+        })
+    });
     let mut req = body("x");
     req["stream"] = json!(true);
     let (_, events) = post_events(&s, req.clone()).await;
@@ -132,8 +148,13 @@ async fn system_tool_results_and_thinking_reach_the_template() {
     let (status, b) = s.post("/v1/messages", req.clone()).await;
     assert_eq!(status, 200, "{b}");
     let prompt = tokenizer().decode(&s.backend.submitted()[0].prompt, false).unwrap();
-    for part in ["<|im_start|>system\nBe brief.<|im_end|>", "<|im_start|>user\nweather?<|im_end|>",
-                 "<|im_start|>tool\nsunny<|im_end|>", "<|im_start|>user\nthanks<|im_end|>", "<|im_start|>assistant\n"] {
+    for part in [
+        "<|im_start|>system\nBe brief.<|im_end|>",
+        "<|im_start|>user\nweather?<|im_end|>",
+        "<|im_start|>tool\nsunny<|im_end|>",
+        "<|im_start|>user\nthanks<|im_end|>",
+        "<|im_start|>assistant\n",
+    ] {
         assert!(prompt.contains(part), "{part:?} missing from {prompt:?}");
     }
     assert!(prompt.find("tool\nsunny").unwrap() < prompt.find("user\nthanks").unwrap());
@@ -146,10 +167,10 @@ async fn system_tool_results_and_thinking_reach_the_template() {
 async fn bad_requests_get_anthropic_shaped_4xx() {
     let s = server().await;
     let cases = [
-        json!({"messages": [{"role": "user", "content": "x"}]}),                                   // no max_tokens
+        json!({"messages": [{"role": "user", "content": "x"}]}), // no max_tokens
         json!({"max_tokens": 0, "messages": [{"role": "user", "content": "x"}]}),
         json!({"max_tokens": 4, "messages": []}),
-        json!({"max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}),                 // system is top-level
+        json!({"max_tokens": 4, "messages": [{"role": "system", "content": "x"}]}), // system is top-level
         json!({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}),
         json!({"max_tokens": 4, "messages": [{"role": "user", "content": 5}]}),
         json!({"max_tokens": 4, "system": 5, "messages": [{"role": "user", "content": "x"}]}),

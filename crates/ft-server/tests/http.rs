@@ -2,9 +2,9 @@
 
 mod common;
 
-use ft_server::backend::EngineDescription;
 use common::*;
 use ft_core::request::{AdmissionError, FinishReason};
+use ft_server::backend::EngineDescription;
 use ft_server::backend::{HealthState, SubmitError};
 use futures::StreamExt;
 use serde_json::{json, Value};
@@ -87,7 +87,10 @@ async fn chat_streaming_framing() {
     assert_eq!(usage["choices"], json!([]));
     let u = &usage["usage"];
     assert_eq!(u["completion_tokens"], Script::reply("Hello 😀 world").tokens.len());
-    assert_eq!(u["total_tokens"].as_u64().unwrap(), u["prompt_tokens"].as_u64().unwrap() + u["completion_tokens"].as_u64().unwrap());
+    assert_eq!(
+        u["total_tokens"].as_u64().unwrap(),
+        u["prompt_tokens"].as_u64().unwrap() + u["completion_tokens"].as_u64().unwrap()
+    );
     // Only the usage chunk carries usage.
     assert!(chunks[..chunks.len() - 1].iter().all(|c| c.get("usage").is_none()));
     s.stop().await;
@@ -142,7 +145,8 @@ async fn chat_uses_model_template_and_sampling_fields() {
     // With ignore_eos the EOS token is ordinary output (it decodes to nothing: special tokens are skipped).
     assert_eq!(resp["choices"][0]["message"]["content"], "Hello 😀 world");
     // max_tokens wins over the server default; defaults otherwise (--sampling-defaults model: temperature 1).
-    let (status, _) = s.post("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 3})).await;
+    let (status, _) =
+        s.post("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 3})).await;
     assert_eq!(status, 200);
     let sub = &s.backend.submitted()[1];
     assert_eq!(sub.max_new_tokens, 3);
@@ -164,7 +168,14 @@ async fn sampling_defaults_none_is_greedy() {
 async fn failure_while_the_engine_is_unhealthy_is_503() {
     let s = TestServer::start().await;
     // The engine dies (the watchdog or a fatal error marks it unhealthy first) while a request is in flight.
-    s.backend.set_script(|_| Ok(Script { tokens: vec![b'a' as u32], end: End::Fail("engine stalled: step 3".into()), delay: Duration::from_millis(300), cached_tokens: 0 }));
+    s.backend.set_script(|_| {
+        Ok(Script {
+            tokens: vec![b'a' as u32],
+            end: End::Fail("engine stalled: step 3".into()),
+            delay: Duration::from_millis(300),
+            cached_tokens: 0,
+        })
+    });
     let backend = s.backend.clone();
     tokio::spawn(async move {
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -180,21 +191,38 @@ async fn failure_while_the_engine_is_unhealthy_is_503() {
 async fn finish_length_and_failures() {
     let s = TestServer::start().await;
     // Length: the backend stops at max_tokens.
-    s.backend.set_script(|_| Ok(Script { tokens: vec![], end: End::Trickle(b'a' as u32), delay: Duration::ZERO, cached_tokens: 0 }));
-    let (status, body) = s.post("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 4})).await;
+    s.backend.set_script(|_| {
+        Ok(Script { tokens: vec![], end: End::Trickle(b'a' as u32), delay: Duration::ZERO, cached_tokens: 0 })
+    });
+    let (status, body) =
+        s.post("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 4})).await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["choices"][0]["message"]["content"], "aaaa");
     assert_eq!(body["choices"][0]["finish_reason"], "length");
     assert_eq!(body["usage"]["completion_tokens"], 4);
 
     // Failed: 500 in error shape without streaming...
-    s.backend.set_script(|_| Ok(Script { tokens: tokenizer().encode("partial", false).unwrap(), end: End::Fail("CUDA out of memory in step 7".into()), delay: Duration::ZERO, cached_tokens: 0 }));
+    s.backend.set_script(|_| {
+        Ok(Script {
+            tokens: tokenizer().encode("partial", false).unwrap(),
+            end: End::Fail("CUDA out of memory in step 7".into()),
+            delay: Duration::ZERO,
+            cached_tokens: 0,
+        })
+    });
     let (status, body) = s.post("/v1/chat/completions", chat_body("x")).await;
     assert_eq!(status, 500);
     assert_openai_error(&body);
     assert!(body["error"]["message"].as_str().unwrap().contains("CUDA out of memory"));
     // ...and an error event then [DONE] when streaming.
-    s.backend.set_script(|_| Ok(Script { tokens: tokenizer().encode("partial", false).unwrap(), end: End::Fail("worker died".into()), delay: Duration::ZERO, cached_tokens: 0 }));
+    s.backend.set_script(|_| {
+        Ok(Script {
+            tokens: tokenizer().encode("partial", false).unwrap(),
+            end: End::Fail("worker died".into()),
+            delay: Duration::ZERO,
+            cached_tokens: 0,
+        })
+    });
     let mut body = chat_body("x");
     body["stream"] = json!(true);
     let (status, events) = s.post_sse("/v1/chat/completions", body.clone()).await;
@@ -207,16 +235,19 @@ async fn finish_length_and_failures() {
     let text: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
     assert_eq!(text, "partial");
     // An engine that vanishes mid-request is an error too, never a hang.
-    s.backend.set_script(|_| Ok(Script { tokens: vec![b'x' as u32], end: End::Vanish, delay: Duration::ZERO, cached_tokens: 0 }));
+    s.backend.set_script(|_| {
+        Ok(Script { tokens: vec![b'x' as u32], end: End::Vanish, delay: Duration::ZERO, cached_tokens: 0 })
+    });
     let (status, body) = s.post("/v1/chat/completions", chat_body("x")).await;
     assert_eq!(status, 500);
     assert_openai_error(&body);
-    let (_, events) = s.post_sse("/v1/chat/completions", {
-        let mut b = chat_body("x");
-        b["stream"] = json!(true);
-        b
-    })
-    .await;
+    let (_, events) = s
+        .post_sse("/v1/chat/completions", {
+            let mut b = chat_body("x");
+            b["stream"] = json!(true);
+            b
+        })
+        .await;
     assert_eq!(events.last(), Some(&SseData::Done));
     assert_openai_error(chunks_last(&events));
     s.stop().await;
@@ -229,7 +260,8 @@ fn chunks_last(events: &[SseData]) -> &Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stop_strings_across_token_boundaries() {
     let s = TestServer::start().await;
-    s.backend.set_script(|_| Ok(Script { delay: Duration::from_millis(1), ..Script::reply("Hello world, Hello world") }));
+    s.backend
+        .set_script(|_| Ok(Script { delay: Duration::from_millis(1), ..Script::reply("Hello world, Hello world") }));
     // "lo wo" spans the tokens "Hello", "Ġw", "or".
     let mut body = chat_body("x");
     body["stop"] = json!(["zzz", "lo wo"]);
@@ -252,9 +284,7 @@ async fn stop_strings_across_token_boundaries() {
     s.backend.wait_for("abort on stop string (stream)", |b| b.aborted().contains(&2)).await;
 
     // A stop string that never completes is released at the end; the emoji never comes out split.
-    let (_, resp) = s
-        .post("/v1/completions", json!({"prompt": "x", "stop": "world!"}))
-        .await;
+    let (_, resp) = s.post("/v1/completions", json!({"prompt": "x", "stop": "world!"})).await;
     assert_eq!(resp["choices"][0]["text"], "Hello world, Hello world");
     assert_eq!(resp["choices"][0]["finish_reason"], "stop");
     s.backend.set_script(|_| Ok(Script::reply("a 😀 b")));
@@ -266,7 +296,8 @@ async fn stop_strings_across_token_boundaries() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn completions_text_ids_echo_and_stream() {
     let s = TestServer::start().await;
-    let (status, body) = s.post("/v1/completions", json!({"model": "test-model", "prompt": "Hello world", "max_tokens": 20})).await;
+    let (status, body) =
+        s.post("/v1/completions", json!({"model": "test-model", "prompt": "Hello world", "max_tokens": 20})).await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["object"], "text_completion");
     assert!(body["id"].as_str().unwrap().starts_with("cmpl-"));
@@ -286,7 +317,10 @@ async fn completions_text_ids_echo_and_stream() {
 
     // Streaming, with usage.
     let (status, events) = s
-        .post_sse("/v1/completions", json!({"prompt": [72, 105], "stream": true, "stream_options": {"include_usage": true}}))
+        .post_sse(
+            "/v1/completions",
+            json!({"prompt": [72, 105], "stream": true, "stream_options": {"include_usage": true}}),
+        )
         .await;
     assert_eq!(status, 200);
     assert_eq!(events.last(), Some(&SseData::Done));
@@ -301,7 +335,13 @@ async fn completions_text_ids_echo_and_stream() {
     assert!(chunks.iter().all(|c| c["object"] == "text_completion"));
 
     // Bad prompts.
-    for bad in [json!({"prompt": ["a", "b"]}), json!({"prompt": []}), json!({"prompt": [999999]}), json!({"prompt": {"x": 1}}), json!({})] {
+    for bad in [
+        json!({"prompt": ["a", "b"]}),
+        json!({"prompt": []}),
+        json!({"prompt": [999999]}),
+        json!({"prompt": {"x": 1}}),
+        json!({}),
+    ] {
         let (status, body) = s.post("/v1/completions", bad.clone()).await;
         assert_eq!(status, 400, "{bad} -> {body}");
         assert_openai_error(&body);
@@ -353,14 +393,23 @@ async fn models_health_stats_and_404() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_and_invalid_requests_get_openai_400() {
     let s = TestServer::start().await;
-    for raw in ["{not json", "", "[1,2]", "{\"messages\": \"hi\"}", "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"temperature\": \"hot\"}", "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"stream\": 3}"] {
+    for raw in [
+        "{not json",
+        "",
+        "[1,2]",
+        "{\"messages\": \"hi\"}",
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"temperature\": \"hot\"}",
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"stream\": 3}",
+    ] {
         let (status, body) = s.post_raw("/v1/chat/completions", raw.to_string()).await;
         assert_eq!(status, 400, "{raw} -> {body}");
         assert_openai_error(&body);
         assert_eq!(body["error"]["type"], "invalid_request_error");
     }
     // Invalid UTF-8 in the body.
-    let (status, body) = s.post_raw("/v1/chat/completions", b"{\"messages\": [{\"role\": \"user\", \"content\": \"\xff\xfe\"}]}".to_vec()).await;
+    let (status, body) = s
+        .post_raw("/v1/chat/completions", b"{\"messages\": [{\"role\": \"user\", \"content\": \"\xff\xfe\"}]}".to_vec())
+        .await;
     assert_eq!(status, 400);
     assert_openai_error(&body);
     // No content-type header: still JSON.
@@ -410,7 +459,9 @@ async fn context_length_and_submit_errors() {
     assert!(s.backend.submitted().is_empty());
 
     // The engine's own admission errors map the same way.
-    s.backend.set_script(|_| Err(SubmitError::Admission(AdmissionError::ContextLengthExceeded { prompt_tokens: 10, max_context: 8 })));
+    s.backend.set_script(|_| {
+        Err(SubmitError::Admission(AdmissionError::ContextLengthExceeded { prompt_tokens: 10, max_context: 8 }))
+    });
     let (status, body) = s.post("/v1/chat/completions", chat_body("x")).await;
     assert_eq!(status, 400);
     assert_eq!(body["error"]["code"], "context_length_exceeded");
@@ -463,9 +514,13 @@ async fn sixteen_concurrent_streams() {
         let events = t.await.unwrap();
         assert_eq!(events.last(), Some(&SseData::Done));
         let chunks = chunks(&events);
-        let text: String = chunks.iter().filter_map(|c| c["choices"].get(0).and_then(|x| x["delta"]["content"].as_str())).collect();
+        let text: String =
+            chunks.iter().filter_map(|c| c["choices"].get(0).and_then(|x| x["delta"]["content"].as_str())).collect();
         assert_eq!(text, "Hello 😀 world");
-        assert_eq!(chunks.iter().filter(|c| c["choices"].get(0).is_some_and(|x| !x["finish_reason"].is_null())).count(), 1);
+        assert_eq!(
+            chunks.iter().filter(|c| c["choices"].get(0).is_some_and(|x| !x["finish_reason"].is_null())).count(),
+            1
+        );
     }
     assert_eq!(s.backend.submitted().len(), 16);
     assert!(s.backend.guard_fired().is_empty(), "finished requests are not aborted");
@@ -475,7 +530,9 @@ async fn sixteen_concurrent_streams() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disconnect_mid_stream_aborts() {
     let s = TestServer::start().await;
-    s.backend.set_script(|_| Ok(Script { tokens: vec![], end: End::Trickle(b'a' as u32), delay: Duration::from_millis(5), cached_tokens: 0 }));
+    s.backend.set_script(|_| {
+        Ok(Script { tokens: vec![], end: End::Trickle(b'a' as u32), delay: Duration::from_millis(5), cached_tokens: 0 })
+    });
     let mut body = chat_body("x");
     body["stream"] = json!(true);
     let resp = s.client.post(s.url("/v1/chat/completions")).json(&body).send().await.unwrap();
@@ -496,10 +553,13 @@ async fn disconnect_while_waiting_non_streaming_aborts() {
     let mut info = engine_description();
     info.max_context = 100000;
     let s = TestServer::start_with(&[], info).await;
-    s.backend.set_script(|_| Ok(Script { tokens: vec![], end: End::Trickle(b'a' as u32), delay: Duration::from_millis(5), cached_tokens: 0 }));
+    s.backend.set_script(|_| {
+        Ok(Script { tokens: vec![], end: End::Trickle(b'a' as u32), delay: Duration::from_millis(5), cached_tokens: 0 })
+    });
     let client = s.client.clone();
     let url = s.url("/v1/completions");
-    let req = tokio::spawn(async move { client.post(url).json(&json!({"prompt": "x", "max_tokens": 1000000})).send().await });
+    let req =
+        tokio::spawn(async move { client.post(url).json(&json!({"prompt": "x", "max_tokens": 1000000})).send().await });
     s.backend.wait_for("the request to start", |b| b.submitted().len() == 1).await;
     tokio::time::sleep(Duration::from_millis(50)).await;
     req.abort();
@@ -517,7 +577,14 @@ async fn api_key_guards_everything_but_health() {
     assert_eq!(status, 200);
     let resp = s.client.get(s.url("/v1/models")).bearer_auth("sekret").send().await.unwrap();
     assert_eq!(resp.status().as_u16(), 200);
-    let resp = s.client.post(s.url("/v1/chat/completions")).header("x-api-key", "sekret").json(&chat_body("x")).send().await.unwrap();
+    let resp = s
+        .client
+        .post(s.url("/v1/chat/completions"))
+        .header("x-api-key", "sekret")
+        .json(&chat_body("x"))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(resp.status().as_u16(), 200);
     s.stop().await;
 }

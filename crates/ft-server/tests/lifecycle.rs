@@ -6,8 +6,17 @@ use common::*;
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
-fn trickle(delay_ms: u64) -> impl Fn(&ft_server::backend::GenerateRequest) -> Result<Script, ft_server::backend::SubmitError> {
-    move |_| Ok(Script { tokens: vec![], end: End::Trickle(b'a' as u32), delay: Duration::from_millis(delay_ms), cached_tokens: 0 })
+fn trickle(
+    delay_ms: u64,
+) -> impl Fn(&ft_server::backend::GenerateRequest) -> Result<Script, ft_server::backend::SubmitError> {
+    move |_| {
+        Ok(Script {
+            tokens: vec![],
+            end: End::Trickle(b'a' as u32),
+            delay: Duration::from_millis(delay_ms),
+            cached_tokens: 0,
+        })
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -18,7 +27,9 @@ async fn request_timeout_aborts_with_408_or_an_sse_error() {
     s.backend.set_script(trickle(5));
 
     let t = Instant::now();
-    let (status, body) = s.post("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000})).await;
+    let (status, body) = s
+        .post("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}))
+        .await;
     let took = t.elapsed();
     assert_eq!(status, 408, "{body}");
     assert_eq!(body["error"]["code"], "request_timeout");
@@ -52,7 +63,14 @@ async fn request_timeout_aborts_with_408_or_an_sse_error() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_request_timeout_by_default() {
     let s = TestServer::start().await;
-    s.backend.set_script(|_| Ok(Script { tokens: vec![], end: End::Trickle(b'a' as u32), delay: Duration::from_millis(100), cached_tokens: 0 }));
+    s.backend.set_script(|_| {
+        Ok(Script {
+            tokens: vec![],
+            end: End::Trickle(b'a' as u32),
+            delay: Duration::from_millis(100),
+            cached_tokens: 0,
+        })
+    });
     let (status, body) = s.post("/v1/completions", json!({"prompt": "x", "max_tokens": 12})).await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["choices"][0]["finish_reason"], "length");

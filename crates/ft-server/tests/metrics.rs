@@ -79,12 +79,17 @@ async fn counters_move_with_every_outcome() {
         sc.cached_tokens = 3;
         Ok(sc)
     });
-    let (status, _) = s.post_sse("/v1/completions", json!({"prompt": "x y z w", "max_tokens": 2, "stream": true})).await;
+    let (status, _) =
+        s.post_sse("/v1/completions", json!({"prompt": "x y z w", "max_tokens": 2, "stream": true})).await;
     assert_eq!(status, 200);
     let text = wait_outcome(&s, "length", 1.0).await;
     assert_eq!(value(&text, "freetoken_prefix_cache_hits_total", &[]), 3.0);
-    let (status, body) =
-        s.post("/v1/messages", json!({"model": "test-model", "max_tokens": 64, "messages": [{"role": "user", "content": "Hi"}]})).await;
+    let (status, body) = s
+        .post(
+            "/v1/messages",
+            json!({"model": "test-model", "max_tokens": 64, "messages": [{"role": "user", "content": "Hi"}]}),
+        )
+        .await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(outcome(&scrape(&s).await, "stop"), 2.0);
 
@@ -97,7 +102,15 @@ async fn counters_move_with_every_outcome() {
     assert_eq!(s.post("/v1/chat/completions", chat_body("x")).await.0, 429);
     s.backend.set_script(|_| Ok(Script::reply("ok")));
     s.backend.set_health(HealthState::Unhealthy("step 3 overran --step-timeout".into()));
-    assert_eq!(s.post("/v1/messages", json!({"model": "test-model", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}]})).await.0, 503);
+    assert_eq!(
+        s.post(
+            "/v1/messages",
+            json!({"model": "test-model", "max_tokens": 8, "messages": [{"role": "user", "content": "x"}]})
+        )
+        .await
+        .0,
+        503
+    );
     let text = scrape(&s).await;
     assert_eq!(outcome(&text, "rejected"), 4.0);
     assert_eq!(value(&text, "freetoken_engine_health", &[("state", "unhealthy")]), 1.0);
@@ -105,15 +118,24 @@ async fn counters_move_with_every_outcome() {
     s.backend.set_health(HealthState::Serving);
 
     // Failed in the engine: error.
-    s.backend.set_script(|_| Ok(Script { tokens: vec![b'a' as u32], end: End::Fail("CUDA error".into()), delay: Duration::ZERO, cached_tokens: 0 }));
+    s.backend.set_script(|_| {
+        Ok(Script {
+            tokens: vec![b'a' as u32],
+            end: End::Fail("CUDA error".into()),
+            delay: Duration::ZERO,
+            cached_tokens: 0,
+        })
+    });
     assert_eq!(s.post("/v1/chat/completions", chat_body("x")).await.0, 500);
     assert_eq!(outcome(&scrape(&s).await, "error"), 1.0);
 
     // Not generation requests: not counted.
-    s.post("/v1/messages/count_tokens", json!({"model": "test-model", "messages": [{"role": "user", "content": "x"}]})).await;
+    s.post("/v1/messages/count_tokens", json!({"model": "test-model", "messages": [{"role": "user", "content": "x"}]}))
+        .await;
     s.get("/v1/models").await;
     let text = scrape(&s).await;
-    let total: f64 = ["stop", "length", "abort", "timeout", "error", "rejected"].iter().map(|o| outcome(&text, o)).sum();
+    let total: f64 =
+        ["stop", "length", "abort", "timeout", "error", "rejected"].iter().map(|o| outcome(&text, o)).sum();
     assert_eq!(total, 8.0, "{text}");
     assert_eq!(outcome(&text, "abort"), 0.0);
     s.stop().await;
@@ -122,7 +144,9 @@ async fn counters_move_with_every_outcome() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn timeout_and_disconnect_are_counted() {
     let s = TestServer::start_with(&["--request-timeout", "0.2"], engine_description()).await;
-    s.backend.set_script(|_| Ok(Script { tokens: vec![], end: End::Trickle(b'a' as u32), delay: Duration::from_millis(5), cached_tokens: 0 }));
+    s.backend.set_script(|_| {
+        Ok(Script { tokens: vec![], end: End::Trickle(b'a' as u32), delay: Duration::from_millis(5), cached_tokens: 0 })
+    });
     assert_eq!(s.post("/v1/completions", json!({"prompt": "x", "max_tokens": 100000})).await.0, 408);
     assert_eq!(outcome(&scrape(&s).await, "timeout"), 1.0);
 
@@ -145,7 +169,14 @@ async fn timeout_and_disconnect_are_counted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_finish_reasons_map_to_outcomes() {
     let s = TestServer::start().await;
-    s.backend.set_script(|_| Ok(Script { tokens: vec![b'a' as u32], end: End::Finish(FinishReason::Abort), delay: Duration::ZERO, cached_tokens: 0 }));
+    s.backend.set_script(|_| {
+        Ok(Script {
+            tokens: vec![b'a' as u32],
+            end: End::Finish(FinishReason::Abort),
+            delay: Duration::ZERO,
+            cached_tokens: 0,
+        })
+    });
     assert_eq!(s.post("/v1/completions", json!({"prompt": "x", "max_tokens": 8})).await.0, 200);
     assert_eq!(outcome(&scrape(&s).await, "abort"), 1.0);
     s.stop().await;

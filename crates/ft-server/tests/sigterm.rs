@@ -61,7 +61,9 @@ async fn sigterm_drains_then_cancels_after_the_grace_period() {
     assert_eq!(events.last(), Some(&SseData::Done));
     let SseData::Json(err) = &events[events.len() - 2] else { panic!("{events:?}") };
     assert!(err["error"]["message"].as_str().unwrap().contains("shutting down"), "{err}");
-    s.backend.wait_for("the cancelled request to end in the backend", |b| b.record.finished.lock().unwrap().len() == 2).await;
+    s.backend
+        .wait_for("the cancelled request to end in the backend", |b| b.record.finished.lock().unwrap().len() == 2)
+        .await;
     // The server returns by itself (no `shutdown` future needed).
     s.wait_stopped(Duration::from_secs(10)).await;
 }

@@ -51,7 +51,8 @@ fn python() -> Option<String> {
 fn qwen_template() -> String {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../python/freetoken/loading/qwen_tokenizer.py");
     let src = std::fs::read_to_string(path).expect("qwen_tokenizer.py");
-    let start = src.find("QWEN_CHAT_TEMPLATE = r\"\"\"").expect("QWEN_CHAT_TEMPLATE") + "QWEN_CHAT_TEMPLATE = r\"\"\"".len();
+    let start =
+        src.find("QWEN_CHAT_TEMPLATE = r\"\"\"").expect("QWEN_CHAT_TEMPLATE") + "QWEN_CHAT_TEMPLATE = r\"\"\"".len();
     let end = start + src[start..].find("\"\"\"").unwrap();
     src[start..end].to_string()
 }
@@ -115,7 +116,8 @@ fn minijinja_matches_hf_jinja2() {
         eprintln!("skipped: no Python with jinja2 (set FT_PYTHON)");
         return;
     };
-    let mut templates = vec![("qwen", qwen_template()), ("smollm2", SMOLLM2.to_string()), ("features", FEATURES.to_string())];
+    let mut templates =
+        vec![("qwen", qwen_template()), ("smollm2", SMOLLM2.to_string()), ("features", FEATURES.to_string())];
     templates.push(("chatml", ft_server::text::chat_template::CHATML_TEMPLATE.to_string()));
     let mut cases = vec![];
     for (name, template) in &templates {
@@ -132,12 +134,16 @@ fn minijinja_matches_hf_jinja2() {
         }
     }
     // A template that refuses a role.
-    cases.push(("features-error".into(), json!({
-        "template": FEATURES, "messages": [{"role": "wizard", "content": "x"}], "tools": null,
-        "add_generation_prompt": true, "bos_token": "", "eos_token": "", "kwargs": {},
-    })));
+    cases.push((
+        "features-error".into(),
+        json!({
+            "template": FEATURES, "messages": [{"role": "wizard", "content": "x"}], "tools": null,
+            "add_generation_prompt": true, "bos_token": "", "eos_token": "", "kwargs": {},
+        }),
+    ));
 
-    let mut child = Command::new(&py).args(["-c", HF_RENDER]).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    let mut child =
+        Command::new(&py).args(["-c", HF_RENDER]).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
     let input = json!({"cases": cases.iter().map(|(_, c)| c.clone()).collect::<Vec<_>>()}).to_string();
     child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
     let out = child.wait_with_output().unwrap();
@@ -147,10 +153,16 @@ fn minijinja_matches_hf_jinja2() {
 
     eprintln!("comparing {} renderings with {py}", cases.len());
     for ((name, case), want) in cases.iter().zip(expected) {
-        let t = ChatTemplate::new(case["template"].as_str(), Some(case["bos_token"].as_str().unwrap().into()), Some(case["eos_token"].as_str().unwrap().into())).unwrap();
+        let t = ChatTemplate::new(
+            case["template"].as_str(),
+            Some(case["bos_token"].as_str().unwrap().into()),
+            Some(case["eos_token"].as_str().unwrap().into()),
+        )
+        .unwrap();
         let messages = case["messages"].as_array().unwrap();
         let tools = case["tools"].as_array().map(|v| v.as_slice());
-        let got = t.render(messages, tools, case["add_generation_prompt"].as_bool().unwrap(), case["kwargs"].as_object());
+        let got =
+            t.render(messages, tools, case["add_generation_prompt"].as_bool().unwrap(), case["kwargs"].as_object());
         match (want, got) {
             (Value::String(want), Ok(got)) => assert_eq!(got, want, "template {name}, case {case}"),
             (Value::Object(err), Err(got)) => {

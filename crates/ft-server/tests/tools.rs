@@ -71,7 +71,14 @@ fn says(s: &TestServer, text: &str) {
     assert!(text.contains("<tool_call>") <= tokens.contains(&TOOL_CALL));
     assert!(text.contains("<think>") <= tokens.contains(&THINK));
     tokens.push(IM_END);
-    s.backend.set_script(move |_| Ok(Script { tokens: tokens.clone(), end: End::Finish(FinishReason::Stop), delay: Duration::ZERO, cached_tokens: 0 }));
+    s.backend.set_script(move |_| {
+        Ok(Script {
+            tokens: tokens.clone(),
+            end: End::Finish(FinishReason::Stop),
+            delay: Duration::ZERO,
+            cached_tokens: 0,
+        })
+    });
 }
 
 fn prompt(s: &TestServer) -> String {
@@ -104,10 +111,14 @@ fn data(events: &[SseData]) -> Vec<Value> {
     events.iter().filter_map(|e| if let SseData::Json(v) = e { Some(v.clone()) } else { None }).collect()
 }
 
-/// A streamed chat answer folded back: (reasoning, content, calls as (id, name, arguments), finish reasons).
-fn fold_chat_stream(chunks: &[Value]) -> (String, String, Vec<(String, String, String)>, Vec<String>) {
+/// A tool call as (id, name, arguments).
+type Call = (String, String, String);
+
+/// A streamed chat answer folded back: (reasoning, content, calls, finish reasons).
+fn fold_chat_stream(chunks: &[Value]) -> (String, String, Vec<Call>, Vec<String>) {
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
-    let (mut reasoning, mut content, mut calls, mut reasons) = (String::new(), String::new(), Vec::<(String, String, String)>::new(), vec![]);
+    let (mut reasoning, mut content, mut calls, mut reasons) =
+        (String::new(), String::new(), Vec::<(String, String, String)>::new(), vec![]);
     for c in chunks {
         let Some(choice) = c["choices"].get(0) else { continue };
         let d = &choice["delta"];
@@ -140,7 +151,11 @@ async fn chat_tool_call_with_reasoning_whole_and_streamed() {
     says(&s, &format!("<think>\nThe user wants weather.\n</think>\n\n{}", call("get_weather", args)));
     let (status, b) = s.post("/v1/chat/completions", chat(json!({}))).await;
     assert_eq!(status, 200, "{b}");
-    assert!(prompt(&s).contains("<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_weather\""), "{}", prompt(&s));
+    assert!(
+        prompt(&s).contains("<tools>\n{\"type\": \"function\", \"function\": {\"name\": \"get_weather\""),
+        "{}",
+        prompt(&s)
+    );
     let choice = &b["choices"][0];
     assert_eq!(choice["finish_reason"], "tool_calls");
     let m = &choice["message"];
@@ -155,7 +170,9 @@ async fn chat_tool_call_with_reasoning_whole_and_streamed() {
     let parsed: Value = serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
     assert_eq!(parsed, json!({"city": "Paris", "days": 3}));
 
-    let (status, events) = s.post_sse("/v1/chat/completions", chat(json!({"stream": true, "stream_options": {"include_usage": true}}))).await;
+    let (status, events) = s
+        .post_sse("/v1/chat/completions", chat(json!({"stream": true, "stream_options": {"include_usage": true}})))
+        .await;
     assert_eq!(status, 200);
     let chunks = data(&events);
     let (reasoning, content, calls, reasons) = fold_chat_stream(&chunks);
@@ -166,7 +183,12 @@ async fn chat_tool_call_with_reasoning_whole_and_streamed() {
     assert_eq!(serde_json::from_str::<Value>(&calls[0].2).unwrap(), json!({"city": "Paris", "days": 3}));
     assert_eq!(reasons, ["tool_calls"]);
     // The arguments came as several deltas (streamed as the model wrote them), then the usage chunk.
-    let arg_deltas = chunks.iter().filter(|c| c["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"].as_str().is_some_and(|a| !a.is_empty())).count();
+    let arg_deltas = chunks
+        .iter()
+        .filter(|c| {
+            c["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"].as_str().is_some_and(|a| !a.is_empty())
+        })
+        .count();
     assert!(arg_deltas > 1, "{chunks:?}");
     assert!(chunks.last().unwrap()["usage"]["completion_tokens"].as_u64().unwrap() > 0);
     s.stop().await;
@@ -175,28 +197,38 @@ async fn chat_tool_call_with_reasoning_whole_and_streamed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn text_around_calls_and_parallel_calls() {
     let s = server(&[]).await;
-    let text = format!("Checking both.\n{}\n{}", call("get_weather", r#"{"city": "Paris"}"#), call("get_time", r#"{"tz": "CET"}"#));
+    let text = format!(
+        "Checking both.\n{}\n{}",
+        call("get_weather", r#"{"city": "Paris"}"#),
+        call("get_time", r#"{"tz": "CET"}"#)
+    );
     says(&s, &text);
     let (_, b) = s.post("/v1/chat/completions", chat(json!({}))).await;
     let m = &b["choices"][0]["message"];
     assert_eq!(m["content"], "Checking both.");
     assert!(m.get("reasoning_content").is_none(), "{m}");
     let calls = m["tool_calls"].as_array().unwrap();
-    assert_eq!(calls.iter().map(|c| c["function"]["name"].as_str().unwrap()).collect::<Vec<_>>(), ["get_weather", "get_time"]);
+    assert_eq!(
+        calls.iter().map(|c| c["function"]["name"].as_str().unwrap()).collect::<Vec<_>>(),
+        ["get_weather", "get_time"]
+    );
     assert_ne!(calls[0]["id"], calls[1]["id"]);
     assert_eq!(b["choices"][0]["finish_reason"], "tool_calls");
 
     let (_, events) = s.post_sse("/v1/chat/completions", chat(json!({"stream": true}))).await;
     let (_, content, calls, reasons) = fold_chat_stream(&data(&events));
     assert_eq!(content, "Checking both.");
-    assert_eq!(calls.iter().map(|c| (c.1.as_str(), c.2.as_str())).collect::<Vec<_>>(),
-               [("get_weather", r#"{"city": "Paris"}"#), ("get_time", r#"{"tz": "CET"}"#)]);
+    assert_eq!(
+        calls.iter().map(|c| (c.1.as_str(), c.2.as_str())).collect::<Vec<_>>(),
+        [("get_weather", r#"{"city": "Paris"}"#), ("get_time", r#"{"tz": "CET"}"#)]
+    );
     assert_eq!(reasons, ["tool_calls"]);
 
     // parallel_tool_calls: false keeps the first call only.
     let (_, b) = s.post("/v1/chat/completions", chat(json!({"parallel_tool_calls": false}))).await;
     assert_eq!(b["choices"][0]["message"]["tool_calls"].as_array().unwrap().len(), 1);
-    let (_, events) = s.post_sse("/v1/chat/completions", chat(json!({"parallel_tool_calls": false, "stream": true}))).await;
+    let (_, events) =
+        s.post_sse("/v1/chat/completions", chat(json!({"parallel_tool_calls": false, "stream": true}))).await;
     assert_eq!(fold_chat_stream(&data(&events)).2.len(), 1);
     s.stop().await;
 }
@@ -229,7 +261,8 @@ async fn reasoning_split_and_enable_thinking() {
     let s = server(&[]).await;
     // The template opens the block when thinking is on: the output only closes it.
     says(&s, "Two plus two.\n</think>\n\nIt is 4.");
-    let body = json!({"messages": [{"role": "user", "content": "2+2?"}], "chat_template_kwargs": {"enable_thinking": true}});
+    let body =
+        json!({"messages": [{"role": "user", "content": "2+2?"}], "chat_template_kwargs": {"enable_thinking": true}});
     let (_, b) = s.post("/v1/chat/completions", body.clone()).await;
     assert!(prompt(&s).ends_with("<|im_start|>assistant\n<think>\n"), "{}", prompt(&s));
     assert_eq!(b["choices"][0]["message"]["reasoning_content"], "Two plus two.");
@@ -240,14 +273,23 @@ async fn reasoning_split_and_enable_thinking() {
     let (_, events) = s.post_sse("/v1/chat/completions", streamed).await;
     let chunks = data(&events);
     let (reasoning, content, _, reasons) = fold_chat_stream(&chunks);
-    assert_eq!((reasoning.as_str(), content.as_str(), reasons), ("Two plus two.", "It is 4.", vec!["stop".to_string()]));
+    assert_eq!(
+        (reasoning.as_str(), content.as_str(), reasons),
+        ("Two plus two.", "It is 4.", vec!["stop".to_string()])
+    );
     // Reasoning deltas all come before content deltas.
-    let first_content = chunks.iter().position(|c| c["choices"][0]["delta"]["content"].as_str().is_some_and(|t| !t.is_empty())).unwrap();
+    let first_content = chunks
+        .iter()
+        .position(|c| c["choices"][0]["delta"]["content"].as_str().is_some_and(|t| !t.is_empty()))
+        .unwrap();
     assert!(chunks[first_content..].iter().all(|c| c["choices"][0]["delta"].get("reasoning_content").is_none()));
     // A model that writes the whole block; no block at all: no reasoning_content.
     says(&s, "<think>hmm</think>Yes.");
     let (_, b) = s.post("/v1/chat/completions", chat_body("x")).await;
-    assert_eq!((b["choices"][0]["message"]["reasoning_content"].as_str(), b["choices"][0]["message"]["content"].as_str()), (Some("hmm"), Some("Yes.")));
+    assert_eq!(
+        (b["choices"][0]["message"]["reasoning_content"].as_str(), b["choices"][0]["message"]["content"].as_str()),
+        (Some("hmm"), Some("Yes."))
+    );
     says(&s, "Plain <think> answer.");
     let (_, b) = s.post("/v1/chat/completions", chat_body("x")).await;
     assert!(b["choices"][0]["message"].get("reasoning_content").is_none(), "{b}");
@@ -267,7 +309,10 @@ async fn tool_choice_none_required_and_named() {
     says(&s, &weather);
     let (_, b) = s.post("/v1/chat/completions", chat(json!({"tool_choice": "none"}))).await;
     assert!(!prompt(&s).contains("<tools>"));
-    assert_eq!((b["choices"][0]["message"]["content"].as_str(), b["choices"][0]["finish_reason"].as_str()), (Some(weather.as_str()), Some("stop")));
+    assert_eq!(
+        (b["choices"][0]["message"]["content"].as_str(), b["choices"][0]["finish_reason"].as_str()),
+        (Some(weather.as_str()), Some("stop"))
+    );
 
     // required: the prompt ends with the call's opening, the output continues it.
     says(&s, "{\"name\": \"get_time\", \"arguments\": {\"tz\": \"UTC\"}}\n</tool_call>");
@@ -291,12 +336,21 @@ async fn tool_choice_none_required_and_named() {
         } else {
             let (_, b) = s.post("/v1/chat/completions", body).await;
             let c = &b["choices"][0];
-            (c["message"]["tool_calls"][0]["function"]["name"].as_str().unwrap().to_string(),
-             c["message"]["tool_calls"][0]["function"]["arguments"].as_str().unwrap().to_string(), c["finish_reason"].as_str().unwrap().to_string())
+            (
+                c["message"]["tool_calls"][0]["function"]["name"].as_str().unwrap().to_string(),
+                c["message"]["tool_calls"][0]["function"]["arguments"].as_str().unwrap().to_string(),
+                c["finish_reason"].as_str().unwrap().to_string(),
+            )
         };
-        assert_eq!((name.as_str(), args.as_str(), reason.as_str()), ("get_weather", r#"{"city": "Oslo"}"#, "tool_calls"));
+        assert_eq!(
+            (name.as_str(), args.as_str(), reason.as_str()),
+            ("get_weather", r#"{"city": "Oslo"}"#, "tool_calls")
+        );
         let p = prompt(&s);
-        assert!(p.ends_with("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": ") && !p.contains("get_time"), "{p}");
+        assert!(
+            p.ends_with("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": ") && !p.contains("get_time"),
+            "{p}"
+        );
     }
     // A model that ignores the forced opening answers with text.
     says(&s, "no.");
@@ -334,8 +388,13 @@ async fn parser_off_and_no_parser_for_the_model() {
     // A model whose template and architecture name no format (the tests' ChatML fallback, "test"): no parser.
     let s = TestServer::start_with(&[], engine_description()).await;
     s.backend.set_script(|_| Ok(Script::reply("<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>")));
-    let (_, b) = s.post("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "x"}],
-        "tools": [{"type": "function", "function": {"name": "f"}}]})).await;
+    let (_, b) = s
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "x"}],
+        "tools": [{"type": "function", "function": {"name": "f"}}]}),
+        )
+        .await;
     assert!(b["choices"][0]["message"]["content"].as_str().unwrap().starts_with("<tool_call>"), "{b}");
     s.stop().await;
 }
@@ -343,8 +402,7 @@ async fn parser_off_and_no_parser_for_the_model() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_parser_name_fails_start_up() {
     use ft_server::http::server::AppState;
-    let mut args = ft_server::cli::ServeArgs::default();
-    args.tool_call_parser = Some("nonsense_xyz".into());
+    let args = ft_server::cli::ServeArgs { tool_call_parser: Some("nonsense_xyz".into()), ..Default::default() };
     let err = AppState::new(args, ScriptedBackend::new(), info()).err().unwrap().to_string();
     assert!(err.contains("nonsense_xyz") && err.contains("qwen3_coder") && !err.contains('\n'), "{err}");
 }
@@ -360,10 +418,18 @@ async fn qwen3_coder_arguments_typed_by_the_schema() {
     assert_eq!(m["tool_calls"][0]["function"]["arguments"], r#"{"city": "New York", "days": 5}"#);
     let (_, events) = s.post_sse("/v1/chat/completions", chat(json!({"stream": true}))).await;
     let (_, content, calls, reasons) = fold_chat_stream(&data(&events));
-    assert_eq!((content.as_str(), calls[0].2.as_str(), reasons[0].as_str()), ("Let me look.", r#"{"city": "New York", "days": 5}"#, "tool_calls"));
+    assert_eq!(
+        (content.as_str(), calls[0].2.as_str(), reasons[0].as_str()),
+        ("Let me look.", r#"{"city": "New York", "days": 5}"#, "tool_calls")
+    );
     // Named choice in this format: the header is prefilled.
     says(&s, "<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>");
-    let (_, b) = s.post("/v1/chat/completions", chat(json!({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}))).await;
+    let (_, b) = s
+        .post(
+            "/v1/chat/completions",
+            chat(json!({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}})),
+        )
+        .await;
     assert!(prompt(&s).ends_with("<tool_call>\n<function=get_weather>\n"));
     assert_eq!(b["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"], r#"{"city": "Rome"}"#);
     s.stop().await;
@@ -444,9 +510,14 @@ fn fold_message_stream(events: &[(String, Value)]) -> (Vec<Value>, Value) {
                 assert_eq!(d["index"], i);
                 let b = &mut blocks[i];
                 match d["delta"]["type"].as_str().unwrap() {
-                    "text_delta" => b["text"] = json!(b["text"].as_str().unwrap().to_string() + d["delta"]["text"].as_str().unwrap()),
+                    "text_delta" => {
+                        b["text"] =
+                            json!(b["text"].as_str().unwrap().to_string() + d["delta"]["text"].as_str().unwrap())
+                    }
                     "thinking_delta" => {
-                        b["thinking"] = json!(b["thinking"].as_str().unwrap().to_string() + d["delta"]["thinking"].as_str().unwrap())
+                        b["thinking"] = json!(
+                            b["thinking"].as_str().unwrap().to_string() + d["delta"]["thinking"].as_str().unwrap()
+                        )
                     }
                     "input_json_delta" => json_parts += d["delta"]["partial_json"].as_str().unwrap(),
                     other => panic!("unexpected delta {other}"),
@@ -470,7 +541,10 @@ fn fold_message_stream(events: &[(String, Value)]) -> (Vec<Value>, Value) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn messages_thinking_text_and_tool_use_blocks() {
     let s = server(&[]).await;
-    says(&s, &format!("<think>\nNeed the weather.\n</think>\n\nChecking.\n{}", call("get_weather", r#"{"city": "Paris"}"#)));
+    says(
+        &s,
+        &format!("<think>\nNeed the weather.\n</think>\n\nChecking.\n{}", call("get_weather", r#"{"city": "Paris"}"#)),
+    );
     let (status, b) = s.post("/v1/messages", message(json!({}))).await;
     assert_eq!(status, 200, "{b}");
     assert_eq!(b["stop_reason"], "tool_use");
@@ -486,7 +560,10 @@ async fn messages_thinking_text_and_tool_use_blocks() {
     let events = post_events(&s, message(json!({"stream": true}))).await;
     assert_eq!(events[1].0, "ping");
     let (blocks, delta) = fold_message_stream(&events);
-    assert_eq!(blocks.iter().map(|b| b["type"].as_str().unwrap()).collect::<Vec<_>>(), ["thinking", "text", "tool_use"]);
+    assert_eq!(
+        blocks.iter().map(|b| b["type"].as_str().unwrap()).collect::<Vec<_>>(),
+        ["thinking", "text", "tool_use"]
+    );
     assert_eq!(blocks[0]["thinking"], "Need the weather.");
     assert_eq!(blocks[1]["text"], "Checking.");
     assert_eq!(blocks[2]["input"], json!({"city": "Paris"}));
@@ -505,7 +582,9 @@ async fn messages_parallel_calls_tool_choice_and_plain_text() {
     assert_eq!(blocks.iter().map(|b| b["name"].as_str().unwrap()).collect::<Vec<_>>(), ["get_weather", "get_time"]);
     assert_eq!(blocks[1]["input"], json!({}));
     assert_eq!(delta["stop_reason"], "tool_use");
-    let (_, b) = s.post("/v1/messages", message(json!({"tool_choice": {"type": "auto", "disable_parallel_tool_use": true}}))).await;
+    let (_, b) = s
+        .post("/v1/messages", message(json!({"tool_choice": {"type": "auto", "disable_parallel_tool_use": true}})))
+        .await;
     assert_eq!(b["content"].as_array().unwrap().len(), 1, "{b}");
 
     // any / tool: started for the model.
@@ -527,13 +606,24 @@ async fn messages_parallel_calls_tool_choice_and_plain_text() {
     // thinking enabled: the prompt opens the block, thinking comes back as its own block; an empty output
     // still has one (empty) text block.
     says(&s, "Simple.\n</think>\n\nHello.");
-    let (_, b) = s.post("/v1/messages", json!({"max_tokens": 50, "thinking": {"type": "enabled", "budget_tokens": 100},
-        "messages": [{"role": "user", "content": "hi"}]})).await;
-    assert_eq!(b["content"], json!([{"type": "thinking", "thinking": "Simple.", "signature": ""}, {"type": "text", "text": "Hello."}]));
+    let (_, b) = s
+        .post(
+            "/v1/messages",
+            json!({"max_tokens": 50, "thinking": {"type": "enabled", "budget_tokens": 100},
+        "messages": [{"role": "user", "content": "hi"}]}),
+        )
+        .await;
+    assert_eq!(
+        b["content"],
+        json!([{"type": "thinking", "thinking": "Simple.", "signature": ""}, {"type": "text", "text": "Hello."}])
+    );
     says(&s, "");
-    let (_, b) = s.post("/v1/messages", json!({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]})).await;
+    let (_, b) =
+        s.post("/v1/messages", json!({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]})).await;
     assert_eq!(b["content"], json!([{"type": "text", "text": ""}]));
-    let events = post_events(&s, json!({"max_tokens": 5, "stream": true, "messages": [{"role": "user", "content": "hi"}]})).await;
+    let events =
+        post_events(&s, json!({"max_tokens": 5, "stream": true, "messages": [{"role": "user", "content": "hi"}]}))
+            .await;
     let (blocks, _) = fold_message_stream(&events);
     assert_eq!(blocks, [json!({"type": "text", "text": ""})]);
     s.stop().await;

@@ -41,7 +41,11 @@ impl RadixTree {
     /// the snapshot count and the snapshot eviction order match a recount. O(nodes + locks * depth).
     pub fn check_integrity_with(&self, live_locks: &[NodeId], snapshot_locks: &[NodeId]) -> Result<(), String> {
         let root = &self.nodes[0];
-        if !root.live || root.parent.is_some() || !root.key.is_empty() || root.lock_ref != 0 || root.state_slot.is_some()
+        if !root.live
+            || root.parent.is_some()
+            || !root.key.is_empty()
+            || root.lock_ref != 0
+            || root.state_slot.is_some()
         {
             return Err("root node is malformed".into());
         }
@@ -135,7 +139,8 @@ impl RadixTree {
             return Err(format!("node {id:?} has key/value lengths {}/{}", n.key.len(), n.value.len()));
         }
         for page in n.value.chunks(ps) {
-            if !(page[0] as usize).is_multiple_of(ps) || page.iter().enumerate().any(|(k, &s)| s != page[0] + k as u32) {
+            if !(page[0] as usize).is_multiple_of(ps) || page.iter().enumerate().any(|(k, &s)| s != page[0] + k as u32)
+            {
                 return Err(format!("node {id:?} holds a slot run that is not a whole page"));
             }
         }
@@ -208,10 +213,13 @@ mod tests {
         (t, a, b)
     }
 
+    /// Corrupts a tree from [`tree`] given its two leaves.
+    type Corruption = Box<dyn Fn(&mut RadixTree, NodeId, NodeId)>;
+
     /// Each corruption of the bookkeeping is caught, with a message naming it.
     #[test]
     fn every_kind_of_corruption_is_reported() {
-        let cases: Vec<(&str, Box<dyn Fn(&mut RadixTree, NodeId, NodeId)>)> = vec![
+        let cases: Vec<(&str, Corruption)> = vec![
             ("lock_ref", Box::new(|t, _, b| t.nodes[b.idx()].lock_ref -= 1)),
             ("fewer locks than its children", Box::new(|t, _, b| t.nodes[b.idx()].lock_ref += 1)),
             ("total_tokens", Box::new(|t, _, _| t.total_tokens += 2)),

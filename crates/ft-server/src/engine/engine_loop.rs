@@ -219,7 +219,8 @@ impl EngineLoop {
             queued_requests: stats.queued_requests as u64,
             kv_used_tokens: stats.kv_used_tokens as u64,
             kv_capacity_tokens: stats.kv_capacity_tokens as u64,
-            state_slots: (stats.state_slots_total > 0).then_some((stats.state_slots_used as u64, stats.state_slots_total as u64)),
+            state_slots: (stats.state_slots_total > 0)
+                .then_some((stats.state_slots_used as u64, stats.state_slots_total as u64)),
         });
         self.metrics.set_expert_cache_totals(self.expert_hits, self.expert_misses);
         *self.shared.stats.lock().unwrap() = stats;

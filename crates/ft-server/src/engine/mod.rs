@@ -54,8 +54,13 @@ pub struct EngineConfig {
 
 pub(crate) enum Command {
     /// The request's event channel is already in `Shared::senders` (see [`EngineBackend::submit`]).
-    Submit { req: NewRequest },
-    Finish { id: u64, reason: FinishReason },
+    Submit {
+        req: NewRequest,
+    },
+    Finish {
+        id: u64,
+        reason: FinishReason,
+    },
     Shutdown,
 }
 
@@ -161,7 +166,7 @@ impl EngineBackend {
     /// True once the engine can no longer serve: its thread stopped (fatal worker error, shutdown) or the
     /// watchdog found it stuck.
     pub fn is_finished(&self) -> bool {
-        self.is_stalled() || self.thread.lock().unwrap().as_ref().map_or(true, |t| t.is_finished())
+        self.is_stalled() || self.thread.lock().unwrap().as_ref().is_none_or(|t| t.is_finished())
     }
 
     /// The watchdog found a step stuck past --step-timeout.
@@ -228,4 +233,3 @@ impl Backend for EngineBackend {
         self.shared.stats.lock().unwrap().clone()
     }
 }
-

@@ -65,7 +65,7 @@ impl StatusLog {
             }
             self.decode_steps += 1;
             self.decode_tokens_since += summary.decode_tokens as u64;
-            if self.decode_log_interval > 0 && self.decode_steps % self.decode_log_interval == 0 {
+            if self.decode_log_interval > 0 && self.decode_steps.is_multiple_of(self.decode_log_interval) {
                 let secs = self.last_decode_line.elapsed().as_secs_f64().max(1e-9);
                 self.decode_tps = self.decode_tokens_since as f64 / secs;
                 tracing::info!(

@@ -50,4 +50,3 @@ pub(super) fn watchdog(shared: Arc<Shared>, timeout: Duration) {
         }
     }
 }
-

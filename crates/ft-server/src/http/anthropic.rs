@@ -90,7 +90,9 @@ impl MessagesRequest {
         let stop = match &self.stop_sequences {
             None | Some(Json::Null) => None,
             Some(s @ Json::Array(items)) if items.iter().all(Json::is_string) => Some(s.clone()),
-            Some(_) => return Err(ApiError::invalid_param("stop_sequences", "stop_sequences must be a list of strings")),
+            Some(_) => {
+                return Err(ApiError::invalid_param("stop_sequences", "stop_sequences must be a list of strings"))
+            }
         };
         Ok(SamplingFields {
             temperature: self.temperature,
@@ -112,7 +114,9 @@ impl MessagesRequest {
                 let text = text_blocks(blocks, "system")?;
                 out.push(json!({"role": "system", "content": text}));
             }
-            Some(_) => return Err(ApiError::invalid_param("system", "system must be a string or a list of text blocks")),
+            Some(_) => {
+                return Err(ApiError::invalid_param("system", "system must be a string or a list of text blocks"))
+            }
         }
         let items = match &self.messages {
             Json::Array(items) if !items.is_empty() => items,
@@ -124,9 +128,17 @@ impl MessagesRequest {
             let role = match m.get("role") {
                 Some(Json::String(r)) if r == "user" || r == "assistant" => r.as_str(),
                 Some(Json::String(r)) => {
-                    return Err(ApiError::invalid_param(&format!("{param}.role"), format!("unknown role {r:?} (expected user or assistant)")))
+                    return Err(ApiError::invalid_param(
+                        &format!("{param}.role"),
+                        format!("unknown role {r:?} (expected user or assistant)"),
+                    ))
                 }
-                _ => return Err(ApiError::invalid_param(&format!("{param}.role"), format!("{param}.role must be \"user\" or \"assistant\""))),
+                _ => {
+                    return Err(ApiError::invalid_param(
+                        &format!("{param}.role"),
+                        format!("{param}.role must be \"user\" or \"assistant\""),
+                    ))
+                }
             };
             match m.get("content") {
                 Some(Json::String(s)) => out.push(json!({"role": role, "content": s})),
@@ -148,26 +160,48 @@ impl MessagesRequest {
             None if self.tool_choice.as_ref().is_some_and(|c| !c.is_null()) => {
                 return Err(ApiError::invalid_param("tool_choice", "tool_choice must be an object with a \"type\""))
             }
-            _ if !self.tool_choice.as_ref().and_then(|c| c.get("name")).is_none_or(|n| n.is_null() || n.is_string()) => {
+            _ if !self
+                .tool_choice
+                .as_ref()
+                .and_then(|c| c.get("name"))
+                .is_none_or(|n| n.is_null() || n.is_string()) =>
+            {
                 return Err(ApiError::invalid_param("tool_choice", "tool_choice.name must be a string"))
             }
-            _ if !self.tool_choice.as_ref().and_then(|c| c.get("disable_parallel_tool_use")).is_none_or(|d| d.is_null() || d.is_boolean()) => {
-                return Err(ApiError::invalid_param("tool_choice", "tool_choice.disable_parallel_tool_use must be a boolean"))
+            _ if !self
+                .tool_choice
+                .as_ref()
+                .and_then(|c| c.get("disable_parallel_tool_use"))
+                .is_none_or(|d| d.is_null() || d.is_boolean()) =>
+            {
+                return Err(ApiError::invalid_param(
+                    "tool_choice",
+                    "tool_choice.disable_parallel_tool_use must be a boolean",
+                ))
             }
             Some("tool") if !self.tool_choice.as_ref().and_then(|c| c.get("name")).is_some_and(Json::is_string) => {
-                return Err(ApiError::invalid_param("tool_choice", "tool_choice of type \"tool\" needs the tool's \"name\""))
+                return Err(ApiError::invalid_param(
+                    "tool_choice",
+                    "tool_choice of type \"tool\" needs the tool's \"name\"",
+                ))
             }
             Some("none") => return Ok(None),
             None | Some("auto" | "any" | "tool") => {}
             Some(other) => {
-                return Err(ApiError::invalid_param("tool_choice", format!("unknown tool_choice type {other:?} (auto, any, tool or none)")))
+                return Err(ApiError::invalid_param(
+                    "tool_choice",
+                    format!("unknown tool_choice type {other:?} (auto, any, tool or none)"),
+                ))
             }
         }
         let Some(tools) = self.tools.as_ref().filter(|t| !t.is_empty()) else { return Ok(None) };
         let mut out = Vec::with_capacity(tools.len());
         for (i, t) in tools.iter().enumerate() {
             let param = format!("tools[{i}]");
-            let name = t.get("name").and_then(Json::as_str).ok_or_else(|| ApiError::invalid_param(&param, format!("{param}.name must be a string")))?;
+            let name = t
+                .get("name")
+                .and_then(Json::as_str)
+                .ok_or_else(|| ApiError::invalid_param(&param, format!("{param}.name must be a string")))?;
             let mut function = Map::new();
             function.insert("name".into(), Json::String(name.to_string()));
             if let Some(d) = t.get("description") {
@@ -211,7 +245,9 @@ impl MessagesRequest {
             Some(Some("disabled")) => {
                 kwargs.insert("enable_thinking".into(), Json::Bool(false));
             }
-            Some(_) => return Err(ApiError::invalid_param("thinking", "thinking.type must be \"enabled\" or \"disabled\"")),
+            Some(_) => {
+                return Err(ApiError::invalid_param("thinking", "thinking.type must be \"enabled\" or \"disabled\""))
+            }
         }
         if let Some(budget) = self.thinking.as_ref().and_then(|t| t.get("budget_tokens")) {
             if !(budget.is_null() || budget.is_i64() || budget.is_u64()) {
@@ -229,7 +265,10 @@ fn text_blocks(blocks: &[Json], param: &str) -> Result<String, ApiError> {
         match (b.get("type").and_then(Json::as_str), b.get("text")) {
             (Some("text"), Some(Json::String(t))) => texts.push(t.as_str()),
             _ => {
-                return Err(ApiError::invalid_param(&format!("{param}[{j}]"), format!("{param}[{j}] must be a text block {{\"type\": \"text\", \"text\": ...}}")))
+                return Err(ApiError::invalid_param(
+                    &format!("{param}[{j}]"),
+                    format!("{param}[{j}] must be a text block {{\"type\": \"text\", \"text\": ...}}"),
+                ))
             }
         }
     }
@@ -283,8 +322,12 @@ fn convert_blocks(role: &str, blocks: &[Json], param: &str, out: &mut Vec<Json>)
                 };
                 out.push(json!({"role": "tool", "tool_call_id": id, "content": content}));
             }
-            (_, Some(kind @ ("image" | "document"))) => return bad(&format!("{kind} blocks are not supported (text-only model)")),
-            (_, kind) => return bad(&format!("unsupported content block type {:?} for role {role}", kind.unwrap_or("?"))),
+            (_, Some(kind @ ("image" | "document"))) => {
+                return bad(&format!("{kind} blocks are not supported (text-only model)"))
+            }
+            (_, kind) => {
+                return bad(&format!("unsupported content block type {:?} for role {role}", kind.unwrap_or("?")))
+            }
         }
     }
     if texts.is_empty() && calls.is_empty() && reasoning.is_empty() && role == "user" {
@@ -345,21 +388,26 @@ mod tests {
             {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm"}, {"type": "text", "text": "calling"},
                 {"type": "tool_use", "id": "t1", "name": "f", "input": {"x": 1}}]},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "42"}]}]}));
-        assert_eq!(r.template_messages().unwrap(), vec![
-            json!({"role": "system", "content": "S"}),
-            json!({"role": "user", "content": "a\nb"}),
-            json!({"role": "assistant", "content": "calling", "reasoning_content": "hm",
+        assert_eq!(
+            r.template_messages().unwrap(),
+            vec![
+                json!({"role": "system", "content": "S"}),
+                json!({"role": "user", "content": "a\nb"}),
+                json!({"role": "assistant", "content": "calling", "reasoning_content": "hm",
                    "tool_calls": [{"id": "t1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]}),
-            json!({"role": "tool", "tool_call_id": "t1", "content": "42"}),
-        ]);
+                json!({"role": "tool", "tool_call_id": "t1", "content": "42"}),
+            ]
+        );
     }
 
     #[test]
     fn tools_thinking_and_stop_reasons() {
         let r = req(json!({"messages": [], "tools": [{"name": "f", "input_schema": {"type": "object"}}],
                            "thinking": {"type": "enabled", "budget_tokens": 100}}));
-        assert_eq!(r.openai_tools().unwrap().unwrap(),
-                   vec![json!({"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}})]);
+        assert_eq!(
+            r.openai_tools().unwrap().unwrap(),
+            vec![json!({"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}})]
+        );
         assert_eq!(r.template_kwargs().unwrap().get("enable_thinking"), Some(&Json::Bool(true)));
         let none = req(json!({"messages": [], "tools": [{"name": "f"}], "tool_choice": {"type": "none"}}));
         assert_eq!(none.openai_tools().unwrap(), None);
@@ -370,7 +418,8 @@ mod tests {
         assert_eq!(r.tool_choice(), (ToolChoice::Auto, true));
         let any = req(json!({"messages": [], "tool_choice": {"type": "any", "disable_parallel_tool_use": true}}));
         assert_eq!(any.tool_choice(), (ToolChoice::Required, false));
-        let named = req(json!({"messages": [], "tools": [{"name": "f"}], "tool_choice": {"type": "tool", "name": "f"}}));
+        let named =
+            req(json!({"messages": [], "tools": [{"name": "f"}], "tool_choice": {"type": "tool", "name": "f"}}));
         assert_eq!(named.tool_choice(), (ToolChoice::Named("f".into()), true));
         assert_eq!(none.tool_choice(), (ToolChoice::None, true));
         for bad in [json!({"type": "tool"}), json!({"type": "auto", "disable_parallel_tool_use": "yes"})] {

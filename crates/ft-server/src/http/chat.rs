@@ -12,14 +12,14 @@
 
 use super::output::{Output, OutputSpec};
 use super::sse::{collect, done_event, json_event, sse, Ending, StreamFormat};
-use super::{off_the_async_workers, submit, response_id, unix_now, OpenAiJson, TextStream};
-use crate::validation::{self, Prepared};
+use super::{off_the_async_workers, response_id, submit, unix_now, OpenAiJson, TextStream};
 use crate::http::openai_error::ApiError;
 use crate::http::protocol::{
-    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta, ChatMessageOut,
-    FunctionCallDelta, FunctionCallOut, ToolCallDelta, ToolCallOut,
+    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
+    ChatMessageOut, FunctionCallDelta, FunctionCallOut, ToolCallDelta, ToolCallOut,
 };
 use crate::http::state::AppState;
+use crate::validation::{self, Prepared};
 use axum::extract::State;
 use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
@@ -50,7 +50,8 @@ fn prepare_chat(state: &AppState, req: &ChatCompletionRequest) -> Result<(Prepar
     req.check_unsupported()?;
     let sampling = validation::sampling(&req.sampling, &state.default_sampling)?;
     let messages = req.template_messages()?;
-    let tools = validation::tools(state, req.tools.clone(), req.tool_choice(), req.parallel_tool_calls.unwrap_or(true))?;
+    let tools =
+        validation::tools(state, req.tools.clone(), req.tool_choice(), req.parallel_tool_calls.unwrap_or(true))?;
     let mut kwargs = req.chat_template_kwargs.clone().unwrap_or_default();
     if let Some(effort) = &req.reasoning_effort {
         kwargs.entry("reasoning_effort").or_insert_with(|| serde_json::Value::String(effort.clone()));
@@ -63,19 +64,26 @@ fn prepare_chat(state: &AppState, req: &ChatCompletionRequest) -> Result<(Prepar
     let (spec, forced) = OutputSpec::for_chat(state.reasoning_format, &tools, &prompt_text);
     prompt_text.push_str(&forced);
     // The template writes BOS and special tokens itself.
-    let prompt = state
-        .tokenizer
-        .encode(&prompt_text, false)
-        .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
+    let prompt =
+        state.tokenizer.encode(&prompt_text, false).map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
     Ok((validation::request(&state.limits, prompt, sampling, "messages")?, spec))
 }
 
-async fn whole_response(mut ts: TextStream, spec: &OutputSpec, id: String, model: String) -> Result<Response, ApiError> {
+async fn whole_response(
+    mut ts: TextStream,
+    spec: &OutputSpec,
+    id: String,
+    model: String,
+) -> Result<Response, ApiError> {
     let (message, ending) = collect(&mut ts, spec).await?;
     let tool_calls: Vec<ToolCallOut> = message
         .calls
         .into_iter()
-        .map(|c| ToolCallOut { id: c.id, kind: "function", function: FunctionCallOut { name: c.name, arguments: c.arguments } })
+        .map(|c| ToolCallOut {
+            id: c.id,
+            kind: "function",
+            function: FunctionCallOut { name: c.name, arguments: c.arguments },
+        })
         .collect();
     let content = if message.content.is_empty() && !tool_calls.is_empty() { None } else { Some(message.content) };
     let body = ChatCompletionResponse {
@@ -123,7 +131,10 @@ impl ChatFormat {
 
 impl StreamFormat for ChatFormat {
     fn start(&mut self) -> Vec<Event> {
-        vec![json_event(&self.chunk(ChatDelta { role: Some("assistant"), content: Some(String::new()), ..Default::default() }, None))]
+        vec![json_event(
+            &self
+                .chunk(ChatDelta { role: Some("assistant"), content: Some(String::new()), ..Default::default() }, None),
+        )]
     }
 
     fn output(&mut self, output: Output) -> Vec<Event> {

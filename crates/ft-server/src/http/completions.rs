@@ -3,11 +3,11 @@
 
 use super::output::{Output, OutputSpec};
 use super::sse::{collect, done_event, json_event, sse, Ending, StreamFormat};
-use super::{off_the_async_workers, submit, response_id, unix_now, OpenAiJson};
-use crate::validation::{self, Prepared};
+use super::{off_the_async_workers, response_id, submit, unix_now, OpenAiJson};
 use crate::http::openai_error::ApiError;
 use crate::http::protocol::{CompletionChoice, CompletionRequest, CompletionResponse, PromptInput, Usage};
 use crate::http::state::AppState;
+use crate::validation::{self, Prepared};
 use axum::extract::State;
 use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
@@ -22,8 +22,13 @@ pub async fn completions(
     let st = state.clone();
     let (prepared, echo) = off_the_async_workers(&state, move || prepare_completion(&st, &req)).await?;
     let mut ts = submit(&state, &prepared, "completion")?;
-    let format = CompletionFormat { id: response_id("cmpl"), model: state.served_model_name(), created: unix_now(),
-                                    include_usage, echo };
+    let format = CompletionFormat {
+        id: response_id("cmpl"),
+        model: state.served_model_name(),
+        created: unix_now(),
+        include_usage,
+        echo,
+    };
     if streaming {
         return Ok(sse(ts, &OutputSpec::raw(), format).into_response());
     }
@@ -96,7 +101,10 @@ fn prepare_completion(state: &AppState, req: &CompletionRequest) -> Result<(Prep
     let (prompt, prompt_text) = match req.prompt_input()? {
         PromptInput::Text(text) => {
             let bos = if state.info.add_bos_token { state.info.bos_token_id } else { None };
-            let ids = state.tokenizer.encode_with_bos(&text, bos).map_err(|e| ApiError::invalid_param("prompt", e.to_string()))?;
+            let ids = state
+                .tokenizer
+                .encode_with_bos(&text, bos)
+                .map_err(|e| ApiError::invalid_param("prompt", e.to_string()))?;
             (ids, text)
         }
         PromptInput::Tokens(ids) => (ids, String::new()),
@@ -104,7 +112,10 @@ fn prepare_completion(state: &AppState, req: &CompletionRequest) -> Result<(Prep
     let prepared = validation::request(&state.limits, prompt, sampling, "prompt")?;
     let echo = if req.echo.unwrap_or(false) {
         if prompt_text.is_empty() {
-            state.tokenizer.decode(&prepared.req.prompt, false).map_err(|e| ApiError::invalid_param("prompt", e.to_string()))?
+            state
+                .tokenizer
+                .decode(&prepared.req.prompt, false)
+                .map_err(|e| ApiError::invalid_param("prompt", e.to_string()))?
         } else {
             prompt_text
         }

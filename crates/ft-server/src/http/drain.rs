@@ -30,7 +30,12 @@ pub struct Drain {
 
 impl Default for Drain {
     fn default() -> Self {
-        Drain { draining: AtomicBool::new(false), cancel: watch::Sender::new(false), live: AtomicUsize::new(0), idle: Notify::new() }
+        Drain {
+            draining: AtomicBool::new(false),
+            cancel: watch::Sender::new(false),
+            live: AtomicUsize::new(0),
+            idle: Notify::new(),
+        }
     }
 }
 

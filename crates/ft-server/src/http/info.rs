@@ -17,7 +17,8 @@ pub async fn health(State(state): State<AppState>) -> Response {
     let health = if state.drain.is_draining() { HealthState::ShuttingDown } else { state.backend.health() };
     let (status, reason) = match &health {
         HealthState::Serving => {
-            return (StatusCode::OK, Json(json!({"status": "ok", "model": model, "uptime_s": uptime_s}))).into_response();
+            return (StatusCode::OK, Json(json!({"status": "ok", "model": model, "uptime_s": uptime_s})))
+                .into_response();
         }
         HealthState::Loading => ("loading", health.refusal().unwrap_or_default()),
         HealthState::Unhealthy(reason) => ("unhealthy", reason.clone()),

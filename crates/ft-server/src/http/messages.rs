@@ -13,10 +13,10 @@
 use super::output::{anthropic_tool_id, Message, Output, OutputSpec};
 use super::sse::{collect, sse, Ending, StreamFormat};
 use super::{off_the_async_workers, submit, OpenAiJson, TextStream};
-use crate::validation::{self, Prepared};
 use crate::http::anthropic::{stop_reason, usage, AnthropicError, MessagesRequest};
 use crate::http::openai_error::ApiError;
 use crate::http::state::AppState;
+use crate::validation::{self, Prepared};
 use axum::extract::State;
 use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
@@ -78,7 +78,8 @@ fn render(state: &AppState, req: &MessagesRequest) -> Result<(Vec<u32>, OutputSp
         .map_err(|e| ApiError::invalid_param("messages", e.0))?;
     let (spec, forced) = OutputSpec::for_chat(state.reasoning_format, &tools, &text);
     text.push_str(&forced);
-    let prompt = state.tokenizer.encode(&text, false).map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
+    let prompt =
+        state.tokenizer.encode(&text, false).map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
     Ok((prompt, spec))
 }
 
@@ -89,7 +90,12 @@ fn prepare_messages(state: &AppState, req: &MessagesRequest) -> Result<(Prepared
     Ok((validation::request(&state.limits, prompt, sampling, "messages")?, spec))
 }
 
-async fn whole_response(mut ts: TextStream, spec: &OutputSpec, id: String, model: String) -> Result<Response, AnthropicError> {
+async fn whole_response(
+    mut ts: TextStream,
+    spec: &OutputSpec,
+    id: String,
+    model: String,
+) -> Result<Response, AnthropicError> {
     let (message, ending) = collect(&mut ts, spec).await?;
     let (stop_reason, stop_sequence) = stop_reason(ending.reason, ending.stop_string);
     Ok(Json(json!({
@@ -116,7 +122,8 @@ fn content_blocks(message: Message) -> Vec<Value> {
     }
     for call in message.calls {
         // The parser's arguments are always a JSON object; an unreadable one would be a parser bug.
-        let input = serde_json::from_str::<Value>(&call.arguments).ok().filter(Value::is_object).unwrap_or_else(|| json!({}));
+        let input =
+            serde_json::from_str::<Value>(&call.arguments).ok().filter(Value::is_object).unwrap_or_else(|| json!({}));
         blocks.push(json!({"type": "tool_use", "id": anthropic_tool_id(&call.id), "name": call.name, "input": input}));
     }
     if blocks.is_empty() {
@@ -169,7 +176,10 @@ impl MessagesFormat {
         let index = self.blocks;
         self.blocks += 1;
         self.open = Some((index, kind));
-        events.push(event("content_block_start", json!({"type": "content_block_start", "index": index, "content_block": block})));
+        events.push(event(
+            "content_block_start",
+            json!({"type": "content_block_start", "index": index, "content_block": block}),
+        ));
         index
     }
 
@@ -181,9 +191,12 @@ impl MessagesFormat {
 impl StreamFormat for MessagesFormat {
     fn start(&mut self) -> Vec<Event> {
         vec![
-            event("message_start", json!({"type": "message_start", "message": {
+            event(
+                "message_start",
+                json!({"type": "message_start", "message": {
                 "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
-                "stop_reason": null, "stop_sequence": null, "usage": self.start_usage}})),
+                "stop_reason": null, "stop_sequence": null, "usage": self.start_usage}}),
+            ),
             event("ping", json!({"type": "ping"})),
         ]
     }
@@ -192,7 +205,11 @@ impl StreamFormat for MessagesFormat {
         let mut events = vec![];
         match output {
             Output::Reasoning(text) => {
-                let index = self.open(BlockKind::Thinking, json!({"type": "thinking", "thinking": "", "signature": ""}), &mut events);
+                let index = self.open(
+                    BlockKind::Thinking,
+                    json!({"type": "thinking", "thinking": "", "signature": ""}),
+                    &mut events,
+                );
                 events.push(Self::delta(index, json!({"type": "thinking_delta", "thinking": text})));
             }
             Output::Text(text) => {
@@ -221,9 +238,12 @@ impl StreamFormat for MessagesFormat {
         self.close(&mut events);
         let (stop_reason, stop_sequence) = stop_reason(ending.reason, ending.stop_string);
         let u = usage(&ending.usage);
-        events.push(event("message_delta", json!({"type": "message_delta",
+        events.push(event(
+            "message_delta",
+            json!({"type": "message_delta",
             "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-            "usage": {"output_tokens": u["output_tokens"]}})));
+            "usage": {"output_tokens": u["output_tokens"]}}),
+        ));
         events.push(event("message_stop", json!({"type": "message_stop"})));
         events
     }

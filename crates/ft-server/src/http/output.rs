@@ -21,7 +21,9 @@
 //! answers with text (`finish_reason: "stop"`); under a named choice a call to another tool is text too.
 
 use crate::text::reasoning::{prompt_opens_reasoning, ReasoningFormat, ReasoningParser};
-use crate::text::tool_calls::{CallCommit, ParsedToolCall, ToolCallFormat, ToolCallParser, ToolEvent, ToolParserOptions, ToolSpec};
+use crate::text::tool_calls::{
+    CallCommit, ParsedToolCall, ToolCallFormat, ToolCallParser, ToolEvent, ToolParserOptions, ToolSpec,
+};
 use serde_json::Value as Json;
 
 /// One thing the output says, in order.
@@ -72,7 +74,9 @@ impl ToolRequest {
         match &self.choice {
             ToolChoice::None => None,
             _ if self.tools.is_empty() => None,
-            ToolChoice::Named(name) => Some(self.tools.iter().filter(|t| tool_name(t) == Some(name.as_str())).cloned().collect()),
+            ToolChoice::Named(name) => {
+                Some(self.tools.iter().filter(|t| tool_name(t) == Some(name.as_str())).cloned().collect())
+            }
             _ => Some(self.tools.clone()),
         }
     }
@@ -121,7 +125,9 @@ impl OutputSpec {
             let forced = match &tools.choice {
                 ToolChoice::Required => "<tool_call>\n".to_string(),
                 ToolChoice::Named(name) => match format {
-                    ToolCallFormat::Hermes => format!("<tool_call>\n{{\"name\": {}, \"arguments\": ", Json::String(name.clone())),
+                    ToolCallFormat::Hermes => {
+                        format!("<tool_call>\n{{\"name\": {}, \"arguments\": ", Json::String(name.clone()))
+                    }
                     ToolCallFormat::Qwen3Coder => format!("<tool_call>\n<function={name}>\n"),
                 },
                 _ => String::new(),
@@ -151,7 +157,8 @@ impl OutputSpec {
         });
         let mut queued = Vec::new();
         let tools = self.tools.as_ref().map(|t| {
-            let mut parser = t.format.parser(t.specs.clone(), ToolParserOptions { commit, parallel_tool_calls: t.parallel });
+            let mut parser =
+                t.format.parser(t.specs.clone(), ToolParserOptions { commit, parallel_tool_calls: t.parallel });
             queued.extend(parser.push(&t.forced).into_iter().map(Output::from));
             parser
         });
@@ -320,8 +327,11 @@ mod tests {
 
     #[test]
     fn reasoning_then_hermes_call() {
-        let (spec, suffix) =
-            OutputSpec::for_chat(Some(ReasoningFormat::Qwen3), &request(ToolChoice::Auto, ToolCallFormat::Hermes), "<|im_start|>assistant\n");
+        let (spec, suffix) = OutputSpec::for_chat(
+            Some(ReasoningFormat::Qwen3),
+            &request(ToolChoice::Auto, ToolCallFormat::Hermes),
+            "<|im_start|>assistant\n",
+        );
         assert_eq!(suffix, "");
         let text = "<think>\nweather needed\n</think>\n\nLet me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
         for commit in [CallCommit::OnHeader, CallCommit::OnClose] {
@@ -330,7 +340,10 @@ mod tests {
             assert_eq!(m.reasoning.as_deref(), Some("weather needed"));
             assert_eq!(m.content, "Let me check.");
             assert_eq!(m.calls.len(), 1);
-            assert_eq!((m.calls[0].name.as_str(), m.calls[0].arguments.as_str()), ("get_weather", "{\"city\": \"Paris\"}"));
+            assert_eq!(
+                (m.calls[0].name.as_str(), m.calls[0].arguments.as_str()),
+                ("get_weather", "{\"city\": \"Paris\"}")
+            );
             assert!(m.calls[0].id.starts_with("call_"));
             assert_eq!(reason, "tool_calls");
             // Cut off by max_tokens: not tool_calls.
@@ -340,7 +353,11 @@ mod tests {
 
     #[test]
     fn no_tools_means_text_and_calls_inside_reasoning_stay_there() {
-        let (spec, _) = OutputSpec::for_chat(Some(ReasoningFormat::Qwen3), &ToolRequest::none(), "<|im_start|>assistant\n<think>\n");
+        let (spec, _) = OutputSpec::for_chat(
+            Some(ReasoningFormat::Qwen3),
+            &ToolRequest::none(),
+            "<|im_start|>assistant\n<think>\n",
+        );
         let call = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {}}\n</tool_call>";
         let (m, reason) = run(&spec, CallCommit::OnHeader, &["plan ", call, "</think>ok ", call], "stop");
         assert_eq!(m.reasoning.as_deref(), Some(format!("plan {call}").as_str()));
@@ -369,10 +386,18 @@ mod tests {
     #[test]
     fn forced_calls_prefill_the_opening() {
         let opened = "<|im_start|>assistant\n<think>\n";
-        let (spec, suffix) = OutputSpec::for_chat(Some(ReasoningFormat::Qwen3), &request(ToolChoice::Required, ToolCallFormat::Hermes), opened);
+        let (spec, suffix) = OutputSpec::for_chat(
+            Some(ReasoningFormat::Qwen3),
+            &request(ToolChoice::Required, ToolCallFormat::Hermes),
+            opened,
+        );
         assert_eq!(suffix, "\n</think>\n\n<tool_call>\n");
-        let (m, reason) = run(&spec, CallCommit::OnHeader, &["{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>"], "stop");
-        assert_eq!((m.calls.len(), m.calls[0].name.as_str(), m.content.as_str(), reason), (1, "get_time", "", "tool_calls"));
+        let (m, reason) =
+            run(&spec, CallCommit::OnHeader, &["{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>"], "stop");
+        assert_eq!(
+            (m.calls.len(), m.calls[0].name.as_str(), m.content.as_str(), reason),
+            (1, "get_time", "", "tool_calls")
+        );
         assert_eq!(m.reasoning, None);
 
         let named = request(ToolChoice::Named("get_weather".into()), ToolCallFormat::Hermes);
@@ -384,9 +409,14 @@ mod tests {
             assert_eq!(m.calls[0].arguments, "{\"city\": \"Oslo\", \"days\": 2}", "{commit:?}");
             assert_eq!(reason, "tool_calls");
         }
-        let (spec, suffix) = OutputSpec::for_chat(None, &request(ToolChoice::Named("get_weather".into()), ToolCallFormat::Qwen3Coder), "p");
+        let (spec, suffix) = OutputSpec::for_chat(
+            None,
+            &request(ToolChoice::Named("get_weather".into()), ToolCallFormat::Qwen3Coder),
+            "p",
+        );
         assert_eq!(suffix, "<tool_call>\n<function=get_weather>\n");
-        let (m, _) = run(&spec, CallCommit::OnClose, &["<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"], "stop");
+        let (m, _) =
+            run(&spec, CallCommit::OnClose, &["<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"], "stop");
         assert_eq!(m.calls[0].arguments, "{\"days\": 3}");
         // The model ignores the forced opening: text, finish_reason stop.
         let (m, reason) = run(&spec, CallCommit::OnClose, &["no."], "stop");
@@ -396,12 +426,17 @@ mod tests {
 
     #[test]
     fn parallel_calls_and_the_switch() {
-        let call = |city: &str| format!("<tool_call>\n{{\"name\": \"get_weather\", \"arguments\": {{\"city\": \"{city}\"}}}}\n</tool_call>");
+        let call = |city: &str| {
+            format!("<tool_call>\n{{\"name\": \"get_weather\", \"arguments\": {{\"city\": \"{city}\"}}}}\n</tool_call>")
+        };
         let text = format!("{}\n{}", call("Paris"), call("Rome"));
         let mut req = request(ToolChoice::Auto, ToolCallFormat::Hermes);
         let (spec, _) = OutputSpec::for_chat(None, &req, "");
         let (m, _) = run(&spec, CallCommit::OnHeader, &[&text], "stop");
-        assert_eq!(m.calls.iter().map(|c| c.arguments.as_str()).collect::<Vec<_>>(), ["{\"city\": \"Paris\"}", "{\"city\": \"Rome\"}"]);
+        assert_eq!(
+            m.calls.iter().map(|c| c.arguments.as_str()).collect::<Vec<_>>(),
+            ["{\"city\": \"Paris\"}", "{\"city\": \"Rome\"}"]
+        );
         assert_ne!(m.calls[0].id, m.calls[1].id);
         req.parallel = false;
         let (spec, _) = OutputSpec::for_chat(None, &req, "");

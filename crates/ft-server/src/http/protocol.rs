@@ -98,8 +98,13 @@ impl ChatCompletionRequest {
                 ));
             }
         }
-        if self.function_call.as_ref().is_some_and(|v| !v.is_null()) || self.functions.as_ref().is_some_and(|v| !v.is_null()) {
-            return Err(ApiError::invalid_param("function_call", "legacy function_call / functions are not supported; use tools"));
+        if self.function_call.as_ref().is_some_and(|v| !v.is_null())
+            || self.functions.as_ref().is_some_and(|v| !v.is_null())
+        {
+            return Err(ApiError::invalid_param(
+                "function_call",
+                "legacy function_call / functions are not supported; use tools",
+            ));
         }
         for (i, tool) in self.tools.iter().flatten().enumerate() {
             check_tool(tool, &format!("tools[{i}]"))?;
@@ -153,8 +158,15 @@ impl ChatCompletionRequest {
             let mut obj = obj.clone();
             let role = match obj.get("role") {
                 Some(Json::String(r)) => r.clone(),
-                Some(_) => return Err(ApiError::invalid_param(&format!("{param}.role"), format!("{param}.role must be a string"))),
-                None => return Err(ApiError::invalid_param(&format!("{param}.role"), format!("{param}.role is required"))),
+                Some(_) => {
+                    return Err(ApiError::invalid_param(
+                        &format!("{param}.role"),
+                        format!("{param}.role must be a string"),
+                    ))
+                }
+                None => {
+                    return Err(ApiError::invalid_param(&format!("{param}.role"), format!("{param}.role is required")))
+                }
             };
             let role = match role.as_str() {
                 "system" | "user" | "assistant" | "tool" => role,
@@ -162,7 +174,9 @@ impl ChatCompletionRequest {
                 other => {
                     return Err(ApiError::invalid_param(
                         &format!("{param}.role"),
-                        format!("unknown role {other:?} in {param} (expected system, developer, user, assistant or tool)"),
+                        format!(
+                            "unknown role {other:?} in {param} (expected system, developer, user, assistant or tool)"
+                        ),
                     ))
                 }
             };
@@ -170,7 +184,10 @@ impl ChatCompletionRequest {
             let content = match obj.get("content") {
                 None | Some(Json::Null) => {
                     if role != "assistant" {
-                        return Err(ApiError::invalid_param(&format!("{param}.content"), format!("{param}.content is required")));
+                        return Err(ApiError::invalid_param(
+                            &format!("{param}.content"),
+                            format!("{param}.content is required"),
+                        ));
                     }
                     String::new()
                 }
@@ -201,7 +218,10 @@ impl ChatCompletionRequest {
             obj.insert("content".into(), Json::String(content));
             for key in ["name", "tool_call_id"] {
                 if !matches!(obj.get(key), None | Some(Json::Null) | Some(Json::String(_))) {
-                    return Err(ApiError::invalid_param(&format!("{param}.{key}"), format!("{param}.{key} must be a string")));
+                    return Err(ApiError::invalid_param(
+                        &format!("{param}.{key}"),
+                        format!("{param}.{key} must be a string"),
+                    ));
                 }
             }
             match obj.get("tool_calls") {
@@ -212,7 +232,10 @@ impl ChatCompletionRequest {
                     }
                 }
                 Some(_) => {
-                    return Err(ApiError::invalid_param(&format!("{param}.tool_calls"), format!("{param}.tool_calls must be a list")))
+                    return Err(ApiError::invalid_param(
+                        &format!("{param}.tool_calls"),
+                        format!("{param}.tool_calls must be a list"),
+                    ))
                 }
             }
             if let Some(Json::Array(calls)) = obj.get_mut("tool_calls") {
@@ -301,13 +324,23 @@ impl CompletionRequest {
     }
 
     pub fn prompt_input(&self) -> Result<PromptInput, ApiError> {
-        let bad = || ApiError::invalid_param("prompt", "prompt must be a string, a list of token ids, or a one-element list of either");
+        let bad = || {
+            ApiError::invalid_param(
+                "prompt",
+                "prompt must be a string, a list of token ids, or a one-element list of either",
+            )
+        };
         let ids = |items: &[Json]| -> Result<Vec<u32>, ApiError> {
-            items.iter().map(|v| v.as_u64().filter(|&x| x <= u32::MAX as u64).map(|x| x as u32).ok_or_else(bad)).collect()
+            items
+                .iter()
+                .map(|v| v.as_u64().filter(|&x| x <= u32::MAX as u64).map(|x| x as u32).ok_or_else(bad))
+                .collect()
         };
         match &self.prompt {
             Json::String(s) => Ok(PromptInput::Text(s.clone())),
-            Json::Array(items) if items.is_empty() => Err(ApiError::invalid_param("prompt", "prompt must not be empty")),
+            Json::Array(items) if items.is_empty() => {
+                Err(ApiError::invalid_param("prompt", "prompt must not be empty"))
+            }
             Json::Array(items) if items.iter().all(Json::is_number) => Ok(PromptInput::Tokens(ids(items)?)),
             Json::Array(items) if items.len() == 1 => match &items[0] {
                 Json::String(s) => Ok(PromptInput::Text(s.clone())),
@@ -496,7 +529,9 @@ mod tests {
         assert!(chat(json!({"messages": [], "function_call": "auto"})).check_unsupported().is_err());
         let tool = json!({"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}});
         assert!(chat(json!({"messages": [], "tools": [tool], "tool_choice": "auto"})).check_unsupported().is_ok());
-        assert!(chat(json!({"messages": [], "tool_choice": {"type": "function", "function": {"name": "f"}}})).check_unsupported().is_ok());
+        assert!(chat(json!({"messages": [], "tool_choice": {"type": "function", "function": {"name": "f"}}}))
+            .check_unsupported()
+            .is_ok());
         for bad in [
             json!({"messages": [], "tools": [5]}),
             json!({"messages": [], "tools": [{"type": "function"}]}),

@@ -52,9 +52,5 @@ pub(crate) async fn track(State(state): State<AppState>, req: Request, next: Nex
 
 /// The request's timer for its `TextStream` (from arrival when [track] runs, else from now).
 pub(crate) fn timer_for_stream(metrics: &Arc<Metrics>) -> RequestTimer {
-    PENDING
-        .try_with(|t| t.borrow_mut().take())
-        .ok()
-        .flatten()
-        .unwrap_or_else(|| RequestTimer::new(metrics.clone()))
+    PENDING.try_with(|t| t.borrow_mut().take()).ok().flatten().unwrap_or_else(|| RequestTimer::new(metrics.clone()))
 }

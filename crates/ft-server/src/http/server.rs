@@ -2,9 +2,9 @@
 //! (`state.rs`).
 
 use crate::backend::{Backend, EngineDescription};
-pub use crate::http::state::AppState;
 use crate::cli::ServeArgs;
 use crate::http::openai_error::ApiError;
+pub use crate::http::state::AppState;
 
 use anyhow::Context;
 use axum::extract::{DefaultBodyLimit, Request, State};
@@ -13,12 +13,12 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
+use futures::future::FutureExt;
 use std::future::Future;
+use std::future::IntoFuture;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
-use futures::future::FutureExt;
-use std::future::IntoFuture;
 use tower_http::cors::{AllowOrigin, Any, CorsLayer};
 
 /// All routes, with the body limit, optional API key and CORS.
@@ -161,8 +161,12 @@ pub async fn serve_listener(
 }
 
 /// The grace period after a signal: refuse new requests, wait for the live ones, cancel the rest.
-async fn drain<S, F>(state: &AppState, sig: &str, shutdown: &mut std::pin::Pin<&mut S>, server: &mut std::pin::Pin<&mut F>)
-where
+async fn drain<S, F>(
+    state: &AppState,
+    sig: &str,
+    shutdown: &mut std::pin::Pin<&mut S>,
+    server: &mut std::pin::Pin<&mut F>,
+) where
     S: Future<Output = ()> + futures::future::FusedFuture,
     F: Future<Output = std::io::Result<()>>,
 {
@@ -205,7 +209,10 @@ pub async fn run_server(
 }
 
 /// [`run_server`] with a state already built (`ft serve` shares its metrics registry with the engine).
-pub async fn serve_on_bind_address(state: AppState, shutdown: impl Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
+pub async fn serve_on_bind_address(
+    state: AppState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
     let bind = format!("{}:{}", state.args.host, state.args.port);
     let listener = tokio::net::TcpListener::bind(&bind).await.with_context(|| format!("cannot listen on {bind}"))?;
     serve_listener(listener, state, shutdown).await

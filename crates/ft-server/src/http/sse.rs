@@ -8,9 +8,9 @@
 
 use super::output::{Message, Output, OutputSpec};
 use super::{Piece, TextStream};
-use crate::text::tool_calls::CallCommit;
 use crate::http::openai_error::ApiError;
 use crate::http::protocol::Usage;
+use crate::text::tool_calls::CallCommit;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -68,29 +68,32 @@ pub(crate) fn sse<F: StreamFormat>(
 ) -> Sse<impl futures::Stream<Item = Result<Event, Infallible>>> {
     let queue: VecDeque<Event> = format.start().into();
     let parser = spec.parser(CallCommit::OnHeader);
-    let body = futures::stream::unfold((Some(ts), queue, format, parser), |(mut ts, mut queue, mut format, mut parser)| async move {
-        loop {
-            if let Some(ev) = queue.pop_front() {
-                return Some((Ok(ev), (ts, queue, format, parser)));
-            }
-            let stream = ts.as_mut()?;
-            match stream.next().await {
-                Some(Piece::Text(t)) => parser.push(&t).into_iter().for_each(|o| queue.extend(format.output(o))),
-                Some(Piece::Finish { text, reason, stop_string }) => {
-                    let outputs: Vec<Output> = parser.push(&text).into_iter().chain(parser.finish()).collect();
-                    outputs.into_iter().for_each(|o| queue.extend(format.output(o)));
-                    let reason = parser.finish_reason(reason);
-                    queue.extend(format.finish(Ending { reason, stop_string, usage: stream.usage() }));
-                    ts = None;
+    let body = futures::stream::unfold(
+        (Some(ts), queue, format, parser),
+        |(mut ts, mut queue, mut format, mut parser)| async move {
+            loop {
+                if let Some(ev) = queue.pop_front() {
+                    return Some((Ok(ev), (ts, queue, format, parser)));
                 }
-                Some(Piece::Error(e)) => {
-                    queue.extend(format.error(e));
-                    ts = None;
+                let stream = ts.as_mut()?;
+                match stream.next().await {
+                    Some(Piece::Text(t)) => parser.push(&t).into_iter().for_each(|o| queue.extend(format.output(o))),
+                    Some(Piece::Finish { text, reason, stop_string }) => {
+                        let outputs: Vec<Output> = parser.push(&text).into_iter().chain(parser.finish()).collect();
+                        outputs.into_iter().for_each(|o| queue.extend(format.output(o)));
+                        let reason = parser.finish_reason(reason);
+                        queue.extend(format.finish(Ending { reason, stop_string, usage: stream.usage() }));
+                        ts = None;
+                    }
+                    Some(Piece::Error(e)) => {
+                        queue.extend(format.error(e));
+                        ts = None;
+                    }
+                    None => ts = None,
                 }
-                None => ts = None,
             }
-        }
-    });
+        },
+    );
     Sse::new(body).keep_alive(KeepAlive::new().interval(std::time::Duration::from_secs(15)))
 }
 

@@ -56,8 +56,9 @@ impl AppState {
     /// Loads the tokenizer from `info.tokenizer_path` and compiles `info.chat_template` (ChatML if none).
     pub fn new(args: ServeArgs, backend: Arc<dyn Backend>, info: EngineDescription) -> anyhow::Result<Self> {
         let tokenizer = Tokenizer::from_file(&info.tokenizer_path)?;
-        let chat_template = ChatTemplate::new(info.chat_template.as_deref(), info.bos_token.clone(), info.eos_token.clone())
-            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let chat_template =
+            ChatTemplate::new(info.chat_template.as_deref(), info.bos_token.clone(), info.eos_token.clone())
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
         Self::from_parts(args, backend, info, tokenizer, chat_template)
     }
 
@@ -106,7 +107,10 @@ impl AppState {
                 args,
                 default_sampling,
                 started_at: Instant::now(),
-                created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+                created: std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_secs())
+                    .unwrap_or(0),
                 drain: Arc::new(Drain::default()),
                 prepare_slots: Arc::new(tokio::sync::Semaphore::new(prepare_slots)),
                 metrics,

@@ -7,16 +7,15 @@
 //! it, in the handler future or in the SSE body. A client that disconnects makes hyper drop that future or
 //! body, which drops the stream, whose guard aborts the request in the engine.
 
-
 use crate::backend::{HealthState, RequestStream};
-use crate::text::detokenizer::IncrementalDetokenizer;
 use crate::http::drain::LiveGuard;
-use crate::metrics::{RequestOutcome, RequestTimer};
 use crate::http::openai_error::ApiError;
 use crate::http::protocol::{PromptTokensDetails, Usage};
-use crate::validation::Prepared;
 use crate::http::state::AppState;
+use crate::metrics::{RequestOutcome, RequestTimer};
+use crate::text::detokenizer::IncrementalDetokenizer;
 use crate::text::stop_strings::{StopOutcome, StopStringMatcher};
+use crate::validation::Prepared;
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request};
 use ft_core::request::RequestEvent;
@@ -39,9 +38,7 @@ impl<T: DeserializeOwned> FromRequest<AppState> for OpenAiJson<T> {
         if bytes.iter().all(u8::is_ascii_whitespace) {
             return Err(ApiError::invalid("the request body is empty; expected a JSON object"));
         }
-        serde_json::from_slice(&bytes)
-            .map(OpenAiJson)
-            .map_err(|e| ApiError::invalid(format!("invalid JSON body: {e}")))
+        serde_json::from_slice(&bytes).map(OpenAiJson).map_err(|e| ApiError::invalid(format!("invalid JSON body: {e}")))
     }
 }
 
@@ -63,7 +60,12 @@ pub(crate) async fn off_the_async_workers<T: Send + 'static>(
     state: &AppState,
     work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
 ) -> Result<T, ApiError> {
-    let permit = state.prepare_slots.clone().acquire_owned().await.map_err(|_| ApiError::unavailable("the server is shutting down"))?;
+    let permit = state
+        .prepare_slots
+        .clone()
+        .acquire_owned()
+        .await
+        .map_err(|_| ApiError::unavailable("the server is shutting down"))?;
     tokio::task::spawn_blocking(move || {
         let _permit = permit;
         work()
@@ -116,7 +118,8 @@ pub(crate) struct TextStream {
 impl TextStream {
     pub fn new(state: AppState, stream: RequestStream, prepared: &Prepared) -> Self {
         let timeout = state.args.request_timeout;
-        let deadline = (timeout > 0.0).then(|| tokio::time::Instant::now() + std::time::Duration::from_secs_f64(timeout));
+        let deadline =
+            (timeout > 0.0).then(|| tokio::time::Instant::now() + std::time::Duration::from_secs_f64(timeout));
         TextStream {
             deadline,
             _live: state.drain.track(),
@@ -214,7 +217,11 @@ impl TextStream {
                             self.stream.guard.disarm();
                             self.done = true;
                             self.timer.finish_at(RequestOutcome::Stop, std::time::Instant::now());
-                            return Some(Piece::Finish { text: t, reason: "stop", stop_string: self.stops.matched().map(String::from) });
+                            return Some(Piece::Finish {
+                                text: t,
+                                reason: "stop",
+                                stop_string: self.stops.matched().map(String::from),
+                            });
                         }
                     }
                 }
@@ -228,7 +235,11 @@ impl TextStream {
                     return Some(match self.stops.push(&tail) {
                         StopOutcome::Stopped(t) => {
                             self.timer.finish_at(RequestOutcome::Stop, std::time::Instant::now());
-                            Piece::Finish { text: t, reason: "stop", stop_string: self.stops.matched().map(String::from) }
+                            Piece::Finish {
+                                text: t,
+                                reason: "stop",
+                                stop_string: self.stops.matched().map(String::from),
+                            }
                         }
                         StopOutcome::Continue(mut t) => {
                             t.push_str(&self.stops.finish());

@@ -42,7 +42,11 @@ impl std::fmt::Debug for ChatTemplate {
 
 impl ChatTemplate {
     /// Compiles `template` (or ChatML when `None` / blank). Fails only on a template that does not compile.
-    pub fn new(template: Option<&str>, bos_token: Option<String>, eos_token: Option<String>) -> Result<Self, ChatTemplateError> {
+    pub fn new(
+        template: Option<&str>,
+        bos_token: Option<String>,
+        eos_token: Option<String>,
+    ) -> Result<Self, ChatTemplateError> {
         let (source, is_fallback) = match template {
             Some(t) if !t.trim().is_empty() => (t.to_string(), false),
             _ => (CHATML_TEMPLATE.to_string(), true),
@@ -119,8 +123,8 @@ fn tojson(value: Value, indent: Option<Value>, kwargs: Kwargs) -> Result<Value, 
         _ if indent.is_some() => (",".to_string(), ": ".to_string()),
         _ => (", ".to_string(), ": ".to_string()),
     };
-    let json = serde_json::to_value(&value)
-        .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let json =
+        serde_json::to_value(&value).map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
     let mut out = String::new();
     PyJson { indent: indent.as_deref(), item_sep: &item_sep, key_sep: &key_sep, sort_keys }.write(&json, 0, &mut out);
     Ok(Value::from_safe_string(out))

@@ -30,18 +30,14 @@ impl IncrementalDetokenizer {
     /// `prompt` gives context (its last few tokens); none of it is emitted.
     pub fn new(prompt: &[u32], skip_special_tokens: bool) -> Self {
         let tail = &prompt[prompt.len().saturating_sub(PROMPT_CONTEXT_TOKENS)..];
-        IncrementalDetokenizer {
-            ids: tail.to_vec(),
-            prefix_offset: 0,
-            read_offset: tail.len(),
-            skip_special_tokens,
-        }
+        IncrementalDetokenizer { ids: tail.to_vec(), prefix_offset: 0, read_offset: tail.len(), skip_special_tokens }
     }
 
     /// Adds one token; returns the text it completes (often empty while a character is split).
     pub fn push(&mut self, tokenizer: &Tokenizer, token: u32) -> anyhow::Result<String> {
         self.ids.push(token);
-        let prefix_text = tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special_tokens)?;
+        let prefix_text =
+            tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special_tokens)?;
         let new_text = tokenizer.decode(&self.ids[self.prefix_offset..], self.skip_special_tokens)?;
         if new_text.len() <= prefix_text.len() || new_text.ends_with('\u{FFFD}') {
             return Ok(String::new());
@@ -71,7 +67,8 @@ impl IncrementalDetokenizer {
         if self.read_offset >= self.ids.len() {
             return Ok(String::new());
         }
-        let prefix_text = tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special_tokens)?;
+        let prefix_text =
+            tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset], self.skip_special_tokens)?;
         let new_text = tokenizer.decode(&self.ids[self.prefix_offset..], self.skip_special_tokens)?;
         self.prefix_offset = self.read_offset;
         self.read_offset = self.ids.len();

@@ -95,8 +95,10 @@ mod tests {
 
     /// The two parsers chained as a route chains them: reasoning first, its content into the tool parser.
     fn pipeline(prompt_opened: bool, deltas: &[String]) -> (String, ParsedOutput) {
-        let tools = ToolSpec::from_openai_tools(&[serde_json::json!({"type": "function", "function": {"name": "get_weather",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}})]);
+        let tools = ToolSpec::from_openai_tools(&[
+            serde_json::json!({"type": "function", "function": {"name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}),
+        ]);
         let mut reasoning = ReasoningParser::new(ReasoningFormat::Qwen3, prompt_opened);
         let mut calls = ToolCallFormat::Qwen3Coder.parser(tools, ToolParserOptions::default());
         let (mut thought, mut out) = (String::new(), ParsedOutput::default());

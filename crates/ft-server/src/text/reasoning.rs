@@ -49,7 +49,11 @@ impl ReasoningFormat {
     /// What `--reasoning-parser` resolves to for this model: a named parser as asked (`off`: none); `auto` (and
     /// no flag) picks `qwen3` when the chat template writes `<think>` or the architecture (HF class name or
     /// model type) is a Qwen3, else none (the output is all content).
-    pub fn resolve(flag: Option<&str>, architecture: &str, chat_template: Option<&str>) -> Result<Option<Self>, String> {
+    pub fn resolve(
+        flag: Option<&str>,
+        architecture: &str,
+        chat_template: Option<&str>,
+    ) -> Result<Option<Self>, String> {
         match flag {
             Some("off") => Ok(None),
             Some(name) if name != "auto" => Self::from_name(name).map(Some),
@@ -72,7 +76,10 @@ impl ReasoningFormat {
 /// its last `<think>` comes after its last `</think>` and only whitespace follows it.
 pub fn prompt_opens_reasoning(prompt: &str) -> bool {
     match prompt.rfind(THINK_OPEN) {
-        Some(open) => prompt.rfind(THINK_CLOSE).is_none_or(|close| close < open) && prompt[open + THINK_OPEN.len()..].trim().is_empty(),
+        Some(open) => {
+            prompt.rfind(THINK_CLOSE).is_none_or(|close| close < open)
+                && prompt[open + THINK_OPEN.len()..].trim().is_empty()
+        }
         None => false,
     }
 }
@@ -365,7 +372,10 @@ mod tests {
 
     #[test]
     fn no_block_is_verbatim_content() {
-        assert_eq!(check_splits(false, "  Hello <think> there </think> x  "), rc("", "  Hello <think> there </think> x  "));
+        assert_eq!(
+            check_splits(false, "  Hello <think> there </think> x  "),
+            rc("", "  Hello <think> there </think> x  ")
+        );
         assert_eq!(check_splits(false, "\n\nplain"), rc("", "\n\nplain"));
         assert_eq!(check_splits(false, "   "), rc("", "   "));
         assert_eq!(check_splits(false, ""), rc("", ""));
@@ -456,7 +466,10 @@ mod tests {
         assert_eq!(ReasoningFormat::from_name("qwen3"), Ok(ReasoningFormat::Qwen3));
         let err = ReasoningFormat::from_name("nonsense_xyz").unwrap_err();
         assert!(err.contains("nonsense_xyz") && err.contains("qwen3, deepseek_r1, auto") && !err.contains('\n'));
-        assert_eq!(ReasoningFormat::resolve(Some("auto"), "llama", Some("{{ '<think>' }}")), Ok(Some(ReasoningFormat::Qwen3)));
+        assert_eq!(
+            ReasoningFormat::resolve(Some("auto"), "llama", Some("{{ '<think>' }}")),
+            Ok(Some(ReasoningFormat::Qwen3))
+        );
         assert_eq!(ReasoningFormat::resolve(None, "qwen3_5_moe", None), Ok(Some(ReasoningFormat::Qwen3)));
         assert_eq!(ReasoningFormat::resolve(None, "llama", Some("plain")), Ok(None));
         assert_eq!(ReasoningFormat::resolve(Some("qwen3"), "llama", None), Ok(Some(ReasoningFormat::Qwen3)));

@@ -49,7 +49,11 @@ impl StopStringMatcher {
         }
         self.held.push_str(text);
         // The earliest match of any stop string wins.
-        let first = self.stops.iter().filter_map(|s| self.held.find(s.as_str()).map(|pos| (pos, s))).min_by_key(|(pos, _)| *pos);
+        let first = self
+            .stops
+            .iter()
+            .filter_map(|s| self.held.find(s.as_str()).map(|pos| (pos, s)))
+            .min_by_key(|(pos, _)| *pos);
         if let Some((pos, stop)) = first {
             self.stopped = true;
             self.matched = Some(stop.clone());

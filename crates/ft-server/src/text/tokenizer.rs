@@ -25,7 +25,8 @@ impl Tokenizer {
 
     /// From the text of a `tokenizer.json`.
     pub fn from_json(json: &str) -> anyhow::Result<Self> {
-        let inner = tokenizers::Tokenizer::from_bytes(json.as_bytes()).map_err(|e| anyhow!("bad tokenizer.json: {e}"))?;
+        let inner =
+            tokenizers::Tokenizer::from_bytes(json.as_bytes()).map_err(|e| anyhow!("bad tokenizer.json: {e}"))?;
         Ok(Tokenizer { inner })
     }
 

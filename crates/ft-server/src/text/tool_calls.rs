@@ -166,7 +166,11 @@ impl ToolCallFormat {
     /// `<parameter=` mean qwen3_coder, `<tool_call>` alone hermes), then the architecture (HF class name or
     /// model type; Qwen3.5/3.6: qwen3_coder; Qwen2/2.5/3/3-MoE/3-Next: hermes); `None` when neither tells (no
     /// parsing: output stays text).
-    pub fn resolve(flag: Option<&str>, architecture: &str, chat_template: Option<&str>) -> Result<Option<Self>, String> {
+    pub fn resolve(
+        flag: Option<&str>,
+        architecture: &str,
+        chat_template: Option<&str>,
+    ) -> Result<Option<Self>, String> {
         match flag {
             Some("off") => return Ok(None),
             Some(name) if name != "auto" => return Self::from_name(name).map(Some),
@@ -234,9 +238,12 @@ impl ParsedOutput {
     pub fn apply(&mut self, event: &ToolEvent) {
         match event {
             ToolEvent::Text(t) => self.content.push_str(t),
-            ToolEvent::CallStart { id, name, .. } => {
-                self.calls.push(ParsedToolCall { id: id.clone(), name: name.clone(), arguments: String::new(), complete: false })
-            }
+            ToolEvent::CallStart { id, name, .. } => self.calls.push(ParsedToolCall {
+                id: id.clone(),
+                name: name.clone(),
+                arguments: String::new(),
+                complete: false,
+            }),
             ToolEvent::CallArguments { index, delta } => {
                 if let Some(c) = self.calls.get_mut(*index) {
                     c.arguments.push_str(delta);
@@ -318,7 +325,9 @@ impl Tools {
 
 /// A name as models write it in tags and JSON: no whitespace, quotes, braces or angle brackets.
 pub(crate) fn valid_name(name: &str) -> bool {
-    !name.is_empty() && name.len() <= MAX_NAME_LEN && !name.chars().any(|c| c.is_whitespace() || "{}<>\"'`=".contains(c))
+    !name.is_empty()
+        && name.len() <= MAX_NAME_LEN
+        && !name.chars().any(|c| c.is_whitespace() || "{}<>\"'`=".contains(c))
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -451,7 +460,13 @@ pub type HermesParser = ToolParser<HermesBody>;
 impl<B: CallBody> ToolParser<B> {
     pub fn new(tools: Vec<ToolSpec>, options: ToolParserOptions) -> Self {
         ToolParser {
-            driver: Driver { body: B::new(tools), buf: String::new(), in_call: false, committed: false, raw: String::new() },
+            driver: Driver {
+                body: B::new(tools),
+                buf: String::new(),
+                in_call: false,
+                committed: false,
+                raw: String::new(),
+            },
             options,
             calls: 0,
             current: None,
@@ -565,7 +580,9 @@ fn merge(events: Vec<ToolEvent>) -> Vec<ToolEvent> {
             (ToolEvent::Text(t), _) if t.is_empty() => {}
             (ToolEvent::CallArguments { delta, .. }, _) if delta.is_empty() => {}
             (ToolEvent::Text(t), Some(ToolEvent::Text(prev))) => prev.push_str(t),
-            (ToolEvent::CallArguments { index, delta }, Some(ToolEvent::CallArguments { index: pi, delta: prev })) if index == pi => {
+            (ToolEvent::CallArguments { index, delta }, Some(ToolEvent::CallArguments { index: pi, delta: prev }))
+                if index == pi =>
+            {
                 prev.push_str(delta)
             }
             _ => out.push(e),

@@ -2,7 +2,9 @@
 #![allow(dead_code)]
 
 use ft_core::request::{FinishReason, RequestEvent};
-use ft_server::backend::{AbortOnDrop, Backend, GenerateRequest, HealthState, EngineDescription, RequestStream, SubmitError};
+use ft_server::backend::{
+    AbortOnDrop, Backend, EngineDescription, GenerateRequest, HealthState, RequestStream, SubmitError,
+};
 use ft_server::cli::{parse_serve_args, ServeArgs};
 use ft_server::http::server::{serve_listener, AppState};
 use ft_server::text::tokenizer::Tokenizer;
@@ -43,16 +45,14 @@ pub fn byte_to_char() -> Vec<char> {
 pub fn tokenizer_json() -> String {
     let table = byte_to_char();
     let mut vocab = serde_json::Map::new();
-    for b in 0..256 {
-        vocab.insert(table[b].to_string(), json!(b));
+    for (b, c) in table.iter().enumerate() {
+        vocab.insert(c.to_string(), json!(b));
     }
     let merges = [("Ġ", "w"), ("o", "r"), ("l", "d"), ("H", "e"), ("l", "l"), ("He", "ll"), ("Hell", "o")];
     for (i, (a, b)) in merges.iter().enumerate() {
         vocab.insert(format!("{a}{b}"), json!(256 + i));
     }
-    let special = |id: u32, content: &str| {
-        json!({"id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true})
-    };
+    let special = |id: u32, content: &str| json!({"id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true});
     json!({
         "version": "1.0",
         "truncation": null,
@@ -79,7 +79,11 @@ pub fn tokenizer() -> Tokenizer {
 /// Writes the tokenizer into a fresh temp dir and returns its path.
 pub fn write_tokenizer() -> PathBuf {
     static N: AtomicUsize = AtomicUsize::new(0);
-    let dir = std::env::temp_dir().join(format!("ft-server-test-{}-{}", std::process::id(), N.fetch_add(1, Ordering::SeqCst)));
+    let dir = std::env::temp_dir().join(format!(
+        "ft-server-test-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::SeqCst)
+    ));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("tokenizer.json");
     std::fs::write(&path, tokenizer_json()).unwrap();
@@ -212,7 +216,12 @@ impl Backend for ScriptedBackend {
         let aborted = record.flag(id);
         let prompt_tokens = req.prompt.len() as u32;
         tokio::spawn(async move {
-            let _ = tx.send(RequestEvent::Started { id, prompt_tokens, cached_tokens: script.cached_tokens, max_new_tokens: req.max_new_tokens });
+            let _ = tx.send(RequestEvent::Started {
+                id,
+                prompt_tokens,
+                cached_tokens: script.cached_tokens,
+                max_new_tokens: req.max_new_tokens,
+            });
             let mut n = 0u32;
             let finish = |n: u32, reason| RequestEvent::Finished { id, reason, completion_tokens: n };
             let mut tokens = script.tokens.clone().into_iter();
@@ -272,7 +281,10 @@ impl Backend for ScriptedBackend {
     }
 
     fn stats(&self) -> ft_server::engine::stats::EngineStats {
-        ft_server::engine::stats::EngineStats { requests_in_flight: self.record.submitted.lock().unwrap().len(), ..Default::default() }
+        ft_server::engine::stats::EngineStats {
+            requests_in_flight: self.record.submitted.lock().unwrap().len(),
+            ..Default::default()
+        }
     }
 }
 
@@ -315,7 +327,14 @@ impl TestServer {
     }
 
     pub async fn post_raw(&self, path: &str, body: impl Into<reqwest::Body>) -> (u16, Value) {
-        let resp = self.client.post(self.url(path)).header("content-type", "application/json").body(body).send().await.unwrap();
+        let resp = self
+            .client
+            .post(self.url(path))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .unwrap();
         let status = resp.status().as_u16();
         let text = resp.text().await.unwrap();
         (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}")))

@@ -250,7 +250,7 @@ impl JsonStream {
                 None => return false,
             },
             State::Literal { word, matched } => {
-                if word[matched..].chars().next() != Some(c) {
+                if !word[matched..].starts_with(c) {
                     return false;
                 }
                 if matched + 1 == word.len() {

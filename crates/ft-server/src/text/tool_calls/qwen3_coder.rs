@@ -137,7 +137,8 @@ impl Qwen3CoderBody {
         if rest.is_empty() {
             return if ws > 0 { Step::Took(ws) } else { Step::Wait };
         }
-        let [param, func_close, call_close] = [PARAM_OPEN, FUNCTION_CLOSE, TOOL_CALL_CLOSE].map(|t| starts_with_tag(rest, t));
+        let [param, func_close, call_close] =
+            [PARAM_OPEN, FUNCTION_CLOSE, TOOL_CALL_CLOSE].map(|t| starts_with_tag(rest, t));
         if param == Some(true) {
             let after = &rest[PARAM_OPEN.len()..];
             let Some(gt) = after.find('>') else {
@@ -178,7 +179,9 @@ impl Qwen3CoderBody {
     /// Whether `name`, met as `\n<parameter=name>` inside a value, is the next parameter (so the value's
     /// `</parameter>` was left out): declared, not given yet, not the current one.
     fn is_next_param(&self, name: &str, current: &str) -> bool {
-        name != current && !self.seen.iter().any(|s| s == name) && self.props.as_ref().is_some_and(|p| p.contains_key(name))
+        name != current
+            && !self.seen.iter().any(|s| s == name)
+            && self.props.as_ref().is_some_and(|p| p.contains_key(name))
     }
 
     fn classify(&self, input: &str, p: usize, at_end: bool, current: &str) -> Verdict {
@@ -295,7 +298,10 @@ impl Qwen3CoderBody {
         } else {
             let v = schema::convert(&self.value, &ty);
             let prefix = self.member_prefix(&name);
-            out.push(BodyEvent::Args(format!("{prefix}{}", serde_json::to_string(&v).unwrap_or_else(|_| "null".into()))));
+            out.push(BodyEvent::Args(format!(
+                "{prefix}{}",
+                serde_json::to_string(&v).unwrap_or_else(|_| "null".into())
+            )));
         }
         self.seen.push(name);
     }

@@ -17,14 +17,20 @@ fn tools() -> Vec<ToolSpec> {
 fn make_tools() -> Vec<ToolSpec> {
     let t = |v: Json| ToolSpec::from_openai_tools(&[v]).remove(0);
     vec![
-        t(json!({"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        t(
+            json!({"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
             "city": {"type": "string"}, "days": {"type": "integer"}, "detailed": {"type": "boolean"},
-            "units": {"type": "string", "enum": ["c", "f"]}}}}})),
-        t(json!({"type": "function", "function": {"name": "write_file", "parameters": {"type": "object", "properties": {
-            "path": {"type": "string"}, "content": {"type": "string"}}}}})),
-        t(json!({"type": "function", "function": {"name": "configure", "parameters": {"type": "object", "properties": {
+            "units": {"type": "string", "enum": ["c", "f"]}}}}}),
+        ),
+        t(
+            json!({"type": "function", "function": {"name": "write_file", "parameters": {"type": "object", "properties": {
+            "path": {"type": "string"}, "content": {"type": "string"}}}}}),
+        ),
+        t(
+            json!({"type": "function", "function": {"name": "configure", "parameters": {"type": "object", "properties": {
             "options": {"type": "object"}, "tags": {"type": "array"}, "ratio": {"type": "number"},
-            "limit": {"type": ["integer", "null"]}, "note": {"anyOf": [{"type": "string"}, {"type": "null"}]}}}}})),
+            "limit": {"type": ["integer", "null"]}, "note": {"anyOf": [{"type": "string"}, {"type": "null"}]}}}}}),
+        ),
         t(json!({"type": "function", "function": {"name": "ping"}})),
     ]
 }
@@ -50,7 +56,10 @@ fn run(format: ToolCallFormat, opts: ToolParserOptions, deltas: &[String]) -> Ve
         all.into_iter()
             .map(|e| match e {
                 ToolEvent::CallStart { index, id, name } => {
-                    assert!(id.starts_with("call_") && id.len() == 29 && id[5..].chars().all(|c| c.is_ascii_alphanumeric()), "{id}");
+                    assert!(
+                        id.starts_with("call_") && id.len() == 29 && id[5..].chars().all(|c| c.is_ascii_alphanumeric()),
+                        "{id}"
+                    );
                     ToolEvent::CallStart { index, id: "ID".into(), name }
                 }
                 e => e,
@@ -127,10 +136,16 @@ fn summary(events: &[ToolEvent]) -> (String, Vec<(String, Json, bool)>) {
     for e in events {
         p.apply(e);
     }
-    (p.content, p.calls.into_iter().map(|c| (c.name, serde_json::from_str(&c.arguments).unwrap(), c.complete)).collect())
+    (
+        p.content,
+        p.calls.into_iter().map(|c| (c.name, serde_json::from_str(&c.arguments).unwrap(), c.complete)).collect(),
+    )
 }
 
-fn both(format: ToolCallFormat, t: &str) -> [(String, Vec<(String, Json, bool)>); 2] {
+/// A parse summarised: the text, and each call as (name, arguments, closed).
+type Summary = (String, Vec<(String, Json, bool)>);
+
+fn both(format: ToolCallFormat, t: &str) -> [Summary; 2] {
     [summary(&check(format, on_header(), t)), summary(&check(format, on_close(), t))]
 }
 
@@ -142,7 +157,12 @@ const WEATHER_CODER: &str = "<tool_call>\n<function=get_weather>\n<parameter=cit
 #[test]
 fn coder_one_call_with_text_before() {
     let t = format!("Let me check.\n\n{WEATHER_CODER}");
-    let expect = vec![text("Let me check."), start(0, "get_weather"), args(0, "{\"city\": \"Paris\", \"days\": 3}"), end(0, true)];
+    let expect = vec![
+        text("Let me check."),
+        start(0, "get_weather"),
+        args(0, "{\"city\": \"Paris\", \"days\": 3}"),
+        end(0, true),
+    ];
     assert_eq!(check(CODER, on_header(), &t), expect);
     assert_eq!(check(CODER, on_close(), &t), expect);
 }
@@ -240,7 +260,10 @@ fn coder_parallel_calls_and_text_around() {
     for commit in [CallCommit::OnHeader, CallCommit::OnClose] {
         let opts = ToolParserOptions { commit, parallel_tool_calls: false };
         let events = check(CODER, opts, &t);
-        assert_eq!(events, vec![expect[0].clone(), expect[1].clone(), expect[2].clone(), expect[3].clone(), text("Done.  ")]);
+        assert_eq!(
+            events,
+            vec![expect[0].clone(), expect[1].clone(), expect[2].clone(), expect[3].clone(), text("Done.  ")]
+        );
     }
 }
 
@@ -288,7 +311,10 @@ fn coder_cut_off_calls() {
         ("<tool_call>\n<function=get_weather>\n<parameter=days>\n1", json!({"days": 1})),
         ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</param", json!({"city": "Paris\n</param"})),
         ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>", json!({"city": "Paris"})),
-        ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_", json!({"city": "Paris"})),
+        (
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_",
+            json!({"city": "Paris"}),
+        ),
         ("<tool_call>\n<function=get_weather>\n<parameter=ci", json!({})),
         ("<tool_call>\n<function=get_weather>", json!({})),
     ] {
@@ -300,7 +326,10 @@ fn coder_cut_off_calls() {
 #[test]
 fn coder_malformed_body() {
     let t = "<tool_call>\n<function=get_weather>\nchatter\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call> after";
-    assert_eq!(summary(&check(CODER, on_header(), t)), ("after".into(), vec![("get_weather".into(), json!({"city": "Paris"}), false)]));
+    assert_eq!(
+        summary(&check(CODER, on_header(), t)),
+        ("after".into(), vec![("get_weather".into(), json!({"city": "Paris"}), false)])
+    );
     assert_eq!(check(CODER, on_close(), t), vec![text(t)]);
     // Junk after </function>: skipped to </tool_call>.
     let t = "<tool_call>\n<function=ping>\n</function>\njunk <x> \n</tool_call>";
@@ -323,7 +352,10 @@ fn coder_streams_before_the_call_closes() {
     assert!(matches!(events[0], ToolEvent::CallStart { .. }));
     // The last newline is held: it may be the template's.
     assert_eq!(streamed, "{\"content\": \"line one\\nline two");
-    assert!(p.push("</parameter>\n</function>\n</tool_call>").iter().any(|e| matches!(e, ToolEvent::CallEnd { complete: true, .. })));
+    assert!(p
+        .push("</parameter>\n</function>\n</tool_call>")
+        .iter()
+        .any(|e| matches!(e, ToolEvent::CallEnd { complete: true, .. })));
     // Strict mode gives nothing before the close.
     let mut p = CODER.parser(tools(), on_close());
     assert!(p.push("<tool_call>\n<function=write_file>\n<parameter=content>\nline one\n").is_empty());
@@ -361,7 +393,7 @@ fn coder_random_outputs() {
         let t: String = (0..n).map(|_| pieces[rng.gen_range(0..pieces.len())]).collect();
         for commit in [CallCommit::OnHeader, CallCommit::OnClose] {
             let opts = ToolParserOptions { commit, ..Default::default() };
-            let events = run(CODER, opts, &[t.clone()]);
+            let events = run(CODER, opts, std::slice::from_ref(&t));
             for seed in 0..40 {
                 assert_eq!(run(CODER, opts, &random_split(&t, seed, 5)), events, "{t:?}");
             }
@@ -379,12 +411,14 @@ fn coder_random_outputs() {
 // ---------------------------------------------------------------------------------------------------------
 // hermes
 
-const WEATHER_HERMES: &str = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"days\": 3}}\n</tool_call>";
+const WEATHER_HERMES: &str =
+    "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", \"days\": 3}}\n</tool_call>";
 
 #[test]
 fn hermes_one_call() {
     let t = format!("Checking.\n{WEATHER_HERMES}");
-    let expect = vec![text("Checking."), start(0, "get_weather"), args(0, "{\"city\": \"Paris\", \"days\": 3}"), end(0, true)];
+    let expect =
+        vec![text("Checking."), start(0, "get_weather"), args(0, "{\"city\": \"Paris\", \"days\": 3}"), end(0, true)];
     assert_eq!(check(HERMES, on_header(), &t), expect);
     assert_eq!(check(HERMES, on_close(), &t), expect);
 }
@@ -396,7 +430,11 @@ fn hermes_parallel_nested_and_unicode() {
         assert_eq!(
             s.1,
             vec![
-                ("configure".into(), json!({"options": {"a": [1, {"b": null}]}, "tags": ["é", "😀"], "ratio": -1.5e-3}), true),
+                (
+                    "configure".into(),
+                    json!({"options": {"a": [1, {"b": null}]}, "tags": ["é", "😀"], "ratio": -1.5e-3}),
+                    true
+                ),
                 ("ping".into(), json!({}), true),
             ]
         );
@@ -416,7 +454,10 @@ fn hermes_other_shapes_parse_whole() {
         }
     }
     // No arguments at all.
-    assert_eq!(both(HERMES, "<tool_call>{\"name\": \"ping\"}</tool_call>")[0].1, vec![("ping".into(), json!({}), true)]);
+    assert_eq!(
+        both(HERMES, "<tool_call>{\"name\": \"ping\"}</tool_call>")[0].1,
+        vec![("ping".into(), json!({}), true)]
+    );
 }
 
 #[test]
@@ -517,7 +558,7 @@ fn hermes_random_outputs() {
         let t: String = (0..n).map(|_| pieces[rng.gen_range(0..pieces.len())]).collect();
         for commit in [CallCommit::OnHeader, CallCommit::OnClose] {
             let opts = ToolParserOptions { commit, ..Default::default() };
-            let events = run(HERMES, opts, &[t.clone()]);
+            let events = run(HERMES, opts, std::slice::from_ref(&t));
             for seed in 0..40 {
                 assert_eq!(run(HERMES, opts, &random_split(&t, seed, 5)), events, "{t:?}");
             }
@@ -535,7 +576,10 @@ fn registry_names() {
         assert_eq!(ToolCallFormat::from_name(n), Ok(HERMES));
     }
     let err = ToolCallFormat::from_name("nonsense_xyz").unwrap_err();
-    assert_eq!(err, "unknown --tool-call-parser \"nonsense_xyz\" (valid: qwen3_coder, qwen, qwen25, hermes, auto, off)");
+    assert_eq!(
+        err,
+        "unknown --tool-call-parser \"nonsense_xyz\" (valid: qwen3_coder, qwen, qwen25, hermes, auto, off)"
+    );
     assert_eq!(ToolCallFormat::resolve(Some("off"), "qwen3_5_moe", None), Ok(None));
     assert!(ToolCallFormat::resolve(Some("nonsense_xyz"), "qwen3", None).is_err());
     assert_eq!(ToolCallFormat::resolve(Some("hermes"), "qwen3_5_moe", None), Ok(Some(HERMES)));
@@ -581,8 +625,10 @@ fn tool_specs_from_openai_tools() {
 #[test]
 fn no_declared_tools_accepts_any_name() {
     let mut p = CODER.parser(Vec::new(), on_header());
-    let out =
-        ParsedOutput::parse(p.as_mut(), "<tool_call>\n<function=anything>\n<parameter=n>\n5\n</parameter>\n</function>\n</tool_call>");
+    let out = ParsedOutput::parse(
+        p.as_mut(),
+        "<tool_call>\n<function=anything>\n<parameter=n>\n5\n</parameter>\n</function>\n</tool_call>",
+    );
     assert_eq!(out.calls.len(), 1);
     assert_eq!(out.calls[0].name, "anything");
     // Without a schema every value is a string.
