@@ -26,6 +26,7 @@ class Outcome:
     finish_reason: str | None = None
     error: dict | None = None
     chunks: int = 0
+    pieces: list[str] = field(default_factory=list)  # streamed: each content chunk's text
     elapsed: float = 0.0
     ended: float = 0.0  # time.monotonic() when the answer was complete
     done: bool = False  # saw data: [DONE]
@@ -91,7 +92,10 @@ def stream(url: str, body: dict, deadline: float = 60.0, path: str = "/v1/chat/c
                 except ValueError:
                     out.detail = r.text[:500]
                 return out.finish(t0)
-            for line in r.iter_lines(decode_unicode=True):
+            # bytes, decoded per line: the stream carries no charset, and requests would decode it as
+            # ISO-8859-1, splitting lines at U+0085 (the 0x85 byte inside many UTF-8 characters)
+            for raw in r.iter_lines():
+                line = raw.decode("utf-8")
                 if time.monotonic() - t0 > deadline:
                     out.kind, out.detail = "connection", "deadline passed while streaming"
                     break
@@ -111,6 +115,7 @@ def stream(url: str, body: dict, deadline: float = 60.0, path: str = "/v1/chat/c
                     if piece:
                         out.chunks += 1
                         out.text += piece
+                        out.pieces.append(piece)
                     if choice.get("finish_reason"):
                         out.finish_reason = choice["finish_reason"]
                         if out.kind != "error":

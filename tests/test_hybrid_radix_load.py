@@ -11,7 +11,6 @@ slot free and no more snapshots held than the pool has."""
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import os
 import threading
 import time
@@ -19,7 +18,7 @@ import time
 import hf_reference as R
 import pytest
 import requests
-from bounded_clients import CONNECT_TIMEOUT, Outcome, post_json
+from bounded_clients import post_json, stream
 from server_harness import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -49,54 +48,6 @@ def checkpoint(tmp_path_factory):
 
 def body(prompt: list[int], max_tokens: int) -> dict:
     return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-
-
-def stream(url: str, body: dict, deadline: float, hang_up_after: int | None = None) -> tuple[Outcome, list[str]]:
-    """A streamed completion read line by line as bytes, hanging up after ``hang_up_after`` content chunks; also
-    the text pieces (one token's text each, or a few where a character spans tokens).
-
-    Not ``bounded_clients.stream``: ``text/event-stream`` comes without a charset, so its
-    ``iter_lines(decode_unicode=True)`` decodes the stream as ISO-8859-1 and splits lines at U+0085, which the
-    0x85 byte of many UTF-8 characters becomes (random weights emit such text)."""
-    t0 = time.monotonic()
-    out, pieces = Outcome("connection"), []
-    try:
-        with requests.post(url + "/v1/completions", json={**body, "stream": True}, stream=True,
-                           timeout=(CONNECT_TIMEOUT, deadline)) as r:
-            out.status = r.status_code
-            if r.status_code != 200:
-                out.kind, out.detail = "error", r.text[:500]
-                return out.finish(t0), pieces
-            for line in r.iter_lines():  # bytes: split at \n / \r only
-                if time.monotonic() - t0 > deadline:
-                    out.kind, out.detail = "connection", "deadline passed while streaming"
-                    break
-                if not line.startswith(b"data: "):
-                    continue
-                if line == b"data: [DONE]":
-                    out.done = True
-                    break
-                event = json.loads(line[len(b"data: "):])
-                if "error" in event:
-                    out.kind, out.error = "error", event["error"]
-                    continue
-                for choice in event.get("choices") or []:
-                    if choice.get("text"):
-                        out.chunks += 1
-                        pieces.append(choice["text"])
-                    if choice.get("finish_reason"):
-                        out.finish_reason = choice["finish_reason"]
-                        if out.kind != "error":
-                            out.kind = "ok"
-                if hang_up_after is not None and out.chunks >= hang_up_after:
-                    out.kind = "cancelled"
-                    break  # leaving the `with` closes the connection
-    except requests.RequestException as e:
-        out.kind, out.detail = "connection", repr(e)
-    except ValueError as e:
-        out.kind, out.detail = "error", f"bad stream: {e!r}"
-    out.text = "".join(pieces)
-    return out.finish(t0), pieces
 
 
 class StatsPoller:
@@ -139,7 +90,8 @@ def run_session(url: str, tok, i: int) -> list[dict]:
         hang_up = HANG_UPS.get((i, t))
         max_tokens = 300 if hang_up else 16 + 8 * ((i + t) % 3)
         if hang_up or (i + t) % 2 == 0:
-            out, pieces = stream(url, body(prompt, max_tokens), DEADLINE, hang_up_after=hang_up)
+            out = stream(url, body(prompt, max_tokens), DEADLINE, path="/v1/completions", hang_up_after=hang_up)
+            pieces = out.pieces
         else:
             out = post_json(url, body(prompt, max_tokens), deadline=DEADLINE, path="/v1/completions")
             pieces = [out.text]
