@@ -64,37 +64,66 @@ TARGET_RATIO = 0.10  # issue 12: TTFT of the 10th turn with the cache <= 10 % of
 # ------------------------------------------------------------------ the session's text
 
 TOOLS = [
-    ("read_file", "Read a file from the repository and return its contents with line numbers.",
-     {"path": "string", "start_line": "integer", "end_line": "integer"}),
+    (
+        "read_file",
+        "Read a file from the repository and return its contents with line numbers.",
+        {"path": "string", "start_line": "integer", "end_line": "integer"},
+    ),
     ("write_file", "Create or overwrite a file with the given contents.", {"path": "string", "contents": "string"}),
-    ("edit_file", "Replace an exact string in a file with another string; fails if the old string is not unique.",
-     {"path": "string", "old_string": "string", "new_string": "string"}),
-    ("run_shell", "Run a shell command in the repository root and return stdout, stderr and the exit status.",
-     {"command": "string", "timeout_s": "integer"}),
-    ("search", "Search the repository for a regular expression; returns matching lines with file and line.",
-     {"pattern": "string", "path": "string", "max_results": "integer"}),
+    (
+        "edit_file",
+        "Replace an exact string in a file with another string; fails if the old string is not unique.",
+        {"path": "string", "old_string": "string", "new_string": "string"},
+    ),
+    (
+        "run_shell",
+        "Run a shell command in the repository root and return stdout, stderr and the exit status.",
+        {"command": "string", "timeout_s": "integer"},
+    ),
+    (
+        "search",
+        "Search the repository for a regular expression; returns matching lines with file and line.",
+        {"pattern": "string", "path": "string", "max_results": "integer"},
+    ),
     ("list_dir", "List a directory, recursively up to a depth.", {"path": "string", "depth": "integer"}),
     ("git_diff", "Show the working tree's diff against HEAD, optionally for one path.", {"path": "string"}),
-    ("run_tests", "Run the test suite or one test file and return the summary and failures.",
-     {"target": "string", "markers": "string"}),
+    (
+        "run_tests",
+        "Run the test suite or one test file and return the summary and failures.",
+        {"target": "string", "markers": "string"},
+    ),
 ]
 
-WORDS = ("request scheduler engine worker tensor cache prefix snapshot state slot page token batch prefill decode "
-         "stream client server config model layer expert router kernel buffer queue budget limit admission "
-         "eviction radix tree node branch grid chunk capture restore commit plan step output input").split()
+WORDS = (
+    "request scheduler engine worker tensor cache prefix snapshot state slot page token batch prefill decode "
+    "stream client server config model layer expert router kernel buffer queue budget limit admission "
+    "eviction radix tree node branch grid chunk capture restore commit plan step output input"
+).split()
 
 
 def tools_block() -> str:
     defs = []
     for name, desc, params in TOOLS:
         props = {p: {"type": t, "description": f"The {p.replace('_', ' ')}."} for p, t in params.items()}
-        defs.append(json.dumps({"type": "function", "function": {
-            "name": name, "description": desc,
-            "parameters": {"type": "object", "properties": props, "required": list(params)[:1]}}}))
-    return ("\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-            "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
-            + "\n".join(defs) + "\n</tools>\n\nFor each function call, return a json object with function name and "
-            "arguments within <tool_call></tool_call> XML tags.")
+        defs.append(
+            json.dumps(
+                {
+                    "type": "function",
+                    "function": {
+                        "name": name,
+                        "description": desc,
+                        "parameters": {"type": "object", "properties": props, "required": list(params)[:1]},
+                    },
+                }
+            )
+        )
+    return (
+        "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+        + "\n".join(defs)
+        + "\n</tools>\n\nFor each function call, return a json object with function name and "
+        "arguments within <tool_call></tool_call> XML tags."
+    )
 
 
 def filler(rng: random.Random, kind: str, chars: int) -> str:
@@ -104,11 +133,15 @@ def filler(rng: random.Random, kind: str, chars: int) -> str:
     while n < chars:
         w = [rng.choice(WORDS) for _ in range(6)]
         if kind == "code":
-            line = (f"    def {w[0]}_{w[1]}_{i}(self, {w[2]}: int, {w[3]}=None):\n"
-                    f"        return self.{w[4]}[{w[2]} % {rng.randint(2, 997)}] + len({w[5]}s)  # {w[1]} {w[3]}\n")
+            line = (
+                f"    def {w[0]}_{w[1]}_{i}(self, {w[2]}: int, {w[3]}=None):\n"
+                f"        return self.{w[4]}[{w[2]} % {rng.randint(2, 997)}] + len({w[5]}s)  # {w[1]} {w[3]}\n"
+            )
         elif kind == "log":
-            line = (f"[{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}:{rng.randint(0, 59):02d}] {w[0].upper()} "
-                    f"{w[1]}={rng.randint(0, 99999)} {w[2]} {w[3]} took {rng.random() * 100:.2f} ms ({w[4]}/{w[5]})\n")
+            line = (
+                f"[{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}:{rng.randint(0, 59):02d}] {w[0].upper()} "
+                f"{w[1]}={rng.randint(0, 99999)} {w[2]} {w[3]} took {rng.random() * 100:.2f} ms ({w[4]}/{w[5]})\n"
+            )
         else:
             line = f"The {w[0]} must keep its {w[1]} when the {w[2]} {w[3]}s; check the {w[4]} before each {w[5]}. "
         out.append(line)
@@ -125,8 +158,10 @@ class Session:
         s = system_tokens or (final_context if turns == 1 else round(0.5 * final_context))
         rest = final_context - s - (turns - 1) * max_tokens
         if turns > 1 and rest < (turns - 1) * 64:
-            raise SystemExit(f"--final-context {final_context} leaves {rest} tokens for {turns - 1} new messages "
-                             f"after a {s}-token system prompt and {turns - 1} answers of {max_tokens}")
+            raise SystemExit(
+                f"--final-context {final_context} leaves {rest} tokens for {turns - 1} new messages "
+                f"after a {s}-token system prompt and {turns - 1} answers of {max_tokens}"
+            )
         weights = [1 + k / max(turns - 2, 1) for k in range(turns - 1)]  # 1x .. 2x
         incs = [int(rest * w / sum(weights)) for w in weights]
         if incs:
@@ -155,10 +190,14 @@ class Session:
         """The ids turn ``turn`` (0-based) appends to a history of ``history_len`` ids."""
         n = self.contexts[turn] - history_len
         if turn == 0:
-            head = (f"<|im_start|>system\nYou are a coding agent working in a large repository (session {self.seed}). "
-                    "Follow the guidelines below.\n\n")
-            tail = (tools_block() + "<|im_end|>\n<|im_start|>user\nThe scheduler drops a request when a client "
-                    "hangs up during prefill. Find out why and fix it.<|im_end|>\n<|im_start|>assistant\n")
+            head = (
+                f"<|im_start|>system\nYou are a coding agent working in a large repository (session {self.seed}). "
+                "Follow the guidelines below.\n\n"
+            )
+            tail = (
+                tools_block() + "<|im_end|>\n<|im_start|>user\nThe scheduler drops a request when a client "
+                "hangs up during prefill. Find out why and fix it.<|im_end|>\n<|im_start|>assistant\n"
+            )
             h, t = self.ids(head), self.ids(tail)
             if len(h) + len(t) > n:  # a small system prompt: the tool block is cut short
                 end = self.ids("<|im_end|>\n<|im_start|>assistant\n")
@@ -182,8 +221,14 @@ class Session:
 
 def stream_ids(url: str, prompt: list[int], max_tokens: int, tok, timeout: float = 1800) -> dict:
     """One streamed greedy completion over token ids: TTFT, the answer's text and ids, usage."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     pieces, usage, error, first, finish = [], None, None, None, None
     t0 = time.perf_counter()
     with requests.post(url + "/v1/completions", json=body, stream=True, timeout=timeout) as r:
@@ -212,8 +257,15 @@ def stream_ids(url: str, prompt: list[int], max_tokens: int, tok, timeout: float
     # piece gives the generated ids without merges across pieces. Ids that decode to nothing (special tokens, or
     # ids past the tokenizer's vocabulary, which random weights can pick) are lost: then len(ids) falls short.
     ids = [i for p in pieces for i in tok.encode(p, add_special_tokens=False).ids]
-    return {"ttft_s": (first or end) - t0, "e2e_s": end - t0, "text": text, "ids": ids, "usage": usage,
-            "finish_reason": finish, "ids_exact": len(ids) == usage["completion_tokens"]}
+    return {
+        "ttft_s": (first or end) - t0,
+        "e2e_s": end - t0,
+        "text": text,
+        "ids": ids,
+        "usage": usage,
+        "finish_reason": finish,
+        "ids_exact": len(ids) == usage["completion_tokens"],
+    }
 
 
 def run_server(label: str, serve_args: list[str], session: Session, tok, warmup_tokens: int) -> dict:
@@ -223,8 +275,9 @@ def run_server(label: str, serve_args: list[str], session: Session, tok, warmup_
     out = {"cache": label, "serve_args": serve_args, "startup_s": startup_s, "turns": []}
     try:
         log = srv.log()
-        out["resolved_config"] = next((l[l.find("Resolved config"):] for l in log.splitlines()
-                                       if "Resolved config" in l), None)
+        out["resolved_config"] = next(
+            (l[l.find("Resolved config") :] for l in log.splitlines() if "Resolved config" in l), None
+        )
         # Warm-up on ids that share no prefix with the session (JIT, allocator): not measured.
         warm = random.Random(12345)
         w = stream_ids(srv.url, [warm.randrange(1000, 100000) for _ in range(warmup_tokens)], 2, tok)
@@ -241,18 +294,37 @@ def run_server(label: str, serve_args: list[str], session: Session, tok, warmup_
             after = srv.get("/v1/stats").json()
             details = r["usage"].get("prompt_tokens_details")
             hit_tokens = after["snapshot_hit_tokens"] - before["snapshot_hit_tokens"]
-            out["turns"].append({
-                "turn": k + 1, "prompt_tokens": r["usage"]["prompt_tokens"], "new_tokens": len(new),
-                "cached_tokens": details["cached_tokens"] if details else hit_tokens,
-                "cached_from": "usage" if details else "stats",
-                "snapshot_hit_tokens": hit_tokens, "snapshot_hits": after["snapshot_hits"] - before["snapshot_hits"],
-                "ttft_s": r["ttft_s"], "e2e_s": r["e2e_s"], "completion_tokens": r["usage"]["completion_tokens"],
-                "ids_exact": r["ids_exact"], "answer": r["text"]})
+            out["turns"].append(
+                {
+                    "turn": k + 1,
+                    "prompt_tokens": r["usage"]["prompt_tokens"],
+                    "new_tokens": len(new),
+                    "cached_tokens": details["cached_tokens"] if details else hit_tokens,
+                    "cached_from": "usage" if details else "stats",
+                    "snapshot_hit_tokens": hit_tokens,
+                    "snapshot_hits": after["snapshot_hits"] - before["snapshot_hits"],
+                    "ttft_s": r["ttft_s"],
+                    "e2e_s": r["e2e_s"],
+                    "completion_tokens": r["usage"]["completion_tokens"],
+                    "ids_exact": r["ids_exact"],
+                    "answer": r["text"],
+                }
+            )
             history = prompt + r["ids"]
         stats = srv.get("/v1/stats").json()
-        out["stats_end"] = {k: stats.get(k) for k in (
-            "snapshot_slots_used", "snapshot_slots_total", "evictable_snapshots", "snapshot_hits",
-            "snapshot_hit_tokens", "cached_tokens_in_tree", "kv_capacity_tokens", "state_slots_total")}
+        out["stats_end"] = {
+            k: stats.get(k)
+            for k in (
+                "snapshot_slots_used",
+                "snapshot_slots_total",
+                "evictable_snapshots",
+                "snapshot_hits",
+                "snapshot_hit_tokens",
+                "cached_tokens_in_tree",
+                "kv_capacity_tokens",
+                "state_slots_total",
+            )
+        }
         out["log_tail"] = srv.log()[-3000:]
     finally:
         out["exit_code"] = srv.stop()
@@ -296,8 +368,9 @@ def has_weights(model_path: str) -> bool:
 
 def gpu_name() -> str:
     try:
-        r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                           text=True, timeout=20)
+        r = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=20
+        )
         if r.returncode == 0 and r.stdout.strip():
             return r.stdout.strip().splitlines()[0]
     except (OSError, subprocess.SubprocessError):
@@ -306,12 +379,17 @@ def gpu_name() -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-path", default=os.path.join(_ROOT, "configs", "qwen3.6-35b-a3b"),
-                    help="HF-layout directory; without weight files --dummy-weight is added")
-    ap.add_argument("--tiny", action="store_true",
-                    help="a tiny random Qwen3.5-MoE in a temporary directory (CPU smoke)")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--model-path",
+        default=os.path.join(_ROOT, "configs", "qwen3.6-35b-a3b"),
+        help="HF-layout directory; without weight files --dummy-weight is added",
+    )
+    ap.add_argument(
+        "--tiny", action="store_true", help="a tiny random Qwen3.5-MoE in a temporary directory (CPU smoke)"
+    )
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--final-context", type=int, default=30000, help="prompt tokens of the last turn")
     ap.add_argument("--system-tokens", type=int, default=0, help="turn 1's prompt (default half of --final-context)")
@@ -341,19 +419,28 @@ def main() -> int:
     tok, tok_path = load_tokenizer(model_path)
     session = Session(tok, a.final_context, a.turns, a.max_tokens, a.system_tokens)
     warmup = a.warmup_tokens or min(2048, max(a.final_context // 4, 16))
-    report = {"command": " ".join(shlex.quote(x) for x in [sys.executable, *sys.argv]),
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "gpu": gpu_name(), "model_path": "tiny (tests/hf_reference.write_released_qwen3_5_moe)" if a.tiny
-              else model_path, "dummy_weight": dummy, "tokenizer": tok_path, "turns": a.turns,
-              "final_context": a.final_context, "max_tokens": a.max_tokens, "planned_prompt_tokens": session.contexts,
-              "target_ratio": TARGET_RATIO, "runs": {}}
+    report = {
+        "command": " ".join(shlex.quote(x) for x in [sys.executable, *sys.argv]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": gpu_name(),
+        "model_path": "tiny (tests/hf_reference.write_released_qwen3_5_moe)" if a.tiny else model_path,
+        "dummy_weight": dummy,
+        "tokenizer": tok_path,
+        "turns": a.turns,
+        "final_context": a.final_context,
+        "max_tokens": a.max_tokens,
+        "planned_prompt_tokens": session.contexts,
+        "target_ratio": TARGET_RATIO,
+        "runs": {},
+    }
     try:
         for cache in [c.strip() for c in a.caches.split(",") if c.strip()]:
             print(f"--- {cache}: ft serve {' '.join(base)} --cache-type {cache}", flush=True)
             run = run_server(cache, base + ["--cache-type", cache], session, tok, warmup)
             report["runs"][cache] = run
-            print(f"    start-up {run['startup_s']:.1f} s, {run['resolved_config']}, exit {run['exit_code']}",
-                  flush=True)
+            print(
+                f"    start-up {run['startup_s']:.1f} s, {run['resolved_config']}, exit {run['exit_code']}", flush=True
+            )
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -374,41 +461,59 @@ def summarize(report: dict) -> list[dict]:
         t_on = on["turns"][k] if on else None
         t_off = off["turns"][k] if off else None
         ref = t_on or t_off
-        row = {"turn": k + 1, "prompt_tokens": ref["prompt_tokens"], "new_tokens": ref["new_tokens"],
-               "cached_tokens": t_on["cached_tokens"] if t_on else None,
-               "snapshot_hit_tokens": t_on["snapshot_hit_tokens"] if t_on else None,
-               "ttft_cached_s": t_on["ttft_s"] if t_on else None, "ttft_uncached_s": t_off["ttft_s"] if t_off else None,
-               "ids_exact": all(t["ids_exact"] for t in (t_on, t_off) if t)}
+        row = {
+            "turn": k + 1,
+            "prompt_tokens": ref["prompt_tokens"],
+            "new_tokens": ref["new_tokens"],
+            "cached_tokens": t_on["cached_tokens"] if t_on else None,
+            "snapshot_hit_tokens": t_on["snapshot_hit_tokens"] if t_on else None,
+            "ttft_cached_s": t_on["ttft_s"] if t_on else None,
+            "ttft_uncached_s": t_off["ttft_s"] if t_off else None,
+            "ids_exact": all(t["ids_exact"] for t in (t_on, t_off) if t),
+        }
         row["ratio"] = row["ttft_cached_s"] / row["ttft_uncached_s"] if t_on and t_off else None
         row["same_answer"] = t_on["answer"] == t_off["answer"] if t_on and t_off else None
         rows.append(row)
     report["summary"] = rows
     last = rows[-1]
-    report["last_turn"] = {"turn": last["turn"], "ratio": last["ratio"], "target": TARGET_RATIO,
-                           "met": None if last["ratio"] is None else last["ratio"] <= TARGET_RATIO,
-                           "new_fraction": last["new_tokens"] / last["prompt_tokens"],
-                           "computed_fraction": None if last["cached_tokens"] is None
-                           else 1 - last["cached_tokens"] / last["prompt_tokens"]}
+    report["last_turn"] = {
+        "turn": last["turn"],
+        "ratio": last["ratio"],
+        "target": TARGET_RATIO,
+        "met": None if last["ratio"] is None else last["ratio"] <= TARGET_RATIO,
+        "new_fraction": last["new_tokens"] / last["prompt_tokens"],
+        "computed_fraction": None
+        if last["cached_tokens"] is None
+        else 1 - last["cached_tokens"] / last["prompt_tokens"],
+    }
     return rows
 
 
 def print_table(report: dict, rows: list[dict]) -> None:
     ms = lambda s: "-" if s is None else f"{s * 1e3:.1f}"  # noqa: E731
-    print(f"\nagent session: {report['turns']} turns to {report['final_context']} tokens, {report['max_tokens']} "
-          f"answer tokens per turn; GPU: {report['gpu']}; {report['date']}")
-    print(f"{'turn':>4}{'prompt':>8}{'new':>7}{'cached':>8}{'snap hit':>9}{'TTFT on ms':>12}{'TTFT off ms':>13}"
-          f"{'on/off':>8}{'same ans':>9}{'ids exact':>10}")
+    print(
+        f"\nagent session: {report['turns']} turns to {report['final_context']} tokens, {report['max_tokens']} "
+        f"answer tokens per turn; GPU: {report['gpu']}; {report['date']}"
+    )
+    print(
+        f"{'turn':>4}{'prompt':>8}{'new':>7}{'cached':>8}{'snap hit':>9}{'TTFT on ms':>12}{'TTFT off ms':>13}"
+        f"{'on/off':>8}{'same ans':>9}{'ids exact':>10}"
+    )
     for r in rows:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.1%}"
         same = "-" if r["same_answer"] is None else ("yes" if r["same_answer"] else "NO")
-        print(f"{r['turn']:>4}{r['prompt_tokens']:>8}{r['new_tokens']:>7}{str(r['cached_tokens']):>8}"
-              f"{str(r['snapshot_hit_tokens']):>9}{ms(r['ttft_cached_s']):>12}{ms(r['ttft_uncached_s']):>13}"
-              f"{ratio:>8}{same:>9}{'yes' if r['ids_exact'] else 'no':>10}")
+        print(
+            f"{r['turn']:>4}{r['prompt_tokens']:>8}{r['new_tokens']:>7}{str(r['cached_tokens']):>8}"
+            f"{str(r['snapshot_hit_tokens']):>9}{ms(r['ttft_cached_s']):>12}{ms(r['ttft_uncached_s']):>13}"
+            f"{ratio:>8}{same:>9}{'yes' if r['ids_exact'] else 'no':>10}"
+        )
     last = report["last_turn"]
     if last["ratio"] is not None:
-        print(f"turn {last['turn']}: TTFT cached / uncached = {last['ratio']:.1%} (target <= {TARGET_RATIO:.0%}: "
-              f"{'met' if last['met'] else 'NOT met'}); the cached server computed {last['computed_fraction']:.1%} "
-              f"of its prompt (new tokens {last['new_fraction']:.1%})")
+        print(
+            f"turn {last['turn']}: TTFT cached / uncached = {last['ratio']:.1%} (target <= {TARGET_RATIO:.0%}: "
+            f"{'met' if last['met'] else 'NOT met'}); the cached server computed {last['computed_fraction']:.1%} "
+            f"of its prompt (new tokens {last['new_fraction']:.1%})"
+        )
 
 
 if __name__ == "__main__":

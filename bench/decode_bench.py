@@ -67,7 +67,7 @@ def measure_bandwidth() -> dict:
     hbm = 2 * n / timed(lambda: dst.copy_(src))
     host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
     pcie = n / timed(lambda: dst.copy_(host, non_blocking=True))
-    del src, dst, host
+    src = dst = host = None  # frees the buffers (the timed closures hold the names, not the tensors)
     torch.cuda.empty_cache()
     return {"hbm_copy_gb_s": hbm / 1e9, "pcie_h2d_gb_s": pcie / 1e9}
 
@@ -110,8 +110,10 @@ def set_routing(path: str, mode: str) -> None:
 
 def decode_stats(srv) -> dict:
     s = srv.get("/v1/stats").json()
-    return {k: s.get(k, 0) for k in ("decode_steps", "decode_forward_ms_total", "decode_engine_ms_total",
-                                     "expert_hits", "expert_misses")}
+    return {
+        k: s.get(k, 0)
+        for k in ("decode_steps", "decode_forward_ms_total", "decode_engine_ms_total", "expert_hits", "expert_misses")
+    }
 
 
 def one_stream(srv, tokens: int) -> dict:
@@ -154,8 +156,12 @@ def many_streams(srv, streams: int, tokens: int) -> dict:
     gaps = sorted(g for r in results for g in r["gaps"])
     decoded = sum(r["usage"]["completion_tokens"] - 1 for r in results)
     span = statistics.mean(sum(r["gaps"]) for r in results)
-    return {"streams": streams, "tok_s": decoded / span, "itl_ms_p50": gaps[len(gaps) // 2] * 1e3,
-            "itl_ms_p99": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] * 1e3}
+    return {
+        "streams": streams,
+        "tok_s": decoded / span,
+        "itl_ms_p50": gaps[len(gaps) // 2] * 1e3,
+        "itl_ms_p99": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))] * 1e3,
+    }
 
 
 def prefill(srv, words: int) -> dict:
@@ -170,8 +176,13 @@ def start(label: str, args: list[str], env: dict, timeout: float = 900) -> tuple
     srv = ServerProcess(args, env=env, ready_timeout=timeout)
     startup = time.perf_counter() - t0
     log = srv.log()
-    lines = [ln for ln in log.splitlines() if any(k in ln for k in ("Captured CUDA graphs", "Start capturing",
-                                                                   "Resolved config", "Expert cache", "WARNING"))]
+    lines = [
+        ln
+        for ln in log.splitlines()
+        if any(
+            k in ln for k in ("Captured CUDA graphs", "Start capturing", "Resolved config", "Expert cache", "WARNING")
+        )
+    ]
     print(f"[{label}] ready in {startup:.0f} s", *lines, sep="\n  ", flush=True)
     return srv, {"label": label, "serve_args": args, "startup_s": startup, "log_excerpt": lines}
 
@@ -231,8 +242,16 @@ def main() -> int:
     routing_file = os.path.join(tempfile.mkdtemp(prefix="ft-bench-"), "routing")
     set_routing(routing_file, "off")
     env = {"FREETOKEN_BENCH_ROUTING_FILE": routing_file}
-    common = ["--model-path", a.model_path, "--dummy-weight", "--max-seq-len-override", "16384",
-              "--max-prefill-length", "8192", *extra]
+    common = [
+        "--model-path",
+        a.model_path,
+        "--dummy-weight",
+        "--max-seq-len-override",
+        "16384",
+        "--max-prefill-length",
+        "8192",
+        *extra,
+    ]
     resident = ["--moe-backend", "fused", "--max-running-requests", str(a.streams)]
     report = {"hardware": hw, "decode_bytes": need, "freetoken_0_1_2": FREETOKEN_012, "runs": {}}
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
@@ -253,8 +272,16 @@ def main() -> int:
     if not a.skip_resident:
         attempt("graphs", resident_run, "graphs", common + resident, env, a, routing_file, with_prefill=True)
     if not a.skip_eager and not a.skip_resident:
-        attempt("eager", resident_run, "eager", common + resident + ["--disable-cuda-graph"], env, a, routing_file,
-                with_prefill=False)
+        attempt(
+            "eager",
+            resident_run,
+            "eager",
+            common + resident + ["--disable-cuda-graph"],
+            env,
+            a,
+            routing_file,
+            with_prefill=False,
+        )
     if not a.skip_offload:
         off = ["--moe-backend", "offload", "--moe-cache-size", str(a.cache_size), "--max-running-requests", "4"]
         attempt("offload", offload_run, common + off, env, a, routing_file)
@@ -273,18 +300,27 @@ def print_table(report: dict) -> None:
 
 def print_resident(runs: dict, hw: dict, need: dict, roof_ms) -> None:
     g = runs["graphs"]
-    print(f"\nHBM copy {hw.get('hbm_copy_gb_s', 0):.0f} GB/s, PCIe H2D {hw.get('pcie_h2d_gb_s', 0):.1f} GB/s; a decode "
-          f"token reads {need['bytes'] / 1e9:.2f} GB -> HBM roofline {roof_ms or 0:.2f} ms/token")
-    print(f"{'run':<34}{'tok/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'worker ms':>11}{'engine ms':>11}{'vs eager':>10}"
-          f"{'vs FT 0.1.2':>13}{'roofline':>10}")
+    print(
+        f"\nHBM copy {hw.get('hbm_copy_gb_s', 0):.0f} GB/s, PCIe H2D {hw.get('pcie_h2d_gb_s', 0):.1f} GB/s; a decode "
+        f"token reads {need['bytes'] / 1e9:.2f} GB -> HBM roofline {roof_ms or 0:.2f} ms/token"
+    )
+    print(
+        f"{'run':<34}{'tok/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'worker ms':>11}{'engine ms':>11}{'vs eager':>10}"
+        f"{'vs FT 0.1.2':>13}{'roofline':>10}"
+    )
     e = runs.get("eager")
 
     def line(name, r, base=None, ft=None, roof=True):
-        cells = [f"{r['tok_s']:.1f}", f"{r['itl_ms_p50']:.2f}", f"{r['itl_ms_p99']:.2f}" if "itl_ms_p99" in r else "-",
-                 f"{r['worker_ms_per_step']:.2f}" if "worker_ms_per_step" in r else "-",
-                 f"{r['engine_ms_per_step']:.2f}" if "engine_ms_per_step" in r else "-",
-                 f"{r['tok_s'] / base:.2f}x" if base else "-", f"{r['tok_s'] / ft:.2f}x" if ft else "-",
-                 f"{roof_ms * r['tok_s'] / 1e3:.2f}" if roof and roof_ms else "-"]
+        cells = [
+            f"{r['tok_s']:.1f}",
+            f"{r['itl_ms_p50']:.2f}",
+            f"{r['itl_ms_p99']:.2f}" if "itl_ms_p99" in r else "-",
+            f"{r['worker_ms_per_step']:.2f}" if "worker_ms_per_step" in r else "-",
+            f"{r['engine_ms_per_step']:.2f}" if "engine_ms_per_step" in r else "-",
+            f"{r['tok_s'] / base:.2f}x" if base else "-",
+            f"{r['tok_s'] / ft:.2f}x" if ft else "-",
+            f"{roof_ms * r['tok_s'] / 1e3:.2f}" if roof and roof_ms else "-",
+        ]
         print(f"{name:<34}" + "".join(f"{c:>{w}}" for c, w in zip(cells, (10, 9, 9, 11, 11, 10, 13, 10))))
 
     line("resident, 1 stream, graphs", g["bs1"], e and e["bs1"]["tok_s"], FREETOKEN_012["resident_bs1"])
@@ -294,10 +330,12 @@ def print_resident(runs: dict, hw: dict, need: dict, roof_ms) -> None:
     if e:
         line(f"resident, {e['many']['streams']} streams, eager", e["many"], roof=False)
     b = g["bs1"]
-    print(f"per token at 1 stream: HTTP gap {b['http_ms_per_token']:.2f} ms, engine iteration "
-          f"{b['engine_ms_per_step']:.2f} ms, worker step {b['worker_ms_per_step']:.2f} ms -> HTTP path "
-          f"{b['http_ms_per_token'] - b['engine_ms_per_step']:.2f} ms, engine outside the worker "
-          f"{b['engine_ms_per_step'] - b['worker_ms_per_step']:.2f} ms")
+    print(
+        f"per token at 1 stream: HTTP gap {b['http_ms_per_token']:.2f} ms, engine iteration "
+        f"{b['engine_ms_per_step']:.2f} ms, worker step {b['worker_ms_per_step']:.2f} ms -> HTTP path "
+        f"{b['http_ms_per_token'] - b['engine_ms_per_step']:.2f} ms, engine outside the worker "
+        f"{b['engine_ms_per_step'] - b['worker_ms_per_step']:.2f} ms"
+    )
     for k, name in (("prefill_dummy_router", "dummy router"), ("prefill_uniform", "uniform routing")):
         if k in g:
             print(f"prefill {g[k]['prompt_tokens']} tokens, {name}: {g[k]['tok_s']:.0f} tok/s")
@@ -306,14 +344,22 @@ def print_resident(runs: dict, hw: dict, need: dict, roof_ms) -> None:
 def print_offload(off: dict, hw: dict, need: dict) -> None:
     if True:
         pcie = hw.get("pcie_h2d_gb_s", 55.0) * 1e9
-        print(f"\n{'offload, cache ' + str(off['cache_size']):<34}{'tok/s':>10}{'hit rate':>10}{'miss/tok':>10}"
-              f"{'PCIe floor ms':>15}{'floor/ITL':>11}{'vs FT all-hit':>15}")
+        print(
+            f"\n{'offload, cache ' + str(off['cache_size']):<34}{'tok/s':>10}{'hit rate':>10}{'miss/tok':>10}"
+            f"{'PCIe floor ms':>15}{'floor/ITL':>11}{'vs FT all-hit':>15}"
+        )
         for mode in ("zipf", "uniform", "hot"):
             r = off[mode]
             floor = r["misses_per_token"] * need["expert_bytes"] / pcie * 1e3
             hr = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
-            cells = [f"{r['tok_s']:.1f}", hr, f"{r['misses_per_token']:.1f}", f"{floor:.2f}",
-                     f"{floor / r['http_ms_per_token']:.2f}", f"{r['tok_s'] / FREETOKEN_012['offload_all_hit_bs1']:.2f}x"]
+            cells = [
+                f"{r['tok_s']:.1f}",
+                hr,
+                f"{r['misses_per_token']:.1f}",
+                f"{floor:.2f}",
+                f"{floor / r['http_ms_per_token']:.2f}",
+                f"{r['tok_s'] / FREETOKEN_012['offload_all_hit_bs1']:.2f}x",
+            ]
             print(f"{mode + ' routing':<34}" + "".join(f"{c:>{w}}" for c, w in zip(cells, (10, 10, 10, 15, 11, 15))))
 
 

@@ -56,8 +56,11 @@ def run_one(label: str, serve_args: list[str], env: dict, a) -> dict:
         tokens = len(dec["gaps"]) + 1
         row["misses_per_token"] = misses / tokens
         log = srv.log()
-        row["log_excerpt"] = [ln for ln in log.splitlines() if any(
-            k in ln for k in ("Resolved config", "Expert offload", "Expert cache", "moe-cache-auto", "WARNING"))]
+        row["log_excerpt"] = [
+            ln
+            for ln in log.splitlines()
+            if any(k in ln for k in ("Resolved config", "Expert offload", "Expert cache", "moe-cache-auto", "WARNING"))
+        ]
     finally:
         row["exit_code"] = srv.stop()
     return row
@@ -95,14 +98,30 @@ def main() -> int:
         with open(a.out, "w") as f:  # after every run: a later run that times out keeps the earlier ones
             json.dump({"routing": a.routing, "expert_bytes": eb, "pcie_gb_s": a.pcie_gb_s, "runs": runs}, f, indent=2)
     print(f"routing={a.routing}, expert {eb / 2**20:.1f} MiB, PCIe {a.pcie_gb_s:g} GB/s")
-    hdr = ("run", "start s", "prefill tok/s", "decode tok/s", "vs fused", "hit rate", "miss/tok", "PCIe floor ms",
-           "floor/ITL")
+    hdr = (
+        "run",
+        "start s",
+        "prefill tok/s",
+        "decode tok/s",
+        "vs fused",
+        "hit rate",
+        "miss/tok",
+        "PCIe floor ms",
+        "floor/ITL",
+    )
     print("".join(f"{h:>14}" if i else f"{h:<24}" for i, h in enumerate(hdr)))
     for r in runs:
-        cells = [r["label"], f"{r['startup_s']:.1f}", f"{r['prefill_tok_s']:.0f}", f"{r['decode_tok_s']:.1f}",
-                 "-" if r["decode_vs_baseline"] is None else f"{r['decode_vs_baseline']:.2f}",
-                 "-" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}", f"{r['misses_per_token']:.1f}",
-                 f"{r['pcie_floor_ms_per_token']:.2f}", f"{r['pcie_share_of_itl']:.2f}"]
+        cells = [
+            r["label"],
+            f"{r['startup_s']:.1f}",
+            f"{r['prefill_tok_s']:.0f}",
+            f"{r['decode_tok_s']:.1f}",
+            "-" if r["decode_vs_baseline"] is None else f"{r['decode_vs_baseline']:.2f}",
+            "-" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}",
+            f"{r['misses_per_token']:.1f}",
+            f"{r['pcie_floor_ms_per_token']:.2f}",
+            f"{r['pcie_share_of_itl']:.2f}",
+        ]
         print("".join(f"{c:>14}" if i else f"{c:<24}" for i, c in enumerate(cells)))
     return 0
 

@@ -26,7 +26,9 @@ def workload(groups: int, questions: int, prefix_words: int) -> list[list[dict]]
     for g in range(groups):
         system = f"Group {g} policy. " + " ".join(f"rule{g}_{i} applies" for i in range(prefix_words // 2))
         for q in range(questions):
-            reqs.append([{"role": "system", "content": system}, {"role": "user", "content": f"Question {q}: summarise."}])
+            reqs.append(
+                [{"role": "system", "content": system}, {"role": "user", "content": f"Question {q}: summarise."}]
+            )
     return reqs
 
 
@@ -34,8 +36,13 @@ def run(srv: ServerProcess, reqs: list[list[dict]], max_tokens: int) -> dict:
     ttfts, cached, prompt = [], 0, 0
     t0 = time.perf_counter()
     for messages in reqs:  # sequential: TTFT then measures prefill, not queueing
-        body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         start, first = time.perf_counter(), None
         with requests.post(srv.url + "/v1/chat/completions", json=body, stream=True, timeout=600) as r:
             for line in r.iter_lines():
@@ -48,9 +55,15 @@ def run(srv: ServerProcess, reqs: list[list[dict]], max_tokens: int) -> dict:
                     prompt += ev["usage"]["prompt_tokens"]
                     cached += (ev["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         ttfts.append((first or time.perf_counter()) - start)
-    return {"requests": len(reqs), "prompt_tokens": prompt, "cached_tokens": cached,
-            "cached_fraction": cached / max(prompt, 1), "mean_ttft_s": statistics.mean(ttfts),
-            "p50_ttft_s": statistics.median(ttfts), "total_s": time.perf_counter() - t0}
+    return {
+        "requests": len(reqs),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "cached_fraction": cached / max(prompt, 1),
+        "mean_ttft_s": statistics.mean(ttfts),
+        "p50_ttft_s": statistics.median(ttfts),
+        "total_s": time.perf_counter() - t0,
+    }
 
 
 def main() -> int:
@@ -80,8 +93,10 @@ def main() -> int:
     print(f"{'cache':<8}{'requests':>9}{'prompt tok':>12}{'cached':>9}{'mean TTFT s':>13}{'total s':>9}")
     for cache in ("radix", "naive"):
         r = results[cache]
-        print(f"{cache:<8}{r['requests']:>9}{r['prompt_tokens']:>12}{r['cached_fraction']:>9.1%}"
-              f"{r['mean_ttft_s']:>13.3f}{r['total_s']:>9.1f}")
+        print(
+            f"{cache:<8}{r['requests']:>9}{r['prompt_tokens']:>12}{r['cached_fraction']:>9.1%}"
+            f"{r['mean_ttft_s']:>13.3f}{r['total_s']:>9.1f}"
+        )
     print(f"TTFT speed-up from the radix cache: {results['ttft_speedup']:.2f}x")
     return 0
 

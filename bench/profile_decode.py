@@ -37,9 +37,19 @@ def worker_args(serve_args: list[str]) -> dict:
 
 
 def one_seq(tokens: list[int], prefix: int, state_slot: int) -> StepPlan:
-    return StepPlan.build([{"tokens": tokens, "prefix_len": prefix, "row": 0, "table_from": prefix,
-                            "table_slots": list(range(prefix, prefix + len(tokens))), "state_slot": state_slot,
-                            "sample": {"temperature": 0.0}}])
+    return StepPlan.build(
+        [
+            {
+                "tokens": tokens,
+                "prefix_len": prefix,
+                "row": 0,
+                "table_from": prefix,
+                "table_slots": list(range(prefix, prefix + len(tokens))),
+                "state_slot": state_slot,
+                "sample": {"temperature": 0.0},
+            }
+        ]
+    )
 
 
 def main() -> int:
@@ -95,27 +105,44 @@ def main() -> int:
 
     def rows(attr):
         top = sorted(ka, key=lambda e: getattr(e, attr, 0), reverse=True)[: a.top]
-        return [{"op": e.key, "calls_per_step": e.count / a.profile_steps,
-                 "self_cpu_ms_per_step": e.self_cpu_time_total / 1e3 / a.profile_steps,
-                 "self_device_ms_per_step": getattr(e, dev_attr, 0) / 1e3 / a.profile_steps} for e in top]
+        return [
+            {
+                "op": e.key,
+                "calls_per_step": e.count / a.profile_steps,
+                "self_cpu_ms_per_step": e.self_cpu_time_total / 1e3 / a.profile_steps,
+                "self_device_ms_per_step": getattr(e, dev_attr, 0) / 1e3 / a.profile_steps,
+            }
+            for e in top
+        ]
 
     by_cpu, by_dev = rows("self_cpu_time_total"), rows(dev_attr)
     device_ms = sum(getattr(e, dev_attr, 0) for e in ka) / 1e3 / a.profile_steps
-    result = {"serve_args": a.serve_args, "graph_step_ms": graph_ms, "step_ms": step_ms, "tok_s": 1e3 / step_ms,
-              "device_busy_ms_per_step": device_ms, "by_self_cpu": by_cpu, "by_device": by_dev}
+    result = {
+        "serve_args": a.serve_args,
+        "graph_step_ms": graph_ms,
+        "step_ms": step_ms,
+        "tok_s": 1e3 / step_ms,
+        "device_busy_ms_per_step": device_ms,
+        "by_self_cpu": by_cpu,
+        "by_device": by_dev,
+    }
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=2)
     if graph_ms is not None:
         print(f"decode step from the CUDA graph {graph_ms:.2f} ms ({1e3 / graph_ms:.1f} tok/s)")
-    print(f"decode step eager {step_ms:.2f} ms ({1e3 / step_ms:.1f} tok/s); device busy {device_ms:.2f} ms/step "
-          f"(profiled eagerly: the same kernels the graph replays, plus the launches)")
+    print(
+        f"decode step eager {step_ms:.2f} ms ({1e3 / step_ms:.1f} tok/s); device busy {device_ms:.2f} ms/step "
+        f"(profiled eagerly: the same kernels the graph replays, plus the launches)"
+    )
     for title, table in (("self CPU", by_cpu), ("device", by_dev)):
         print(f"\ntop by {title} time (ms per step):")
         print(f"{'op':<60}{'calls':>8}{'cpu ms':>10}{'dev ms':>10}")
         for r in table:
-            print(f"{r['op'][:59]:<60}{r['calls_per_step']:>8.0f}{r['self_cpu_ms_per_step']:>10.3f}"
-                  f"{r['self_device_ms_per_step']:>10.3f}")
+            print(
+                f"{r['op'][:59]:<60}{r['calls_per_step']:>8.0f}{r['self_cpu_ms_per_step']:>10.3f}"
+                f"{r['self_device_ms_per_step']:>10.3f}"
+            )
     return 0
 
 

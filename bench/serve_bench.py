@@ -23,8 +23,10 @@ import requests
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from server_harness import ServerProcess  # noqa: E402
 
-WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
-         "upsilon phi chi psi omega").split()
+WORDS = (
+    "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
+    "upsilon phi chi psi omega"
+).split()
 
 
 def long_prompt(n_words: int) -> str:
@@ -33,8 +35,14 @@ def long_prompt(n_words: int) -> str:
 
 def stream_completion(url: str, prompt: str, max_tokens: int, timeout: float = 600) -> dict:
     """One streaming /v1/completions request; returns TTFT, the inter-token gaps and usage."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     stamps, usage, error = [], None, None
     with requests.post(url + "/v1/completions", json=body, stream=True, timeout=timeout) as r:
@@ -59,10 +67,16 @@ def main() -> int:
     ap.add_argument("--out", default="bench/out/serve.json")
     ap.add_argument("--prefill-words", type=int, default=10000)
     ap.add_argument("--decode-tokens", type=int, default=128)
-    ap.add_argument("--max-length-words", type=int, default=0,
-                    help="also prefill a prompt of this many words (near the context limit) and compare the "
-                         "largest step workspace with the memory plan's")
-    ap.add_argument("--oom-check", action="store_true", help="FREETOKEN_FAULT=oom@2 is set: the first long prefill must fail alone")
+    ap.add_argument(
+        "--max-length-words",
+        type=int,
+        default=0,
+        help="also prefill a prompt of this many words (near the context limit) and compare the "
+        "largest step workspace with the memory plan's",
+    )
+    ap.add_argument(
+        "--oom-check", action="store_true", help="FREETOKEN_FAULT=oom@2 is set: the first long prefill must fail alone"
+    )
     ap.add_argument("serve_args", nargs=argparse.REMAINDER)
     a = ap.parse_args()
     serve_args = [x for x in a.serve_args if x != "--"]
@@ -76,16 +90,22 @@ def main() -> int:
             failed = stream_completion(srv.url, prompt, 4)
             health = srv.get("/health").status_code
             ok = stream_completion(srv.url, "Hello", 4)
-            result["oom_check"] = {"first_long_prefill": failed.get("error"), "health_after": health,
-                                   "next_request_ok": "error" not in ok}
+            result["oom_check"] = {
+                "first_long_prefill": failed.get("error"),
+                "health_after": health,
+                "next_request_ok": "error" not in ok,
+            }
         warm = stream_completion(srv.url, prompt[: len(prompt) // 4], 2)  # warm-up (what JIT the dry run left)
         if "error" in warm:
             raise RuntimeError(f"warm-up failed: {warm}")
         result["first_request_ttft_s"] = warm["ttft_s"]
         pre = stream_completion(srv.url, prompt + " final", 2)
         prompt_tokens = pre["usage"]["prompt_tokens"]
-        result["prefill"] = {"prompt_tokens": prompt_tokens, "ttft_s": pre["ttft_s"],
-                             "tokens_per_s": prompt_tokens / pre["ttft_s"]}
+        result["prefill"] = {
+            "prompt_tokens": prompt_tokens,
+            "ttft_s": pre["ttft_s"],
+            "tokens_per_s": prompt_tokens / pre["ttft_s"],
+        }
         dec = stream_completion(srv.url, "Count slowly:", a.decode_tokens)
         itl = statistics.median(dec["gaps"])
         result["decode_bs1"] = {"tokens": len(dec["gaps"]) + 1, "median_itl_ms": itl * 1e3, "tokens_per_s": 1 / itl}
@@ -95,13 +115,15 @@ def main() -> int:
             full = stream_completion(srv.url, long_prompt(a.max_length_words), 2)
             stats = srv.get("/v1/stats").json()
             result["max_length_prefill"] = {
-                "prompt_tokens": (full.get("usage") or {}).get("prompt_tokens"), "error": full.get("error"),
+                "prompt_tokens": (full.get("usage") or {}).get("prompt_tokens"),
+                "error": full.get("error"),
                 "ttft_s": full.get("ttft_s"),
                 "planned_workspace_bytes": stats.get("planned_workspace_bytes"),
-                "max_step_workspace_bytes": stats.get("max_step_workspace_bytes")}
+                "max_step_workspace_bytes": stats.get("max_step_workspace_bytes"),
+            }
         log = srv.log()
         result["log_tail"] = log[-3000:]
-        result["memory_plan_table"] = log[log.find("Memory plan"):][:1500] if "Memory plan" in log else None
+        result["memory_plan_table"] = log[log.find("Memory plan") :][:1500] if "Memory plan" in log else None
     finally:
         code = srv.stop()
     result["exit_code"] = code

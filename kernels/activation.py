@@ -57,7 +57,13 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
         return out
     block_i = min(1024, triton.next_power_of_2(I))
     _silu_and_mul_kernel[(T, triton.cdiv(I, block_i))](
-        x2, out, I, x2.stride(0), I, BLOCK_I=block_i, num_warps=4 if block_i >= 512 else 1 if block_i <= 128 else 2,
+        x2,
+        out,
+        I,
+        x2.stride(0),
+        I,
+        BLOCK_I=block_i,
+        num_warps=4 if block_i >= 512 else 1 if block_i <= 128 else 2,
     )
     return out
 

@@ -79,12 +79,31 @@ if triton is not None:
 
     @triton.jit
     def _extend_kernel(
-        Q, K, V, O, req_to_token, rows_ptr, cu_ptr, prefix_ptr,
+        Q,
+        K,
+        V,
+        O,
+        req_to_token,
+        rows_ptr,
+        cu_ptr,
+        prefix_ptr,
         sm_scale,
-        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_rt,
-        D, DV,
+        stride_qt,
+        stride_qh,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_ot,
+        stride_oh,
+        stride_rt,
+        D,
+        DV,
         GROUP: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_DV: tl.constexpr,
         PREC: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
@@ -116,7 +135,8 @@ if triton is not None:
                 slot = tl.load(req_to_token + row * stride_rt + offs_n, mask=n_mask, other=0).to(tl.int64)
                 k = tl.load(
                     K + slot[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
-                    mask=n_mask[None, :] & d_mask[:, None], other=0.0,
+                    mask=n_mask[None, :] & d_mask[:, None],
+                    other=0.0,
                 )
                 s = tl.dot(q, k, input_precision=PREC) * qk_scale
                 visible = (offs_n[None, :] <= qpos[:, None]) & n_mask[None, :]
@@ -128,7 +148,8 @@ if triton is not None:
                 l_i = l_i * alpha + tl.sum(p, 1)
                 v = tl.load(
                     V + slot[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :],
-                    mask=n_mask[:, None] & dv_mask[None, :], other=0.0,
+                    mask=n_mask[:, None] & dv_mask[None, :],
+                    other=0.0,
                 )
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
                 m_i = m_new
@@ -139,13 +160,35 @@ if triton is not None:
 
     @triton.jit
     def _decode_stage1_kernel(
-        Q, K, V, MidO, MidL, req_to_token, rows_ptr, ctx_ptr,
+        Q,
+        K,
+        V,
+        MidO,
+        MidL,
+        req_to_token,
+        rows_ptr,
+        ctx_ptr,
         sm_scale,
-        stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-        stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_rt,
-        D, DV, NUM_SPLITS,
+        stride_qb,
+        stride_qh,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_mob,
+        stride_moh,
+        stride_mos,
+        stride_mlb,
+        stride_mlh,
+        stride_rt,
+        D,
+        DV,
+        NUM_SPLITS,
         GROUP: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_DV: tl.constexpr,
         PREC: tl.constexpr,
     ):
         b = tl.program_id(0)
@@ -165,7 +208,8 @@ if triton is not None:
         dv_mask = offs_dv < DV
         q = tl.load(
             Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-            mask=g_mask[:, None] & d_mask[None, :], other=0.0,
+            mask=g_mask[:, None] & d_mask[None, :],
+            other=0.0,
         ).to(K.dtype.element_ty)
         qk_scale = sm_scale * 1.4426950408889634
         m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
@@ -177,7 +221,8 @@ if triton is not None:
             slot = tl.load(req_to_token + row * stride_rt + offs_n, mask=n_mask, other=0).to(tl.int64)
             k = tl.load(
                 K + slot[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
-                mask=n_mask[None, :] & d_mask[:, None], other=0.0,
+                mask=n_mask[None, :] & d_mask[:, None],
+                other=0.0,
             )
             s = tl.dot(q, k, input_precision=PREC) * qk_scale
             s = tl.where(n_mask[None, :], s, float("-inf"))
@@ -188,7 +233,8 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(
                 V + slot[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :],
-                mask=n_mask[:, None] & dv_mask[None, :], other=0.0,
+                mask=n_mask[:, None] & dv_mask[None, :],
+                other=0.0,
             )
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
             m_i = m_new
@@ -201,10 +247,24 @@ if triton is not None:
 
     @triton.jit
     def _decode_stage2_kernel(
-        MidO, MidL, O, Gate,
-        stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh, stride_gb, stride_gh,
-        DV, NUM_SPLITS,
-        BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_GATE: tl.constexpr,
+        MidO,
+        MidL,
+        O,
+        Gate,
+        stride_mob,
+        stride_moh,
+        stride_mos,
+        stride_mlb,
+        stride_mlh,
+        stride_ob,
+        stride_oh,
+        stride_gb,
+        stride_gh,
+        DV,
+        NUM_SPLITS,
+        BLOCK_S: tl.constexpr,
+        BLOCK_DV: tl.constexpr,
+        HAS_GATE: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -218,7 +278,8 @@ if triton is not None:
         w = tl.where(s_mask, w, 0.0)
         o = tl.load(
             MidO + b * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos + offs_dv[None, :],
-            mask=s_mask[:, None] & dv_mask[None, :], other=0.0,
+            mask=s_mask[:, None] & dv_mask[None, :],
+            other=0.0,
         )
         out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
         if HAS_GATE:
@@ -255,13 +316,34 @@ def extend_attention_triton(
         block_m = 16
     grid = (triton.cdiv(max_extend_len, block_m), B, nh)
     _extend_kernel[grid](
-        q, k_cache, v_cache, out, req_to_token, rows, cu_seqlens, prefix_lens,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        req_to_token,
+        rows,
+        cu_seqlens,
+        prefix_lens,
         float(scale),
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        out.stride(0), out.stride(1), req_to_token.stride(0),
-        D, DV,
-        GROUP=nh // nkv, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=bd, BLOCK_DV=bdv, PREC=_prec(k_cache.dtype),
-        num_warps=4 if block_m <= 32 else 8 if bd > 128 else 4, num_stages=2,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        out.stride(0),
+        out.stride(1),
+        req_to_token.stride(0),
+        D,
+        DV,
+        GROUP=nh // nkv,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=bd,
+        BLOCK_DV=bdv,
+        PREC=_prec(k_cache.dtype),
+        num_warps=4 if block_m <= 32 else 8 if bd > 128 else 4,
+        num_stages=2,
     )
     return out
 
@@ -275,8 +357,9 @@ def pick_num_kv_splits(batch_size: int, num_kv_heads: int, max_context: int) -> 
     return 1 << (s.bit_length() - 1)
 
 
-def decode_attention_triton(q, k_cache, v_cache, req_to_token, rows, context_lens, scale, num_kv_splits: int = 8, out=None,
-                            gate=None):
+def decode_attention_triton(
+    q, k_cache, v_cache, req_to_token, rows, context_lens, scale, num_kv_splits: int = 8, out=None, gate=None
+):
     """Triton split-K ``decode``; same contract as ``decode_attention_torch``. ``gate`` may be a strided view (its
     last dim contiguous), e.g. the gate half of a ``[B, nh, 2D]`` projection."""
     B, nh, D = q.shape
@@ -293,23 +376,61 @@ def decode_attention_triton(q, k_cache, v_cache, req_to_token, rows, context_len
     bd, bdv = triton.next_power_of_2(D), triton.next_power_of_2(DV)
     block_n = 32 if max(bd, bdv) > 128 or k_cache.dtype == torch.float32 else 64
     _decode_stage1_kernel[(B, nkv, S)](
-        q, k_cache, v_cache, mid_o, mid_l, req_to_token, rows, context_lens,
+        q,
+        k_cache,
+        v_cache,
+        mid_o,
+        mid_l,
+        req_to_token,
+        rows,
+        context_lens,
         float(scale),
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_l.stride(0), mid_l.stride(1), req_to_token.stride(0),
-        D, DV, S,
-        GROUP=G, BLOCK_H=max(16, triton.next_power_of_2(G)), BLOCK_N=block_n, BLOCK_D=bd,
-        BLOCK_DV=bdv, PREC=_prec(k_cache.dtype), num_warps=4, num_stages=2,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_l.stride(0),
+        mid_l.stride(1),
+        req_to_token.stride(0),
+        D,
+        DV,
+        S,
+        GROUP=G,
+        BLOCK_H=max(16, triton.next_power_of_2(G)),
+        BLOCK_N=block_n,
+        BLOCK_D=bd,
+        BLOCK_DV=bdv,
+        PREC=_prec(k_cache.dtype),
+        num_warps=4,
+        num_stages=2,
     )
     if gate is not None:
         assert gate.shape == out.shape and gate.stride(-1) == 1, "the gate is [B, nh, Dv] with a contiguous last dim"
     g = out if gate is None else gate  # a placeholder the kernel never reads without HAS_GATE
     _decode_stage2_kernel[(B, nh)](
-        mid_o, mid_l, out, g,
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_l.stride(0), mid_l.stride(1), out.stride(0), out.stride(1),
-        g.stride(0), g.stride(1),
-        DV, S,
-        BLOCK_S=triton.next_power_of_2(S), BLOCK_DV=bdv, HAS_GATE=gate is not None,
+        mid_o,
+        mid_l,
+        out,
+        g,
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_l.stride(0),
+        mid_l.stride(1),
+        out.stride(0),
+        out.stride(1),
+        g.stride(0),
+        g.stride(1),
+        DV,
+        S,
+        BLOCK_S=triton.next_power_of_2(S),
+        BLOCK_DV=bdv,
+        HAS_GATE=gate is not None,
     )
     return out
 
@@ -333,8 +454,10 @@ class TritonAttention(AttentionBackend):
         kc, vc = batch.kv.k[kv_layer], batch.kv.v[kv_layer]
         q = q.contiguous()
         if batch.is_decode:
-            S = self.num_kv_splits or batch.num_kv_splits or pick_num_kv_splits(
-                batch.num_seqs, kc.shape[1], max(batch.context_lens_cpu, default=1)
+            S = (
+                self.num_kv_splits
+                or batch.num_kv_splits
+                or pick_num_kv_splits(batch.num_seqs, kc.shape[1], max(batch.context_lens_cpu, default=1))
             )
             if gate is not None and gate.stride(-1) != 1:
                 gate = gate.contiguous()
@@ -342,7 +465,14 @@ class TritonAttention(AttentionBackend):
                 q, kc, vc, batch.kv.req_to_token, batch.rows, batch.context_lens, scale, num_kv_splits=S, gate=gate
             )
         out = extend_attention_triton(
-            q, kc, vc, batch.kv.req_to_token, batch.rows, batch.cu_seqlens, batch.prefix_lens, scale,
+            q,
+            kc,
+            vc,
+            batch.kv.req_to_token,
+            batch.rows,
+            batch.cu_seqlens,
+            batch.prefix_lens,
+            scale,
             max_extend_len=max(batch.extend_lens_cpu, default=1),
         )
         return gate_output(out, gate)

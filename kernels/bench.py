@@ -1,6 +1,6 @@
 """Quick timing of the Triton kernels against their torch references at Qwen3.6-35B-A3B / Qwen3-30B-A3B shapes.
 
-    PYTHONPATH=python python -m freetoken.kernels.bench      (CUDA only)
+PYTHONPATH=python python -m freetoken.kernels.bench      (CUDA only)
 """
 
 from __future__ import annotations
@@ -41,7 +41,10 @@ def bench_moe():
 
 def bench_attention():
     from freetoken.kernels.attention import (
-        decode_attention_triton, extend_attention_triton, pick_num_kv_splits, extend_attention_torch,
+        decode_attention_triton,
+        extend_attention_torch,
+        extend_attention_triton,
+        pick_num_kv_splits,
     )
 
     print("attention (bf16)    shape                         triton_us   torch_us")
@@ -69,8 +72,14 @@ def bench_attention():
             pl = torch.tensor([pre], device="cuda", dtype=torch.int32)
             t = _time(lambda: extend_attention_triton(q, kc, vc, r2t, rows, cu, pl, D**-0.5, max_extend_len=n), 5)
             flops = 4 * nh * D * n * (pre + n / 2)
-            t2 = _time(lambda: extend_attention_torch(q, kc, vc, r2t, rows, cu, pl, D**-0.5), 2) if n <= 2048 else float("nan")
-            print(f"  extend nh{nh} D{D} n{n} prefix{pre}   {t:9.1f}  {t2:9.1f}   {flops / (t * 1e-6) / 1e12:5.0f} TFLOP/s")
+            t2 = (
+                _time(lambda: extend_attention_torch(q, kc, vc, r2t, rows, cu, pl, D**-0.5), 2)
+                if n <= 2048
+                else float("nan")
+            )
+            print(
+                f"  extend nh{nh} D{D} n{n} prefix{pre}   {t:9.1f}  {t2:9.1f}   {flops / (t * 1e-6) / 1e12:5.0f} TFLOP/s"
+            )
 
 
 if __name__ == "__main__":

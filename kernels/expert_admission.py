@@ -44,8 +44,17 @@ def _empty_result(T: int, k: int, device):
     return empty.view(T, k), empty, empty, torch.zeros((), dtype=torch.int64, device=device)
 
 
-def admit_experts_torch(slot_of, owner, stamp, clock, counts, topk_ids: torch.Tensor, layer: int, num_experts: int,
-                        num_valid_tokens: Optional[torch.Tensor] = None):
+def admit_experts_torch(
+    slot_of,
+    owner,
+    stamp,
+    clock,
+    counts,
+    topk_ids: torch.Tensor,
+    layer: int,
+    num_experts: int,
+    num_valid_tokens: Optional[torch.Tensor] = None,
+):
     """Reference admission; see the module docstring."""
     T, k = topk_ids.shape
     P, S, E, dev = T * k, owner.numel() - 1, num_experts, slot_of.device
@@ -94,12 +103,26 @@ if triton is not None:
 
     @triton.jit
     def _admit_kernel(
-        ids_ptr, num_valid_ptr,  # [P] routed expert ids (row-major [T, k]); [1] valid rows (if HAS_VALID)
-        slot_of_ptr, owner_ptr, stamp_ptr, clock_ptr, counts_ptr,  # cache state, updated in place
-        slot_ids_ptr, job_src_ptr, job_dst_ptr, num_jobs_ptr,  # outputs
+        ids_ptr,
+        num_valid_ptr,  # [P] routed expert ids (row-major [T, k]); [1] valid rows (if HAS_VALID)
+        slot_of_ptr,
+        owner_ptr,
+        stamp_ptr,
+        clock_ptr,
+        counts_ptr,  # cache state, updated in place
+        slot_ids_ptr,
+        job_src_ptr,
+        job_dst_ptr,
+        num_jobs_ptr,  # outputs
         miss_expert_ptr,  # [P] scratch: the expert of each first-occurrence miss, -1 elsewhere
-        layer_base, P, S,
-        K: tl.constexpr, HAS_VALID: tl.constexpr, PB: tl.constexpr, JB: tl.constexpr, SB: tl.constexpr,
+        layer_base,
+        P,
+        S,
+        K: tl.constexpr,
+        HAS_VALID: tl.constexpr,
+        PB: tl.constexpr,
+        JB: tl.constexpr,
+        SB: tl.constexpr,
     ):
         # One program: every decision depends on all P pairs and on the whole pool's stamps. The pairwise compares
         # run in [PB, JB] tiles (columns reloaded from memory) to bound registers. tl.debug_barrier (bar.sync)
@@ -174,8 +197,17 @@ if triton is not None:
         tl.store(slot_ids_ptr + offs, tl.where(valid, slot, 0).to(tl.int64), mask=in_range)
 
 
-def admit_experts_triton(slot_of, owner, stamp, clock, counts, topk_ids: torch.Tensor, layer: int,
-                         num_experts: int, num_valid_tokens: Optional[torch.Tensor] = None):
+def admit_experts_triton(
+    slot_of,
+    owner,
+    stamp,
+    clock,
+    counts,
+    topk_ids: torch.Tensor,
+    layer: int,
+    num_experts: int,
+    num_valid_tokens: Optional[torch.Tensor] = None,
+):
     """Same contract as ``admit_experts_torch``, one kernel launch. Works on CUDA, or on CPU under
     TRITON_INTERPRET=1."""
     assert triton is not None, "triton is not installed"
@@ -194,8 +226,26 @@ def admit_experts_triton(slot_of, owner, stamp, clock, counts, topk_ids: torch.T
     miss_expert = torch.empty(P, dtype=torch.int32, device=dev)
     pb = triton.next_power_of_2(P)
     _admit_kernel[(1,)](
-        ids, num_valid_tokens if num_valid_tokens is not None else ids, slot_of, owner, stamp, clock, counts,
-        slot_ids, job_src, job_dst, num_jobs, miss_expert, layer * num_experts, P, S,
-        K=k, HAS_VALID=num_valid_tokens is not None, PB=pb, JB=min(pb, PAIR_TILE), SB=SLOT_BLOCK, num_warps=4,
+        ids,
+        num_valid_tokens if num_valid_tokens is not None else ids,
+        slot_of,
+        owner,
+        stamp,
+        clock,
+        counts,
+        slot_ids,
+        job_src,
+        job_dst,
+        num_jobs,
+        miss_expert,
+        layer * num_experts,
+        P,
+        S,
+        K=k,
+        HAS_VALID=num_valid_tokens is not None,
+        PB=pb,
+        JB=min(pb, PAIR_TILE),
+        SB=SLOT_BLOCK,
+        num_warps=4,
     )
     return slot_ids.view(T, k), job_src, job_dst, num_jobs

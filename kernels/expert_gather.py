@@ -53,12 +53,21 @@ if triton is not None:
 
     @triton.jit
     def _gather_experts_kernel(
-        bank_gu_ptr, bank_d_ptr,  # [E, 2I, H], [E, H, I]: host memory on CUDA (read through UVA)
-        pool_gu_ptr, pool_d_ptr,  # [S, 2I, H], [S, H, I]
-        job_src_ptr, job_dst_ptr, num_jobs_ptr,
-        gu_numel, d_numel,  # elements of one expert's gate_up / down
-        stride_bank_gu, stride_bank_d, stride_pool_gu, stride_pool_d,
-        CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+        bank_gu_ptr,
+        bank_d_ptr,  # [E, 2I, H], [E, H, I]: host memory on CUDA (read through UVA)
+        pool_gu_ptr,
+        pool_d_ptr,  # [S, 2I, H], [S, H, I]
+        job_src_ptr,
+        job_dst_ptr,
+        num_jobs_ptr,
+        gu_numel,
+        d_numel,  # elements of one expert's gate_up / down
+        stride_bank_gu,
+        stride_bank_d,
+        stride_pool_gu,
+        stride_pool_d,
+        CHUNK: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         job = tl.program_id(0)
         chunk = tl.program_id(1)
@@ -67,15 +76,28 @@ if triton is not None:
             s = tl.load(job_dst_ptr + job).to(tl.int64)
             gu_chunks = tl.cdiv(gu_numel, CHUNK)
             if chunk < gu_chunks:
-                _copy_chunk(bank_gu_ptr + e * stride_bank_gu, pool_gu_ptr + s * stride_pool_gu, chunk * CHUNK,
-                            gu_numel, CHUNK, BLOCK)
+                _copy_chunk(
+                    bank_gu_ptr + e * stride_bank_gu,
+                    pool_gu_ptr + s * stride_pool_gu,
+                    chunk * CHUNK,
+                    gu_numel,
+                    CHUNK,
+                    BLOCK,
+                )
             else:
-                _copy_chunk(bank_d_ptr + e * stride_bank_d, pool_d_ptr + s * stride_pool_d,
-                            (chunk - gu_chunks) * CHUNK, d_numel, CHUNK, BLOCK)
+                _copy_chunk(
+                    bank_d_ptr + e * stride_bank_d,
+                    pool_d_ptr + s * stride_pool_d,
+                    (chunk - gu_chunks) * CHUNK,
+                    d_numel,
+                    CHUNK,
+                    BLOCK,
+                )
 
 
-def gather_experts_triton(bank_gate_up, bank_down, pool_gate_up, pool_down, job_src, job_dst, num_jobs,
-                          chunk: int = 16384, block: int = 2048) -> None:
+def gather_experts_triton(
+    bank_gate_up, bank_down, pool_gate_up, pool_down, job_src, job_dst, num_jobs, chunk: int = 16384, block: int = 2048
+) -> None:
     """Same contract as ``gather_experts_torch``; rows past ``num_jobs`` are left untouched. On CUDA the banks may be
     pinned host tensors (Triton passes their device address). Works on CPU under TRITON_INTERPRET=1."""
     assert triton is not None, "triton is not installed"
@@ -90,7 +112,20 @@ def gather_experts_triton(bank_gate_up, bank_down, pool_gate_up, pool_down, job_
     chunk = max(block, min(chunk, largest))
     grid = (P, triton.cdiv(gu_numel, chunk) + triton.cdiv(d_numel, chunk))
     _gather_experts_kernel[grid](
-        bank_gate_up, bank_down, pool_gate_up, pool_down, job_src, job_dst, num_jobs,
-        gu_numel, d_numel, bank_gate_up.stride(0), bank_down.stride(0), pool_gate_up.stride(0), pool_down.stride(0),
-        CHUNK=chunk, BLOCK=block, num_warps=4,
+        bank_gate_up,
+        bank_down,
+        pool_gate_up,
+        pool_down,
+        job_src,
+        job_dst,
+        num_jobs,
+        gu_numel,
+        d_numel,
+        bank_gate_up.stride(0),
+        bank_down.stride(0),
+        pool_gate_up.stride(0),
+        pool_down.stride(0),
+        CHUNK=chunk,
+        BLOCK=block,
+        num_warps=4,
     )

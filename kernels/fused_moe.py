@@ -211,9 +211,18 @@ if triton is not None:
 
     @triton.jit
     def _moe_align_plan_kernel(
-        ids_ptr, cursor_ptr, block_expert_ptr, sorted_ids_ptr,
-        n, num_experts, max_blocks, P,
-        BLOCK_M: tl.constexpr, E_BINS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_B: tl.constexpr,
+        ids_ptr,
+        cursor_ptr,
+        block_expert_ptr,
+        sorted_ids_ptr,
+        n,
+        num_experts,
+        max_blocks,
+        P,
+        BLOCK_M: tl.constexpr,
+        E_BINS: tl.constexpr,
+        CHUNK: tl.constexpr,
+        BLOCK_B: tl.constexpr,
     ):
         # one program: per-expert counts -> padded offsets (cursor), expert of every block, sorted_ids filled with n
         counts = tl.zeros((E_BINS,), dtype=tl.int32)
@@ -267,8 +276,19 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     sorted_ids = torch.empty(P, dtype=torch.int32, device=dev)
     e_bins = triton.next_power_of_2(num_experts + 1)
     _moe_align_plan_kernel[(1,)](
-        flat, cursor, block_expert, sorted_ids, n, num_experts, max_blocks, P,
-        BLOCK_M=block_m, E_BINS=e_bins, CHUNK=1024, BLOCK_B=max(16, 8192 // e_bins), num_warps=4,
+        flat,
+        cursor,
+        block_expert,
+        sorted_ids,
+        n,
+        num_experts,
+        max_blocks,
+        P,
+        BLOCK_M=block_m,
+        E_BINS=e_bins,
+        CHUNK=1024,
+        BLOCK_B=max(16, 8192 // e_bins),
+        num_warps=4,
     )
     _moe_align_scatter_kernel[(triton.cdiv(n, 1024),)](flat, cursor, sorted_ids, n, CHUNK=1024, num_warps=4)
     return sorted_ids, block_expert
@@ -319,17 +339,45 @@ def fused_moe_triton(
     while bn1 > 16 and nblocks * triton.cdiv(I, bn1) < _MIN_PROGRAMS:  # decode: few blocks, spread over N
         bn1 //= 2
     _moe_gate_up_kernel[(nblocks, triton.cdiv(I, bn1))](
-        x, w13, inter, sorted_ids, block_expert, n, H, I,
-        x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
-        TOPK=k, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1, DOT_PREC=prec,
+        x,
+        w13,
+        inter,
+        sorted_ids,
+        block_expert,
+        n,
+        H,
+        I,
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        inter.stride(0),
+        TOPK=k,
+        BLOCK_M=bm,
+        BLOCK_N=bn1,
+        BLOCK_K=bk1,
+        DOT_PREC=prec,
     )
     partial = torch.empty(n, H, dtype=torch.float32, device=x.device)
     wts = topk_weights.reshape(-1).contiguous()
     bk2 = min(block_k, max(16, triton.next_power_of_2(I)))
     bn2 = min(block_n, max(16, triton.next_power_of_2(H)))
     _moe_down_kernel[(nblocks, triton.cdiv(H, bn2))](
-        inter, w2, wts, partial, sorted_ids, block_expert, n, H, I,
-        inter.stride(0), w2.stride(0), w2.stride(1), partial.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, DOT_PREC=prec,
+        inter,
+        w2,
+        wts,
+        partial,
+        sorted_ids,
+        block_expert,
+        n,
+        H,
+        I,
+        inter.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        partial.stride(0),
+        BLOCK_M=bm,
+        BLOCK_N=bn2,
+        BLOCK_K=bk2,
+        DOT_PREC=prec,
     )
     return partial.view(T, k, H).sum(dim=1).to(x.dtype)

@@ -112,10 +112,15 @@ if triton is not None:
         slots_ptr,  # [B]
         y_ptr,  # [B, C]
         C,
-        stride_xb, stride_xc,
-        stride_ss, stride_sc, stride_sk,
-        stride_wc, stride_wk,
-        stride_yb, stride_yc,
+        stride_xb,
+        stride_xc,
+        stride_ss,
+        stride_sc,
+        stride_sk,
+        stride_wc,
+        stride_wk,
+        stride_yb,
+        stride_yc,
         KC: tl.constexpr,
         KW: tl.constexpr,  # next power of 2 >= KC: the window's columns
         BLOCK_C: tl.constexpr,
@@ -155,13 +160,26 @@ if triton is not None:
         slots_ptr,  # [B]
         o_ptr,  # [B, HV, DV]
         scale,
-        stride_qb, stride_qh, stride_qk,
-        stride_kb, stride_kh, stride_kk,
-        stride_vb, stride_vh, stride_vv,
-        stride_ab, stride_ah,
-        stride_bb, stride_bh,
-        stride_ss, stride_sh, stride_sk, stride_sv,
-        stride_ob, stride_oh, stride_ov,
+        stride_qb,
+        stride_qh,
+        stride_qk,
+        stride_kb,
+        stride_kh,
+        stride_kk,
+        stride_vb,
+        stride_vh,
+        stride_vv,
+        stride_ab,
+        stride_ah,
+        stride_bb,
+        stride_bh,
+        stride_ss,
+        stride_sh,
+        stride_sk,
+        stride_sv,
+        stride_ob,
+        stride_oh,
+        stride_ov,
         R: tl.constexpr,  # value heads per key head (GVA)
         DK: tl.constexpr,
         DV: tl.constexpr,
@@ -196,8 +214,7 @@ if triton is not None:
 
         # [BK, BV] block of the state: every element read once and written once by this program only
         s_ptrs = (
-            state_ptr + slot * stride_ss + i_h * stride_sh
-            + offs_k[:, None] * stride_sk + offs_v[None, :] * stride_sv
+            state_ptr + slot * stride_ss + i_h * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :] * stride_sv
         )
         s_mask = k_mask[:, None] & v_mask[None, :]
         S = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32) * tl.exp(g)
@@ -206,8 +223,9 @@ if triton is not None:
         S = S + k[:, None] * delta[None, :]
         o = tl.sum(S * q[:, None], axis=0)
         tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=s_mask)
-        tl.store(o_ptr + i_b * stride_ob + i_h * stride_oh + offs_v * stride_ov, o.to(o_ptr.dtype.element_ty),
-                 mask=v_mask)
+        tl.store(
+            o_ptr + i_b * stride_ob + i_h * stride_oh + offs_v * stride_ov, o.to(o_ptr.dtype.element_ty), mask=v_mask
+        )
 
 
 CONV_BLOCK_C = 256
@@ -223,8 +241,11 @@ def gdn_conv_decode_triton(
     B, C = qkv.shape
     S, C_s, Kc1 = conv_state.shape
     Kc = weight.shape[-1]
-    assert C_s == C and weight.shape == (C, Kc) and Kc1 == Kc - 1 and Kc >= 2, (qkv.shape, conv_state.shape,
-                                                                               weight.shape)
+    assert C_s == C and weight.shape == (C, Kc) and Kc1 == Kc - 1 and Kc >= 2, (
+        qkv.shape,
+        conv_state.shape,
+        weight.shape,
+    )
     assert slots.shape == (B,) and slots.device == qkv.device == conv_state.device
     y = torch.empty(B, C, dtype=qkv.dtype, device=qkv.device) if out is None else out
     assert y.shape == (B, C)
@@ -232,12 +253,25 @@ def gdn_conv_decode_triton(
         return y
     block_c = min(CONV_BLOCK_C, triton.next_power_of_2(C))
     _gdn_conv_decode_kernel[(B, triton.cdiv(C, block_c))](
-        qkv, conv_state, weight, slots, y, C,
-        qkv.stride(0), qkv.stride(1),
-        conv_state.stride(0), conv_state.stride(1), conv_state.stride(2),
-        weight.stride(0), weight.stride(1),
-        y.stride(0), y.stride(1),
-        KC=Kc, KW=triton.next_power_of_2(Kc), BLOCK_C=block_c, num_warps=4,
+        qkv,
+        conv_state,
+        weight,
+        slots,
+        y,
+        C,
+        qkv.stride(0),
+        qkv.stride(1),
+        conv_state.stride(0),
+        conv_state.stride(1),
+        conv_state.stride(2),
+        weight.stride(0),
+        weight.stride(1),
+        y.stride(0),
+        y.stride(1),
+        KC=Kc,
+        KW=triton.next_power_of_2(Kc),
+        BLOCK_C=block_c,
+        num_warps=4,
     )
     return y
 
@@ -282,15 +316,44 @@ def gdn_recurrent_decode_triton(
     bk = triton.next_power_of_2(dk)
     bv = recurrent_block_v(B, Hv, dv)
     _gdn_recurrent_decode_kernel[(B, Hv, triton.cdiv(dv, bv))](
-        q, k, v, a, b, A_log, dt_bias, ssm_state, slots, o, scale,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        a.stride(0), a.stride(1),
-        b.stride(0), b.stride(1),
-        ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2), ssm_state.stride(3),
-        o.stride(0), o.stride(1), o.stride(2),
-        R=Hv // Hk, DK=dk, DV=dv, BK=bk, BV=bv, EPS=L2NORM_EPS, THRESHOLD=SOFTPLUS_THRESHOLD,
+        q,
+        k,
+        v,
+        a,
+        b,
+        A_log,
+        dt_bias,
+        ssm_state,
+        slots,
+        o,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        ssm_state.stride(0),
+        ssm_state.stride(1),
+        ssm_state.stride(2),
+        ssm_state.stride(3),
+        o.stride(0),
+        o.stride(1),
+        o.stride(2),
+        R=Hv // Hk,
+        DK=dk,
+        DV=dv,
+        BK=bk,
+        BV=bv,
+        EPS=L2NORM_EPS,
+        THRESHOLD=SOFTPLUS_THRESHOLD,
         num_warps=max(1, min(4, bk * bv // 512)),  # about 16 state elements per thread
     )
     return o

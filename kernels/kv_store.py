@@ -23,8 +23,9 @@ except Exception:  # pragma: no cover
     tl = None
 
 
-def store_kv_torch(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
-                   v: torch.Tensor) -> None:
+def store_kv_torch(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
     """``k_cache [slots, nkv, D]``, ``v_cache [slots, nkv, Dv]``, ``loc [T]`` int slots; writes in place."""
     k_cache[loc] = k.to(k_cache.dtype)
     v_cache[loc] = v.to(v_cache.dtype)
@@ -34,10 +35,25 @@ if triton is not None:
 
     @triton.jit
     def _store_kv_kernel(
-        k_ptr, v_ptr, kc_ptr, vc_ptr, loc_ptr,
-        stride_kt, stride_kh, stride_vt, stride_vh, stride_kct, stride_kch, stride_vct, stride_vch,
-        NKV: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+        k_ptr,
+        v_ptr,
+        kc_ptr,
+        vc_ptr,
+        loc_ptr,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_kct,
+        stride_kch,
+        stride_vct,
+        stride_vch,
+        NKV: tl.constexpr,
+        D: tl.constexpr,
+        DV: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_DV: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(loc_ptr + t).to(tl.int64)
@@ -63,17 +79,38 @@ def store_kv_triton(k_cache, v_cache, loc, k, v) -> None:
     if T == 0:
         return
     _store_kv_kernel[(T,)](
-        k, v, k_cache, v_cache, loc,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        NKV=nkv, D=D, DV=DV, BLOCK_H=triton.next_power_of_2(nkv), BLOCK_D=triton.next_power_of_2(D),
-        BLOCK_DV=triton.next_power_of_2(DV), num_warps=1 if nkv * max(D, DV) <= 512 else 4,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        loc,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        NKV=nkv,
+        D=D,
+        DV=DV,
+        BLOCK_H=triton.next_power_of_2(nkv),
+        BLOCK_D=triton.next_power_of_2(D),
+        BLOCK_DV=triton.next_power_of_2(DV),
+        num_warps=1 if nkv * max(D, DV) <= 512 else 4,
     )
 
 
 def store_kv(k_cache, v_cache, loc, k, v) -> None:
     """Triton on CUDA tensors already in the pool's dtype (rows with a contiguous last dim), the reference
     elsewhere."""
-    fast = (triton is not None and k.is_cuda and k.dtype == k_cache.dtype and v.dtype == v_cache.dtype
-            and k.stride(-1) == 1 and v.stride(-1) == 1)
+    fast = (
+        triton is not None
+        and k.is_cuda
+        and k.dtype == k_cache.dtype
+        and v.dtype == v_cache.dtype
+        and k.stride(-1) == 1
+        and v.stride(-1) == 1
+    )
     (store_kv_triton if fast else store_kv_torch)(k_cache, v_cache, loc, k, v)

@@ -203,8 +203,12 @@ if triton is not None:
         e = tl.where(valid, e, 0)
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = inter_ptr + pairs[:, None] * I + offs_k[None, :]
-        w_ptrs = (w_ptr + e.to(tl.int64)[None, :, None] * stride_we
-                  + offs_n[:, None, None].to(tl.int64) * stride_wn + offs_k[None, None, :])
+        w_ptrs = (
+            w_ptr
+            + e.to(tl.int64)[None, :, None] * stride_we
+            + offs_n[:, None, None].to(tl.int64) * stride_wn
+            + offs_k[None, None, :]
+        )
         acc = tl.zeros((BLOCK_N, BLOCK_J, BLOCK_K), dtype=tl.float32)
         for k0 in tl.range(0, I, BLOCK_K, num_stages=NUM_STAGES):
             k_mask = ((offs_k[None, :] + k0) < I) & valid[:, None]  # an invalid pair loads nothing
@@ -287,8 +291,21 @@ def moe_decode_triton(
     inter = torch.empty(n, I, dtype=x.dtype, device=x.device)
     bn1 = _row_block(I, n)
     _moe_decode_gate_up_kernel[(n, triton.cdiv(I, bn1))](
-        x, w13, ids, inter, S, x.stride(0), w13.stride(0), w13.stride(1),
-        H=H, I=I, TOPK=k, BLOCK_N=bn1, BLOCK_K=_col_block(H, bn1), NUM_STAGES=_NUM_STAGES, num_warps=4,
+        x,
+        w13,
+        ids,
+        inter,
+        S,
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        H=H,
+        I=I,
+        TOPK=k,
+        BLOCK_N=bn1,
+        BLOCK_K=_col_block(H, bn1),
+        NUM_STAGES=_NUM_STAGES,
+        num_warps=4,
     )
 
     mode, Is, stride_st, stride_sdn, stride_gt = 0, 1, 0, 0, 0
@@ -308,16 +325,39 @@ def moe_decode_triton(
     bn2 = _row_block(H, T)
     bj = triton.next_power_of_2(k)
     _moe_decode_down_kernel[(T, triton.cdiv(H, bn2))](
-        inter, w2, ids, wts, out, src, down, gate, S,
-        w2.stride(0), w2.stride(1), out.stride(0), stride_st, stride_sdn, stride_gt,
-        H=H, I=I, IS=Is, TOPK=k, SHARED=mode, BLOCK_N=bn2, BLOCK_J=bj, BLOCK_K=_col_block(I, bn2 * bj),
-        BLOCK_KS=_col_block(Is, bn2), NUM_STAGES=_NUM_STAGES, num_warps=4,
+        inter,
+        w2,
+        ids,
+        wts,
+        out,
+        src,
+        down,
+        gate,
+        S,
+        w2.stride(0),
+        w2.stride(1),
+        out.stride(0),
+        stride_st,
+        stride_sdn,
+        stride_gt,
+        H=H,
+        I=I,
+        IS=Is,
+        TOPK=k,
+        SHARED=mode,
+        BLOCK_N=bn2,
+        BLOCK_J=bj,
+        BLOCK_K=_col_block(I, bn2 * bj),
+        BLOCK_KS=_col_block(Is, bn2),
+        NUM_STAGES=_NUM_STAGES,
+        num_warps=4,
     )
     return out
 
 
-def moe_decode(x, w13, w2, topk_ids, topk_weights, shared=None, shared_gate=None, shared_gate_up=None,
-               shared_down=None) -> torch.Tensor:
+def moe_decode(
+    x, w13, w2, topk_ids, topk_weights, shared=None, shared_gate=None, shared_gate_up=None, shared_down=None
+) -> torch.Tensor:
     """Triton on CUDA tensors, the torch reference elsewhere."""
     fn = moe_decode_triton if x.is_cuda and triton is not None else moe_decode_torch
     return fn(x, w13, w2, topk_ids, topk_weights, shared, shared_gate, shared_gate_up, shared_down)

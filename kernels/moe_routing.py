@@ -41,8 +41,17 @@ if triton is not None:
 
     @triton.jit
     def _topk_softmax_kernel(
-        logits_ptr, ids_ptr, weights_ptr, E, stride_l, stride_ids, stride_w,
-        TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+        logits_ptr,
+        ids_ptr,
+        weights_ptr,
+        E,
+        stride_l,
+        stride_ids,
+        stride_w,
+        TOP_K: tl.constexpr,
+        RENORMALIZE: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        BLOCK_K: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
         e = tl.arange(0, BLOCK_E)
@@ -80,8 +89,17 @@ def topk_softmax_triton(logits: torch.Tensor, top_k: int, renormalize: bool) -> 
         return ids, weights
     block_e = triton.next_power_of_2(E)
     _topk_softmax_kernel[(T,)](
-        logits, ids, weights, E, logits.stride(0), ids.stride(0), weights.stride(0),
-        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
+        logits,
+        ids,
+        weights,
+        E,
+        logits.stride(0),
+        ids.stride(0),
+        weights.stride(0),
+        TOP_K=top_k,
+        RENORMALIZE=renormalize,
+        BLOCK_E=block_e,
+        BLOCK_K=triton.next_power_of_2(top_k),
         num_warps=4 if block_e >= 256 else 1,
     )
     return ids, weights

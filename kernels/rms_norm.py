@@ -72,11 +72,25 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(
-        x_ptr, res_ptr, z_ptr, w_ptr, out_ptr, sum_ptr,
-        R, N, eps,
-        stride_x, stride_res, stride_z, stride_out, stride_sum,
-        ONE_PLUS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr,
-        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+        x_ptr,
+        res_ptr,
+        z_ptr,
+        w_ptr,
+        out_ptr,
+        sum_ptr,
+        R,
+        N,
+        eps,
+        stride_x,
+        stride_res,
+        stride_z,
+        stride_out,
+        stride_sum,
+        ONE_PLUS: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr,
+        HAS_GATE: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_N: tl.constexpr,
     ):
         dt = out_ptr.dtype.element_ty
         rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
@@ -119,13 +133,26 @@ def _launch(x2, res2, z2, weight, out2, sum2, eps, one_plus):
     num_warps = 4 if elems <= 2048 else 8 if elems <= 8192 else 16
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     _rms_norm_kernel[(triton.cdiv(R, block_r),)](
-        x2, res2 if res2 is not None else x2, z2 if z2 is not None else x2, weight, out2,
+        x2,
+        res2 if res2 is not None else x2,
+        z2 if z2 is not None else x2,
+        weight,
+        out2,
         sum2 if sum2 is not None else out2,
-        R, N, eps,
-        x2.stride(0), res2.stride(0) if res2 is not None else 0, z2.stride(0) if z2 is not None else 0,
-        out2.stride(0), sum2.stride(0) if sum2 is not None else 0,
-        ONE_PLUS=one_plus, HAS_RESIDUAL=res2 is not None, HAS_GATE=z2 is not None,
-        BLOCK_R=block_r, BLOCK_N=block_n, num_warps=num_warps,
+        R,
+        N,
+        eps,
+        x2.stride(0),
+        res2.stride(0) if res2 is not None else 0,
+        z2.stride(0) if z2 is not None else 0,
+        out2.stride(0),
+        sum2.stride(0) if sum2 is not None else 0,
+        ONE_PLUS=one_plus,
+        HAS_RESIDUAL=res2 is not None,
+        HAS_GATE=z2 is not None,
+        BLOCK_R=block_r,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
     )
 
 

@@ -83,8 +83,18 @@ if triton is not None:
 
     @triton.jit
     def _norm_rope_head(
-        src, dst, w_ptr, inv_freq_ptr, pos, D, R, eps,
-        HAS_NORM: tl.constexpr, ONE_PLUS: tl.constexpr, LIBDEVICE_TRIG: tl.constexpr, BLOCK_D: tl.constexpr,
+        src,
+        dst,
+        w_ptr,
+        inv_freq_ptr,
+        pos,
+        D,
+        R,
+        eps,
+        HAS_NORM: tl.constexpr,
+        ONE_PLUS: tl.constexpr,
+        LIBDEVICE_TRIG: tl.constexpr,
+        BLOCK_D: tl.constexpr,
     ):
         dt = dst.dtype.element_ty
         half = R // 2
@@ -120,24 +130,64 @@ if triton is not None:
 
     @triton.jit
     def _qk_norm_rope_kernel(
-        q_ptr, k_ptr, qo_ptr, ko_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr,
-        NH, D, R, eps,
-        stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh,
-        HAS_NORM: tl.constexpr, ONE_PLUS: tl.constexpr, LIBDEVICE_TRIG: tl.constexpr, BLOCK_D: tl.constexpr,
+        q_ptr,
+        k_ptr,
+        qo_ptr,
+        ko_ptr,
+        qw_ptr,
+        kw_ptr,
+        pos_ptr,
+        inv_freq_ptr,
+        NH,
+        D,
+        R,
+        eps,
+        stride_qt,
+        stride_qh,
+        stride_kt,
+        stride_kh,
+        stride_qot,
+        stride_qoh,
+        stride_kot,
+        stride_koh,
+        HAS_NORM: tl.constexpr,
+        ONE_PLUS: tl.constexpr,
+        LIBDEVICE_TRIG: tl.constexpr,
+        BLOCK_D: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         pos = tl.load(pos_ptr + t).to(tl.float32)  # positions.float(), as the reference
         if h < NH:
             _norm_rope_head(
-                q_ptr + t * stride_qt + h * stride_qh, qo_ptr + t * stride_qot + h * stride_qoh, qw_ptr, inv_freq_ptr,
-                pos, D, R, eps, HAS_NORM, ONE_PLUS, LIBDEVICE_TRIG, BLOCK_D,
+                q_ptr + t * stride_qt + h * stride_qh,
+                qo_ptr + t * stride_qot + h * stride_qoh,
+                qw_ptr,
+                inv_freq_ptr,
+                pos,
+                D,
+                R,
+                eps,
+                HAS_NORM,
+                ONE_PLUS,
+                LIBDEVICE_TRIG,
+                BLOCK_D,
             )
         else:
             hk = h - NH
             _norm_rope_head(
-                k_ptr + t * stride_kt + hk * stride_kh, ko_ptr + t * stride_kot + hk * stride_koh, kw_ptr, inv_freq_ptr,
-                pos, D, R, eps, HAS_NORM, ONE_PLUS, LIBDEVICE_TRIG, BLOCK_D,
+                k_ptr + t * stride_kt + hk * stride_kh,
+                ko_ptr + t * stride_kot + hk * stride_koh,
+                kw_ptr,
+                inv_freq_ptr,
+                pos,
+                D,
+                R,
+                eps,
+                HAS_NORM,
+                ONE_PLUS,
+                LIBDEVICE_TRIG,
+                BLOCK_D,
             )
 
 
@@ -174,11 +224,30 @@ def qk_norm_rope_triton(
     inv_freq = inv_freq.to(device=q.device, dtype=torch.float32).contiguous()
     block_d = triton.next_power_of_2(D)
     _qk_norm_rope_kernel[(T, NH + NKV)](
-        q, k, q_out, k_out, qw, kw, positions.contiguous(), inv_freq,
-        NH, D, rotary_dim, eps,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-        HAS_NORM=has_norm, ONE_PLUS=one_plus, LIBDEVICE_TRIG=not _interpreting(), BLOCK_D=block_d,
+        q,
+        k,
+        q_out,
+        k_out,
+        qw,
+        kw,
+        positions.contiguous(),
+        inv_freq,
+        NH,
+        D,
+        rotary_dim,
+        eps,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        q_out.stride(0),
+        q_out.stride(1),
+        k_out.stride(0),
+        k_out.stride(1),
+        HAS_NORM=has_norm,
+        ONE_PLUS=one_plus,
+        LIBDEVICE_TRIG=not _interpreting(),
+        BLOCK_D=block_d,
         num_warps=max(1, min(4, block_d // 128)),
     )
     return q_out, k_out

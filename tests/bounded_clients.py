@@ -43,8 +43,14 @@ class Outcome:
 
 
 def chat_body(content: str = "Count from one to twenty.", max_tokens: int = 16, stream: bool = False, **extra) -> dict:
-    return {"model": "demo", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": stream, **extra}
+    return {
+        "model": "demo",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+        **extra,
+    }
 
 
 def post_json(url: str, body, deadline: float = 60.0, path: str = "/v1/chat/completions", **kw) -> Outcome:
@@ -52,8 +58,13 @@ def post_json(url: str, body, deadline: float = 60.0, path: str = "/v1/chat/comp
     t0 = time.monotonic()
     try:
         if isinstance(body, (bytes, bytearray)):
-            r = requests.post(url + path, data=body, headers={"content-type": "application/json"},
-                              timeout=(CONNECT_TIMEOUT, deadline), **kw)
+            r = requests.post(
+                url + path,
+                data=body,
+                headers={"content-type": "application/json"},
+                timeout=(CONNECT_TIMEOUT, deadline),
+                **kw,
+            )
         else:
             r = requests.post(url + path, json=body, timeout=(CONNECT_TIMEOUT, deadline), **kw)
     except requests.RequestException as e:
@@ -75,8 +86,9 @@ def post_json(url: str, body, deadline: float = 60.0, path: str = "/v1/chat/comp
     return out
 
 
-def stream(url: str, body: dict, deadline: float = 60.0, path: str = "/v1/chat/completions",
-           hang_up_after: int | None = None) -> Outcome:
+def stream(
+    url: str, body: dict, deadline: float = 60.0, path: str = "/v1/chat/completions", hang_up_after: int | None = None
+) -> Outcome:
     """A streaming POST read event by event until ``[DONE]``, the deadline, or (``hang_up_after`` = N) right
     after the N-th content chunk, when the client closes the connection on purpose."""
     body = {**body, "stream": True}
@@ -102,7 +114,7 @@ def stream(url: str, body: dict, deadline: float = 60.0, path: str = "/v1/chat/c
                 if not line or line.startswith(":"):
                     continue
                 assert line.startswith("data: "), line
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 if data == "[DONE]":
                     out.done = True
                     break
@@ -153,7 +165,10 @@ def raw_request(port: int, payload: bytes, timeout: float = 30.0) -> tuple[int |
             data += chunk
             if b"\r\n\r\n" in data:
                 head, _, rest = data.partition(b"\r\n\r\n")
-                length = next((int(l.split(b":")[1]) for l in head.split(b"\r\n") if l.lower().startswith(b"content-length:")), None)
+                length = next(
+                    (int(l.split(b":")[1]) for l in head.split(b"\r\n") if l.lower().startswith(b"content-length:")),
+                    None,
+                )
                 if length is not None and len(rest) >= length:
                     break
     status = None

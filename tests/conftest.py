@@ -64,17 +64,35 @@ def demo_worker(demo_gguf_path):
     """The demo model (SmolLM2-135M Q4_1, fp32 on CPU) with a small KV pool; shared by the test modules."""
     from freetoken.worker import Worker
 
-    return Worker({"model_path": demo_gguf_path, "device": "cpu", "num_tokens": 4096, "max_running_requests": 4,
-                   "max_seq_len_override": 2048, "load_progress": False})
+    return Worker(
+        {
+            "model_path": demo_gguf_path,
+            "device": "cpu",
+            "num_tokens": 4096,
+            "max_running_requests": 4,
+            "max_seq_len_override": 2048,
+            "load_progress": False,
+        }
+    )
 
 
 def make_tiny_llama_dir(path, seed: int = 0, **over) -> str:
     """A random 2-layer HF Llama (hidden 64, GQA 4/2) saved with ``save_pretrained`` (safetensors, fp32)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-5,
-              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    kw = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     kw.update(over)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**kw)).float().eval()

@@ -29,7 +29,12 @@ from freetoken.engine.step_plan import StepPlan  # noqa: E402
 from freetoken.layers.attention import TorchAttention  # noqa: E402
 from freetoken.models.base import ModelConfig  # noqa: E402
 
-_GDN_FUNCS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn", "causal_conv1d_update")
+_GDN_FUNCS = (
+    "torch_chunk_gated_delta_rule",
+    "torch_recurrent_gated_delta_rule",
+    "causal_conv1d_fn",
+    "causal_conv1d_update",
+)
 
 
 def _hf_modules():
@@ -96,8 +101,14 @@ def qwen3_5_moe_config(**over) -> dict:
 
 def qwen3_next_config(**over) -> dict:
     c = tiny_text_config(**over)
-    c.update(model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"], norm_topk_prob=True,
-             intermediate_size=80, decoder_sparse_step=1, mlp_only_layers=over.get("mlp_only_layers", []))
+    c.update(
+        model_type="qwen3_next",
+        architectures=["Qwen3NextForCausalLM"],
+        norm_topk_prob=True,
+        intermediate_size=80,
+        decoder_sparse_step=1,
+        mlp_only_layers=over.get("mlp_only_layers", []),
+    )
     c["rope_parameters"] = {k: v for k, v in c["rope_parameters"].items() if not k.startswith("mrope")}
     return c
 
@@ -181,9 +192,8 @@ def split_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def build_ours(config: dict, hf_model, weights: dict[str, torch.Tensor] | None = None):
     """Our model for ``config`` (through the registry), loaded from ``weights`` (default: the HF state dict), its
     projections fused as the worker fuses them."""
-    from freetoken.models.registry import model_class
-
     from freetoken.layers.fused_linear import fuse_projections
+    from freetoken.models.registry import model_class
 
     cfg = ModelConfig.from_dict(config)
     model = model_class(cfg)(cfg).float().eval()
@@ -206,7 +216,7 @@ def hf_greedy(hf_model, prompt: list[int], steps: int) -> tuple[list[int], torch
     ids = list(prompt)
     for _ in range(steps):
         ids.append(int(hf_logits(hf_model, ids)[-1].argmax()))
-    return ids[len(prompt):], hf_logits(hf_model, ids[:-1])
+    return ids[len(prompt) :], hf_logits(hf_model, ids[:-1])
 
 
 def top2_margin(logits: torch.Tensor) -> float:
@@ -228,8 +238,16 @@ class TinyEngine:
         self.model = model
         self.max_ctx = max_ctx
         kvl, stl = model.kv_layout, model.state_layout
-        self.kv = KVCachePool(kvl.num_layers, 1 + max_seqs * max_ctx, kvl.num_kv_heads, kvl.head_dim, dtype,
-                              torch.device(device), max_rows=max_seqs, max_context=max_ctx)
+        self.kv = KVCachePool(
+            kvl.num_layers,
+            1 + max_seqs * max_ctx,
+            kvl.num_kv_heads,
+            kvl.head_dim,
+            dtype,
+            torch.device(device),
+            max_rows=max_seqs,
+            max_context=max_ctx,
+        )
         self.state = RecurrentStatePool.from_layout(stl, 2 * max_seqs + 2, dtype, device)
         self.lens: dict[int, int] = {}
         self.attn = TorchAttention()
@@ -252,9 +270,17 @@ class TinyEngine:
             seq, toks = it[0], list(it[1])
             sample = it[2] if len(it) > 2 else True
             p = self.lens.get(seq, 0)
-            seqs.append(dict(tokens=toks, prefix_len=p, row=seq, table_from=p,
-                             table_slots=[self.kv_slot(seq, q) for q in range(p, p + len(toks))],
-                             state_slot=self.state_slot(seq), sample={} if sample else None))
+            seqs.append(
+                dict(
+                    tokens=toks,
+                    prefix_len=p,
+                    row=seq,
+                    table_from=p,
+                    table_slots=[self.kv_slot(seq, q) for q in range(p, p + len(toks))],
+                    state_slot=self.state_slot(seq),
+                    sample={} if sample else None,
+                )
+            )
         plan = StepPlan.build(seqs)
         if snapshots:
             t = lambda i: torch.tensor([s[i] for s in snapshots], dtype=torch.int64)  # noqa: E731
@@ -302,12 +328,15 @@ def write_released_qwen3_5_moe(d: str, seed: int = 5, **over):
 
     from freetoken.loading.qwen_tokenizer import write_qwen_tokenizer_files
 
-    cfg = qwen3_5_moe_config(vocab_size=248320, hidden_size=32, moe_intermediate_size=16,
-                             shared_expert_intermediate_size=16, **over)
+    cfg = qwen3_5_moe_config(
+        vocab_size=248320, hidden_size=32, moe_intermediate_size=16, shared_expert_intermediate_size=16, **over
+    )
     cfg["text_config"].update(eos_token_id=248044, bos_token_id=248044)
     hf = build_hf_model(cfg, seed=seed)
-    sd = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v.contiguous()
-          for k, v in hf.state_dict().items()}
+    sd = {
+        ("model.language_model." + k[len("model.") :] if k.startswith("model.") else k): v.contiguous()
+        for k, v in hf.state_dict().items()
+    }
     sd["mtp.fc.weight"] = torch.zeros(2, 2)
     sd["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(2, 2)
     save_file(sd, os.path.join(d, "model.safetensors"))
@@ -377,7 +406,7 @@ def check_greedy(hf, ours, plans: dict[int, tuple[int, list[int]]], steps: int =
         step_no += 1
         if not items:
             continue
-        for (s, toks, sample), lg in zip(items, eng.step(items)):
+        for (s, _toks, sample), lg in zip(items, eng.step(items)):
             if not sample:
                 assert lg is None
                 continue

@@ -31,7 +31,9 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_file = tempfile.NamedTemporaryFile("w+", prefix="ft-serve-", suffix=".log", delete=False)
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.join(_ROOT, "python"), full_env.get("PYTHONPATH")]))
+        full_env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [os.path.join(_ROOT, "python"), full_env.get("PYTHONPATH")])
+        )
         cmd = [sys.executable, "-m", "freetoken", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT, env=full_env)
         self._wait_ready(ready_timeout)
@@ -44,7 +46,9 @@ class ServerProcess:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"ft serve exited with {self.proc.returncode} during start-up:\n{self.log()[-4000:]}")
+                raise RuntimeError(
+                    f"ft serve exited with {self.proc.returncode} during start-up:\n{self.log()[-4000:]}"
+                )
             if "API server is ready to serve" in self.log():
                 return
             time.sleep(0.25)

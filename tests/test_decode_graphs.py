@@ -11,14 +11,14 @@ from __future__ import annotations
 import json
 import os
 
+import hf_reference as R
 import numpy as np
 import pytest
 import torch
+from test_worker_steps import GREEDY, Seq, encode_plan
 
-import hf_reference as R
 from freetoken.engine.decode_graphs import decode_inputs, graph_batch_sizes
 from freetoken.errors import InvalidPlan
-from test_worker_steps import GREEDY, Seq, encode_plan
 
 
 def test_graph_batch_sizes():
@@ -46,9 +46,13 @@ def test_only_plain_decode_steps_take_the_graph_path():
     resent = dict(a.item(sample=GREEDY), table_from=0, table_slots=[a.slot(q) for q in range(4)])
     assert decode_inputs(encode_plan([resent]), 4) is None  # sends more than the new token's slot
     # a snapshot right after the step's token (the tool-call anchor) rides along as a copy after the replay
-    anchored = decode_inputs(encode_plan([dict(a.item(sample=GREEDY), state_slot=0), dict(b.item(sample=GREEDY),
-                                                                                           state_slot=1)],
-                                         snapshots=[(1, 3, 7)]), 4)
+    anchored = decode_inputs(
+        encode_plan(
+            [dict(a.item(sample=GREEDY), state_slot=0), dict(b.item(sample=GREEDY), state_slot=1)],
+            snapshots=[(1, 3, 7)],
+        ),
+        4,
+    )
     assert anchored["snap_src"].tolist() == [1] and anchored["snap_dst"].tolist() == [7]
     assert decode_inputs(encode_plan([a.item(sample=GREEDY)], snapshots=[(0, 3, 7)]), 4) is None  # not after it
 
@@ -73,9 +77,18 @@ def model_dirs(tiny_llama_dir, tmp_path_factory):
 def _worker(path: str, graphs: bool, **extra):
     from freetoken.worker import Worker
 
-    args = {"model_path": path, "device": "cpu", "dtype": "float32", "num_tokens": 2048, "max_running_requests": 4,
-            "max_seq_len_override": 512, "load_progress": False, "emulate_cuda_graphs": graphs,
-            "disable_cuda_graph": not graphs, **extra}
+    args = {
+        "model_path": path,
+        "device": "cpu",
+        "dtype": "float32",
+        "num_tokens": 2048,
+        "max_running_requests": 4,
+        "max_seq_len_override": 512,
+        "load_progress": False,
+        "emulate_cuda_graphs": graphs,
+        "disable_cuda_graph": not graphs,
+        **extra,
+    }
     return Worker(args)
 
 
@@ -90,15 +103,17 @@ def _drive(w, steps: int = 6) -> list:
     out = []
     items = [dict(s.item(sample=GREEDY), state_slot=_state_slot(w, r)) for r, s in seqs.items()]
     toks, lps, _ = w.execute(encode_plan(items))
-    for (r, s), t in zip(seqs.items(), toks):
+    for s, t in zip(seqs.values(), toks):
         s.advance(len(s.tokens) - s.cached, t)
     out.append((toks, lps))
     for step in range(1, steps + 1):
         live = [r for r in seqs if step <= {0: steps, 2: 3, 3: 4}[r]]
-        def sample(r):  # row 2 samples, row 3 is greedy under penalties, row 0 plain greedy
+
+        def sample(r, step=step):  # row 2 samples, row 3 is greedy under penalties, row 0 plain greedy
             if r == 2:
                 return {"temperature": 0.8, "top_p": 0.9, "seed": 1000 * step + r}
             return {"temperature": 0.0, "presence_penalty": 0.5, "frequency_penalty": 0.7} if r == 3 else GREEDY
+
         items = [dict(seqs[r].item(sample=sample(r)), state_slot=_state_slot(w, r)) for r in live]
         plan = encode_plan(items, step_id=step)
         assert decode_inputs(plan, 4) is not None

@@ -28,12 +28,15 @@ GATE_UP, DOWN = (6, 4), (4, 3)
 
 def make_banks(seed: int = 0, dtype=torch.float32, layers: int = L, experts: int = E, gate_up=GATE_UP, down=DOWN):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(experts, *gate_up, generator=g).to(dtype), torch.randn(experts, *down, generator=g).to(dtype))
-            for _ in range(layers)]
+    return [
+        (torch.randn(experts, *gate_up, generator=g).to(dtype), torch.randn(experts, *down, generator=g).to(dtype))
+        for _ in range(layers)
+    ]
 
 
-def routing_sequence(T: int, k: int, S: int, calls: int, seed: int, padded: bool = False, layers: int = L,
-                     experts: int = E):
+def routing_sequence(
+    T: int, k: int, S: int, calls: int, seed: int, padded: bool = False, layers: int = L, experts: int = E
+):
     """``(layer, ids [T, k], num_valid)`` with at most ``S`` distinct experts among the valid rows, drawn from a
     skewed per-layer popularity (so there are hits as well as misses); a third of the calls use exactly as many
     distinct experts as they may (``S`` when it fits). Padding rows (``padded``) route anywhere."""
@@ -42,7 +45,7 @@ def routing_sequence(T: int, k: int, S: int, calls: int, seed: int, padded: bool
     for _ in range(calls):
         layer = rng.randrange(layers)
         m = rng.randint(k, min(S, experts))
-        keys = sorted(range(experts), key=lambda e: -rng.random() ** (1.0 / weight[layer][e]))
+        keys = sorted(range(experts), key=lambda e: -(rng.random() ** (1.0 / weight[layer][e])))
         chosen = keys[:m]
         if rng.random() < 0.3 and T * k >= m:  # cover every chosen expert
             rows = [[chosen[(t * k + j) % m] for j in range(k)] for t in range(T)]
@@ -85,8 +88,20 @@ def replay_against_host(T, k, S, calls, seed=0, padded=False, impl="auto", devic
 
 
 # T, k, S: slots from "exactly the experts one call may need" to a few calls' worth; always >= k
-CASES = [(1, 2, 2), (1, 2, 5), (1, 4, 4), (1, 4, 9), (3, 2, 6), (3, 2, 4), (3, 4, 12), (3, 4, 7), (8, 2, 16),
-         (8, 2, 5), (8, 4, 16), (8, 4, 10)]
+CASES = [
+    (1, 2, 2),
+    (1, 2, 5),
+    (1, 4, 4),
+    (1, 4, 9),
+    (3, 2, 6),
+    (3, 2, 4),
+    (3, 4, 12),
+    (3, 4, 7),
+    (8, 2, 16),
+    (8, 2, 5),
+    (8, 4, 16),
+    (8, 4, 10),
+]
 
 
 @pytest.mark.parametrize("T,k,S", CASES)
@@ -127,6 +142,7 @@ def test_gather_reference_copies_exactly_the_live_jobs():
 # ------------------------------------------------------------------------------------------------------------
 # ensure has no host sync and no data-dependent shape
 # ------------------------------------------------------------------------------------------------------------
+
 
 class ShapeTrace(TorchDispatchMode):
     """Records every operator with the shapes of its outputs."""
@@ -260,8 +276,9 @@ def test_ensure_and_grouped_kernel_captured_in_a_cuda_graph(impl):
     from freetoken.kernels.fused_moe import fused_moe_torch, fused_moe_triton
 
     T, k, S, H, I = 4, 2, 8, 128, 64
-    banks = _pinned([(gu * 0.1, d * 0.1) for gu, d in make_banks(11, dtype=torch.bfloat16, gate_up=(2 * I, H),
-                                                                    down=(H, I))])
+    banks = _pinned(
+        [(gu * 0.1, d * 0.1) for gu, d in make_banks(11, dtype=torch.bfloat16, gate_up=(2 * I, H), down=(H, I))]
+    )
     host = ExpertSlotCache(S, L, E, (2 * I, H), (H, I), torch.bfloat16, torch.device("cpu"))
     cache = DeviceExpertCache(S, L, E, (2 * I, H), (H, I), torch.bfloat16, torch.device("cuda"), impl=impl)
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
@@ -279,8 +296,10 @@ def test_ensure_and_grouped_kernel_captured_in_a_cuda_graph(impl):
         return n
 
     def moe_layers():
-        return [fused_moe_triton(x, cache.gate_up, cache.down,
-                                 cache.ensure(layer, *banks[layer], ids[layer], valid), w) for layer in range(L)]
+        return [
+            fused_moe_triton(x, cache.gate_up, cache.down, cache.ensure(layer, *banks[layer], ids[layer], valid), w)
+            for layer in range(L)
+        ]
 
     def host_lookups(n):
         for layer in range(L):

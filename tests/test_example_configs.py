@@ -20,10 +20,21 @@ def _load(name):
 
 def qwen3_5_moe_params(c) -> int:
     """Text model (no MTP, no vision): embeddings + lm_head + 10 gated-attention + 30 GDN layers, MoE every layer."""
-    H, V, E, I, Is = c.hidden_size, c.vocab_size, c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
+    H, V, E, I, Is = (
+        c.hidden_size,
+        c.vocab_size,
+        c.num_experts,
+        c.moe_intermediate_size,
+        c.shared_expert_intermediate_size,
+    )
     nh, nkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    Hk, Hv, dk, dv, Kc = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
-                          c.linear_value_head_dim, c.linear_conv_kernel_dim)
+    Hk, Hv, dk, dv, Kc = (
+        c.linear_num_key_heads,
+        c.linear_num_value_heads,
+        c.linear_key_head_dim,
+        c.linear_value_head_dim,
+        c.linear_conv_kernel_dim,
+    )
     moe = E * H + E * 3 * I * H + 3 * Is * H + H
     attn = 2 * nh * D * H + 2 * nkv * D * H + H * nh * D + 2 * D
     conv_dim = 2 * Hk * dk + Hv * dv
@@ -50,7 +61,11 @@ def test_qwen3_6_35b_a3b():
     assert [i for i, t in enumerate(c.layer_types) if t == "full_attention"] == list(range(3, 40, 4))
     assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (16, 2, 256)
     assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.shared_expert_intermediate_size) == (
-        256, 8, 512, 512)
+        256,
+        8,
+        512,
+        512,
+    )
     assert c.rope_parameters["rope_theta"] == 1e7 and c.rope_parameters["partial_rotary_factor"] == 0.25
     assert c.vocab_size == 248320 and c.eos_token_id == 248044 and c.tie_word_embeddings is False
     assert c.mamba_ssm_dtype == "float32" and c.mtp_num_hidden_layers == 1
@@ -61,7 +76,9 @@ def test_qwen3_6_35b_a3b():
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
 
     with torch.device("meta"):
-        hf = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**{k: v for k, v in d["text_config"].items() if k != "model_type"}))
+        hf = Qwen3_5MoeForCausalLM(
+            Qwen3_5MoeTextConfig(**{k: v for k, v in d["text_config"].items() if k != "model_type"})
+        )
     assert sum(p.numel() for p in hf.parameters()) == n
 
 
@@ -71,7 +88,8 @@ def test_qwen3_30b_a3b():
     assert c.model_type == "qwen3_moe" and c.num_hidden_layers == 48 and c.norm_topk_prob is True
     n = qwen3_moe_params(c)
     assert abs(n / 1e9 - 30.5) < 0.05, n
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM as HF
+    from transformers import Qwen3MoeConfig
+    from transformers import Qwen3MoeForCausalLM as HF
 
     with torch.device("meta"):
         hf = HF(Qwen3MoeConfig(**{k: v for k, v in d.items() if k not in ("model_type", "architectures")}))

@@ -4,10 +4,10 @@ cache path, caches too small to hold one step's experts) with equal logits and e
 
 from __future__ import annotations
 
+import hf_reference as R
 import pytest
 import torch
 
-import hf_reference as R
 from freetoken.layers.fused_linear import fuse_projections
 from freetoken.models.base import ModelConfig
 from freetoken.models.registry import model_class

@@ -19,15 +19,26 @@ import subprocess
 import time
 
 import pytest
-
 from bounded_clients import HealthPoller, Outcome, chat_body, post_json, stream
 from server_harness import ServerProcess
 
 pytestmark = pytest.mark.slow
 
 STEP_TIMEOUT = 5.0
-SERVER_ARGS = ["--device", "cpu", "--max-running-requests", "4", "--num-tokens", "8192", "--max-seq-len-override", "2048",
-               "--step-timeout", str(STEP_TIMEOUT), "--decode-log-interval", "10"]
+SERVER_ARGS = [
+    "--device",
+    "cpu",
+    "--max-running-requests",
+    "4",
+    "--num-tokens",
+    "8192",
+    "--max-seq-len-override",
+    "2048",
+    "--step-timeout",
+    str(STEP_TIMEOUT),
+    "--decode-log-interval",
+    "10",
+]
 # What any client may wait beyond the fault: the watchdog deadline, its 1 s stack-dump pause, and slack for 2
 # shared CPU cores.
 MARGIN = 30.0
@@ -39,7 +50,9 @@ def start(fault: str | None, *extra: str) -> ServerProcess:
     return ServerProcess(SERVER_ARGS + list(extra), env=env)
 
 
-def run_clients(url: str, n: int = N_CLIENTS, max_tokens: int = 24, deadline: float = STEP_TIMEOUT + MARGIN) -> list[Outcome]:
+def run_clients(
+    url: str, n: int = N_CLIENTS, max_tokens: int = 24, deadline: float = STEP_TIMEOUT + MARGIN
+) -> list[Outcome]:
     """``n`` concurrent clients, alternately streaming (chat, completions) and not, each with a wall deadline."""
 
     def one(i: int) -> Outcome:
@@ -57,7 +70,7 @@ def wait_exit(srv: ServerProcess, timeout: float) -> int:
         return srv.proc.wait(timeout)
     except subprocess.TimeoutExpired:
         srv.stop(signal.SIGKILL)
-        raise AssertionError(f"ft serve still running {timeout} s after the fault:\n{srv.log()[-3000:]}")
+        raise AssertionError(f"ft serve still running {timeout} s after the fault:\n{srv.log()[-3000:]}") from None
 
 
 def assert_answered(outcomes: list[Outcome], needle: str, deadline: float) -> list[Outcome]:
@@ -118,7 +131,7 @@ def test_recoverable_fault_fails_only_its_step(demo_gguf_path, fault, needle):
         assert set(poller.statuses()) == {200}, "a recoverable fault never makes /health fail"
         assert time.monotonic() - t0 < 240
         log = srv.log()
-        assert f"failing its" in log and "FREETOKEN_FAULT" in log, log[-3000:]
+        assert "failing its" in log and "FREETOKEN_FAULT" in log, log[-3000:]
         assert srv.proc.poll() is None
         assert stats["kv_capacity_tokens"] == 8192
     finally:
@@ -130,7 +143,6 @@ def test_hang_watchdog_answers_everyone_and_exits_nonzero(demo_gguf_path):
     srv = start("hang@4")
     try:
         with HealthPoller(srv.url, interval=0.02) as poller:
-            t0 = time.monotonic()
             outcomes = run_clients(srv.url)
             failed = assert_answered(outcomes, "engine stalled", STEP_TIMEOUT + MARGIN)
             assert failed, outcomes
@@ -157,7 +169,6 @@ def test_fatal_error_fails_everyone_and_exits_1(demo_gguf_path):
     srv = start("fatal@4")
     try:
         with HealthPoller(srv.url, interval=0.02) as poller:
-            t0 = time.monotonic()
             outcomes = run_clients(srv.url)
             failed = assert_answered(outcomes, "injected fatal error", 60)
             assert failed, outcomes
@@ -198,7 +209,9 @@ def test_sigterm_drains_then_exits_0(demo_gguf_path):
         assert srv.get("/health").status_code == 200
         with cf.ThreadPoolExecutor(2) as pool:
             # one request far longer than the grace period, one that ends inside it
-            long_req = pool.submit(stream, srv.url, chat_body("Tell me everything.", max_tokens=1500, ignore_eos=True), 90.0)
+            long_req = pool.submit(
+                stream, srv.url, chat_body("Tell me everything.", max_tokens=1500, ignore_eos=True), 90.0
+            )
             short_req = pool.submit(post_json, srv.url, chat_body("Hi", max_tokens=6, ignore_eos=True), 90.0)
             deadline = time.time() + 60
             while srv.get("/v1/stats").json().get("running_requests", 0) < 2 and time.time() < deadline:

@@ -15,26 +15,32 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _ft(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.join(_ROOT, "python"),
-                                                                        os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, "-m", "freetoken", *args], capture_output=True, text=True, timeout=120,
-                          env=env)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [os.path.join(_ROOT, "python"), os.environ.get("PYTHONPATH")])),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "freetoken", *args], capture_output=True, text=True, timeout=120, env=env
+    )
 
 
-@pytest.mark.parametrize("flags,needle", [
-    # a feature that is not built
-    (["--nvfp4-backend", "triton"], "--nvfp4-backend triton is not supported yet"),
-    (["--moe-backend", "cpu"], "--moe-backend cpu is not supported yet"),
-    (["--moe-cpu-threads", "8"], "--moe-cpu-threads 8 is not supported yet"),
-    (["--moe-cpu-layers", "3,7"], "--moe-cpu-layers 3,7 is not supported yet"),
-    (["--moe-hybrid-max-fetch", "4"], "--moe-hybrid-max-fetch 4 is not supported yet"),
-    (["--expert-load", "serial"], "--expert-load serial is not supported yet"),
-    (["--tp-size", "2"], "--tensor-parallel-size 2 is not supported yet"),
-    # a feature that does not apply (nothing is downloaded)
-    (["--model-source", "modelscope"], "--model-source modelscope is not supported"),
-    # flags that contradict each other
-    (["--moe-backend", "fused", "--moe-cache-size", "64"], "--moe-cache-size applies to expert offload"),
-])
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        # a feature that is not built
+        (["--nvfp4-backend", "triton"], "--nvfp4-backend triton is not supported yet"),
+        (["--moe-backend", "cpu"], "--moe-backend cpu is not supported yet"),
+        (["--moe-cpu-threads", "8"], "--moe-cpu-threads 8 is not supported yet"),
+        (["--moe-cpu-layers", "3,7"], "--moe-cpu-layers 3,7 is not supported yet"),
+        (["--moe-hybrid-max-fetch", "4"], "--moe-hybrid-max-fetch 4 is not supported yet"),
+        (["--expert-load", "serial"], "--expert-load serial is not supported yet"),
+        (["--tp-size", "2"], "--tensor-parallel-size 2 is not supported yet"),
+        # a feature that does not apply (nothing is downloaded)
+        (["--model-source", "modelscope"], "--model-source modelscope is not supported"),
+        # flags that contradict each other
+        (["--moe-backend", "fused", "--moe-cache-size", "64"], "--moe-cache-size applies to expert offload"),
+    ],
+)
 def test_refused_flags_exit_2_in_one_line(flags, needle):
     r = _ft("serve", *flags)
     assert r.returncode == 2, (r.returncode, r.stderr)
@@ -59,12 +65,21 @@ def test_unused_offload_flags_are_logged(tiny_llama_dir, caplog):
 
     logging.getLogger("freetoken").addHandler(caplog.handler)
     try:
-        Worker({"model_path": tiny_llama_dir, "device": "cpu", "num_tokens": 256, "load_progress": False,
-                "moe_cache_size": 64, "disable_moe_prefill_overlap": True})
+        Worker(
+            {
+                "model_path": tiny_llama_dir,
+                "device": "cpu",
+                "num_tokens": 256,
+                "load_progress": False,
+                "moe_cache_size": 64,
+                "disable_moe_prefill_overlap": True,
+            }
+        )
     finally:
         logging.getLogger("freetoken").removeHandler(caplog.handler)
-    assert any("--moe-cache-size, --disable-moe-prefill-overlap: no effect" in m and "no experts" in m
-               for m in caplog.messages), caplog.messages
+    assert any(
+        "--moe-cache-size, --disable-moe-prefill-overlap: no effect" in m and "no experts" in m for m in caplog.messages
+    ), caplog.messages
 
 
 def test_offline_llm_refuses_the_same_settings(tiny_llama_dir):

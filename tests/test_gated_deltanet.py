@@ -98,8 +98,9 @@ def test_varlen_dispatch_equals_per_sequence_and_decode():
 
 def test_captures_are_prefix_states():
     q, k, v, g, beta, state = rand_inputs(100, seed=3)
-    o, final, cap = gated_delta_rule(q, k, v, g, beta, state[None], [0, 100], decode=False,
-                                     captures={0: [64, 37]}, backend="torch")
+    o, final, cap = gated_delta_rule(
+        q, k, v, g, beta, state[None], [0, 100], decode=False, captures={0: [64, 37]}, backend="torch"
+    )
     o_full, _ = naive_gdn(q, k, v, g, beta, state)
     assert (o - o_full).abs().max() < 2e-5
     for at in (37, 64, 100):
@@ -148,11 +149,17 @@ def test_rounds_give_the_states_at_capture_points(captures):
 # ---------------------------------------------------------------------------------------------------------------
 
 LAYER_SHAPES = {
-    "gva_r2_dk_ne_dv": dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                            linear_value_head_dim=24),
+    "gva_r2_dk_ne_dv": dict(
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24
+    ),
     "r1": dict(linear_num_key_heads=3, linear_num_value_heads=3, linear_key_head_dim=8, linear_value_head_dim=8),
-    "r3_kc2": dict(linear_num_key_heads=1, linear_num_value_heads=3, linear_key_head_dim=12,
-                   linear_value_head_dim=8, linear_conv_kernel_dim=2),
+    "r3_kc2": dict(
+        linear_num_key_heads=1,
+        linear_num_value_heads=3,
+        linear_key_head_dim=12,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=2,
+    ),
 }
 
 
@@ -240,7 +247,11 @@ def test_layer_matches_hf_and_continues_across_chunks(family, shape):
 def test_layer_mixed_batch_matches_separate_runs(family):
     hf, ours = _hf_gdn(family, LAYER_SHAPES["gva_r2_dk_ne_dv"], seed=4)
     gen = torch.Generator().manual_seed(5)
-    xa, xb, xc = torch.randn(40, 64, generator=gen), torch.randn(25, 64, generator=gen), torch.randn(9, 64, generator=gen)
+    xa, xb, xc = (
+        torch.randn(40, 64, generator=gen),
+        torch.randn(25, 64, generator=gen),
+        torch.randn(9, 64, generator=gen),
+    )
     with torch.no_grad():
         refs = [hf(x[None])[0] for x in (xa, xb, xc)]
     pool, lens = _pool(ours), {}

@@ -86,8 +86,9 @@ def _recurrent_inputs(B, Hk, Hv, dk, dv, dtype, device, gen, gate_spread=1.0):
     return q.reshape(B, Hk, dk), k.reshape(B, Hk, dk), v.reshape(B, Hv, dv), ba[:, Hv : 2 * Hv], ba[:, :Hv]
 
 
-def check_recurrent(B, Hk, Hv, dk, dv, S, dtype, state_dtype, device, seed=0, steps=3, pad=0, scale=None,
-                    gate_spread=1.0):
+def check_recurrent(
+    B, Hk, Hv, dk, dv, S, dtype, state_dtype, device, seed=0, steps=3, pad=0, scale=None, gate_spread=1.0
+):
     """Triton recurrence vs the reference on the same pool; returns (max |Δo|, max |ΔS|)."""
     from freetoken.kernels.gdn_decode import gdn_recurrent_decode_torch, gdn_recurrent_decode_triton
 
@@ -106,8 +107,9 @@ def check_recurrent(B, Hk, Hv, dk, dv, S, dtype, state_dtype, device, seed=0, st
         slots, real_rows = _batch_slots(real, pad, scratch, gen, device)
         q, k, v, a, b = _recurrent_inputs(B + pad, Hk, Hv, dk, dv, dtype, device, gen, gate_spread)
         o = gdn_recurrent_decode_triton(q, k, v, a, b, A_log, dt_bias, pool, slots, scale=scale)
-        o_ref = gdn_recurrent_decode_torch(q[:B], k[:B], v[:B], a[:B], b[:B], A_log, dt_bias, ref_pool, real_rows,
-                                           scale=scale)
+        o_ref = gdn_recurrent_decode_torch(
+            q[:B], k[:B], v[:B], a[:B], b[:B], A_log, dt_bias, ref_pool, real_rows, scale=scale
+        )
         assert o.dtype == dtype and o.shape == (B + pad, Hv, dv)
         torch.testing.assert_close(o[:B].float(), o_ref.float(), atol=o_tol, rtol=o_tol)
         torch.testing.assert_close(pool[real].float(), ref_pool[real].float(), atol=s_tol, rtol=s_tol)
@@ -141,9 +143,18 @@ def _tiny_layer(interleaved, device, seed=0):
     from freetoken.layers.gated_deltanet import GatedDeltaNet
     from freetoken.models.base import ModelConfig
 
-    cfg = ModelConfig.from_dict(dict(hidden_size=32, linear_num_key_heads=2, linear_num_value_heads=4,
-                                     linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=4,
-                                     rms_norm_eps=1e-6, hidden_act="silu"))
+    cfg = ModelConfig.from_dict(
+        dict(
+            hidden_size=32,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+            rms_norm_eps=1e-6,
+            hidden_act="silu",
+        )
+    )
     layer = GatedDeltaNet(cfg, layer_id=0, state_layer=0, interleaved_proj=interleaved)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -167,8 +178,18 @@ def decode_with_kernels(layer, x, pool, slots, impl):
     qkv, z, b, a = layer.project(x)
     y = gdn_conv_decode(qkv, pool.conv[layer.state_layer], layer.conv1d.weight[:, 0, :], slots, impl=impl)
     q, k, v = torch.split(y, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
-    o = gdn_recurrent_decode(q.reshape(B, Hk, dk), k.reshape(B, Hk, dk), v.reshape(B, Hv, dv), a, b, layer.A_log,
-                             layer.dt_bias, pool.ssm[layer.state_layer], slots, impl=impl)
+    o = gdn_recurrent_decode(
+        q.reshape(B, Hk, dk),
+        k.reshape(B, Hk, dk),
+        v.reshape(B, Hv, dv),
+        a,
+        b,
+        layer.A_log,
+        layer.dt_bias,
+        pool.ssm[layer.state_layer],
+        slots,
+        impl=impl,
+    )
     o = layer.norm(o.reshape(B * Hv, dv), z.reshape(-1, dv))
     return layer.out_proj(o.reshape(B, layer.value_dim))
 
@@ -179,14 +200,17 @@ def check_layer_chain(device, impl, interleaved=False, steps=3, seed=0):
     from freetoken.cache.state_pool import RecurrentStatePool
 
     layer = _tiny_layer(interleaved, device, seed)
-    pool = RecurrentStatePool(1, 9, layer.conv_state_shape, layer.ssm_state_shape, torch.float32, torch.float32,
-                              device)
+    pool = RecurrentStatePool(1, 9, layer.conv_state_shape, layer.ssm_state_shape, torch.float32, torch.float32, device)
     gen = torch.Generator().manual_seed(seed + 1)
     slots, lens = [5, 1, 7], [5, 2, 9]
     x = torch.randn(sum(lens), 32, generator=gen).to(device)
     layer(x, _DecodeBatch(pool, slots, [0, 0, 0], lens, is_decode=False))
-    pools = {name: RecurrentStatePool(1, 9, layer.conv_state_shape, layer.ssm_state_shape, torch.float32,
-                                      torch.float32, device) for name in ("decode", "general", "kernels")}
+    pools = {
+        name: RecurrentStatePool(
+            1, 9, layer.conv_state_shape, layer.ssm_state_shape, torch.float32, torch.float32, device
+        )
+        for name in ("decode", "general", "kernels")
+    }
     for p in pools.values():
         p.conv[0].copy_(pool.conv[0])
         p.ssm[0].copy_(pool.ssm[0])
@@ -228,8 +252,9 @@ def test_recurrent_reference_matches_layer_math():
     slots = torch.tensor([4, 0, 2])
     g = -torch.exp(A_log) * F.softplus(a + dt_bias)
     qf, kf, vf, gf, bf = _prepare_torch(q, k, v, g, torch.sigmoid(b), Hv)
-    o_ref, s_ref = torch_recurrent_gated_delta_rule(qf[:, :, None], kf[:, :, None], vf[:, :, None], gf[:, :, None],
-                                                    bf[:, :, None], pool[slots].clone())
+    o_ref, s_ref = torch_recurrent_gated_delta_rule(
+        qf[:, :, None], kf[:, :, None], vf[:, :, None], gf[:, :, None], bf[:, :, None], pool[slots].clone()
+    )
     o = gdn_recurrent_decode_torch(q, k, v, a, b, A_log, dt_bias, pool, slots)
     torch.testing.assert_close(o, o_ref[:, :, 0], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(pool[slots], s_ref, atol=1e-6, rtol=1e-6)
@@ -250,8 +275,9 @@ def test_dispatch_picks_torch_on_cpu(monkeypatch):
     monkeypatch.setattr(m, "gdn_recurrent_decode_triton", boom)
     check_layer_chain("cpu", "auto", steps=1)
     with pytest.raises(ValueError):
-        m.gdn_conv_decode(torch.zeros(1, 4), torch.zeros(2, 4, 3), torch.zeros(4, 4), torch.zeros(1, dtype=torch.int64),
-                          impl="cuda")
+        m.gdn_conv_decode(
+            torch.zeros(1, 4), torch.zeros(2, 4, 3), torch.zeros(4, 4), torch.zeros(1, dtype=torch.int64), impl="cuda"
+        )
 
 
 _CPU_SCRIPT = textwrap.dedent(
@@ -308,8 +334,10 @@ REAL = dict(Hk=16, Hv=32, dk=128, dv=128)
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("B", [1, 7, 64])
-@pytest.mark.parametrize("x_dtype,state_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
-                                                 (torch.float32, torch.float32)])
+@pytest.mark.parametrize(
+    "x_dtype,state_dtype",
+    [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32, torch.float32)],
+)
 def test_conv_cuda(B, x_dtype, state_dtype):
     check_conv(B, 8192, 4, 200, x_dtype, state_dtype, "cuda", seed=B, pad=3)
 
@@ -317,8 +345,10 @@ def test_conv_cuda(B, x_dtype, state_dtype):
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("B", [1, 3, 7, 64])
-@pytest.mark.parametrize("dtype,state_dtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                               (torch.float32, torch.float32)])
+@pytest.mark.parametrize(
+    "dtype,state_dtype",
+    [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)],
+)
 def test_recurrent_cuda(B, dtype, state_dtype):
     check_recurrent(B, REAL["Hk"], REAL["Hv"], REAL["dk"], REAL["dv"], 200, dtype, state_dtype, "cuda", seed=B, pad=3)
 
@@ -359,8 +389,9 @@ def test_decode_kernels_cuda_graph():
         y = gdn_conv_decode(proj[:, :C], conv_pool, weight, slots)
         q, k, v = torch.split(y, [Hk * dk, Hk * dk, Hv * dv], dim=-1)
         b, a = proj[:, C : C + Hv], proj[:, C + Hv :]
-        return gdn_recurrent_decode(q.reshape(Bg, Hk, dk), k.reshape(Bg, Hk, dk), v.reshape(Bg, Hv, dv), a, b, A_log,
-                                    dt_bias, ssm_pool, slots)
+        return gdn_recurrent_decode(
+            q.reshape(Bg, Hk, dk), k.reshape(Bg, Hk, dk), v.reshape(Bg, Hv, dv), a, b, A_log, dt_bias, ssm_pool, slots
+        )
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -370,7 +401,7 @@ def test_decode_kernels_cuda_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
-    for it in range(3):
+    for _ in range(3):
         perm = torch.randperm(S, generator=gen)
         real, scratch = perm[:B], perm[B]
         slots.copy_(torch.cat([real, torch.full((Bg - B,), int(scratch))]))
@@ -384,9 +415,17 @@ def test_decode_kernels_cuda_graph():
         y = gdn_conv_decode(proj[:B, :C], conv_ref, weight, real.cuda())
         torch.testing.assert_close(y.float(), y_torch.float(), atol=3e-2, rtol=3e-2)
         q, k, v = torch.split(y, [Hk * dk, Hk * dk, Hv * dv], dim=-1)
-        o_ref = gdn_recurrent_decode_torch(q.reshape(B, Hk, dk), k.reshape(B, Hk, dk), v.reshape(B, Hv, dv),
-                                           proj[:B, C + Hv :], proj[:B, C : C + Hv], A_log, dt_bias, ssm_ref,
-                                           real.cuda())
+        o_ref = gdn_recurrent_decode_torch(
+            q.reshape(B, Hk, dk),
+            k.reshape(B, Hk, dk),
+            v.reshape(B, Hv, dv),
+            proj[:B, C + Hv :],
+            proj[:B, C : C + Hv],
+            A_log,
+            dt_bias,
+            ssm_ref,
+            real.cuda(),
+        )
         torch.testing.assert_close(out[:B].float(), o_ref.float(), atol=3e-2, rtol=3e-2)
         assert torch.equal(conv_pool[real], conv_ref[real])
         torch.testing.assert_close(ssm_pool[real], ssm_ref[real], atol=1e-3, rtol=1e-3)

@@ -41,7 +41,12 @@ def demo_ckpt(demo_gguf_path):
 def test_demo_config(demo_ckpt):
     c = demo_ckpt.config
     assert c["model_type"] == "llama"
-    assert (c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"]) == (576, 30, 9, 3)
+    assert (c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"]) == (
+        576,
+        30,
+        9,
+        3,
+    )
     assert (c["head_dim"], c["intermediate_size"], c["vocab_size"]) == (64, 1536, 49152)
     assert c["rope_theta"] == 100000.0 and c["max_position_embeddings"] == 8192
     assert abs(c["rms_norm_eps"] - 1e-5) < 1e-9
@@ -98,7 +103,12 @@ def tokenizers_pair(demo_ckpt):
 
 def test_tokenizer_info(tokenizers_pair):
     info, ours, _ = tokenizers_pair
-    assert (info.bos_token, info.bos_token_id, info.eos_token, info.eos_token_id) == ("<|im_start|>", 1, "<|im_end|>", 2)
+    assert (info.bos_token, info.bos_token_id, info.eos_token, info.eos_token_id) == (
+        "<|im_start|>",
+        1,
+        "<|im_end|>",
+        2,
+    )
     assert info.add_bos_token is False
     assert 2 in info.eos_token_ids
     assert "<|im_start|>" in info.chat_template

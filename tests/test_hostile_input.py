@@ -10,7 +10,6 @@ import time
 
 import pytest
 import requests
-
 from bounded_clients import post_json
 from server_harness import ServerProcess
 
@@ -29,11 +28,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPENAPI = os.path.join(ROOT, "crates", "ft-server", "openapi.json")
 # Small budgets keep every generated request short: 4 tokens unless the request says less (see `tame`).
 MAX_OUT = 4
-SERVER_ARGS = ["--device", "cpu", "--max-running-requests", "4", "--num-tokens", "8192", "--max-seq-len-override", "512",
-               "--max-output-tokens", str(MAX_OUT)]
+SERVER_ARGS = [
+    "--device",
+    "cpu",
+    "--max-running-requests",
+    "4",
+    "--num-tokens",
+    "8192",
+    "--max-seq-len-override",
+    "512",
+    "--max-output-tokens",
+    str(MAX_OUT),
+]
 CALL_TIMEOUT = (5, 60)  # connect, read: a hang fails the test instead of stalling it
-CONTROL = {"model": "demo", "messages": [{"role": "user", "content": "What is the capital of France?"}],
-           "max_tokens": 2, "temperature": 0}
+CONTROL = {
+    "model": "demo",
+    "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    "max_tokens": 2,
+    "temperature": 0,
+}
 
 schema = schemathesis.openapi.from_path(OPENAPI)
 schema.config.phases.coverage.enabled = False  # its boundary sweep is hundreds of cases per operation
@@ -77,9 +90,13 @@ def check_schema_is_honest(case, response) -> None:
     message = error.get("message", "")
     # what a static schema cannot say: the context and vocabulary limits, and which model names are served (the
     # schema documents the 404)
-    inexpressible = (error.get("code") in ("context_length_exceeded", "model_not_found") or "maximum context length"
-                     in message or "out of the vocabulary" in message or error.get("type") == "not_found_error"
-                     or unsatisfiable_tool_choice(error))
+    inexpressible = (
+        error.get("code") in ("context_length_exceeded", "model_not_found")
+        or "maximum context length" in message
+        or "out of the vocabulary" in message
+        or error.get("type") == "not_found_error"
+        or unsatisfiable_tool_choice(error)
+    )
     assert inexpressible, f"schema-valid body refused ({status} {error}): {case.body!r:.500}"
 
 
@@ -88,8 +105,9 @@ def unsatisfiable_tool_choice(error: dict) -> bool:
     the server has none of for its model (the demo model's): cross-field and server facts, not the schema's."""
     message = error.get("message", "")
     return error.get("code") == "invalid_tool_choice" or (
-        message.startswith("tool_choice ") and any(s in message for s in ("needs tools", "not one of the tools",
-                                                                          "cannot be served")))
+        message.startswith("tool_choice ")
+        and any(s in message for s in ("needs tools", "not one of the tools", "cannot be served"))
+    )
 
 
 def tame(body):
@@ -107,15 +125,16 @@ _statuses: dict[str, list[int]] = {}  # operation label -> statuses seen
 
 
 @schema.parametrize()
-@settings(max_examples=40, deadline=None, derandomize=True, database=None,
-          suppress_health_check=list(HealthCheck))
+@settings(max_examples=40, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
 def test_schemathesis_no_server_errors(case, server, control):
     tame(case.body)
     t0 = time.monotonic()
     response = case.call(base_url=server.url, timeout=CALL_TIMEOUT)
     assert time.monotonic() - t0 < CALL_TIMEOUT[1]
-    case.validate_response(response, checks=[not_a_server_error, status_code_conformance, content_type_conformance,
-                                             response_schema_conformance])
+    case.validate_response(
+        response,
+        checks=[not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance],
+    )
     check_schema_is_honest(case, response)
     _calls["n"] += 1
     _statuses.setdefault(case.operation.label, []).append(response.status_code)
@@ -173,11 +192,24 @@ CASES: list[tuple[str, str, object, str]] = [
     ("content an object", "/v1/chat/completions", {"messages": [{"role": "user", "content": {"text": "hi"}}]}, FOUR),
     ("content numbers", "/v1/chat/completions", {"messages": [{"role": "user", "content": [1, 2]}]}, FOUR),
     ("content nested lists", "/v1/chat/completions", {"messages": [{"role": "user", "content": [[["x"]]]}]}, FOUR),
-    ("content image part", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]}, FOUR),
-    ("content text part not a string", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, FOUR),
-    ("max_tokens 1e30", "/v1/chat/completions", raw_chat('"max_completion_tokens": 1e30').replace(b'"max_tokens": 2, ', b""), FOUR),
+    (
+        "content image part",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]},
+        FOUR,
+    ),
+    (
+        "content text part not a string",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+        FOUR,
+    ),
+    (
+        "max_tokens 1e30",
+        "/v1/chat/completions",
+        raw_chat('"max_completion_tokens": 1e30').replace(b'"max_tokens": 2, ', b""),
+        FOUR,
+    ),
     ("max_tokens 2^70", "/v1/chat/completions", chat(max_tokens=2**70), FOUR),
     ("max_tokens 0", "/v1/chat/completions", chat(max_tokens=0), FOUR),
     ("max_tokens -1", "/v1/chat/completions", chat(max_tokens=-1), FOUR),
@@ -216,39 +248,94 @@ CASES: list[tuple[str, str, object, str]] = [
     ("stop many strings", "/v1/chat/completions", chat(stop=[f"s{i}" for i in range(5000)]), ANY),
     ("stop_token_ids negative", "/v1/chat/completions", chat(stop_token_ids=[-1]), FOUR),
     ("stop_token_ids huge", "/v1/chat/completions", chat(stop_token_ids=[2**40]), FOUR),
-    ("invalid UTF-8 in a string", "/v1/chat/completions",
-     b'{"messages": [{"role": "user", "content": "\xff\xfe\xc3("}], "max_tokens": 2}', FOUR),
+    (
+        "invalid UTF-8 in a string",
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "\xff\xfe\xc3("}], "max_tokens": 2}',
+        FOUR,
+    ),
     ("invalid UTF-8 outside strings", "/v1/chat/completions", b'{"messages": \xff\xfe}', FOUR),
     ("lone surrogate escape", "/v1/chat/completions", raw_chat('"user": "\\ud800"'), FOUR),
-    ("NUL and controls in content", "/v1/chat/completions",
-     chat(messages=[{"role": "user", "content": "a\u0000b\u0007c\u202ed\U0001F600"}]), ANY),
-    ("10 MB body", "/v1/chat/completions",
-     ('{"messages": [{"role": "user", "content": "' + "a" * BIG + '"}]}').encode(), FOUR),
+    (
+        "NUL and controls in content",
+        "/v1/chat/completions",
+        chat(messages=[{"role": "user", "content": "a\u0000b\u0007c\u202ed\U0001f600"}]),
+        ANY,
+    ),
+    (
+        "10 MB body",
+        "/v1/chat/completions",
+        ('{"messages": [{"role": "user", "content": "' + "a" * BIG + '"}]}').encode(),
+        FOUR,
+    ),
     ("deep nesting body", "/v1/chat/completions", nested(100_000).encode(), FOUR),
     ("deep nesting in tools", "/v1/chat/completions", raw_chat('"tools": ' + nested(5000)), FOUR),
-    ("nested garbage in kwargs", "/v1/chat/completions",
-     chat(chat_template_kwargs={"x": [[[[{"y": [None, 1.5, {"z": []}]}]]]], "messages": 5, "tools": "no"}), ANY),
+    (
+        "nested garbage in kwargs",
+        "/v1/chat/completions",
+        chat(chat_template_kwargs={"x": [[[[{"y": [None, 1.5, {"z": []}]}]]]], "messages": 5, "tools": "no"}),
+        ANY,
+    ),
     ("kwargs not an object", "/v1/chat/completions", chat(chat_template_kwargs=[1, 2]), FOUR),
     ("tools not a list", "/v1/chat/completions", chat(tools={"a": 1}), FOUR),
     ("tools of numbers", "/v1/chat/completions", chat(tools=[5, "x", None]), FOUR),
     ("tool_choice nonsense", "/v1/chat/completions", chat(tool_choice={"type": "wat"}), FOUR),
-    ("valid tool", "/v1/chat/completions",
-     chat(tools=[{"type": "function", "function": {"name": "get_weather", "description": "Weather",
-                                                   "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}],
-          tool_choice="auto"), ANY),
+    (
+        "valid tool",
+        "/v1/chat/completions",
+        chat(
+            tools=[
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "description": "Weather",
+                        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+                    },
+                }
+            ],
+            tool_choice="auto",
+        ),
+        ANY,
+    ),
     ("tool without function", "/v1/chat/completions", chat(tools=[{"type": "function"}]), FOUR),
-    ("tool parameters not a schema", "/v1/chat/completions",
-     chat(tools=[{"type": "function", "function": {"name": "f", "parameters": "not a schema"}}]), FOUR),
-    ("tool parameters nonsense schema", "/v1/chat/completions",
-     chat(tools=[{"type": "function", "function": {"name": 5, "parameters": {"type": "wat", "properties": 7}}}]), FOUR),
-    ("tool parameters an invalid JSON Schema object", "/v1/chat/completions",
-     chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "wat", "properties": 7}}}]), ANY),
-    ("tool_calls garbage", "/v1/chat/completions",
-     chat(messages=[{"role": "user", "content": "hi"},
-                    {"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": "{bad json"}}, 5]},
-                    {"role": "tool", "content": "x"}]), FOUR),
+    (
+        "tool parameters not a schema",
+        "/v1/chat/completions",
+        chat(tools=[{"type": "function", "function": {"name": "f", "parameters": "not a schema"}}]),
+        FOUR,
+    ),
+    (
+        "tool parameters nonsense schema",
+        "/v1/chat/completions",
+        chat(tools=[{"type": "function", "function": {"name": 5, "parameters": {"type": "wat", "properties": 7}}}]),
+        FOUR,
+    ),
+    (
+        "tool parameters an invalid JSON Schema object",
+        "/v1/chat/completions",
+        chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "wat", "properties": 7}}}]),
+        ANY,
+    ),
+    (
+        "tool_calls garbage",
+        "/v1/chat/completions",
+        chat(
+            messages=[
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": "{bad json"}}, 5]},
+                {"role": "tool", "content": "x"},
+            ]
+        ),
+        FOUR,
+    ),
     ("many messages", "/v1/chat/completions", chat(messages=[{"role": "user", "content": "hi"}] * 5000), FOUR),
-    ("prompt past the context", "/v1/chat/completions", chat(messages=[{"role": "user", "content": "word " * 60_000}]), FOUR),
+    (
+        "prompt past the context",
+        "/v1/chat/completions",
+        chat(messages=[{"role": "user", "content": "word " * 60_000}]),
+        FOUR,
+    ),
     ("duplicate keys", "/v1/chat/completions", raw_chat('"max_tokens": "x"'), FOUR),
     ("model a number", "/v1/chat/completions", chat(model=5), FOUR),
     # /v1/completions
@@ -266,8 +353,12 @@ CASES: list[tuple[str, str, object, str]] = [
     ("suffix", "/v1/completions", {"prompt": "hi", "suffix": "x", "max_tokens": 2}, FOUR),
     ("best_of 3", "/v1/completions", {"prompt": "hi", "best_of": 3, "max_tokens": 2}, FOUR),
     ("echo byte tokens", "/v1/completions", {"prompt": [[200, 201, 202]], "echo": True, "max_tokens": 2}, ANY),
-    ("echo special tokens streamed", "/v1/completions",
-     {"prompt": [0, 1, 2], "echo": True, "max_tokens": 2, "stream": True}, ANY),
+    (
+        "echo special tokens streamed",
+        "/v1/completions",
+        {"prompt": [0, 1, 2], "echo": True, "max_tokens": 2, "stream": True},
+        ANY,
+    ),
 ]
 
 
@@ -285,8 +376,13 @@ def test_hand_written_hostile_input(server, control, name, path, body, expect):
 
 
 def test_wrong_methods_and_paths(server, control):
-    for method, path, status in [("GET", "/v1/chat/completions", 405), ("POST", "/v1/models", 405),
-                                 ("PUT", "/v1/completions", 405), ("GET", "/v1/nope", 404), ("DELETE", "/health", 405)]:
+    for method, path, status in [
+        ("GET", "/v1/chat/completions", 405),
+        ("POST", "/v1/models", 405),
+        ("PUT", "/v1/completions", 405),
+        ("GET", "/v1/nope", 404),
+        ("DELETE", "/health", 405),
+    ]:
         r = requests.request(method, server.url + path, timeout=CALL_TIMEOUT)
         assert r.status_code == status, (method, path, r.status_code, r.text[:200])
     check_control(server, control, "wrong methods")
@@ -299,8 +395,11 @@ def test_slow_and_abandoned_bodies_do_not_block(server, control):
     held = []
     for announced, sent in [(1000, b""), (1000, b'{"messages": [')]:
         s = socket.create_connection(("127.0.0.1", server.port), timeout=5)
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  + f"Content-Length: {announced}\r\n\r\n".encode() + sent)
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {announced}\r\n\r\n".encode()
+            + sent
+        )
         held.append(s)
     check_control(server, control, "a stalled upload")
     for s in held:
@@ -315,8 +414,13 @@ def test_openapi_served_matches_the_file(server):
         assert r.json() == json.load(f)
     loaded = schemathesis.openapi.from_dict(r.json())
     labels = {op.ok().label for op in loaded.get_all_operations()}
-    assert {"POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "GET /v1/stats",
-            "GET /health"} <= labels, labels
+    assert {
+        "POST /v1/chat/completions",
+        "POST /v1/completions",
+        "GET /v1/models",
+        "GET /v1/stats",
+        "GET /health",
+    } <= labels, labels
 
 
 def test_huge_prompts_do_not_block_health(server, control):

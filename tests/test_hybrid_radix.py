@@ -7,15 +7,20 @@ equality cannot come from both runs computing everything."""
 
 from __future__ import annotations
 
-import pytest
-
 import hf_reference as R
+import pytest
 
 pytestmark = pytest.mark.slow
 
 GRID = 64  # snapshots sit on the GDN chunk grid
-ENGINE_ARGS = dict(device="cpu", num_tokens=8192, max_seq_len_override=4096, load_progress=False,
-                   max_prefill_length=128, max_running_requests=4)
+ENGINE_ARGS = dict(
+    device="cpu",
+    num_tokens=8192,
+    max_seq_len_override=4096,
+    load_progress=False,
+    max_prefill_length=128,
+    max_running_requests=4,
+)
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +66,10 @@ def test_resolved_cache_and_snapshot_pool(cached, cold):
 
 def test_multi_turn_conversation_resumes_where_the_last_answer_ended(cached, cold):
     history = R.prompt(150, seed=1)
+    previous = 0  # tokens of the previous turn's prompt and answer
     for turn in range(3):
-        hit, = cached.generate([history], greedy(10))
-        ref, = cold.generate([history], greedy(10))
+        (hit,) = cached.generate([history], greedy(10))
+        (ref,) = cold.generate([history], greedy(10))
         assert_same(hit, ref)
         assert ref.cached_tokens == 0
         if turn:  # the previous request donated its live state at the end of its answer
@@ -75,18 +81,18 @@ def test_multi_turn_conversation_resumes_where_the_last_answer_ended(cached, col
 
 def test_turn_two_of_a_2000_token_conversation_reuses_at_least_1900(cached, cold):
     history = R.prompt(2000, seed=4)
-    first, = cached.generate([history], greedy(4))
+    (first,) = cached.generate([history], greedy(4))
     turn2 = history + first.token_ids + R.prompt(30, seed=5)
-    hit, = cached.generate([turn2], greedy(4))
+    (hit,) = cached.generate([turn2], greedy(4))
     assert hit.cached_tokens >= 1900, hit.cached_tokens
     assert_same(hit, cold.generate([turn2], greedy(4))[0])
 
 
 def test_same_prompt_twice_resumes_at_the_last_grid_point_below_its_length(cached, cold):
     prompt = R.prompt(200, seed=2)
-    first, = cached.generate([prompt], greedy(6))
-    again, = cached.generate([prompt], greedy(6))
-    ref, = cold.generate([prompt], greedy(6))
+    (first,) = cached.generate([prompt], greedy(6))
+    (again,) = cached.generate([prompt], greedy(6))
+    (ref,) = cold.generate([prompt], greedy(6))
     assert first.cached_tokens == 0
     assert again.cached_tokens == (len(prompt) - 1) // GRID * GRID == 192
     assert_same(first, ref)
@@ -122,13 +128,13 @@ def test_small_snapshot_pool_evicts_and_stays_exact(checkpoint, cold):
     first_turns = [R.prompt(140 + 10 * i, seed=50 + i) for i in range(4)]
     answers = []
     for p in first_turns:
-        out, = small.generate([p], greedy(5))
+        (out,) = small.generate([p], greedy(5))
         assert_same(out, cold.generate([p], greedy(5))[0])
         answers.append(out.token_ids)
     resumed = []
     for i in reversed(range(4)):
         p = first_turns[i] + answers[i] + R.prompt(30, seed=60 + i)
-        out, = small.generate([p], greedy(5))
+        (out,) = small.generate([p], greedy(5))
         assert_same(out, cold.generate([p], greedy(5))[0])
         resumed.append(out.cached_tokens == len(first_turns[i]) + 4)
         small.engine.check_integrity()

@@ -25,8 +25,20 @@ pytestmark = pytest.mark.slow
 
 ROWS = 4
 SNAPSHOT_SLOTS = 3
-COMMON = ["--device", "cpu", "--served-model-name", "tiny", "--max-running-requests", str(ROWS), "--num-tokens", "4096",
-          "--max-seq-len-override", "1024", "--decode-log-interval", "20"]
+COMMON = [
+    "--device",
+    "cpu",
+    "--served-model-name",
+    "tiny",
+    "--max-running-requests",
+    str(ROWS),
+    "--num-tokens",
+    "4096",
+    "--max-seq-len-override",
+    "1024",
+    "--decode-log-interval",
+    "20",
+]
 # Small prefill chunks: long prompts are prefilled in several steps (chunk-end captures) beside other requests' decode.
 CACHED_ARGS = COMMON + ["--num-snapshot-slots", str(SNAPSHOT_SLOTS), "--max-prefill-length", "96"]
 NAIVE_ARGS = COMMON + ["--cache-type", "naive"]
@@ -95,8 +107,9 @@ def run_session(url: str, tok, i: int) -> list[dict]:
         else:
             out = post_json(url, body(prompt, max_tokens), deadline=DEADLINE, path="/v1/completions")
             pieces = [out.text]
-        turns.append({"session": i, "turn": t, "prompt": prompt, "max_tokens": max_tokens, "hang_up": hang_up,
-                      "outcome": out})
+        turns.append(
+            {"session": i, "turn": t, "prompt": prompt, "max_tokens": max_tokens, "hang_up": hang_up, "outcome": out}
+        )
         if out.kind not in ("ok", "cancelled"):
             break
         answer = [x for p in pieces for x in tok.encode(p, add_special_tokens=False).ids]
@@ -110,8 +123,10 @@ def test_concurrent_sessions_with_hang_ups_on_hybrid_radix(checkpoint):
 
     tok = Tokenizer.from_file(os.path.join(checkpoint, "tokenizer.json"))
     with cf.ThreadPoolExecutor(2) as pool:  # both servers start at once
-        starting = [pool.submit(ServerProcess, args) for args in ([*CACHED_ARGS, "--model-path", checkpoint],
-                                                                  [*NAIVE_ARGS, "--model-path", checkpoint])]
+        starting = [
+            pool.submit(ServerProcess, args)
+            for args in ([*CACHED_ARGS, "--model-path", checkpoint], [*NAIVE_ARGS, "--model-path", checkpoint])
+        ]
         servers = [f.result() if not f.exception() else None for f in starting]
     srv, ref = servers
     try:
@@ -158,8 +173,12 @@ def test_concurrent_sessions_with_hang_ups_on_hybrid_radix(checkpoint):
         mismatches = []
         for t in turns:
             o = t["outcome"]
-            want = post_json(ref.url, body(t["prompt"], 8 if t["hang_up"] else t["max_tokens"]), deadline=DEADLINE,
-                             path="/v1/completions")
+            want = post_json(
+                ref.url,
+                body(t["prompt"], 8 if t["hang_up"] else t["max_tokens"]),
+                deadline=DEADLINE,
+                path="/v1/completions",
+            )
             assert want.kind == "ok", want
             same = want.text.startswith(o.text) if t["hang_up"] else want.text == o.text
             if not same:
@@ -168,13 +187,18 @@ def test_concurrent_sessions_with_hang_ups_on_hybrid_radix(checkpoint):
 
         # ...and it still serves, and its integrity checks never failed.
         again = post_json(srv.url, body(SHARED_SYSTEM + [7, 8, 9], 4), deadline=60, path="/v1/completions")
-        assert again.kind == "ok" and again.text == post_json(
-            ref.url, body(SHARED_SYSTEM + [7, 8, 9], 4), deadline=60, path="/v1/completions").text
+        assert (
+            again.kind == "ok"
+            and again.text
+            == post_json(ref.url, body(SHARED_SYSTEM + [7, 8, 9], 4), deadline=60, path="/v1/completions").text
+        )
         assert srv.get("/health").status_code == 200
         log = srv.log()
         assert "integrity check failed" not in log and "panicked" not in log, log[-3000:]
-        print(f"{len(turns)} requests in {took:.1f} s ({sum(t['hang_up'] is not None for t in turns)} hung up); "
-              f"stats {stats}")
+        print(
+            f"{len(turns)} requests in {took:.1f} s ({sum(t['hang_up'] is not None for t in turns)} hung up); "
+            f"stats {stats}"
+        )
     finally:
         codes = [s.stop() if s is not None else 0 for s in servers]
     assert codes == [0, 0], (codes, srv.log()[-3000:] if srv else "")

@@ -20,8 +20,13 @@ def check_store_kv(T, nkv, D, DV, dtype, device, strided=False, duplicate=False,
 
     g = torch.Generator().manual_seed(seed)
     slots = 3 * T + 4
-    caches = [(torch.randn(slots, nkv, D, generator=g).to(device, dtype),
-               torch.randn(slots, nkv, DV, generator=g).to(device, dtype)) for _ in range(2)]
+    caches = [
+        (
+            torch.randn(slots, nkv, D, generator=g).to(device, dtype),
+            torch.randn(slots, nkv, DV, generator=g).to(device, dtype),
+        )
+        for _ in range(2)
+    ]
     caches[1] = (caches[0][0].clone(), caches[0][1].clone())
     if strided:
         qkv = torch.randn(T, 8 + nkv * (D + DV), generator=g).to(device, dtype)

@@ -14,8 +14,8 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import make_tiny_llama_dir
+
 from freetoken.engine.step_plan import StepPlan
 
 PARAGRAPH = (
@@ -82,7 +82,9 @@ def test_demo_logits_match_hf(hf_demo, paragraph_ids, ours_paragraph):
         ref = hf_demo(torch.tensor([paragraph_ids])).logits[0].float()
     assert ours_paragraph.shape == ref.shape == (len(paragraph_ids), 49152)
     diff = (ours_paragraph - ref).abs().max().item()
-    print(f"demo model: max |dlogit| = {diff:.3e} over {len(paragraph_ids)} tokens, max |logit| = {ref.abs().max():.1f}")
+    print(
+        f"demo model: max |dlogit| = {diff:.3e} over {len(paragraph_ids)} tokens, max |logit| = {ref.abs().max():.1f}"
+    )
     assert diff < LOGIT_ATOL
     assert torch.equal(ours_paragraph.argmax(-1), ref.argmax(-1))
 
@@ -90,13 +92,33 @@ def test_demo_logits_match_hf(hf_demo, paragraph_ids, ours_paragraph):
 def _greedy_via_steps(worker, prompt: list[int], n: int, row: int = 0, slot0: int = 0) -> list[int]:
     """Prefill then n-1 one-token decode steps, page table and slots managed like the Rust side does."""
     greedy = {"temperature": 0.0}
-    plan = StepPlan.build([{"tokens": prompt, "prefix_len": 0, "row": row, "table_from": 0,
-                            "table_slots": list(range(slot0, slot0 + len(prompt))), "sample": greedy}])
+    plan = StepPlan.build(
+        [
+            {
+                "tokens": prompt,
+                "prefix_len": 0,
+                "row": row,
+                "table_from": 0,
+                "table_slots": list(range(slot0, slot0 + len(prompt))),
+                "sample": greedy,
+            }
+        ]
+    )
     out = worker.execute_plan(plan).tokens
     while len(out) < n:
         pos = len(prompt) + len(out) - 1
-        plan = StepPlan.build([{"tokens": [out[-1]], "prefix_len": pos, "row": row, "table_from": pos,
-                                "table_slots": [slot0 + pos], "sample": greedy}])
+        plan = StepPlan.build(
+            [
+                {
+                    "tokens": [out[-1]],
+                    "prefix_len": pos,
+                    "row": row,
+                    "table_from": pos,
+                    "table_slots": [slot0 + pos],
+                    "sample": greedy,
+                }
+            ]
+        )
         out += worker.execute_plan(plan).tokens
     return out
 
@@ -127,11 +149,19 @@ def test_demo_batch_of_three_equals_each_alone(demo_worker, paragraph_ids, ours_
     seqs = [paragraph_ids[:37], paragraph_ids[:150], paragraph_ids[:5]]
     # rows 2, 0, 1 and disjoint slot ranges placed out of order
     rows, starts = [2, 0, 1], [3000, 100, 2000]
-    plan = StepPlan.build([
-        {"tokens": s, "prefix_len": 0, "row": r, "table_from": 0, "table_slots": list(range(a, a + len(s))),
-         "sample": {"temperature": 0.0}}
-        for s, r, a in zip(seqs, rows, starts)
-    ])
+    plan = StepPlan.build(
+        [
+            {
+                "tokens": s,
+                "prefix_len": 0,
+                "row": r,
+                "table_from": 0,
+                "table_slots": list(range(a, a + len(s))),
+                "sample": {"temperature": 0.0},
+            }
+            for s, r, a in zip(seqs, rows, starts)
+        ]
+    )
     res = demo_worker.execute_plan(plan, all_logits=True)
     at = 0
     for s in seqs:
@@ -148,9 +178,19 @@ def test_demo_batch_of_three_equals_each_alone(demo_worker, paragraph_ids, ours_
 TINY_VARIANTS = {
     "plain": {},
     "tied_llama3_rope_bias_headdim": dict(
-        tie_word_embeddings=True, attention_bias=True, head_dim=32, num_attention_heads=4, num_key_value_heads=1,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 50000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        tie_word_embeddings=True,
+        attention_bias=True,
+        head_dim=32,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 50000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
     ),
 }
 

@@ -10,7 +10,6 @@ import time
 
 import pytest
 import requests
-
 from bounded_clients import Outcome, chat_body, post_json, stream
 from server_harness import ServerProcess
 
@@ -19,8 +18,18 @@ pytestmark = pytest.mark.slow
 CLIENTS = 64
 REQUESTS = 128
 ROWS = 16
-SERVER_ARGS = ["--device", "cpu", "--max-running-requests", str(ROWS), "--num-tokens", "16384",
-               "--max-seq-len-override", "1024", "--decode-log-interval", "20"]
+SERVER_ARGS = [
+    "--device",
+    "cpu",
+    "--max-running-requests",
+    str(ROWS),
+    "--num-tokens",
+    "16384",
+    "--max-seq-len-override",
+    "1024",
+    "--decode-log-interval",
+    "20",
+]
 DEADLINE = 240.0  # per client call; the whole run takes well under this on 2 cores
 TOPICS = ["the sea", "mountains", "a cat", "the moon", "bread", "rain", "a clock", "music"]
 
@@ -47,7 +56,9 @@ def one_request(url: str, i: int) -> tuple[str, Outcome]:
     if shape == 5:
         body = {"prompt": f"The story of {topic}:", "max_tokens": 6, "stop": ["\n"]}
         return "whole", post_json(url, body, deadline=DEADLINE, path="/v1/completions")
-    return "whole", post_json(url, chat_body(f"Request {i}: say something about {topic}.", max_tokens=8), deadline=DEADLINE)
+    return "whole", post_json(
+        url, chat_body(f"Request {i}: say something about {topic}.", max_tokens=8), deadline=DEADLINE
+    )
 
 
 @pytest.mark.timeout(600)
@@ -85,8 +96,10 @@ def test_load_every_request_accounted_for_and_slots_freed(demo_gguf_path):
         assert ok.kind == "ok", ok
         log = srv.log()
         assert "integrity check failed" not in log, log[-3000:]
-        print(f"{REQUESTS} requests from {CLIENTS} clients in {took:.1f} s: {len(completed)} completed, "
-              f"{len(cancelled)} cancelled; stats {stats}")
+        print(
+            f"{REQUESTS} requests from {CLIENTS} clients in {took:.1f} s: {len(completed)} completed, "
+            f"{len(cancelled)} cancelled; stats {stats}"
+        )
     finally:
         code = srv.stop()
     assert code == 0, srv.log()[-3000:]
@@ -96,15 +109,37 @@ def test_load_every_request_accounted_for_and_slots_freed(demo_gguf_path):
 def test_overload_is_refused_with_429_and_leaves_nothing_behind(demo_gguf_path):
     """Past --max-running-requests + --max-queued-requests, requests get 429 at once; the rest are served, and
     every slot comes back."""
-    srv = ServerProcess(["--device", "cpu", "--max-running-requests", "2", "--max-queued-requests", "2",
-                         "--num-tokens", "4096", "--max-seq-len-override", "512"])
+    srv = ServerProcess(
+        [
+            "--device",
+            "cpu",
+            "--max-running-requests",
+            "2",
+            "--max-queued-requests",
+            "2",
+            "--num-tokens",
+            "4096",
+            "--max-seq-len-override",
+            "512",
+        ]
+    )
     try:
         n = 24
         with cf.ThreadPoolExecutor(n) as pool:
-            results = list(pool.map(
-                lambda i: post_json(srv.url, chat_body(f"Request {i}: hello.", max_tokens=6, ignore_eos=True), deadline=120)
-                if i % 2 else stream(srv.url, chat_body(f"Request {i}: hello.", max_tokens=6, ignore_eos=True), deadline=120),
-                range(n)))
+            results = list(
+                pool.map(
+                    lambda i: (
+                        post_json(
+                            srv.url, chat_body(f"Request {i}: hello.", max_tokens=6, ignore_eos=True), deadline=120
+                        )
+                        if i % 2
+                        else stream(
+                            srv.url, chat_body(f"Request {i}: hello.", max_tokens=6, ignore_eos=True), deadline=120
+                        )
+                    ),
+                    range(n),
+                )
+            )
         served = [o for o in results if o.kind == "ok"]
         refused = [o for o in results if o.status == 429]
         assert len(served) + len(refused) == n, [o for o in results if o.kind != "ok" and o.status != 429]

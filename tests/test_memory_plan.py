@@ -13,13 +13,32 @@ def _one_prompt(tokens):
     from freetoken.engine.step_plan import StepPlan
 
     tokens = list(tokens)
-    return StepPlan.build([{"tokens": tokens, "prefix_len": 0, "row": 0, "table_from": 0,
-                            "table_slots": list(range(len(tokens))), "sample": {"temperature": 0.0}}])
+    return StepPlan.build(
+        [
+            {
+                "tokens": tokens,
+                "prefix_len": 0,
+                "row": 0,
+                "table_from": 0,
+                "table_slots": list(range(len(tokens))),
+                "sample": {"temperature": 0.0},
+            }
+        ]
+    )
 
 
 def plan(**over) -> MemoryPlan:
-    kw = dict(device="cuda:0", free_before=100 * GiB, memory_ratio=0.9, weights=40 * GiB, state_bytes=1 * GiB,
-              scratch_kv_bytes=GiB // 2, workspace=3 * GiB, workspace_tokens=8192, reserve=GiB)
+    kw = dict(
+        device="cuda:0",
+        free_before=100 * GiB,
+        memory_ratio=0.9,
+        weights=40 * GiB,
+        state_bytes=1 * GiB,
+        scratch_kv_bytes=GiB // 2,
+        workspace=3 * GiB,
+        workspace_tokens=8192,
+        reserve=GiB,
+    )
     kw.update(over)
     return MemoryPlan(**kw)
 
@@ -35,9 +54,16 @@ def test_kv_budget_subtracts_every_planned_pool():
 def test_table_lists_every_pool():
     p = plan(kv_tokens=1000, kv_bytes=2 * GiB, free_after=5 * GiB, live_state_slots=4, snapshot_slots=8)
     text = p.table()
-    for label in ("weights", "KV cache (1000 tokens)", "recurrent state (4 live + 8 snapshot slots)",
-                  "output token counts", "prefill workspace (8192-token chunk)",
-                  "reserve (--vram-reserve-mb)", "headroom", "free after initialization"):
+    for label in (
+        "weights",
+        "KV cache (1000 tokens)",
+        "recurrent state (4 live + 8 snapshot slots)",
+        "output token counts",
+        "prefill workspace (8192-token chunk)",
+        "reserve (--vram-reserve-mb)",
+        "headroom",
+        "free after initialization",
+    ):
         assert label in text, text
     assert "3.00 GiB" in text and "40.00 GiB" in text
     assert "not measured" in plan(workspace=None).table()
@@ -59,8 +85,15 @@ def test_worker_logs_the_plan_on_cpu(tiny_llama_dir):
     lines = Lines()
     logging.getLogger("freetoken").addHandler(lines)
     try:
-        w = Worker({"model_path": tiny_llama_dir, "device": "cpu", "num_tokens": 512, "max_seq_len_override": 256,
-                    "load_progress": False})
+        w = Worker(
+            {
+                "model_path": tiny_llama_dir,
+                "device": "cpu",
+                "num_tokens": 512,
+                "max_seq_len_override": 256,
+                "load_progress": False,
+            }
+        )
     finally:
         logging.getLogger("freetoken").removeHandler(lines)
     assert w.memory_plan.kv_tokens == 512 and w.memory_plan.workspace is None
@@ -74,9 +107,18 @@ def _chunk(tokens, prefix_len):
     from freetoken.engine.step_plan import StepPlan
 
     tokens = list(tokens)
-    return StepPlan.build([{"tokens": tokens, "prefix_len": prefix_len, "row": 0, "table_from": prefix_len,
-                            "table_slots": list(range(prefix_len, prefix_len + len(tokens))),
-                            "sample": {"temperature": 0.0}}])
+    return StepPlan.build(
+        [
+            {
+                "tokens": tokens,
+                "prefix_len": prefix_len,
+                "row": 0,
+                "table_from": prefix_len,
+                "table_slots": list(range(prefix_len, prefix_len + len(tokens))),
+                "sample": {"temperature": 0.0},
+            }
+        ]
+    )
 
 
 @pytest.mark.gpu
@@ -84,11 +126,20 @@ def test_cuda_workspace_covers_a_max_length_prefill(tmp_path):
     """The dry run's measured workspace must cover every chunk of a max-length prompt (the last ones attend
     over the longest prefixes), and each step's own ``workspace_bytes`` must be the allocator's peak."""
     from conftest import make_tiny_llama_dir
+
     from freetoken.worker import Worker
 
     chunk, context = 512, 2048
-    w = Worker({"model_path": make_tiny_llama_dir(tmp_path, max_position_embeddings=context), "device": "cuda", "max_prefill_length": chunk,
-                "max_seq_len_override": context, "load_progress": False, "memory_ratio": 0.5})
+    w = Worker(
+        {
+            "model_path": make_tiny_llama_dir(tmp_path, max_position_embeddings=context),
+            "device": "cuda",
+            "max_prefill_length": chunk,
+            "max_seq_len_override": context,
+            "load_progress": False,
+            "memory_ratio": 0.5,
+        }
+    )
     p = w.memory_plan
     assert p.workspace is not None and p.workspace > 0 and p.workspace_tokens == chunk
     assert w.info()["planned_workspace_bytes"] == p.workspace
@@ -99,7 +150,9 @@ def test_cuda_workspace_covers_a_max_length_prefill(tmp_path):
         r = w.execute_plan(_chunk([1 + i % 250 for i in range(start, start + chunk)], start))
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
-        print(f"\nchunk at {start}: planned workspace {p.workspace / 2**20:.1f} MiB, measured peak "
-              f"{peak / 2**20:.1f} MiB, step stat {r.stats['workspace_bytes'] / 2**20:.1f} MiB")
+        print(
+            f"\nchunk at {start}: planned workspace {p.workspace / 2**20:.1f} MiB, measured peak "
+            f"{peak / 2**20:.1f} MiB, step stat {r.stats['workspace_bytes'] / 2**20:.1f} MiB"
+        )
         assert r.stats["workspace_bytes"] == peak
         assert peak <= p.workspace * 1.1 + 2**20

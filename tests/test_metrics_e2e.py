@@ -8,7 +8,6 @@ import time
 
 import pytest
 import requests
-
 from server_harness import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -19,8 +18,9 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def server(demo_gguf_path):
-    srv = ServerProcess(["--max-running-requests", "4", "--num-tokens", "8192", "--max-seq-len-override", "2048",
-                         "--api-key", KEY])
+    srv = ServerProcess(
+        ["--max-running-requests", "4", "--num-tokens", "8192", "--max-seq-len-override", "2048", "--api-key", KEY]
+    )
     yield srv
     assert srv.stop() == 0, srv.log()[-3000:]
 
@@ -56,17 +56,32 @@ def test_counters_move_as_requests_are_served(server):
     before = scrape(server)
     assert v(before, "freetoken_engine_health", state="serving") == 1.0
     assert v(before, "freetoken_kv_cache_capacity_tokens") == 8192.0
-    chat = {"model": "demo", "messages": [{"role": "user", "content": "What is the capital of France?"}],
-            "max_tokens": 8, "temperature": 0}
+    chat = {
+        "model": "demo",
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "max_tokens": 8,
+        "temperature": 0,
+    }
     r = server.post("/v1/chat/completions", json=chat, headers=AUTH)
     assert r.status_code == 200, r.text
     usage = r.json()["usage"]
     again = server.post("/v1/chat/completions", json=chat, headers=AUTH)  # the same prompt: a prefix-cache hit
     assert again.status_code == 200 and again.json()["usage"] == usage, again.text
-    stream = requests.post(server.url + "/v1/completions", headers=AUTH, stream=True, timeout=120,
-                           json={"model": "demo", "prompt": "The capital of France is", "max_tokens": 6,
-                                 "temperature": 0, "ignore_eos": True, "stream": True,
-                                 "stream_options": {"include_usage": True}})
+    stream = requests.post(
+        server.url + "/v1/completions",
+        headers=AUTH,
+        stream=True,
+        timeout=120,
+        json={
+            "model": "demo",
+            "prompt": "The capital of France is",
+            "max_tokens": 6,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert stream.status_code == 200
     body = stream.text
     assert "[DONE]" in body

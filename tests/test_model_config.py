@@ -45,9 +45,9 @@ def test_aliases_read_under_both_names():
 def test_missing_key_names_it():
     c = ModelConfig.from_dict({"model_type": "qwen3_moe"})
     with pytest.raises(MissingConfigKey, match="config.json has no 'num_experts' \\(nor num_local_experts\\)"):
-        c.num_experts
+        _ = c.num_experts
     with pytest.raises(UnsupportedModel, match="'hidden_size'"):
-        c.hidden_size
+        _ = c.hidden_size
     assert c.get("hidden_size", 7) == 7 and not hasattr(c, "hidden_size")  # optional reads keep their default
 
 
@@ -57,10 +57,22 @@ def _tiny_qwen3_moe(path) -> str:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_intermediate_size=32,
-                         num_experts=8, num_experts_per_tok=2, max_position_embeddings=256, norm_topk_prob=True,
-                         bos_token_id=1, eos_token_id=2)
+    cfg = Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        norm_topk_prob=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(cfg).float().eval()
     with torch.no_grad():
@@ -73,8 +85,15 @@ def _tiny_qwen3_moe(path) -> str:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False,
-                   "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}"}, f)
+        json.dump(
+            {
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "add_bos_token": False,
+                "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}",
+            },
+            f,
+        )
     return str(path)
 
 
@@ -91,8 +110,16 @@ def test_transformers_saved_qwen3_moe_serves_through_the_worker(qwen3_moe_dir):
     with open(os.path.join(qwen3_moe_dir, "config.json")) as f:
         saved = json.load(f)
     assert "num_local_experts" in saved and "num_experts" not in saved  # the spelling this test is about
-    w = Worker({"model_path": qwen3_moe_dir, "device": "cpu", "dtype": "float32", "num_tokens": 256,
-                "max_running_requests": 2, "load_progress": False})
+    w = Worker(
+        {
+            "model_path": qwen3_moe_dir,
+            "device": "cpu",
+            "dtype": "float32",
+            "num_tokens": 256,
+            "max_running_requests": 2,
+            "load_progress": False,
+        }
+    )
     assert w.info()["architecture"] == "Qwen3MoeForCausalLM"
     tokens = [3, 17, 42, 5, 9, 33, 60, 12]
     ours = w.forward_logits(tokens)
@@ -103,10 +130,17 @@ def test_transformers_saved_qwen3_moe_serves_through_the_worker(qwen3_moe_dir):
 
 
 def _ft_serve(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.join(_ROOT, "python"),
-                                                                        os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, "-m", "freetoken", "serve", "--port", "0", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [os.path.join(_ROOT, "python"), os.environ.get("PYTHONPATH")])),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "freetoken", "serve", "--port", "0", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def _error_lines(stderr: str) -> list[str]:
@@ -116,9 +150,19 @@ def _error_lines(stderr: str) -> list[str]:
 def _config_dir(tmp_path, drop=(), **set_) -> str:
     from transformers import Qwen3MoeConfig
 
-    d = Qwen3MoeConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, moe_intermediate_size=32,
-                       num_experts=8, num_experts_per_tok=2, max_position_embeddings=256).to_dict()
+    d = Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+    ).to_dict()
     for k in drop:
         d.pop(k)
     d.update(set_)
@@ -127,8 +171,9 @@ def _config_dir(tmp_path, drop=(), **set_) -> str:
     return str(tmp_path)
 
 
-@pytest.mark.parametrize("drop,key", [(("hidden_size",), "'hidden_size'"),
-                                      (("num_local_experts",), "'num_experts' (nor num_local_experts)")])
+@pytest.mark.parametrize(
+    "drop,key", [(("hidden_size",), "'hidden_size'"), (("num_local_experts",), "'num_experts' (nor num_local_experts)")]
+)
 def test_ft_serve_missing_key_is_one_line(tmp_path, drop, key):
     r = _ft_serve("--model-path", _config_dir(tmp_path, drop=drop), "--dummy-weight", "--device", "cpu")
     assert r.returncode == 1, r.stderr[-3000:]
@@ -137,10 +182,13 @@ def test_ft_serve_missing_key_is_one_line(tmp_path, drop, key):
     assert len(errors) == 1 and key in errors[0], r.stderr[-3000:]
 
 
-@pytest.mark.parametrize("set_,needle", [
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "rope_type 'yarn'"),
-    ({"quantization_config": {"quant_method": "modelopt"}}, "quantization_config (quant_method 'modelopt')"),
-])
+@pytest.mark.parametrize(
+    "set_,needle",
+    [
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "rope_type 'yarn'"),
+        ({"quantization_config": {"quant_method": "modelopt"}}, "quantization_config (quant_method 'modelopt')"),
+    ],
+)
 def test_unsupported_config_values_are_one_line(tmp_path, set_, needle):
     from freetoken.worker import Worker
 
@@ -156,11 +204,24 @@ def test_unsupported_config_values_are_one_line(tmp_path, set_, needle):
 def test_transformers_saved_qwen3_moe_serves_through_ft_serve(qwen3_moe_dir):
     from server_harness import ServerProcess
 
-    srv = ServerProcess(["--model-path", qwen3_moe_dir, "--device", "cpu", "--dtype", "float32", "--num-tokens", "512",
-                         "--max-running-requests", "2"])
+    srv = ServerProcess(
+        [
+            "--model-path",
+            qwen3_moe_dir,
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--num-tokens",
+            "512",
+            "--max-running-requests",
+            "2",
+        ]
+    )
     try:
-        r = srv.post("/v1/completions", json={"prompt": "w3 w17 w42", "max_tokens": 4, "temperature": 0,
-                                              "ignore_eos": True})
+        r = srv.post(
+            "/v1/completions", json={"prompt": "w3 w17 w42", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        )
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 4
     finally:

@@ -9,8 +9,14 @@ from freetoken.models.base import ModelConfig
 
 def _cfg(**kw):
     d = dict(
-        model_type="qwen3_5_moe_text", hidden_size=32, num_experts=8, num_experts_per_tok=3,
-        moe_intermediate_size=24, shared_expert_intermediate_size=20, hidden_act="silu", rms_norm_eps=1e-6,
+        model_type="qwen3_5_moe_text",
+        hidden_size=32,
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=20,
+        hidden_act="silu",
+        rms_norm_eps=1e-6,
     )
     d.update(kw)
     return d

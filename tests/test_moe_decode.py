@@ -45,8 +45,9 @@ def _routing(T, S, k, g, invalid=False, padding_row=False):
     return ids, w / w.sum(-1, keepdim=True)
 
 
-def check_moe_decode(T, S, k, H, I, dtype, device, shared=None, Is=None, invalid=False, padding_row=False,
-                     strided_x=False, seed=0):
+def check_moe_decode(
+    T, S, k, H, I, dtype, device, shared=None, Is=None, invalid=False, padding_row=False, strided_x=False, seed=0
+):
     """``moe_decode_triton`` vs ``moe_decode_torch``; ``shared``: None, "output" (the shared expert's output is
     given) or "expert" (computed in the kernel from its gate|up, given as column views of a fused projection)."""
     from freetoken.kernels.moe_decode import moe_decode_torch, moe_decode_triton
@@ -79,9 +80,16 @@ def _block(H, E, k, I, Is, dtype, device, seed=0):
     from freetoken.layers.moe import SparseMoeBlock
     from freetoken.models.base import ModelConfig
 
-    cfg = ModelConfig.from_dict(dict(model_type="qwen3_5_moe_text", hidden_size=H, num_experts=E,
-                                     num_experts_per_tok=k, moe_intermediate_size=I,
-                                     shared_expert_intermediate_size=Is))
+    cfg = ModelConfig.from_dict(
+        dict(
+            model_type="qwen3_5_moe_text",
+            hidden_size=H,
+            num_experts=E,
+            num_experts_per_tok=k,
+            moe_intermediate_size=I,
+            shared_expert_intermediate_size=Is,
+        )
+    )
     blk = SparseMoeBlock(cfg)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

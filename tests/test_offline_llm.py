@@ -14,8 +14,14 @@ pytestmark = pytest.mark.slow
 def llm(demo_gguf_path):
     from freetoken import LLM
 
-    return LLM(demo_gguf_path, device="cpu", num_tokens=4096, max_seq_len_override=1024, load_progress=False,
-               max_prefill_length=64)
+    return LLM(
+        demo_gguf_path,
+        device="cpu",
+        num_tokens=4096,
+        max_seq_len_override=1024,
+        load_progress=False,
+        max_prefill_length=64,
+    )
 
 
 def test_batch_equals_single_and_cache_hit(llm):

@@ -21,12 +21,24 @@ CONFIGS = {
     # GVA r=2, dk=16 != dv=24, attention at layers 1 and 3
     "gva_r2": dict(),
     # r=1, dk == dv, explicit layer_types with attention first, tied embeddings, different rotary width
-    "r1_tied": dict(linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
-                    linear_value_head_dim=16, head_dim=16, tie_word_embeddings=True,
-                    layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention"]),
+    "r1_tied": dict(
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        head_dim=16,
+        tie_word_embeddings=True,
+        layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention"],
+    ),
     # r=4 with a single key head, conv kernel 3, interval 3 (attention at layer 2 only)
-    "r4_kc3": dict(linear_num_key_heads=1, linear_num_value_heads=4, linear_key_head_dim=24,
-                   linear_value_head_dim=8, linear_conv_kernel_dim=3, full_attention_interval=3),
+    "r4_kc3": dict(
+        linear_num_key_heads=1,
+        linear_num_value_heads=4,
+        linear_key_head_dim=24,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=3,
+        full_attention_interval=3,
+    ),
 }
 
 _cache: dict = {}
@@ -37,8 +49,10 @@ def models(name):
         cfg = R.qwen3_5_moe_config(**CONFIGS[name])
         hf = R.build_hf_model(cfg, seed=11)
         # the released layout: model.language_model.*, plus MTP and vision tensors that must be skipped
-        sd = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
-              for k, v in hf.state_dict().items()}
+        sd = {
+            ("model.language_model." + k[len("model.") :] if k.startswith("model.") else k): v
+            for k, v in hf.state_dict().items()
+        }
         sd["mtp.fc.weight"] = torch.zeros(2, 2)
         sd["mtp.layers.0.input_layernorm.weight"] = torch.zeros(2)
         sd["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(2, 2)
@@ -133,8 +147,10 @@ def test_cuda_prefill_chunks_mixed_and_decode(backend, dtype, monkeypatch):
     r1 = torch.cat([ref1, ref1[:37]])
     e0, e1 = float((g0 - ref0).abs().max()), float((g1 - r1).abs().max())
     agree = float(torch.cat([g0.argmax(-1) == ref0.argmax(-1), g1.argmax(-1) == r1.argmax(-1)]).float().mean())
-    print(f"\n[cuda {backend} {dtype}] max |logit err| {e0:.3e} {e1:.3e} (logit scale {float(ref0.abs().max()):.1f}),"
-          f" argmax agreement {agree:.3f}")
+    print(
+        f"\n[cuda {backend} {dtype}] max |logit err| {e0:.3e} {e1:.3e} (logit scale {float(ref0.abs().max()):.1f}),"
+        f" argmax agreement {agree:.3f}"
+    )
     if dtype == torch.float32 and backend == "torch":
         assert e0 < 1e-3 and e1 < 1e-3  # measured on H200: 2.3e-5, 8.8e-5
     elif dtype == torch.float32:
@@ -163,8 +179,10 @@ def test_fused_projections_keep_every_parameter_and_its_values():
     a, b = fused.state_dict(), plain.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     layer = fused.layers[0]
-    assert layer.linear_attn.in_proj_z.weight.untyped_storage().data_ptr() == \
-        layer.linear_attn.in_proj_qkv.weight.untyped_storage().data_ptr()
+    assert (
+        layer.linear_attn.in_proj_z.weight.untyped_storage().data_ptr()
+        == layer.linear_attn.in_proj_qkv.weight.untyped_storage().data_ptr()
+    )
     ids = R.prompt(40, seed=2)
     got = R.TinyEngine(fused).step([(0, ids)], all_logits=True)[0]
     want = R.TinyEngine(plain).step([(0, ids)], all_logits=True)[0]

@@ -15,32 +15,65 @@ from freetoken.models.registry import model_class
 VOCAB = 160
 
 BASE = dict(
-    vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=32, intermediate_size=96, max_position_embeddings=512, rms_norm_eps=1e-6, hidden_act="silu",
-    rope_theta=10000.0, attention_bias=False, tie_word_embeddings=False,
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    intermediate_size=96,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    hidden_act="silu",
+    rope_theta=10000.0,
+    attention_bias=False,
+    tie_word_embeddings=False,
 )
-MOE = dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=40, norm_topk_prob=True,
-           decoder_sparse_step=1, mlp_only_layers=[])
+MOE = dict(
+    num_experts=8,
+    num_experts_per_tok=3,
+    moe_intermediate_size=40,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+)
 
 CONFIGS = {
     "qwen3_moe": dict(BASE, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], **MOE),
-    "qwen3_moe_mixed": dict(BASE, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"],
-                            **dict(MOE, mlp_only_layers=[0], norm_topk_prob=False, decoder_sparse_step=1)),
-    "qwen3_moe_step2": dict(BASE, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_hidden_layers=4,
-                            **dict(MOE, decoder_sparse_step=2)),
+    "qwen3_moe_mixed": dict(
+        BASE,
+        model_type="qwen3_moe",
+        architectures=["Qwen3MoeForCausalLM"],
+        **dict(MOE, mlp_only_layers=[0], norm_topk_prob=False, decoder_sparse_step=1),
+    ),
+    "qwen3_moe_step2": dict(
+        BASE,
+        model_type="qwen3_moe",
+        architectures=["Qwen3MoeForCausalLM"],
+        num_hidden_layers=4,
+        **dict(MOE, decoder_sparse_step=2),
+    ),
     "qwen3": dict(BASE, model_type="qwen3", architectures=["Qwen3ForCausalLM"]),
-    "qwen3_tied_bias": dict(BASE, model_type="qwen3", architectures=["Qwen3ForCausalLM"], tie_word_embeddings=True,
-                            attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    "qwen3_tied_bias": dict(
+        BASE,
+        model_type="qwen3",
+        architectures=["Qwen3ForCausalLM"],
+        tie_word_embeddings=True,
+        attention_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    ),
 }
 
 
 def _hf_model(d):
     if d["model_type"] == "qwen3_moe":
-        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM as C
+        from transformers import Qwen3MoeConfig
+        from transformers import Qwen3MoeForCausalLM as C
 
         cfg = Qwen3MoeConfig(**{k: v for k, v in d.items() if k not in ("model_type", "architectures")})
     else:
-        from transformers import Qwen3Config, Qwen3ForCausalLM as C
+        from transformers import Qwen3Config
+        from transformers import Qwen3ForCausalLM as C
 
         cfg = Qwen3Config(**{k: v for k, v in d.items() if k not in ("model_type", "architectures")})
     cfg._attn_implementation = "eager"
@@ -76,19 +109,35 @@ class Runner:
     def __init__(self, model, max_rows=4, max_context=160):
         lay = model.kv_layout
         self.model = model
-        self.kv = KVCachePool(lay.num_layers, max_rows * max_context + 7, lay.num_kv_heads, lay.head_dim,
-                              torch.float32, torch.device("cpu"), max_rows, max_context)
+        self.kv = KVCachePool(
+            lay.num_layers,
+            max_rows * max_context + 7,
+            lay.num_kv_heads,
+            lay.head_dim,
+            torch.float32,
+            torch.device("cpu"),
+            max_rows,
+            max_context,
+        )
         perm = torch.randperm(max_rows * max_context + 7, generator=torch.Generator().manual_seed(7)).tolist()
-        self.slots = [perm[r * max_context:(r + 1) * max_context] for r in range(max_rows)]
+        self.slots = [perm[r * max_context : (r + 1) * max_context] for r in range(max_rows)]
         self.attn = TorchAttention()
 
     def step(self, seqs, all_logits=False):
         """seqs: list of (row, prefix_len, new_tokens)."""
-        plan = StepPlan.build([
-            dict(tokens=toks, prefix_len=pre, row=row, table_from=pre,
-                 table_slots=self.slots[row][pre:pre + len(toks)], sample={"temperature": 0.0})
-            for row, pre, toks in seqs
-        ])
+        plan = StepPlan.build(
+            [
+                dict(
+                    tokens=toks,
+                    prefix_len=pre,
+                    row=row,
+                    table_from=pre,
+                    table_slots=self.slots[row][pre : pre + len(toks)],
+                    sample={"temperature": 0.0},
+                )
+                for row, pre, toks in seqs
+            ]
+        )
         batch = ForwardBatch.from_plan(plan, self.kv, self.attn, all_logits=all_logits)
         with torch.no_grad():
             return self.model(batch)
@@ -120,8 +169,8 @@ def test_chunked_prefill_matches_hf(name, chunks):
     r = Runner(ours)
     pre = 0
     for c in chunks:
-        out = r.step([(1, pre, ids[pre:pre + c])], all_logits=True)
-        torch.testing.assert_close(out, ref[pre:pre + c], atol=1e-4, rtol=1e-4)
+        out = r.step([(1, pre, ids[pre : pre + c])], all_logits=True)
+        torch.testing.assert_close(out, ref[pre : pre + c], atol=1e-4, rtol=1e-4)
         pre += c
 
 
@@ -137,9 +186,13 @@ def test_batch_of_different_lengths(name):
     # mixed step: a decode token for seqs 0 and 1, the rest of seq 2 as an extend over its cached prefix
     nxt = [int(refs[0][-1].argmax()), int(refs[1][-1].argmax())]
     out = r.step([(0, 1, [nxt[0]]), (1, 7, [nxt[1]]), (2, 12, seqs[2][12:])])  # last-token logits only
-    exp = torch.stack([
-        _hf_logits(hf, seqs[0] + [nxt[0]])[-1], _hf_logits(hf, seqs[1] + [nxt[1]])[-1], refs[2][-1],
-    ])
+    exp = torch.stack(
+        [
+            _hf_logits(hf, seqs[0] + [nxt[0]])[-1],
+            _hf_logits(hf, seqs[1] + [nxt[1]])[-1],
+            refs[2][-1],
+        ]
+    )
     torch.testing.assert_close(out, exp, atol=1e-4, rtol=1e-4)
 
 
@@ -153,7 +206,7 @@ def test_greedy_64_steps_batched(name):
         ids = list(p)
         for _ in range(64):
             ids.append(int(_hf_logits(hf, ids)[-1].argmax()))
-        want.append(ids[len(p):])
+        want.append(ids[len(p) :])
     r = Runner(ours)
     logits = r.step([(0, 0, prompts[0]), (1, 0, prompts[1])])
     got = [[int(t)] for t in logits.argmax(-1)]
@@ -194,4 +247,6 @@ def test_load_rejects_missing_and_unknown():
     m = model_class(cfg)(cfg).eval()
     m.load_weights(per.items())
     ids = _tokens(9, 3)
-    torch.testing.assert_close(Runner(m).step([(0, 0, ids)], all_logits=True), _hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        Runner(m).step([(0, 0, ids)], all_logits=True), _hf_logits(hf, ids), atol=1e-4, rtol=1e-4
+    )

@@ -18,10 +18,22 @@ torch.set_num_threads(1)
 CONFIGS = {
     "gva_r2": dict(),
     # r=3 (value heads 6 over 2 key heads), dk != dv, a dense MLP layer, no top-k renormalisation
-    "r3_dense_layer": dict(linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=8,
-                           linear_value_head_dim=12, mlp_only_layers=[2], norm_topk_prob=False),
-    "r1_interval4": dict(linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
-                         linear_value_head_dim=16, full_attention_interval=4, num_hidden_layers=5),
+    "r3_dense_layer": dict(
+        linear_num_key_heads=2,
+        linear_num_value_heads=6,
+        linear_key_head_dim=8,
+        linear_value_head_dim=12,
+        mlp_only_layers=[2],
+        norm_topk_prob=False,
+    ),
+    "r1_interval4": dict(
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        full_attention_interval=4,
+        num_hidden_layers=5,
+    ),
 }
 
 _cache: dict = {}
@@ -77,5 +89,7 @@ def test_layout_and_registry():
     # fused experts (transformers 5.x save) load too and give the same model
     ours_fused = R.build_ours(R.qwen3_next_config(), hf)
     ids = R.prompt(20, 5)
-    assert torch.equal(R.TinyEngine(ours).step([(0, ids)], all_logits=True)[0],
-                       R.TinyEngine(ours_fused).step([(0, ids)], all_logits=True)[0])
+    assert torch.equal(
+        R.TinyEngine(ours).step([(0, ids)], all_logits=True)[0],
+        R.TinyEngine(ours_fused).step([(0, ids)], all_logits=True)[0],
+    )

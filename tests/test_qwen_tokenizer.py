@@ -59,8 +59,15 @@ def test_specials_recognised(tok, ref):
     text = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\nx\n</think>\n\n<tool_call>{}</tool_call><|endoftext|>"
     ids = tok.encode(text).ids
     assert ids == ref.encode(text)
-    for t, i in (("<|endoftext|>", 248044), ("<|im_start|>", 248045), ("<|im_end|>", 248046), ("<tool_call>", 248058),
-                 ("<think>", 248068), ("</think>", 248069), ("<|audio_pad|>", 248076)):
+    for t, i in (
+        ("<|endoftext|>", 248044),
+        ("<|im_start|>", 248045),
+        ("<|im_end|>", 248046),
+        ("<tool_call>", 248058),
+        ("<think>", 248068),
+        ("</think>", 248069),
+        ("<|audio_pad|>", 248076),
+    ):
         assert tok.token_to_id(t) == i and i in ids or t == "<|audio_pad|>"
     assert tok.get_vocab_size() == 248077
     # <think>/<tool_call> survive skip_special_tokens (parsers need them); <|im_end|> does not
@@ -134,10 +141,10 @@ def test_template_multi_turn_with_tool_call():
             "role": "assistant",
             "content": "",
             "reasoning_content": "Need the tool.",
-            "tool_calls": [{"id": "c1", "type": "function",
-                            "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
-                           {"id": "c2", "type": "function",
-                            "function": {"name": "get_weather", "arguments": "{\"city\": \"Lyon\"}"}}],
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+                {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Lyon"}'}},
+            ],
         },
         {"role": "tool", "tool_call_id": "c1", "content": "18C sunny"},
         {"role": "tool", "tool_call_id": "c2", "content": "20C"},
@@ -150,12 +157,12 @@ def test_template_multi_turn_with_tool_call():
         "query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
         + json.dumps(WEATHER, ensure_ascii=False)
         + "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
-        "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+        '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
         "<args-json-object>}\n</tool_call><|im_end|>\n"
         "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
         # reasoning of turns before the last user message is dropped
-        "<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n"
-        "</tool_call>\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Lyon\"}}\n</tool_call>"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon"}}\n</tool_call>'
         "<|im_end|>\n"
         "<|im_start|>user\n<tool_response>\n18C sunny\n</tool_response>\n<tool_response>\n20C\n</tool_response>"
         "<|im_end|>\n"
@@ -169,14 +176,18 @@ def test_template_multi_turn_with_tool_call():
 def test_template_reasoning_after_last_user_and_content_with_tool_call():
     msgs = [
         {"role": "user", "content": "Go"},
-        {"role": "assistant", "content": "Calling.", "reasoning_content": "\nplan\n",
-         "tool_calls": [{"function": {"name": "f", "arguments": {}}}]},
+        {
+            "role": "assistant",
+            "content": "Calling.",
+            "reasoning_content": "\nplan\n",
+            "tool_calls": [{"function": {"name": "f", "arguments": {}}}],
+        },
         {"role": "tool", "content": "ok"},
     ]
     out = render(msgs, add_generation_prompt=True)
     assert out == (
         "<|im_start|>user\nGo<|im_end|>\n"
-        "<|im_start|>assistant\n<think>\nplan\n</think>\n\nCalling.\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}"
+        '<|im_start|>assistant\n<think>\nplan\n</think>\n\nCalling.\n<tool_call>\n{"name": "f", "arguments": {}}'
         "\n</tool_call><|im_end|>\n"
         "<|im_start|>user\n<tool_response>\nok\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\n"

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -13,8 +11,11 @@ from freetoken.layers.sampler import sample
 def _params(n, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seeds=None):
     f = lambda x: torch.full((n,), float(x), dtype=torch.float32)  # noqa: E731
     return dict(
-        temperature=f(temperature), top_p=f(top_p), top_k=torch.full((n,), int(top_k), dtype=torch.int64),
-        min_p=f(min_p), seeds=torch.arange(n, dtype=torch.int64) if seeds is None else torch.tensor(seeds),
+        temperature=f(temperature),
+        top_p=f(top_p),
+        top_k=torch.full((n,), int(top_k), dtype=torch.int64),
+        min_p=f(min_p),
+        seeds=torch.arange(n, dtype=torch.int64) if seeds is None else torch.tensor(seeds),
     )
 
 

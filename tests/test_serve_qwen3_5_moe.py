@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import os
 
-import pytest
-
 import hf_reference as R
+import pytest
 from server_harness import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -23,9 +22,20 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    srv = ServerProcess(["--model-path", checkpoint[0], "--served-model-name", "tiny", "--max-running-requests", "4",
-                         "--num-tokens", "4096",
-                         "--max-seq-len-override", "1024"])
+    srv = ServerProcess(
+        [
+            "--model-path",
+            checkpoint[0],
+            "--served-model-name",
+            "tiny",
+            "--max-running-requests",
+            "4",
+            "--num-tokens",
+            "4096",
+            "--max-seq-len-override",
+            "1024",
+        ]
+    )
     yield srv
     assert srv.stop() == 0, srv.log()[-3000:]
 
@@ -38,8 +48,13 @@ def test_chat_through_openai_client_streaming_and_not(server):
     full = client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=12)
     assert full.choices[0].finish_reason in ("stop", "length")
     assert full.usage.prompt_tokens > 10 and 1 <= full.usage.completion_tokens <= 12
-    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model="tiny", messages=messages, temperature=0, max_tokens=12, stream=True) if c.choices]
+    pieces = [
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            model="tiny", messages=messages, temperature=0, max_tokens=12, stream=True
+        )
+        if c.choices
+    ]
     assert "".join(pieces) == full.choices[0].message.content
     assert "qwen3_5_moe" in server.log() or "Qwen3_5Moe" in server.log()
 
@@ -47,8 +62,10 @@ def test_chat_through_openai_client_streaming_and_not(server):
 def test_greedy_completion_matches_hf(server, checkpoint):
     _, hf = checkpoint
     prompt = [9707, 11, 1879, 0, 3555, 374, 220, 17, 10, 17, 30]
-    r = server.post("/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
-                                        "ignore_eos": True, "logprobs": None})
+    r = server.post(
+        "/v1/completions",
+        {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": None},
+    )
     assert r.status_code == 200, r.text
     text = r.json()["choices"][0]["text"]
     expected, _ = R.hf_greedy(hf, prompt, 8)
@@ -80,14 +97,27 @@ def test_tool_call_round_trip_reuses_the_history_and_equals_naive(server, checkp
     """A chat that goes user -> assistant tool call -> tool result -> assistant, rendered by the model's chat
     template: the second request reuses the first one's prefix (hybrid radix) and both answers equal a server
     with --cache-type naive."""
-    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
-                                               "parameters": {"type": "object",
-                                                              "properties": {"city": {"type": "string"}}}}}]
-    first = [{"role": "system", "content": "You are a weather agent. " * 20},
-             {"role": "user", "content": "What is the weather in Paris today?"}]
-    call = {"role": "assistant", "content": "",
-            "tool_calls": [{"id": "call_1", "type": "function",
-                            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]}
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Weather for a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    first = [
+        {"role": "system", "content": "You are a weather agent. " * 20},
+        {"role": "user", "content": "What is the weather in Paris today?"},
+    ]
+    call = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ],
+    }
     second = first + [call, {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C, light wind."}]
 
     def ask(srv, messages):
@@ -96,8 +126,22 @@ def test_tool_call_round_trip_reuses_the_history_and_equals_naive(server, checkp
         assert r.status_code == 200, r.text
         return r.json()
 
-    naive = ServerProcess(["--model-path", checkpoint[0], "--served-model-name", "tiny", "--max-running-requests",
-                           "4", "--num-tokens", "4096", "--max-seq-len-override", "1024", "--cache-type", "naive"])
+    naive = ServerProcess(
+        [
+            "--model-path",
+            checkpoint[0],
+            "--served-model-name",
+            "tiny",
+            "--max-running-requests",
+            "4",
+            "--num-tokens",
+            "4096",
+            "--max-seq-len-override",
+            "1024",
+            "--cache-type",
+            "naive",
+        ]
+    )
     try:
         refs = [ask(naive, m)["choices"][0]["message"] for m in (first, second)]
     finally:
@@ -113,15 +157,32 @@ def test_expert_offload_launch_line_serves_the_same_greedy_tokens(checkpoint):
     """The brief's launch line shape (--moe-backend offload --moe-cache-size N), with a cache far smaller than the
     model's 32 experts: greedy completions still equal HF's, and /v1/stats counts the cache's hits and misses."""
     _, hf = checkpoint
-    srv = ServerProcess(["--model-path", checkpoint[0], "--served-model-name", "tiny", "--max-running-requests", "1",
-                         "--max-seq-len-override",
-                         "1024", "--moe-backend", "offload", "--moe-cache-size", "6", "--num-tokens", "4096"])
+    srv = ServerProcess(
+        [
+            "--model-path",
+            checkpoint[0],
+            "--served-model-name",
+            "tiny",
+            "--max-running-requests",
+            "1",
+            "--max-seq-len-override",
+            "1024",
+            "--moe-backend",
+            "offload",
+            "--moe-cache-size",
+            "6",
+            "--num-tokens",
+            "4096",
+        ]
+    )
     try:
         log = srv.log()
         assert "moe_backend='offload'" in log and "Expert cache: 6 of 32 experts" in log, log[-3000:]
         prompt = [9707, 11, 1879, 0, 3555, 374, 220, 17, 10, 17, 30]
-        r = srv.post("/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
-                                         "ignore_eos": True})
+        r = srv.post(
+            "/v1/completions",
+            {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+        )
         assert r.status_code == 200, r.text
         expected, _ = R.hf_greedy(hf, prompt, 8)
         from tokenizers import Tokenizer

@@ -9,7 +9,6 @@ import time
 
 import pytest
 import requests
-
 from server_harness import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -71,7 +70,11 @@ def test_greedy_factual_answer_and_usage(client, demo_tokenizer):
 def test_streaming_matches_non_streaming(client):
     full = client.chat.completions.create(model="demo", messages=QUESTION, temperature=0, max_tokens=24)
     stream = client.chat.completions.create(
-        model="demo", messages=QUESTION, temperature=0, max_tokens=24, stream=True,
+        model="demo",
+        messages=QUESTION,
+        temperature=0,
+        max_tokens=24,
+        stream=True,
         stream_options={"include_usage": True},
     )
     pieces, finish, usage, roles = [], [], None, []
@@ -112,15 +115,18 @@ def test_anthropic_client_messages_streaming_and_count_tokens(server, client):
     assert streamed == text and final.stop_reason == msg.stop_reason
     count = ac.messages.count_tokens(model="demo", messages=QUESTION)
     assert count.input_tokens == same.usage.prompt_tokens
-    stopped = ac.messages.create(model="demo", max_tokens=24, messages=QUESTION, extra_body=GREEDY,
-                                 stop_sequences=["zzz", "Paris"])
+    stopped = ac.messages.create(
+        model="demo", max_tokens=24, messages=QUESTION, extra_body=GREEDY, stop_sequences=["zzz", "Paris"]
+    )
     assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", "Paris")
     assert stopped.content[0].text == text[: text.index("Paris")]
 
 
 def test_completions_token_ids_and_exact_counts(server):
-    r = server.post("/v1/completions", {"model": "demo", "prompt": [1, 504, 3458, 282], "max_tokens": 7,
-                                         "temperature": 0, "ignore_eos": True})
+    r = server.post(
+        "/v1/completions",
+        {"model": "demo", "prompt": [1, 504, 3458, 282], "max_tokens": 7, "temperature": 0, "ignore_eos": True},
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["usage"]["prompt_tokens"] == 4 and body["usage"]["completion_tokens"] == 7
@@ -136,15 +142,23 @@ def test_models_and_health(server):
 def test_sixteen_concurrent_streams_and_malformed_request(server, client):
     def one(i: int) -> str:
         stream = client.chat.completions.create(
-            model="demo", messages=[{"role": "user", "content": f"Count to {i + 3}."}],
-            temperature=0.7, seed=i, max_tokens=12, stream=True,
+            model="demo",
+            messages=[{"role": "user", "content": f"Count to {i + 3}."}],
+            temperature=0.7,
+            seed=i,
+            max_tokens=12,
+            stream=True,
         )
         return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
     with cf.ThreadPoolExecutor(16) as pool:
         futures = [pool.submit(one, i) for i in range(16)]
-        bad = requests.post(server.url + "/v1/chat/completions", data=b'{"messages": [', timeout=30,
-                            headers={"Content-Type": "application/json"})
+        bad = requests.post(
+            server.url + "/v1/chat/completions",
+            data=b'{"messages": [',
+            timeout=30,
+            headers={"Content-Type": "application/json"},
+        )
         texts = [f.result(timeout=300) for f in futures]
     assert all(texts), texts
     assert bad.status_code == 400
@@ -178,8 +192,12 @@ def test_thirty_two_clients_with_shared_prefixes_then_idle(server):
     system = "You are a terse assistant. " * 20
 
     def one(i: int) -> dict:
-        body = {"model": "demo", "max_tokens": 6, "temperature": 0,
-                "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"Say {i}."}]}
+        body = {
+            "model": "demo",
+            "max_tokens": 6,
+            "temperature": 0,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"Say {i}."}],
+        }
         r = requests.post(server.url + "/v1/chat/completions", json=body, timeout=300)
         assert r.status_code == 200, r.text
         return r.json()

@@ -14,22 +14,34 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
-
 import hf_reference as R
+import pytest
 from server_harness import ServerProcess
 
 pytestmark = pytest.mark.slow
 
 IM_END_ID = 248046
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-                   "required": ["city"]}}}
-ANTHROPIC_TOOL = {"name": "get_weather", "description": "Current weather for a city",
-                  "input_schema": WEATHER_TOOL["function"]["parameters"]}
-CALL = ('<think>\nThe user wants the weather in Paris; I should call the tool.\n</think>\n\n'
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 1}}\n</tool_call>')
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+}
+ANTHROPIC_TOOL = {
+    "name": "get_weather",
+    "description": "Current weather for a city",
+    "input_schema": WEATHER_TOOL["function"]["parameters"],
+}
+CALL = (
+    "<think>\nThe user wants the weather in Paris; I should call the tool.\n</think>\n\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 1}}\n</tool_call>'
+)
 ANSWER = "It is sunny in Paris, 21 degrees."
 
 
@@ -75,9 +87,22 @@ def script(checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(checkpoint, script):
-    srv = ServerProcess(["--model-path", checkpoint, "--served-model-name", "tiny", "--max-running-requests", "2",
-                         "--num-tokens", "4096", "--max-seq-len-override", "1024", "--disable-cuda-graph"],
-                        env={"FREETOKEN_TEST_SCRIPT": script.path})
+    srv = ServerProcess(
+        [
+            "--model-path",
+            checkpoint,
+            "--served-model-name",
+            "tiny",
+            "--max-running-requests",
+            "2",
+            "--num-tokens",
+            "4096",
+            "--max-seq-len-override",
+            "1024",
+            "--disable-cuda-graph",
+        ],
+        env={"FREETOKEN_TEST_SCRIPT": script.path},
+    )
     yield srv
     assert srv.stop() == 0, srv.log()[-3000:]
 
@@ -129,7 +154,8 @@ def test_openai_tool_loop(openai_client, script, stream):
     kw = dict(model="tiny", tools=[WEATHER_TOOL], max_tokens=n + 8)
     if stream:
         reasoning, content, calls, reasons = _openai_stream(
-            openai_client.chat.completions.create(messages=messages, stream=True, **kw))
+            openai_client.chat.completions.create(messages=messages, stream=True, **kw)
+        )
         assert reasons == ["tool_calls"]
         assert content == ""
         call_id, name, arguments = calls[0]
@@ -148,14 +174,20 @@ def test_openai_tool_loop(openai_client, script, stream):
     assert json.loads(arguments) == {"city": "Paris", "days": 1}
 
     # The client runs the tool and sends the result; the model answers.
-    messages += [{"role": "assistant", "content": None,
-                  "tool_calls": [{"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}]},
-                 {"role": "tool", "tool_call_id": call_id, "content": "sunny, 21 C"}]
+    messages += [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}],
+        },
+        {"role": "tool", "tool_call_id": call_id, "content": "sunny, 21 C"},
+    ]
     n = script.next(ANSWER)
     kw["max_tokens"] = n + 8
     if stream:
         reasoning, content, calls, reasons = _openai_stream(
-            openai_client.chat.completions.create(messages=messages, stream=True, **kw))
+            openai_client.chat.completions.create(messages=messages, stream=True, **kw)
+        )
         assert (content, calls, reasons, reasoning) == (ANSWER, [], ["stop"], "")
     else:
         r = openai_client.chat.completions.create(messages=messages, **kw)
@@ -186,8 +218,10 @@ def test_anthropic_tool_loop(anthropic_client, script, stream):
     assert use.id.startswith("toolu_") and use.name == "get_weather"
     assert use.input == {"city": "Paris", "days": 1}
 
-    messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]},
-                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny, 21 C"}]}]
+    messages += [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny, 21 C"}]},
+    ]
     n = script.next(ANSWER)
     kw["max_tokens"] = n + 8
     if stream:
@@ -210,8 +244,9 @@ def test_reasoning_split_in_both_apis(openai_client, anthropic_client, script):
     assert (r.choices[0].message.reasoning_content, r.choices[0].message.content) == (thought, answer)
     assert r.choices[0].finish_reason == "stop"
     n = script.next(text)
-    reasoning, content, calls, reasons = _openai_stream(openai_client.chat.completions.create(
-        model="tiny", messages=question, max_tokens=n + 8, stream=True))
+    reasoning, content, calls, reasons = _openai_stream(
+        openai_client.chat.completions.create(model="tiny", messages=question, max_tokens=n + 8, stream=True)
+    )
     assert (reasoning, content, calls, reasons) == (thought, answer, [], ["stop"])
 
     for stream in (False, True):

@@ -40,7 +40,14 @@ def extend_case(nh, nkv, D, DV, ext, pre, dtype, device, seed=0):
     scale = D**-0.5
     ref = extend_attention_torch(q, kc, vc, r2t, rows, cu, torch.tensor(pre), scale)
     out = extend_attention_triton(
-        q, kc, vc, r2t, rows.to(device), cu.to(device), torch.tensor(pre, dtype=torch.int32, device=device), scale,
+        q,
+        kc,
+        vc,
+        r2t,
+        rows.to(device),
+        cu.to(device),
+        torch.tensor(pre, dtype=torch.int32, device=device),
+        scale,
         max_extend_len=max(ext),
     )
     torch.testing.assert_close(out.float(), ref.float(), atol=_tol(dtype), rtol=_tol(dtype))
@@ -62,8 +69,15 @@ def decode_case(nh, nkv, D, DV, ctx, dtype, device, splits, seed=0, gated=False)
     scale = D**-0.5
     ref = decode_attention_torch(q, kc, vc, r2t, rows, torch.tensor(ctx), scale, gate=gate)
     out = decode_attention_triton(
-        q, kc, vc, r2t, rows.to(device), torch.tensor(ctx, dtype=torch.int32, device=device), scale,
-        num_kv_splits=splits, gate=gate,
+        q,
+        kc,
+        vc,
+        r2t,
+        rows.to(device),
+        torch.tensor(ctx, dtype=torch.int32, device=device),
+        scale,
+        num_kv_splits=splits,
+        gate=gate,
     )
     torch.testing.assert_close(out.float(), ref.float(), atol=_tol(dtype), rtol=_tol(dtype))
     if gated:  # the reference is the gated layer's own two ops
@@ -81,10 +95,20 @@ def backend_case(device, dtype):
     from freetoken.models.base import ModelConfig
     from freetoken.models.qwen3 import Qwen3ForCausalLM
 
-    cfg = ModelConfig.from_dict(dict(
-        model_type="qwen3", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, intermediate_size=48, rms_norm_eps=1e-6, rope_theta=10000.0,
-    ))
+    cfg = ModelConfig.from_dict(
+        dict(
+            model_type="qwen3",
+            vocab_size=64,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=48,
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+        )
+    )
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(cfg)
     with torch.no_grad():
@@ -96,7 +120,7 @@ def backend_case(device, dtype):
     for name, attn in (("torch", TorchAttention()), ("triton", TritonAttention())):
         kv = KVCachePool(lay.num_layers, 200, lay.num_kv_heads, lay.head_dim, dtype, torch.device(device), 3, 40)
         perm = torch.randperm(200, generator=torch.Generator().manual_seed(3)).tolist()
-        sl = [perm[r * 40:(r + 1) * 40] for r in range(3)]
+        sl = [perm[r * 40 : (r + 1) * 40] for r in range(3)]
         steps = [
             [(0, 0, list(range(1, 10))), (1, 0, [5, 6, 7])],
             [(0, 9, [11, 12, 13]), (1, 3, [8]), (2, 0, list(range(20, 37)))],
@@ -105,9 +129,12 @@ def backend_case(device, dtype):
         ]
         res = []
         for seqs in steps:
-            plan = StepPlan.build([
-                dict(tokens=t, prefix_len=p, row=r, table_from=p, table_slots=sl[r][p:p + len(t)]) for r, p, t in seqs
-            ])
+            plan = StepPlan.build(
+                [
+                    dict(tokens=t, prefix_len=p, row=r, table_from=p, table_slots=sl[r][p : p + len(t)])
+                    for r, p, t in seqs
+                ]
+            )
             batch = ForwardBatch.from_plan(plan, kv, attn, all_logits=True)
             assert batch.is_decode == (seqs is steps[2] or seqs is steps[3])
             with torch.no_grad():
@@ -138,10 +165,14 @@ def gated_backend_case(device, dtype):
         g = torch.Generator().manual_seed(0)
         res = []
         for seqs in steps:
-            plan = StepPlan.build([
-                dict(tokens=t, prefix_len=p, row=r, table_from=p, table_slots=[32 * r + p + i for i in range(len(t))])
-                for r, p, t in seqs
-            ])
+            plan = StepPlan.build(
+                [
+                    dict(
+                        tokens=t, prefix_len=p, row=r, table_from=p, table_slots=[32 * r + p + i for i in range(len(t))]
+                    )
+                    for r, p, t in seqs
+                ]
+            )
             batch = ForwardBatch.from_plan(plan, kv, attn, all_logits=True)
             T = sum(len(t) for _, _, t in seqs)
             q, k, v = (torch.randn(T, h, D, generator=g).to(device, dtype) for h in (nh, nkv, nkv))

@@ -162,8 +162,14 @@ def test_sparse_moe_block_auto_picks_triton_on_cuda():
     from freetoken.models.base import ModelConfig
 
     cfg = ModelConfig.from_dict(
-        dict(model_type="qwen3_5_moe_text", hidden_size=256, num_experts=32, num_experts_per_tok=4,
-             moe_intermediate_size=128, shared_expert_intermediate_size=64)
+        dict(
+            model_type="qwen3_5_moe_text",
+            hidden_size=256,
+            num_experts=32,
+            num_experts_per_tok=4,
+            moe_intermediate_size=128,
+            shared_expert_intermediate_size=64,
+        )
     )
     torch.manual_seed(0)
     blk = SparseMoeBlock(cfg)

@@ -211,8 +211,14 @@ def test_references_equal_the_layers(dtype):
             assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), (D, R, norm_kind)
 
         cfg = ModelConfig.from_dict(
-            dict(model_type="qwen3_5_moe_text", hidden_size=H, num_experts=24, num_experts_per_tok=4,
-                 moe_intermediate_size=16, shared_expert_intermediate_size=0)
+            dict(
+                model_type="qwen3_5_moe_text",
+                hidden_size=H,
+                num_experts=24,
+                num_experts_per_tok=4,
+                moe_intermediate_size=16,
+                shared_expert_intermediate_size=0,
+            )
         )
         blk = SparseMoeBlock(cfg)
         blk.gate.weight.normal_(0, 1.0)
@@ -358,7 +364,12 @@ def test_small_ops_cuda_graph():
     from freetoken.kernels.activation import silu_and_mul, silu_and_mul_torch
     from freetoken.kernels.moe_routing import topk_softmax, topk_softmax_torch
     from freetoken.kernels.rms_norm import (
-        add_rms_norm, add_rms_norm_torch, gated_rms_norm, gated_rms_norm_torch, rms_norm, rms_norm_torch,
+        add_rms_norm,
+        add_rms_norm_torch,
+        gated_rms_norm,
+        gated_rms_norm_torch,
+        rms_norm,
+        rms_norm_torch,
     )
     from freetoken.kernels.rope import qk_norm_rope, qk_norm_rope_torch
 
@@ -369,10 +380,14 @@ def test_small_ops_cuda_graph():
     qw, kw = torch.randn(D, device=dev, dtype=dt) * 0.2, torch.randn(D, device=dev, dtype=dt) * 0.2
     inv_freq = _inv_freq(R).to(dev)
     inputs = dict(
-        x=torch.empty(T, H, device=dev, dtype=dt), res=torch.empty(T, H, device=dev, dtype=dt),
-        o=torch.empty(T * 32, 128, device=dev, dtype=dt), z=torch.empty(T * 32, 128, device=dev, dtype=dt),
-        gu=torch.empty(T, 1024, device=dev, dtype=dt), qg=torch.empty(T, 16, 2 * D, device=dev, dtype=dt),
-        k=torch.empty(T, 2, D, device=dev, dtype=dt), pos=torch.empty(T, dtype=torch.int64, device=dev),
+        x=torch.empty(T, H, device=dev, dtype=dt),
+        res=torch.empty(T, H, device=dev, dtype=dt),
+        o=torch.empty(T * 32, 128, device=dev, dtype=dt),
+        z=torch.empty(T * 32, 128, device=dev, dtype=dt),
+        gu=torch.empty(T, 1024, device=dev, dtype=dt),
+        qg=torch.empty(T, 16, 2 * D, device=dev, dtype=dt),
+        k=torch.empty(T, 2, D, device=dev, dtype=dt),
+        pos=torch.empty(T, dtype=torch.int64, device=dev),
         logits=torch.empty(T, 256, device=dev, dtype=dt),
     )
 
@@ -387,7 +402,8 @@ def test_small_ops_cuda_graph():
             lambda i: add_rms_norm_torch(i["x"], i["res"].clone(), w, 1e-6, True),
         ),
         "gated_rms_norm": (
-            lambda i: gated_rms_norm(i["o"], i["z"], wv, 1e-6), lambda i: gated_rms_norm_torch(i["o"], i["z"], wv, 1e-6)
+            lambda i: gated_rms_norm(i["o"], i["z"], wv, 1e-6),
+            lambda i: gated_rms_norm_torch(i["o"], i["z"], wv, 1e-6),
         ),
         "silu_and_mul": (lambda i: silu_and_mul(i["gu"]), lambda i: silu_and_mul_torch(i["gu"])),
         "qk_norm_rope": (
@@ -395,7 +411,8 @@ def test_small_ops_cuda_graph():
             lambda i: qk_norm_rope_torch(i["qg"][..., :D], i["k"], i["pos"], inv_freq, R, qw, kw, 1e-6, True),
         ),
         "topk_softmax": (
-            lambda i: topk_softmax(i["logits"], 8, True), lambda i: topk_softmax_torch(i["logits"], 8, True)
+            lambda i: topk_softmax(i["logits"], 8, True),
+            lambda i: topk_softmax_torch(i["logits"], 8, True),
         ),
     }
     for name, (fused, reference) in ops.items():

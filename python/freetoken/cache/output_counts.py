@@ -27,8 +27,9 @@ class OutputTokenCounts:
     def add(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """One more of ``tokens[i]`` in row ``rows[i]`` (rows distinct within a step)."""
         dev = self.counts.device
-        self.counts.index_put_((rows.to(dev), tokens.to(dev)), torch.ones(rows.numel(), dtype=torch.int32, device=dev),
-                               accumulate=True)
+        self.counts.index_put_(
+            (rows.to(dev), tokens.to(dev)), torch.ones(rows.numel(), dtype=torch.int32, device=dev), accumulate=True
+        )
 
     def rows(self, rows: torch.Tensor) -> torch.Tensor:
         return self.counts[rows.to(self.counts.device)]

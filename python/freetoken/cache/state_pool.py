@@ -92,14 +92,15 @@ class RecurrentStatePool:
             torch.zeros(num_slots, *self.conv_shape, dtype=conv_dtype, device=self.device) for _ in range(num_layers)
         ]
         self.ssm = [
-            torch.zeros(num_slots, *self.ssm_shape, dtype=self.ssm_dtype, device=self.device)
-            for _ in range(num_layers)
+            torch.zeros(num_slots, *self.ssm_shape, dtype=self.ssm_dtype, device=self.device) for _ in range(num_layers)
         ]
 
     @classmethod
     def from_layout(cls, layout, num_slots: int, conv_dtype: torch.dtype, device) -> "RecurrentStatePool":
         """Build from a model's ``StateLayout``."""
-        return cls(layout.num_layers, num_slots, layout.conv_shape, layout.ssm_shape, conv_dtype, layout.ssm_dtype, device)
+        return cls(
+            layout.num_layers, num_slots, layout.conv_shape, layout.ssm_shape, conv_dtype, layout.ssm_dtype, device
+        )
 
     def _index(self, idx) -> torch.Tensor:
         t = torch.as_tensor(idx, dtype=torch.int64).reshape(-1)

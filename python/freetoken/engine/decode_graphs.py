@@ -64,11 +64,22 @@ def decode_inputs(flat: dict, max_bs: int) -> Optional[dict[str, np.ndarray]]:
     snap_seq, snap_upto = arr("snap_seq", "<i4"), arr("snap_upto", "<i4")
     if snap_seq.size and (np.any((snap_seq < 0) | (snap_seq >= n)) or np.any(snap_upto != pre[snap_seq] + 1)):
         return None  # a capture anywhere but after the step's one token: the eager path runs it
-    return {"input_ids": ids, "positions": pre, "rows": rows, "out_cache_loc": slots,
-            "state_slots": state_slots, "top_k": arr("top_k", "<i4"), "seeds": arr("seeds", "<i8"),
-            "temperature": arr("temperature", "<f4"), "top_p": arr("top_p", "<f4"), "min_p": arr("min_p", "<f4"),
-            "presence_penalty": arr("presence_penalty", "<f4"), "frequency_penalty": arr("frequency_penalty", "<f4"),
-            "snap_src": state_slots[snap_seq], "snap_dst": arr("snap_slot", "<i4")}
+    return {
+        "input_ids": ids,
+        "positions": pre,
+        "rows": rows,
+        "out_cache_loc": slots,
+        "state_slots": state_slots,
+        "top_k": arr("top_k", "<i4"),
+        "seeds": arr("seeds", "<i8"),
+        "temperature": arr("temperature", "<f4"),
+        "top_p": arr("top_p", "<f4"),
+        "min_p": arr("min_p", "<f4"),
+        "presence_penalty": arr("presence_penalty", "<f4"),
+        "frequency_penalty": arr("frequency_penalty", "<f4"),
+        "snap_src": state_slots[snap_seq],
+        "snap_dst": arr("snap_slot", "<i4"),
+    }
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -177,8 +188,16 @@ class DecodeGraphs:
 
         splits = pick_num_kv_splits(bs, self.kv.num_kv_heads, self.max_context)
         return ForwardBatch.for_decode_graph(
-            i["input_ids"][:bs], i["positions"][:bs], i["rows"][:bs], i["out_cache_loc"][:bs],
-            self.prefix_lens[:bs], self.context_lens[:bs], i["state_slots"][:bs], self.kv, self.attn, self.state,
+            i["input_ids"][:bs],
+            i["positions"][:bs],
+            i["rows"][:bs],
+            i["out_cache_loc"][:bs],
+            self.prefix_lens[:bs],
+            self.context_lens[:bs],
+            i["state_slots"][:bs],
+            self.kv,
+            self.attn,
+            self.state,
             num_kv_splits=splits,
         )
 
@@ -244,7 +263,7 @@ class DecodeGraphs:
         if self.emulate or self.device.type != "cuda":
             from .sync_audit import no_host_sync
 
-            with torch.inference_mode(), (no_host_sync() if self.audit else contextlib.nullcontext()):
+            with torch.inference_mode(), no_host_sync() if self.audit else contextlib.nullcontext():
                 fn()  # what capture would record must run without a host sync
             return _EmulatedGraph(fn)
         side = torch.cuda.Stream(self.device)
@@ -264,9 +283,20 @@ class DecodeGraphs:
 
     def _padding_values(self) -> dict:
         p = self.padding
-        return {"input_ids": 0, "positions": 0, "rows": p.row, "out_cache_loc": p.kv_slot,
-                "state_slots": p.state_slot, "top_k": 0, "seeds": 0, "temperature": 0.0, "top_p": 1.0, "min_p": 0.0,
-                "presence_penalty": 0.0, "frequency_penalty": 0.0}
+        return {
+            "input_ids": 0,
+            "positions": 0,
+            "rows": p.row,
+            "out_cache_loc": p.kv_slot,
+            "state_slots": p.state_slot,
+            "top_k": 0,
+            "seeds": 0,
+            "temperature": 0.0,
+            "top_p": 1.0,
+            "min_p": 0.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+        }
 
     def _stage_padding(self, start: int) -> None:
         """Rows ``start..max_bs`` of the staging buffers become padding rows; copies them to the device."""
@@ -310,5 +340,7 @@ class DecodeGraphs:
         return DecodeResult(self._out_tokens[:n].tolist(), self._out_logprobs[:n].tolist())
 
     def describe(self) -> str:
-        return (f"Captured CUDA graphs for batch sizes {self.sizes} in {self.capture_s:.1f} s "
-                f"(graph memory pool {self.pool_bytes / 2**30:.2f} GiB)")
+        return (
+            f"Captured CUDA graphs for batch sizes {self.sizes} in {self.capture_s:.1f} s "
+            f"(graph memory pool {self.pool_bytes / 2**30:.2f} GiB)"
+        )

@@ -51,8 +51,11 @@ class _Audit(TorchDispatchMode):
         name = _name(func)
         if name in _FORBIDDEN:
             raise HostSyncError(f"aten.{name} cannot run inside a CUDA graph (host sync or data-dependent shape)")
-        if (name == "repeat_interleave" and func._overloadname in ("Tensor", "self_Tensor")
-                and kwargs.get("output_size") is None):
+        if (
+            name == "repeat_interleave"
+            and func._overloadname in ("Tensor", "self_Tensor")
+            and kwargs.get("output_size") is None
+        ):
             raise HostSyncError("repeat_interleave with tensor repeats needs output_size inside a CUDA graph")
         if name in ("index", "index_put", "index_put_", "_index_put_impl_"):
             indices = args[1] if len(args) > 1 else kwargs.get("indices", [])

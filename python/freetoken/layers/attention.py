@@ -25,7 +25,13 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: int, batch: ForwardBatch, scale: float,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: int,
+        batch: ForwardBatch,
+        scale: float,
         gate: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``q [T, nh, D]``, ``k [T, nkv, D]``, ``v [T, nkv, Dv]`` for this step's new tokens. Stores k and v
@@ -49,8 +55,9 @@ class TorchAttention(AttentionBackend):
         self.store_kv(k, v, kv_layer, batch)
         kc, vc = batch.kv.k[kv_layer], batch.kv.v[kv_layer]
         if batch.in_graph:
-            return decode_attention_padded_torch(q, kc, vc, batch.kv.req_to_token, batch.rows, batch.context_lens,
-                                                 scale)
+            return decode_attention_padded_torch(
+                q, kc, vc, batch.kv.req_to_token, batch.rows, batch.context_lens, scale
+            )
         nh, nkv = q.shape[1], kc.shape[1]
         out = torch.empty(q.shape[0], nh, vc.shape[2], dtype=q.dtype, device=q.device)
         rows = batch.rows.tolist()

@@ -58,8 +58,17 @@ class GatedAttention(nn.Module):
         k = k.view(T, self.num_kv_heads, D)
         v = v.view(T, self.num_kv_heads, D)
         # q/k (1+w) norms, then the partial rotary: one kernel on CUDA
-        q, k = qk_norm_rope(q, k, batch.positions, self.rotary.inv_freq, self.rotary.rotary_dim,
-                            self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, one_plus=True)
+        q, k = qk_norm_rope(
+            q,
+            k,
+            batch.positions,
+            self.rotary.inv_freq,
+            self.rotary.rotary_dim,
+            self.q_norm.weight,
+            self.k_norm.weight,
+            self.q_norm.eps,
+            one_plus=True,
+        )
         # the output gate goes to the backend: decode applies it in the split merge kernel
         o = batch.attn.forward(q, k, v, self.kv_layer, batch, self.scale, gate=gate)
         return self.o_proj(o.reshape(T, self.num_heads * D))

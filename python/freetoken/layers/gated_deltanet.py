@@ -168,7 +168,9 @@ def _fla_ops():
     except Exception as e:  # not installed, or no usable triton: say why once, since the fallback is slower
         from ..log import get_logger
 
-        get_logger(__name__).warning(f"fla is not importable ({type(e).__name__}: {e}); Gated DeltaNet runs the torch reference")
+        get_logger(__name__).warning(
+            f"fla is not importable ({type(e).__name__}: {e}); Gated DeltaNet runs the torch reference"
+        )
         return None
     takes_cpu_cu = "cu_seqlens_cpu" in inspect.signature(chunk_gated_delta_rule).parameters
     return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, takes_cpu_cu
@@ -194,16 +196,31 @@ def _fla_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, decode):
     if decode:
         # [B, 1, H, *]: one sequence per batch row, state rows aligned with batch rows
         o, final = recurrent(
-            q=q[:, None], k=k[:, None], v=v[:, None], g=g[:, None].float(), beta=beta[:, None].float(),
-            scale=scale, initial_state=initial_state, output_final_state=True, use_qk_l2norm_in_kernel=True,
+            q=q[:, None],
+            k=k[:, None],
+            v=v[:, None],
+            g=g[:, None].float(),
+            beta=beta[:, None].float(),
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
         )
         return o[:, 0], final
     cu_cpu = torch.tensor(cu_seqlens, dtype=torch.int64)
     kw = {"cu_seqlens_cpu": cu_cpu} if takes_cpu_cu else {}
     o, final = chunk(
-        q=q[None], k=k[None], v=v[None], g=g[None].float(), beta=beta[None].float(),
-        scale=scale, initial_state=initial_state, output_final_state=True,
-        use_qk_l2norm_in_kernel=True, cu_seqlens=cu_cpu.to(q.device), **kw,
+        q=q[None],
+        k=k[None],
+        v=v[None],
+        g=g[None].float(),
+        beta=beta[None].float(),
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+        cu_seqlens=cu_cpu.to(q.device),
+        **kw,
     )
     return o[0], final
 
@@ -269,8 +286,9 @@ def gated_delta_rule(
     backend = backend or gdn_backend(q.device)
     if backend == "fla":
         if captures:
-            return gated_delta_rule_in_rounds(_fla_gated_delta_rule, q, k, v, g, beta, initial_state, cu_seqlens,
-                                              captures)
+            return gated_delta_rule_in_rounds(
+                _fla_gated_delta_rule, q, k, v, g, beta, initial_state, cu_seqlens, captures
+            )
         o, final = _fla_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, decode)
         return o, final.float(), {}
     return _torch_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, decode, captures)
@@ -349,8 +367,11 @@ class GatedDeltaNet(nn.Module):
     def fuse_projections(self) -> None:
         """All input projections in one GEMM (``layers/fused_linear.py``)."""
         if self._in_proj is None:
-            parts = ((self.in_proj_qkvz, self.in_proj_ba) if self.interleaved_proj
-                     else (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
+            parts = (
+                (self.in_proj_qkvz, self.in_proj_ba)
+                if self.interleaved_proj
+                else (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+            )
             self._in_proj = fuse_linears(*parts)
 
     def project(self, x: torch.Tensor):
@@ -392,8 +413,11 @@ class GatedDeltaNet(nn.Module):
     def _split_heads(self, y: torch.Tensor):
         T = y.shape[0]
         q, k, v = torch.split(y, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        return (q.reshape(T, self.num_k_heads, self.head_k_dim), k.reshape(T, self.num_k_heads, self.head_k_dim),
-                v.reshape(T, self.num_v_heads, self.head_v_dim))
+        return (
+            q.reshape(T, self.num_k_heads, self.head_k_dim),
+            k.reshape(T, self.num_k_heads, self.head_k_dim),
+            v.reshape(T, self.num_v_heads, self.head_v_dim),
+        )
 
     def _decode(self, qkv, b, a, batch) -> torch.Tensor:
         """One token per sequence, every sequence continuing from its slot: two kernels batched over sequences,

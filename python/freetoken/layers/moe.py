@@ -50,6 +50,7 @@ from .fused_linear import FusedLinear, fuse_linears
 # "auto" = triton on CUDA, torch elsewhere; tests and benchmarks can pin one.
 _DEFAULT_IMPL = "auto"
 
+
 def resolve_moe_impl(impl: str, x: torch.Tensor) -> str:
     """``auto`` is triton on CUDA tensors, torch elsewhere."""
     if impl != "auto":
@@ -140,8 +141,13 @@ class ExpertsBackend(nn.Module):
 
     num_experts: int
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                shared: Optional[SharedExpertTerm] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        shared: Optional[SharedExpertTerm] = None,
+    ) -> torch.Tensor:
         raise NotImplementedError
 
     def load_expert_weight(self, name: str, tensor: torch.Tensor) -> None:
@@ -158,8 +164,15 @@ _PER_EXPERT = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 class FusedExperts(ExpertsBackend):
     """All experts resident: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, impl: Optional[str] = None,
-                 device=None, dtype: Optional[torch.dtype] = None):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        impl: Optional[str] = None,
+        device=None,
+        dtype: Optional[torch.dtype] = None,
+    ):
         """``device`` / ``dtype``: where the expert tensors live (default: the ambient default device and dtype)."""
         super().__init__()
         self.num_experts = num_experts
@@ -209,9 +222,7 @@ class FusedExperts(ExpertsBackend):
         return missing
 
 
-def merge_expert_weights(
-    items: Iterable[tuple[str, torch.Tensor]], num_experts: int
-) -> list[tuple[str, torch.Tensor]]:
+def merge_expert_weights(items: Iterable[tuple[str, torch.Tensor]], num_experts: int) -> list[tuple[str, torch.Tensor]]:
     """Turn per-expert ``experts.{e}.{gate,up,down}_proj.weight`` tensors into fused ``experts.gate_up_proj
     [E, 2I, H]`` / ``experts.down_proj [E, H, I]``; other names pass through unchanged. Names are relative to the
     MoE block. Used by tools that need fused tensors outside a module (e.g. writing a BF16 checkpoint)."""
@@ -247,8 +258,13 @@ ExpertsFactory = Callable[[int, int, int, int], "ExpertsBackend"]
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, config, layer_id: int = 0, experts: Optional[ExpertsBackend] = None,
-                 experts_factory: Optional[ExpertsFactory] = None):
+    def __init__(
+        self,
+        config,
+        layer_id: int = 0,
+        experts: Optional[ExpertsBackend] = None,
+        experts_factory: Optional[ExpertsFactory] = None,
+    ):
         super().__init__()
         self.layer_id = layer_id
         self.hidden_size = config.hidden_size
@@ -311,8 +327,9 @@ class SparseMoeBlock(nn.Module):
         shared = None
         if self.shared_expert is not None:  # columns [E] the shared gate logit, [E+1:] its gate | up
             # the whole shared expert goes to the experts backend: the decode kernel runs its down projection too
-            shared = SharedExpertTerm(y[:, E : E + 1], gate_up=y[:, E + 1 :],
-                                      down_weight=self.shared_expert.down_proj.weight)
+            shared = SharedExpertTerm(
+                y[:, E : E + 1], gate_up=y[:, E + 1 :], down_weight=self.shared_expert.down_proj.weight
+            )
         return self.experts(x, ids, w, shared)
 
     @torch.no_grad()

@@ -56,8 +56,9 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return (picked - torch.logsumexp(logits, dim=-1)).float()
 
 
-def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor,
-                    frequency: torch.Tensor) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor
+) -> torch.Tensor:
     """OpenAI's presence and frequency penalties over the tokens a row generated before: ``logits - presence ·
     [count > 0] - frequency · count``. ``counts [S, V]`` int, the penalties ``[S]``; zeros leave a row unchanged."""
     c = counts.to(torch.float32)

@@ -13,9 +13,16 @@ import torch
 from ..errors import UnsupportedModel
 from .gguf_tokenizer import TokenizerInfo
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-           "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "half": torch.float16,
-           "float": torch.float32}
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+    "half": torch.float16,
+    "float": torch.float32,
+}
 
 
 def _read_json(path: str) -> dict | None:
@@ -64,7 +71,9 @@ class HFCheckpoint:
 
         if not self.files:
             raise UnsupportedModel(f"{self.path} has no .safetensors files (use --dummy-weight for random weights)")
-        for file in tqdm(self.files, desc="Loading safetensors shards", unit="shard", disable=not progress, leave=False):
+        for file in tqdm(
+            self.files, desc="Loading safetensors shards", unit="shard", disable=not progress, leave=False
+        ):
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in f.keys():
                     yield name, f.get_tensor(name)

@@ -12,7 +12,6 @@ from torch import nn
 
 from ..layers.norm import RMSNorm
 
-
 # Host tensors above this many elements (offloaded expert banks: 64 GB for Qwen3.6-35B-A3B) are filled by tiling one
 # random block at shifting offsets: the CPU generator would take minutes, and dummy values need not be independent.
 _TILE = 1 << 24
@@ -23,9 +22,9 @@ def _fill_tiled(p: torch.Tensor, std: float, gen: torch.Generator) -> None:
     block.normal_(0.0, std, generator=gen)
     flat = p.view(-1)
     for n, start in enumerate(range(0, flat.numel(), _TILE)):
-        piece = flat[start:start + _TILE]
+        piece = flat[start : start + _TILE]
         shift = (n * 7919) % _TILE
-        piece.copy_(block[shift:shift + piece.numel()])
+        piece.copy_(block[shift : shift + piece.numel()])
 
 
 @torch.no_grad()

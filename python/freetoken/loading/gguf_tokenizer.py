@@ -90,8 +90,9 @@ def _cache_dir(gguf_path: str) -> str:
     return os.path.join(cache_dir(), "tokenizers", hashlib.sha256(key.encode()).hexdigest()[:16])
 
 
-def _byte_level_bpe(tokens: list[str], token_types: list[int], merges: list[str], pre: str | None, add_bos: bool,
-                    bos: str | None):
+def _byte_level_bpe(
+    tokens: list[str], token_types: list[int], merges: list[str], pre: str | None, add_bos: bool, bos: str | None
+):
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     spelling = bytes_to_unicode()
@@ -106,7 +107,10 @@ def _byte_level_bpe(tokens: list[str], token_types: list[int], merges: list[str]
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     else:
         tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(split), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
         )
     tok.decoder = decoders.ByteLevel()
     if add_bos and bos is not None:
@@ -121,7 +125,11 @@ def _byte_level_bpe(tokens: list[str], token_types: list[int], merges: list[str]
         if ty == _CONTROL and set(t) <= alphabet
     ]
     tok.add_special_tokens(specials)
-    user = [AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, token_types) if ty == _USER_DEFINED and t in vocab]
+    user = [
+        AddedToken(t, normalized=False, special=False)
+        for t, ty in zip(tokens, token_types)
+        if ty == _USER_DEFINED and t in vocab
+    ]
     if user:
         tok.add_tokens(user)
     return tok
@@ -167,8 +175,14 @@ def tokenizer_from_gguf(ckpt) -> TokenizerInfo:
         tmp = out_dir + f".tmp{os.getpid()}"
         os.makedirs(tmp, exist_ok=True)
         if model == "gpt2":
-            tok = _byte_level_bpe(tokens, list(meta("tokenizer.ggml.token_type") or []), list(meta("tokenizer.ggml.merges")),
-                                  meta("tokenizer.ggml.pre"), add_bos, bos)
+            tok = _byte_level_bpe(
+                tokens,
+                list(meta("tokenizer.ggml.token_type") or []),
+                list(meta("tokenizer.ggml.merges")),
+                meta("tokenizer.ggml.pre"),
+                add_bos,
+                bos,
+            )
             tok.save(os.path.join(tmp, "tokenizer.json"))
         else:
             _via_transformers(ckpt.path, tmp)

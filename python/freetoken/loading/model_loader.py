@@ -75,16 +75,18 @@ def load_model(a: dict) -> LoadedModel:
     needed = 0
     if has_experts and a["moe_backend"] == "auto" and device.type == "cuda":
         needed = device_bytes_needed(cls, config, dtype, kv_floor)
-    moe_backend = resolve_moe_backend(a["moe_backend"], has_experts, device, needed,
-                                      int(float(a["memory_ratio"]) * free_before))
+    moe_backend = resolve_moe_backend(
+        a["moe_backend"], has_experts, device, needed, int(float(a["memory_ratio"]) * free_before)
+    )
     _warn_unused_offload_flags(a, moe_backend, has_experts)
     if not a["dummy_weight"]:
         refuse_quantized(checkpoint.config)
     t0 = time.perf_counter()
     offload = None
     if moe_backend == "offload":
-        offload = ExpertOffload(device, dtype, int(config.num_experts_per_tok),
-                                overlap=not a["disable_moe_prefill_overlap"])
+        offload = ExpertOffload(
+            device, dtype, int(config.num_experts_per_tok), overlap=not a["disable_moe_prefill_overlap"]
+        )
     model = build_model(cls, config, dtype, device, offload)
     if a["dummy_weight"]:
         from .dummy_weights import fill_dummy_weights
@@ -97,14 +99,32 @@ def load_model(a: dict) -> LoadedModel:
     if offload is not None:
         offload.finish_loading()  # pins the host banks, allocates the prefill stream buffers
         weights_bytes -= offload.host_bytes  # the banks stay on the host; the plan lists them apart
-        logger.info(f"Expert offload: {offload.total_experts} experts in {'pinned ' if offload.pinned else ''}host "
-                    f"memory ({offload.host_bytes / GiB:.2f} GiB), prefill stream buffers "
-                    f"{offload.stream.nbytes / GiB:.2f} GiB (overlap={offload.stream.overlap})")
+        logger.info(
+            f"Expert offload: {offload.total_experts} experts in {'pinned ' if offload.pinned else ''}host "
+            f"memory ({offload.host_bytes / GiB:.2f} GiB), prefill stream buffers "
+            f"{offload.stream.nbytes / GiB:.2f} GiB (overlap={offload.stream.overlap})"
+        )
     source = "dummy weights" if a["dummy_weight"] else os.path.basename(checkpoint.path)
-    logger.info(f"Loaded {type(model).__name__} ({weights_bytes / GiB:.2f} GiB, {dtype}, {source}) "
-                f"in {time.perf_counter() - t0:.1f} s")
-    return LoadedModel(device, dtype, config, checkpoint, is_gguf, names, max_context, kv_floor, moe_backend,
-                       offload, model, weights_bytes, tokenizer_for(checkpoint, config, is_gguf), free_before)
+    logger.info(
+        f"Loaded {type(model).__name__} ({weights_bytes / GiB:.2f} GiB, {dtype}, {source}) "
+        f"in {time.perf_counter() - t0:.1f} s"
+    )
+    return LoadedModel(
+        device,
+        dtype,
+        config,
+        checkpoint,
+        is_gguf,
+        names,
+        max_context,
+        kv_floor,
+        moe_backend,
+        offload,
+        model,
+        weights_bytes,
+        tokenizer_for(checkpoint, config, is_gguf),
+        free_before,
+    )
 
 
 def _warn_unused_offload_flags(a: dict, moe_backend: str, has_experts: bool) -> None:
@@ -112,9 +132,16 @@ def _warn_unused_offload_flags(a: dict, moe_backend: str, has_experts: bool) -> 
     fused; an explicit ``--moe-backend fused`` with them is refused by the CLI): say so rather than ignore them."""
     if moe_backend == "offload":
         return
-    given = [flag for flag, key in (("--moe-cache-size", "moe_cache_size"), ("--moe-cache-rate", "moe_cache_rate"),
-                                    ("--moe-cache-auto", "moe_cache_auto"),
-                                    ("--disable-moe-prefill-overlap", "disable_moe_prefill_overlap")) if a.get(key)]
+    given = [
+        flag
+        for flag, key in (
+            ("--moe-cache-size", "moe_cache_size"),
+            ("--moe-cache-rate", "moe_cache_rate"),
+            ("--moe-cache-auto", "moe_cache_auto"),
+            ("--disable-moe-prefill-overlap", "disable_moe_prefill_overlap"),
+        )
+        if a.get(key)
+    ]
     if given:
         why = "the model has no experts" if not has_experts else f"--moe-backend {a['moe_backend']} chose fused"
         logger.warning(f"{', '.join(given)}: no effect, every weight stays on the device ({why})")
@@ -126,9 +153,11 @@ def refuse_quantized(config: dict) -> None:
     q = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
     if q:
         method = q.get("quant_method") if isinstance(q, dict) else None
-        raise UnsupportedModel(f"config.json has quantization_config (quant_method {method!r}): quantized checkpoints "
-                               "are not supported yet (BF16/FP16/FP32 safetensors and GGUF are; --dummy-weight runs "
-                               "the shapes)")
+        raise UnsupportedModel(
+            f"config.json has quantization_config (quant_method {method!r}): quantized checkpoints "
+            "are not supported yet (BF16/FP16/FP32 safetensors and GGUF are; --dummy-weight runs "
+            "the shapes)"
+        )
 
 
 def resolve_device(name: Optional[str]) -> torch.device:
@@ -202,8 +231,16 @@ def context_length(config: ModelConfig, override: Optional[int]) -> int:
 def skip_init(dtype: torch.dtype, device: torch.device):
     """Build modules straight on ``device`` in ``dtype`` without running their random init (every weight is
     overwritten by the checkpoint or the dummy fill anyway): allocation only, like ``torch.empty``."""
-    names = ["uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
-             "xavier_normal_", "orthogonal_"]
+    names = [
+        "uniform_",
+        "normal_",
+        "trunc_normal_",
+        "kaiming_uniform_",
+        "kaiming_normal_",
+        "xavier_uniform_",
+        "xavier_normal_",
+        "orthogonal_",
+    ]
     saved = {n: getattr(torch.nn.init, n) for n in names}
     old_dtype = torch.get_default_dtype()
     try:
@@ -218,8 +255,9 @@ def skip_init(dtype: torch.dtype, device: torch.device):
             setattr(torch.nn.init, n, f)
 
 
-def build_model(cls, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                offload: Optional[ExpertOffload]) -> CausalLM:
+def build_model(
+    cls, config: ModelConfig, dtype: torch.dtype, device: torch.device, offload: Optional[ExpertOffload]
+) -> CausalLM:
     """The model on ``device`` in ``dtype``; with ``offload`` every MoE block's experts are built in host memory."""
     factory = offload.make_experts if offload is not None else None
     with skip_init(dtype, device):

@@ -18,7 +18,6 @@ from torch import nn
 from ..engine.forward_batch import ForwardBatch
 from ..errors import UnsupportedModel
 
-
 # The key spellings HF's config classes accept for one another: their ``attribute_map`` (the name our models read
 # -> the key transformers writes), by ``model_type``. transformers >= 5.2 saves Qwen3-MoE's expert count as
 # ``num_local_experts``. tests/test_model_config.py checks this table against the installed transformers.

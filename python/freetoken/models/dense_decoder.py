@@ -77,7 +77,9 @@ class DecoderAttention(nn.Module):
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q, k, v = q.view(T, self.num_heads, D), k.view(T, self.num_kv_heads, D), v.view(T, self.num_kv_heads, D)
         rotary = self.rotary[0]
-        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else (None, None, 1e-6)
+        norms = (
+            (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else (None, None, 1e-6)
+        )
         q, k = qk_norm_rope(q, k, batch.positions, rotary.inv_freq, rotary.rotary_dim, *norms, one_plus=False)
         o = batch.attn.forward(q, k, v, self.layer_id, batch, self.scale)
         return self.o_proj(o.reshape(T, self.num_heads * D))
@@ -106,8 +108,10 @@ class DecoderModel(nn.Module):
         self.rotary = make_rotary(config, head_dim)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            [DecoderLayer(config, i, self.rotary, qk_norm, make_mlp(config, i, experts_factory))
-             for i in range(config.num_hidden_layers)]
+            [
+                DecoderLayer(config, i, self.rotary, qk_norm, make_mlp(config, i, experts_factory))
+                for i in range(config.num_hidden_layers)
+            ]
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.get("rms_norm_eps", 1e-6))
 
@@ -127,7 +131,9 @@ class DecoderForCausalLM(CausalLM):
         self.config = config
         self.model = DecoderModel(config, self.qk_norm, self.make_mlp, experts_factory)
         self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = (
+            None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
 
     @staticmethod
     def make_mlp(config: ModelConfig, layer_id: int, experts_factory: Optional[ExpertsFactory] = None) -> nn.Module:

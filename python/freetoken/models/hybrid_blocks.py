@@ -52,8 +52,15 @@ def uses_moe(config: ModelConfig, layer_id: int) -> bool:
 
 
 class HybridDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, layer_type: str, mixer_index: int, interleaved_gdn: bool,
-                 experts_factory: Optional[ExpertsFactory] = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        layer_type: str,
+        mixer_index: int,
+        interleaved_gdn: bool,
+        experts_factory: Optional[ExpertsFactory] = None,
+    ):
         super().__init__()
         self.layer_type = layer_type
         eps = config.get("rms_norm_eps", 1e-6)
@@ -102,7 +109,9 @@ class HybridMoeForCausalLM(CausalLM):
         self.num_attention_layers, self.num_gdn_layers = n_attn, n_gdn
         self.norm = RMSNorm(config.hidden_size, eps=config.get("rms_norm_eps", 1e-6), one_plus=True)
         self.tie_word_embeddings = bool(config.get("tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = (
+            None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
 
     # --- caches ---------------------------------------------------------------------------------------------
     @property

@@ -31,8 +31,9 @@ def device_bytes_needed(model_class, config, dtype: torch.dtype, kv_floor_tokens
     return weights + kv_floor_tokens * bpt
 
 
-def resolve_moe_backend(requested: str, has_experts: bool, device: torch.device, model_bytes: int = 0,
-                        available_bytes: int = 0) -> str:
+def resolve_moe_backend(
+    requested: str, has_experts: bool, device: torch.device, model_bytes: int = 0, available_bytes: int = 0
+) -> str:
     """``requested`` (the flag) -> ``fused`` | ``offload``. ``model_bytes``: weights plus the KV floor
     (``device_bytes_needed``); ``available_bytes``: ``memory_ratio`` of free device memory. Both are read only
     for ``auto`` on CUDA."""
@@ -46,7 +47,9 @@ def resolve_moe_backend(requested: str, has_experts: bool, device: torch.device,
     if requested != "auto":
         return requested
     if device.type == "cuda" and model_bytes > available_bytes:
-        logger.info(f"Auto-selected MoE backend: offload (weights and the KV floor need {model_bytes / 2**30:.1f} GiB, "
-                    f"{available_bytes / 2**30:.1f} GiB are available)")
+        logger.info(
+            f"Auto-selected MoE backend: offload (weights and the KV floor need {model_bytes / 2**30:.1f} GiB, "
+            f"{available_bytes / 2**30:.1f} GiB are available)"
+        )
         return "offload"
     return "fused"

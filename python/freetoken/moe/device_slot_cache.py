@@ -43,8 +43,17 @@ logger = get_logger(__name__)
 
 
 class DeviceExpertCache:
-    def __init__(self, num_slots: int, num_layers: int, num_experts: int, gate_up_shape: tuple, down_shape: tuple,
-                 dtype: torch.dtype, device: torch.device, impl: str = "auto"):
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        num_experts: int,
+        gate_up_shape: tuple,
+        down_shape: tuple,
+        dtype: torch.dtype,
+        device: torch.device,
+        impl: str = "auto",
+    ):
         """``impl``: ``auto`` (Triton on CUDA, torch elsewhere), ``triton`` (also on CPU under TRITON_INTERPRET=1,
         in tests) or ``torch``: the admission, and on CPU the gather too (on CUDA the gather is always the Triton
         kernel: nothing else reads a host bank without the host)."""
@@ -88,7 +97,7 @@ class DeviceExpertCache:
     def resident(self, layer: int) -> list[int]:
         """The experts of ``layer`` that are resident now (tests, stats)."""
         E = self.num_experts
-        return torch.nonzero(self.slot_of[layer * E:(layer + 1) * E] >= 0).flatten().tolist()
+        return torch.nonzero(self.slot_of[layer * E : (layer + 1) * E] >= 0).flatten().tolist()
 
     def check_integrity(self) -> None:
         """``slot_of`` and ``owner`` describe the same mapping (tests)."""
@@ -104,8 +113,14 @@ class DeviceExpertCache:
     # ------------------------------------------------------------------ the step's path
 
     @torch.no_grad()
-    def ensure(self, layer: int, bank_gate_up: torch.Tensor, bank_down: torch.Tensor, topk_ids: torch.Tensor,
-               num_valid_tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def ensure(
+        self,
+        layer: int,
+        bank_gate_up: torch.Tensor,
+        bank_down: torch.Tensor,
+        topk_ids: torch.Tensor,
+        num_valid_tokens: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """``topk_ids [T, k]`` (expert ids of ``layer``) -> slot ids ``[T, k]`` int64, every expert of the first
         ``num_valid_tokens`` rows resident (all rows when None). No host sync; capturable on CUDA."""
         slot_ids, job_src, job_dst, num_jobs = self.admit(layer, topk_ids, num_valid_tokens)
@@ -117,8 +132,17 @@ class DeviceExpertCache:
         """The bookkeeping half of ``ensure``: updates the state and returns ``(slot_ids [T, k] int64, job_src [P],
         job_dst [P], num_jobs)``, the misses to copy (``kernels/expert_admission.py``)."""
         admit = admit_experts_triton if self.impl == "triton" else admit_experts_torch
-        return admit(self.slot_of, self.owner, self.stamp, self.clock, self.counts, topk_ids, layer,
-                     self.num_experts, num_valid_tokens)
+        return admit(
+            self.slot_of,
+            self.owner,
+            self.stamp,
+            self.clock,
+            self.counts,
+            topk_ids,
+            layer,
+            self.num_experts,
+            num_valid_tokens,
+        )
 
     @torch.no_grad()
     def fetch(self, bank_gate_up, bank_down, job_src, job_dst, num_jobs) -> None:
@@ -135,8 +159,10 @@ class DeviceExpertCache:
         if key not in self._pinned:
             self._pinned[key] = all(b.is_cuda or b.is_pinned() for b in banks)
             if not self._pinned[key]:
-                logger.warning("An expert bank is not pinned: expert misses are copied after a host sync "
-                               "(not capturable in a CUDA graph)")
+                logger.warning(
+                    "An expert bank is not pinned: expert misses are copied after a host sync "
+                    "(not capturable in a CUDA graph)"
+                )
         return self._pinned[key]
 
     def _fetch_unpinned(self, bank_gate_up, bank_down, job_src, job_dst, num_jobs) -> None:

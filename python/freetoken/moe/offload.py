@@ -63,14 +63,25 @@ class ExpertOffload:
                 logger.warning("Could not pin the host expert banks; expert copies will be synchronous and slower")
         first = self.layers[0]
         self.stream = PrefillExpertStream(
-            [(e.gate_up_proj, e.down_proj) for e in self.layers], tuple(first.gate_up_proj.shape),
-            tuple(first.down_proj.shape), self.dtype, self.device, overlap=self.overlap)
+            [(e.gate_up_proj, e.down_proj) for e in self.layers],
+            tuple(first.gate_up_proj.shape),
+            tuple(first.down_proj.shape),
+            self.dtype,
+            self.device,
+            overlap=self.overlap,
+        )
 
     def allocate_cache(self, num_slots: int) -> None:
         first = self.layers[0]
-        self.cache = DeviceExpertCache(num_slots, len(self.layers), first.num_experts,
-                                       tuple(first.gate_up_proj.shape[1:]), tuple(first.down_proj.shape[1:]),
-                                       self.dtype, self.device)
+        self.cache = DeviceExpertCache(
+            num_slots,
+            len(self.layers),
+            first.num_experts,
+            tuple(first.gate_up_proj.shape[1:]),
+            tuple(first.down_proj.shape[1:]),
+            self.dtype,
+            self.device,
+        )
 
     # ------------------------------------------------------------------ sizes
 
@@ -108,7 +119,8 @@ class ExpertOffload:
             raise MemoryError(
                 f"no device memory left for the expert cache ({budget_bytes / GiB:.2f} GiB after the KV floor: "
                 "--kv-reserve-tokens, at least one full context); lower --kv-reserve-tokens, --max-seq-len-override "
-                "or --max-prefill-length, or set --moe-cache-size")
+                "or --max-prefill-length, or set --moe-cache-size"
+            )
         return int(slots), "auto"
 
     # ------------------------------------------------------------------ counters

@@ -18,8 +18,16 @@ from ..layers.moe import FusedExperts, run_experts
 
 
 class OffloadedExperts(FusedExperts):
-    def __init__(self, offload, index: int, num_experts: int, hidden_size: int, intermediate_size: int,
-                 dtype: torch.dtype, impl: Optional[str] = None):
+    def __init__(
+        self,
+        offload,
+        index: int,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype: torch.dtype,
+        impl: Optional[str] = None,
+    ):
         # the bank lives on the host, whatever the ambient device during model construction
         super().__init__(num_experts, hidden_size, intermediate_size, impl, device="cpu", dtype=dtype)
         self.offload = offload  # the ExpertOffload that owns the cache, the stream buffers and num_valid_tokens
@@ -29,8 +37,9 @@ class OffloadedExperts(FusedExperts):
         cache = self.offload.cache
         pairs = topk_ids.shape[0] * topk_ids.shape[1]
         if cache is not None and pairs < self.num_experts and pairs <= cache.num_slots:
-            slot_ids = cache.ensure(self.index, self.gate_up_proj, self.down_proj, topk_ids,
-                                    self.offload.num_valid_tokens)
+            slot_ids = cache.ensure(
+                self.index, self.gate_up_proj, self.down_proj, topk_ids, self.offload.num_valid_tokens
+            )
             return run_experts(self.impl, x, cache.gate_up, cache.down, slot_ids, topk_weights, shared)
         gate_up, down = self.offload.stream.layer_weights(self.index)
         return run_experts(self.impl, x, gate_up, down, topk_ids, topk_weights, shared)

@@ -22,8 +22,15 @@ import torch
 
 
 class PrefillExpertStream:
-    def __init__(self, banks: list, gate_up_shape: tuple, down_shape: tuple, dtype: torch.dtype,
-                 device: torch.device, overlap: bool = True):
+    def __init__(
+        self,
+        banks: list,
+        gate_up_shape: tuple,
+        down_shape: tuple,
+        dtype: torch.dtype,
+        device: torch.device,
+        overlap: bool = True,
+    ):
         """``banks[i]`` = ``(gate_up [E, 2I, H], down [E, H, I])`` host tensors of the i-th MoE layer."""
         self.banks = banks
         self.device = device

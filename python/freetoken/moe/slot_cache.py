@@ -21,8 +21,16 @@ import torch
 
 
 class ExpertSlotCache:
-    def __init__(self, num_slots: int, num_layers: int, num_experts: int, gate_up_shape: tuple, down_shape: tuple,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        num_experts: int,
+        gate_up_shape: tuple,
+        down_shape: tuple,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         if num_slots < 1:
             raise ValueError("the expert cache needs at least one slot")
         self.num_slots, self.num_layers, self.num_experts = num_slots, num_layers, num_experts
@@ -40,8 +48,9 @@ class ExpertSlotCache:
     def nbytes(self) -> int:
         return self.gate_up.numel() * self.gate_up.element_size() + self.down.numel() * self.down.element_size()
 
-    def lookup(self, layer: int, bank_gate_up: torch.Tensor, bank_down: torch.Tensor,
-               topk_ids: torch.Tensor) -> Optional[torch.Tensor]:
+    def lookup(
+        self, layer: int, bank_gate_up: torch.Tensor, bank_down: torch.Tensor, topk_ids: torch.Tensor
+    ) -> Optional[torch.Tensor]:
         """``topk_ids [T, k]`` (expert ids of ``layer``) -> slot ids of the same shape, every expert resident.
         None when the layer needs more distinct experts than there are slots (the caller streams the layer)."""
         needed = np.unique(topk_ids.detach().cpu().numpy())
