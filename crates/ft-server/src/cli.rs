@@ -380,11 +380,27 @@ impl ServeArgs {
         self.cors_origins.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect()
     }
 
-    /// Cross-flag checks clap cannot express. `Err` is the message (without the `error: ` prefix).
+    /// Cross-flag checks clap cannot express. `Err` is the message (without the `error: ` prefix). The groups
+    /// run in this order, and the first failing check is the one reported.
     pub fn validate(&self) -> Result<(), String> {
-        // Parser names (which one fits the model is resolved once it is loaded: `AppState`).
+        self.check_parser_names()?;
+        self.check_fractions()?;
+        self.check_counts()?;
+        self.check_durations()?;
+        at_least_one(self.max_request_body_bytes == 0, "--max-request-body-bytes")?;
+        self.check_cache_settings()?;
+        self.check_names()
+    }
+
+    /// Parser names (which one fits the model is resolved once it is loaded: `AppState`).
+    fn check_parser_names(&self) -> Result<(), String> {
         crate::text::tool_calls::ToolCallFormat::resolve(self.tool_call_parser.as_deref(), "", None)?;
         crate::text::reasoning::ReasoningFormat::resolve(self.reasoning_parser.as_deref(), "", None)?;
+        Ok(())
+    }
+
+    /// The flags that are fractions in (0, 1].
+    fn check_fractions(&self) -> Result<(), String> {
         let in_unit = |x: f64| x.is_finite() && x > 0.0 && x <= 1.0;
         if !in_unit(self.memory_ratio) {
             return Err(format!("--memory-ratio must be in (0, 1], got {}", self.memory_ratio));
@@ -394,27 +410,18 @@ impl ServeArgs {
                 return Err(format!("--moe-cache-rate must be in (0, 1], got {rate}"));
             }
         }
-        if self.max_running_requests == 0 {
-            return Err("--max-running-requests must be at least 1".into());
-        }
-        if self.max_prefill_length == 0 {
-            return Err("--max-prefill-length must be at least 1".into());
-        }
-        if self.page_size == 0 {
-            return Err("--page-size must be at least 1".into());
-        }
-        if self.max_seq_len_override == Some(0) {
-            return Err("--max-seq-len-override must be at least 1".into());
-        }
-        if self.max_output_tokens == Some(0) {
-            return Err("--max-output-tokens must be at least 1".into());
-        }
-        if self.tensor_parallel_size == 0 {
-            return Err("--tensor-parallel-size must be at least 1".into());
-        }
-        if self.num_pages == Some(0) {
-            return Err("--num-pages must be at least 1".into());
-        }
+        Ok(())
+    }
+
+    /// Sizes and counts that must be positive (`--num-tokens` also a multiple of `--page-size`).
+    fn check_counts(&self) -> Result<(), String> {
+        at_least_one(self.max_running_requests == 0, "--max-running-requests")?;
+        at_least_one(self.max_prefill_length == 0, "--max-prefill-length")?;
+        at_least_one(self.page_size == 0, "--page-size")?;
+        at_least_one(self.max_seq_len_override == Some(0), "--max-seq-len-override")?;
+        at_least_one(self.max_output_tokens == Some(0), "--max-output-tokens")?;
+        at_least_one(self.tensor_parallel_size == 0, "--tensor-parallel-size")?;
+        at_least_one(self.num_pages == Some(0), "--num-pages")?;
         if let Some(tokens) = self.num_tokens {
             if tokens == 0 || tokens % self.page_size != 0 {
                 return Err(format!(
@@ -423,12 +430,12 @@ impl ServeArgs {
                 ));
             }
         }
-        if self.moe_cache_size == Some(0) {
-            return Err("--moe-cache-size must be at least 1".into());
-        }
-        if self.decode_log_interval == 0 {
-            return Err("--decode-log-interval must be at least 1".into());
-        }
+        at_least_one(self.moe_cache_size == Some(0), "--moe-cache-size")?;
+        at_least_one(self.decode_log_interval == 0, "--decode-log-interval")
+    }
+
+    /// The timeouts and the shutdown grace, in seconds.
+    fn check_durations(&self) -> Result<(), String> {
         if !(self.step_timeout.is_finite() && self.step_timeout > 0.0) {
             return Err(format!("--step-timeout must be a positive number of seconds, got {}", self.step_timeout));
         }
@@ -444,9 +451,11 @@ impl ServeArgs {
                 self.shutdown_grace
             ));
         }
-        if self.max_request_body_bytes == 0 {
-            return Err("--max-request-body-bytes must be at least 1".into());
-        }
+        Ok(())
+    }
+
+    /// The recurrent-state snapshot and expert-offload settings.
+    fn check_cache_settings(&self) -> Result<(), String> {
         if !self.linear_state_cache_ratio.is_finite() || self.linear_state_cache_ratio < 0.0 {
             return Err(format!("--linear-state-cache-ratio must be >= 0, got {}", self.linear_state_cache_ratio));
         }
@@ -469,6 +478,11 @@ impl ServeArgs {
         if self.moe_hybrid_max_fetch < -1 {
             return Err(format!("--moe-hybrid-max-fetch must be -1 (auto) or >= 0, got {}", self.moe_hybrid_max_fetch));
         }
+        Ok(())
+    }
+
+    /// String flags that must not be empty when given.
+    fn check_names(&self) -> Result<(), String> {
         if self.host.trim().is_empty() {
             return Err("--host must not be empty".into());
         }
@@ -486,23 +500,34 @@ impl ServeArgs {
     }
 }
 
+/// `Err("{flag} must be at least 1")` when `is_zero`.
+fn at_least_one(is_zero: bool, flag: &str) -> Result<(), String> {
+    if is_zero {
+        return Err(format!("{flag} must be at least 1"));
+    }
+    Ok(())
+}
+
 /// The flag values whose feature is not built yet, as a one-line message naming it; `None` when everything
-/// asked for exists. This list shrinks as features land: delete a line when its feature ships.
+/// asked for exists. This list shrinks as features land: delete a check when its feature ships. The groups
+/// run in this order, and the first flag found is the one reported.
 pub fn unsupported_feature(args: &ServeArgs) -> Option<String> {
+    unsupported_parallelism_or_kernel(args)
+        .or_else(|| unsupported_expert_execution(args))
+        .or_else(|| unsupported_loading(args))
+}
+
+/// Tensor parallelism, attention backends and NVFP4 kernels that are not built.
+fn unsupported_parallelism_or_kernel(args: &ServeArgs) -> Option<String> {
     if args.tensor_parallel_size > 1 {
         return Some(format!(
             "--tensor-parallel-size {} is not supported yet: tensor parallelism is not built (use 1)",
             args.tensor_parallel_size
         ));
     }
-    match args.attention_backend {
-        AttentionBackend::Fi | AttentionBackend::Fa | AttentionBackend::Trtllm => {
-            let name = args.attention_backend.as_str();
-            return Some(format!(
-                "--attention-backend {name} is not supported yet: only auto, triton and torch are built"
-            ));
-        }
-        _ => {}
+    if matches!(args.attention_backend, AttentionBackend::Fi | AttentionBackend::Fa | AttentionBackend::Trtllm) {
+        let name = args.attention_backend.as_str();
+        return Some(format!("--attention-backend {name} is not supported yet: only auto, triton and torch are built"));
     }
     if args.nvfp4_backend != Nvfp4Backend::Auto {
         let name = args.nvfp4_backend.as_str();
@@ -510,21 +535,23 @@ pub fn unsupported_feature(args: &ServeArgs) -> Option<String> {
             "--nvfp4-backend {name} is not supported yet: NVFP4 checkpoints are not loaded yet, so no NVFP4 kernel runs (leave it auto)"
         ));
     }
-    match args.moe_backend {
-        MoeBackend::Cpu | MoeBackend::Hybrid => {
-            let name = args.moe_backend.as_str();
-            return Some(format!(
-                "--moe-backend {name} is not supported yet: the CPU expert executor is not built (use auto, fused or offload)"
-            ));
-        }
-        _ => {}
+    None
+}
+
+/// MoE backends and expert-execution knobs that are not built (the CPU expert executor's knobs would do
+/// nothing without it).
+fn unsupported_expert_execution(args: &ServeArgs) -> Option<String> {
+    if matches!(args.moe_backend, MoeBackend::Cpu | MoeBackend::Hybrid) {
+        let name = args.moe_backend.as_str();
+        return Some(format!(
+            "--moe-backend {name} is not supported yet: the CPU expert executor is not built (use auto, fused or offload)"
+        ));
     }
     if args.moe_prefill_hit_d2d {
         return Some(
             "--moe-prefill-hit-d2d is not supported yet: device-to-device prefill expert copies are not built".into(),
         );
     }
-    // The CPU expert executor's knobs: without it they would do nothing.
     if args.moe_cpu_threads != 0 {
         return Some(format!(
             "--moe-cpu-threads {} is not supported yet: the CPU expert executor is not built (leave it 0)",
@@ -540,6 +567,11 @@ pub fn unsupported_feature(args: &ServeArgs) -> Option<String> {
             args.moe_hybrid_max_fetch
         ));
     }
+    None
+}
+
+/// Ways of reading or fetching the checkpoint that are not built.
+fn unsupported_loading(args: &ServeArgs) -> Option<String> {
     if args.expert_load != ExpertLoad::Auto {
         return Some(format!(
             "--expert-load {} is not supported yet: host expert banks are read one way (the checkpoint reader's; leave it auto)",

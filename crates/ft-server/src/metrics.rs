@@ -271,8 +271,16 @@ impl Metrics {
     /// Everything, in Prometheus' text format.
     pub fn render(&self) -> String {
         let mut w = Writer { out: String::with_capacity(16 * 1024), model: escape_label(&self.model_name) };
-        let load = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
+        self.render_counters(&mut w);
+        self.render_histograms(&mut w);
+        self.render_gauges(&mut w);
+        self.render_health(&mut w);
+        w.out
+    }
 
+    /// Requests by outcome, then the token and cache counters.
+    fn render_counters(&self, w: &mut Writer) {
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
         w.family(
             "freetoken_requests_total",
             "counter",
@@ -281,65 +289,52 @@ impl Metrics {
         for (o, n) in RequestOutcome::ALL.iter().zip(&self.requests) {
             w.sample("freetoken_requests_total", &[("outcome", o.label())], load(n));
         }
-        w.counter("freetoken_prompt_tokens_total", "Prompt tokens of the requests started.", load(&self.prompt_tokens));
-        w.counter("freetoken_generation_tokens_total", "Tokens generated.", load(&self.generation_tokens));
-        w.counter(
-            "freetoken_prefix_cache_queries_total",
-            "Prompt tokens looked up in the prefix cache.",
-            load(&self.prefix_cache_queries),
-        );
-        w.counter(
-            "freetoken_prefix_cache_hits_total",
-            "Prompt tokens found in the prefix cache.",
-            load(&self.prefix_cache_hits),
-        );
-        w.counter(
-            "freetoken_expert_cache_hits_total",
-            "Routed-expert lookups served from the GPU expert cache.",
-            load(&self.expert_cache_hits),
-        );
-        w.counter(
-            "freetoken_expert_cache_misses_total",
-            "Routed-expert lookups read from host memory.",
-            load(&self.expert_cache_misses),
-        );
+        let counters = [
+            ("freetoken_prompt_tokens_total", "Prompt tokens of the requests started.", &self.prompt_tokens),
+            ("freetoken_generation_tokens_total", "Tokens generated.", &self.generation_tokens),
+            (
+                "freetoken_prefix_cache_queries_total",
+                "Prompt tokens looked up in the prefix cache.",
+                &self.prefix_cache_queries,
+            ),
+            ("freetoken_prefix_cache_hits_total", "Prompt tokens found in the prefix cache.", &self.prefix_cache_hits),
+            (
+                "freetoken_expert_cache_hits_total",
+                "Routed-expert lookups served from the GPU expert cache.",
+                &self.expert_cache_hits,
+            ),
+            (
+                "freetoken_expert_cache_misses_total",
+                "Routed-expert lookups read from host memory.",
+                &self.expert_cache_misses,
+            ),
+        ];
+        for (name, help, value) in counters {
+            w.counter(name, help, load(value));
+        }
+    }
 
-        w.histogram(
-            "freetoken_time_to_first_token_seconds",
-            "Time from a request's arrival to its first token.",
-            &[],
-            &self.ttft,
-        );
-        w.histogram(
-            "freetoken_inter_token_latency_seconds",
-            "Time between consecutive tokens of a request.",
-            &[],
-            &self.itl,
-        );
-        w.histogram(
-            "freetoken_e2e_request_latency_seconds",
-            "Time from a request's arrival to its end.",
-            &[],
-            &self.e2e,
-        );
-        w.histogram(
-            "freetoken_request_queue_time_seconds",
-            "Time from a request's arrival to its admission.",
-            &[],
-            &self.queue_time,
-        );
-        w.histogram(
-            "freetoken_request_prompt_tokens",
-            "Prompt tokens per finished request.",
-            &[],
-            &self.request_prompt_tokens,
-        );
-        w.histogram(
-            "freetoken_request_generation_tokens",
-            "Generated tokens per finished request.",
-            &[],
-            &self.request_generation_tokens,
-        );
+    /// The per-request latency and size histograms, then step time by kind.
+    fn render_histograms(&self, w: &mut Writer) {
+        let histograms = [
+            ("freetoken_time_to_first_token_seconds", "Time from a request's arrival to its first token.", &self.ttft),
+            ("freetoken_inter_token_latency_seconds", "Time between consecutive tokens of a request.", &self.itl),
+            ("freetoken_e2e_request_latency_seconds", "Time from a request's arrival to its end.", &self.e2e),
+            (
+                "freetoken_request_queue_time_seconds",
+                "Time from a request's arrival to its admission.",
+                &self.queue_time,
+            ),
+            ("freetoken_request_prompt_tokens", "Prompt tokens per finished request.", &self.request_prompt_tokens),
+            (
+                "freetoken_request_generation_tokens",
+                "Generated tokens per finished request.",
+                &self.request_generation_tokens,
+            ),
+        ];
+        for (name, help, h) in histograms {
+            w.histogram(name, help, &[], h);
+        }
         w.family(
             "freetoken_step_time_seconds",
             "histogram",
@@ -348,7 +343,10 @@ impl Metrics {
         for ((_, kind), h) in STEP_KINDS.iter().zip(&self.steps) {
             w.histogram_samples("freetoken_step_time_seconds", &[("kind", kind)], h);
         }
+    }
 
+    /// The engine's levels as last published ([`Metrics::set_gauges`]).
+    fn render_gauges(&self, w: &mut Writer) {
         let g = self.gauges.lock().unwrap_or_else(|e| e.into_inner()).clone();
         w.gauge("freetoken_num_requests_running", "Requests in the running batch.", g.running_requests as f64);
         w.gauge("freetoken_num_requests_waiting", "Requests queued for admission.", g.queued_requests as f64);
@@ -361,7 +359,10 @@ impl Metrics {
             let usage = if total > 0 { used as f64 / total as f64 } else { 0.0 };
             w.gauge("freetoken_state_slot_usage_perc", "Fraction of the recurrent-state slots in use (0 to 1).", usage);
         }
+    }
 
+    /// One series per health state, 1 for the current one (so a dashboard can plot every state).
+    fn render_health(&self, w: &mut Writer) {
         let health = self.health.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let current = match health {
             HealthState::Loading => "loading",
@@ -377,7 +378,6 @@ impl Metrics {
         for state in ["loading", "serving", "unhealthy", "shutting_down"] {
             w.sample("freetoken_engine_health", &[("state", state)], if state == current { 1.0 } else { 0.0 });
         }
-        w.out
     }
 }
 
