@@ -180,73 +180,100 @@ impl ReasoningParser {
         (p.saw_block.then_some(a.reasoning), a.content)
     }
 
+    /// Runs the phase machine over `buf` until it needs more input (or, `at_end`, has classified it all).
     fn advance(&mut self, at_end: bool, out: &mut ReasoningDelta) {
         loop {
-            match self.phase {
-                Phase::Start { in_block } => {
-                    let rest = self.buf.trim_start();
-                    let ws = self.buf.len() - rest.len();
-                    let opens = if rest.is_empty() { None } else { starts_with_tag(rest, THINK_OPEN) };
-                    match (opens, at_end) {
-                        (Some(true), _) => {
-                            self.buf.drain(..ws + THINK_OPEN.len());
-                            self.saw_block = true;
-                            self.phase = Phase::Reasoning { at_start: true };
-                        }
-                        (Some(false), _) | (None, true) => {
-                            self.phase = if in_block { Phase::Reasoning { at_start: true } } else { Phase::Content };
-                        }
-                        (None, false) => return,
-                    }
-                }
-                Phase::Reasoning { at_start } => {
-                    if at_start {
-                        let ws = self.buf.len() - self.buf.trim_start().len();
-                        self.buf.drain(..ws);
-                        if self.buf.is_empty() {
-                            return;
-                        }
-                        self.phase = Phase::Reasoning { at_start: false };
-                    }
-                    match self.find_block_end(at_end) {
-                        BlockEnd::Close(i) => {
-                            let reasoning: String = self.buf.drain(..i).collect();
-                            self.emit_reasoning(&reasoning, out);
-                            self.pending_ws.clear();
-                            self.buf.drain(..THINK_CLOSE.len());
-                            self.phase = Phase::AfterBlock;
-                        }
-                        BlockEnd::ToolCall(i) => {
-                            let reasoning: String = self.buf.drain(..i).collect();
-                            self.emit_reasoning(&reasoning, out);
-                            self.pending_ws.clear();
-                            self.phase = Phase::Content;
-                        }
-                        BlockEnd::NotYet(safe) => {
-                            let reasoning: String = self.buf.drain(..safe).collect();
-                            self.emit_reasoning(&reasoning, out);
-                            if at_end {
-                                self.pending_ws.clear();
-                            }
-                            return;
-                        }
-                    }
-                }
-                Phase::AfterBlock => {
-                    let ws = self.buf.len() - self.buf.trim_start().len();
-                    self.buf.drain(..ws);
-                    if self.buf.is_empty() {
-                        return;
-                    }
-                    self.phase = Phase::Content;
-                }
-                Phase::Content => {
-                    out.content.push_str(&self.buf);
-                    self.buf.clear();
-                    return;
-                }
+            let progress = match self.phase {
+                Phase::Start { in_block } => self.step_start(in_block, at_end),
+                Phase::Reasoning { at_start } => self.step_reasoning(at_start, at_end, out),
+                Phase::AfterBlock => self.step_after_block(),
+                Phase::Content => self.step_content(out),
+            };
+            if progress == Progress::Wait {
+                return;
             }
         }
+    }
+
+    /// Only whitespace so far: a `<think>` opens the block, anything else decides there is none (or that the
+    /// prompt's block goes on).
+    fn step_start(&mut self, in_block: bool, at_end: bool) -> Progress {
+        let rest = self.buf.trim_start();
+        let ws = self.buf.len() - rest.len();
+        let opens = if rest.is_empty() { None } else { starts_with_tag(rest, THINK_OPEN) };
+        match (opens, at_end) {
+            (Some(true), _) => {
+                self.buf.drain(..ws + THINK_OPEN.len());
+                self.saw_block = true;
+                self.phase = Phase::Reasoning { at_start: true };
+            }
+            (Some(false), _) | (None, true) => {
+                self.phase = if in_block { Phase::Reasoning { at_start: true } } else { Phase::Content };
+            }
+            (None, false) => return Progress::Wait,
+        }
+        Progress::Moved
+    }
+
+    /// Inside the block: reasoning out up to `</think>` (or a `<tool_call>` that starts a call), holding back
+    /// what may be the start of either.
+    fn step_reasoning(&mut self, at_start: bool, at_end: bool, out: &mut ReasoningDelta) -> Progress {
+        if at_start {
+            if !self.drop_leading_whitespace() {
+                return Progress::Wait;
+            }
+            self.phase = Phase::Reasoning { at_start: false };
+        }
+        match self.find_block_end(at_end) {
+            BlockEnd::Close(i) => {
+                self.end_reasoning(i, out);
+                self.buf.drain(..THINK_CLOSE.len());
+                self.phase = Phase::AfterBlock;
+            }
+            BlockEnd::ToolCall(i) => {
+                self.end_reasoning(i, out);
+                self.phase = Phase::Content;
+            }
+            BlockEnd::NotYet(safe) => {
+                let reasoning: String = self.buf.drain(..safe).collect();
+                self.emit_reasoning(&reasoning, out);
+                if at_end {
+                    self.pending_ws.clear();
+                }
+                return Progress::Wait;
+            }
+        }
+        Progress::Moved
+    }
+
+    /// Just past `</think>`: the whitespace before the content is dropped.
+    fn step_after_block(&mut self) -> Progress {
+        if !self.drop_leading_whitespace() {
+            return Progress::Wait;
+        }
+        self.phase = Phase::Content;
+        Progress::Moved
+    }
+
+    /// Everything buffered is content.
+    fn step_content(&mut self, out: &mut ReasoningDelta) -> Progress {
+        out.content.push_str(&self.buf);
+        self.buf.clear();
+        Progress::Wait
+    }
+
+    /// Drops the leading whitespace of `buf`; whether anything is left.
+    fn drop_leading_whitespace(&mut self) -> bool {
+        let ws = self.buf.len() - self.buf.trim_start().len();
+        self.buf.drain(..ws);
+        !self.buf.is_empty()
+    }
+
+    /// The block ends at byte `i` of `buf`: the reasoning before it goes out, its trailing whitespace dropped.
+    fn end_reasoning(&mut self, i: usize, out: &mut ReasoningDelta) {
+        let reasoning: String = self.buf.drain(..i).collect();
+        self.emit_reasoning(&reasoning, out);
+        self.pending_ws.clear();
     }
 
     /// Where the block ends in `buf`, or how much of it is reasoning for sure.
@@ -297,6 +324,13 @@ impl ReasoningParser {
         out.reasoning.push_str(body);
         self.pending_ws = text[body.len()..].to_string();
     }
+}
+
+/// Whether a phase step moved the parser on (run the next phase) or needs more input.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Progress {
+    Moved,
+    Wait,
 }
 
 enum BlockEnd {

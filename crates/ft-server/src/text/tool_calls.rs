@@ -357,69 +357,95 @@ struct Driver<B: CallBody> {
 }
 
 impl<B: CallBody> Driver<B> {
+    /// Runs over `buf`: text until a `<tool_call>`, then the body until the call ends, again and again, until
+    /// more input is needed (or, `at_end`, everything is out).
     fn run(&mut self, at_end: bool, out: &mut Vec<DriverEvent>) {
         let mut body_out = Vec::new();
         // Bodies always make progress; a bug that stops doing so must not hang the engine's stream.
         let mut idle_steps = 0;
         loop {
             if !self.in_call {
-                if let Some(i) = self.buf.find(TOOL_CALL_OPEN) {
-                    out.push(DriverEvent::Text(self.buf[..i].to_string()));
-                    self.buf.drain(..i + TOOL_CALL_OPEN.len());
-                    self.raw = TOOL_CALL_OPEN.to_string();
-                    self.in_call = true;
-                    self.committed = false;
-                    self.body.begin();
+                if self.scan_text(at_end, out) {
                     continue;
                 }
-                let keep = if at_end { 0 } else { super::partial_tag_suffix(&self.buf, TOOL_CALL_OPEN) };
-                let text: String = self.buf.drain(..self.buf.len() - keep).collect();
-                out.push(DriverEvent::Text(text));
                 return;
             }
             let step = self.body.step(&self.buf, at_end, &mut body_out);
-            for e in body_out.drain(..) {
-                out.push(match e {
-                    BodyEvent::Start(name) => {
-                        self.committed = true;
-                        DriverEvent::Start(name)
-                    }
-                    BodyEvent::Args(a) => DriverEvent::Args(a),
-                });
-            }
+            self.forward(&mut body_out, out);
             idle_steps = if step == Step::Took(0) { idle_steps + 1 } else { 0 };
             if idle_steps > 16 {
                 debug_assert!(false, "tool-call body made no progress");
                 return;
             }
-            match step {
-                Step::Took(n) => {
-                    self.raw.push_str(&self.buf[..n]);
-                    self.buf.drain(..n);
-                }
-                Step::End { took, complete } => {
-                    self.raw.push_str(&self.buf[..took]);
-                    self.buf.drain(..took);
-                    self.in_call = false;
-                    out.push(DriverEvent::End { complete, raw: std::mem::take(&mut self.raw) });
-                }
-                Step::NotACall => self.not_a_call(out),
-                Step::Wait if !at_end => return,
-                Step::Wait if self.committed => {
-                    // Cut off by the end of the output.
-                    self.body.cut_off(&mut body_out);
-                    out.extend(body_out.drain(..).map(|e| match e {
-                        BodyEvent::Start(n) => DriverEvent::Start(n),
-                        BodyEvent::Args(a) => DriverEvent::Args(a),
-                    }));
-                    self.raw.push_str(&self.buf);
-                    self.buf.clear();
-                    self.in_call = false;
-                    out.push(DriverEvent::End { complete: false, raw: std::mem::take(&mut self.raw) });
-                }
-                Step::Wait => self.not_a_call(out),
+            if !self.apply(step, at_end, &mut body_out, out) {
+                return;
             }
         }
+    }
+
+    /// Outside a call: the text before a `<tool_call>` out and the call begun (true), or the text out up to a
+    /// possible tag split across deltas (false: wait for more).
+    fn scan_text(&mut self, at_end: bool, out: &mut Vec<DriverEvent>) -> bool {
+        if let Some(i) = self.buf.find(TOOL_CALL_OPEN) {
+            out.push(DriverEvent::Text(self.buf[..i].to_string()));
+            self.buf.drain(..i + TOOL_CALL_OPEN.len());
+            self.raw = TOOL_CALL_OPEN.to_string();
+            self.in_call = true;
+            self.committed = false;
+            self.body.begin();
+            return true;
+        }
+        let keep = if at_end { 0 } else { super::partial_tag_suffix(&self.buf, TOOL_CALL_OPEN) };
+        let text: String = self.buf.drain(..self.buf.len() - keep).collect();
+        out.push(DriverEvent::Text(text));
+        false
+    }
+
+    /// The body's events out; a `Start` commits the call.
+    fn forward(&mut self, body_out: &mut Vec<BodyEvent>, out: &mut Vec<DriverEvent>) {
+        for e in body_out.drain(..) {
+            out.push(match e {
+                BodyEvent::Start(name) => {
+                    self.committed = true;
+                    DriverEvent::Start(name)
+                }
+                BodyEvent::Args(a) => DriverEvent::Args(a),
+            });
+        }
+    }
+
+    /// Acts on what the body made of the input; false when it must wait for more.
+    fn apply(&mut self, step: Step, at_end: bool, body_out: &mut Vec<BodyEvent>, out: &mut Vec<DriverEvent>) -> bool {
+        match step {
+            Step::Took(n) => self.take_raw(n),
+            Step::End { took, complete } => {
+                self.take_raw(took);
+                self.end_call(complete, out);
+            }
+            Step::NotACall => self.not_a_call(out),
+            Step::Wait if !at_end => return false,
+            Step::Wait if self.committed => {
+                // Cut off by the end of the output.
+                self.body.cut_off(body_out);
+                self.forward(body_out, out);
+                let rest = self.buf.len();
+                self.take_raw(rest);
+                self.end_call(false, out);
+            }
+            Step::Wait => self.not_a_call(out),
+        }
+        true
+    }
+
+    /// The first `n` bytes of `buf` are the call's.
+    fn take_raw(&mut self, n: usize) {
+        self.raw.push_str(&self.buf[..n]);
+        self.buf.drain(..n);
+    }
+
+    fn end_call(&mut self, complete: bool, out: &mut Vec<DriverEvent>) {
+        self.in_call = false;
+        out.push(DriverEvent::End { complete, raw: std::mem::take(&mut self.raw) });
     }
 
     /// The tag is text; what followed it is scanned again (it may hold a real call).

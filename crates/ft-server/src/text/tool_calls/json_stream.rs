@@ -96,6 +96,24 @@ enum State {
     Done,
 }
 
+/// What a state made of one character.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Verdict {
+    /// Accepted: the character is held as is.
+    Hold,
+    /// Accepted and already dealt with (whitespace before the object, an escaped control character).
+    Handled,
+    /// The state moved on without the character (a number it ended): take it again.
+    Again,
+    /// It cannot continue a JSON object.
+    Reject,
+}
+
+/// JSON's whitespace.
+fn is_ws(c: char) -> bool {
+    matches!(c, ' ' | '\t' | '\n' | '\r')
+}
+
 pub(crate) struct JsonStream {
     /// Closing characters of the open containers, innermost last.
     stack: Vec<char>,
@@ -158,112 +176,157 @@ impl JsonStream {
 
     /// One character; false if it cannot continue a JSON object.
     fn take(&mut self, c: char) -> bool {
-        let ws = matches!(c, ' ' | '\t' | '\n' | '\r');
-        match self.state {
-            State::Start => {
-                if ws {
-                    return true; // not released: the object has not begun
-                }
-                if c != '{' {
-                    return false;
-                }
-                self.stack.push('}');
-                self.state = State::KeyOrEnd;
+        let verdict = match self.state {
+            State::Start => self.take_start(c),
+            State::KeyOrEnd | State::Key => self.take_key(c),
+            State::Colon => self.take_colon(c),
+            State::ValueOrEnd | State::Value => self.take_value(c),
+            State::CommaOrEnd => self.take_comma_or_end(c),
+            State::Str { key, esc } => self.take_in_string(key, esc, c),
+            State::Number(n) => self.take_in_number(n, c),
+            State::Literal { word, matched } => self.take_in_literal(word, matched, c),
+            State::Done => Verdict::Reject,
+        };
+        match verdict {
+            Verdict::Hold => {
+                self.held.push(c);
+                true
             }
-            State::KeyOrEnd | State::Key => {
-                if c == '"' {
-                    self.state = State::Str { key: true, esc: Esc::None };
-                } else if c == '}' && self.state == State::KeyOrEnd {
-                    self.stack.pop();
-                    self.after_value();
-                } else if !ws {
-                    return false;
-                }
-            }
-            State::Colon => {
-                if c == ':' {
-                    self.state = State::Value;
-                } else if !ws {
-                    return false;
-                }
-            }
-            State::ValueOrEnd | State::Value => {
-                if ws {
-                } else if c == ']' && self.state == State::ValueOrEnd {
-                    self.stack.pop();
-                    self.after_value();
-                } else if !self.start_value(c) {
-                    return false;
-                }
-            }
-            State::CommaOrEnd => {
-                if c == ',' {
-                    self.state = if self.stack.last() == Some(&'}') { State::Key } else { State::Value };
-                } else if Some(&c) == self.stack.last() {
-                    self.stack.pop();
-                    self.after_value();
-                } else if !ws {
-                    return false;
-                }
-            }
-            State::Str { key, esc } => match esc {
-                Esc::None => match c {
-                    '"' => {
-                        if key {
-                            self.state = State::Colon;
-                        } else {
-                            self.after_value();
-                        }
-                    }
-                    '\\' => self.state = State::Str { key, esc: Esc::Backslash },
-                    c if (c as u32) < 0x20 => {
-                        // A raw control character: released in its escaped form.
-                        match c {
-                            '\n' => self.held.push_str("\\n"),
-                            '\r' => self.held.push_str("\\r"),
-                            '\t' => self.held.push_str("\\t"),
-                            _ => self.held.push_str(&format!("\\u{:04x}", c as u32)),
-                        }
-                        return true;
-                    }
-                    _ => {}
-                },
-                Esc::Backslash => match c {
-                    '"' | '\\' | '/' | 'b' | 'f' | 'n' | 'r' | 't' => self.state = State::Str { key, esc: Esc::None },
-                    'u' => self.state = State::Str { key, esc: Esc::Unicode(0) },
-                    _ => return false,
-                },
-                Esc::Unicode(n) => {
-                    if !c.is_ascii_hexdigit() {
-                        return false;
-                    }
-                    self.state = State::Str { key, esc: if n == 3 { Esc::None } else { Esc::Unicode(n + 1) } };
-                }
-            },
-            State::Number(n) => match n.next(c) {
-                Some(next) => self.state = State::Number(next),
-                None if n.complete() => {
-                    // The number ended at this character, which belongs to what follows.
-                    self.after_value();
-                    return self.take(c);
-                }
-                None => return false,
-            },
-            State::Literal { word, matched } => {
-                if !word[matched..].starts_with(c) {
-                    return false;
-                }
-                if matched + 1 == word.len() {
-                    self.held.push(c);
-                    self.after_value();
-                    return true;
-                }
-                self.state = State::Literal { word, matched: matched + 1 };
-            }
-            State::Done => return false,
+            Verdict::Handled => true,
+            Verdict::Again => self.take(c),
+            Verdict::Reject => false,
         }
-        self.held.push(c);
-        true
+    }
+
+    /// Before the object: whitespace, then `{`.
+    fn take_start(&mut self, c: char) -> Verdict {
+        if is_ws(c) {
+            return Verdict::Handled; // not released: the object has not begun
+        }
+        if c != '{' {
+            return Verdict::Reject;
+        }
+        self.stack.push('}');
+        self.state = State::KeyOrEnd;
+        Verdict::Hold
+    }
+
+    /// Where a key may start (or, just after `{`, the object end).
+    fn take_key(&mut self, c: char) -> Verdict {
+        if c == '"' {
+            self.state = State::Str { key: true, esc: Esc::None };
+        } else if c == '}' && self.state == State::KeyOrEnd {
+            self.stack.pop();
+            self.after_value();
+        } else if !is_ws(c) {
+            return Verdict::Reject;
+        }
+        Verdict::Hold
+    }
+
+    fn take_colon(&mut self, c: char) -> Verdict {
+        if c == ':' {
+            self.state = State::Value;
+        } else if !is_ws(c) {
+            return Verdict::Reject;
+        }
+        Verdict::Hold
+    }
+
+    /// Where a value may start (or, just after `[`, the array end).
+    fn take_value(&mut self, c: char) -> Verdict {
+        if is_ws(c) {
+        } else if c == ']' && self.state == State::ValueOrEnd {
+            self.stack.pop();
+            self.after_value();
+        } else if !self.start_value(c) {
+            return Verdict::Reject;
+        }
+        Verdict::Hold
+    }
+
+    /// After a value: `,` (a key or a value follows, by the container) or the container's end.
+    fn take_comma_or_end(&mut self, c: char) -> Verdict {
+        if c == ',' {
+            self.state = if self.stack.last() == Some(&'}') { State::Key } else { State::Value };
+        } else if Some(&c) == self.stack.last() {
+            self.stack.pop();
+            self.after_value();
+        } else if !is_ws(c) {
+            return Verdict::Reject;
+        }
+        Verdict::Hold
+    }
+
+    /// Inside a string (a key's or a value's): its end, escapes, and raw control characters.
+    fn take_in_string(&mut self, key: bool, esc: Esc, c: char) -> Verdict {
+        match esc {
+            Esc::None => match c {
+                '"' => {
+                    if key {
+                        self.state = State::Colon;
+                    } else {
+                        self.after_value();
+                    }
+                }
+                '\\' => self.state = State::Str { key, esc: Esc::Backslash },
+                c if (c as u32) < 0x20 => {
+                    self.hold_escaped_control(c);
+                    return Verdict::Handled;
+                }
+                _ => {}
+            },
+            Esc::Backslash => match c {
+                '"' | '\\' | '/' | 'b' | 'f' | 'n' | 'r' | 't' => self.state = State::Str { key, esc: Esc::None },
+                'u' => self.state = State::Str { key, esc: Esc::Unicode(0) },
+                _ => return Verdict::Reject,
+            },
+            Esc::Unicode(n) => {
+                if !c.is_ascii_hexdigit() {
+                    return Verdict::Reject;
+                }
+                self.state = State::Str { key, esc: if n == 3 { Esc::None } else { Esc::Unicode(n + 1) } };
+            }
+        }
+        Verdict::Hold
+    }
+
+    /// A raw control character in a string, held in its escaped form (so the released text stays JSON).
+    fn hold_escaped_control(&mut self, c: char) {
+        match c {
+            '\n' => self.held.push_str("\\n"),
+            '\r' => self.held.push_str("\\r"),
+            '\t' => self.held.push_str("\\t"),
+            _ => self.held.push_str(&format!("\\u{:04x}", c as u32)),
+        }
+    }
+
+    fn take_in_number(&mut self, n: Num, c: char) -> Verdict {
+        match n.next(c) {
+            Some(next) => {
+                self.state = State::Number(next);
+                Verdict::Hold
+            }
+            None if n.complete() => {
+                // The number ended at this character, which belongs to what follows.
+                self.after_value();
+                Verdict::Again
+            }
+            None => Verdict::Reject,
+        }
+    }
+
+    /// Inside `true`, `false` or `null`.
+    fn take_in_literal(&mut self, word: &'static str, matched: usize, c: char) -> Verdict {
+        if !word[matched..].starts_with(c) {
+            return Verdict::Reject;
+        }
+        if matched + 1 == word.len() {
+            self.after_value();
+        } else {
+            self.state = State::Literal { word, matched: matched + 1 };
+        }
+        Verdict::Hold
     }
 
     fn start_value(&mut self, c: char) -> bool {
