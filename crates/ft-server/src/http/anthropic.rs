@@ -156,65 +156,40 @@ impl MessagesRequest {
 
     /// `tools` as OpenAI-style definitions, checked; `None` when absent or `tool_choice` is `none`.
     pub fn openai_tools(&self) -> Result<Option<Vec<Json>>, ApiError> {
-        match self.tool_choice.as_ref().and_then(|c| c.get("type")).and_then(Json::as_str) {
-            None if self.tool_choice.as_ref().is_some_and(|c| !c.is_null()) => {
-                return Err(ApiError::invalid_param("tool_choice", "tool_choice must be an object with a \"type\""))
+        if self.checked_tool_choice_type()? == Some("none") {
+            return Ok(None);
+        }
+        let Some(tools) = self.tools.as_ref().filter(|t| !t.is_empty()) else { return Ok(None) };
+        let tools = tools.iter().enumerate().map(|(i, t)| openai_tool(t, &format!("tools[{i}]")));
+        tools.collect::<Result<Vec<_>, _>>().map(Some)
+    }
+
+    /// `tool_choice`'s shape checked; its `type` (`None` when absent).
+    fn checked_tool_choice_type(&self) -> Result<Option<&str>, ApiError> {
+        let choice = self.tool_choice.as_ref();
+        let kind = choice.and_then(|c| c.get("type")).and_then(Json::as_str);
+        match kind {
+            None if choice.is_some_and(|c| !c.is_null()) => {
+                Err(ApiError::invalid_param("tool_choice", "tool_choice must be an object with a \"type\""))
             }
-            _ if !self
-                .tool_choice
-                .as_ref()
-                .and_then(|c| c.get("name"))
-                .is_none_or(|n| n.is_null() || n.is_string()) =>
-            {
-                return Err(ApiError::invalid_param("tool_choice", "tool_choice.name must be a string"))
+            _ if !choice.and_then(|c| c.get("name")).is_none_or(|n| n.is_null() || n.is_string()) => {
+                Err(ApiError::invalid_param("tool_choice", "tool_choice.name must be a string"))
             }
-            _ if !self
-                .tool_choice
-                .as_ref()
+            _ if !choice
                 .and_then(|c| c.get("disable_parallel_tool_use"))
                 .is_none_or(|d| d.is_null() || d.is_boolean()) =>
             {
-                return Err(ApiError::invalid_param(
-                    "tool_choice",
-                    "tool_choice.disable_parallel_tool_use must be a boolean",
-                ))
+                Err(ApiError::invalid_param("tool_choice", "tool_choice.disable_parallel_tool_use must be a boolean"))
             }
-            Some("tool") if !self.tool_choice.as_ref().and_then(|c| c.get("name")).is_some_and(Json::is_string) => {
-                return Err(ApiError::invalid_param(
-                    "tool_choice",
-                    "tool_choice of type \"tool\" needs the tool's \"name\"",
-                ))
+            Some("tool") if !choice.and_then(|c| c.get("name")).is_some_and(Json::is_string) => {
+                Err(ApiError::invalid_param("tool_choice", "tool_choice of type \"tool\" needs the tool's \"name\""))
             }
-            Some("none") => return Ok(None),
-            None | Some("auto" | "any" | "tool") => {}
-            Some(other) => {
-                return Err(ApiError::invalid_param(
-                    "tool_choice",
-                    format!("unknown tool_choice type {other:?} (auto, any, tool or none)"),
-                ))
-            }
+            None | Some("auto" | "any" | "tool" | "none") => Ok(kind),
+            Some(other) => Err(ApiError::invalid_param(
+                "tool_choice",
+                format!("unknown tool_choice type {other:?} (auto, any, tool or none)"),
+            )),
         }
-        let Some(tools) = self.tools.as_ref().filter(|t| !t.is_empty()) else { return Ok(None) };
-        let mut out = Vec::with_capacity(tools.len());
-        for (i, t) in tools.iter().enumerate() {
-            let param = format!("tools[{i}]");
-            let name = t
-                .get("name")
-                .and_then(Json::as_str)
-                .ok_or_else(|| ApiError::invalid_param(&param, format!("{param}.name must be a string")))?;
-            let mut function = Map::new();
-            function.insert("name".into(), Json::String(name.to_string()));
-            if let Some(d) = t.get("description") {
-                function.insert("description".into(), d.clone());
-            }
-            if let Some(s) = t.get("input_schema") {
-                function.insert("parameters".into(), s.clone());
-            }
-            let tool = json!({"type": "function", "function": function});
-            check_tool(&tool, &param)?;
-            out.push(tool);
-        }
-        Ok(Some(out))
     }
 
     /// `tool_choice` as the shared choice, and whether parallel calls are allowed (not
@@ -275,73 +250,130 @@ fn text_blocks(blocks: &[Json], param: &str) -> Result<String, ApiError> {
     Ok(texts.join("\n"))
 }
 
+/// One Anthropic tool (`param` names it in errors) as an OpenAI-style definition, checked.
+fn openai_tool(t: &Json, param: &str) -> Result<Json, ApiError> {
+    let name = t
+        .get("name")
+        .and_then(Json::as_str)
+        .ok_or_else(|| ApiError::invalid_param(param, format!("{param}.name must be a string")))?;
+    let mut function = Map::new();
+    function.insert("name".into(), Json::String(name.to_string()));
+    if let Some(d) = t.get("description") {
+        function.insert("description".into(), d.clone());
+    }
+    if let Some(s) = t.get("input_schema") {
+        function.insert("parameters".into(), s.clone());
+    }
+    let tool = json!({"type": "function", "function": function});
+    check_tool(&tool, param)?;
+    Ok(tool)
+}
+
 /// One message's content blocks as template messages: text joined; an assistant's `tool_use` blocks as
 /// `tool_calls` and its `thinking` as `reasoning_content`; a user's `tool_result` blocks as `tool` messages
 /// (before the user's own text, which follows them in the conversation).
 fn convert_blocks(role: &str, blocks: &[Json], param: &str, out: &mut Vec<Json>) -> Result<(), ApiError> {
-    let mut texts: Vec<String> = Vec::new();
-    let mut calls = Vec::new();
-    let mut reasoning = Vec::new();
+    let mut parts = MessageParts::default();
     for (j, b) in blocks.iter().enumerate() {
-        let p = format!("{param}.content[{j}]");
-        let bad = |what: &str| Err(ApiError::invalid_param(&p, format!("{p}: {what}")));
-        match (role, b.get("type").and_then(Json::as_str)) {
-            (_, Some("text")) => match b.get("text") {
-                Some(Json::String(t)) => texts.push(t.clone()),
-                _ => return bad("a text block needs a string \"text\""),
-            },
-            ("assistant", Some("tool_use")) => {
-                let (Some(Json::String(id)), Some(Json::String(name))) = (b.get("id"), b.get("name")) else {
-                    return bad("a tool_use block needs string \"id\" and \"name\"");
-                };
-                let input = match b.get("input") {
-                    Some(v @ Json::Object(_)) => v.clone(),
-                    None | Some(Json::Null) => json!({}),
-                    Some(_) => return bad("tool_use.input must be an object"),
-                };
-                calls.push(json!({"id": id, "type": "function", "function": {"name": name, "arguments": input}}));
+        convert_block(role, b, &format!("{param}.content[{j}]"), &mut parts, out)?;
+    }
+    if let Some(msg) = parts.into_message(role) {
+        out.push(msg);
+    }
+    Ok(())
+}
+
+/// What one message's blocks add to its own template message.
+#[derive(Default)]
+struct MessageParts {
+    texts: Vec<String>,
+    calls: Vec<Json>,
+    reasoning: Vec<String>,
+}
+
+impl MessageParts {
+    /// The message, or `None` for a user message that was only tool results.
+    fn into_message(self, role: &str) -> Option<Json> {
+        if self.texts.is_empty() && self.calls.is_empty() && self.reasoning.is_empty() && role == "user" {
+            return None;
+        }
+        let mut msg = json!({"role": role, "content": self.texts.join("\n")});
+        if !self.calls.is_empty() {
+            msg["tool_calls"] = Json::Array(self.calls);
+        }
+        if !self.reasoning.is_empty() {
+            msg["reasoning_content"] = Json::String(self.reasoning.join("\n"));
+        }
+        Some(msg)
+    }
+}
+
+/// One content block (`p` names it in errors): into `parts`, or, a `tool_result`, straight to `out`.
+fn convert_block(role: &str, b: &Json, p: &str, parts: &mut MessageParts, out: &mut Vec<Json>) -> Result<(), ApiError> {
+    match (role, b.get("type").and_then(Json::as_str)) {
+        (_, Some("text")) => match b.get("text") {
+            Some(Json::String(t)) => parts.texts.push(t.clone()),
+            _ => return Err(block_error(p, "a text block needs a string \"text\"")),
+        },
+        ("assistant", Some("tool_use")) => parts.calls.push(tool_use_call(b, p)?),
+        ("assistant", Some("thinking")) => match (b.get("thinking"), optional_string(b, "signature")) {
+            (Some(Json::String(t)), true) => parts.reasoning.push(t.clone()),
+            _ => {
+                return Err(block_error(
+                    p,
+                    "a thinking block needs a string \"thinking\" (and a string \"signature\", if any)",
+                ))
             }
-            ("assistant", Some("thinking")) => match (b.get("thinking"), optional_string(b, "signature")) {
-                (Some(Json::String(t)), true) => reasoning.push(t.clone()),
-                _ => return bad("a thinking block needs a string \"thinking\" (and a string \"signature\", if any)"),
-            },
-            ("assistant", Some("redacted_thinking")) if optional_string(b, "data") => {}
-            ("assistant", Some("redacted_thinking")) => return bad("redacted_thinking.data must be a string"),
-            ("user", Some("tool_result")) => {
-                let Some(Json::String(id)) = b.get("tool_use_id") else {
-                    return bad("a tool_result block needs a string \"tool_use_id\"");
-                };
-                if !matches!(b.get("is_error"), None | Some(Json::Null) | Some(Json::Bool(_))) {
-                    return bad("tool_result.is_error must be a boolean");
-                }
-                let content = match b.get("content") {
-                    None | Some(Json::Null) => String::new(),
-                    Some(Json::String(s)) => s.clone(),
-                    Some(Json::Array(parts)) => text_blocks(parts, &format!("{p}.content"))?,
-                    Some(_) => return bad("tool_result.content must be a string or a list of text blocks"),
-                };
-                out.push(json!({"role": "tool", "tool_call_id": id, "content": content}));
-            }
-            (_, Some(kind @ ("image" | "document"))) => {
-                return bad(&format!("{kind} blocks are not supported (text-only model)"))
-            }
-            (_, kind) => {
-                return bad(&format!("unsupported content block type {:?} for role {role}", kind.unwrap_or("?")))
-            }
+        },
+        ("assistant", Some("redacted_thinking")) if optional_string(b, "data") => {}
+        ("assistant", Some("redacted_thinking")) => {
+            return Err(block_error(p, "redacted_thinking.data must be a string"))
+        }
+        ("user", Some("tool_result")) => out.push(tool_result_message(b, p)?),
+        (_, Some(kind @ ("image" | "document"))) => {
+            return Err(block_error(p, &format!("{kind} blocks are not supported (text-only model)")))
+        }
+        (_, kind) => {
+            let what = format!("unsupported content block type {:?} for role {role}", kind.unwrap_or("?"));
+            return Err(block_error(p, &what));
         }
     }
-    if texts.is_empty() && calls.is_empty() && reasoning.is_empty() && role == "user" {
-        return Ok(()); // only tool results
-    }
-    let mut msg = json!({"role": role, "content": texts.join("\n")});
-    if !calls.is_empty() {
-        msg["tool_calls"] = Json::Array(calls);
-    }
-    if !reasoning.is_empty() {
-        msg["reasoning_content"] = Json::String(reasoning.join("\n"));
-    }
-    out.push(msg);
     Ok(())
+}
+
+/// An assistant's `tool_use` block as an OpenAI-style tool call.
+fn tool_use_call(b: &Json, p: &str) -> Result<Json, ApiError> {
+    let (Some(Json::String(id)), Some(Json::String(name))) = (b.get("id"), b.get("name")) else {
+        return Err(block_error(p, "a tool_use block needs string \"id\" and \"name\""));
+    };
+    let input = match b.get("input") {
+        Some(v @ Json::Object(_)) => v.clone(),
+        None | Some(Json::Null) => json!({}),
+        Some(_) => return Err(block_error(p, "tool_use.input must be an object")),
+    };
+    Ok(json!({"id": id, "type": "function", "function": {"name": name, "arguments": input}}))
+}
+
+/// A user's `tool_result` block as a `tool` message.
+fn tool_result_message(b: &Json, p: &str) -> Result<Json, ApiError> {
+    let Some(Json::String(id)) = b.get("tool_use_id") else {
+        return Err(block_error(p, "a tool_result block needs a string \"tool_use_id\""));
+    };
+    if !matches!(b.get("is_error"), None | Some(Json::Null) | Some(Json::Bool(_))) {
+        return Err(block_error(p, "tool_result.is_error must be a boolean"));
+    }
+    let content = match b.get("content") {
+        None | Some(Json::Null) => String::new(),
+        Some(Json::String(s)) => s.clone(),
+        Some(Json::Array(parts)) => text_blocks(parts, &format!("{p}.content"))?,
+        Some(_) => return Err(block_error(p, "tool_result.content must be a string or a list of text blocks")),
+    };
+    Ok(json!({"role": "tool", "tool_call_id": id, "content": content}))
+}
+
+/// The 400 for content block `p`: `"{p}: {what}"`.
+fn block_error(p: &str, what: &str) -> ApiError {
+    ApiError::invalid_param(p, format!("{p}: {what}"))
 }
 
 /// `key` is absent, null or a string.

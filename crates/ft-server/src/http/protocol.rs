@@ -149,113 +149,122 @@ impl ChatCompletionRequest {
         if items.is_empty() {
             return Err(ApiError::invalid_param("messages", "messages must not be empty"));
         }
-        let mut out = Vec::with_capacity(items.len());
-        for (i, m) in items.iter().enumerate() {
-            let param = format!("messages[{i}]");
-            let Json::Object(obj) = m else {
-                return Err(ApiError::invalid_param(&param, format!("{param} must be an object")));
-            };
-            let mut obj = obj.clone();
-            let role = match obj.get("role") {
-                Some(Json::String(r)) => r.clone(),
-                Some(_) => {
-                    return Err(ApiError::invalid_param(
-                        &format!("{param}.role"),
-                        format!("{param}.role must be a string"),
-                    ))
-                }
-                None => {
-                    return Err(ApiError::invalid_param(&format!("{param}.role"), format!("{param}.role is required")))
-                }
-            };
-            let role = match role.as_str() {
-                "system" | "user" | "assistant" | "tool" => role,
-                "developer" => "system".to_string(),
-                other => {
-                    return Err(ApiError::invalid_param(
-                        &format!("{param}.role"),
-                        format!(
-                            "unknown role {other:?} in {param} (expected system, developer, user, assistant or tool)"
-                        ),
-                    ))
-                }
-            };
-            obj.insert("role".into(), Json::String(role.clone()));
-            let content = match obj.get("content") {
-                None | Some(Json::Null) => {
-                    if role != "assistant" {
-                        return Err(ApiError::invalid_param(
-                            &format!("{param}.content"),
-                            format!("{param}.content is required"),
-                        ));
-                    }
-                    String::new()
-                }
-                Some(Json::String(s)) => s.clone(),
-                Some(Json::Array(parts)) => {
-                    let mut texts = Vec::with_capacity(parts.len());
-                    for (j, part) in parts.iter().enumerate() {
-                        let kind = part.get("type").and_then(Json::as_str).unwrap_or("");
-                        match (kind, part.get("text")) {
-                            ("text" | "input_text" | "output_text", Some(Json::String(t))) => texts.push(t.as_str()),
-                            _ => {
-                                return Err(ApiError::invalid_param(
-                                    &format!("{param}.content[{j}]"),
-                                    format!("{param}.content[{j}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported"),
-                                ))
-                            }
-                        }
-                    }
-                    texts.join("\n")
-                }
-                Some(_) => {
-                    return Err(ApiError::invalid_param(
-                        &format!("{param}.content"),
-                        format!("{param}.content must be a string or a list of text parts"),
-                    ))
-                }
-            };
-            obj.insert("content".into(), Json::String(content));
-            for key in ["name", "tool_call_id"] {
-                if !matches!(obj.get(key), None | Some(Json::Null) | Some(Json::String(_))) {
-                    return Err(ApiError::invalid_param(
-                        &format!("{param}.{key}"),
-                        format!("{param}.{key} must be a string"),
-                    ));
-                }
-            }
-            match obj.get("tool_calls") {
-                None | Some(Json::Null) => {}
-                Some(Json::Array(calls)) => {
-                    for (j, call) in calls.iter().enumerate() {
-                        check_tool_call(call, &format!("{param}.tool_calls[{j}]"))?;
-                    }
-                }
-                Some(_) => {
-                    return Err(ApiError::invalid_param(
-                        &format!("{param}.tool_calls"),
-                        format!("{param}.tool_calls must be a list"),
-                    ))
-                }
-            }
-            if let Some(Json::Array(calls)) = obj.get_mut("tool_calls") {
-                for call in calls.iter_mut() {
-                    if let Some(args) = call.get_mut("function").and_then(|f| f.get_mut("arguments")) {
-                        if let Json::String(s) = args {
-                            if let Ok(parsed @ Json::Object(_)) = serde_json::from_str::<Json>(s) {
-                                *args = parsed;
-                            }
-                        }
-                    }
-                }
-            }
-            out.push(Json::Object(obj));
-        }
-        Ok(out)
+        items.iter().enumerate().map(|(i, m)| template_message(m, &format!("messages[{i}]"))).collect()
     }
 
     pub fn include_usage(&self) -> bool {
         self.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false)
+    }
+}
+
+/// One message (`param` names it in errors) as the chat template wants it; checked in the order role,
+/// content, `name` / `tool_call_id`, `tool_calls`.
+fn template_message(m: &Json, param: &str) -> Result<Json, ApiError> {
+    let Json::Object(obj) = m else {
+        return Err(ApiError::invalid_param(param, format!("{param} must be an object")));
+    };
+    let mut obj = obj.clone();
+    let role = message_role(&obj, param)?;
+    obj.insert("role".into(), Json::String(role.clone()));
+    let content = message_content(&obj, &role, param)?;
+    obj.insert("content".into(), Json::String(content));
+    for key in ["name", "tool_call_id"] {
+        if !matches!(obj.get(key), None | Some(Json::Null) | Some(Json::String(_))) {
+            return Err(ApiError::invalid_param(&format!("{param}.{key}"), format!("{param}.{key} must be a string")));
+        }
+    }
+    check_tool_calls(&obj, param)?;
+    parse_tool_call_arguments(&mut obj);
+    Ok(Json::Object(obj))
+}
+
+/// The message's role, checked; `developer` as `system`.
+fn message_role(obj: &Map<String, Json>, param: &str) -> Result<String, ApiError> {
+    let role_param = format!("{param}.role");
+    let role = match obj.get("role") {
+        Some(Json::String(r)) => r,
+        Some(_) => return Err(ApiError::invalid_param(&role_param, format!("{param}.role must be a string"))),
+        None => return Err(ApiError::invalid_param(&role_param, format!("{param}.role is required"))),
+    };
+    match role.as_str() {
+        "system" | "user" | "assistant" | "tool" => Ok(role.clone()),
+        "developer" => Ok("system".to_string()),
+        other => Err(ApiError::invalid_param(
+            &role_param,
+            format!("unknown role {other:?} in {param} (expected system, developer, user, assistant or tool)"),
+        )),
+    }
+}
+
+/// The message's content as one string: text parts joined, absent or `null` as `""` (assistant messages only).
+fn message_content(obj: &Map<String, Json>, role: &str, param: &str) -> Result<String, ApiError> {
+    match obj.get("content") {
+        None | Some(Json::Null) => {
+            if role != "assistant" {
+                return Err(ApiError::invalid_param(
+                    &format!("{param}.content"),
+                    format!("{param}.content is required"),
+                ));
+            }
+            Ok(String::new())
+        }
+        Some(Json::String(s)) => Ok(s.clone()),
+        Some(Json::Array(parts)) => text_parts(parts, param),
+        Some(_) => Err(ApiError::invalid_param(
+            &format!("{param}.content"),
+            format!("{param}.content must be a string or a list of text parts"),
+        )),
+    }
+}
+
+/// A content list's text parts, joined with newlines; any other kind of part is refused.
+fn text_parts(parts: &[Json], param: &str) -> Result<String, ApiError> {
+    let mut texts = Vec::with_capacity(parts.len());
+    for (j, part) in parts.iter().enumerate() {
+        let kind = part.get("type").and_then(Json::as_str).unwrap_or("");
+        match (kind, part.get("text")) {
+            ("text" | "input_text" | "output_text", Some(Json::String(t))) => texts.push(t.as_str()),
+            _ => {
+                return Err(ApiError::invalid_param(
+                    &format!("{param}.content[{j}]"),
+                    format!(
+                        "{param}.content[{j}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported"
+                    ),
+                ))
+            }
+        }
+    }
+    Ok(texts.join("\n"))
+}
+
+/// `tool_calls`, when present, is a list of well-formed calls.
+fn check_tool_calls(obj: &Map<String, Json>, param: &str) -> Result<(), ApiError> {
+    match obj.get("tool_calls") {
+        None | Some(Json::Null) => Ok(()),
+        Some(Json::Array(calls)) => {
+            for (j, call) in calls.iter().enumerate() {
+                check_tool_call(call, &format!("{param}.tool_calls[{j}]"))?;
+            }
+            Ok(())
+        }
+        Some(_) => {
+            Err(ApiError::invalid_param(&format!("{param}.tool_calls"), format!("{param}.tool_calls must be a list")))
+        }
+    }
+}
+
+/// Tool-call arguments given as JSON text that parses to an object become that object (HF templates iterate
+/// over them); other text is left as it is.
+fn parse_tool_call_arguments(obj: &mut Map<String, Json>) {
+    let Some(Json::Array(calls)) = obj.get_mut("tool_calls") else { return };
+    for call in calls.iter_mut() {
+        if let Some(args) = call.get_mut("function").and_then(|f| f.get_mut("arguments")) {
+            if let Json::String(s) = args {
+                if let Ok(parsed @ Json::Object(_)) = serde_json::from_str::<Json>(s) {
+                    *args = parsed;
+                }
+            }
+        }
     }
 }
 

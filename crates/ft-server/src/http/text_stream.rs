@@ -18,7 +18,7 @@ use crate::text::stop_strings::{StopOutcome, StopStringMatcher};
 use crate::validation::Prepared;
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request};
-use ft_core::request::RequestEvent;
+use ft_core::request::{FinishReason, RequestEvent};
 use serde::de::DeserializeOwned;
 
 /// `Json<T>` that rejects in OpenAI's shape: 400 for unreadable or mistyped JSON, 413 past the body limit.
@@ -94,6 +94,16 @@ pub(crate) enum Piece {
     Error(ApiError),
 }
 
+/// What ended [`TextStream::wait`].
+enum Wakeup {
+    /// The engine's next event (`None`: the engine dropped the stream).
+    Event(Option<RequestEvent>),
+    /// `--request-timeout` passed.
+    TimedOut,
+    /// A shutdown cancelled the request at the end of its grace period.
+    Cancelled,
+}
+
 /// One request's events as text. Owns the [`RequestStream`]: dropping this aborts an unfinished request.
 /// Also where a request gives up waiting: at `--request-timeout`, or when a shutdown cancels it.
 pub(crate) struct TextStream {
@@ -156,111 +166,138 @@ impl TextStream {
             return None;
         }
         loop {
-            let deadline = self.deadline;
-            let timed_out = async move {
-                match deadline {
-                    Some(d) => tokio::time::sleep_until(d).await,
-                    None => std::future::pending().await,
-                }
+            let event = match self.wait().await {
+                Wakeup::Event(Some(event)) => event,
+                Wakeup::Event(None) => return Some(self.engine_gone()),
+                Wakeup::TimedOut => return Some(self.timed_out()),
+                Wakeup::Cancelled => return Some(self.cancelled()),
             };
-            let cancelled = self.state.drain.cancelled();
-            // `biased`: an event that is already there wins over a deadline that passed at the same time.
-            let event = tokio::select! {
-                biased;
-                ev = self.stream.next() => ev,
-                _ = timed_out => {
-                    let secs = self.state.args.request_timeout;
-                    tracing::warn!(id = self.stream.id, "request timed out after {secs} s (--request-timeout); aborting it");
-                    self.timer.finish_at(RequestOutcome::Timeout, std::time::Instant::now());
-                    return Some(self.fail(ApiError::request_timeout(format!(
-                        "the request did not finish within {secs} s (--request-timeout) and was aborted"
-                    ))));
-                }
-                _ = cancelled => {
-                    self.timer.finish_at(RequestOutcome::Abort, std::time::Instant::now());
-                    return Some(self.fail(ApiError::unavailable(
-                        "the server is shutting down; the request was cancelled at the end of the --shutdown-grace period",
-                    )));
-                }
-            };
-            let Some(event) = event else {
-                self.done = true;
-                self.timer.finish_at(RequestOutcome::Error, std::time::Instant::now());
-                return Some(Piece::Error(ApiError::internal("the engine stopped before the request finished")));
-            };
-            match event {
+            let piece = match event {
                 RequestEvent::Started { prompt_tokens, cached_tokens, .. } => {
                     self.prompt_tokens = prompt_tokens;
                     self.cached_tokens = cached_tokens;
                     self.timer.started(prompt_tokens, cached_tokens);
+                    None
                 }
-                RequestEvent::Token { token, .. } => {
-                    self.completion_tokens += 1;
-                    self.timer.token();
-                    // A stop token ends the turn; it is not part of the text.
-                    if !self.ignore_eos && self.stop_token_ids.contains(&token) {
-                        continue;
-                    }
-                    let text = match self.detok.push(&self.state.tokenizer, token) {
-                        Ok(t) => t,
-                        Err(e) => return Some(self.fail(ApiError::internal(e.to_string()))),
-                    };
-                    if text.is_empty() {
-                        continue;
-                    }
-                    match self.stops.push(&text) {
-                        StopOutcome::Continue(t) if t.is_empty() => continue,
-                        StopOutcome::Continue(t) => return Some(Piece::Text(t)),
-                        StopOutcome::Stopped(t) => {
-                            // The backend finishes the request (FinishReason::Abort); we stop listening.
-                            self.state.backend.abort(self.stream.id);
-                            self.stream.guard.disarm();
-                            self.done = true;
-                            self.timer.finish_at(RequestOutcome::Stop, std::time::Instant::now());
-                            return Some(Piece::Finish {
-                                text: t,
-                                reason: "stop",
-                                stop_string: self.stops.matched().map(String::from),
-                            });
-                        }
-                    }
-                }
+                RequestEvent::Token { token, .. } => self.on_token(token),
                 RequestEvent::Finished { reason, completion_tokens, .. } => {
-                    self.done = true;
-                    self.completion_tokens = self.completion_tokens.max(completion_tokens);
-                    let tail = match self.detok.finish(&self.state.tokenizer) {
-                        Ok(t) => t,
-                        Err(e) => return Some(self.fail(ApiError::internal(e.to_string()))),
-                    };
-                    return Some(match self.stops.push(&tail) {
-                        StopOutcome::Stopped(t) => {
-                            self.timer.finish_at(RequestOutcome::Stop, std::time::Instant::now());
-                            Piece::Finish {
-                                text: t,
-                                reason: "stop",
-                                stop_string: self.stops.matched().map(String::from),
-                            }
-                        }
-                        StopOutcome::Continue(mut t) => {
-                            t.push_str(&self.stops.finish());
-                            self.timer.finish_at(RequestOutcome::from_finish(reason), std::time::Instant::now());
-                            Piece::Finish { text: t, reason: reason.as_openai(), stop_string: None }
-                        }
-                    });
+                    Some(self.on_finished(reason, completion_tokens))
                 }
-                RequestEvent::Failed { message, .. } => {
-                    self.done = true;
-                    self.timer.finish_at(RequestOutcome::Error, std::time::Instant::now());
-                    // A dead or stalled engine is the server's state, not the request's fault: 503 tells the
-                    // client (and a load balancer) to retry elsewhere. A step that failed alone stays 500.
-                    let error = match self.state.backend.health() {
-                        HealthState::Unhealthy(_) => ApiError::unavailable(message),
-                        _ => ApiError::internal(message),
-                    };
-                    return Some(Piece::Error(error));
-                }
+                RequestEvent::Failed { message, .. } => Some(self.on_failed(message)),
+            };
+            if piece.is_some() {
+                return piece;
             }
         }
+    }
+
+    /// Waits for the engine's next event, `--request-timeout` or a shutdown's cancellation, whichever is first.
+    async fn wait(&mut self) -> Wakeup {
+        let deadline = self.deadline;
+        let timed_out = async move {
+            match deadline {
+                Some(d) => tokio::time::sleep_until(d).await,
+                None => std::future::pending().await,
+            }
+        };
+        let cancelled = self.state.drain.cancelled();
+        // `biased`: an event that is already there wins over a deadline that passed at the same time.
+        tokio::select! {
+            biased;
+            ev = self.stream.next() => Wakeup::Event(ev),
+            _ = timed_out => Wakeup::TimedOut,
+            _ = cancelled => Wakeup::Cancelled,
+        }
+    }
+
+    /// `--request-timeout` passed: the request is aborted with a 408.
+    fn timed_out(&mut self) -> Piece {
+        let secs = self.state.args.request_timeout;
+        tracing::warn!(id = self.stream.id, "request timed out after {secs} s (--request-timeout); aborting it");
+        self.timer.finish_at(RequestOutcome::Timeout, std::time::Instant::now());
+        self.fail(ApiError::request_timeout(format!(
+            "the request did not finish within {secs} s (--request-timeout) and was aborted"
+        )))
+    }
+
+    /// A shutdown's grace period ended: the request is cancelled with a 503.
+    fn cancelled(&mut self) -> Piece {
+        self.timer.finish_at(RequestOutcome::Abort, std::time::Instant::now());
+        self.fail(ApiError::unavailable(
+            "the server is shutting down; the request was cancelled at the end of the --shutdown-grace period",
+        ))
+    }
+
+    /// The engine dropped the stream without finishing the request.
+    fn engine_gone(&mut self) -> Piece {
+        self.done = true;
+        self.timer.finish_at(RequestOutcome::Error, std::time::Instant::now());
+        Piece::Error(ApiError::internal("the engine stopped before the request finished"))
+    }
+
+    /// One generated token: its text, if any is ready (`None`: nothing to yield yet).
+    fn on_token(&mut self, token: u32) -> Option<Piece> {
+        self.completion_tokens += 1;
+        self.timer.token();
+        // A stop token ends the turn; it is not part of the text.
+        if !self.ignore_eos && self.stop_token_ids.contains(&token) {
+            return None;
+        }
+        let text = match self.detok.push(&self.state.tokenizer, token) {
+            Ok(t) => t,
+            Err(e) => return Some(self.fail(ApiError::internal(e.to_string()))),
+        };
+        if text.is_empty() {
+            return None;
+        }
+        match self.stops.push(&text) {
+            StopOutcome::Continue(t) if t.is_empty() => None,
+            StopOutcome::Continue(t) => Some(Piece::Text(t)),
+            StopOutcome::Stopped(t) => {
+                // The backend finishes the request (FinishReason::Abort); we stop listening.
+                self.state.backend.abort(self.stream.id);
+                self.stream.guard.disarm();
+                self.done = true;
+                Some(self.stopped(t))
+            }
+        }
+    }
+
+    /// The engine finished the request: the detokenizer's and the stop matcher's tails go out with it.
+    fn on_finished(&mut self, reason: FinishReason, completion_tokens: u32) -> Piece {
+        self.done = true;
+        self.completion_tokens = self.completion_tokens.max(completion_tokens);
+        let tail = match self.detok.finish(&self.state.tokenizer) {
+            Ok(t) => t,
+            Err(e) => return self.fail(ApiError::internal(e.to_string())),
+        };
+        match self.stops.push(&tail) {
+            StopOutcome::Stopped(t) => self.stopped(t),
+            StopOutcome::Continue(mut t) => {
+                t.push_str(&self.stops.finish());
+                self.timer.finish_at(RequestOutcome::from_finish(reason), std::time::Instant::now());
+                Piece::Finish { text: t, reason: reason.as_openai(), stop_string: None }
+            }
+        }
+    }
+
+    /// A stop string ended the request; `text` is the output before it.
+    fn stopped(&mut self, text: String) -> Piece {
+        self.timer.finish_at(RequestOutcome::Stop, std::time::Instant::now());
+        Piece::Finish { text, reason: "stop", stop_string: self.stops.matched().map(String::from) }
+    }
+
+    /// The request failed in the engine.
+    fn on_failed(&mut self, message: String) -> Piece {
+        self.done = true;
+        self.timer.finish_at(RequestOutcome::Error, std::time::Instant::now());
+        // A dead or stalled engine is the server's state, not the request's fault: 503 tells the client (and a
+        // load balancer) to retry elsewhere. A step that failed alone stays 500.
+        let error = match self.state.backend.health() {
+            HealthState::Unhealthy(_) => ApiError::unavailable(message),
+            _ => ApiError::internal(message),
+        };
+        Piece::Error(error)
     }
 
     /// Ends the request with `error` (counted as an error unless the caller already counted it otherwise).
