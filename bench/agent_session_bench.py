@@ -268,6 +268,22 @@ def stream_ids(url: str, prompt: list[int], max_tokens: int, tok, timeout: float
     }
 
 
+def end_stats(srv: ServerProcess) -> dict:
+    """The cache's counters from /v1/stats after the session."""
+    stats = srv.get("/v1/stats").json()
+    keys = (
+        "snapshot_slots_used",
+        "snapshot_slots_total",
+        "evictable_snapshots",
+        "snapshot_hits",
+        "snapshot_hit_tokens",
+        "cached_tokens_in_tree",
+        "kv_capacity_tokens",
+        "state_slots_total",
+    )
+    return {k: stats.get(k) for k in keys}
+
+
 def run_server(label: str, serve_args: list[str], session: Session, tok, warmup_tokens: int) -> dict:
     t0 = time.perf_counter()
     srv = ServerProcess(serve_args, ready_timeout=1200)
@@ -311,20 +327,7 @@ def run_server(label: str, serve_args: list[str], session: Session, tok, warmup_
                 }
             )
             history = prompt + r["ids"]
-        stats = srv.get("/v1/stats").json()
-        out["stats_end"] = {
-            k: stats.get(k)
-            for k in (
-                "snapshot_slots_used",
-                "snapshot_slots_total",
-                "evictable_snapshots",
-                "snapshot_hits",
-                "snapshot_hit_tokens",
-                "cached_tokens_in_tree",
-                "kv_capacity_tokens",
-                "state_slots_total",
-            )
-        }
+        out["stats_end"] = end_stats(srv)
         out["log_tail"] = srv.log()[-3000:]
     finally:
         out["exit_code"] = srv.stop()
@@ -378,7 +381,7 @@ def gpu_name() -> str:
     return "none (CPU)"
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -401,6 +404,11 @@ def main() -> int:
     a = ap.parse_args()
     if a.turns < 1:
         ap.error("--turns must be >= 1")
+    return a
+
+
+def main() -> int:
+    a = parse_args()
     extra = shlex.split(a.server_args)
     max_seq = math.ceil((a.final_context + a.max_tokens + 64) / 1024) * 1024
     tmp = None

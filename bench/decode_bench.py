@@ -222,7 +222,8 @@ def offload_run(args: list[str], env: dict, a, routing_file: str) -> dict:
     return row
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
+    """The command line."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--streams", type=int, default=32)
@@ -234,7 +235,11 @@ def main() -> int:
     ap.add_argument("--skip-resident", action="store_true", help="only the offload run")
     ap.add_argument("--out", default="bench/out/decode.json")
     ap.add_argument("serve_args", nargs=argparse.REMAINDER)
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> int:
+    a = parse_args()
     extra = [x for x in a.serve_args if x != "--"]
     hw = measure_bandwidth()
     need = decode_bytes_per_token(a.model_path)

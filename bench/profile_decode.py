@@ -52,7 +52,8 @@ def one_seq(tokens: list[int], prefix: int, state_slot: int) -> StepPlan:
     )
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
+    """The command line."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--steps", type=int, default=40)
@@ -60,7 +61,11 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default="bench/out/profile_decode.json")
     ap.add_argument("serve_args", nargs=argparse.REMAINDER)
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> int:
+    a = parse_args()
     w = Worker(worker_args([x for x in a.serve_args if x != "--"]))
     state_slot = 0 if w.state is not None else -1
     sync = torch.cuda.synchronize if w.device.type == "cuda" else (lambda: None)
@@ -93,30 +98,7 @@ def main() -> int:
         eager = True
     step_ms = timed()
 
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if w.device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        for _ in range(a.profile_steps):
-            step()
-        sync()
-    ka = prof.key_averages()
-    dev_attr = "self_device_time_total" if hasattr(ka[0], "self_device_time_total") else "self_cuda_time_total"
-
-    def rows(attr):
-        top = sorted(ka, key=lambda e: getattr(e, attr, 0), reverse=True)[: a.top]
-        return [
-            {
-                "op": e.key,
-                "calls_per_step": e.count / a.profile_steps,
-                "self_cpu_ms_per_step": e.self_cpu_time_total / 1e3 / a.profile_steps,
-                "self_device_ms_per_step": getattr(e, dev_attr, 0) / 1e3 / a.profile_steps,
-            }
-            for e in top
-        ]
-
-    by_cpu, by_dev = rows("self_cpu_time_total"), rows(dev_attr)
-    device_ms = sum(getattr(e, dev_attr, 0) for e in ka) / 1e3 / a.profile_steps
+    by_cpu, by_dev, device_ms = profile_steps(step, sync, w.device, a.profile_steps, a.top)
     result = {
         "serve_args": a.serve_args,
         "graph_step_ms": graph_ms,
@@ -129,13 +111,48 @@ def main() -> int:
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=2)
+    print_profile(result)
+    return 0
+
+
+def profile_steps(step, sync, device, n: int, top: int) -> tuple[list[dict], list[dict], float]:
+    """Runs ``n`` eager steps under the torch profiler: the ``top`` ops by self CPU time and by device time (per
+    step), and the device's busy time per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(n):
+            step()
+        sync()
+    ka = prof.key_averages()
+    dev_attr = "self_device_time_total" if hasattr(ka[0], "self_device_time_total") else "self_cuda_time_total"
+
+    def rows(attr):
+        ranked = sorted(ka, key=lambda e: getattr(e, attr, 0), reverse=True)[:top]
+        return [
+            {
+                "op": e.key,
+                "calls_per_step": e.count / n,
+                "self_cpu_ms_per_step": e.self_cpu_time_total / 1e3 / n,
+                "self_device_ms_per_step": getattr(e, dev_attr, 0) / 1e3 / n,
+            }
+            for e in ranked
+        ]
+
+    device_ms = sum(getattr(e, dev_attr, 0) for e in ka) / 1e3 / n
+    return rows("self_cpu_time_total"), rows(dev_attr), device_ms
+
+
+def print_profile(result: dict) -> None:
+    graph_ms, step_ms, device_ms = result["graph_step_ms"], result["step_ms"], result["device_busy_ms_per_step"]
     if graph_ms is not None:
         print(f"decode step from the CUDA graph {graph_ms:.2f} ms ({1e3 / graph_ms:.1f} tok/s)")
     print(
         f"decode step eager {step_ms:.2f} ms ({1e3 / step_ms:.1f} tok/s); device busy {device_ms:.2f} ms/step "
         f"(profiled eagerly: the same kernels the graph replays, plus the launches)"
     )
-    for title, table in (("self CPU", by_cpu), ("device", by_dev)):
+    for title, table in (("self CPU", result["by_self_cpu"]), ("device", result["by_device"])):
         print(f"\ntop by {title} time (ms per step):")
         print(f"{'op':<60}{'calls':>8}{'cpu ms':>10}{'dev ms':>10}")
         for r in table:
@@ -143,7 +160,6 @@ def main() -> int:
                 f"{r['op'][:59]:<60}{r['calls_per_step']:>8.0f}{r['self_cpu_ms_per_step']:>10.3f}"
                 f"{r['self_device_ms_per_step']:>10.3f}"
             )
-    return 0
 
 
 if __name__ == "__main__":

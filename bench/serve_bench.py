@@ -62,7 +62,8 @@ def stream_completion(url: str, prompt: str, max_tokens: int, timeout: float = 6
     return {"ttft_s": stamps[0] - t0, "gaps": gaps, "usage": usage, "e2e_s": stamps[-1] - t0}
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
+    """The command line."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/out/serve.json")
     ap.add_argument("--prefill-words", type=int, default=10000)
@@ -78,7 +79,11 @@ def main() -> int:
         "--oom-check", action="store_true", help="FREETOKEN_FAULT=oom@2 is set: the first long prefill must fail alone"
     )
     ap.add_argument("serve_args", nargs=argparse.REMAINDER)
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> int:
+    a = parse_args()
     serve_args = [x for x in a.serve_args if x != "--"]
     t0 = time.perf_counter()
     srv = ServerProcess(serve_args, ready_timeout=600)
@@ -130,8 +135,13 @@ def main() -> int:
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(result, f, indent=2)
+    print_result(result)
+    return 0
+
+
+def print_result(result: dict) -> None:
     print(f"{'metric':<34}{'value':>14}")
-    print(f"{'start-up (s)':<34}{startup_s:>14.1f}")
+    print(f"{'start-up (s)':<34}{result['startup_s']:>14.1f}")
     if "oom_check" in result:
         oc = result["oom_check"]
         print(f"{'OOM prefill failed alone':<34}{str(bool(oc['first_long_prefill']) and oc['next_request_ok']):>14}")
@@ -151,7 +161,6 @@ def main() -> int:
         print(f"{'largest step workspace (GiB)':<34}{(seen or 0) / 2**30:>14.3f}")
         if planned:
             print(f"{'largest / planned':<34}{seen / planned:>14.3f}")
-    return 0
 
 
 if __name__ == "__main__":
