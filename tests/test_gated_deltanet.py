@@ -74,14 +74,19 @@ def test_chunked_and_recurrent_match_naive(T, chunk):
     assert (s_r[0] - s_ref).abs().max() < 2e-5
 
 
-def test_varlen_dispatch_equals_per_sequence_and_decode():
-    lens = [7, 1, 70, 3]
-    seqs = [rand_inputs(n, seed=10 + i) for i, n in enumerate(lens)]
+def varlen_batch(lens: list[int], seed: int):
+    """Random sequences of the given lengths: each one's inputs, the concatenated inputs, the stacked initial
+    states and the host offsets."""
+    seqs = [rand_inputs(n, seed=seed + i) for i, n in enumerate(lens)]
     cat = [torch.cat([s[j] for s in seqs]) for j in range(5)]
-    init = torch.stack([s[5] for s in seqs])
     cu = [0]
     for n in lens:
         cu.append(cu[-1] + n)
+    return seqs, cat, torch.stack([s[5] for s in seqs]), cu
+
+
+def test_varlen_dispatch_equals_per_sequence_and_decode():
+    seqs, cat, init, cu = varlen_batch([7, 1, 70, 3], seed=10)
     o, final, _ = gated_delta_rule(*cat, init, cu, decode=False, backend="torch")
     for i, s in enumerate(seqs):
         o_ref, s_ref = naive_gdn(*s)
@@ -119,12 +124,7 @@ def test_rounds_give_the_states_at_capture_points(captures):
     """The fla path's snapshot captures (pieces run in rounds) against per-token states from the formula: outputs,
     finals and every captured state, with sequences of different piece counts in one batch."""
     lens = [100, 70, 4, 2]
-    seqs = [rand_inputs(n, seed=40 + i) for i, n in enumerate(lens)]
-    cat = [torch.cat([s[j] for s in seqs]) for j in range(5)]
-    init = torch.stack([s[5] for s in seqs])
-    cu = [0]
-    for n in lens:
-        cu.append(cu[-1] + n)
+    seqs, cat, init, cu = varlen_batch(lens, seed=40)
     calls = []
 
     def counted(*a):

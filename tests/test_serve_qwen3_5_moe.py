@@ -20,22 +20,14 @@ def checkpoint(tmp_path_factory):
     return d, R.write_released_qwen3_5_moe(d, seed=5)
 
 
+def serve_args(model_path: str) -> list[str]:
+    return ["--model-path", model_path, "--served-model-name", "tiny", "--max-running-requests", "4",
+            "--num-tokens", "4096", "--max-seq-len-override", "1024"]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def server(checkpoint):
-    srv = ServerProcess(
-        [
-            "--model-path",
-            checkpoint[0],
-            "--served-model-name",
-            "tiny",
-            "--max-running-requests",
-            "4",
-            "--num-tokens",
-            "4096",
-            "--max-seq-len-override",
-            "1024",
-        ]
-    )
+    srv = ServerProcess(serve_args(checkpoint[0]))
     yield srv
     assert srv.stop() == 0, srv.log()[-3000:]
 
@@ -126,22 +118,7 @@ def test_tool_call_round_trip_reuses_the_history_and_equals_naive(server, checkp
         assert r.status_code == 200, r.text
         return r.json()
 
-    naive = ServerProcess(
-        [
-            "--model-path",
-            checkpoint[0],
-            "--served-model-name",
-            "tiny",
-            "--max-running-requests",
-            "4",
-            "--num-tokens",
-            "4096",
-            "--max-seq-len-override",
-            "1024",
-            "--cache-type",
-            "naive",
-        ]
-    )
+    naive = ServerProcess(serve_args(checkpoint[0]) + ["--cache-type", "naive"])
     try:
         refs = [ask(naive, m)["choices"][0]["message"] for m in (first, second)]
     finally:
