@@ -84,7 +84,7 @@ class Worker:
             gdn = f", gdn_backend={gdn_backend(self.device)!r}"
         logger.info(
             f"Resolved config: moe_backend={self.loaded.moe_backend!r}, attention_backend={self.attn.name!r}"
-            f"{gdn}, cache_type={cache_type!r}, page_size={self.page_size}"
+            f"{gdn}, nvfp4_backend={self.loaded.nvfp4_backend!r}, cache_type={cache_type!r}, page_size={self.page_size}"
         )
 
     def dry_run(self, num_tokens: int) -> None:

@@ -35,12 +35,32 @@ class FusedLinear(nn.Module):
         return torch.split(y, self.sizes, dim=-1)
 
 
+class PartwiseLinear(nn.Module):
+    """The fused projection of parts that cannot share one weight tensor (quantized parts keep their own scales):
+    each part runs on its own and the outputs are concatenated; ``split`` is ``FusedLinear``'s. The parts stay owned
+    by their modules (held in a list, so they are not registered twice)."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = list(parts)
+        self.sizes = [p.out_features for p in parts]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.split(y, self.sizes, dim=-1)
+
+
 @torch.no_grad()
-def fuse_linears(*parts: nn.Linear) -> FusedLinear:
+def fuse_linears(*parts: nn.Module) -> FusedLinear | PartwiseLinear:
     """Concatenate ``parts`` (same input size, same dtype and device; all with or all without bias) and point each
-    part's parameters at its block of the result. The old per-part storage is freed as it is replaced."""
+    part's parameters at its block of the result. The old per-part storage is freed as it is replaced. Parts that are
+    not plain ``nn.Linear`` (quantized layers) give a ``PartwiseLinear`` instead."""
     if len({p.in_features for p in parts}) != 1:
         raise ValueError("fused projections must share their input size")
+    if not all(isinstance(p, nn.Linear) for p in parts):
+        return PartwiseLinear(list(parts))
     with_bias = [p.bias is not None for p in parts]
     if any(with_bias) and not all(with_bias):
         raise ValueError("fused projections must all have a bias or none")

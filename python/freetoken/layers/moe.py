@@ -327,9 +327,11 @@ class SparseMoeBlock(nn.Module):
         shared = None
         if self.shared_expert is not None:  # columns [E] the shared gate logit, [E+1:] its gate | up
             # the whole shared expert goes to the experts backend: the decode kernel runs its down projection too
-            shared = SharedExpertTerm(
-                y[:, E : E + 1], gate_up=y[:, E + 1 :], down_weight=self.shared_expert.down_proj.weight
-            )
+            down = self.shared_expert.down_proj
+            if isinstance(down, nn.Linear):
+                shared = SharedExpertTerm(y[:, E : E + 1], gate_up=y[:, E + 1 :], down_weight=down.weight)
+            else:  # a quantized down projection runs as its own layer
+                shared = SharedExpertTerm(y[:, E : E + 1], output=self.shared_expert.activate(y[:, E + 1 :]))
         return self.experts(x, ids, w, shared)
 
     @torch.no_grad()

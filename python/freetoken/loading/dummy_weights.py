@@ -1,5 +1,7 @@
 """``--dummy-weight``: a model with the checkpoint's shapes (from config.json alone) and random weights, for
-memory planning, benchmarks and tests without downloading weights.
+memory planning, benchmarks and tests without downloading weights. A config with a quantization block gets its
+quantized layers at the real size: random E2M1 codes / E4M3 values with scales that give the usual spread
+(``fill_dummy`` of ``layers/quantized_linear.py`` and ``layers/nvfp4_experts.py``).
 
 Filling is in place on the device (the model is built with ``torch.empty``-style storage, see
 ``model_loader.skip_init``), so it costs one pass of a random-number kernel, not a host round trip.
@@ -33,6 +35,12 @@ def fill_dummy_weights(model: nn.Module, std: float = 0.02, seed: int = 0) -> No
     ``x·w`` norms) or zeros (``x·(1+w)`` norms), biases are zeros. Integer tensors are left alone."""
     gen_cpu = torch.Generator().manual_seed(seed)
     special: set[int] = set()
+    for module in model.modules():
+        if hasattr(module, "fill_dummy"):  # quantized layers and NVFP4 expert banks: random codes and scales
+            dev = next(module.parameters()).device
+            gen = gen_cpu if dev.type == "cpu" else torch.Generator(device=dev).manual_seed(seed + len(special))
+            module.fill_dummy(std, gen)
+            special.update(id(p) for name, p in module.named_parameters() if not name.endswith("bias"))
     for module in model.modules():
         if isinstance(module, RMSNorm) or type(module).__name__.endswith("RMSNorm"):
             w = getattr(module, "weight", None)

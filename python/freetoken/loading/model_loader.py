@@ -24,7 +24,10 @@ from ..models.base import CausalLM, ModelConfig
 from ..models.registry import model_class
 from ..moe.backend_choice import device_bytes_needed, resolve_moe_backend
 from ..moe.offload import ExpertOffload
+from ..quant.backend import resolve_nvfp4_backend
+from ..quant.config import QuantConfig, find_quant_config
 from .cache_dir import cache_dir
+from .quantized_checkpoint import translate
 
 logger = get_logger(__name__)
 
@@ -48,6 +51,8 @@ class LoadedModel:
     weights_bytes: int  # on the device (offloaded experts not counted)
     tokenizer: object  # TokenizerInfo
     free_before: int  # device memory free before loading
+    quant: Optional[QuantConfig] = None  # the checkpoint's quantization (None: BF16/FP16/FP32 or GGUF)
+    nvfp4_backend: str = "none"  # what runs NVFP4 layers (quant/backend.py)
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -72,28 +77,31 @@ def load_model(a: dict) -> LoadedModel:
     max_context = context_length(config, a["max_seq_len_override"])
     kv_floor = max(int(a["kv_reserve_tokens"]), max_context)
     has_experts = int(config.get("num_experts") or 0) > 0
+    quant = None if is_gguf else find_quant_config(checkpoint.path, checkpoint.config)
+    nvfp4_backend = resolve_nvfp4_backend(a.get("nvfp4_backend"), quant)
     needed = 0
     if has_experts and a["moe_backend"] == "auto" and device.type == "cuda":
-        needed = device_bytes_needed(cls, config, dtype, kv_floor)
+        needed = device_bytes_needed(cls, config, dtype, kv_floor, quant)
     moe_backend = resolve_moe_backend(
         a["moe_backend"], has_experts, device, needed, int(float(a["memory_ratio"]) * free_before)
     )
     _warn_unused_offload_flags(a, moe_backend, has_experts)
-    if not a["dummy_weight"]:
-        refuse_quantized(checkpoint.config)
+    if quant is not None:
+        logger.info(f"Quantized checkpoint: {quant.describe()}, nvfp4_backend={nvfp4_backend!r}")
     t0 = time.perf_counter()
     offload = None
     if moe_backend == "offload":
         offload = ExpertOffload(
             device, dtype, int(config.num_experts_per_tok), overlap=not a["disable_moe_prefill_overlap"]
         )
-    model = build_model(cls, config, dtype, device, offload)
+    model = build_model(cls, config, dtype, device, offload, quant)
     if a["dummy_weight"]:
         from .dummy_weights import fill_dummy_weights
 
         fill_dummy_weights(model)
     else:
-        model.load_weights(checkpoint.tensors(progress=bool(a["load_progress"])))
+        tensors = checkpoint.tensors(progress=bool(a["load_progress"]))
+        model.load_weights(tensors if quant is None else translate(tensors, quant))
     fuse_projections(model)  # q|k|v, gate|up, GDN in_proj, router|shared expert: one GEMM each
     weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if offload is not None:
@@ -124,6 +132,8 @@ def load_model(a: dict) -> LoadedModel:
         weights_bytes,
         tokenizer_for(checkpoint, config, is_gguf),
         free_before,
+        quant,
+        nvfp4_backend,
     )
 
 
@@ -145,19 +155,6 @@ def _warn_unused_offload_flags(a: dict, moe_backend: str, has_experts: bool) -> 
     if given:
         why = "the model has no experts" if not has_experts else f"--moe-backend {a['moe_backend']} chose fused"
         logger.warning(f"{', '.join(given)}: no effect, every weight stays on the device ({why})")
-
-
-def refuse_quantized(config: dict) -> None:
-    """Quantized checkpoints (NVFP4, FP8: ``quantization_config``) are not loaded yet: one line, not garbage weights
-    or a missing-tensor traceback."""
-    q = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
-    if q:
-        method = q.get("quant_method") if isinstance(q, dict) else None
-        raise UnsupportedModel(
-            f"config.json has quantization_config (quant_method {method!r}): quantized checkpoints "
-            "are not supported yet (BF16/FP16/FP32 safetensors and GGUF are; --dummy-weight runs "
-            "the shapes)"
-        )
 
 
 def resolve_device(name: Optional[str]) -> torch.device:
@@ -256,11 +253,21 @@ def skip_init(dtype: torch.dtype, device: torch.device):
 
 
 def build_model(
-    cls, config: ModelConfig, dtype: torch.dtype, device: torch.device, offload: Optional[ExpertOffload]
+    cls,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    offload: Optional[ExpertOffload],
+    quant: Optional[QuantConfig] = None,
 ) -> CausalLM:
-    """The model on ``device`` in ``dtype``; with ``offload`` every MoE block's experts are built in host memory."""
+    """The model on ``device`` in ``dtype``; with ``offload`` every MoE block's experts are built in host memory;
+    with ``quant`` its Linears and experts in the checkpoint's quantized layout."""
     factory = offload.make_experts if offload is not None else None
     with skip_init(dtype, device):
+        if quant is not None:
+            from .quantized_model import build_quantized_model
+
+            return build_quantized_model(cls, config, quant, dtype, device, factory, offload is not None)
         model = cls(config, experts_factory=factory)
     return model.eval()
 

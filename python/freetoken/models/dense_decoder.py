@@ -149,8 +149,9 @@ class DecoderForCausalLM(CausalLM):
         for layer in self.model.layers:
             h, residual = layer(h, residual, batch)
         h = final_norm(self.model.norm, h, residual, batch.logits_indices)  # only the rows that are sampled
-        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(h, w).float()
+        if self.lm_head is None:
+            return torch.nn.functional.linear(h, self.model.embed_tokens.weight).float()
+        return self.lm_head(h).float()  # (a quantized lm_head is a module of its own)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

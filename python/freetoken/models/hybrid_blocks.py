@@ -145,8 +145,9 @@ class HybridMoeForCausalLM(CausalLM):
         for layer in self.layers:
             h, residual = layer(h, residual, batch)
         h = final_norm(self.norm, h, residual, batch.logits_indices)
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(h, w).float()
+        if self.lm_head is None:
+            return torch.nn.functional.linear(h, self.embed_tokens.weight).float()
+        return self.lm_head(h).float()  # (a quantized lm_head is a module of its own)
 
     # --- weights --------------------------------------------------------------------------------------------
     def _local_name(self, name: str) -> Optional[str]:

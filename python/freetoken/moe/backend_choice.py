@@ -18,14 +18,19 @@ logger = get_logger(__name__)
 BUILT_MOE_BACKENDS = ("auto", "fused", "offload")
 
 
-def device_bytes_needed(model_class, config, dtype: torch.dtype, kv_floor_tokens: int) -> int:
-    """Parameter bytes of ``model_class(config)`` in ``dtype`` (counted on the meta device) plus the KV floor."""
+def device_bytes_needed(model_class, config, dtype: torch.dtype, kv_floor_tokens: int, quant=None) -> int:
+    """Parameter bytes of ``model_class(config)`` in ``dtype`` (counted on the meta device; in the checkpoint's
+    quantized layout when ``quant``, a ``QuantConfig``) plus the KV floor."""
     from ..cache.kv_pool import KVCachePool
 
     with torch.device("meta"):
         probe = model_class(config)
     size = torch.empty((), dtype=dtype).element_size()
     weights = sum(p.numel() for p in probe.parameters()) * size
+    if quant is not None:
+        from ..loading.quantized_model import quantized_model_bytes
+
+        weights = quantized_model_bytes(model_class, config, quant, dtype)
     kv = probe.kv_layout
     bpt = KVCachePool.bytes_per_token(kv.num_layers, kv.num_kv_heads, kv.head_dim, dtype, kv.v_head_dim)
     return weights + kv_floor_tokens * bpt

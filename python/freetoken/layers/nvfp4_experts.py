@@ -1,0 +1,118 @@
+"""``Nvfp4Experts``: one MoE layer's routed experts resident in NVFP4, and THE NVFP4 expert bank layout.
+
+The bank layout (the one place it is defined; the future grouped NVFP4 kernel and the offload slot cache read and
+copy these same tensors, one expert = one index of the leading dim)::
+
+    gate_up_proj         uint8          [E, 2I, H/2]   rows [gate(I) | up(I)], two E2M1 codes per byte, low nibble first
+    gate_up_proj_scale   float8_e4m3fn  [E, 2I, H/16]  per-16 block scales, row-major (not swizzled)
+    gate_up_proj_global  float32        [E, 2I]        the part's ModelOpt weight_scale_2, repeated on each output row
+    down_proj            uint8          [E, H, I/2]
+    down_proj_scale      float8_e4m3fn  [E, H, I/16]
+    down_proj_global     float32        [E, H]
+
+    W[e, n, k] = e2m1(code[e, n, k]) * float(scale[e, n, k // 16]) * global[e, n]
+
+Why a global per output row rather than folded into the E4M3 block scales: gate and up have different global
+scales in NVIDIA's checkpoints and folding can underflow E4M3 (REFERENCES §4.8); per row (not per part) so a
+kernel applies it in its epilogue with no knowledge of where gate ends. It costs 12 KiB per expert of
+Qwen3.6-35B-A3B against 1.69 MiB of codes and scales.
+
+Loading takes ModelOpt's per-expert tensors ``{e}.{gate,up,down}_proj.{weight,weight_scale,weight_scale_2}``
+(compressed-tensors' names are translated before, ``loading/quantized_checkpoint.py``). Compute is the torch
+reference (``kernels/nvfp4_moe.py``): dequantize the experts a step uses to the activation dtype, then the BF16 math.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from ..kernels.nvfp4_moe import nvfp4_moe_torch
+from ..quant import nvfp4
+from .moe import ExpertsBackend
+
+_PIECE = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale|weight_scale_2)$")
+_SUFFIX = {"weight": "", "weight_scale": "_scale", "weight_scale_2": "_global"}
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+class Nvfp4Experts(ExpertsBackend):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, device=None):
+        super().__init__()
+        E, H, I = num_experts, hidden_size, intermediate_size
+        if H % nvfp4.BLOCK or I % nvfp4.BLOCK:
+            raise ValueError(f"NVFP4 experts need hidden and intermediate sizes divisible by {nvfp4.BLOCK}")
+        self.num_experts, self.hidden_size, self.intermediate_size = E, H, I
+        kw = dict(device=device)
+        self.gate_up_proj = _frozen(torch.empty(E, 2 * I, H // 2, dtype=torch.uint8, **kw))
+        self.gate_up_proj_scale = _frozen(torch.empty(E, 2 * I, H // 16, dtype=torch.float8_e4m3fn, **kw))
+        self.gate_up_proj_global = _frozen(torch.empty(E, 2 * I, dtype=torch.float32, **kw))
+        self.down_proj = _frozen(torch.empty(E, H, I // 2, dtype=torch.uint8, **kw))
+        self.down_proj_scale = _frozen(torch.empty(E, H, I // 16, dtype=torch.float8_e4m3fn, **kw))
+        self.down_proj_global = _frozen(torch.empty(E, H, dtype=torch.float32, **kw))
+        self._loaded: set = set()
+
+    def bank(self) -> tuple[torch.Tensor, ...]:
+        """The six bank tensors in the order ``nvfp4_moe_torch`` takes them."""
+        return (
+            self.gate_up_proj,
+            self.gate_up_proj_scale,
+            self.gate_up_proj_global,
+            self.down_proj,
+            self.down_proj_scale,
+            self.down_proj_global,
+        )
+
+    def forward(self, x, topk_ids, topk_weights, shared=None):
+        out = nvfp4_moe_torch(x, *self.bank(), topk_ids, topk_weights.to(x.dtype))
+        return out if shared is None else shared.add_to(out)
+
+    @torch.no_grad()
+    def load_expert_weight(self, name: str, tensor: torch.Tensor) -> None:
+        m = _PIECE.match(name)
+        if not m:
+            raise KeyError(f"unexpected NVFP4 expert tensor experts.{name} (per-expert ModelOpt tensors expected)")
+        e, kind, what = int(m.group(1)), m.group(2), m.group(3)
+        if e >= self.num_experts:
+            raise ValueError(f"expert index {e} >= num_experts {self.num_experts}")
+        fused = "down_proj" if kind == "down_proj" else "gate_up_proj"
+        dst = getattr(self, fused + _SUFFIX[what])[e]
+        if kind != "down_proj":
+            I = self.intermediate_size
+            dst = dst[:I] if kind == "gate_proj" else dst[I:]
+        if what == "weight_scale_2":
+            if tensor.numel() != 1:
+                raise ValueError(f"experts.{name}: expected a scalar, got shape {tuple(tensor.shape)}")
+            dst.fill_(tensor.reshape(()).item())
+        else:
+            if tuple(tensor.shape) != tuple(dst.shape) or tensor.dtype != dst.dtype:
+                raise ValueError(
+                    f"experts.{name}: checkpoint {tensor.dtype} {tuple(tensor.shape)} != bank {dst.dtype} "
+                    f"{tuple(dst.shape)}"
+                )
+            dst.copy_(tensor)
+        self._loaded.add((e, kind, what))
+
+    def missing_weights(self) -> list[str]:
+        return [
+            f"experts.{e}.{k}.{w}"
+            for e in range(self.num_experts)
+            for k in ("gate_proj", "up_proj", "down_proj")
+            for w in _SUFFIX
+            if (e, k, w) not in self._loaded
+        ]
+
+    @torch.no_grad()
+    def fill_dummy(self, std: float, gen: torch.Generator) -> None:
+        from .quantized_linear import fill_nvfp4_dummy
+
+        for part in ("gate_up_proj", "down_proj"):
+            packed, scale, glob = (getattr(self, part + s) for s in ("", "_scale", "_global"))
+            one = torch.empty((), dtype=torch.float32, device=glob.device)
+            fill_nvfp4_dummy(packed, scale, one, std, gen)
+            glob.fill_(float(one))

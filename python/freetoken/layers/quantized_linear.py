@@ -1,0 +1,114 @@
+"""Linear layers whose weights stay quantized on the device: ``Nvfp4Linear`` and ``Fp8Linear``.
+
+Parameter names are the checkpoint's (ModelOpt, REFERENCES §3.1, §3.5), so the models' ``load_weights`` is the same
+lookup as for ``nn.Linear``::
+
+    Nvfp4Linear  weight uint8 [N, K/2], weight_scale float8_e4m3fn [N, K/16], weight_scale_2 float32 []
+    Fp8Linear    weight float8_e4m3fn [N, K], weight_scale float32 [], input_scale float32 []
+
+``forward`` is the torch reference every kernel is checked against: dequantize the whole weight to the activation
+dtype, then one matmul (W4A16 / W8A16; a W4A4 checkpoint's ``input_scale`` is not used). ``dequantized_weight``
+gives the same tensor for tests and tools.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..quant import fp8, nvfp4
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+class QuantizedLinear(nn.Module):
+    """Common shape of the quantized layers: ``in_features``, ``out_features``, an optional bias in the model dtype."""
+
+    scheme: str
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = _frozen(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+
+    def fill_dummy(self, std: float, gen: torch.Generator) -> None:
+        """Random values in the quantized layout whose dequantized weight has about ``std`` (``--dummy-weight``)."""
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}"
+
+
+class Nvfp4Linear(QuantizedLinear):
+    scheme = "nvfp4"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=torch.bfloat16, device=None):
+        super().__init__(in_features, out_features, bias, dtype, device)
+        if in_features % nvfp4.BLOCK:
+            raise ValueError(f"NVFP4 Linear needs in_features divisible by {nvfp4.BLOCK}, got {in_features}")
+        kw = dict(device=device)
+        self.weight = _frozen(torch.empty(out_features, in_features // 2, dtype=torch.uint8, **kw))
+        self.weight_scale = _frozen(
+            torch.empty(out_features, in_features // nvfp4.BLOCK, dtype=torch.float8_e4m3fn, **kw)
+        )
+        self.weight_scale_2 = _frozen(torch.empty((), dtype=torch.float32, **kw))
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return nvfp4.dequantize(self.weight, self.weight_scale, self.weight_scale_2, dtype)
+
+    @torch.no_grad()
+    def fill_dummy(self, std: float, gen: torch.Generator) -> None:
+        fill_nvfp4_dummy(self.weight, self.weight_scale, self.weight_scale_2, std, gen)
+
+
+class Fp8Linear(QuantizedLinear):
+    scheme = "fp8"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=torch.bfloat16, device=None):
+        super().__init__(in_features, out_features, bias, dtype, device)
+        self.weight = _frozen(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device))
+        self.weight_scale = _frozen(torch.empty((), dtype=torch.float32, device=device))
+        self.input_scale = _frozen(torch.empty((), dtype=torch.float32, device=device))
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return fp8.dequantize(self.weight, self.weight_scale, dtype)
+
+    @torch.no_grad()
+    def fill_dummy(self, std: float, gen: torch.Generator) -> None:
+        w = torch.empty(self.weight.shape, dtype=torch.float32, device=self.weight.device)
+        w.normal_(0.0, 1.0, generator=gen)
+        self.weight.copy_(w.clamp(-fp8.E4M3_MAX, fp8.E4M3_MAX).to(torch.float8_e4m3fn))
+        self.weight_scale.fill_(std)
+        self.input_scale.fill_(1.0 / fp8.E4M3_MAX)
+
+
+def fill_nvfp4_dummy(
+    packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor, std: float, gen: torch.Generator
+) -> None:
+    """Uniform random codes (rms of the E2M1 values ~2.9) with block scales spread over [1, 2) in E4M3, and
+    ``scale_2`` so that the dequantized weight has about ``std``."""
+    packed.view(-1).random_(0, 256, generator=gen)
+    s = torch.empty(scale.shape, dtype=torch.float32, device=scale.device)
+    s.uniform_(1.0, 2.0, generator=gen)
+    scale.copy_(s.to(torch.float8_e4m3fn))
+    scale_2.fill_(std / (2.93 * 1.5))
+
+
+def make_quantized_linear(
+    scheme: str, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device
+) -> QuantizedLinear:
+    cls: Optional[type] = {"nvfp4": Nvfp4Linear, "w4a16_nvfp4": Nvfp4Linear, "fp8": Fp8Linear}.get(scheme)
+    if cls is None:
+        raise ValueError(f"unknown quantization scheme {scheme!r}")
+    return cls(in_features, out_features, bias, dtype=dtype, device=device)
