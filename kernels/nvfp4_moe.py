@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..quant import nvfp4
-from .fused_moe import _GATHER_PAIRS, fused_moe_torch
+from .fused_moe import _GATHER_PAIRS, _moe_gather_torch, fused_moe_torch
 
 
 def dequantize_experts(packed, scale, glob, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -26,7 +26,9 @@ def nvfp4_moe_torch(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk
     E = w13.shape[0]
     ids = topk_ids.reshape(-1).to(torch.int64)
     valid = (ids >= 0) & (ids < E)
-    if T * k <= _GATHER_PAIRS:
+    # inside a CUDA-graph capture always gather: the loop's torch.unique would sync the host
+    gather = T * k <= _GATHER_PAIRS or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+    if gather:
         take = ids.clamp(0, E - 1)  # one copy per pair
         local = torch.where(valid, torch.arange(T * k, device=ids.device), -1).view(T, k)
     else:
@@ -36,4 +38,6 @@ def nvfp4_moe_torch(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk
         local = torch.where(valid, remap[ids.clamp(0, E - 1)], -1).view(T, k)
     g13 = dequantize_experts(w13, w13_scale, w13_global, take, x.dtype)
     g2 = dequantize_experts(w2, w2_scale, w2_global, take, x.dtype)
+    if gather:
+        return _moe_gather_torch(x, g13, g2, local, topk_weights)
     return fused_moe_torch(x, g13, g2, local, topk_weights)

@@ -50,13 +50,10 @@ def dequantized_tensors(
     out = {}
     for name, t in flat.items():
         module, _, leaf = name.rpartition(".")
-        scheme = qcfg.scheme_for(module)
-        if scheme is None or leaf != "weight":
-            if scheme is None:
-                out[name] = t.to(dtype) if t.is_floating_point() else t
-            continue
-        if scheme == "fp8":
+        if f"{module}.weight_scale" not in flat:  # not quantized (the config's default covers Linears only)
+            out[name] = t.to(dtype) if t.is_floating_point() else t
+        elif leaf == "weight" and t.dtype == torch.float8_e4m3fn:
             out[name] = fp8.dequantize(t, flat[f"{module}.weight_scale"], dtype)
-        else:
+        elif leaf == "weight":
             out[name] = nvfp4.dequantize(t, flat[f"{module}.weight_scale"], flat[f"{module}.weight_scale_2"], dtype)
     return out

@@ -43,10 +43,16 @@ class Nvfp4Tensor:
     scale_2: torch.Tensor  # float32 scalar (ModelOpt weight_scale_2)
 
 
+_VALUES: dict = {}
+
+
 def e2m1_values(device=None) -> torch.Tensor:
-    """The 16 code values, fp32: index = code."""
-    g = torch.tensor(E2M1_GRID, dtype=torch.float32, device=device)
-    return torch.cat([g, -g])
+    """The 16 code values, fp32: index = code. Cached per device (no host copy inside a CUDA-graph capture)."""
+    key = torch.device(device) if device is not None else torch.device("cpu")
+    if key not in _VALUES:
+        g = torch.tensor(E2M1_GRID, dtype=torch.float32, device=key)
+        _VALUES[key] = torch.cat([g, -g])
+    return _VALUES[key]
 
 
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
