@@ -5,4 +5,20 @@
 
 from .llm import LLM, SamplingParams
 
-__all__ = ["LLM", "SamplingParams"]
+
+def _version() -> str:
+    """The installed distribution's version; from a source tree on ``PYTHONPATH``, the extension's (the same
+    number: both come from the workspace's Cargo.toml)."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("freetoken")
+    except importlib.metadata.PackageNotFoundError:
+        from ._core import __version__ as core_version
+
+        return core_version
+
+
+__version__ = _version()
+
+__all__ = ["LLM", "SamplingParams", "__version__"]

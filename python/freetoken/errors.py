@@ -20,3 +20,8 @@ class WorkerFatal(WorkerError):
 
 class UnsupportedModel(WorkerError):
     """The checkpoint or a requested feature is not supported (raised at load, never during a step)."""
+
+
+class StartupRefused(Exception):
+    """Start-up cannot go on for a reason the user fixes (too little host memory for the load): ``ft serve`` says
+    it in one line and exits 1, before anything large is allocated."""

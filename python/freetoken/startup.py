@@ -34,7 +34,9 @@ logger = get_logger(__name__)
 GiB = 1 << 30
 # forward_logits / dry-run scratch region (past the Rust-owned slots); also bounds its sequence length
 _SCRATCH_TOKENS = 8192
-# CPU KV pool: what the scheduler could ever use (rows x context), but at most this many tokens by default
+# CPU KV pool by default: one full context, or every row at full context while that is at most
+# _CPU_KV_DEFAULT_TOKENS; never more than _CPU_KV_TOKEN_CAP (--num-tokens / --num-pages size it exactly)
+_CPU_KV_DEFAULT_TOKENS = 8192
 _CPU_KV_TOKEN_CAP = 1 << 17
 
 
@@ -161,10 +163,12 @@ def _kv_tokens(w: "Worker", bytes_per_token: int, plan: MemoryPlan, used_by_load
         # pool, the measured workspaces and the reserve
         tokens = int(plan.kv_budget(used_by_loading) // bytes_per_token)
     else:
-        # Host memory is shared with everything else on the machine: take what the scheduler can use (every row at
-        # full context), at most _CPU_KV_TOKEN_CAP tokens, and never more than half of memory_ratio x available
-        # memory (the pool is zero-filled lazily, but filled as it is used).
-        want = w.max_running_requests * w.max_context
+        # Host memory is shared with everything else on the machine: take one full context (every row at full
+        # context only while that stays under _CPU_KV_DEFAULT_TOKENS; more rows share what is free: admission
+        # waits), at most _CPU_KV_TOKEN_CAP tokens, and never more than half of memory_ratio x available memory
+        # (the pool is zero-filled lazily, but filled as it is used). The demo model (8,192-token context):
+        # 8,192 tokens, not 4 x 8,192.
+        want = max(w.max_context, min(w.max_running_requests * w.max_context, _CPU_KV_DEFAULT_TOKENS))
         budget = (
             0.5 * a["memory_ratio"] * free_memory_bytes(w.device)
             - plan.scratch_kv_bytes

@@ -10,6 +10,14 @@ use serde::{Deserialize, Serialize};
 /// `--max-output-tokens` when not given.
 pub const DEFAULT_MAX_OUTPUT_TOKENS: u32 = 32768;
 
+// `ft serve --help` groups the flags by topic, in this order.
+const MODEL: &str = "Model and device";
+const MEMORY: &str = "Memory and batching";
+const MOE: &str = "Mixture of experts";
+const CACHE: &str = "Prefix cache";
+const API: &str = "API";
+const RELIABILITY: &str = "Reliability and logging";
+
 #[derive(Parser, Debug, Clone, Serialize)]
 #[command(
     name = "ft",
@@ -146,226 +154,244 @@ eq_flag_spelling!(
 /// so the offline engine (`freetoken.LLM`) reads the worker's settings back as the same struct.
 #[derive(Args, Debug, Clone, Serialize, Deserialize)]
 pub struct ServeArgs {
-    /// A local model: an HF-layout directory (config.json + safetensors) or a GGUF file; absent = the built-in
-    /// demo model. Nothing is downloaded: HF repo ids and FTW directories are refused.
-    #[arg(long = "model-path", visible_alias = "model")]
+    /// A local model: an HF-layout directory (config.json + safetensors) or a GGUF file (default: the built-in
+    /// demo model). Nothing is downloaded: HF repo ids and FTW directories are refused.
+    #[arg(help_heading = MODEL, long = "model-path", visible_alias = "model")]
     pub model_path: Option<String>,
 
-    #[arg(long, default_value = "127.0.0.1")]
-    pub host: String,
-
-    #[arg(long, default_value_t = 1919)]
-    pub port: u16,
-
-    /// Concurrent running requests (the page table has this + 1 rows).
-    #[arg(long, default_value_t = 4)]
-    pub max_running_requests: usize,
-
-    /// Longest sequence (prompt + output); default = the model's rope table.
-    #[arg(long)]
-    pub max_seq_len_override: Option<usize>,
-
-    /// Default output budget of a request (None = 32768).
-    #[arg(long)]
-    pub max_output_tokens: Option<u32>,
-
-    /// Fraction of the free VRAM for weights + MoE cache + KV, in (0, 1].
-    #[arg(long, default_value_t = 0.9)]
-    pub memory_ratio: f64,
-
-    /// Chunked-prefill chunk size in tokens.
-    #[arg(long = "max-prefill-length", visible_aliases = ["max-extend-length", "max-extend-tokens"], default_value_t = 8192)]
-    pub max_prefill_length: usize,
-
-    #[arg(long, default_value_t = 1)]
-    pub page_size: usize,
-
-    #[arg(long, value_enum, default_value_t = Dtype::Auto)]
+    /// Weight and activation dtype; auto = the checkpoint's (GGUF: float32 on CPU, bfloat16 on CUDA).
+    #[arg(help_heading = MODEL, long, value_enum, default_value_t = Dtype::Auto)]
     pub dtype: Dtype,
 
-    #[arg(long, value_enum, default_value_t = MoeBackend::Auto)]
-    pub moe_backend: MoeBackend,
+    /// Where the model runs; auto = CUDA when a device is present, else CPU.
+    #[arg(help_heading = MODEL, long, value_enum, default_value_t = Device::Auto)]
+    pub device: Device,
 
-    /// GPU expert slots.
-    #[arg(long, conflicts_with_all = ["moe_cache_rate", "moe_cache_auto"])]
-    pub moe_cache_size: Option<usize>,
-
-    /// GPU expert slots as a fraction of all experts, in (0, 1].
-    #[arg(long, conflicts_with_all = ["moe_cache_size", "moe_cache_auto"])]
-    pub moe_cache_rate: Option<f64>,
-
-    /// Size the expert cache from free VRAM after the KV floor (--kv-reserve-tokens).
-    #[arg(long, conflicts_with_all = ["moe_cache_size", "moe_cache_rate"])]
-    pub moe_cache_auto: bool,
-
-    /// NVFP4 GEMM kernels; NVFP4 checkpoints are not supported yet, so only auto is accepted.
-    #[arg(long, value_enum, default_value_t = Nvfp4Backend::Auto)]
-    pub nvfp4_backend: Nvfp4Backend,
-
-    #[arg(long = "attention-backend", visible_alias = "attn", value_enum, default_value_t = AttentionBackend::Auto)]
-    pub attention_backend: AttentionBackend,
-
-    #[arg(long, value_enum, default_value_t = CacheType::Radix)]
-    pub cache_type: CacheType,
-
-    /// Turn off the two-buffer MoE prefill copy overlap.
-    #[arg(long)]
-    pub disable_moe_prefill_overlap: bool,
-
-    /// Prefill: copy resident experts device-to-device into the double buffer.
-    #[arg(long)]
-    pub moe_prefill_hit_d2d: bool,
-
-    /// The names the API serves the model under, comma-separated; the first is the id `/v1/models` lists
-    /// (default: the model path's basename; the demo model also answers to `demo`). Requests naming another
-    /// model get 404 `model_not_found`.
-    #[arg(long)]
-    pub served_model_name: Option<String>,
-
-    /// One "Decode batch" log line every N decode steps.
-    #[arg(long, default_value_t = 40)]
-    pub decode_log_interval: usize,
+    /// Longest sequence (prompt + output); default = the model's rope table.
+    #[arg(help_heading = MODEL, long)]
+    pub max_seq_len_override: Option<usize>,
 
     /// Random weights (benchmarks, smoke tests).
-    #[arg(long)]
+    #[arg(help_heading = MODEL, long)]
     pub dummy_weight: bool,
 
-    /// Report cached prompt tokens in usage (`prompt_tokens_details.cached_tokens`).
-    #[arg(long)]
-    pub enable_cache_report: bool,
+    /// Where HF repo ids are downloaded from; nothing is downloaded (--model-path is a local path), so only
+    /// the default is accepted.
+    #[arg(help_heading = MODEL, long, value_enum, default_value_t = ModelSource::Huggingface)]
+    pub model_source: ModelSource,
 
-    /// Run a decode step after every N prefill chunks while decoders wait (0 = prefill first).
-    #[arg(long, default_value_t = 0)]
-    pub decode_interleave_every: usize,
+    /// Attention kernels; auto = Triton on CUDA, torch on CPU.
+    #[arg(help_heading = MODEL, long = "attention-backend", visible_alias = "attn", value_enum, default_value_t = AttentionBackend::Auto)]
+    pub attention_backend: AttentionBackend,
 
-    #[arg(long = "tensor-parallel-size", visible_alias = "tp-size", default_value_t = 1)]
-    pub tensor_parallel_size: usize,
+    /// NVFP4 GEMM kernels; NVFP4 checkpoints are not supported yet, so only auto is accepted.
+    #[arg(help_heading = MODEL, long, value_enum, default_value_t = Nvfp4Backend::Auto)]
+    pub nvfp4_backend: Nvfp4Backend,
 
     /// Largest decode batch captured in a CUDA graph: buckets 1, 2, 4, 8, 16, 24, ... up to it (default =
     /// --max-running-requests; 0 disables). Larger decode batches and prefill steps run eagerly.
-    #[arg(long = "cuda-graph-max-bs", visible_alias = "graph")]
+    #[arg(help_heading = MODEL, long = "cuda-graph-max-bs", visible_alias = "graph")]
     pub cuda_graph_max_bs: Option<usize>,
 
     /// Run every step eagerly: no decode CUDA graphs (SGLang's spelling; same as --cuda-graph-max-bs 0).
-    #[arg(long)]
+    #[arg(help_heading = MODEL, long)]
     pub disable_cuda_graph: bool,
 
-    /// KV capacity in pages (exclusive with --num-tokens).
-    #[arg(long, conflicts_with = "num_tokens")]
+    /// Tensor-parallel ranks (only 1 is built).
+    #[arg(help_heading = MODEL, long = "tensor-parallel-size", visible_alias = "tp-size", default_value_t = 1)]
+    pub tensor_parallel_size: usize,
+
+    /// Kept so FreeToken launch lines work: FreeToken runs one rank, so there is no NCCL to disable (logged).
+    #[arg(help_heading = MODEL, long)]
+    pub disable_pynccl: bool,
+
+    /// Fraction of the free VRAM for weights + MoE cache + KV, in (0, 1].
+    #[arg(help_heading = MEMORY, long, default_value_t = 0.9)]
+    pub memory_ratio: f64,
+
+    /// VRAM (MiB) kept free after the start-up dry run (default: none).
+    #[arg(help_heading = MEMORY, long)]
+    pub vram_reserve_mb: Option<u64>,
+
+    /// Concurrent running requests (the page table has this + 1 rows).
+    #[arg(help_heading = MEMORY, long, default_value_t = 4)]
+    pub max_running_requests: usize,
+
+    /// Chunked-prefill chunk size in tokens.
+    #[arg(help_heading = MEMORY, long = "max-prefill-length", visible_aliases = ["max-extend-length", "max-extend-tokens"], default_value_t = 8192)]
+    pub max_prefill_length: usize,
+
+    /// Run a decode step after every N prefill chunks while decoders wait (0 = prefill first).
+    #[arg(help_heading = MEMORY, long, default_value_t = 0)]
+    pub decode_interleave_every: usize,
+
+    /// Tokens per KV page.
+    #[arg(help_heading = MEMORY, long, default_value_t = 1)]
+    pub page_size: usize,
+
+    /// KV capacity in pages, exclusive with --num-tokens (default: sized from free memory).
+    #[arg(help_heading = MEMORY, long, conflicts_with = "num_tokens")]
     pub num_pages: Option<usize>,
 
-    /// KV capacity in tokens, a multiple of --page-size (exclusive with --num-pages).
-    #[arg(long, conflicts_with = "num_pages")]
+    /// KV capacity in tokens, a multiple of --page-size, exclusive with --num-pages (default: sized from free
+    /// memory).
+    #[arg(help_heading = MEMORY, long, conflicts_with = "num_pages")]
     pub num_tokens: Option<usize>,
 
-    #[arg(long, value_enum, default_value_t = SamplingDefaults::Model)]
-    pub sampling_defaults: SamplingDefaults,
-
-    /// Tool-call parser: qwen3_coder, qwen, qwen25, hermes, auto (default: chosen from the model), off.
-    #[arg(long)]
-    pub tool_call_parser: Option<String>,
-
-    /// Reasoning parser: qwen3, deepseek_r1, auto (default: chosen from the model), off.
-    #[arg(long)]
-    pub reasoning_parser: Option<String>,
-
     /// KV floor in tokens before --moe-cache-auto fills the rest with experts.
-    #[arg(long, default_value_t = 8192)]
+    #[arg(help_heading = MEMORY, long, default_value_t = 8192)]
     pub kv_reserve_tokens: usize,
+
+    /// Where routed experts live: fused keeps all on the device, offload in pinned host memory behind a GPU
+    /// cache; auto = offload when the model does not fit, else fused.
+    #[arg(help_heading = MOE, long, value_enum, default_value_t = MoeBackend::Auto)]
+    pub moe_backend: MoeBackend,
+
+    /// GPU expert slots (default: sized from free VRAM after the KV floor).
+    #[arg(help_heading = MOE, long, conflicts_with_all = ["moe_cache_rate", "moe_cache_auto"])]
+    pub moe_cache_size: Option<usize>,
+
+    /// GPU expert slots as a fraction of all experts, in (0, 1] (default: see --moe-cache-size).
+    #[arg(help_heading = MOE, long, conflicts_with_all = ["moe_cache_size", "moe_cache_auto"])]
+    pub moe_cache_rate: Option<f64>,
+
+    /// Size the expert cache from free VRAM after the KV floor (--kv-reserve-tokens).
+    #[arg(help_heading = MOE, long, conflicts_with_all = ["moe_cache_size", "moe_cache_rate"])]
+    pub moe_cache_auto: bool,
+
+    /// Expert-cache eviction policy (LRU, the only one).
+    #[arg(help_heading = MOE, long, value_enum, default_value_t = MoeCachePolicy::Lru)]
+    pub moe_cache_policy: MoeCachePolicy,
+
+    /// Turn off the two-buffer MoE prefill copy overlap.
+    #[arg(help_heading = MOE, long)]
+    pub disable_moe_prefill_overlap: bool,
+
+    /// Prefill: copy resident experts device-to-device into the double buffer.
+    #[arg(help_heading = MOE, long)]
+    pub moe_prefill_hit_d2d: bool,
+
+    /// How host expert banks are read (FreeToken: serial / parallel O_DIRECT); only auto (the checkpoint
+    /// reader's own) is built.
+    #[arg(help_heading = MOE, long, value_enum, default_value_t = ExpertLoad::Auto)]
+    pub expert_load: ExpertLoad,
+
+    /// CPU expert-executor threads (0 = physical cores); the executor is not built, so only 0 is accepted.
+    #[arg(help_heading = MOE, long, default_value_t = 0)]
+    pub moe_cpu_threads: usize,
+
+    /// MoE layers decoded on the CPU expert executor (default: none; not built: refused).
+    #[arg(help_heading = MOE, long)]
+    pub moe_cpu_layers: Option<String>,
+
+    /// Hybrid backend: most experts fetched over PCIe per layer per step (-1 = auto, 0 = never); the hybrid
+    /// backend is not built, so only -1 is accepted.
+    #[arg(help_heading = MOE, long, default_value_t = -1, allow_negative_numbers = true)]
+    pub moe_hybrid_max_fetch: i64,
+
+    /// Prefix cache: radix (hybrid_radix on Gated DeltaNet models) or naive (none).
+    #[arg(help_heading = CACHE, long, value_enum, default_value_t = CacheType::Radix)]
+    pub cache_type: CacheType,
+
+    /// Report cached prompt tokens in usage (`prompt_tokens_details.cached_tokens`).
+    #[arg(help_heading = CACHE, long)]
+    pub enable_cache_report: bool,
 
     /// Hybrid models (hybrid_radix): recurrent-state snapshot slots per running request (FreeToken's
     /// `linear_state_cache_ratio`).
-    #[arg(long, default_value_t = 2.0)]
+    #[arg(help_heading = CACHE, long, default_value_t = 2.0)]
     pub linear_state_cache_ratio: f64,
 
-    /// Hybrid models: recurrent-state snapshot slots in all (overrides --linear-state-cache-ratio).
-    #[arg(long)]
+    /// Hybrid models: recurrent-state snapshot slots in all (default: --linear-state-cache-ratio x
+    /// --max-running-requests).
+    #[arg(help_heading = CACHE, long)]
     pub num_snapshot_slots: Option<usize>,
 
     /// Hybrid models: also snapshot the recurrent state right after the tool-call opener token, so a client that
     /// re-renders the call recomputes only the call.
-    #[arg(long)]
+    #[arg(help_heading = CACHE, long)]
     pub enable_special_token_ckpt: bool,
 
-    /// Expert-cache eviction policy (LRU, the only one).
-    #[arg(long, value_enum, default_value_t = MoeCachePolicy::Lru)]
-    pub moe_cache_policy: MoeCachePolicy,
+    /// Address the API listens on (bound before the model loads).
+    #[arg(help_heading = API, long, default_value = "127.0.0.1")]
+    pub host: String,
 
-    /// CPU expert-executor threads (0 = physical cores); the executor is not built, so only 0 is accepted.
-    #[arg(long, default_value_t = 0)]
-    pub moe_cpu_threads: usize,
+    /// Port the API listens on.
+    #[arg(help_heading = API, long, default_value_t = 1919)]
+    pub port: u16,
 
-    /// Hybrid backend: most experts fetched over PCIe per layer per step (-1 = auto, 0 = never); the hybrid
-    /// backend is not built, so only -1 is accepted.
-    #[arg(long, default_value_t = -1, allow_negative_numbers = true)]
-    pub moe_hybrid_max_fetch: i64,
-
-    /// Allowed CORS origins, comma separated ('' disables, '*' allows all).
-    #[arg(long, default_value = "tauri://localhost,http://tauri.localhost,http://localhost:1420")]
-    pub cors_origins: String,
+    /// The names the API serves the model under, comma-separated; the first is the id `/v1/models` lists
+    /// (default: the model path's basename; the demo model also answers to `demo`). Requests naming another
+    /// model get 404 `model_not_found`.
+    #[arg(help_heading = API, long)]
+    pub served_model_name: Option<String>,
 
     /// Require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on every route but /health (and /metrics
-    /// with --metrics-without-api-key).
-    #[arg(long)]
+    /// with --metrics-without-api-key) (default: none, no key needed).
+    #[arg(help_heading = API, long)]
     pub api_key: Option<String>,
 
     /// Serve `GET /metrics` without --api-key (for a scraper that sends no key); by default it needs the key
     /// like every other route.
-    #[arg(long)]
+    #[arg(help_heading = API, long)]
     pub metrics_without_api_key: bool,
 
+    /// Allowed CORS origins, comma separated ('' disables, '*' allows all).
+    #[arg(help_heading = API, long, default_value = "tauri://localhost,http://tauri.localhost,http://localhost:1420")]
+    pub cors_origins: String,
+
+    /// Output budget of a request that names none (default: 32768).
+    #[arg(help_heading = API, long)]
+    pub max_output_tokens: Option<u32>,
+
+    /// Sampling values of a request that names none.
+    #[arg(help_heading = API, long, value_enum, default_value_t = SamplingDefaults::Model)]
+    pub sampling_defaults: SamplingDefaults,
+
+    /// Tool-call parser: qwen3_coder, qwen, qwen25, hermes, auto (default: chosen from the model), off.
+    #[arg(help_heading = API, long)]
+    pub tool_call_parser: Option<String>,
+
+    /// Reasoning parser: qwen3, deepseek_r1, auto (default: chosen from the model), off.
+    #[arg(help_heading = API, long)]
+    pub reasoning_parser: Option<String>,
+
     /// Requests templated and tokenized at once, on the blocking pool (0 = one per core, 2 to 16).
-    #[arg(long = "num-tokenizer", visible_alias = "tokenizer-count", default_value_t = 0)]
+    #[arg(help_heading = API, long = "num-tokenizer", visible_alias = "tokenizer-count", default_value_t = 0)]
     pub num_tokenizer: usize,
 
-    /// Kept so FreeToken launch lines work: FreeToken runs one rank, so there is no NCCL to disable (logged).
-    #[arg(long)]
-    pub disable_pynccl: bool,
+    /// Responses-API responses kept in memory for `GET /v1/responses/{id}` and `previous_response_id`; the least
+    /// recently used is forgotten first. 0 stores none.
+    #[arg(help_heading = API, long, default_value_t = 1024)]
+    pub max_stored_responses: usize,
 
-    /// Where HF repo ids are downloaded from; nothing is downloaded (--model-path is a local path), so only
-    /// the default is accepted.
-    #[arg(long, value_enum, default_value_t = ModelSource::Huggingface)]
-    pub model_source: ModelSource,
-
-    /// How host expert banks are read (FreeToken: serial / parallel O_DIRECT); only auto (the checkpoint
-    /// reader's own) is built.
-    #[arg(long, value_enum, default_value_t = ExpertLoad::Auto)]
-    pub expert_load: ExpertLoad,
-
-    /// MoE layers decoded on the CPU expert executor (not built: refused).
-    #[arg(long)]
-    pub moe_cpu_layers: Option<String>,
-
-    /// VRAM (MiB) kept free after the start-up dry run.
-    #[arg(long)]
-    pub vram_reserve_mb: Option<u64>,
+    /// Largest accepted request body; larger ones get 413.
+    #[arg(help_heading = API, long, default_value_t = 8 * 1024 * 1024)]
+    pub max_request_body_bytes: usize,
 
     /// Seconds one step may run before the watchdog declares the engine unhealthy.
-    #[arg(long, default_value_t = 600.0)]
+    #[arg(help_heading = RELIABILITY, long, default_value_t = 600.0)]
     pub step_timeout: f64,
 
     /// Seconds a request may take, queued time included, before it is aborted and answered with an error
     /// (408, or an SSE error event); 0 = no limit.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(help_heading = RELIABILITY, long, default_value_t = 0.0)]
     pub request_timeout: f64,
 
     /// Seconds SIGTERM / SIGINT waits for in-flight requests (new ones get 503) before cancelling them.
-    #[arg(long, default_value_t = 30.0)]
+    #[arg(help_heading = RELIABILITY, long, default_value_t = 30.0)]
     pub shutdown_grace: f64,
 
     /// Requests waiting for admission before new ones get 429.
-    #[arg(long, default_value_t = 256)]
+    #[arg(help_heading = RELIABILITY, long, default_value_t = 256)]
     pub max_queued_requests: usize,
 
-    /// Largest accepted request body; larger ones get 413.
-    #[arg(long, default_value_t = 8 * 1024 * 1024)]
-    pub max_request_body_bytes: usize,
-
-    #[arg(long, value_enum, default_value_t = Device::Auto)]
-    pub device: Device,
+    /// One "Decode batch" log line every N decode steps.
+    #[arg(help_heading = RELIABILITY, long, default_value_t = 40)]
+    pub decode_log_interval: usize,
 
     /// trace, debug, info, warning (warn) or error.
-    #[arg(long, default_value = "info", value_parser = ["trace", "debug", "info", "warning", "warn", "error"])]
+    #[arg(help_heading = RELIABILITY, long, default_value = "info", value_parser = ["trace", "debug", "info", "warning", "warn", "error"])]
     pub log_level: String,
 }
 
@@ -587,30 +613,50 @@ fn unsupported_loading(args: &ServeArgs) -> Option<String> {
     None
 }
 
-/// Parses `argv` (program name first). `Err((message, exit_code))`: print the message and exit with the code
-/// (0 for `--help` / `--version`, 2 for bad flags and values).
+/// Parses `argv` (program name first). `Err((message, exit_code))`: print the message (stdout for 0, stderr
+/// otherwise) and exit with the code: 0 for `--help`, `--version` and `ft` alone (a person typing `ft` wants the
+/// subcommands), 2 for bad flags and values.
 pub fn parse_cli(argv: Vec<String>) -> Result<Cli, (String, i32)> {
-    let cli = Cli::try_parse_from(argv).map_err(|e| {
-        let text = e.render().to_string();
-        match e.kind() {
-            // Help, version and "no subcommand" print clap's full text.
-            clap::error::ErrorKind::DisplayHelp
-            | clap::error::ErrorKind::DisplayVersion
-            | clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => (text, e.exit_code()),
-            _ => (one_line(&text), e.exit_code()),
-        }
-    })?;
+    let cli = Cli::try_parse_from(argv).map_err(clap_outcome)?;
     match &cli.command {
-        Command::Serve(args) => {
-            if let Err(msg) = args.validate() {
-                return Err((format!("error: {msg}"), 2));
-            }
-            if let Some(msg) = unsupported_feature(args) {
-                return Err((format!("error: {msg}"), 2));
-            }
-        }
+        Command::Serve(args) => check_serve_args(args)?,
     }
     Ok(cli)
+}
+
+/// clap's early exits as `(message, exit code)`: help and version in full, errors in one line.
+pub fn clap_outcome(e: clap::Error) -> (String, i32) {
+    let text = e.render().to_string().trim_end().to_string();
+    match e.kind() {
+        clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion => (text, 0),
+        clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => (text, 0),
+        _ => (one_line(&text), e.exit_code()),
+    }
+}
+
+/// The checks `ft serve` runs on its flags after clap (also `ft-server`'s): cross-flag rules, then features
+/// that are not built. `Err` is the one-line message and exit code 2.
+pub fn check_serve_args(args: &ServeArgs) -> Result<(), (String, i32)> {
+    if let Err(msg) = args.validate() {
+        return Err((format!("error: {msg}"), 2));
+    }
+    if let Some(msg) = unsupported_feature(args) {
+        return Err((format!("error: {msg}"), 2));
+    }
+    Ok(())
+}
+
+/// Prints a [`parse_cli`] outcome (stdout for exit code 0, stderr otherwise; the message has no trailing
+/// newline) and returns the exit code. A closed pipe (`ft serve --help | head`) is not an error.
+pub fn print_outcome(message: &str, code: i32) -> i32 {
+    use std::io::Write;
+    let _ = if code == 0 { writeln!(std::io::stdout(), "{message}") } else { writeln!(std::io::stderr(), "{message}") };
+    code
+}
+
+/// `ft --version` / `ft -V`: answered with the long version report (`crate::version`), not clap's one line.
+pub fn wants_version(argv: &[String]) -> bool {
+    argv.len() == 2 && matches!(argv[1].as_str(), "--version" | "-V")
 }
 
 /// clap's multi-line error as one line: the error and its details, without the usage and help hints.
@@ -848,6 +894,28 @@ mod tests {
     }
 
     #[test]
+    fn serve_help_is_grouped_by_topic_with_every_default() {
+        use clap::CommandFactory;
+        let topics = [MODEL, MEMORY, MOE, CACHE, API, RELIABILITY];
+        let cli = Cli::command();
+        let serve = cli.find_subcommand("serve").unwrap();
+        for arg in serve.get_arguments() {
+            let name = arg.get_long().unwrap_or_default();
+            assert!(arg.get_help_heading().is_some_and(|h| topics.contains(&h)), "--{name} has no topic");
+            let help = arg.get_long_help().or(arg.get_help()).map(|h| h.to_string()).unwrap_or_default();
+            // A flag that takes a value shows its default: clap's `[default: ...]`, or its text says it.
+            if arg.get_action().takes_values() && arg.get_default_values().is_empty() {
+                assert!(help.contains("default"), "--{name}: no default shown in {help:?}");
+            }
+        }
+        let (help, code) = parse_cli(vec!["ft".into(), "serve".into(), "--help".into()]).unwrap_err();
+        assert_eq!(code, 0);
+        let at: Vec<usize> = topics.iter().map(|t| help.find(&format!("\n{t}:\n")).expect(t)).collect();
+        assert!(at.windows(2).all(|w| w[0] < w[1]), "topics out of order: {at:?}");
+        assert!(help.contains("[default: 1919]") && help.contains("[default: 0.9]"), "{help}");
+    }
+
+    #[test]
     fn help_and_version_exit_0() {
         let (msg, code) = parse_cli(vec!["ft".into(), "--version".into()]).unwrap_err();
         assert_eq!(code, 0);
@@ -855,8 +923,12 @@ mod tests {
         let (msg, code) = parse_cli(vec!["ft".into(), "serve".into(), "--help".into()]).unwrap_err();
         assert_eq!(code, 0);
         assert!(msg.contains("--max-running-requests"));
-        let (_, code) = parse_cli(vec!["ft".into()]).unwrap_err();
-        assert_eq!(code, 2);
+        // `ft` alone lists the subcommands, like `ft --help`, and is not an error.
+        let (msg, code) = parse_cli(vec!["ft".into()]).unwrap_err();
+        assert_eq!(code, 0);
+        assert!(msg.contains("serve") && msg.contains("Usage:"), "{msg}");
+        assert!(!msg.ends_with('\n'), "printed with println: no blank line after");
+        assert!(wants_version(&["ft".into(), "-V".into()]) && !wants_version(&["ft".into(), "serve".into()]));
     }
 
     #[test]

@@ -1,7 +1,8 @@
-//! `ft serve` after the model is loaded: start the engine thread around the worker, serve HTTP until a
-//! signal or the engine's death, then stop the engine. Returns the process exit code: 0 after a requested
-//! shutdown, 1 when the engine died (so a supervisor restarts the server; every waiting client has been
-//! answered with an error by then).
+//! Start-up around the model load: bind the listener first ([`bind_listener`]: a busy port fails at once), then,
+//! once the worker is loaded ([`crate::python::serve`]), start the engine thread around it, serve HTTP until a
+//! signal or the engine's death, and stop the engine ([`run`]). The exit code is 0 after a requested shutdown,
+//! 1 when the engine died (so a supervisor restarts the server; every waiting client has been answered with an
+//! error by then).
 
 use crate::backend::{Backend, EngineDescription};
 use crate::cli::ServeArgs;
@@ -71,21 +72,37 @@ pub fn unused_flag_notes(args: &ServeArgs, info: &EngineDescription) -> Vec<Stri
     notes
 }
 
-pub fn run(args: ServeArgs, worker: Box<dyn Worker>, info: EngineDescription) -> i32 {
+/// Binds `--host:--port` before anything is loaded, so a busy port or a bad address fails in a second with
+/// one line rather than after the model load. Connections that arrive while the model loads wait in the
+/// listen backlog and are answered once the server runs.
+pub fn bind_listener(args: &ServeArgs) -> Result<std::net::TcpListener, String> {
+    let addr = bind_address(&args.host, args.port);
+    let bound = std::net::TcpListener::bind(&addr).and_then(|l| l.set_nonblocking(true).map(|()| l));
+    bound.map_err(|e| {
+        let hint =
+            if e.kind() == std::io::ErrorKind::AddrInUse { " (another server? pick another --port)" } else { "" };
+        format!("cannot listen on {addr}: {e}{hint}")
+    })
+}
+
+/// `host:port`, with an IPv6 host in brackets.
+fn bind_address(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+/// Serves the loaded model on `listener` (from [`bind_listener`]) until a signal or the engine's death, then
+/// stops the engine. Returns the process exit code.
+pub fn run(args: ServeArgs, listener: std::net::TcpListener, worker: Box<dyn Worker>, info: EngineDescription) -> i32 {
     for note in unused_flag_notes(&args, &info) {
         tracing::warn!("{note}");
     }
     // One registry for the whole server: the routes time requests, the engine sets its gauges.
     let metrics = Arc::new(crate::metrics::Metrics::new(&info.served_model_name));
-    let config = EngineConfig {
-        scheduler: scheduler_config(&args, &info),
-        decode_log_interval: args.decode_log_interval,
-        max_queued_requests: args.max_queued_requests,
-        step_timeout: Duration::from_secs_f64(args.step_timeout),
-        planned_workspace_bytes: info.planned_workspace_bytes,
-        metrics: metrics.clone(),
-    };
-    let engine = EngineBackend::spawn(worker, config);
+    let engine = EngineBackend::spawn(worker, engine_config(&args, &info, metrics.clone()));
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("ft-http").build() {
         Ok(rt) => rt,
         Err(e) => {
@@ -94,22 +111,56 @@ pub fn run(args: ServeArgs, worker: Box<dyn Worker>, info: EngineDescription) ->
             return 1;
         }
     };
+    let served = runtime.block_on(serve_http(args, listener, engine.clone(), info, metrics));
+    exit_code(&engine, served)
+}
+
+fn engine_config(args: &ServeArgs, info: &EngineDescription, metrics: Arc<crate::metrics::Metrics>) -> EngineConfig {
+    EngineConfig {
+        scheduler: scheduler_config(args, info),
+        decode_log_interval: args.decode_log_interval,
+        max_queued_requests: args.max_queued_requests,
+        step_timeout: Duration::from_secs_f64(args.step_timeout),
+        planned_workspace_bytes: info.planned_workspace_bytes,
+        metrics,
+    }
+}
+
+/// The HTTP server on the runtime, until a signal (drain) or the engine's death; the service manager hears
+/// READY once the API answers and STOPPING when the drain starts (`notify`).
+async fn serve_http(
+    args: ServeArgs,
+    listener: std::net::TcpListener,
+    engine: Arc<EngineBackend>,
+    info: EngineDescription,
+    metrics: Arc<crate::metrics::Metrics>,
+) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::from_std(listener)?;
+    if crate::notify::enabled() {
+        let status = format!("Serving {} on {}", info.served_model_name, listener.local_addr()?);
+        tokio::spawn(crate::readiness::notify_ready_when_answering(listener.local_addr()?, status));
+        tokio::spawn(crate::readiness::notify_stopping_on_signal());
+    }
     let watched = engine.clone();
     let engine_died = async move {
         while !watched.is_finished() {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     };
-    let backend: Arc<dyn Backend> = engine.clone();
-    let served = runtime.block_on(async move {
-        let state = crate::http::state::AppState::new(args, backend, info)?.with_metrics(metrics);
-        crate::http::server::serve_on_bind_address(state, engine_died).await
-    });
+    let backend: Arc<dyn Backend> = engine;
+    let state = crate::http::state::AppState::new(args, backend, info)?.with_metrics(metrics);
+    crate::http::server::serve_listener(listener, state, engine_died).await
+}
+
+/// Stops the engine and says why the server ended: 0 after a requested shutdown, 1 when the engine died or
+/// stalled (so a supervisor restarts the server; every client has its answer by then).
+fn exit_code(engine: &EngineBackend, served: anyhow::Result<()>) -> i32 {
     let died = engine.is_finished();
     if engine.is_stalled() {
         // The engine thread is stuck inside the worker (it may hold the GIL): every client has its answer,
         // so leave now rather than wait for it.
         tracing::error!("The engine is stuck in a step; exiting with status 1 so a supervisor can restart the server");
+        crate::notify::stopping("The engine stalled; exiting with status 1");
         use std::io::Write;
         let _ = std::io::stderr().flush();
         let _ = std::io::stdout().flush();
@@ -125,6 +176,7 @@ pub fn run(args: ServeArgs, worker: Box<dyn Worker>, info: EngineDescription) ->
         }
         Ok(()) if died => {
             tracing::error!("The engine stopped; exiting so a supervisor can restart the server");
+            crate::notify::stopping("The engine stopped; exiting with status 1");
             1
         }
         Ok(()) => 0,
@@ -167,5 +219,19 @@ mod tests {
         };
         assert!(unused_flag_notes(&args(&["--cuda-graph-max-bs", "8", "--enable-special-token-ckpt"]), &hybrid_cuda)
             .is_empty());
+    }
+
+    #[test]
+    fn a_busy_port_fails_at_once_in_one_line() {
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = taken.local_addr().unwrap().port();
+        let args = crate::cli::parse_serve_args(["--port".to_string(), port.to_string()]).unwrap();
+        let msg = bind_listener(&args).unwrap_err();
+        assert!(msg.starts_with(&format!("cannot listen on 127.0.0.1:{port}: ")), "{msg}");
+        assert!(msg.contains("--port") && !msg.contains('\n'), "{msg}");
+        let free = crate::cli::parse_serve_args(["--port", "0"]).unwrap();
+        assert!(bind_listener(&free).is_ok());
+        assert_eq!(bind_address("::1", 80), "[::1]:80");
+        assert_eq!(bind_address("0.0.0.0", 80), "0.0.0.0:80");
     }
 }

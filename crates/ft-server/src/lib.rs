@@ -1,6 +1,7 @@
 //! ft-server: everything between the socket and the engine thread, grouped by concern:
 //!
-//! - `cli` the flags, `launch` start-up, `logging`;
+//! - `cli` the flags, `launch` start-up, `logging`; `python` the server in-process with the Python worker (for
+//!   `ft serve` and the `ft-server` binary); `notify` and `readiness` systemd's notify protocol;
 //! - `http` the server, routes, the shared SSE loop, wire types and errors; `validation` the one place that
 //!   checks a request's content and builds what the engine runs;
 //! - `text` tokenizer, chat template, detokenizer, stop strings, tool-call and reasoning parsers;
@@ -14,5 +15,8 @@ pub mod http;
 pub mod launch;
 pub mod logging;
 pub mod metrics;
+pub mod notify;
+pub mod python;
+pub mod readiness;
 pub mod text;
 pub mod validation;

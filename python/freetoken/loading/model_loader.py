@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from ..errors import UnsupportedModel
+from ..host_memory import check_host_memory
 from ..layers.fused_linear import fuse_projections
 from ..log import get_logger
 from ..models.base import CausalLM, ModelConfig
@@ -86,6 +87,7 @@ def load_model(a: dict) -> LoadedModel:
         a["moe_backend"], has_experts, device, needed, int(float(a["memory_ratio"]) * free_before)
     )
     _warn_unused_offload_flags(a, moe_backend, has_experts)
+    check_host_memory(cls, config, dtype, device, moe_backend, quant)  # one line, before anything large exists
     if quant is not None:
         logger.info(f"Quantized checkpoint: {quant.describe()}, nvfp4_backend={nvfp4_backend!r}")
     t0 = time.perf_counter()

@@ -20,8 +20,12 @@ const STACK_DUMP_GRACE: Duration = Duration::from_secs(1);
 
 /// Watches the running step; on overrun marks the engine unhealthy and answers every client with an error.
 /// The Python stacks are dumped by `faulthandler`, armed by the worker wrapper for the same deadline.
+///
+/// Under systemd (`WatchdogSec=`) it also pings the service manager on every round in which no step has overrun,
+/// and stops pinging once one has: systemd restarts an engine that stalls even if the exit below never comes.
 pub(super) fn watchdog(shared: Arc<Shared>, timeout: Duration) {
     let tick = (timeout / 20).clamp(Duration::from_millis(10), Duration::from_millis(500));
+    let mut pinger = crate::notify::WatchdogPinger::from_env();
     loop {
         std::thread::sleep(tick);
         if Arc::strong_count(&shared) == 1 {
@@ -31,22 +35,24 @@ pub(super) fn watchdog(shared: Arc<Shared>, timeout: Duration) {
             let step = shared.current_step.lock().unwrap();
             step.as_ref().filter(|s| s.started.elapsed() > timeout).map(|s| (s.step_id, s.started.elapsed()))
         };
-        if let Some((step_id, elapsed)) = overrun {
-            let why = format!(
-                "engine stalled: step {step_id} has run for {:.1} s, past --step-timeout {:.1} s",
-                elapsed.as_secs_f64(),
-                timeout.as_secs_f64()
-            );
-            tracing::error!("{why}; failing every request and stopping the server");
-            // Health first: a submit that races with us either is drained below or sees it and backs out.
-            shared.set_health(HealthState::Unhealthy(why.clone()));
-            shared.fail_every_client(&why);
-            // `stalled` makes the server exit without waiting for the stuck thread. Give faulthandler, armed
-            // for the same deadline, a moment to write the Python stacks to the log first (and /health a
-            // moment to say 503 to whoever polls it).
-            std::thread::sleep(STACK_DUMP_GRACE);
-            shared.stalled.store(true, Ordering::SeqCst);
-            return;
-        }
+        let Some((step_id, elapsed)) = overrun else {
+            pinger.tick();
+            continue;
+        };
+        let why = format!(
+            "engine stalled: step {step_id} has run for {:.1} s, past --step-timeout {:.1} s",
+            elapsed.as_secs_f64(),
+            timeout.as_secs_f64()
+        );
+        tracing::error!("{why}; failing every request and stopping the server");
+        // Health first: a submit that races with us either is drained below or sees it and backs out.
+        shared.set_health(HealthState::Unhealthy(why.clone()));
+        shared.fail_every_client(&why);
+        // `stalled` makes the server exit without waiting for the stuck thread. Give faulthandler, armed
+        // for the same deadline, a moment to write the Python stacks to the log first (and /health a
+        // moment to say 503 to whoever polls it).
+        std::thread::sleep(STACK_DUMP_GRACE);
+        shared.stalled.store(true, Ordering::SeqCst);
+        return;
     }
 }
