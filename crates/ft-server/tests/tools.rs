@@ -9,89 +9,9 @@
 
 mod common;
 
+use common::tool_model::*;
 use common::*;
-use ft_core::request::FinishReason;
-use ft_server::backend::EngineDescription;
-use ft_server::text::tokenizer::Tokenizer;
 use serde_json::{json, Value};
-use std::time::Duration;
-
-const TOOL_CALL: u32 = 266;
-const THINK: u32 = 268;
-
-/// A hermes-style ChatML template with tools and `enable_thinking` (the prompt opens `<think>` when it is on).
-const TEMPLATE: &str = r#"{%- if tools %}<|im_start|>system
-# Tools
-<tools>
-{% for tool in tools %}{{ tool | tojson }}
-{% endfor %}</tools>
-Call a tool as <tool_call>
-{"name": <function-name>, "arguments": <args-json-object>}
-</tool_call><|im_end|>
-{% endif %}
-{%- for m in messages %}<|im_start|>{{ m.role }}
-{{ m.content }}<|im_end|>
-{% endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% if enable_thinking is defined and enable_thinking %}<think>
-{% endif %}{% endif %}"#;
-
-fn tokenizer_json() -> String {
-    let mut t: Value = serde_json::from_str(&common::tokenizer_json()).unwrap();
-    for (i, content) in ["<tool_call>", "</tool_call>", "<think>", "</think>"].iter().enumerate() {
-        t["added_tokens"].as_array_mut().unwrap().push(json!({"id": 266 + i, "content": content, "single_word": false,
-            "lstrip": false, "rstrip": false, "normalized": false, "special": false}));
-    }
-    t.to_string()
-}
-
-fn tool_tokenizer() -> Tokenizer {
-    Tokenizer::from_json(&tokenizer_json()).unwrap()
-}
-
-fn info() -> EngineDescription {
-    let mut info = engine_description();
-    let path = write_tokenizer().with_file_name("tools-tokenizer.json");
-    std::fs::write(&path, tokenizer_json()).unwrap();
-    info.tokenizer_path = path;
-    info.vocab_size = 270;
-    info.max_context = 4096;
-    info.architecture = "Qwen3ForCausalLM".into();
-    info.chat_template = Some(TEMPLATE.into());
-    info
-}
-
-async fn server(flags: &[&str]) -> TestServer {
-    TestServer::start_with(flags, info()).await
-}
-
-/// The model "says" `text` (tags as their own tokens), then ends its turn.
-fn says(s: &TestServer, text: &str) {
-    let mut tokens = tool_tokenizer().encode(text, false).unwrap();
-    assert!(text.contains("<tool_call>") <= tokens.contains(&TOOL_CALL));
-    assert!(text.contains("<think>") <= tokens.contains(&THINK));
-    tokens.push(IM_END);
-    s.backend.set_script(move |_| {
-        Ok(Script {
-            tokens: tokens.clone(),
-            end: End::Finish(FinishReason::Stop),
-            delay: Duration::ZERO,
-            cached_tokens: 0,
-        })
-    });
-}
-
-fn prompt(s: &TestServer) -> String {
-    tool_tokenizer().decode(&s.backend.submitted().last().unwrap().prompt, false).unwrap()
-}
-
-fn tools() -> Value {
-    json!([
-        {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}},
-        {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}}}},
-    ])
-}
 
 fn chat(extra: Value) -> Value {
     let mut body = json!({"model": "test-model", "max_tokens": 200, "tools": tools(),
@@ -100,10 +20,6 @@ fn chat(extra: Value) -> Value {
         body[k] = v.clone();
     }
     body
-}
-
-fn call(name: &str, args: &str) -> String {
-    format!("<tool_call>\n{{\"name\": \"{name}\", \"arguments\": {args}}}\n</tool_call>")
 }
 
 fn data(events: &[SseData]) -> Vec<Value> {
@@ -472,18 +388,11 @@ fn message(extra: Value) -> Value {
     body
 }
 
-/// `(event name, data)` pairs of an SSE body with named events.
+/// The named events of a streamed `/v1/messages` answer (200).
 async fn post_events(s: &TestServer, body: Value) -> Vec<(String, Value)> {
-    let resp = s.client.post(s.url("/v1/messages")).json(&body).send().await.unwrap();
-    assert_eq!(resp.status().as_u16(), 200);
-    let text = resp.text().await.unwrap();
-    let mut out = vec![];
-    for block in text.split("\n\n").filter(|b| !b.trim().is_empty()) {
-        let name = block.lines().find_map(|l| l.strip_prefix("event: ")).unwrap().to_string();
-        let data = serde_json::from_str(block.lines().find_map(|l| l.strip_prefix("data: ")).unwrap()).unwrap();
-        out.push((name, data));
-    }
-    out
+    let (status, events) = post_named_events(s, "/v1/messages", body).await;
+    assert_eq!(status, 200);
+    events
 }
 
 /// A message stream folded back into content blocks, checking the block protocol on the way: blocks open in

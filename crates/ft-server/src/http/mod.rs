@@ -1,5 +1,5 @@
 //! The HTTP side: the axum server and its shared state (`server`), the routes (OpenAI chat and completions,
-//! Anthropic messages, info), the one response loop they share (`sse`), a request's output as text
+//! Anthropic messages, OpenAI Responses, info), the one response loop they share (`sse`), a request's output as text
 //! (`text_stream`) and that text parsed into reasoning, content and tool calls (`output`), the wire types and
 //! errors of both APIs, and the graceful-shutdown drain.
 //!
@@ -15,6 +15,7 @@ pub mod openai_error;
 pub(crate) mod output;
 pub mod protocol;
 pub(crate) mod request_metrics;
+pub mod responses;
 pub mod server;
 pub(crate) mod sse;
 pub mod state;

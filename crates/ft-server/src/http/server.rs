@@ -31,6 +31,12 @@ pub fn build_router(state: AppState) -> Router {
         .route("/v1/completions", post(crate::http::completions::completions.layer(tracked())))
         .route("/v1/messages", post(crate::http::messages::messages.layer(tracked())))
         .route("/v1/messages/count_tokens", post(crate::http::messages::count_tokens))
+        .route("/v1/responses", post(crate::http::responses::create_response.layer(tracked())))
+        .route(
+            "/v1/responses/{id}",
+            get(crate::http::responses::get_response).delete(crate::http::responses::delete_response),
+        )
+        .route("/v1/responses/{id}/cancel", post(crate::http::responses::cancel_response))
         .route("/v1/models", get(crate::http::info::models))
         .route("/v1/stats", get(crate::http::info::stats))
         .route("/v1", get(crate::http::info::v1_root).post(crate::http::info::v1_root));

@@ -4,6 +4,7 @@
 use crate::backend::{Backend, EngineDescription};
 use crate::cli::{SamplingDefaults, ServeArgs};
 use crate::http::drain::Drain;
+use crate::http::responses::store::ResponseStore;
 use crate::metrics::Metrics;
 use crate::text::chat_template::ChatTemplate;
 use crate::text::reasoning::ReasoningFormat;
@@ -43,6 +44,8 @@ pub struct AppStateInner {
     pub prepare_slots: Arc<tokio::sync::Semaphore>,
     /// What `GET /metrics` serves; shared with the engine (see [`AppState::with_metrics`]).
     pub metrics: Arc<Metrics>,
+    /// Stored Responses-API responses (`--max-stored-responses`).
+    pub(crate) responses: Arc<ResponseStore>,
 }
 
 impl Deref for AppState {
@@ -95,6 +98,7 @@ impl AppState {
             n => n,
         };
         let metrics = Arc::new(Metrics::new(&info.served_model_name));
+        let responses = Arc::new(ResponseStore::new(args.max_stored_responses));
         Ok(AppState {
             inner: Arc::new(AppStateInner {
                 backend,
@@ -114,6 +118,7 @@ impl AppState {
                 drain: Arc::new(Drain::default()),
                 prepare_slots: Arc::new(tokio::sync::Semaphore::new(prepare_slots)),
                 metrics,
+                responses,
             }),
         })
     }

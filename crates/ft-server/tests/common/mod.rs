@@ -1,6 +1,8 @@
 //! Test fixtures: a tiny real byte-level BPE tokenizer, a scripted `Backend`, and a running server.
 #![allow(dead_code)]
 
+pub mod tool_model;
+
 use ft_core::request::{FinishReason, RequestEvent};
 use ft_server::backend::{
     AbortOnDrop, Backend, EngineDescription, GenerateRequest, HealthState, RequestStream, SubmitError,
