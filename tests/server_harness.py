@@ -26,16 +26,29 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], env: dict | None = None, ready_timeout: float = 240.0):
+    """``command`` (default ``python -m freetoken serve`` with this checkout's ``python/`` on ``PYTHONPATH``) runs
+    with ``args``; a command of another installation (an installed wheel's ``ft``, the ``ft-server`` binary) runs
+    with the environment as given, from ``cwd``."""
+
+    def __init__(
+        self,
+        args: list[str],
+        env: dict | None = None,
+        ready_timeout: float = 240.0,
+        command: list[str] | None = None,
+        cwd: str | None = None,
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_file = tempfile.NamedTemporaryFile("w+", prefix="ft-serve-", suffix=".log", delete=False)
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        full_env["PYTHONPATH"] = os.pathsep.join(
-            filter(None, [os.path.join(_ROOT, "python"), full_env.get("PYTHONPATH")])
-        )
-        cmd = [sys.executable, "-m", "freetoken", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT, env=full_env)
+        if command is None:
+            command = [sys.executable, "-m", "freetoken", "serve"]
+            full_env["PYTHONPATH"] = os.pathsep.join(
+                filter(None, [os.path.join(_ROOT, "python"), full_env.get("PYTHONPATH")])
+            )
+        cmd = [*command, "--host", "127.0.0.1", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, stdout=self.log_file, stderr=subprocess.STDOUT, env=full_env, cwd=cwd)
         self._wait_ready(ready_timeout)
 
     def log(self) -> str:

@@ -4,8 +4,8 @@
 //!
 //! ```text
 //!  ft-server [--python-env DIR] <ft serve's flags>
-//!    flags (the same ServeArgs, the same checks) ─▶ find the environment (python_env.rs) ─▶ start the
-//!    interpreter and put the environment on sys.path (activate_env.py) ─▶ ft_server::python::serve
+//!    flags (the same ServeArgs, the same checks) ─▶ find the environment and start the interpreter as its
+//!    python (python_env.rs) ─▶ freetoken and torch there? ─▶ ft_server::python::serve
 //! ```
 //!
 //! Exit codes as `ft serve`: 0 after a requested shutdown, 1 when start-up fails or the engine dies, 2 for bad
@@ -47,11 +47,14 @@ fn main() -> ExitCode {
     }
     let env = match python_env::locate(cli.python_env.as_deref()) {
         Ok(env) => env,
+        Err(msg) if cli.version => return exit((format!("{}\npython environment: {msg}", first_line()), 0)),
         Err(msg) => return exit((format!("error: {msg}"), 1)),
     };
-    pyo3::prepare_freethreaded_python();
+    if let Err(msg) = env.start_interpreter() {
+        return exit((format!("error: {msg}"), 1));
+    }
     let code = Python::with_gil(|py| {
-        if let Err(msg) = env.activate(py) {
+        if let Err(msg) = env.check_packages(py) {
             if cli.version {
                 return ft_server::cli::print_outcome(&format!("{}\npython environment: {msg}", first_line()), 0);
             }
