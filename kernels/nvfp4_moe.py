@@ -1,18 +1,70 @@
-"""Grouped MoE over an NVFP4 expert bank (layout: ``layers/nvfp4_experts.py``): the torch reference.
+"""Grouped MoE over an NVFP4 expert bank (layout: ``layers/nvfp4_experts.py``): the torch reference and the Triton
+kernels it is tested against.
 
-``nvfp4_moe_torch`` dequantizes only the experts the step routes to (to x's dtype, ModelOpt's dequantization) and
-runs ``fused_moe_torch`` on them, with the ids remapped into the gathered copy, so its result equals
-``fused_moe_torch`` over the whole bank dequantized — the property the Triton kernel will be tested against.
-A decode-sized step gathers one copy per (token, expert) pair (fixed shapes, no host sync); larger steps dequantize
-each expert hit once.
+The bank, six tensors whose leading dim ``S`` indexes experts (a resident layer: ``S = E``) or slots (an expert cache
+in the same layout: ``topk_ids`` are then slot ids, as for the BF16 decode kernel)::
+
+    w13 uint8 [S, 2I, H/2]   w13_scale e4m3 [S, 2I, H/16]   w13_global fp32 [S, 2I]      rows [gate(I) | up(I)]
+    w2  uint8 [S, H, I/2]    w2_scale  e4m3 [S, H, I/16]    w2_global  fp32 [S, H]
+
+    out[t] = sum_j w[t, j] * down_e(silu(gate_e x_t) * up_e x_t),  e = topk_ids[t, j]; ids outside [0, S) add nothing
+
+- ``nvfp4_moe_torch``: the reference. It dequantizes only the experts the step routes to (to x's dtype, ModelOpt's
+  dequantization) and runs ``fused_moe_torch`` on them, with the ids remapped into the gathered copy, so its result
+  equals ``fused_moe_torch`` over the whole bank dequantized. A decode-sized step gathers one copy per (token,
+  expert) pair (fixed shapes, no host sync); larger steps dequantize each expert hit once.
+- ``nvfp4_moe_decode_triton`` (steps of at most ``DECODE_MAX_PAIRS`` pairs; modelled on ``moe_decode.py``): two
+  GEMV kernels on the packed bytes (``nvfp4_tiles.py``: words of 8 codes decoded two weights per 32-bit operation).
+  ``gate_up``: one program per (pair, block of I rows) reading its expert's gate and up rows, the per-row global
+  scales and SiLU-and-mul in the epilogue -> ``inter [T*k, I]``. ``down``: one program per (token, block of H rows)
+  running the k pairs one after another (unrolled: their loads are all in flight together), weighting and summing
+  in fp32, the shared expert's gated output added in the epilogue -> ``out [T, H]``. A pair whose id is outside the
+  bank reads nothing (its loads are masked off): CUDA-graph padding rows and the offload slot cache's misses cost
+  no bandwidth.
+- ``nvfp4_fused_moe_triton`` (prefill; modelled on ``fused_moe.py``): the pairs sorted by expert and padded to the
+  block size (``moe_align_block_size``; ids outside the bank go to a dummy expert whose blocks write zeros), then
+  two grouped tensor-core GEMMs, each K step decoding a ``[BLOCK_N, BLOCK_K]`` weight tile to x's dtype in registers
+  as the left operand of ``tl.dot`` (``nvfp4_linear.py`` says why: no BF16 copy of the experts, one launch each).
+
+Rounding follows ``moe_decode``: gate and up rounded to x's dtype, the SiLU rounded, the product rounded; each down
+projection rounded, times the routing weight rounded to x's dtype, rounded; the k terms summed in fp32 and rounded
+once. The per-row global scale multiplies the fp32 sum before that first rounding (``e2m1 * block scale`` is exact in
+every dtype; the reference instead rounds each weight after the global scale). Everything is sized from the
+shapes and nothing is read back on the host: CUDA-graph capturable.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+import torch.nn.functional as F
 
 from ..quant import nvfp4
-from .fused_moe import _GATHER_PAIRS, _moe_gather_torch, fused_moe_torch
+from .activation import silu_and_mul_torch
+from .fused_moe import _GATHER_PAIRS, _moe_gather_torch, _pick_block_m, fused_moe_torch
+
+try:  # keep the reference importable without triton
+    import triton
+    import triton.language as tl
+
+    from .fused_moe import moe_align_block_size
+    from .nvfp4_tiles import dequant_tile_words, gemv_step, gemv_step_split
+except Exception:  # pragma: no cover
+    triton = None
+    tl = None
+
+# Up to this many (token, expert) pairs a step takes the decode GEMVs: the same cut as the BF16 path
+# (``moe_decode.MAX_PAIRS``, which says why)
+DECODE_MAX_PAIRS = 64
+
+_TARGET_PROGRAMS = 528  # about four programs per SM on a 132-SM H100 / H200
+_NUM_STAGES = 3
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# torch reference
+# ----------------------------------------------------------------------------------------------------------------------
 
 
 def dequantize_experts(packed, scale, glob, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -41,3 +93,391 @@ def nvfp4_moe_torch(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk
     if gather:
         return _moe_gather_torch(x, g13, g2, local, topk_weights)
     return fused_moe_torch(x, g13, g2, local, topk_weights)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Triton: decode GEMVs
+# ----------------------------------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _nvfp4_decode_gate_up_kernel(
+        x_ptr,  # [T, H]
+        w_ptr,  # int32 words [S, 2I, H/8]
+        s_ptr,  # uint8 e4m3 bits [S, 2I, H/16]
+        g_ptr,  # fp32 [S, 2I]
+        ids_ptr,  # [T*k]
+        inter_ptr,  # fp32 [T*k, 8, I/8]: column n at [n % 8, n // 8] (the down kernel's split activations)
+        num_slots,
+        stride_xt,
+        stride_we,
+        stride_wn,
+        stride_se,
+        stride_sn,
+        stride_ge,
+        H: tl.constexpr,
+        I: tl.constexpr,
+        TOPK: tl.constexpr,
+        EVEN: tl.constexpr,  # I a multiple of BLOCK_N and H of 8 * BLOCK_W: no masks
+        BLOCK_N: tl.constexpr,
+        BLOCK_W: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
+    ):
+        dt = x_ptr.dtype.element_ty
+        NB: tl.constexpr = BLOCK_W // 2
+        pair = tl.program_id(0)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < I
+        e = tl.load(ids_ptr + pair)
+        h = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        if (e >= 0) & (e < num_slots):  # an invalid pair reads no weights and leaves a zero row
+            e64 = e.to(tl.int64)
+            offs_w = tl.arange(0, BLOCK_W)
+            offs_s = tl.arange(0, NB)
+            offs_x = tl.arange(0, 8 * BLOCK_W)
+            x_row = x_ptr + (pair // TOPK).to(tl.int64) * stride_xt
+            rows = offs_n[:, None].to(tl.int64)
+            gw = w_ptr + e64 * stride_we + rows * stride_wn + offs_w[None, :]
+            gs = s_ptr + e64 * stride_se + rows * stride_sn + offs_s[None, :]
+            acc_g = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+            for kw0 in tl.range(0, H // 8, BLOCK_W, num_stages=NUM_STAGES):
+                if EVEN:
+                    xk = tl.load(x_row + 8 * kw0 + offs_x)
+                    wg, sg = tl.load(gw + kw0), tl.load(gs + kw0 // 2)
+                    wu, su = tl.load(gw + I * stride_wn + kw0), tl.load(gs + I * stride_sn + kw0 // 2)
+                else:
+                    xk = tl.load(x_row + 8 * kw0 + offs_x, mask=(8 * kw0 + offs_x) < H, other=0.0)
+                    w_mask = n_mask[:, None] & ((kw0 + offs_w) < H // 8)[None, :]
+                    s_mask = n_mask[:, None] & ((kw0 // 2 + offs_s) < H // 16)[None, :]
+                    wg = tl.load(gw + kw0, mask=w_mask, other=0)
+                    sg = tl.load(gs + kw0 // 2, mask=s_mask, other=0)
+                    wu = tl.load(gw + I * stride_wn + kw0, mask=w_mask, other=0)
+                    su = tl.load(gs + I * stride_sn + kw0 // 2, mask=s_mask, other=0)
+                acc_g += gemv_step(wg, sg, xk, BLOCK_N, BLOCK_W)
+                acc_u += gemv_step(wu, su, xk, BLOCK_N, BLOCK_W)
+            glob = g_ptr + e64 * stride_ge + offs_n
+            # the reference's rounding: gate, up, F.silu(gate), and the product each in x's dtype
+            gate = (tl.sum(acc_g, 1) * tl.load(glob, mask=n_mask, other=0.0)).to(dt).to(tl.float32)
+            up = (tl.sum(acc_u, 1) * tl.load(glob + I, mask=n_mask, other=0.0)).to(dt).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+            h = (act * up).to(dt).to(tl.float32)
+        # fp32 (the value rounded to x's dtype) in the order the down kernel's words need: no conversion there
+        tl.store(inter_ptr + pair.to(tl.int64) * I + (offs_n % 8) * (I // 8) + offs_n // 8, h, mask=n_mask)
+
+    @triton.jit
+    def _in_bank(offs, e, num_slots):
+        """``e`` in ``[0, num_slots)``, broadcast over ``offs`` (a scalar predicate in a tensor mask trips the CPU
+        interpreter; ``offs * 0`` folds away on the GPU)."""
+        ev = offs * 0 + e
+        return (ev >= 0) & (ev < num_slots)
+
+    @triton.jit
+    def _nvfp4_decode_down_kernel(
+        inter_ptr,  # fp32 [T*k, 8, I/8], from the gate_up kernel
+        w_ptr,  # int32 words [S, H, I/8]
+        s_ptr,  # uint8 e4m3 bits [S, H, I/16]
+        g_ptr,  # fp32 [S, H]
+        ids_ptr,  # [T*k]
+        wts_ptr,  # [T*k] routing weights, any float dtype
+        out_ptr,  # [T, H]
+        shared_ptr,  # SHARED: the shared expert's output [T, H]
+        shared_gate_ptr,  # SHARED: its gate logit, [T] strided
+        num_slots,
+        stride_we,
+        stride_wn,
+        stride_se,
+        stride_sn,
+        stride_ge,
+        stride_ot,
+        stride_st,
+        stride_gt,
+        H: tl.constexpr,
+        I: tl.constexpr,
+        TOPK: tl.constexpr,
+        SHARED: tl.constexpr,
+        EVEN: tl.constexpr,  # H a multiple of BLOCK_N and I of 8 * BLOCK_W: no masks
+        BLOCK_N: tl.constexpr,
+        BLOCK_W: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
+    ):
+        dt = out_ptr.dtype.element_ty
+        NB: tl.constexpr = BLOCK_W // 2
+        t = tl.program_id(0).to(tl.int64)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < H
+        offs_w = tl.arange(0, BLOCK_W)
+        offs_s = tl.arange(0, NB)
+        rows = offs_n[:, None].to(tl.int64)
+        out = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for j in tl.static_range(TOPK):  # unrolled: every pair's loads can be in flight at once
+            pair = t * TOPK + j
+            e = tl.load(ids_ptr + pair)
+            valid = _in_bank(offs_n, e, num_slots)  # [BLOCK_N]
+            valid_w = _in_bank(offs_w, e, num_slots)
+            e64 = tl.where((e >= 0) & (e < num_slots), e, 0).to(tl.int64)
+            w_rows = w_ptr + e64 * stride_we + rows * stride_wn + offs_w[None, :]
+            s_rows = s_ptr + e64 * stride_se + rows * stride_sn + offs_s[None, :]
+            a_row = inter_ptr + pair * I + offs_w
+            acc = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+            for kw0 in tl.range(0, I // 8, BLOCK_W, num_stages=NUM_STAGES):
+                # an invalid pair's loads are predicated off: no bandwidth
+                if EVEN:
+                    a_mask = valid_w
+                    w = tl.load(w_rows + kw0, mask=valid[:, None], other=0)
+                    s = tl.load(s_rows + kw0 // 2, mask=valid[:, None], other=0)
+                else:
+                    a_mask = ((kw0 + offs_w) < I // 8) & valid_w
+                    w_mask = (n_mask & valid)[:, None] & ((kw0 + offs_w) < I // 8)[None, :]
+                    s_mask = (n_mask & valid)[:, None] & ((kw0 // 2 + offs_s) < I // 16)[None, :]
+                    w = tl.load(w_rows + kw0, mask=w_mask, other=0)
+                    s = tl.load(s_rows + kw0 // 2, mask=s_mask, other=0)
+                acc += gemv_step_split(w, s, a_row + kw0, I // 8, a_mask, BLOCK_N, BLOCK_W)
+            glob = tl.load(g_ptr + e64 * stride_ge + offs_n, mask=n_mask & valid, other=0.0)
+            # rounded as the reference: the down projection, the weight (in x's dtype), their product
+            d = (tl.sum(acc, 1) * glob).to(dt).to(tl.float32)
+            rw = tl.load(wts_ptr + pair).to(dt).to(tl.float32)
+            out += tl.where(valid, (d * rw).to(dt).to(tl.float32), 0.0)
+        out = out.to(dt).to(tl.float32)
+        if SHARED:  # as ``out + torch.sigmoid(g) * s``: each step rounded
+            logit = tl.load(shared_gate_ptr + t * stride_gt).to(tl.float32)
+            sg = (1.0 / (1.0 + tl.exp(-logit))).to(dt).to(tl.float32)
+            s = tl.load(shared_ptr + t * stride_st + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            out = out + (sg * s).to(dt).to(tl.float32)
+        tl.store(out_ptr + t * stride_ot + offs_n, out.to(dt), mask=n_mask)
+
+
+def _decode_blocks(rows: int, items: int, k_len: int) -> tuple[int, int]:
+    """``(BLOCK_N, BLOCK_W)``: up to 64 words (512 weights) of a row per step and about ``_TARGET_PROGRAMS``
+    programs (``items`` programs per block of rows), 4..32 rows each."""
+    bw = max(4, min(64, triton.next_power_of_2(k_len // 8)))
+    bn = 32
+    while bn > 4 and items * triton.cdiv(rows, bn) < _TARGET_PROGRAMS:
+        bn //= 2
+    return bn, bw
+
+
+def _words(packed: torch.Tensor) -> torch.Tensor:
+    """The packed codes as int32 words (8 weights each): the decode kernels' 16-byte loads."""
+    return (packed if packed.stride(-1) == 1 else packed.contiguous()).view(torch.int32)
+
+
+def _scale_bytes(scale: torch.Tensor) -> torch.Tensor:
+    return (scale if scale.stride(-1) == 1 else scale.contiguous()).view(torch.uint8)
+
+
+def _shared_output(shared, shared_gate, shared_gate_up, shared_down) -> Optional[torch.Tensor]:
+    """The shared expert's output for the epilogue: given, or computed here from its gate|up projection and a
+    plain down weight (an NVFP4 shared expert's down projection runs as its own layer, so the block hands over its
+    output)."""
+    if shared is not None or shared_gate_up is None:
+        return shared
+    return F.linear(silu_and_mul_torch(shared_gate_up), shared_down)
+
+
+def nvfp4_moe_decode_triton(
+    x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_ids, topk_weights,
+    shared=None, shared_gate=None, shared_gate_up=None, shared_down=None,
+) -> torch.Tensor:  # fmt: skip
+    """Same contract as ``nvfp4_moe_torch`` plus ``moe_decode``'s shared-expert term (``out + sigmoid(shared_gate)
+    * shared``); for decode-sized steps. CUDA, or CPU under TRITON_INTERPRET=1."""
+    assert triton is not None, "triton is not installed"
+    T, H = x.shape
+    S, two_i, _ = w13.shape
+    I, k = two_i // 2, topk_ids.shape[1]
+    out = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    ids, wts, n = topk_ids.reshape(-1).contiguous(), topk_weights.reshape(-1).contiguous(), T * k
+    w13w, w13s, w2w, w2s = _words(w13), _scale_bytes(w13_scale), _words(w2), _scale_bytes(w2_scale)
+    inter = torch.empty(n, I, dtype=torch.float32, device=x.device)
+    bn, bw = _decode_blocks(I, n, H)
+    _nvfp4_decode_gate_up_kernel[(n, triton.cdiv(I, bn))](
+        x, w13w, w13s, w13_global, ids, inter, S, x.stride(0), w13w.stride(0), w13w.stride(1), w13s.stride(0),
+        w13s.stride(1), w13_global.stride(0), H=H, I=I, TOPK=k, EVEN=I % bn == 0 and H % (8 * bw) == 0,
+        BLOCK_N=bn, BLOCK_W=bw, NUM_STAGES=_NUM_STAGES, num_warps=4,
+    )  # fmt: skip
+    s_out = _shared_output(shared, shared_gate, shared_gate_up, shared_down)
+    gate = shared_gate.reshape(T, -1) if shared_gate is not None else out  # never read without SHARED
+    if s_out is not None and s_out.stride(-1) != 1:
+        s_out = s_out.contiguous()
+    src = s_out if s_out is not None else out
+    bn, bw = _decode_blocks(H, T, I)
+    _nvfp4_decode_down_kernel[(T, triton.cdiv(H, bn))](
+        inter, w2w, w2s, w2_global, ids, wts, out, src, gate, S, w2w.stride(0), w2w.stride(1), w2s.stride(0),
+        w2s.stride(1), w2_global.stride(0), out.stride(0), src.stride(0), gate.stride(0), H=H, I=I, TOPK=k,
+        SHARED=s_out is not None, EVEN=H % bn == 0 and I % (8 * bw) == 0, BLOCK_N=bn, BLOCK_W=bw,
+        NUM_STAGES=_NUM_STAGES, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Triton: grouped GEMMs for prefill
+# ----------------------------------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _nvfp4_moe_gate_up_kernel(
+        x_ptr,  # [T, H]
+        w_ptr,  # int32 words [E, 2I, H/8]
+        s_ptr,  # uint8 e4m3 bits [E, 2I, H/16]
+        g_ptr,  # fp32 [E, 2I]
+        out_ptr,  # [T*k, I]
+        sorted_ids_ptr,
+        block_expert_ptr,
+        num_pairs,
+        num_experts,  # blocks of expert num_experts (the dummy one: ids outside the bank) are skipped
+        H,
+        I,
+        stride_xt,
+        stride_we,
+        stride_wn,
+        stride_se,
+        stride_sn,
+        stride_ge,
+        stride_ot,
+        TOPK: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+    ):
+        dt = out_ptr.dtype.element_ty
+        BW: tl.constexpr = BLOCK_K // 8
+        pid_m = tl.program_id(0)
+        e = tl.load(block_expert_ptr + pid_m)
+        if (e >= 0) & (e < num_experts):
+            e64 = e.to(tl.int64)
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            pair = tl.load(sorted_ids_ptr + offs_m)
+            m_mask = pair < num_pairs
+            offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < I
+            offs_w = tl.arange(0, BW)
+            offs_s = tl.arange(0, BLOCK_K // 16)
+            offs_k = tl.arange(0, BLOCK_K)
+            rows = offs_n[:, None].to(tl.int64)
+            gw = w_ptr + e64 * stride_we + rows * stride_wn + offs_w[None, :]
+            gs = s_ptr + e64 * stride_se + rows * stride_sn + offs_s[None, :]
+            xt_ptrs = x_ptr + (pair // TOPK)[None, :].to(tl.int64) * stride_xt + offs_k[:, None]  # xᵀ [K, M]
+            acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # gateᵀ
+            acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
+                xt = tl.load(xt_ptrs + k0, mask=((k0 + offs_k) < H)[:, None] & m_mask[None, :], other=0.0)
+                w_mask = n_mask[:, None] & ((k0 // 8 + offs_w) < H // 8)[None, :]
+                s_mask = n_mask[:, None] & ((k0 // 16 + offs_s) < H // 16)[None, :]
+                wg = tl.load(gw + k0 // 8, mask=w_mask, other=0)
+                sg = tl.load(gs + k0 // 16, mask=s_mask, other=0)
+                acc_g = tl.dot(dequant_tile_words(wg, sg, BLOCK_N, BW, dt), xt, acc_g, input_precision=DOT_PREC)
+                wu = tl.load(gw + I * stride_wn + k0 // 8, mask=w_mask, other=0)
+                su = tl.load(gs + I * stride_sn + k0 // 16, mask=s_mask, other=0)
+                acc_u = tl.dot(dequant_tile_words(wu, su, BLOCK_N, BW, dt), xt, acc_u, input_precision=DOT_PREC)
+            glob = g_ptr + e64 * stride_ge + offs_n
+            gate = (acc_g * tl.load(glob, mask=n_mask, other=0.0)[:, None]).to(dt).to(tl.float32)
+            up = (acc_u * tl.load(glob + I, mask=n_mask, other=0.0)[:, None]).to(dt).to(tl.float32)
+            h = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up
+            o_ptrs = out_ptr + pair[None, :].to(tl.int64) * stride_ot + offs_n[:, None]
+            tl.store(o_ptrs, h.to(dt), mask=n_mask[:, None] & m_mask[None, :])
+
+    @triton.jit
+    def _nvfp4_moe_down_kernel(
+        h_ptr,  # [T*k, I]
+        w_ptr,  # int32 words [E, H, I/8]
+        s_ptr,  # uint8 e4m3 bits [E, H, I/16]
+        g_ptr,  # fp32 [E, H]
+        wt_ptr,  # [T*k] routing weights in x's dtype
+        out_ptr,  # [T*k, H] fp32
+        sorted_ids_ptr,
+        block_expert_ptr,
+        num_pairs,
+        num_experts,  # blocks of expert num_experts (the dummy one) write zeros
+        H,
+        I,
+        stride_ht,
+        stride_we,
+        stride_wn,
+        stride_se,
+        stride_sn,
+        stride_ge,
+        stride_ot,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+    ):
+        dt = h_ptr.dtype.element_ty
+        BW: tl.constexpr = BLOCK_K // 8
+        pid_m = tl.program_id(0)
+        e = tl.load(block_expert_ptr + pid_m)
+        if e >= 0:
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            pair = tl.load(sorted_ids_ptr + offs_m)
+            m_mask = pair < num_pairs
+            offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < H
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # outᵀ
+            if e < num_experts:
+                e64 = e.to(tl.int64)
+                offs_w = tl.arange(0, BW)
+                offs_s = tl.arange(0, BLOCK_K // 16)
+                offs_k = tl.arange(0, BLOCK_K)
+                rows = offs_n[:, None].to(tl.int64)
+                w_ptrs = w_ptr + e64 * stride_we + rows * stride_wn + offs_w[None, :]
+                s_ptrs = s_ptr + e64 * stride_se + rows * stride_sn + offs_s[None, :]
+                ht_ptrs = h_ptr + pair[None, :].to(tl.int64) * stride_ht + offs_k[:, None]
+                for k0 in tl.range(0, I, BLOCK_K, num_stages=NUM_STAGES):
+                    ht = tl.load(ht_ptrs + k0, mask=((k0 + offs_k) < I)[:, None] & m_mask[None, :], other=0.0)
+                    w_mask = n_mask[:, None] & ((k0 // 8 + offs_w) < I // 8)[None, :]
+                    w = tl.load(w_ptrs + k0 // 8, mask=w_mask, other=0)
+                    s_mask = n_mask[:, None] & ((k0 // 16 + offs_s) < I // 16)[None, :]
+                    s = tl.load(s_ptrs + k0 // 16, mask=s_mask, other=0)
+                    acc = tl.dot(dequant_tile_words(w, s, BLOCK_N, BW, dt), ht, acc, input_precision=DOT_PREC)
+                glob = tl.load(g_ptr + e64 * stride_ge + offs_n, mask=n_mask, other=0.0)
+                rw = tl.load(wt_ptr + pair, mask=m_mask, other=0.0).to(tl.float32)
+                # as the reference: the down projection rounded to x's dtype, then scaled by the routing weight
+                acc = (acc * glob[:, None]).to(dt).to(tl.float32) * rw[None, :]
+            o_ptrs = out_ptr + pair[None, :].to(tl.int64) * stride_ot + offs_n[:, None]
+            tl.store(o_ptrs, acc, mask=n_mask[:, None] & m_mask[None, :])
+
+
+def nvfp4_fused_moe_triton(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_ids, topk_weights):
+    """Grouped NVFP4 MoE; same contract as ``nvfp4_moe_torch`` (``topk_weights`` in x's dtype, as
+    ``fused_moe_triton`` takes them). CUDA, or CPU under TRITON_INTERPRET=1."""
+    assert triton is not None, "triton is not installed"
+    T, H = x.shape
+    E, two_i, _ = w13.shape
+    I, k = two_i // 2, topk_ids.shape[1]
+    if T == 0:
+        return torch.zeros_like(x)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    n = T * k
+    ids = topk_ids.reshape(-1)
+    ids = torch.where((ids >= 0) & (ids < E), ids, E)  # outside the bank: the dummy expert E
+    bm = _pick_block_m(n, E)
+    warps = 4 if bm <= 16 else 8  # two [BLOCK_N, BLOCK_M] accumulators and the decoded tiles: 4 warps spill
+    sorted_ids, block_expert = moe_align_block_size(ids, E + 1, bm)
+    nblocks = block_expert.numel()
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 must not silently drop to tf32
+    w13b, w13s, w2b, w2s = _words(w13), _scale_bytes(w13_scale), _words(w2), _scale_bytes(w2_scale)
+    inter = torch.empty(n, I, dtype=x.dtype, device=x.device)
+    bn1, bk1 = min(64, max(16, triton.next_power_of_2(I))), min(128, max(32, triton.next_power_of_2(H)))
+    _nvfp4_moe_gate_up_kernel[(nblocks, triton.cdiv(I, bn1))](
+        x, w13b, w13s, w13_global, inter, sorted_ids, block_expert, n, E, H, I, x.stride(0), w13b.stride(0),
+        w13b.stride(1), w13s.stride(0), w13s.stride(1), w13_global.stride(0), inter.stride(0), TOPK=k, BLOCK_M=bm,
+        BLOCK_N=bn1, BLOCK_K=bk1, NUM_STAGES=_NUM_STAGES, DOT_PREC=prec, num_warps=warps,
+    )  # fmt: skip
+    partial = torch.empty(n, H, dtype=torch.float32, device=x.device)
+    wts = topk_weights.reshape(-1).contiguous()
+    bn2, bk2 = min(128, max(16, triton.next_power_of_2(H))), min(128, max(32, triton.next_power_of_2(I)))
+    _nvfp4_moe_down_kernel[(nblocks, triton.cdiv(H, bn2))](
+        inter, w2b, w2s, w2_global, wts, partial, sorted_ids, block_expert, n, E, H, I, inter.stride(0),
+        w2b.stride(0), w2b.stride(1), w2s.stride(0), w2s.stride(1), w2_global.stride(0), partial.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, NUM_STAGES=_NUM_STAGES, DOT_PREC=prec, num_warps=warps,
+    )  # fmt: skip
+    return partial.view(T, k, H).sum(dim=1).to(x.dtype)

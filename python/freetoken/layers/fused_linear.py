@@ -5,7 +5,10 @@ each projection is a small GEMV.
 ``fuse_linears`` is applied after the weights are loaded: the parts' weights are concatenated along the output
 dimension into one tensor, and each part's ``weight`` (and ``bias``) becomes a view into it, so parameter names,
 ``state_dict()`` and the bytes counted stay exactly as loaded. The layer then calls the ``FusedLinear`` and splits
-the output.
+the output. Quantized parts keep their own scales and run part by part (``PartwiseLinear``); FP8 parts
+(``Fp8PartwiseLinear``) quantize the shared input once per distinct input scale and run one tensor-wise
+``_scaled_mm`` per part, on the current stream: a single GEMM over the concatenated weight would need a row-wise
+scale vector, and row-wise ``_scaled_mm`` ignores the stream on sm_89 with torch < 2.12 (REFERENCES §3.5).
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..kernels.fp8_linear import fp8_quantize, fp8_scaled_mm, scaled_mm_supported
+from .quantized_linear import Fp8Linear
 
 
 class FusedLinear(nn.Module):
@@ -52,6 +58,53 @@ class PartwiseLinear(nn.Module):
         return torch.split(y, self.sizes, dim=-1)
 
 
+class Fp8PartwiseLinear(PartwiseLinear):
+    """FP8 parts of one fused projection (q|k|v, GDN in_proj_qkv|z): the input quantized once per group of parts
+    with equal input scales (all dynamic parts form one group: the same x gives the same amax), then one
+    tensor-wise ``_scaled_mm`` per part. Where ``_scaled_mm`` cannot run (CPU, sm_80, a shape off the 16 grid) or a
+    part is pinned to another implementation, each part runs its own ``forward``."""
+
+    def __init__(self, parts: list[Fp8Linear]):
+        super().__init__(parts)
+        self.groups = _input_scale_groups(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        parts = self.parts
+        if any(p.impl != "auto" for p in parts) or not all(scaled_mm_supported(x, p.weight) for p in parts):
+            return super().forward(x)
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[0] == 0:
+            return super().forward(x)
+        x2 = x2 if x2.is_contiguous() else x2.contiguous()
+        quantized: dict = {}
+        outs = []
+        for p, g in zip(parts, self.groups):
+            if g not in quantized:
+                quantized[g] = fp8_quantize(x2, parts[g].input_scale)
+            xq, s = quantized[g]
+            outs.append(fp8_scaled_mm(xq, s, p.weight, p.weight_scale, p.bias, x.dtype))
+        return torch.cat(outs, dim=-1).view(*x.shape[:-1], sum(self.sizes))
+
+
+def _input_scale_groups(parts: list[Fp8Linear]) -> list[int]:
+    """For each part, the index of the first part whose input quantization is the same (equal static scale, or
+    both dynamic). Reads the scales on the host: call at load time, never under a CUDA-graph capture."""
+    groups: list[int] = []
+    for i, p in enumerate(parts):
+        same = (
+            j
+            for j in range(i)
+            if (p.input_scale is None and parts[j].input_scale is None)
+            or (
+                p.input_scale is not None
+                and parts[j].input_scale is not None
+                and bool(torch.equal(p.input_scale, parts[j].input_scale))
+            )
+        )
+        groups.append(next(same, i))
+    return groups
+
+
 @torch.no_grad()
 def fuse_linears(*parts: nn.Module) -> FusedLinear | PartwiseLinear:
     """Concatenate ``parts`` (same input size, same dtype and device; all with or all without bias) and point each
@@ -59,6 +112,8 @@ def fuse_linears(*parts: nn.Module) -> FusedLinear | PartwiseLinear:
     not plain ``nn.Linear`` (quantized layers) give a ``PartwiseLinear`` instead."""
     if len({p.in_features for p in parts}) != 1:
         raise ValueError("fused projections must share their input size")
+    if all(isinstance(p, Fp8Linear) for p in parts):
+        return Fp8PartwiseLinear(list(parts))
     if not all(isinstance(p, nn.Linear) for p in parts):
         return PartwiseLinear(list(parts))
     with_bias = [p.bias is not None for p in parts]

@@ -18,8 +18,12 @@ kernel applies it in its epilogue with no knowledge of where gate ends. It costs
 Qwen3.6-35B-A3B against 1.69 MiB of codes and scales.
 
 Loading takes ModelOpt's per-expert tensors ``{e}.{gate,up,down}_proj.{weight,weight_scale,weight_scale_2}``
-(compressed-tensors' names are translated before, ``loading/quantized_checkpoint.py``). Compute is the torch
-reference (``kernels/nvfp4_moe.py``): dequantize the experts a step uses to the activation dtype, then the BF16 math.
+(compressed-tensors' names are translated before, ``loading/quantized_checkpoint.py``). Compute
+(``kernels/nvfp4_moe.py``, ``impl``: ``auto`` | ``torch`` | ``triton``): on CUDA the Triton kernels read the packed
+bank directly (decode-sized steps through two GEMVs with the block's shared expert added in their epilogue, larger
+ones through the grouped kernels); elsewhere the torch reference dequantizes the experts a step uses to the
+activation dtype, then runs the BF16 math. The kernels take ids into the bank's leading dim, so a slot pool in this
+layout (the offload cache) runs through them with slot ids.
 """
 
 from __future__ import annotations
@@ -29,9 +33,9 @@ import re
 import torch
 from torch import nn
 
-from ..kernels.nvfp4_moe import nvfp4_moe_torch
+from ..kernels.nvfp4_moe import DECODE_MAX_PAIRS, nvfp4_moe_torch
 from ..quant import nvfp4
-from .moe import ExpertsBackend
+from .moe import ExpertsBackend, resolve_moe_impl
 
 _PIECE = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale|weight_scale_2)$")
 _SUFFIX = {"weight": "", "weight_scale": "_scale", "weight_scale_2": "_global"}
@@ -42,6 +46,8 @@ def _frozen(t: torch.Tensor) -> nn.Parameter:
 
 
 class Nvfp4Experts(ExpertsBackend):
+    impl = "auto"  # auto (Triton on CUDA) | torch | triton (CPU only under TRITON_INTERPRET=1)
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, device=None):
         super().__init__()
         E, H, I = num_experts, hidden_size, intermediate_size
@@ -69,6 +75,8 @@ class Nvfp4Experts(ExpertsBackend):
         )
 
     def forward(self, x, topk_ids, topk_weights, shared=None):
+        if resolve_moe_impl(self.impl, x) == "triton":
+            return run_nvfp4_experts(x, self.bank(), topk_ids, topk_weights, shared)
         out = nvfp4_moe_torch(x, *self.bank(), topk_ids, topk_weights.to(x.dtype))
         return out if shared is None else shared.add_to(out)
 
@@ -116,3 +124,16 @@ class Nvfp4Experts(ExpertsBackend):
             one = torch.empty((), dtype=torch.float32, device=glob.device)
             fill_nvfp4_dummy(packed, scale, one, std, gen)
             glob.fill_(float(one))
+
+
+def run_nvfp4_experts(x, bank, topk_ids, topk_weights, shared=None):
+    """The Triton kernels over a bank in this layout (six tensors, ``Nvfp4Experts.bank()``'s order; expert or slot
+    ids): the decode GEMVs for steps of at most ``DECODE_MAX_PAIRS`` pairs (shared expert in their epilogue), the
+    grouped kernels above (shared expert added after). On CPU this runs under TRITON_INTERPRET=1 only."""
+    from ..kernels.nvfp4_moe import nvfp4_fused_moe_triton, nvfp4_moe_decode_triton
+
+    T, k = topk_ids.shape
+    if T * k <= DECODE_MAX_PAIRS:
+        return nvfp4_moe_decode_triton(x, *bank, topk_ids, topk_weights, **(shared.kernel_args() if shared else {}))
+    out = nvfp4_fused_moe_triton(x, *bank, topk_ids, topk_weights.to(x.dtype))
+    return out if shared is None else shared.add_to(out)

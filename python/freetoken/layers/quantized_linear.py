@@ -6,9 +6,13 @@ lookup as for ``nn.Linear``::
     Nvfp4Linear  weight uint8 [N, K/2], weight_scale float8_e4m3fn [N, K/16], weight_scale_2 float32 []
     Fp8Linear    weight float8_e4m3fn [N, K], weight_scale float32 [], input_scale float32 []
 
-``forward`` is the torch reference every kernel is checked against: dequantize the whole weight to the activation
-dtype, then one matmul (W4A16 / W8A16; a W4A4 checkpoint's ``input_scale`` is not used). ``dequantized_weight``
-gives the same tensor for tests and tools.
+``forward`` dispatches by ``impl`` (``auto``: the kernels on CUDA, the torch reference elsewhere; ``torch`` or
+``triton`` pin one, tests do): ``Nvfp4Linear`` runs the W4A16 Triton kernels of ``kernels/nvfp4_linear.py``,
+``Fp8Linear`` W8A8 through ``torch._scaled_mm`` with tensor-wise scales (``kernels/fp8_linear.py``; static
+``input_scale``, or a dynamic per-tensor one with ``dynamic_input=True``). The torch reference every kernel is
+checked against dequantizes the whole weight to the activation dtype, then runs one matmul (W4A16 / W8A16; a W4A4
+checkpoint's ``input_scale`` is not used for NVFP4). ``dequantized_weight`` gives the same tensor for tests and
+tools.
 """
 
 from __future__ import annotations
@@ -19,7 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.fp8_linear import fp8_linear, fp8_linear_scaled_mm
+from ..kernels.nvfp4_linear import nvfp4_linear_triton
 from ..quant import fp8, nvfp4
+
+IMPLS = ("auto", "torch", "triton")
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:
@@ -30,6 +38,7 @@ class QuantizedLinear(nn.Module):
     """Common shape of the quantized layers: ``in_features``, ``out_features``, an optional bias in the model dtype."""
 
     scheme: str
+    impl: str = "auto"  # auto | torch | triton (the kernels: CUDA, or CPU under TRITON_INTERPRET=1 for NVFP4)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device=None):
         super().__init__()
@@ -39,8 +48,16 @@ class QuantizedLinear(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+
+    def use_kernel(self, x: torch.Tensor) -> bool:
+        if self.impl not in IMPLS:
+            raise ValueError(f"unknown implementation {self.impl!r} (one of {', '.join(IMPLS)})")
+        return self.impl == "triton" or (self.impl == "auto" and x.is_cuda)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_reference(x)
 
     def fill_dummy(self, std: float, gen: torch.Generator) -> None:
         """Random values in the quantized layout whose dequantized weight has about ``std`` (``--dummy-weight``)."""
@@ -67,22 +84,46 @@ class Nvfp4Linear(QuantizedLinear):
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         return nvfp4.dequantize(self.weight, self.weight_scale, self.weight_scale_2, dtype)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernel(x):
+            return nvfp4_linear_triton(x, self.weight, self.weight_scale, self.weight_scale_2, self.bias)
+        return self.forward_reference(x)
+
     @torch.no_grad()
     def fill_dummy(self, std: float, gen: torch.Generator) -> None:
         fill_nvfp4_dummy(self.weight, self.weight_scale, self.weight_scale_2, std, gen)
 
 
 class Fp8Linear(QuantizedLinear):
+    """``dynamic_input``: the checkpoint has no ``input_scale`` (dynamic activation quantization): the W8A8 kernel
+    takes ``amax(|x|) / 448`` per call, on the device."""
+
     scheme = "fp8"
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=torch.bfloat16, device=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        dtype=torch.bfloat16,
+        device=None,
+        dynamic_input: bool = False,
+    ):
         super().__init__(in_features, out_features, bias, dtype, device)
         self.weight = _frozen(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device))
         self.weight_scale = _frozen(torch.empty((), dtype=torch.float32, device=device))
-        self.input_scale = _frozen(torch.empty((), dtype=torch.float32, device=device))
+        self.dynamic_input = dynamic_input
+        self.input_scale = None if dynamic_input else _frozen(torch.empty((), dtype=torch.float32, device=device))
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         return fp8.dequantize(self.weight, self.weight_scale, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.impl == "triton":  # pinned: the W8A8 kernel even where ``fp8_linear`` would pick the reference
+            return fp8_linear_scaled_mm(x, self.weight, self.weight_scale, self.input_scale, self.bias)
+        if self.use_kernel(x):
+            return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, self.bias)
+        return self.forward_reference(x)
 
     @torch.no_grad()
     def fill_dummy(self, std: float, gen: torch.Generator) -> None:
@@ -90,7 +131,8 @@ class Fp8Linear(QuantizedLinear):
         w.normal_(0.0, 1.0, generator=gen)
         self.weight.copy_(w.clamp(-fp8.E4M3_MAX, fp8.E4M3_MAX).to(torch.float8_e4m3fn))
         self.weight_scale.fill_(std)
-        self.input_scale.fill_(1.0 / fp8.E4M3_MAX)
+        if self.input_scale is not None:
+            self.input_scale.fill_(1.0 / fp8.E4M3_MAX)
 
 
 def fill_nvfp4_dummy(
@@ -108,6 +150,8 @@ def fill_nvfp4_dummy(
 def make_quantized_linear(
     scheme: str, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device
 ) -> QuantizedLinear:
+    if scheme == "fp8_dynamic":
+        return Fp8Linear(in_features, out_features, bias, dtype=dtype, device=device, dynamic_input=True)
     cls: Optional[type] = {"nvfp4": Nvfp4Linear, "w4a16_nvfp4": Nvfp4Linear, "fp8": Fp8Linear}.get(scheme)
     if cls is None:
         raise ValueError(f"unknown quantization scheme {scheme!r}")

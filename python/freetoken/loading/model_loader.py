@@ -79,7 +79,7 @@ def load_model(a: dict) -> LoadedModel:
     kv_floor = max(int(a["kv_reserve_tokens"]), max_context)
     has_experts = int(config.get("num_experts") or 0) > 0
     quant = None if is_gguf else find_quant_config(checkpoint.path, checkpoint.config)
-    nvfp4_backend = resolve_nvfp4_backend(a.get("nvfp4_backend"), quant)
+    nvfp4_backend = resolve_nvfp4_backend(a.get("nvfp4_backend"), quant, device)
     needed = 0
     if has_experts and a["moe_backend"] == "auto" and device.type == "cuda":
         needed = device_bytes_needed(cls, config, dtype, kv_floor, quant)

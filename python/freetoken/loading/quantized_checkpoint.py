@@ -13,7 +13,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from ..quant.config import NVFP4_SCHEMES, QuantConfig
+from ..quant.config import FP8_SCHEMES, NVFP4_SCHEMES, QuantConfig
 
 _RENAME = {"weight_packed": "weight", "weight_global_scale": "weight_scale_2", "input_global_scale": "input_scale"}
 _RECIPROCAL = ("weight_global_scale", "input_global_scale")
@@ -32,7 +32,7 @@ def translate(tensors: Iterable[tuple[str, torch.Tensor]], qcfg: QuantConfig) ->
         scheme = qcfg.scheme_for(module)
         if leaf == "input_scale" and (scheme in NVFP4_SCHEMES or scheme is None):
             continue  # NVFP4 runs W4A16; an unquantized module has no use for one either
-        if leaf in _SCALARS or (leaf == "weight_scale" and scheme == "fp8"):
+        if leaf in _SCALARS or (leaf == "weight_scale" and scheme in FP8_SCHEMES):
             if t.numel() == 1:
                 t = t.reshape(())
         yield f"{module}.{leaf}", t

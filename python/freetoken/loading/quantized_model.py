@@ -17,7 +17,7 @@ from torch import nn
 from ..errors import UnsupportedModel
 from ..layers.nvfp4_experts import Nvfp4Experts
 from ..layers.quantized_linear import QuantizedLinear, make_quantized_linear
-from ..quant.config import FP8, NVFP4_SCHEMES, QuantConfig
+from ..quant.config import FP8_SCHEMES, NVFP4_SCHEMES, QuantConfig
 
 
 @contextlib.contextmanager
@@ -59,7 +59,7 @@ def quantized_experts_factory(qcfg: QuantConfig, device, fallback=None, offload:
             )
         if scheme in NVFP4_SCHEMES:
             return Nvfp4Experts(num_experts, hidden, inter, device=device)
-        if scheme == FP8:
+        if scheme in FP8_SCHEMES:
             raise UnsupportedModel("FP8 routed experts are not supported yet (NVFP4 experts and FP8 Linears are)")
         if fallback is not None:
             return fallback(layer_id, num_experts, hidden, inter)

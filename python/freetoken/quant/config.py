@@ -3,8 +3,10 @@
 §3.2, §3.6).
 
 Schemes (what a module's tensors are): ``nvfp4`` (W4A4 in the file: packed E2M1 + E4M3 block scales + global scale
-+ ``input_scale``), ``w4a16_nvfp4`` (the same without activation scales), ``fp8`` (E4M3 per-tensor weight and input
-scales), None (unquantized). NVFP4 runs as W4A16 here either way (no FP4 tensor cores on Hopper; activations stay
++ ``input_scale``), ``w4a16_nvfp4`` (the same without activation scales), ``fp8`` (E4M3 per-tensor weight and static
+input scales), ``fp8_dynamic`` (E4M3 per-tensor weight, no ``input_scale``: compressed-tensors groups whose
+activations are dynamic or not quantized; run W8A8 with a per-tensor scale taken from each input), None
+(unquantized). NVFP4 runs as W4A16 here either way (no FP4 tensor cores on Hopper; activations stay
 in the model dtype).
 
 Module names are matched after ``normalize``: the checkpoint prefix (``model.language_model.``, ``model.``) is
@@ -23,8 +25,9 @@ from typing import Optional
 
 from ..errors import UnsupportedModel
 
-NVFP4, W4A16_NVFP4, FP8 = "nvfp4", "w4a16_nvfp4", "fp8"
+NVFP4, W4A16_NVFP4, FP8, FP8_DYNAMIC = "nvfp4", "w4a16_nvfp4", "fp8", "fp8_dynamic"
 NVFP4_SCHEMES = (NVFP4, W4A16_NVFP4)
+FP8_SCHEMES = (FP8, FP8_DYNAMIC)
 _MODELOPT_ALGOS = {"NVFP4": NVFP4, "W4A16_NVFP4": W4A16_NVFP4, "FP8": FP8}
 _PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
 
@@ -119,7 +122,8 @@ def _group_scheme(group: dict, where: str) -> str:
         acts = group.get("input_activations") or {}
         return NVFP4 if acts and int(acts.get("num_bits", 16)) == 4 else W4A16_NVFP4
     if typ == "float" and bits == 8 and str(w.get("strategy", "tensor")) == "tensor":
-        return FP8
+        acts = group.get("input_activations")
+        return FP8_DYNAMIC if not acts or acts.get("dynamic") not in (False, None, "false") else FP8
     raise UnsupportedModel(f"{where}: weights {w} are not supported (NVFP4 group 16, FP8 per-tensor)")
 
 

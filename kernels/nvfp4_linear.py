@@ -1,0 +1,378 @@
+"""W4A16 NVFP4 linear: ``y = x · Wᵀ (+ bias)`` with ``W`` kept packed (layout ``quant/nvfp4.py``), beside the torch
+reference it is tested against.
+
+    x [..., K] (bf16 / fp16 / fp32)   weight uint8 [N, K/2]   weight_scale e4m3 [N, K/16]   weight_scale_2 fp32 []
+    W[n, k] = e2m1(code[n, k]) * float(weight_scale[n, k // 16]) * weight_scale_2          -> y [..., N] in x's dtype
+
+``nvfp4_linear_torch`` is the reference (``Nvfp4Linear``'s: dequantize to x's dtype, then one matmul). The Triton
+paths never materialize ``W``: each tile is decoded in registers (``nvfp4_tiles.py``) right where it is used, so a
+step reads 0.5625 bytes per weight instead of 2. Three paths, by the number of rows ``M`` of x:
+
+- ``M <= GEMV_MAX_M`` (decode): a GEMV on the CUDA cores. One program per block of output rows (and, when there are
+  too few rows to fill the GPU, per slice of K: split-K, the fp32 partial sums added by a second small kernel in a
+  fixed order, so the result does not depend on timing). Each step loads a ``[rows, words]`` tile with 16-byte
+  loads (a word = 8 weights), decodes two weights per 32-bit operation (``nvfp4_tiles.e2m1_word``), multiplies by
+  the matching activations, sums each 16-weight block in registers and applies its scale once. The K loop is
+  software-pipelined (loads run ahead through shared memory): a weight-streaming kernel needs that many bytes in
+  flight to reach HBM bandwidth. Every row of x costs a multiply-add per weight on the CUDA cores, so past a couple
+  of rows the ALUs, not HBM, set the pace: hence the tensor-core path above ``GEMV_MAX_M``.
+- ``M > GEMV_MAX_M``: tensor cores. Each K step decodes a ``[BLOCK_N, BLOCK_K]`` tile to x's dtype in registers
+  (exact: ``e2m1 * scale`` fits bf16) and runs ``tl.dot(W_tile, xᵀ_tile)``: the weights are the left operand, which
+  Hopper's wgmma takes from registers, x the right one (read through shared memory). The decode costs the same
+  whatever M is. Up to ``SMALL_M_MAX`` rows the tile is narrow in M (16..64) and wide in N; above, 128 x 128 tiles
+  like a plain GEMM, where the decode is amortized over 128 rows. One kernel, two configs.
+  Why not dequantize to FP8 for Hopper's FP8 tensor cores: ``e2m1 * e4m3`` needs up to 6 significant bits and E4M3
+  has 4, and the activations would have to be quantized too (W4A8): not the W4A16 numbers the reference and the
+  BF16 path give. Why not dequantize to a BF16 scratch and call cuBLAS: it writes and re-reads 2 bytes per weight
+  (3.5x the NVFP4 bytes) and needs a scratch as large as the biggest weight (1 GB for the 248320 x 2048 lm_head).
+
+The global scale ``weight_scale_2`` is read on the device and applied in the epilogue (after the K loop, in fp32),
+the bias added there too. Block sizes depend only on the shapes and nothing is read back on the host: CUDA-graph
+capturable. ``nvfp4_linear`` runs Triton on CUDA tensors and the reference elsewhere.
+
+Rounding: the reference rounds every weight to x's dtype after multiplying by the global scale; here ``e2m1 *
+scale`` is exact and the global scale multiplies the fp32 sum, so results differ from the reference by that
+rounding (about 2^-9 relative per weight in bf16, averaging out over K) and by the order of the fp32 sums.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..quant import nvfp4
+
+try:  # keep the reference importable without triton
+    import triton
+    import triton.language as tl
+
+    from .nvfp4_tiles import block_scale, dequant_tile_words, e2m1_word, split8, word_block_dot
+except Exception:  # pragma: no cover
+    triton = None
+    tl = None
+
+# M up to this runs the CUDA-core GEMV; above, tensor cores. Statically (sm_90 SASS of the inner loops) the GEMV
+# costs ~6 instructions per weight for one row and ~8 for two, ~12 for four; the tensor-core tile ~7 whatever M
+# is. (bench/nvfp4_kernel_bench.py measures both paths at small M: retune here.)
+GEMV_MAX_M = 2
+# up to this many rows the tensor-core path uses tiles narrow in M (16..64 rows) and wide in N
+SMALL_M_MAX = 64
+
+# a weight-streaming kernel wants about four programs per SM (132 on an H100 / H200)
+_TARGET_PROGRAMS = 528
+# weight bytes one GEMV program loads per step: 32 per thread at 4 warps (two 16-byte loads, 64 decoded weights)
+_GEMV_TILE = 4096
+_NUM_STAGES = 3
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# torch reference
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def nvfp4_linear_torch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_scale_2: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Reference: the whole weight dequantized to x's dtype (ModelOpt's dequantization), then ``F.linear``."""
+    return F.linear(x, nvfp4.dequantize(weight, weight_scale, weight_scale_2, x.dtype), bias)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Triton
+# ----------------------------------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _gemv_row(v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, m, M, stride_xm, k0, k_mask, offs_x, BN, BW):
+        """Row ``m`` of x against the decoded step: ``[BLOCK_N, BLOCK_W // 2]`` block sums (zeros past M)."""
+        xm = tl.load(x_ptr + m * stride_xm + k0 + offs_x, mask=k_mask & (offs_x * 0 + m < M), other=0.0)
+        x0, x1, x2, x3, x4, x5, x6, x7 = split8(xm, BW)
+        return word_block_dot(v0, v1, v2, v3, v4, v5, v6, v7, x0, x1, x2, x3, x4, x5, x6, x7, scale, BN, BW)
+
+    @triton.jit
+    def _gemv_store(acc, m, M, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL):
+        """Row ``m``: the sum over the step's blocks, then (unless a split-K partial) the global scale and bias."""
+        y = tl.sum(acc, 1)
+        if not PARTIAL:
+            y = y * g
+            if HAS_BIAS:
+                y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + m * stride_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask & (offs_n * 0 + m < M))
+
+    @triton.jit
+    def _nvfp4_gemv_kernel(
+        x_ptr,  # [M, K]
+        w_ptr,  # int32 words of the packed weight [N, K/8]
+        s_ptr,  # uint8 (e4m3 bits) [N, K/16]
+        g_ptr,  # fp32 [] global scale
+        bias_ptr,  # [N] (HAS_BIAS)
+        out_ptr,  # SPLIT_K == 1: [M, N] in x's dtype; else fp32 partials [SPLIT_K, M, N]
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_wn,
+        stride_sn,
+        stride_om,
+        stride_os,  # between the split-K partials
+        KW_PER_SPLIT,  # words of K per split, a multiple of BLOCK_W
+        HAS_BIAS: tl.constexpr,
+        EVEN: tl.constexpr,  # N a multiple of BLOCK_N and every split whole steps: no masks in the loop
+        SPLIT_K: tl.constexpr,
+        BLOCK_M: tl.constexpr,  # 1..8: rows of x, each with its own accumulator
+        BLOCK_N: tl.constexpr,
+        BLOCK_W: tl.constexpr,  # words of a row per step (8 weights each)
+        NUM_STAGES: tl.constexpr,
+    ):
+        NB: tl.constexpr = BLOCK_W // 2  # scale blocks per step
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        offs_w = tl.arange(0, BLOCK_W)
+        offs_s = tl.arange(0, NB)
+        offs_x = tl.arange(0, 8 * BLOCK_W)
+        KW = K // 8
+        kw_start = pid_k * KW_PER_SPLIT
+        kw_end = tl.minimum(kw_start + KW_PER_SPLIT, KW)
+        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_w[None, :]
+        s_ptrs = s_ptr + offs_n[:, None].to(tl.int64) * stride_sn + offs_s[None, :]
+        # one accumulator per row of x ([output rows, scale blocks of a step], reduced once after the loop): a 3-D
+        # [rows of x, rows of W, K] product would get a layout of one element per thread (no wide loads)
+        a0 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+        a1 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+        a2 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+        a3 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+        a4 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+        a5 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+        a6 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+        a7 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+        for kw0 in tl.range(kw_start, kw_end, BLOCK_W, num_stages=NUM_STAGES):
+            if EVEN:  # no masks: full-width loads, no predicates
+                w = tl.load(w_ptrs + kw0)
+                scale = block_scale(tl.load(s_ptrs + kw0 // 2))
+            else:
+                w_mask = n_mask[:, None] & ((kw0 + offs_w) < kw_end)[None, :]
+                s_mask = n_mask[:, None] & ((kw0 // 2 + offs_s) < kw_end // 2)[None, :]
+                w = tl.load(w_ptrs + kw0, mask=w_mask, other=0)
+                scale = block_scale(tl.load(s_ptrs + kw0 // 2, mask=s_mask, other=0))
+            v0, v1, v2, v3, v4, v5, v6, v7 = e2m1_word(w)
+            k_mask = (8 * kw0 + offs_x) < 8 * kw_end if not EVEN else offs_x >= 0
+            v0, v1, v2, v3, v4, v5, v6, v7 = e2m1_word(w)
+            k0 = 8 * kw0
+            a0 += _gemv_row(
+                v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 0, M, stride_xm, k0, k_mask, offs_x, BLOCK_N, BLOCK_W
+            )
+            if BLOCK_M > 1:
+                a1 += _gemv_row(
+                    v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 1, M, stride_xm, k0, k_mask, offs_x, BLOCK_N, BLOCK_W
+                )
+            if BLOCK_M > 2:
+                a2 += _gemv_row(
+                    v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 2, M, stride_xm, k0, k_mask, offs_x, BLOCK_N, BLOCK_W
+                )
+                a3 += _gemv_row(
+                    v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 3, M, stride_xm, k0, k_mask, offs_x, BLOCK_N, BLOCK_W
+                )
+            if BLOCK_M > 4:
+                a4 += _gemv_row(
+                    v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 4, M, stride_xm, k0, k_mask, offs_x, BLOCK_N, BLOCK_W
+                )
+                a5 += _gemv_row(
+                    v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 5, M, stride_xm, k0, k_mask, offs_x, BLOCK_N, BLOCK_W
+                )
+                a6 += _gemv_row(
+                    v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 6, M, stride_xm, k0, k_mask, offs_x, BLOCK_N, BLOCK_W
+                )
+                a7 += _gemv_row(
+                    v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 7, M, stride_xm, k0, k_mask, offs_x, BLOCK_N, BLOCK_W
+                )
+        g = tl.load(g_ptr)
+        out_ptr += pid_k * stride_os
+        PARTIAL: tl.constexpr = SPLIT_K > 1
+        _gemv_store(a0, 0, M, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL)
+        if BLOCK_M > 1:
+            _gemv_store(a1, 1, M, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL)
+        if BLOCK_M > 2:
+            _gemv_store(a2, 2, M, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL)
+            _gemv_store(a3, 3, M, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL)
+        if BLOCK_M > 4:
+            _gemv_store(a4, 4, M, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL)
+            _gemv_store(a5, 5, M, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL)
+            _gemv_store(a6, 6, M, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL)
+            _gemv_store(a7, 7, M, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL)
+
+    @triton.jit
+    def _splitk_reduce_kernel(
+        part_ptr,  # fp32 [SPLIT_K, M, N]
+        g_ptr,
+        bias_ptr,
+        out_ptr,  # [M, N]
+        N,
+        stride_ps,
+        stride_pm,
+        stride_om,
+        HAS_BIAS: tl.constexpr,
+        SPLIT_K: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        m = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < N
+        y = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in tl.static_range(SPLIT_K):  # fixed order: the same sum on every run
+            y += tl.load(part_ptr + s * stride_ps + m * stride_pm + offs, mask=mask, other=0.0)
+        y = y * tl.load(g_ptr)
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + m * stride_om + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _nvfp4_dot_kernel(
+        x_ptr,  # [M, K]
+        w_ptr,  # int32 words of the packed weight [N, K/8]
+        s_ptr,  # uint8 (e4m3 bits) [N, K/16]
+        g_ptr,  # fp32 [] global scale
+        bias_ptr,  # [N] (HAS_BIAS)
+        out_ptr,  # [M, N]
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_wn,
+        stride_sn,
+        stride_om,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
+        DOT_PREC: tl.constexpr,
+    ):
+        BW: tl.constexpr = BLOCK_K // 8
+        dt = x_ptr.dtype.element_ty
+        # M blocks vary fastest: programs launched together share a weight tile (read from HBM once, then L2)
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        offs_w = tl.arange(0, BW)
+        offs_s = tl.arange(0, BLOCK_K // 16)
+        offs_k = tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_w[None, :]
+        s_ptrs = s_ptr + offs_n[:, None].to(tl.int64) * stride_sn + offs_s[None, :]
+        xt_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None]  # xᵀ tile [BLOCK_K, BLOCK_M]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # yᵀ
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+            w_mask = n_mask[:, None] & ((k0 // 8 + offs_w) < K // 8)[None, :]
+            w = tl.load(w_ptrs + k0 // 8, mask=w_mask, other=0)
+            s = tl.load(s_ptrs + k0 // 16, mask=n_mask[:, None] & ((k0 // 16 + offs_s) < K // 16)[None, :], other=0)
+            xt = tl.load(xt_ptrs + k0, mask=((k0 + offs_k) < K)[:, None] & m_mask[None, :], other=0.0)
+            acc = tl.dot(dequant_tile_words(w, s, BLOCK_N, BW, dt), xt, acc, input_precision=DOT_PREC)
+        y = acc * tl.load(g_ptr)
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        o_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+        tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+
+
+def _gemv_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_W, SPLIT_K)`` for the GEMV: tiles of ``_GEMV_TILE`` bytes, 4..64 words (32..512
+    weights) of a row per step, and K split until the grid has about ``_TARGET_PROGRAMS`` programs (each split at
+    least two steps long)."""
+    bm = triton.next_power_of_2(M)
+    kw = K // 8
+    bw = max(4, min(64, triton.next_power_of_2(kw)))
+    bn = max(4, min(64, _GEMV_TILE // (4 * bw)))
+    bn = min(bn, max(4, triton.next_power_of_2(N)))
+    split = 1
+    while triton.cdiv(N, bn) * split < _TARGET_PROGRAMS and triton.cdiv(kw, split * 2) >= 2 * bw:
+        split *= 2
+    return bm, bn, bw, split
+
+
+def _dot_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)`` for the tensor-core path."""
+    bk = max(32, min(128, triton.next_power_of_2(K)))
+    if M <= SMALL_M_MAX:
+        bm = max(16, triton.next_power_of_2(M))
+        bn = 128 if triton.cdiv(N, 128) >= _TARGET_PROGRAMS // 4 else 64
+        return bm, bn, bk, 4 if bm <= 32 else 8  # 4 warps at 64 rows spill registers on sm_80/89
+    return 128, 128, min(bk, 64), 8
+
+
+def _launch_gemv(x2, weight, weight_scale, weight_scale_2, bias, out) -> None:
+    M, K = x2.shape
+    N = weight.shape[0]
+    bm, bn, bw, split = _gemv_config(M, N, K)
+    kw_per_split = triton.cdiv(triton.cdiv(K // 8, split), bw) * bw
+    split = triton.cdiv(K // 8, kw_per_split)  # no empty splits
+    dst = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x2.device)
+    b = bias if bias is not None else out  # never read without HAS_BIAS
+    words = weight.view(torch.int32)  # [N, K/8]: 16-byte loads of 4 words, 8 weights decoded per word
+    _nvfp4_gemv_kernel[(triton.cdiv(N, bn), split)](
+        x2, words, weight_scale, weight_scale_2, b, dst, M, N, K,
+        x2.stride(0), words.stride(0), weight_scale.stride(0), dst.stride(-2), dst.stride(0) if split > 1 else 0,
+        kw_per_split, HAS_BIAS=bias is not None, EVEN=N % bn == 0 and (K // 8) % kw_per_split == 0, SPLIT_K=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=bw,
+        NUM_STAGES=_NUM_STAGES, num_warps=4,
+    )  # fmt: skip
+    if split > 1:
+        block = min(1024, triton.next_power_of_2(N))
+        _splitk_reduce_kernel[(M, triton.cdiv(N, block))](
+            dst, weight_scale_2, b, out, N, dst.stride(0), dst.stride(1), out.stride(0),
+            HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK=block, num_warps=4,
+        )  # fmt: skip
+
+
+def _launch_dot(x2, weight, weight_scale, weight_scale_2, bias, out) -> None:
+    M, K = x2.shape
+    N = weight.shape[0]
+    bm, bn, bk, warps = _dot_config(M, N, K)
+    prec = "ieee" if x2.dtype == torch.float32 else "tf32"  # fp32 must not silently drop to tf32
+    words = weight.view(torch.int32)
+    _nvfp4_dot_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
+        x2, words, weight_scale, weight_scale_2, bias if bias is not None else out, out, M, N, K,
+        x2.stride(0), words.stride(0), weight_scale.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=_NUM_STAGES,
+        DOT_PREC=prec, num_warps=warps,
+    )  # fmt: skip
+
+
+def nvfp4_linear_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_scale_2: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Same contract as ``nvfp4_linear_torch``; CUDA, or CPU under TRITON_INTERPRET=1. Rows of x may be strided
+    (last dim contiguous); the weight and its scales must be row-major with contiguous rows."""
+    assert triton is not None, "triton is not installed"
+    K = x.shape[-1]
+    N = weight.shape[0]
+    assert weight.shape[1] * 2 == K and weight_scale.shape == (N, K // nvfp4.BLOCK), "NVFP4 shapes do not match x"
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M > 0 and N > 0:
+        scale_bytes = weight_scale.view(torch.uint8)  # E4M3 bits, decoded in the kernel
+        launch = _launch_gemv if M <= GEMV_MAX_M else _launch_dot
+        launch(x2, weight, scale_bytes, weight_scale_2.reshape(()), bias, out)
+    return out.view(*x.shape[:-1], N)
+
+
+def nvfp4_linear(x, weight, weight_scale, weight_scale_2, bias=None) -> torch.Tensor:
+    """Triton on CUDA tensors, the torch reference elsewhere."""
+    fn = nvfp4_linear_triton if x.is_cuda and triton is not None else nvfp4_linear_torch
+    return fn(x, weight, weight_scale, weight_scale_2, bias)

@@ -1,0 +1,137 @@
+"""Triton building blocks that decode NVFP4 weights inside a kernel (layout: ``quant/nvfp4.py``), shared by the W4A16
+linear (``nvfp4_linear.py``) and the NVFP4 MoE kernels (``nvfp4_moe.py``).
+
+Weights are read as int32 words (the packed uint8 rows viewed as int32: word j holds weights 8j..8j+7, weight 8j+p
+in bits 4p..4p+3) with 16-byte loads, and the E4M3 block scales as raw bytes (one per 16 weights = two words).
+Nothing here uses Triton's fp8 types, so the same code runs on sm_80 (no FP8 conversions), sm_89/90, and under the
+CPU interpreter.
+
+Why bit placement instead of a 16-entry lookup table: the GPU has no cheap per-lane table lookup (a gather from
+memory costs a load instruction per weight; REFERENCES §3.8 measured a LUT at 36 % of the roofline). An E2M1 code
+placed into the fp16 bit pattern is already a float::
+
+    code  s e1 e0 m   ->   fp16 bits  s 000 e1 e0 m 000000000   =  e2m1(code) * 2^-14   (exact, subnormals included)
+
+and an E4M3 scale likewise: ``(byte & 0x7F) << 7`` as fp16 is ``e4m3(byte) * 2^-8``. Weights p and p+4 of a word
+sit 16 bits apart, so one shift-and-mask places both, as an fp16 pair in one register, and the GPU's half -> float
+conversion reads either half of a register for free: per weight about one logic op, one shift, one conversion and
+the multiply-add it feeds (``e2m1_word``). The powers of two are folded into the block scale once per 16 weights
+(``block_scale``). Every step is exact, and so is ``e2m1 * e4m3`` (at most 6 significant bits) in fp32, bf16 and
+fp16: a decoded tile equals ``e2m1 * float(scale)``; the per-tensor / per-row global scale is applied once, in a
+kernel's epilogue.
+
+Measured statically (Triton 3.9 compiling for sm_90, SASS of the inner loops; tools in the GPU session's bench): a
+GEMV row costs ~6 instructions per weight, a ``tl.dot`` tile (``dequant_tile_words``) ~7; decoding bytes one nibble
+at a time instead took ~10.
+
+The block scales are assumed non-negative (both producers write ``amax``-derived scales; the sign bit is dropped).
+"""
+
+from __future__ import annotations
+
+try:  # keep the package importable without triton
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover
+    triton = None
+    tl = None
+
+if triton is not None:
+
+    @triton.jit
+    def block_scale(s):
+        """E4M3 scale bytes -> ``float(scale) * 2^14`` in fp32: the factor that turns ``e2m1_word``'s values into
+        ``e2m1 * scale``. (``* 2^8`` undoes the fp16 placement of the scale, ``* 2^14`` the codes'.)"""
+        bits = (s.to(tl.int32) & 0x7F) << 7
+        return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 4194304.0
+
+    @triton.jit
+    def _f16_halves(r):
+        """A uint32 holding two fp16 bit patterns -> (low, high) as fp32."""
+        lo = r.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (r >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        return lo, hi
+
+    @triton.jit
+    def e2m1_word(w):
+        """int32 words of packed codes (word j = weights 8j..8j+7, weight 8j+p in bits 4p..4p+3) -> the 8 weights
+        ``v0..v7`` (fp32, times 2^-14), each a tensor shaped like ``w``. Two weights per 32-bit operation: weights p
+        and p+4 are placed as an fp16 pair in one register (two shifts, two logic ops), which two half -> float
+        conversions split (the GPU reads either half of a register for free)."""
+        w = w.to(tl.uint32, bitcast=True)
+        v0, v4 = _f16_halves(((w << 9) & 0x0E000E00) | ((w << 12) & 0x80008000))
+        v1, v5 = _f16_halves(((w << 5) & 0x0E000E00) | ((w << 8) & 0x80008000))
+        v2, v6 = _f16_halves(((w << 1) & 0x0E000E00) | ((w << 4) & 0x80008000))
+        v3, v7 = _f16_halves(((w >> 3) & 0x0E000E00) | (w & 0x80008000))
+        return v0, v1, v2, v3, v4, v5, v6, v7
+
+    @triton.jit
+    def split8(x, COLS: tl.constexpr):
+        """``x [8 * COLS]`` -> ``x0..x7 [COLS]`` with ``xp[c] = x[8c + p]`` (the activations matching ``e2m1_word``'s
+        ``vp``), fp32. One contiguous load for the caller; the split is register renaming."""
+        x = tl.reshape(x.to(tl.float32), (COLS, 2, 2, 2))  # [c, p // 4, p // 2 % 2, p % 2]
+        e, o = tl.split(x)
+        e0, e1 = tl.split(e)
+        o0, o1 = tl.split(o)
+        x0, x4 = tl.split(e0)
+        x2, x6 = tl.split(e1)
+        x1, x5 = tl.split(o0)
+        x3, x7 = tl.split(o1)
+        return x0, x1, x2, x3, x4, x5, x6, x7
+
+    @triton.jit
+    def word_block_dot(v0, v1, v2, v3, v4, v5, v6, v7, x0, x1, x2, x3, x4, x5, x6, x7, scale, ROWS, WORDS):
+        """One GEMV step over ``[ROWS, WORDS]`` words: ``v0..v7`` from ``e2m1_word``, ``x0..x7 [WORDS]`` the
+        matching activations (``split8``), ``scale [ROWS, WORDS // 2]`` from ``block_scale`` -> each 16-weight
+        block's dot product times its scale, ``[ROWS, WORDS // 2]``. Per word a chain of multiply-adds; the scale
+        costs one multiply per block."""
+        d = v0 * x0[None, :]  # one chain: each line a fused multiply-add
+        d += v1 * x1[None, :]
+        d += v2 * x2[None, :]
+        d += v3 * x3[None, :]
+        d += v4 * x4[None, :]
+        d += v5 * x5[None, :]
+        d += v6 * x6[None, :]
+        d += v7 * x7[None, :]
+        return tl.sum(tl.reshape(d, (ROWS, WORDS // 2, 2)), 2) * scale
+
+    @triton.jit
+    def gemv_step(w, s, x, ROWS: tl.constexpr, WORDS: tl.constexpr):
+        """``w [ROWS, WORDS]`` int32 words, ``s [ROWS, WORDS // 2]`` scale bytes, ``x [8 * WORDS]`` activations ->
+        ``[ROWS, WORDS // 2]`` scaled block sums (sum them for the step's dot products)."""
+        v0, v1, v2, v3, v4, v5, v6, v7 = e2m1_word(w)
+        x0, x1, x2, x3, x4, x5, x6, x7 = split8(x, WORDS)
+        return word_block_dot(
+            v0, v1, v2, v3, v4, v5, v6, v7, x0, x1, x2, x3, x4, x5, x6, x7, block_scale(s), ROWS, WORDS
+        )
+
+    @triton.jit
+    def gemv_step_split(w, s, xs_ptr, stride_p, mask, ROWS: tl.constexpr, WORDS: tl.constexpr):
+        """``gemv_step`` with the activations already split (``xs_ptr + p * stride_p`` -> ``xp [WORDS]``, fp32:
+        loaded straight into the layout they are used in, with no conversion)."""
+        v0, v1, v2, v3, v4, v5, v6, v7 = e2m1_word(w)
+        x0 = tl.load(xs_ptr, mask=mask, other=0.0)
+        x1 = tl.load(xs_ptr + stride_p, mask=mask, other=0.0)
+        x2 = tl.load(xs_ptr + 2 * stride_p, mask=mask, other=0.0)
+        x3 = tl.load(xs_ptr + 3 * stride_p, mask=mask, other=0.0)
+        x4 = tl.load(xs_ptr + 4 * stride_p, mask=mask, other=0.0)
+        x5 = tl.load(xs_ptr + 5 * stride_p, mask=mask, other=0.0)
+        x6 = tl.load(xs_ptr + 6 * stride_p, mask=mask, other=0.0)
+        x7 = tl.load(xs_ptr + 7 * stride_p, mask=mask, other=0.0)
+        return word_block_dot(
+            v0, v1, v2, v3, v4, v5, v6, v7, x0, x1, x2, x3, x4, x5, x6, x7, block_scale(s), ROWS, WORDS
+        )
+
+    @triton.jit
+    def dequant_tile_words(w, s, ROWS: tl.constexpr, WORDS: tl.constexpr, DTYPE: tl.constexpr):
+        """A weight tile for ``tl.dot``: words ``w [ROWS, WORDS]`` and scale bytes ``s [ROWS, WORDS // 2]`` ->
+        ``e2m1 * float(scale)`` as ``[ROWS, 8 * WORDS]`` in ``DTYPE``, columns in K order (exact in every dtype)."""
+        v0, v1, v2, v3, v4, v5, v6, v7 = e2m1_word(w)
+        sw = tl.reshape(tl.broadcast_to(block_scale(s)[:, :, None], (ROWS, WORDS // 2, 2)), (ROWS, WORDS))
+        # weight 8j + 4a + 2b + c: join the a pairs first, c last (each join adds the fastest axis)
+        a00 = tl.join((v0 * sw).to(DTYPE), (v4 * sw).to(DTYPE))
+        a01 = tl.join((v1 * sw).to(DTYPE), (v5 * sw).to(DTYPE))
+        a10 = tl.join((v2 * sw).to(DTYPE), (v6 * sw).to(DTYPE))
+        a11 = tl.join((v3 * sw).to(DTYPE), (v7 * sw).to(DTYPE))
+        t = tl.join(tl.join(a00, a10), tl.join(a01, a11))  # [ROWS, WORDS, a, b, c]
+        return tl.reshape(t, (ROWS, 8 * WORDS))
