@@ -2,7 +2,8 @@
 crates/ft-server/src/cli.rs). ``freetoken.LLM`` and tests pass a partial dict; every key they leave out takes the
 flag's default, read from the extension, so no default is restated here.
 
-Worker-only keys (not flags): ``device`` is a flag too; ``load_progress`` (a tqdm bar while loading) and
+Worker-only keys (not flags): ``device`` is a flag too; ``load_progress`` (a tqdm bar while loading; by default
+only when stderr is a terminal: a log file gets the start-up phases as log lines instead, ``startup_progress``) and
 ``emulate_cuda_graphs`` (tests: CPU stand-in graphs audited for host syncs).
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 from typing import Optional
 
 # worker-only settings, not `ft serve` flags
@@ -36,7 +38,7 @@ def serve_defaults() -> dict:
 
 def normalize_args(args: Optional[dict]) -> dict:
     """``args`` over the defaults; aliases resolved; a ``None`` value means "the default"."""
-    out = {**serve_defaults(), **_WORKER_ONLY}
+    out = {**serve_defaults(), **_WORKER_ONLY, "load_progress": sys.stderr.isatty()}
     for k, v in (args or {}).items():
         k = _ALIASES.get(k, k)
         if v is not None or k not in out:

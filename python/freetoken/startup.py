@@ -24,6 +24,7 @@ from .errors import WorkerOutOfMemory
 from .loading.model_loader import free_memory_bytes
 from .log import get_logger
 from .memory_plan import MemoryPlan, measure_peak_bytes
+from .startup_progress import phase
 
 if TYPE_CHECKING:
     from .engine.decode_graphs import DecodeGraphs
@@ -70,6 +71,7 @@ def allocate_pools(w: "Worker") -> None:
         # dry runs on the scratch slots alone, before the KV pool exists
         w.kv_capacity_tokens = 0
         w.kv = make_kv_pool(w, w.scratch_tokens)
+        phase(f"Dry run: a {plan.workspace_tokens}-token prefill chunk measures the workspace")
         plan.workspace = measure_peak_bytes(w.device, lambda: w.dry_run(plan.workspace_tokens))
         if w.graph_max_bs:
             plan.graph_bytes = plan_decode_graphs(w)
@@ -240,6 +242,7 @@ def plan_decode_graphs(w: "Worker") -> int:
 def capture_decode_graphs(w: "Worker") -> "DecodeGraphs":
     graphs = make_decode_graphs(w, emulate=w.device.type != "cuda" or bool(w.args["emulate_cuda_graphs"]))
     logger.info(f"Start capturing CUDA graphs with sizes: {graphs.sizes}")
+    phase(f"Capturing CUDA graphs with sizes: {graphs.sizes}", log=False)
     graphs.capture()
     w.memory_plan.graph_pool_bytes = graphs.pool_bytes
     logger.info(graphs.describe())

@@ -327,8 +327,9 @@ pub struct ServeArgs {
     pub served_model_name: Option<String>,
 
     /// Require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on every route but /health (and /metrics
-    /// with --metrics-without-api-key) (default: none, no key needed).
-    #[arg(help_heading = API, long)]
+    /// with --metrics-without-api-key) (default: none, no key needed). Also read from FREETOKEN_API_KEY, which
+    /// keeps the key out of the process list (the systemd unit's environment file sets it).
+    #[arg(help_heading = API, long, env = "FREETOKEN_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
 
     /// Serve `GET /metrics` without --api-key (for a scraper that sends no key); by default it needs the key

@@ -27,6 +27,7 @@ from ..moe.backend_choice import device_bytes_needed, resolve_moe_backend
 from ..moe.offload import ExpertOffload
 from ..quant.backend import resolve_nvfp4_backend
 from ..quant.config import QuantConfig, find_quant_config
+from ..startup_progress import phase
 from .cache_dir import cache_dir
 from .quantized_checkpoint import translate
 
@@ -96,6 +97,7 @@ def load_model(a: dict) -> LoadedModel:
         offload = ExpertOffload(
             device, dtype, int(config.num_experts_per_tok), overlap=not a["disable_moe_prefill_overlap"]
         )
+    phase(f"Loading weights ({'dummy' if a['dummy_weight'] else os.path.basename(checkpoint.path)}, {dtype})")
     model = build_model(cls, config, dtype, device, offload, quant)
     if a["dummy_weight"]:
         from .dummy_weights import fill_dummy_weights
@@ -107,6 +109,7 @@ def load_model(a: dict) -> LoadedModel:
     fuse_projections(model)  # q|k|v, gate|up, GDN in_proj, router|shared expert: one GEMM each
     weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if offload is not None:
+        phase("Pinning the expert banks in host memory")
         offload.finish_loading()  # pins the host banks, allocates the prefill stream buffers
         weights_bytes -= offload.host_bytes  # the banks stay on the host; the plan lists them apart
         logger.info(
