@@ -55,6 +55,8 @@ def test_only_plain_decode_steps_take_the_graph_path():
     )
     assert anchored["snap_src"].tolist() == [1] and anchored["snap_dst"].tolist() == [7]
     assert decode_inputs(encode_plan([a.item(sample=GREEDY)], snapshots=[(0, 3, 7)]), 4) is None  # not after it
+    wants_prompt = dict(a.item(sample=GREEDY), prompt_logprobs={"next": -1, "top": 0})
+    assert decode_inputs(encode_plan([wants_prompt], kind="decode"), 4) is None  # prompt logprobs: eager
 
 
 def _qwen35_dir(tmp_path_factory) -> str:
@@ -102,7 +104,7 @@ def _drive(w, steps: int = 6) -> list:
     seqs = {0: Seq(0, [5, 17, 23, 99, 3, 41], 0), 2: Seq(2, [7, 8, 9, 10], 300, 2), 3: Seq(3, [100, 3, 3], 700)}
     out = []
     items = [dict(s.item(sample=GREEDY), state_slot=_state_slot(w, r)) for r, s in seqs.items()]
-    toks, lps, _ = w.execute(encode_plan(items))
+    toks, lps, _, _ = w.execute(encode_plan(items))
     for s, t in zip(seqs.values(), toks):
         s.advance(len(s.tokens) - s.cached, t)
     out.append((toks, lps))
@@ -117,7 +119,7 @@ def _drive(w, steps: int = 6) -> list:
         items = [dict(seqs[r].item(sample=sample(r)), state_slot=_state_slot(w, r)) for r in live]
         plan = encode_plan(items, step_id=step)
         assert decode_inputs(plan, 4) is not None
-        toks, lps, _ = w.execute(plan)
+        toks, lps, _, _ = w.execute(plan)
         for r, t in zip(live, toks):
             seqs[r].advance(1, t)
         out.append((toks, lps))
@@ -135,6 +137,51 @@ def test_emulated_graphs_match_eager(model_dirs, family):
         np.testing.assert_allclose(gl, wl, atol=1e-4)
 
 
+def _top(extra: dict) -> tuple[np.ndarray, np.ndarray]:
+    k = extra["top_k"]
+    ids = np.frombuffer(extra["top_ids"], dtype="<i4").reshape(-1, k)
+    return ids, np.frombuffer(extra["top_logprobs"], dtype="<f4").reshape(-1, k)
+
+
+def _decode_with_top_logprobs(w) -> list:
+    """Three sequences prefilled, then decode steps whose rows ask for 0..20 alternatives (one samples)."""
+    seqs = [Seq(0, [5, 17, 23, 99], 0), Seq(1, [7, 8, 9], 300), Seq(2, [100, 3, 3], 700)]
+    toks, *_ = w.execute(encode_plan([s.item(sample=GREEDY) for s in seqs]))
+    for s, t in zip(seqs, toks):
+        s.advance(len(s.tokens) - s.cached, t)
+    out = []
+    for step, asks in enumerate(([5, 0, 2], [0, 0, 0], [20, 1, 0]), start=1):
+        items = [s.item(sample={"temperature": 0.0, "num_top_logprobs": n}) for s, n in zip(seqs, asks)]
+        items[1]["sample"].update(temperature=0.8, seed=step)
+        plan = encode_plan(items, step_id=step)
+        assert decode_inputs(plan, 4) is not None
+        toks, lps, _, extra = w.execute(plan)
+        out.append((toks, lps, extra, asks))
+        for s, t in zip(seqs, toks):
+            s.advance(1, t)
+    return out
+
+
+def test_top_logprobs_on_the_graph_path_equal_eager(model_dirs):
+    """Rows asking for top logprobs on the graph path (the top-logprobs graph's fixed 20) get what the eager path
+    computes (as many as the most asked); a step where no row asks returns none."""
+    want = _decode_with_top_logprobs(_worker(model_dirs["llama"], graphs=False))
+    got = _decode_with_top_logprobs(_worker(model_dirs["llama"], graphs=True))
+    for (wt, wl, we, asks), (gt, gl, ge, _) in zip(want, got):
+        assert gt == wt
+        np.testing.assert_allclose(gl, wl, atol=1e-4)
+        if not any(asks):
+            assert we == ge == {}
+            continue
+        assert (we["top_k"], ge["top_k"]) == (max(asks), 20)
+        (wi, wlp), (gi, glp) = _top(we), _top(ge)
+        for r, n in enumerate(asks):
+            assert gi[r, :n].tolist() == wi[r, :n].tolist()
+            np.testing.assert_allclose(glp[r, :n], wlp[r, :n], atol=1e-4)
+            if n and r != 1:  # greedy rows: the sampled token is the most likely one, with the same logprob
+                assert gi[r, 0] == gt[r] and glp[r, 0] == pytest.approx(gl[r], abs=1e-5)
+
+
 def test_anchor_snapshot_on_the_graph_path_equals_eager(model_dirs):
     """A decode step that snapshots a sequence's state after its token (``--enable-special-token-ckpt``): the
     graph path copies the live slot after the replay; the snapshot equals the eager path's, which captures it
@@ -144,7 +191,7 @@ def test_anchor_snapshot_on_the_graph_path_equals_eager(model_dirs):
         w = _worker(model_dirs["qwen3_5_moe"], graphs=graphs)
         snap = w.max_running_requests + 1  # a snapshot slot past the live ones
         a = Seq(0, [5, 17, 23, 99, 3, 41], 0)
-        toks, _, _ = w.execute(encode_plan([dict(a.item(sample=GREEDY), state_slot=0)]))
+        toks, _, _, _ = w.execute(encode_plan([dict(a.item(sample=GREEDY), state_slot=0)]))
         a.advance(6, toks[0])
         plan = encode_plan([dict(a.item(sample=GREEDY), state_slot=0)], step_id=1, snapshots=[(0, 7, snap)])
         assert decode_inputs(plan, 4) is not None  # the graph worker replays this step

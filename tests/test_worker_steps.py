@@ -20,7 +20,8 @@ def encode_plan(
     snapshots=(),
 ) -> dict:
     """The Rust side's flattening (crates/ft-py/src/py_worker.rs). Each seq: tokens, prefix_len, row, table_from,
-    table_slots, optional request_id / state_slot / sample (temperature, top_p, top_k, min_p, seed)."""
+    table_slots, optional request_id / state_slot / sample (temperature, top_p, top_k, min_p, seed,
+    num_top_logprobs) / prompt_logprobs (next: the token after the chunk or -1, top)."""
     i32 = lambda xs: np.asarray(list(xs), dtype="<i4").tobytes()  # noqa: E731
     i64 = lambda xs: np.asarray(list(xs), dtype="<i8").tobytes()  # noqa: E731
     f32 = lambda xs: np.asarray(list(xs), dtype="<f4").tobytes()  # noqa: E731
@@ -31,6 +32,7 @@ def encode_plan(
         dec = [n == 1 and s["prefix_len"] > 0 for n, s in zip(lens, seqs)]
         kind = "decode" if all(dec) else "prefill" if not any(dec) else "mixed"
     u64 = lambda x: x - (1 << 64) if x >= 1 << 63 else x  # noqa: E731
+    plp = [(i, s["prompt_logprobs"]) for i, s in enumerate(seqs) if s.get("prompt_logprobs") is not None]
     return {
         "version": version,
         "step_id": step_id,
@@ -52,6 +54,10 @@ def encode_plan(
         "presence_penalty": f32(p.get("presence_penalty", 0.0) for _, p in sampled),
         "frequency_penalty": f32(p.get("frequency_penalty", 0.0) for _, p in sampled),
         "seeds": i64(u64(p.get("seed", 0)) for _, p in sampled),
+        "num_top_logprobs": i32(p.get("num_top_logprobs", 0) for _, p in sampled),
+        "plp_seq": i32(i for i, _ in plp),
+        "plp_next": i32(p.get("next", -1) for _, p in plp),
+        "plp_top": i32(p.get("top", 0) for _, p in plp),
         "copy_src": i32(c[0] for c in copies),
         "copy_dst": i32(c[1] for c in copies),
         "snap_seq": i32(c[0] for c in snapshots),
@@ -159,7 +165,7 @@ def test_prefill_then_decode_steps(worker):
     a = Seq(0, [5, 9, 13, 200, 7, 7, 1], slot_base=0)
     b = Seq(3, [100, 101, 102], slot_base=500, stride=2)
     step = 0
-    toks, lps, stats = worker.execute(encode_plan([a.item(sample=GREEDY), b.item(sample=GREEDY)], step))
+    toks, lps, stats, _ = worker.execute(encode_plan([a.item(sample=GREEDY), b.item(sample=GREEDY)], step))
     assert len(toks) == len(lps) == 2 and stats["forward_ms"] > 0
     for s, t in zip((a, b), toks):
         assert t == _ref_next(worker, s.tokens)[0]
@@ -168,7 +174,7 @@ def test_prefill_then_decode_steps(worker):
         plan = encode_plan([a.item(sample=GREEDY), b.item(sample=GREEDY)], step)
         assert plan["kind"] == "decode"
         refs = [_ref_next(worker, s.tokens) for s in (a, b)]
-        toks, lps, _ = worker.execute(plan)
+        toks, lps, _, _ = worker.execute(plan)
         assert toks == [r[0] for r in refs]
         assert lps == pytest.approx([r[1] for r in refs], abs=1e-4)
         for s, t in zip((a, b), toks):
@@ -177,7 +183,7 @@ def test_prefill_then_decode_steps(worker):
 
 def test_mixed_step_chunked_prefill_beside_decode(worker):
     a = Seq(1, [40, 41, 42, 43], slot_base=200)
-    toks, _, _ = worker.execute(encode_plan([a.item(sample=GREEDY)]))
+    toks, _, _, _ = worker.execute(encode_plan([a.item(sample=GREEDY)]))
     a.advance(4, toks[0])
     b = Seq(2, list(range(60, 90)), slot_base=300, stride=1)
     # b's prompt in chunks of 12: the first two chunks do not sample; a decodes in every step
@@ -186,7 +192,7 @@ def test_mixed_step_chunked_prefill_beside_decode(worker):
         plan = encode_plan([a.item(sample=GREEDY), b.item(n, sample=GREEDY if last else None)], step)
         assert plan["kind"] == "mixed"
         want = [_ref_next(worker, a.tokens)[0]] + ([_ref_next(worker, b.tokens)[0]] if last else [])
-        toks, _, _ = worker.execute(plan)
+        toks, _, _, _ = worker.execute(plan)
         assert toks == want
         a.advance(1, toks[0])
         b.advance(n, toks[1] if last else None)
@@ -221,6 +227,8 @@ def _bad_plans(worker):
         "same row twice": [ok(), ok(table_slots=[5, 6])],
         "negative temperature": [ok(sample={"temperature": -1.0})],
         "top_p zero": [ok(sample={"temperature": 1.0, "top_p": 0.0})],
+        "21 top logprobs": [ok(sample={"temperature": 0.0, "num_top_logprobs": 21})],
+        "prompt logprobs target past vocab": [ok(prompt_logprobs={"next": 256, "top": 1}, sample=None)],
     }
 
 
@@ -234,6 +242,8 @@ BAD_CASES = [
     "same row twice",
     "negative temperature",
     "top_p zero",
+    "21 top logprobs",
+    "prompt logprobs target past vocab",
 ]
 
 
@@ -254,6 +264,48 @@ def test_invalid_plan_shapes_and_version(worker):
         worker.execute({**good, "cu_seqlens": np.asarray([0, 2], dtype="<i4").tobytes()})
     with pytest.raises(InvalidPlan, match="recurrent state"):
         worker.execute(encode_plan([Seq(0, [1, 2, 3], 0).item(sample=GREEDY)], copies=[(0, 1)]))
+
+
+def _unpack_top(extra: dict, prefix: str) -> tuple[np.ndarray, np.ndarray]:
+    k = extra[f"{prefix}_k"]
+    ids = np.frombuffer(extra[f"{prefix}_ids"], dtype="<i4").reshape(-1, k)
+    return ids, np.frombuffer(extra[f"{prefix}_logprobs"], dtype="<f4").reshape(-1, k)
+
+
+def test_top_and_prompt_logprobs_are_log_softmax_of_the_logits(worker):
+    """The step contract's logprob fields: a prompt in two chunks asking for prompt logprobs (the first chunk's
+    last position predicts ``plp_next``, the final chunk's last the sampled token), a sampled row asking for 5
+    alternatives beside one asking for none, all equal to ``log_softmax`` of ``forward_logits`` at the same
+    positions; a step asking for nothing returns nothing more."""
+    a = Seq(0, [5, 9, 13, 200, 7, 7, 1, 99, 42, 3], slot_base=0)
+    b = Seq(1, [100, 101, 102], slot_base=500)
+    ref = torch.log_softmax(worker.forward_logits(a.tokens), -1)
+    _, _, _, extra = worker.execute(encode_plan([dict(a.item(6), prompt_logprobs={"next": a.tokens[6], "top": 3})]))
+    assert set(extra) == {"prompt_logprobs", "prompt_top_k", "prompt_top_ids", "prompt_top_logprobs"}
+    got = np.frombuffer(extra["prompt_logprobs"], dtype="<f4")
+    want = [float(ref[q - 1, a.tokens[q]]) for q in range(1, 7)]  # positions 1..6: t6 is plp_next
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    ids, lps = _unpack_top(extra, "prompt_top")
+    assert ids.shape == (6, 3)
+    for q in range(6):
+        top = torch.topk(ref[q], 3)
+        assert ids[q].tolist() == top.indices.tolist()
+        np.testing.assert_allclose(lps[q], top.values.numpy(), atol=1e-5)
+    a.advance(6)
+    final = dict(a.item(sample={"temperature": 0.0, "num_top_logprobs": 5}), prompt_logprobs={"next": -1, "top": 3})
+    toks, lps1, _, extra = worker.execute(encode_plan([final, b.item(sample=GREEDY)], step_id=1))
+    got = np.frombuffer(extra["prompt_logprobs"], dtype="<f4")
+    np.testing.assert_allclose(got, [float(ref[q - 1, a.tokens[q]]) for q in range(7, 10)], atol=1e-5)
+    ids, lps = _unpack_top(extra, "top")
+    assert ids.shape[0] == 2 and ids.shape[1] >= 5  # one row per sampled sequence; b's is unused
+    top = torch.topk(ref[9], 5)
+    assert toks[0] == ids[0, 0] == int(top.indices[0])
+    assert ids[0, :5].tolist() == top.indices.tolist()
+    np.testing.assert_allclose(lps[0, :5], top.values.numpy(), atol=1e-5)
+    assert lps1[0] == pytest.approx(float(lps[0, 0]), abs=1e-6)
+    assert np.all(np.diff(lps[0]) <= 0) and np.all(lps[0] <= 0) and np.exp(lps[0]).sum() <= 1 + 1e-6
+    a.advance(4, toks[0])
+    assert worker.execute(encode_plan([a.item(sample=GREEDY)], step_id=2))[3] == {}
 
 
 def test_injected_oom_then_next_step_works(worker, monkeypatch):
@@ -302,7 +354,7 @@ def test_cuda_worker_matches_cpu(worker, tiny_llama_dir):
     got = w32.forward_logits(ids).cpu()
     assert (got - ref).abs().max().item() < 1e-4
     seq = Seq(0, ids[:20], slot_base=0)
-    toks, lps, stats = w32.execute(encode_plan([seq.item(sample=GREEDY)]))
+    toks, lps, stats, _ = w32.execute(encode_plan([seq.item(sample=GREEDY)]))
     assert toks == [int(ref[19].argmax())]
     del w32
     torch.cuda.empty_cache()
@@ -326,11 +378,11 @@ def test_frequency_penalty_forbids_repeats_and_counts_start_fresh_with_each_requ
     seq = Seq(2, [7, 7, 7, 7], slot_base=0)
     got = []
     for step in range(12):
-        toks, _, _ = worker.execute(encode_plan([seq.item(sample=strong)], step_id=step))
+        toks, _, _, _ = worker.execute(encode_plan([seq.item(sample=strong)], step_id=step))
         seq.advance(len(seq.tokens) - seq.cached, toks[0])
         got.append(toks[0])
     assert len(set(got)) == len(got), got
     fresh = Seq(2, [7, 7, 7, 7], slot_base=600)  # a new request in the same row
-    toks, lps, _ = worker.execute(encode_plan([fresh.item(sample=strong)], step_id=99))
+    toks, lps, _, _ = worker.execute(encode_plan([fresh.item(sample=strong)], step_id=99))
     want, want_lp = _ref_next(worker, fresh.tokens)
     assert toks == [want] and abs(lps[0] - want_lp) < 1e-4  # logprobs stay the model's own

@@ -14,7 +14,7 @@ Failures come back typed (``errors.py``): ``WorkerOutOfMemory`` (cached memory r
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -24,6 +24,7 @@ from . import startup
 from .engine.decode_graphs import decode_inputs
 from .engine.description import EngineDescription
 from .engine.forward_batch import ForwardBatch
+from .engine.logprobs import MAX_TOP_LOGPROBS, logit_rows, step_logprobs
 from .engine.step_plan import StepPlan
 from .errors import InvalidPlan, UnsupportedModel, WorkerOutOfMemory
 from .fault_injection import FaultInjector
@@ -46,6 +47,7 @@ class StepResult:
     logprobs: list[float]
     stats: dict
     logits: Optional[torch.Tensor] = None  # fp32; [T, V] with all_logits, else [S, V] of the sampled rows
+    extra: dict = field(default_factory=dict)  # top and prompt logprobs (engine/logprobs.py), when asked
 
 
 class Worker:
@@ -138,9 +140,10 @@ class Worker:
             generation_config=gen,
         ).to_dict()
 
-    def execute(self, plan: dict) -> tuple[list[int], list[float], dict]:
+    def execute(self, plan: dict) -> tuple[list[int], list[float], dict, dict]:
         """One step from the flat plan the Rust side sends. Returns the sampled tokens and their logprobs in
-        plan order (one per sampled sequence) and step statistics. Plain decode steps replay a CUDA graph."""
+        plan order (one per sampled sequence), step statistics and the top / prompt logprobs asked for
+        (``step_plan.py``). Plain decode steps replay a CUDA graph."""
         if self.bench_routing.poll() and self.graphs is not None:  # benchmarks switching the routing mode
             self.graphs = None
             self._release_cached_memory()
@@ -150,14 +153,14 @@ class Worker:
             r = self._guarded_step(int(plan["step_id"]), len(decode["rows"]), lambda: self._replay(decode))
         else:
             r = self.execute_plan(StepPlan.from_flat(plan))
-        return r.tokens, r.logprobs, r.stats
+        return r.tokens, r.logprobs, r.stats, r.extra
 
-    def _replay(self, inputs: dict) -> tuple[list[int], list[float], None]:
+    def _replay(self, inputs: dict) -> tuple[list[int], list[float], None, dict]:
         self._check_decode_inputs(inputs)
         out = self.graphs.run(inputs, len(inputs["rows"]))
         if inputs["snap_dst"].size:  # the tool-call anchor: the live state after this token, kept as a snapshot
             self.state.copy(torch.from_numpy(inputs["snap_src"].copy()), torch.from_numpy(inputs["snap_dst"].copy()))
-        return out.tokens, out.logprobs, None
+        return out.tokens, out.logprobs, None, out.extra
 
     def execute_plan(self, plan: StepPlan, all_logits: bool = False, _allow_scratch: bool = False) -> StepResult:
         """One step from a decoded plan (Python callers), always eager. ``all_logits`` also returns fp32 logits
@@ -168,13 +171,13 @@ class Worker:
             if self.state is not None and plan.copy_src.numel():
                 self.state.copy(plan.copy_src, plan.copy_dst)  # restore snapshots before the forward
             self.token_counts.reset(plan.rows[plan.table_from == 0])  # requests starting this step
-            batch = ForwardBatch.from_plan(plan, self.kv, self.attn, state=self.state, all_logits=all_logits)
+            rows = logit_rows(plan, all_logits)
+            batch = ForwardBatch.from_plan(plan, self.kv, self.attn, state=self.state, logits_indices=rows.indices)
             logits = self.model(batch)
-            rows = logits
-            if all_logits:
-                rows = logits[(plan.cu_seqlens[1:][plan.sampling.seq_index] - 1).to(logits.device)]
-            tokens, logprobs = self._sample(rows, plan.sampling, plan.rows[plan.sampling.seq_index])
-            return tokens.tolist(), logprobs.tolist(), logits
+            sampled = logits if rows.sampled is None else logits[rows.sampled.to(logits.device)]
+            tokens, logprobs = self._sample(sampled, plan.sampling, plan.rows[plan.sampling.seq_index])
+            extra = step_logprobs(logits, rows, plan.sampling.num_top_logprobs)
+            return tokens.tolist(), logprobs.tolist(), logits if all_logits else sampled, extra
 
         result = self._guarded_step(plan.step_id, plan.num_tokens, run, count=not _allow_scratch)
         if not _allow_scratch:
@@ -215,7 +218,7 @@ class Worker:
             if count:
                 self.faults.maybe_inject(self.steps_executed)  # tests only: FREETOKEN_FAULT
             with torch.inference_mode():
-                tokens, logprobs, logits = run()
+                tokens, logprobs, logits, extra = run()
         except torch.OutOfMemoryError as e:
             oom = str(e).splitlines()[0]
         except RuntimeError as e:  # the CPU allocator's spelling of OOM
@@ -234,7 +237,7 @@ class Worker:
             "expert_misses": misses - misses0,
             "workspace_bytes": workspace,
         }
-        return StepResult(tokens, logprobs, stats, logits)
+        return StepResult(tokens, logprobs, stats, logits, extra)
 
     def _check_decode_inputs(self, d: dict) -> None:
         """``_check_plan`` for the graph path, on the plan's numpy arrays: every index lands inside the pools."""
@@ -267,6 +270,8 @@ class Worker:
                 f"snap_slot out of range [0, {self.num_state_slots}), a live slot or repeated: {snap.tolist()}"
             )
         t, p, m = d["temperature"], d["top_p"], d["min_p"]
+        if bad((d["num_top_logprobs"] < 0) | (d["num_top_logprobs"] > MAX_TOP_LOGPROBS)):
+            raise InvalidPlan(f"num_top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
         if bad(~np.isfinite(t) | (t < 0)):
             raise InvalidPlan("temperature must be finite and >= 0")
         if bad(~(p > 0) | (p > 1)):
@@ -333,6 +338,7 @@ class Worker:
                 pre = plan.prefix_lens[plan.snap_seq]
                 if bad((plan.snap_upto <= pre) | (plan.snap_upto > ctx)):
                     raise InvalidPlan("snapshot point outside the sequence's new tokens")
+        self._check_logprobs(plan)
         s = plan.sampling
         if bad(~torch.isfinite(s.temperature) | (s.temperature < 0)):
             raise InvalidPlan("temperature must be finite and >= 0")
@@ -340,6 +346,14 @@ class Worker:
             raise InvalidPlan("top_p must be in (0, 1]")
         if bad(~(s.min_p >= 0) | (s.min_p > 1)):
             raise InvalidPlan("min_p must be in [0, 1]")
+
+    def _check_logprobs(self, plan: StepPlan) -> None:
+        """Counts of alternatives within the limit, prompt-logprob targets inside the vocabulary."""
+        for name, t in (("num_top_logprobs", plan.sampling.num_top_logprobs), ("plp_top", plan.plp_top)):
+            if t.numel() and bool(((t < 0) | (t > MAX_TOP_LOGPROBS)).any()):
+                raise InvalidPlan(f"{name} must be in [0, {MAX_TOP_LOGPROBS}]")
+        if plan.plp_next.numel() and bool(((plan.plp_next < -1) | (plan.plp_next >= self.vocab_size)).any()):
+            raise InvalidPlan(f"plp_next must be -1 or a token id in [0, {self.vocab_size})")
 
     # ------------------------------------------------------------------ offline helpers
 

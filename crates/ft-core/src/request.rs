@@ -14,7 +14,17 @@ pub struct SamplingParams {
     pub frequency_penalty: f32,
     /// `None`: the scheduler draws a random seed at admission.
     pub seed: Option<u64>,
+    /// Most likely alternatives reported beside each sampled token (`0..=MAX_TOP_LOGPROBS`; 0: the sampled
+    /// token's own logprob only, which every token carries).
+    pub top_logprobs: u32,
+    /// Report the log-probability of every prompt token after the first, with `top_logprobs` alternatives
+    /// (`echo` with `logprobs`, what loglikelihood evaluations ask). Such a request computes its whole prompt:
+    /// it never starts from a prefix-cache hit, whose positions would have no logits.
+    pub prompt_logprobs: bool,
 }
+
+/// Most alternatives a request may ask for per position (OpenAI's limit for `top_logprobs` and `logprobs`).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
 
 impl Default for SamplingParams {
     fn default() -> Self {
@@ -26,6 +36,8 @@ impl Default for SamplingParams {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             seed: None,
+            top_logprobs: 0,
+            prompt_logprobs: false,
         }
     }
 }
@@ -95,13 +107,26 @@ impl std::fmt::Display for AdmissionError {
 
 impl std::error::Error for AdmissionError {}
 
+/// One alternative at a position: a token and its log-probability under the model's raw distribution
+/// (`log_softmax` of the logits at temperature 1, before penalties and filtering: what OpenAI and vLLM report).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TopLogprob {
+    pub token: u32,
+    pub logprob: f32,
+}
+
 /// What happened to a request during one commit (or abort / failure).
 #[derive(Clone, Debug, PartialEq)]
 pub enum RequestEvent {
     /// The prompt is admitted; `cached_tokens` of it came from the prefix cache.
     Started { id: u64, prompt_tokens: u32, cached_tokens: u32, max_new_tokens: u32 },
-    /// One generated token.
-    Token { id: u64, token: u32, logprob: f32 },
+    /// One generated token, its raw log-probability and the `top_logprobs` most likely alternatives (most
+    /// likely first; empty unless asked).
+    Token { id: u64, token: u32, logprob: f32, top_logprobs: Vec<TopLogprob> },
+    /// Log-probabilities of prompt tokens `start..start + logprobs.len()` (positions; `start >= 1`: the first
+    /// prompt token has none), each with its `top_logprobs` alternatives. One event per prompt chunk, in order,
+    /// all before the first `Token` (only for requests with `prompt_logprobs`).
+    PromptLogprobs { id: u64, start: u32, logprobs: Vec<f32>, top_logprobs: Vec<Vec<TopLogprob>> },
     /// The request is over and its slots are released.
     Finished { id: u64, reason: FinishReason, completion_tokens: u32 },
     /// The request failed (its step failed); its slots are released.
@@ -113,6 +138,7 @@ impl RequestEvent {
         match self {
             RequestEvent::Started { id, .. }
             | RequestEvent::Token { id, .. }
+            | RequestEvent::PromptLogprobs { id, .. }
             | RequestEvent::Finished { id, .. }
             | RequestEvent::Failed { id, .. } => *id,
         }

@@ -77,6 +77,13 @@
 //!   `StateCopy { src: snapshot, dst: live slot }` (`StepPlan::state_copies`, run before the forward) and
 //!   starts at that node's length. The snapshot stays locked until that step is committed.
 //!
+//! **Prompt logprobs** (`SamplingParams::prompt_logprobs`): such a request matches nothing in the prefix cache
+//! (a cached position has no logits: the whole prompt is computed; what it computed is cached when it ends
+//! like any other request's), its chunks carry [`PromptLogprobsSpec`] (the worker computes logits at every
+//! position of the chunk) and are cut to [`PROMPT_LOGPROBS_CHUNK`] tokens, which bounds those logits
+//! (`[chunk, vocab]` fp32) whatever `max_prefill_tokens` is. Each chunk's logprobs are reported as a
+//! `PromptLogprobs` event when it commits.
+//!
 //! **Sampling seeds**: every draw gets `sample_seed(request seed, tokens generated so far)`, so a seeded
 //! request samples the same tokens whatever else is in its batch.
 
@@ -87,7 +94,9 @@ use std::collections::VecDeque;
 use crate::allocator::IdPool;
 use crate::config::{CacheType, SchedulerConfig};
 use crate::request::{AdmissionError, FinishReason, NewRequest, RequestEvent, SamplingParams};
-use crate::step::{SampleSpec, ScheduledSeq, SnapshotCapture, StateCopy, StepKind, StepOutput, StepPlan};
+use crate::step::{
+    PromptLogprobsSpec, SampleSpec, ScheduledSeq, SnapshotCapture, StateCopy, StepKind, StepOutput, StepPlan,
+};
 use kv_cache::{CachedPrefix, Holders, KvCache, LiveState, PrefixMatch};
 
 /// splitmix64's output function: a strong 64-bit mix (Steele, Lea, Flood 2014).
@@ -292,9 +301,14 @@ impl RunningRequest {
             presence_penalty: s.presence_penalty,
             frequency_penalty: s.frequency_penalty,
             seed: sample_seed(self.seed, self.output.len() as u64),
+            num_top_logprobs: s.top_logprobs,
         }
     }
 }
+
+/// Most tokens in one prompt chunk of a request that wants prompt logprobs: the worker materializes that
+/// chunk's logits (`[chunk, vocab]` fp32, 0.5 GB for a 248k vocabulary).
+pub const PROMPT_LOGPROBS_CHUNK: usize = 512;
 
 /// Plans kept for [`Scheduler::plan_summary`].
 const SUMMARIES_KEPT: usize = 8;
@@ -550,7 +564,9 @@ impl Scheduler {
         // nothing (reusing the KV without the state would run the linear-attention layers from a wrong
         // state).
         let hybrid = self.cfg.num_state_slots > 0;
-        let matchable = if hybrid && self.cfg.cache_type != CacheType::HybridRadix { 0 } else { p - 1 };
+        // A request that wants prompt logprobs computes its whole prompt: cached positions have no logits.
+        let no_match = (hybrid && self.cfg.cache_type != CacheType::HybridRadix) || head.req.sampling.prompt_logprobs;
+        let matchable = if no_match { 0 } else { p - 1 };
         // Lock the cached prefix first so the availability below cannot count it as evictable.
         let m = self.kv.match_prefix(&head.req.prompt[..matchable]);
         self.kv.lock(m.prefix);
@@ -584,6 +600,8 @@ impl Scheduler {
         let snapshots = self.cfg.cache_type == CacheType::HybridRadix;
         let grid = self.cfg.snapshot_grid();
         let (start, n) = (self.running[i].scheduled_len, self.running[i].prompt_len());
+        let prompt_logprobs = self.running[i].sampling.prompt_logprobs;
+        let max_tokens = if prompt_logprobs { max_tokens.min(PROMPT_LOGPROBS_CHUNK) } else { max_tokens };
         let mut end = n.min(start + max_tokens);
         if snapshots && end < n && end / grid * grid > start {
             end = end / grid * grid;
@@ -612,6 +630,10 @@ impl Scheduler {
             table_slots: r.slots[r.table_sent..end].to_vec(),
             state_slot: r.state_slot,
             sample: (end == r.prompt_len()).then(|| r.sample_spec()),
+            prompt_logprobs: prompt_logprobs.then(|| PromptLogprobsSpec {
+                num_top: r.sampling.top_logprobs,
+                next_token: r.prompt.get(end).copied(),
+            }),
         };
         r.scheduled_len = end;
         r.table_sent = end;
@@ -641,6 +663,7 @@ impl Scheduler {
             table_slots: r.slots[r.table_sent..pos + 1].to_vec(),
             state_slot: r.state_slot,
             sample: Some(r.sample_spec()),
+            prompt_logprobs: None,
         };
         r.scheduled_len = pos + 1;
         r.table_sent = pos + 1;
@@ -653,49 +676,70 @@ impl Scheduler {
     /// output budget or at `max_context`, and is released at once. Sequences of requests that ended
     /// meanwhile are skipped. A token count that does not match the plan fails the step's requests.
     pub fn commit(&mut self, plan: &StepPlan, out: &StepOutput) {
-        if out.tokens.len() != plan.num_sampled() {
-            let msg = format!(
-                "worker returned {} tokens for a step with {} sampling sequences",
-                out.tokens.len(),
-                plan.num_sampled()
-            );
+        if let Err(msg) = out.check(plan) {
             self.fail_step(plan, &msg);
             return;
         }
-        let mut k = 0;
+        let (mut k, mut p) = (0, 0);
         for seq in &plan.seqs {
-            let sampled = seq.sample.as_ref().map(|_| {
+            let sampled = seq.sample.as_ref().map(|spec| {
                 k += 1;
-                (out.tokens[k - 1], out.logprobs.get(k - 1).copied().unwrap_or(0.0))
+                let top = out.top_logprobs.row(k - 1, spec.num_top_logprobs as usize);
+                (out.tokens[k - 1], out.logprobs.get(k - 1).copied().unwrap_or(0.0), top)
+            });
+            let prompt = seq.prompt_logprobs.map(|spec| {
+                let n = seq.prompt_logprob_count();
+                p += n;
+                let top = (p - n..p).map(|row| out.prompt_top_logprobs.row(row, spec.num_top as usize)).collect();
+                (out.prompt_logprobs[p - n..p].to_vec(), top)
             });
             let Some(i) = self.in_plan(seq.request_id, plan.step_id) else { continue };
-            let r = &mut self.running[i];
-            r.in_flight = None;
-            r.computed_len = seq.context_len() as usize;
-            if r.state_slot >= 0 {
-                r.state_valid = true;
-                self.kv.restored(&mut r.prefix);
+            self.commit_progress(i, seq);
+            let id = self.running[i].id;
+            if let Some((logprobs, top_logprobs)) = prompt.filter(|(l, _)| !l.is_empty()) {
+                self.events.push(RequestEvent::PromptLogprobs {
+                    id,
+                    start: seq.prefix_len + 1,
+                    logprobs,
+                    top_logprobs,
+                });
             }
-            for (upto, slot, cold) in std::mem::take(&mut r.pending_snapshots) {
-                let tokens = r.tokens(upto);
-                let duplicates = self.kv.cache_snapshot(&tokens, &r.slots, &mut r.prefix, slot, cold);
-                r.duplicates.extend(duplicates);
-            }
-            let Some((token, logprob)) = sampled else { continue };
-            r.output.push(token);
-            self.events.push(RequestEvent::Token { id: r.id, token, logprob });
-            let reason = if !r.ignore_eos && r.stop_token_ids.contains(&token) {
-                Some(FinishReason::Stop)
-            } else if r.output.len() >= r.max_new_tokens as usize
-                || r.prompt_len() + r.output.len() >= self.cfg.max_context
-            {
-                Some(FinishReason::Length)
-            } else {
-                None
-            };
-            if let Some(reason) = reason {
+            let Some((token, logprob, top_logprobs)) = sampled else { continue };
+            self.running[i].output.push(token);
+            self.events.push(RequestEvent::Token { id, token, logprob, top_logprobs });
+            if let Some(reason) = self.finish_reason(i, token) {
                 self.end_running(i, Ending::Finished(reason));
             }
+        }
+    }
+
+    /// Request `i`'s step `seq` is done: its KV and state are computed, its snapshot captures cached.
+    fn commit_progress(&mut self, i: usize, seq: &ScheduledSeq) {
+        let r = &mut self.running[i];
+        r.in_flight = None;
+        r.computed_len = seq.context_len() as usize;
+        if r.state_slot >= 0 {
+            r.state_valid = true;
+            self.kv.restored(&mut r.prefix);
+        }
+        for (upto, slot, cold) in std::mem::take(&mut r.pending_snapshots) {
+            let tokens = r.tokens(upto);
+            let duplicates = self.kv.cache_snapshot(&tokens, &r.slots, &mut r.prefix, slot, cold);
+            r.duplicates.extend(duplicates);
+        }
+    }
+
+    /// Whether request `i` ends with the `token` it just sampled: a stop token (unless `ignore_eos`), its
+    /// output budget or the context.
+    fn finish_reason(&self, i: usize, token: u32) -> Option<FinishReason> {
+        let r = &self.running[i];
+        if !r.ignore_eos && r.stop_token_ids.contains(&token) {
+            Some(FinishReason::Stop)
+        } else if r.output.len() >= r.max_new_tokens as usize || r.prompt_len() + r.output.len() >= self.cfg.max_context
+        {
+            Some(FinishReason::Length)
+        } else {
+            None
         }
     }
 

@@ -12,9 +12,23 @@
 //!
 //! Recurrent state (hybrid models): each running sequence owns one live state slot. `state_copies` run
 //! before the forward (restore a snapshot into a live slot: copy-on-write), `snapshots` after it.
+//!
+//! Logprobs: every sampled token comes back with its raw logprob. A sampled row with `num_top_logprobs > 0`
+//! also gets the most likely tokens at its position, and a sequence with `prompt_logprobs` gets the logprob
+//! (and alternatives) of each of its new tokens after the first, plus of `next_token` when the chunk does not
+//! end the prompt: the chunk's logits at every position, not only the last.
+//!
+//! ```text
+//!   chunk of prompt positions 4..8 (tokens t4..t7), next_token t8:   logits at 4 5 6 7
+//!                                                                    predict    t5 t6 t7 t8  -> 4 entries
+//!   final chunk 8..10 (t8 t9), sampled:                             logits at 8 9
+//!                                                                    predict    t9 (sampled)  -> 1 entry
+//! ```
+
+use crate::request::TopLogprob;
 
 /// Bumped on every change to [`StepPlan`] / [`StepOutput`] or their flat encoding.
-pub const STEP_CONTRACT_VERSION: u32 = 2;
+pub const STEP_CONTRACT_VERSION: u32 = 3;
 
 /// How a sequence samples its next token this step.
 #[derive(Clone, Debug, PartialEq)]
@@ -33,6 +47,18 @@ pub struct SampleSpec {
     /// Seed of this draw: derived from the request seed and the output position, so a seeded request
     /// samples the same tokens whatever the batch it runs in.
     pub seed: u64,
+    /// Most likely tokens to report beside the sampled one (0: none).
+    pub num_top_logprobs: u32,
+}
+
+/// A prompt chunk whose tokens' logprobs are wanted (a request with `prompt_logprobs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PromptLogprobsSpec {
+    /// Most likely tokens to report at each position (0: none).
+    pub num_top: u32,
+    /// The prompt token after this chunk (`None`: the chunk ends the prompt; its last position's logits
+    /// predict the sampled token instead).
+    pub next_token: Option<u32>,
 }
 
 /// One sequence scheduled in a step.
@@ -53,11 +79,17 @@ pub struct ScheduledSeq {
     pub state_slot: i32,
     /// Present when this step ends the sequence's prompt (or is a decode step): sample one token.
     pub sample: Option<SampleSpec>,
+    /// Present on prompt chunks of requests that want prompt logprobs.
+    pub prompt_logprobs: Option<PromptLogprobsSpec>,
 }
 
 impl ScheduledSeq {
     pub fn context_len(&self) -> u32 {
         self.prefix_len + self.new_tokens.len() as u32
+    }
+    /// Prompt positions this sequence gets logprobs for: its new tokens after the first, and `next_token`.
+    pub fn prompt_logprob_count(&self) -> usize {
+        self.prompt_logprobs.map_or(0, |p| self.new_tokens.len() - 1 + p.next_token.is_some() as usize)
     }
 }
 
@@ -104,6 +136,10 @@ impl StepPlan {
     pub fn num_sampled(&self) -> usize {
         self.seqs.iter().filter(|s| s.sample.is_some()).count()
     }
+    /// Prompt positions whose logprobs the step returns (all sequences).
+    pub fn num_prompt_logprobs(&self) -> usize {
+        self.seqs.iter().map(ScheduledSeq::prompt_logprob_count).sum()
+    }
 }
 
 /// What the worker measured during a step (for status lines, `/v1/stats` and benchmarks).
@@ -117,12 +153,74 @@ pub struct StepStats {
     pub workspace_bytes: u64,
 }
 
-/// The worker's answer: one token (and its logprob) per sequence with a `sample`, in plan order.
+/// The most likely tokens at a number of positions: `k` per position, most likely first, row-major.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TopLogprobs {
+    /// Entries per position (0: none computed). At least what any position asked for; a position uses its
+    /// first `n`.
+    pub k: usize,
+    pub ids: Vec<u32>,
+    pub logprobs: Vec<f32>,
+}
+
+impl TopLogprobs {
+    /// The first `n` entries of position `row`.
+    pub fn row(&self, row: usize, n: usize) -> Vec<TopLogprob> {
+        let at = row * self.k;
+        (at..at + n).map(|i| TopLogprob { token: self.ids[i], logprob: self.logprobs[i] }).collect()
+    }
+    fn check(&self, what: &str, rows: usize, asked: usize) -> Result<(), String> {
+        if asked > self.k || self.ids.len() != rows * self.k || self.logprobs.len() != self.ids.len() {
+            return Err(format!(
+                "worker returned {} {what} top logprobs (k = {}) for {rows} positions asking up to {asked}",
+                self.ids.len(),
+                self.k
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The worker's answer: one token (and its logprob) per sequence with a `sample`, in plan order; the top
+/// logprobs of those rows when one asked, and the prompt logprobs of the sequences that asked, in plan order.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct StepOutput {
     pub tokens: Vec<u32>,
     pub logprobs: Vec<f32>,
+    /// One row per sampled sequence when any of them has `num_top_logprobs > 0`, else empty.
+    pub top_logprobs: TopLogprobs,
+    /// [`StepPlan::num_prompt_logprobs`] values.
+    pub prompt_logprobs: Vec<f32>,
+    /// One row per prompt logprob when any of those sequences has `num_top > 0`, else empty.
+    pub prompt_top_logprobs: TopLogprobs,
     pub stats: StepStats,
+}
+
+impl StepOutput {
+    /// Whether the output has the shape `plan` asks for (a mismatch fails the step's requests).
+    pub fn check(&self, plan: &StepPlan) -> Result<(), String> {
+        let sampled = plan.num_sampled();
+        if self.tokens.len() != sampled || !(self.logprobs.is_empty() || self.logprobs.len() == sampled) {
+            return Err(format!(
+                "worker returned {} tokens and {} logprobs for a step with {sampled} sampling sequences",
+                self.tokens.len(),
+                self.logprobs.len()
+            ));
+        }
+        let top = plan.seqs.iter().filter_map(|s| s.sample.as_ref()).map(|p| p.num_top_logprobs).max();
+        if top.unwrap_or(0) > 0 {
+            self.top_logprobs.check("sampled", sampled, top.unwrap_or(0) as usize)?;
+        }
+        let prompt = plan.num_prompt_logprobs();
+        if self.prompt_logprobs.len() != prompt {
+            return Err(format!("worker returned {} prompt logprobs for {prompt}", self.prompt_logprobs.len()));
+        }
+        let prompt_top = plan.seqs.iter().filter_map(|s| s.prompt_logprobs).map(|p| p.num_top).max().unwrap_or(0);
+        if prompt_top > 0 && prompt > 0 {
+            self.prompt_top_logprobs.check("prompt", prompt, prompt_top as usize)?;
+        }
+        Ok(())
+    }
 }
 
 /// Typed failures of a step. The engine fails the step's requests on `OutOfMemory` and `InvalidPlan` and

@@ -9,7 +9,7 @@ use std::collections::HashSet;
 use common::sim::{request, Sim};
 use ft_core::config::{CacheType, SchedulerConfig};
 use ft_core::request::{AdmissionError, FinishReason, RequestEvent, SamplingParams};
-use ft_core::scheduler::{sample_seed, Scheduler};
+use ft_core::scheduler::{sample_seed, Scheduler, PROMPT_LOGPROBS_CHUNK};
 use ft_core::step::{StepKind, StepOutput};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -58,6 +58,10 @@ fn random_run(cfg: SchedulerConfig, seed: u64, total: u64) -> Sim {
                 }
                 if rng.gen_bool(0.5) {
                     req.sampling.seed = Some(rng.gen());
+                }
+                if rng.gen_bool(0.2) {
+                    req.sampling.prompt_logprobs = rng.gen_bool(0.5);
+                    req.sampling.top_logprobs = rng.gen_range(0..=3);
                 }
                 sim.add(req).expect("random requests are valid");
                 next_id += 1;
@@ -187,6 +191,42 @@ fn prefill_first_starves_decoders_for_the_whole_prefill() {
     for g in gaps {
         assert!(g > 13, "prefill-first: no decode until the 100k prompt is done (gap {g})");
     }
+}
+
+/// A request wanting prompt logprobs computes its whole prompt although the cache holds it, in chunks of at
+/// most `PROMPT_LOGPROBS_CHUNK` (and the step budget), and gets every position after the first, in order, then
+/// its tokens with their top alternatives (the sim checks positions, order and `next_token`).
+#[test]
+fn prompt_logprobs_cover_every_position_and_bypass_the_cache() {
+    let cfg = SchedulerConfig { max_prefill_tokens: 2048, kv_capacity_tokens: 4096, max_context: 2048, ..small_cfg() };
+    let mut sim = Sim::new(cfg);
+    sim.keep_plans = true;
+    let prompt: Vec<u32> = (0..1100).map(|i| i % 97).collect();
+    sim.add(request(1, prompt.clone(), 2)).unwrap();
+    sim.run_until_idle(100);
+    let mut req = request(2, prompt.clone(), 3);
+    req.sampling.prompt_logprobs = true;
+    req.sampling.top_logprobs = 2;
+    sim.add(req).unwrap();
+    sim.add(request(3, prompt.clone(), 2)).unwrap(); // the same prompt beside it still hits the cache
+    sim.run_until_idle(100);
+    let chunks: Vec<usize> = sim
+        .plans
+        .iter()
+        .flat_map(|p| p.seqs.iter())
+        .filter(|s| s.request_id == 2 && s.prompt_logprobs.is_some())
+        .map(|s| s.new_tokens.len())
+        .collect();
+    assert_eq!(chunks, vec![PROMPT_LOGPROBS_CHUNK, PROMPT_LOGPROBS_CHUNK, 1100 - 2 * PROMPT_LOGPROBS_CHUNK]);
+    let o = sim.outcome(2);
+    assert_eq!((o.cached_tokens, o.prompt_logprobs_upto, o.tokens.len()), (Some(0), 1100, 3));
+    assert_eq!(sim.outcome(3).cached_tokens, Some(1099));
+    for e in &o.events {
+        if let RequestEvent::Token { top_logprobs, .. } = e {
+            assert_eq!(top_logprobs.len(), 2);
+        }
+    }
+    sim.assert_clean();
 }
 
 fn repeated_prompt(page_size: usize, cache_type: CacheType) {
@@ -421,7 +461,7 @@ fn finish_while_the_step_is_in_flight_skips_it_at_commit() {
     s.commit(&plan, &StepOutput { tokens: vec![500, 501], logprobs: vec![], ..Default::default() });
     let ev = s.drain_events();
     assert!(ev.iter().all(|e| !matches!(e, RequestEvent::Token { id: 1, .. })), "no token after Finished: {ev:?}");
-    assert!(ev.contains(&RequestEvent::Token { id: 2, token: 501, logprob: 0.0 }));
+    assert!(ev.contains(&RequestEvent::Token { id: 2, token: 501, logprob: 0.0, top_logprobs: vec![] }));
     s.check_integrity().unwrap();
     // A second plan while the first is in flight holds only what is not in flight.
     let p2 = s.next_step().unwrap();

@@ -23,8 +23,11 @@ fn event_tuple(py: Python<'_>, ev: RequestEvent) -> PyResult<PyObject> {
         RequestEvent::Started { id, prompt_tokens, cached_tokens, .. } => {
             ("started", id, prompt_tokens, cached_tokens).into_pyobject(py)?.into_any().unbind()
         }
-        RequestEvent::Token { id, token, logprob } => {
+        RequestEvent::Token { id, token, logprob, .. } => {
             ("token", id, token, logprob).into_pyobject(py)?.into_any().unbind()
+        }
+        RequestEvent::PromptLogprobs { id, start, logprobs, .. } => {
+            ("prompt_logprobs", id, start, logprobs).into_pyobject(py)?.into_any().unbind()
         }
         RequestEvent::Finished { id, reason, completion_tokens } => {
             let r = match reason {
@@ -85,7 +88,7 @@ impl OfflineEngine {
     }
 
     /// Runs one step; returns the events as tuples: ("started", id, prompt_tokens, cached_tokens),
-    /// ("token", id, token, logprob), ("finished", id, reason, completion_tokens), ("failed", id, message, 0).
+    /// ("token", id, token, logprob), ("prompt_logprobs", id, start, logprobs), ("finished", id, reason, completion_tokens), ("failed", id, message, 0).
     fn step(&mut self, py: Python<'_>) -> PyResult<Vec<PyObject>> {
         if let Some(plan) = self.scheduler.next_step() {
             match self.worker.execute(&plan) {

@@ -2,7 +2,7 @@
 //! `python/freetoken/engine/step_plan.py` decodes, calls `worker.execute(plan)` once per step, and maps the
 //! worker's typed exceptions onto [`WorkerError`].
 
-use ft_core::step::{StepKind, StepOutput, StepPlan, StepStats, Worker, WorkerError, STEP_CONTRACT_VERSION};
+use ft_core::step::{StepKind, StepOutput, StepPlan, TopLogprobs, Worker, WorkerError, STEP_CONTRACT_VERSION};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
@@ -66,6 +66,20 @@ pub fn flatten_plan<'py>(py: Python<'py>, plan: &StepPlan) -> PyResult<Bound<'py
     put("table_from", i32_bytes(seqs.iter().map(|s| s.table_from as i64)))?;
     put("table_slots", i32_bytes(seqs.iter().flat_map(|s| s.table_slots.iter().map(|&t| t as i64))))?;
     put("state_slots", i32_bytes(seqs.iter().map(|s| s.state_slot as i64)))?;
+    put_sampling(&d, plan)?;
+    put("copy_src", i32_bytes(plan.state_copies.iter().map(|c| c.src as i64)))?;
+    put("copy_dst", i32_bytes(plan.state_copies.iter().map(|c| c.dst as i64)))?;
+    put("snap_seq", i32_bytes(plan.snapshots.iter().map(|c| c.seq_index as i64)))?;
+    put("snap_upto", i32_bytes(plan.snapshots.iter().map(|c| c.upto as i64)))?;
+    put("snap_slot", i32_bytes(plan.snapshots.iter().map(|c| c.slot as i64)))?;
+    Ok(d)
+}
+
+/// The sampled rows' settings and the prompt-logprob chunks of `plan`, into `d`.
+fn put_sampling(d: &Bound<'_, PyDict>, plan: &StepPlan) -> PyResult<()> {
+    let py = d.py();
+    let put = |key: &str, bytes: Vec<u8>| d.set_item(key, PyBytes::new(py, &bytes));
+    let seqs = &plan.seqs;
     let sampled: Vec<(usize, &ft_core::step::SampleSpec)> =
         seqs.iter().enumerate().filter_map(|(i, s)| s.sample.as_ref().map(|p| (i, p))).collect();
     put("sample_index", i32_bytes(sampled.iter().map(|(i, _)| *i as i64)))?;
@@ -76,12 +90,13 @@ pub fn flatten_plan<'py>(py: Python<'py>, plan: &StepPlan) -> PyResult<Bound<'py
     put("presence_penalty", f32_bytes(sampled.iter().map(|(_, p)| p.presence_penalty)))?;
     put("frequency_penalty", f32_bytes(sampled.iter().map(|(_, p)| p.frequency_penalty)))?;
     put("seeds", i64_bytes(sampled.iter().map(|(_, p)| p.seed as i64)))?;
-    put("copy_src", i32_bytes(plan.state_copies.iter().map(|c| c.src as i64)))?;
-    put("copy_dst", i32_bytes(plan.state_copies.iter().map(|c| c.dst as i64)))?;
-    put("snap_seq", i32_bytes(plan.snapshots.iter().map(|c| c.seq_index as i64)))?;
-    put("snap_upto", i32_bytes(plan.snapshots.iter().map(|c| c.upto as i64)))?;
-    put("snap_slot", i32_bytes(plan.snapshots.iter().map(|c| c.slot as i64)))?;
-    Ok(d)
+    put("num_top_logprobs", i32_bytes(sampled.iter().map(|(_, p)| p.num_top_logprobs as i64)))?;
+    let prompt: Vec<(usize, ft_core::step::PromptLogprobsSpec)> =
+        seqs.iter().enumerate().filter_map(|(i, s)| s.prompt_logprobs.map(|p| (i, p))).collect();
+    put("plp_seq", i32_bytes(prompt.iter().map(|(i, _)| *i as i64)))?;
+    put("plp_next", i32_bytes(prompt.iter().map(|(_, p)| p.next_token.map_or(-1, |t| t as i64))))?;
+    put("plp_top", i32_bytes(prompt.iter().map(|(_, p)| p.num_top as i64)))?;
+    Ok(())
 }
 
 /// Maps a Python exception to the contract's error kinds by the worker's exception classes
@@ -99,9 +114,10 @@ pub fn classify_error(py: Python<'_>, err: PyErr) -> WorkerError {
     }
 }
 
-fn parse_output(py: Python<'_>, ret: Bound<'_, PyAny>) -> PyResult<StepOutput> {
-    let (tokens, logprobs, stats): (Vec<u32>, Vec<f32>, Bound<'_, PyAny>) = ret.extract()?;
-    let mut out = StepOutput { tokens, logprobs, stats: StepStats::default() };
+/// `execute`'s answer: `(tokens, logprobs, stats, logprobs_extra)` (see `step_plan.py`).
+fn parse_output(ret: Bound<'_, PyAny>) -> PyResult<StepOutput> {
+    let (tokens, logprobs, stats, extra): (Vec<u32>, Vec<f32>, Bound<'_, PyAny>, Bound<'_, PyDict>) = ret.extract()?;
+    let mut out = StepOutput { tokens, logprobs, ..Default::default() };
     if let Ok(d) = stats.downcast::<PyDict>() {
         let get_f = |k: &str| d.get_item(k).ok().flatten().and_then(|v| v.extract::<f64>().ok());
         out.stats.forward_ms = get_f("forward_ms").unwrap_or(0.0);
@@ -109,8 +125,31 @@ fn parse_output(py: Python<'_>, ret: Bound<'_, PyAny>) -> PyResult<StepOutput> {
         out.stats.expert_misses = get_f("expert_misses").unwrap_or(0.0) as u64;
         out.stats.workspace_bytes = get_f("workspace_bytes").unwrap_or(0.0) as u64;
     }
-    let _ = py;
+    out.top_logprobs = top_logprobs(&extra, "top")?;
+    out.prompt_logprobs = f32s(&extra, "prompt_logprobs")?;
+    out.prompt_top_logprobs = top_logprobs(&extra, "prompt_top")?;
     Ok(out)
+}
+
+/// Little-endian 4-byte values under `key` (absent: none).
+fn le4<T>(d: &Bound<'_, PyDict>, key: &str, from: fn([u8; 4]) -> T) -> PyResult<Vec<T>> {
+    let Some(v) = d.get_item(key)? else { return Ok(vec![]) };
+    let bytes: Vec<u8> = v.extract()?;
+    Ok(bytes.chunks_exact(4).map(|c| from([c[0], c[1], c[2], c[3]])).collect())
+}
+
+fn f32s(d: &Bound<'_, PyDict>, key: &str) -> PyResult<Vec<f32>> {
+    le4(d, key, f32::from_le_bytes)
+}
+
+/// `{prefix}_k`, `{prefix}_ids` (i32) and `{prefix}_logprobs` (f32).
+fn top_logprobs(d: &Bound<'_, PyDict>, prefix: &str) -> PyResult<TopLogprobs> {
+    let k = match d.get_item(format!("{prefix}_k"))? {
+        Some(v) => v.extract::<usize>()?,
+        None => 0,
+    };
+    let ids = le4(d, &format!("{prefix}_ids"), |b| i32::from_le_bytes(b) as u32)?;
+    Ok(TopLogprobs { k, ids, logprobs: f32s(d, &format!("{prefix}_logprobs"))? })
 }
 
 impl Worker for PyWorker {
@@ -130,14 +169,8 @@ impl Worker for PyWorker {
                 let _ = fh.call_method0("cancel_dump_traceback_later");
             }
             let ret = ret.map_err(|e| classify_error(py, e))?;
-            let out = parse_output(py, ret).map_err(|e| WorkerError::Fatal(format!("bad worker output: {e}")))?;
-            if out.tokens.len() != plan.num_sampled() || out.logprobs.len() != out.tokens.len() {
-                return Err(WorkerError::Fatal(format!(
-                    "worker returned {} tokens for {} sampled sequences",
-                    out.tokens.len(),
-                    plan.num_sampled()
-                )));
-            }
+            let out = parse_output(ret).map_err(|e| WorkerError::Fatal(format!("bad worker output: {e}")))?;
+            out.check(plan).map_err(WorkerError::Fatal)?;
             Ok(out)
         })
     }

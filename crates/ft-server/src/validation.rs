@@ -17,7 +17,7 @@ use crate::http::openai_error::ApiError;
 use crate::http::output::{tool_name, ToolChoice, ToolRequest};
 use crate::http::protocol::SamplingFields;
 use crate::http::server::AppState;
-use ft_core::request::SamplingParams;
+use ft_core::request::{SamplingParams, MAX_TOP_LOGPROBS};
 use serde_json::Value as Json;
 
 /// Below this a temperature means greedy.
@@ -32,12 +32,28 @@ pub struct ValidatedSampling {
     pub stop: Vec<String>,
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
+    /// Log-probabilities to report (`None`: the response's `logprobs` is null).
+    pub logprobs: Option<LogprobsAsk>,
+    /// `echo` with `max_tokens: 0` (loglikelihood evaluations): the prompt alone comes back. The engine still
+    /// samples one token (from the logits the prompt's last chunk computes anyway); nobody sees it.
+    pub prompt_only: bool,
+}
+
+/// The log-probabilities a request asked for (validated; also in its [`SamplingParams`] for the engine).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LogprobsAsk {
+    /// Most likely alternatives per position (`0..=MAX_TOP_LOGPROBS`).
+    pub top: u32,
+    /// The prompt's tokens too (`echo` with `logprobs` on `/v1/completions`).
+    pub prompt: bool,
 }
 
 /// A validated request, ready to submit.
 pub struct Prepared {
     pub req: GenerateRequest,
     pub stop: Vec<String>,
+    pub logprobs: Option<LogprobsAsk>,
+    pub prompt_only: bool,
 }
 
 /// Checks every sampling and budget field; unset ones take `defaults`.
@@ -91,7 +107,62 @@ pub fn sampling(f: &SamplingFields, defaults: &SamplingParams) -> Result<Validat
         stop: stop_strings(f.stop.as_ref())?,
         stop_token_ids: f.stop_token_ids.clone().unwrap_or_default(),
         ignore_eos: f.ignore_eos.unwrap_or(false),
+        logprobs: None,
+        prompt_only: false,
     })
+}
+
+/// Chat's `logprobs` (bool) and `top_logprobs` (`0..=20`, only with `logprobs: true`) on top of [`sampling`].
+pub fn chat_sampling(
+    f: &SamplingFields,
+    logprobs: Option<bool>,
+    top_logprobs: Option<i64>,
+    defaults: &SamplingParams,
+) -> Result<ValidatedSampling, ApiError> {
+    let top = top_logprobs.map(|n| top_count("top_logprobs", n)).transpose()?.unwrap_or(0);
+    let wanted = logprobs.unwrap_or(false);
+    if top > 0 && !wanted {
+        return Err(ApiError::invalid_param("top_logprobs", "top_logprobs needs logprobs set to true"));
+    }
+    let mut v = sampling(f, defaults)?;
+    if wanted {
+        v.sampling.top_logprobs = top;
+        v.logprobs = Some(LogprobsAsk { top, prompt: false });
+    }
+    Ok(v)
+}
+
+/// Completions' `logprobs` (`0..=20` alternatives) and `echo` on top of [`sampling`]: `echo` with `logprobs`
+/// reports the prompt's tokens too, and `echo` allows `max_tokens: 0` (the prompt alone, as loglikelihood
+/// evaluations ask).
+pub fn completion_sampling(
+    f: &SamplingFields,
+    logprobs: Option<i64>,
+    echo: bool,
+    defaults: &SamplingParams,
+) -> Result<ValidatedSampling, ApiError> {
+    let top = logprobs.map(|n| top_count("logprobs", n)).transpose()?;
+    let prompt_only = echo && f.max_completion_tokens.is_none() && f.max_tokens == Some(0);
+    let mut v = if prompt_only {
+        sampling(&SamplingFields { max_tokens: Some(1), ..f.clone() }, defaults)?
+    } else {
+        sampling(f, defaults)?
+    };
+    v.prompt_only = prompt_only;
+    if let Some(top) = top {
+        v.sampling.top_logprobs = top;
+        v.sampling.prompt_logprobs = echo;
+        v.logprobs = Some(LogprobsAsk { top, prompt: echo });
+    }
+    Ok(v)
+}
+
+/// A count of alternatives per position: `0..=MAX_TOP_LOGPROBS`.
+fn top_count(name: &str, n: i64) -> Result<u32, ApiError> {
+    if !(0..=MAX_TOP_LOGPROBS as i64).contains(&n) {
+        return Err(ApiError::invalid_param(name, format!("{name} must be between 0 and {MAX_TOP_LOGPROBS}, got {n}")));
+    }
+    Ok(n as u32)
 }
 
 /// `n` other than 1 and a non-empty `logit_bias` are refused: one choice per request, no logit bias.
@@ -125,7 +196,10 @@ fn max_tokens(f: &SamplingFields) -> Result<Option<u32>, ApiError> {
         (None, None) => return Ok(None),
     };
     match asked {
-        (name, m) if m < 1 => Err(ApiError::invalid_param(name, format!("{name} must be at least 1, got {m}"))),
+        (name, m) if m < 1 => Err(ApiError::invalid_param(
+            name,
+            format!("{name} must be at least 1, got {m} (0 only with echo on /v1/completions)"),
+        )),
         (_, m) => Ok(Some(m.min(u32::MAX as i64) as u32)),
     }
 }
@@ -253,7 +327,7 @@ pub fn request(limits: &Limits, prompt: Vec<u32>, v: ValidatedSampling, param: &
         stop_token_ids,
         ignore_eos: v.ignore_eos,
     };
-    Ok(Prepared { req, stop: v.stop })
+    Ok(Prepared { req, stop: v.stop, logprobs: v.logprobs, prompt_only: v.prompt_only })
 }
 
 #[cfg(test)]
@@ -310,5 +384,55 @@ mod tests {
         assert!(sampling(&fields(json!({"logit_bias": {}, "n": 1, "repetition_penalty": 1.0})), &d).is_ok());
         let v = sampling(&fields(json!({"presence_penalty": 0.5, "frequency_penalty": -1.5})), &d).unwrap();
         assert_eq!((v.sampling.presence_penalty, v.sampling.frequency_penalty), (0.5, -1.5));
+    }
+
+    #[test]
+    fn logprobs_validation() {
+        let d = SamplingParams::default();
+        let chat = |v: Json| {
+            let r: crate::http::protocol::ChatCompletionRequest = serde_json::from_value(v).unwrap();
+            chat_sampling(&r.sampling, r.logprobs, r.top_logprobs, &d)
+        };
+        let v = chat(json!({"messages": [], "logprobs": true, "top_logprobs": 20})).unwrap();
+        assert_eq!((v.logprobs, v.sampling.top_logprobs), (Some(LogprobsAsk { top: 20, prompt: false }), 20));
+        assert_eq!(chat(json!({"messages": [], "logprobs": true})).unwrap().logprobs, Some(LogprobsAsk::default()));
+        let v = chat(json!({"messages": [], "logprobs": false, "top_logprobs": 0})).unwrap();
+        assert_eq!((v.logprobs, v.sampling.top_logprobs), (None, 0));
+        for (bad, param) in [
+            (json!({"messages": [], "logprobs": true, "top_logprobs": 21}), "top_logprobs"),
+            (json!({"messages": [], "logprobs": true, "top_logprobs": 1000000}), "top_logprobs"),
+            (json!({"messages": [], "logprobs": true, "top_logprobs": -1}), "top_logprobs"),
+            (json!({"messages": [], "top_logprobs": 3}), "top_logprobs"),
+            (json!({"messages": [], "logprobs": false, "top_logprobs": 3}), "top_logprobs"),
+            (json!({"messages": [], "logprobs": true, "max_tokens": 0}), "max_tokens"),
+        ] {
+            let e = chat(bad.clone()).unwrap_err();
+            assert_eq!((e.status.as_u16(), e.param.as_deref()), (400, Some(param)), "{bad}");
+        }
+        let completion = |v: Json| {
+            let r: crate::http::protocol::CompletionRequest = serde_json::from_value(v).unwrap();
+            completion_sampling(&r.sampling, r.logprobs, r.echo.unwrap_or(false), &d)
+        };
+        let v = completion(json!({"prompt": "x", "logprobs": 5, "echo": true, "max_tokens": 0})).unwrap();
+        assert_eq!(
+            (v.logprobs, v.prompt_only, v.max_tokens),
+            (Some(LogprobsAsk { top: 5, prompt: true }), true, Some(1))
+        );
+        assert!(v.sampling.prompt_logprobs && v.sampling.top_logprobs == 5);
+        let v = completion(json!({"prompt": "x", "logprobs": 0, "max_tokens": 3})).unwrap();
+        assert_eq!(
+            (v.logprobs, v.prompt_only, v.sampling.prompt_logprobs),
+            (Some(LogprobsAsk::default()), false, false)
+        );
+        assert!(completion(json!({"prompt": "x", "echo": true, "max_tokens": 0})).unwrap().prompt_only);
+        for (bad, param) in [
+            (json!({"prompt": "x", "logprobs": 21}), "logprobs"),
+            (json!({"prompt": "x", "logprobs": -1}), "logprobs"),
+            (json!({"prompt": "x", "max_tokens": 0}), "max_tokens"),
+            (json!({"prompt": "x", "echo": true, "max_tokens": -1}), "max_tokens"),
+        ] {
+            let e = completion(bad.clone()).unwrap_err();
+            assert_eq!((e.status.as_u16(), e.param.as_deref()), (400, Some(param)), "{bad}");
+        }
     }
 }

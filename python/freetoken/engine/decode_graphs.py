@@ -4,7 +4,10 @@ At start-up ``DecodeGraphs.capture()`` records, for every bucket in ``graph_batc
 (largest first, so the smaller graphs reuse its memory pool), the whole decode step: the page-table write of
 each sequence's new slot, every layer, the final norm, lm_head and the greedy token with its logprob. A second,
 small graph per bucket holds the penalties and the filtered draw (temperature, top-k/p, min-p, seeds), replayed only
-when some sequence samples or has a penalty; the sampled tokens are then counted for the penalties.
+when some sequence samples or has a penalty; the sampled tokens are then counted for the penalties. A third holds
+the top logprobs (``MAX_TOP_LOGPROBS`` = 20 most likely tokens of every row's raw distribution, a fixed shape),
+replayed only when some row asks for any (each row's first ``num_top_logprobs`` are used): a step that asks for
+none does exactly what it did before.
 
 Per step the host does little: the plan's flat arrays are packed into two pinned staging buffers (numpy, no
 torch ops), copied to the graph's static input buffers in two asynchronous copies, the graph is replayed, and the
@@ -23,15 +26,16 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import numpy as np
 import torch
 
-from ..layers.sampler import apply_penalties, draw_tokens, greedy_tokens, is_greedy, token_logprobs
+from ..layers.sampler import apply_penalties, draw_tokens, greedy_tokens, is_greedy, token_logprobs, top_logprobs
 from ..log import get_logger
 from .forward_batch import ForwardBatch
+from .logprobs import MAX_TOP_LOGPROBS, graph_logprobs
 
 logger = get_logger(__name__)
 
@@ -58,6 +62,8 @@ def decode_inputs(flat: dict, max_bs: int) -> Optional[dict[str, np.ndarray]]:
     sample_index = arr("sample_index", "<i4")
     if ids.size != n or slots.size != n or sample_index.size != n or arr("copy_src", "<i4").size:
         return None
+    if arr("plp_seq", "<i4").size:
+        return None  # prompt logprobs need every position's logits: prompt chunks, never a decode step
     if not (np.array_equal(arr("table_from", "<i4"), pre) and np.array_equal(sample_index, np.arange(n))):
         return None
     state_slots = arr("state_slots", "<i4")
@@ -77,6 +83,7 @@ def decode_inputs(flat: dict, max_bs: int) -> Optional[dict[str, np.ndarray]]:
         "min_p": arr("min_p", "<f4"),
         "presence_penalty": arr("presence_penalty", "<f4"),
         "frequency_penalty": arr("frequency_penalty", "<f4"),
+        "num_top_logprobs": arr("num_top_logprobs", "<i4"),
         "snap_src": state_slots[snap_seq],
         "snap_dst": arr("snap_slot", "<i4"),
     }
@@ -116,6 +123,7 @@ class _EmulatedGraph:
 class DecodeResult:
     tokens: list[int]
     logprobs: list[float]
+    extra: dict = field(default_factory=dict)  # top logprobs when a row asked (engine/logprobs.py)
 
 
 class DecodeGraphs:
@@ -147,6 +155,9 @@ class DecodeGraphs:
         self.pool = None
         self.graphs: dict[int, object] = {}  # bucket -> forward graph
         self.samplers: dict[int, object] = {}  # bucket -> filtered-draw graph
+        self.toppers: dict[int, object] = {}  # bucket -> top-logprobs graph
+        self.top_ids: Optional[torch.Tensor] = None  # [B, K] int64, K = min(MAX_TOP_LOGPROBS, vocab); with pinned
+        self.top_lps: Optional[torch.Tensor] = None  # [B, K] f32   host copies beside them (allocated at capture)
         self.logits: dict[int, torch.Tensor] = {}  # bucket -> the forward graph's logits output
         self._recorded: list[Callable[[], None]] = []  # every captured function, kept alive with its inputs
         self.capture_s = 0.0
@@ -233,6 +244,22 @@ class DecodeGraphs:
 
         return draw
 
+    def _top_fn(self, bs: int) -> Callable[[], None]:
+        """The top-logprobs step of bucket ``bs`` (after its forward graph is recorded: its logits exist)."""
+        if self.top_ids is None:
+            k, pin = min(MAX_TOP_LOGPROBS, self.logits[bs].shape[-1]), self.device.type == "cuda"
+            self.top_ids = torch.zeros(self.max_bs, k, dtype=torch.int64, device=self.device)
+            self.top_lps = torch.zeros(self.max_bs, k, dtype=torch.float32, device=self.device)
+            self._out_top_ids = torch.zeros(self.max_bs, k, dtype=torch.int64, pin_memory=pin)
+            self._out_top_lps = torch.zeros(self.max_bs, k, dtype=torch.float32, pin_memory=pin)
+
+        def top() -> None:
+            ids, lps = top_logprobs(self.logits[bs], self.top_ids.shape[1])
+            self.top_ids[:bs].copy_(ids)
+            self.top_lps[:bs].copy_(lps)
+
+        return top
+
     def capture(self) -> None:
         """Record every bucket (largest first). Padding inputs are staged first, so the warm-up runs touch only
         scratch rows and slots."""
@@ -248,6 +275,7 @@ class DecodeGraphs:
                 fwd, draw = self._forward_fn(bs), self._sampler_fn(bs)
                 self.graphs[bs] = self._record(fwd)
                 self.samplers[bs] = self._record(draw)
+                self.toppers[bs] = self._record(self._top_fn(bs))
         finally:
             if self.offload is not None:
                 self.offload.num_valid_tokens = None
@@ -326,18 +354,28 @@ class DecodeGraphs:
         greedy = (inputs["temperature"] <= 0) | (inputs["top_k"] == 1)
         penalized = (inputs["presence_penalty"] != 0) | (inputs["frequency_penalty"] != 0)
         sampling = not bool(np.all(greedy & ~penalized))
+        tops = bool(np.any(inputs["num_top_logprobs"] > 0))
         self._dev_i.copy_(self._host_i, non_blocking=True)
         self._dev_f.copy_(self._host_f, non_blocking=True)
         self.graphs[bs].replay()
         if sampling:
             self.samplers[bs].replay()
+        if tops:  # only when a row asks: the plain step does no more than before
+            self.toppers[bs].replay()
+            self._out_top_ids[:n].copy_(self.top_ids[:n], non_blocking=True)
+            self._out_top_lps[:n].copy_(self.top_lps[:n], non_blocking=True)
         self.counts.add(self.inputs["rows"][:n], self.tokens[:n])
         self._out_tokens[:n].copy_(self.tokens[:n], non_blocking=True)
         self._out_logprobs[:n].copy_(self.logprobs[:n], non_blocking=True)
         if self._done is not None:
             self._done.record()
             self._done.synchronize()
-        return DecodeResult(self._out_tokens[:n].tolist(), self._out_logprobs[:n].tolist())
+        extra = {}
+        if tops:
+            extra = graph_logprobs(
+                inputs["num_top_logprobs"], self._out_top_ids[:n].numpy(), self._out_top_lps[:n].numpy()
+            )
+        return DecodeResult(self._out_tokens[:n].tolist(), self._out_logprobs[:n].tolist(), extra)
 
     def describe(self) -> str:
         return (

@@ -71,10 +71,11 @@ class ForwardBatch:
         attn: "AttentionBackend",
         state=None,
         all_logits: bool = False,
+        logits_indices: Optional[torch.Tensor] = None,
     ) -> "ForwardBatch":
         """Device tensors for ``plan`` (a StepPlan). Writes the plan's page-table entries into ``kv``.
-        ``all_logits`` computes logits at every position (offline per-position logits), else only at the
-        last token of each sampled sequence."""
+        ``all_logits`` computes logits at every position (offline per-position logits), ``logits_indices`` at those
+        token rows (``engine/logprobs.py``), else only at the last token of each sampled sequence."""
         dev = kv.device
         ext = plan.extend_lens
         pre = plan.prefix_lens
@@ -84,7 +85,9 @@ class ForwardBatch:
         rows_d = plan.rows.to(dev)
         positions_d = positions.to(dev)
         out_loc = kv.req_to_token[rows_d[seq_of_tok.to(dev)], positions_d].to(torch.int64)
-        if all_logits:
+        if logits_indices is not None:
+            logits_idx = logits_indices
+        elif all_logits:
             logits_idx = torch.arange(plan.num_tokens)
         else:
             logits_idx = plan.cu_seqlens[1:][plan.sampling.seq_index] - 1

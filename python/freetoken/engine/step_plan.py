@@ -16,9 +16,22 @@ Encoding (B sequences, T new tokens, S sampled sequences, C state copies, N snap
                                                     table_from[b] .. prefix_lens[b] + extend_len[b] of row b
     state_slots   i32[B]   live recurrent-state slot (-1: not hybrid)
     sample_index  i32[S]   which sequences sample, with their temperature f32[S], top_p f32[S], top_k i32[S],
-                           min_p f32[S], presence_penalty f32[S], frequency_penalty f32[S], seeds i64[S] (u64 bits)
+                           min_p f32[S], presence_penalty f32[S], frequency_penalty f32[S], seeds i64[S] (u64 bits),
+                           num_top_logprobs i32[S] (most likely tokens to report beside the sampled one; 0: none)
+    plp_seq       i32[Q]   sequences wanting prompt logprobs for their new tokens, with plp_next i32[Q] (the prompt
+                           token after the chunk, -1 when the chunk ends the prompt) and plp_top i32[Q] (alternatives)
     copy_src, copy_dst  i32[C]          state copies to run before the forward
     snap_seq, snap_upto, snap_slot i32[N]  recurrent-state snapshots to capture
+
+The answer of ``Worker.execute``: ``(tokens, logprobs, stats, extra)``: the sampled tokens and their raw logprobs
+(one per sampled sequence, plan order), the step's statistics, and the logprobs asked for besides (absent keys
+mean none; ``engine/logprobs.py`` builds it):
+
+    top_k int, top_ids i32[S*top_k], top_logprobs f32[S*top_k]     the most likely tokens of every sampled row, when
+                                                                   any asks (``top_k`` >= the most any asked)
+    prompt_logprobs f32[P]                                         per prompt position of the plp_seq sequences, in
+                                                                   order: new tokens after the first, then plp_next
+    prompt_top_k int, prompt_top_ids i32[P*k], prompt_top_logprobs f32[P*k]   their most likely tokens, when asked
 """
 
 from __future__ import annotations
@@ -28,7 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-STEP_CONTRACT_VERSION = 2
+STEP_CONTRACT_VERSION = 3
 
 _I32 = np.dtype("<i4")
 _I64 = np.dtype("<i8")
@@ -52,6 +65,7 @@ class SamplingBatch:
     presence_penalty: torch.Tensor  # f32 [S]; subtracted from every token generated before (OpenAI)
     frequency_penalty: torch.Tensor  # f32 [S]; times how often each token was generated before
     seeds: torch.Tensor  # i64 [S]
+    num_top_logprobs: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))  # i64 [S]
 
     def __len__(self) -> int:
         return int(self.seq_index.numel())
@@ -78,6 +92,9 @@ class StepPlan:
     snap_seq: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
     snap_upto: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
     snap_slot: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    plp_seq: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    plp_next: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    plp_top: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
 
     @property
     def num_seqs(self) -> int:
@@ -123,12 +140,16 @@ class StepPlan:
                 presence_penalty=_arr(d, "presence_penalty", _F32),
                 frequency_penalty=_arr(d, "frequency_penalty", _F32),
                 seeds=_arr(d, "seeds", _I64),
+                num_top_logprobs=i32("num_top_logprobs"),
             ),
             copy_src=i32("copy_src"),
             copy_dst=i32("copy_dst"),
             snap_seq=i32("snap_seq"),
             snap_upto=i32("snap_upto"),
             snap_slot=i32("snap_slot"),
+            plp_seq=i32("plp_seq"),
+            plp_next=i32("plp_next"),
+            plp_top=i32("plp_top"),
         )
         plan.validate()
         return plan
@@ -158,6 +179,10 @@ class StepPlan:
             "seeds": s.seeds.numpy().astype(_I64).tobytes(),
             "presence_penalty": s.presence_penalty.numpy().astype(_F32).tobytes(),
             "frequency_penalty": s.frequency_penalty.numpy().astype(_F32).tobytes(),
+            "num_top_logprobs": i32(s.num_top_logprobs),
+            "plp_seq": i32(self.plp_seq),
+            "plp_next": i32(self.plp_next),
+            "plp_top": i32(self.plp_top),
             "copy_src": i32(self.copy_src),
             "copy_dst": i32(self.copy_dst),
             "snap_seq": i32(self.snap_seq),
@@ -186,11 +211,17 @@ class StepPlan:
             raise InvalidPlan("table_indptr does not add up to table_slots")
         s = self.sampling
         n = len(s)
-        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "seeds"):
+        names = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "seeds")
+        for name in (*names, "num_top_logprobs"):
             if getattr(s, name).numel() != n:
                 raise InvalidPlan(f"sampling {name} has the wrong length")
         if n and (int(s.seq_index.min()) < 0 or int(s.seq_index.max()) >= b):
             raise InvalidPlan("sample_index out of range")
+        q = self.plp_seq.numel()
+        if self.plp_next.numel() != q or self.plp_top.numel() != q:
+            raise InvalidPlan("plp_seq, plp_next and plp_top differ in length")
+        if q and (int(self.plp_seq.min()) < 0 or int(self.plp_seq.max()) >= b or self.plp_seq.unique().numel() != q):
+            raise InvalidPlan("plp_seq out of range or repeated")
 
     @classmethod
     def build(
@@ -199,8 +230,9 @@ class StepPlan:
         step_id: int = 0,
     ) -> "StepPlan":
         """Build a plan from per-sequence dicts (tests and the offline path). Each dict has ``tokens``,
-        ``prefix_len``, ``row``, ``table_from``, ``table_slots``, optional ``state_slot`` and optional
-        ``sample`` (dict with temperature, top_p, top_k, min_p, presence_penalty, frequency_penalty, seed)."""
+        ``prefix_len``, ``row``, ``table_from``, ``table_slots``, optional ``state_slot``, optional ``sample`` (dict
+        with temperature, top_p, top_k, min_p, presence_penalty, frequency_penalty, seed, num_top_logprobs) and
+        optional ``prompt_logprobs`` (dict with ``next`` (-1: none) and ``top``)."""
         lens = [len(s["tokens"]) for s in seqs]
         cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
         sent = [len(s["table_slots"]) for s in seqs]
@@ -230,7 +262,12 @@ class StepPlan:
                 presence_penalty=f32([p.get("presence_penalty", 0.0) for p in sp]),
                 frequency_penalty=f32([p.get("frequency_penalty", 0.0) for p in sp]),
                 seeds=t64([p.get("seed", 0) for p in sp]),
+                num_top_logprobs=t64([p.get("num_top_logprobs", 0) for p in sp]),
             ),
         )
+        plp = [(i, s["prompt_logprobs"]) for i, s in enumerate(seqs) if s.get("prompt_logprobs") is not None]
+        plan.plp_seq = t64([i for i, _ in plp])
+        plan.plp_next = t64([p.get("next", -1) for _, p in plp])
+        plan.plp_top = t64([p.get("top", 0) for _, p in plp])
         plan.validate()
         return plan

@@ -14,8 +14,9 @@ row's token depends only on its logits, its settings and its seed: not on the ba
 
 Presence and frequency penalties (``apply_penalties``) change the logits first, greedy rows included.
 
-Logprob returned: ``log_softmax`` of the raw logits (temperature 1, before any filtering) at the chosen token,
-i.e. the model's own log-probability, which is what OpenAI-style ``logprobs`` report.
+Logprob returned: ``log_softmax`` of the raw logits (temperature 1, before penalties and any filtering) at the
+chosen token, i.e. the model's own log-probability, which is what OpenAI-style ``logprobs`` report (vLLM's default
+``raw_logprobs`` too). ``top_logprobs`` gives the most likely tokens of the same distribution.
 """
 
 from __future__ import annotations
@@ -54,6 +55,16 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """The raw model log-probability of ``tokens`` (``log_softmax`` at temperature 1), f32 [S]."""
     picked = logits.gather(1, tokens[:, None]).squeeze(1)
     return (picked - torch.logsumexp(logits, dim=-1)).float()
+
+
+def top_logprobs(logits: torch.Tensor, k: int, lse: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` most likely tokens of each row of ``logits [R, V]`` (fp32), most likely first, with their raw
+    log-probabilities: ``(int64 [R, k], f32 [R, k])``. ``topk`` of the logits minus their ``logsumexp`` (``lse [R]``
+    when the caller has it) is ``topk`` of ``log_softmax`` without materializing it. Fixed shapes, no host sync (the
+    decode graph runs it)."""
+    values, ids = torch.topk(logits, k, dim=-1)
+    lse = torch.logsumexp(logits, dim=-1) if lse is None else lse
+    return ids, (values - lse[:, None]).float()
 
 
 def apply_penalties(

@@ -123,10 +123,30 @@ impl FakeWorker {
         self.states[slot as usize]
     }
 
+    /// Prompt logprobs of a chunk that asks: each target position `q` gets logprob `-q` (so the driver can
+    /// check which positions the events cover), its top rows the target token. Checks `next_token`.
+    fn prompt_logprobs(seq: &ft_core::step::ScheduledSeq, s: &WorkerSeq, out: &mut StepOutput) {
+        let Some(spec) = seq.prompt_logprobs else { return };
+        let ctx = seq.context_len() as usize;
+        assert!(ctx <= s.prompt_len, "prompt logprobs asked for a decode step");
+        assert_eq!(spec.next_token, s.tokens[..s.prompt_len].get(ctx).copied(), "next_token");
+        let end = if spec.next_token.is_some() { ctx + 1 } else { ctx };
+        for q in seq.prefix_len as usize + 1..end {
+            out.prompt_logprobs.push(-(q as f32));
+            let k = out.prompt_top_logprobs.k;
+            out.prompt_top_logprobs.ids.extend(std::iter::repeat_n(s.tokens[q], k));
+            out.prompt_top_logprobs.logprobs.extend(std::iter::repeat_n(-(q as f32), k));
+        }
+    }
+
     /// Runs a plan: state copies first, then checks it against the page table, the KV pool and the state
     /// slots, writes the new K/V and states, samples; snapshot captures last.
     pub fn execute(&mut self, plan: &StepPlan) -> StepOutput {
         let mut out = StepOutput::default();
+        let sampled = plan.seqs.iter().filter_map(|s| s.sample.as_ref());
+        out.top_logprobs.k = sampled.map(|p| p.num_top_logprobs as usize).max().unwrap_or(0);
+        let prompt = plan.seqs.iter().filter_map(|s| s.prompt_logprobs);
+        out.prompt_top_logprobs.k = prompt.map(|p| p.num_top as usize).max().unwrap_or(0);
         // Restores: copy-on-write of a snapshot into a live slot, before the forward.
         for c in &plan.state_copies {
             let src = self.states[c.src as usize];
@@ -209,6 +229,7 @@ impl FakeWorker {
                 }
                 final_states.push((seq.state_slot, (ctx, s.prefix_hash[ctx - 1])));
             }
+            Self::prompt_logprobs(seq, s, &mut out);
             let final_or_decode = ctx >= s.prompt_len;
             assert_eq!(seq.sample.is_some(), final_or_decode, "sample must be set exactly on the final chunk / decode");
             if let Some(spec) = &seq.sample {
@@ -224,6 +245,8 @@ impl FakeWorker {
                 s.tokens.push(token);
                 out.tokens.push(token);
                 out.logprobs.push(-0.5);
+                out.top_logprobs.ids.extend((0..out.top_logprobs.k).map(|r| token + r as u32));
+                out.top_logprobs.logprobs.extend((0..out.top_logprobs.k).map(|r| -0.5 - r as f32));
             }
         }
         for (slot, state) in final_states {
@@ -264,6 +287,9 @@ pub struct Outcome {
     pub finished: Option<FinishReason>,
     pub failed: Option<String>,
     pub added_step: u64,
+    /// The request asked for prompt logprobs; the prompt position they cover up to (exclusive).
+    pub wants_prompt_logprobs: bool,
+    pub prompt_logprobs_upto: u32,
 }
 
 impl Outcome {
@@ -324,7 +350,8 @@ impl Sim {
         self.sched.add_request(req.clone())?;
         self.worker.register(&req);
         self.add_order.push(req.id);
-        self.outcomes.insert(req.id, Outcome { added_step: self.steps, ..Default::default() });
+        let wants_prompt_logprobs = req.sampling.prompt_logprobs;
+        self.outcomes.insert(req.id, Outcome { added_step: self.steps, wants_prompt_logprobs, ..Default::default() });
         Ok(())
     }
 
@@ -345,8 +372,25 @@ impl Sim {
                     o.max_new_tokens = Some(*max_new_tokens);
                     self.start_order.push(id);
                 }
-                RequestEvent::Token { token, .. } => {
+                RequestEvent::PromptLogprobs { start, logprobs, top_logprobs, .. } => {
+                    assert!(o.wants_prompt_logprobs && o.tokens.is_empty(), "prompt logprobs unasked or after a token");
+                    assert_eq!(*start, o.prompt_logprobs_upto.max(1), "prompt logprobs skip or repeat positions");
+                    assert_eq!(o.cached_tokens, Some(0), "a request wanting prompt logprobs hit the prefix cache");
+                    for (q, (lp, top)) in logprobs.iter().zip(top_logprobs).enumerate() {
+                        assert_eq!(*lp, -((*start as usize + q) as f32), "prompt logprob of the wrong position");
+                        assert!(top.iter().all(|t| t.logprob == *lp));
+                    }
+                    o.prompt_logprobs_upto = start + logprobs.len() as u32;
+                }
+                RequestEvent::Token { token, top_logprobs, .. } => {
                     assert!(o.started_step.is_some(), "token before Started");
+                    assert!(top_logprobs.first().is_none_or(|t| t.token == *token), "top logprobs of another token");
+                    if o.wants_prompt_logprobs && o.tokens.is_empty() {
+                        assert_eq!(
+                            o.prompt_logprobs_upto as usize, self.worker.seqs[&id].prompt_len,
+                            "prompt logprobs"
+                        );
+                    }
                     o.tokens.push(*token);
                     o.token_steps.push(self.steps);
                     assert!(o.tokens.len() as u32 <= o.max_new_tokens.unwrap(), "more tokens than max_new_tokens");

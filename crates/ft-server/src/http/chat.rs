@@ -10,6 +10,7 @@
 //! `stream_options.include_usage`, then `data: [DONE]`. A failure midway sends `data: {"error": {...}}` and
 //! then `[DONE]`.
 
+use super::logprobs::{chat_logprobs, LogprobsUpdate, PositionLogprob};
 use super::output::{Output, OutputSpec};
 use super::sse::{collect, done_event, json_event, sse, Ending, StreamFormat};
 use super::{off_the_async_workers, response_id, submit, unix_now, OpenAiJson, TextStream};
@@ -37,9 +38,11 @@ pub async fn chat_completions(
     let id = response_id("chatcmpl");
     let model = state.served_model_name();
     if streaming {
-        Ok(sse(text_stream, &spec, ChatFormat { id, model, created: unix_now(), include_usage }).into_response())
+        let pending = prepared.logprobs.map(|_| Vec::new());
+        let format = ChatFormat { id, model, created: unix_now(), include_usage, state, pending };
+        Ok(sse(text_stream, &spec, format).into_response())
     } else {
-        whole_response(text_stream, &spec, id, model).await
+        whole_response(&state, text_stream, &spec, id, model).await
     }
 }
 
@@ -48,7 +51,7 @@ pub async fn chat_completions(
 fn prepare_chat(state: &AppState, req: &ChatCompletionRequest) -> Result<(Prepared, OutputSpec), ApiError> {
     validation::model(state, req.model.as_deref())?;
     req.check_unsupported()?;
-    let sampling = validation::sampling(&req.sampling, &state.default_sampling)?;
+    let sampling = validation::chat_sampling(&req.sampling, req.logprobs, req.top_logprobs, &state.default_sampling)?;
     let messages = req.template_messages()?;
     let tools =
         validation::tools(state, req.tools.clone(), req.tool_choice(), req.parallel_tool_calls.unwrap_or(true))?;
@@ -70,12 +73,14 @@ fn prepare_chat(state: &AppState, req: &ChatCompletionRequest) -> Result<(Prepar
 }
 
 async fn whole_response(
+    state: &AppState,
     mut ts: TextStream,
     spec: &OutputSpec,
     id: String,
     model: String,
 ) -> Result<Response, ApiError> {
     let (message, ending) = collect(&mut ts, spec).await?;
+    let logprobs = ts.wants_logprobs().then(|| chat_logprobs(&state.tokenizer, &ts.take_logprobs().tokens));
     let tool_calls: Vec<ToolCallOut> = message
         .calls
         .into_iter()
@@ -99,7 +104,7 @@ async fn whole_response(
                 reasoning_content: message.reasoning,
                 tool_calls: (!tool_calls.is_empty()).then_some(tool_calls),
             },
-            logprobs: None,
+            logprobs,
             finish_reason: ending.reason,
         }],
         usage: ending.usage,
@@ -114,16 +119,25 @@ struct ChatFormat {
     model: String,
     created: u64,
     include_usage: bool,
+    state: AppState,
+    /// Logprobs not sent yet (`None`: not asked); they ride on the next chunk.
+    pending: Option<Vec<PositionLogprob>>,
 }
 
 impl ChatFormat {
-    fn chunk(&self, delta: ChatDelta, finish_reason: Option<&'static str>) -> ChatCompletionChunk {
+    fn chunk(&mut self, delta: ChatDelta, finish_reason: Option<&'static str>) -> ChatCompletionChunk {
+        let entries = self.pending.as_mut().map(std::mem::take).filter(|p| !p.is_empty());
         ChatCompletionChunk {
             id: self.id.clone(),
             object: "chat.completion.chunk",
             created: self.created,
             model: self.model.clone(),
-            choices: vec![ChatChunkChoice { index: 0, delta, logprobs: None, finish_reason }],
+            choices: vec![ChatChunkChoice {
+                index: 0,
+                delta,
+                logprobs: entries.map(|e| chat_logprobs(&self.state.tokenizer, &e)),
+                finish_reason,
+            }],
             usage: None,
         }
     }
@@ -156,6 +170,12 @@ impl StreamFormat for ChatFormat {
             Output::CallEnd { .. } => return vec![],
         };
         vec![json_event(&self.chunk(delta, None))]
+    }
+
+    fn logprobs(&mut self, update: LogprobsUpdate) {
+        if let Some(p) = self.pending.as_mut() {
+            p.extend(update.tokens);
+        }
     }
 
     fn finish(&mut self, ending: Ending) -> Vec<Event> {

@@ -1,6 +1,12 @@
 //! `POST /v1/completions`: a raw prompt (text or token ids), no template; whole or streamed. The output is raw
 //! text (no reasoning or tool-call parsing).
+//!
+//! `logprobs: N` answers in the legacy shape (`http/logprobs.rs`); with `echo` the prompt's tokens come first
+//! (what loglikelihood evaluations read: `echo: true, logprobs: N, max_tokens: 0`, the prompt alone). Streamed,
+//! the echoed prompt is the first chunk; when it carries logprobs it waits for them (they come with the first
+//! sampled token).
 
+use super::logprobs::{completion_logprobs, text_offsets, LogprobsUpdate, PositionLogprob};
 use super::output::{Output, OutputSpec};
 use super::sse::{collect, done_event, json_event, sse, Ending, StreamFormat};
 use super::{off_the_async_workers, response_id, submit, unix_now, OpenAiJson};
@@ -22,19 +28,37 @@ pub async fn completions(
     let st = state.clone();
     let (prepared, echo) = off_the_async_workers(&state, move || prepare_completion(&st, &req)).await?;
     let mut ts = submit(&state, &prepared, "completion")?;
-    let format = CompletionFormat {
+    let mut format = CompletionFormat {
         id: response_id("cmpl"),
         model: state.served_model_name(),
         created: unix_now(),
         include_usage,
-        echo,
+        logprobs: prepared.logprobs.map(|_| Vec::new()),
+        echo_chars: echo.text.chars().count(),
+        echo: Some(echo),
+        state,
     };
     if streaming {
         return Ok(sse(ts, &OutputSpec::raw(), format).into_response());
     }
     let (message, ending) = collect(&mut ts, &OutputSpec::raw()).await?;
-    let text = format.echo.clone() + &message.content;
-    Ok(Json(format.response(text, Some(ending.reason), Some(ending.usage))).into_response())
+    format.logprobs(ts.take_logprobs());
+    let (echo, mut logprobs) = format.take_echo();
+    logprobs.extend(format.pending());
+    let mut body = format.response(echo + &message.content, Some(ending.reason), Some(ending.usage));
+    body.choices[0].logprobs =
+        format.logprobs.is_some().then(|| completion_logprobs(&format.state.tokenizer, &logprobs));
+    Ok(Json(body).into_response())
+}
+
+/// The echoed prompt: its text and, when its logprobs are asked, its entries (offsets in that text).
+struct Echo {
+    text: String,
+    ids: Vec<u32>,
+    /// How `text` decodes special tokens (a text prompt is the client's text; token ids decode them).
+    skip_special_tokens: bool,
+    /// The prompt's logprobs once they are all in (`None`: not yet, or not asked).
+    logprobs: Option<Vec<PositionLogprob>>,
 }
 
 /// Completion chunks: the echoed prompt first (when asked), text chunks, the last one with the finish reason,
@@ -44,7 +68,13 @@ struct CompletionFormat {
     model: String,
     created: u64,
     include_usage: bool,
-    echo: String,
+    state: AppState,
+    /// Output logprobs not sent yet (`None`: not asked).
+    logprobs: Option<Vec<PositionLogprob>>,
+    /// Not sent yet (`None`: sent).
+    echo: Option<Echo>,
+    /// Characters of the echoed prompt: where the output's text offsets start.
+    echo_chars: usize,
 }
 
 impl CompletionFormat {
@@ -58,27 +88,74 @@ impl CompletionFormat {
             usage,
         }
     }
+
+    /// The output logprobs not sent yet.
+    fn pending(&mut self) -> Vec<PositionLogprob> {
+        self.logprobs.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// A chunk of `text` with the logprobs not sent yet (`finish_reason` on the last).
+    fn chunk(&mut self, text: String, finish_reason: Option<&'static str>) -> Event {
+        let mut chunk = self.response(text, finish_reason, None);
+        if self.logprobs.is_some() {
+            let pending = self.pending();
+            chunk.choices[0].logprobs = Some(completion_logprobs(&self.state.tokenizer, &pending));
+        }
+        json_event(&chunk)
+    }
+
+    /// The echoed text and the prompt's logprobs (empty unless asked); the echo counts as sent.
+    fn take_echo(&mut self) -> (String, Vec<PositionLogprob>) {
+        self.echo.take().map(|e| (e.text, e.logprobs.unwrap_or_default())).unwrap_or_default()
+    }
+
+    /// The echo chunk, unless sent already, empty, or still waiting for the prompt's logprobs (`ready`: they
+    /// will not come, the request ended).
+    fn echo_event(&mut self, ready: bool) -> Vec<Event> {
+        let waiting = self.echo.as_ref().is_some_and(|e| e.logprobs.is_none() && self.logprobs.is_some());
+        if self.echo.as_ref().is_none_or(|e| e.text.is_empty()) || (waiting && !ready) {
+            return vec![];
+        }
+        let (text, logprobs) = self.take_echo();
+        let mut chunk = self.response(text, None, None);
+        if self.logprobs.is_some() {
+            chunk.choices[0].logprobs = Some(completion_logprobs(&self.state.tokenizer, &logprobs));
+        }
+        vec![json_event(&chunk)]
+    }
 }
 
 impl StreamFormat for CompletionFormat {
     fn start(&mut self) -> Vec<Event> {
-        if self.echo.is_empty() {
-            return vec![];
-        }
-        let echo = std::mem::take(&mut self.echo);
-        vec![json_event(&self.response(echo, None, None))]
+        self.echo_event(false)
     }
 
     /// Raw text only ([`OutputSpec::raw`] parses nothing out of it).
     fn output(&mut self, output: Output) -> Vec<Event> {
+        let mut events = self.echo_event(false);
         match output {
-            Output::Text(text) | Output::Reasoning(text) => vec![json_event(&self.response(text, None, None))],
-            Output::CallStart { .. } | Output::CallArguments { .. } | Output::CallEnd { .. } => vec![],
+            Output::Text(text) | Output::Reasoning(text) => events.push(self.chunk(text, None)),
+            Output::CallStart { .. } | Output::CallArguments { .. } | Output::CallEnd { .. } => {}
+        }
+        events
+    }
+
+    /// Output entries move past the echoed prompt; the prompt's entries get their offsets in its text.
+    fn logprobs(&mut self, update: LogprobsUpdate) {
+        let shift = self.echo_chars;
+        if let Some(p) = self.logprobs.as_mut() {
+            p.extend(update.tokens.into_iter().map(|e| PositionLogprob { text_offset: e.text_offset + shift, ..e }));
+        }
+        if let (Some(echo), Some(mut prompt)) = (self.echo.as_mut(), update.prompt) {
+            let offsets = text_offsets(&self.state.tokenizer, &echo.ids, echo.skip_special_tokens);
+            prompt.iter_mut().zip(offsets).for_each(|(e, at)| e.text_offset = at);
+            echo.logprobs = Some(prompt);
         }
     }
 
     fn finish(&mut self, ending: Ending) -> Vec<Event> {
-        let mut events = vec![json_event(&self.response(String::new(), Some(ending.reason), None))];
+        let mut events = self.echo_event(true);
+        events.push(self.chunk(String::new(), Some(ending.reason)));
         if self.include_usage {
             let mut last = self.response(String::new(), None, Some(ending.usage));
             last.choices.clear();
@@ -93,11 +170,12 @@ impl StreamFormat for CompletionFormat {
     }
 }
 
-/// Validation and tokenizer (CPU-bound for long prompts); also the echoed prompt text.
-fn prepare_completion(state: &AppState, req: &CompletionRequest) -> Result<(Prepared, String), ApiError> {
+/// Validation and tokenizer (CPU-bound for long prompts); also the echoed prompt (empty text unless `echo`).
+fn prepare_completion(state: &AppState, req: &CompletionRequest) -> Result<(Prepared, Echo), ApiError> {
     validation::model(state, req.model.as_deref())?;
     req.check_unsupported()?;
-    let sampling = validation::sampling(&req.sampling, &state.default_sampling)?;
+    let echo = req.echo.unwrap_or(false);
+    let sampling = validation::completion_sampling(&req.sampling, req.logprobs, echo, &state.default_sampling)?;
     let (prompt, prompt_text) = match req.prompt_input()? {
         PromptInput::Text(text) => {
             let bos = if state.info.add_bos_token { state.info.bos_token_id } else { None };
@@ -105,22 +183,20 @@ fn prepare_completion(state: &AppState, req: &CompletionRequest) -> Result<(Prep
                 .tokenizer
                 .encode_with_bos(&text, bos)
                 .map_err(|e| ApiError::invalid_param("prompt", e.to_string()))?;
-            (ids, text)
+            (ids, Some(text))
         }
-        PromptInput::Tokens(ids) => (ids, String::new()),
+        PromptInput::Tokens(ids) => (ids, None),
     };
     let prepared = validation::request(&state.limits, prompt, sampling, "prompt")?;
-    let echo = if req.echo.unwrap_or(false) {
-        if prompt_text.is_empty() {
-            state
-                .tokenizer
-                .decode(&prepared.req.prompt, false)
-                .map_err(|e| ApiError::invalid_param("prompt", e.to_string()))?
-        } else {
-            prompt_text
-        }
-    } else {
-        String::new()
+    let skip_special_tokens = prompt_text.is_some();
+    let text = match (echo, prompt_text) {
+        (false, _) => String::new(),
+        (true, Some(text)) => text,
+        (true, None) => state
+            .tokenizer
+            .decode(&prepared.req.prompt, false)
+            .map_err(|e| ApiError::invalid_param("prompt", e.to_string()))?,
     };
-    Ok((prepared, echo))
+    let ids = if echo { prepared.req.prompt.clone() } else { Vec::new() };
+    Ok((prepared, Echo { text, ids, skip_special_tokens, logprobs: None }))
 }

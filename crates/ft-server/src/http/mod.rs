@@ -10,6 +10,7 @@ pub mod chat;
 pub mod completions;
 pub mod drain;
 pub mod info;
+pub(crate) mod logprobs;
 pub mod messages;
 pub mod openai_error;
 pub(crate) mod output;

@@ -6,6 +6,7 @@
 //! The SSE body owns the `TextStream`, so hyper dropping the body (client gone) drops the stream, whose guard
 //! aborts the request in the engine.
 
+use super::logprobs::LogprobsUpdate;
 use super::output::{Message, Output, OutputSpec};
 use super::{Piece, TextStream};
 use crate::http::openai_error::ApiError;
@@ -32,6 +33,9 @@ pub(crate) trait StreamFormat: Send + 'static {
     /// More output: text (never empty), reasoning, tool-call events (only where the route's [`OutputSpec`]
     /// parses them).
     fn output(&mut self, output: Output) -> Vec<Event>;
+    /// Logprobs that came with the text about to be given to [`output`](Self::output) or
+    /// [`finish`](Self::finish) (only for requests that asked for them): sent with the next event.
+    fn logprobs(&mut self, _update: LogprobsUpdate) {}
     /// The request ended; the last events, `[DONE]` included where the API has one.
     fn finish(&mut self, ending: Ending) -> Vec<Event>;
     /// The request failed midway; the last events.
@@ -76,7 +80,11 @@ pub(crate) fn sse<F: StreamFormat>(
                     return Some((Ok(ev), (ts, queue, format, parser)));
                 }
                 let stream = ts.as_mut()?;
-                match stream.next().await {
+                let piece = stream.next().await;
+                if stream.wants_logprobs() {
+                    format.logprobs(stream.take_logprobs());
+                }
+                match piece {
                     Some(Piece::Text(t)) => parser.push(&t).into_iter().for_each(|o| queue.extend(format.output(o))),
                     Some(Piece::Finish { text, reason, stop_string }) => {
                         let outputs: Vec<Output> = parser.push(&text).into_iter().chain(parser.finish()).collect();

@@ -9,6 +9,7 @@
 
 use crate::backend::{HealthState, RequestStream};
 use crate::http::drain::LiveGuard;
+use crate::http::logprobs::{LogprobsCollector, LogprobsUpdate, PositionLogprob};
 use crate::http::openai_error::ApiError;
 use crate::http::protocol::{PromptTokensDetails, Usage};
 use crate::http::state::AppState;
@@ -18,7 +19,7 @@ use crate::text::stop_strings::{StopOutcome, StopStringMatcher};
 use crate::validation::Prepared;
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request};
-use ft_core::request::{FinishReason, RequestEvent};
+use ft_core::request::{FinishReason, RequestEvent, TopLogprob};
 use serde::de::DeserializeOwned;
 
 /// `Json<T>` that rejects in OpenAI's shape: 400 for unreadable or mistyped JSON, 413 past the body limit.
@@ -123,6 +124,12 @@ pub(crate) struct TextStream {
     cached_tokens: u32,
     completion_tokens: u32,
     done: bool,
+    /// The logprobs the request asked for, as they arrive (`None`: not asked).
+    logprobs: Option<LogprobsCollector>,
+    /// `echo` with `max_tokens: 0`: the one token the engine samples is hidden (no text, no usage).
+    prompt_only: bool,
+    /// Characters of text the detokenizer has given out: the next token's `text_offset`.
+    emitted_chars: usize,
 }
 
 impl TextStream {
@@ -142,21 +149,43 @@ impl TextStream {
             cached_tokens: 0,
             completion_tokens: 0,
             done: false,
+            logprobs: prepared.logprobs.map(|ask| LogprobsCollector::new(ask, &prepared.req.prompt)),
+            prompt_only: prepared.prompt_only,
+            emitted_chars: 0,
             state,
             stream,
         }
     }
 
+    /// Whether the request asked for logprobs.
+    pub fn wants_logprobs(&self) -> bool {
+        self.logprobs.is_some()
+    }
+
+    /// The logprobs collected since the last call (see [`LogprobsCollector::take`]).
+    pub fn take_logprobs(&mut self) -> LogprobsUpdate {
+        self.logprobs.as_mut().map(LogprobsCollector::take).unwrap_or_default()
+    }
+
     pub fn usage(&self) -> Usage {
         Usage {
             prompt_tokens: self.prompt_tokens,
-            completion_tokens: self.completion_tokens,
-            total_tokens: self.prompt_tokens + self.completion_tokens,
+            completion_tokens: self.output_tokens(),
+            total_tokens: self.prompt_tokens + self.output_tokens(),
             prompt_tokens_details: self
                 .state
                 .args
                 .enable_cache_report
                 .then_some(PromptTokensDetails { cached_tokens: self.cached_tokens }),
+        }
+    }
+
+    /// Output tokens the client sees (none when `prompt_only`).
+    fn output_tokens(&self) -> u32 {
+        if self.prompt_only {
+            0
+        } else {
+            self.completion_tokens
         }
     }
 
@@ -179,7 +208,13 @@ impl TextStream {
                     self.timer.started(prompt_tokens, cached_tokens);
                     None
                 }
-                RequestEvent::Token { token, .. } => self.on_token(token),
+                RequestEvent::Token { token, logprob, top_logprobs, .. } => self.on_token(token, logprob, top_logprobs),
+                RequestEvent::PromptLogprobs { start, logprobs, top_logprobs, .. } => {
+                    if let Some(c) = self.logprobs.as_mut() {
+                        c.prompt_chunk(start, logprobs, top_logprobs);
+                    }
+                    None
+                }
                 RequestEvent::Finished { reason, completion_tokens, .. } => {
                     Some(self.on_finished(reason, completion_tokens))
                 }
@@ -236,17 +271,24 @@ impl TextStream {
     }
 
     /// One generated token: its text, if any is ready (`None`: nothing to yield yet).
-    fn on_token(&mut self, token: u32) -> Option<Piece> {
+    fn on_token(&mut self, token: u32, logprob: f32, top: Vec<TopLogprob>) -> Option<Piece> {
         self.completion_tokens += 1;
         self.timer.token();
-        // A stop token ends the turn; it is not part of the text.
-        if !self.ignore_eos && self.stop_token_ids.contains(&token) {
+        if let Some(c) = self.logprobs.as_mut() {
+            c.sampled();
+        }
+        // A stop token ends the turn; it is not part of the text. Nor is the token of a `prompt_only` request.
+        if (!self.ignore_eos && self.stop_token_ids.contains(&token)) || self.prompt_only {
             return None;
+        }
+        if let Some(c) = self.logprobs.as_mut() {
+            c.token(PositionLogprob { token, logprob: Some(logprob), top, text_offset: self.emitted_chars });
         }
         let text = match self.detok.push(&self.state.tokenizer, token) {
             Ok(t) => t,
             Err(e) => return Some(self.fail(ApiError::internal(e.to_string()))),
         };
+        self.emitted_chars += text.chars().count();
         if text.is_empty() {
             return None;
         }
@@ -267,6 +309,11 @@ impl TextStream {
     fn on_finished(&mut self, reason: FinishReason, completion_tokens: u32) -> Piece {
         self.done = true;
         self.completion_tokens = self.completion_tokens.max(completion_tokens);
+        if let Some(c) = self.logprobs.as_mut() {
+            c.sampled();
+        }
+        // `prompt_only` asked for no output: its budget is used up, whatever the hidden token was.
+        let reason = if self.prompt_only { FinishReason::Length } else { reason };
         let tail = match self.detok.finish(&self.state.tokenizer) {
             Ok(t) => t,
             Err(e) => return self.fail(ApiError::internal(e.to_string())),

@@ -15,6 +15,7 @@ pub mod chat_template;
 pub mod detokenizer;
 pub mod reasoning;
 pub mod stop_strings;
+pub mod token_text;
 pub mod tokenizer;
 pub mod tool_calls;
 

@@ -3,7 +3,7 @@
 
 pub mod tool_model;
 
-use ft_core::request::{FinishReason, RequestEvent};
+use ft_core::request::{FinishReason, RequestEvent, TopLogprob};
 use ft_server::backend::{
     AbortOnDrop, Backend, EngineDescription, GenerateRequest, HealthState, RequestStream, SubmitError,
 };
@@ -224,6 +224,9 @@ impl Backend for ScriptedBackend {
                 cached_tokens: script.cached_tokens,
                 max_new_tokens: req.max_new_tokens,
             });
+            for ev in prompt_logprobs(id, &req) {
+                let _ = tx.send(ev);
+            }
             let mut n = 0u32;
             let finish = |n: u32, reason| RequestEvent::Finished { id, reason, completion_tokens: n };
             let mut tokens = script.tokens.clone().into_iter();
@@ -251,7 +254,8 @@ impl Backend for ScriptedBackend {
                     },
                 };
                 n += 1;
-                if tx.send(RequestEvent::Token { id, token: next, logprob: -0.5 }).is_err() {
+                let top_logprobs = scripted_top(next, -0.5, req.sampling.top_logprobs);
+                if tx.send(RequestEvent::Token { id, token: next, logprob: -0.5, top_logprobs }).is_err() {
                     break;
                 }
                 if n >= req.max_new_tokens {
@@ -288,6 +292,37 @@ impl Backend for ScriptedBackend {
             ..Default::default()
         }
     }
+}
+
+/// Scripted alternatives of `token` (logprob `lp`): itself first, then byte tokens `token + 1, token + 2, ...`
+/// (wrapping inside the byte range), each one less likely.
+pub fn scripted_top(token: u32, lp: f32, n: u32) -> Vec<TopLogprob> {
+    let id = |i: u32| if i == 0 { token } else { (token + i) % 256 };
+    (0..n).map(|i| TopLogprob { token: id(i), logprob: lp - i as f32 }).collect()
+}
+
+/// Scripted prompt logprobs (when asked): prompt position `q` gets `-0.1 * q`, in two chunks as chunked prefill
+/// reports them.
+pub fn prompt_logprobs(id: u64, req: &GenerateRequest) -> Vec<RequestEvent> {
+    if !req.sampling.prompt_logprobs || req.prompt.len() < 2 {
+        return vec![];
+    }
+    let n = req.prompt.len() as u32;
+    let half = 1 + (n - 1) / 2;
+    [(1, half), (half, n)]
+        .into_iter()
+        .filter(|(a, b)| a < b)
+        .map(|(start, end)| {
+            let lp = |q: u32| -0.1 * q as f32;
+            let top = (start..end).map(|q| scripted_top(req.prompt[q as usize], lp(q), req.sampling.top_logprobs));
+            RequestEvent::PromptLogprobs {
+                id,
+                start,
+                logprobs: (start..end).map(lp).collect(),
+                top_logprobs: top.collect(),
+            }
+        })
+        .collect()
 }
 
 pub struct TestServer {
