@@ -287,16 +287,18 @@ if triton is not None:
 
 def _gemv_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, BLOCK_W, SPLIT_K)`` for the GEMV: tiles of ``_GEMV_TILE`` bytes, 4..64 words (32..512
-    weights) of a row per step, and K split until the grid has about ``_TARGET_PROGRAMS`` programs (each split at
-    least two steps long)."""
+    weights) of a row per step; K split (each split at least one step long), then fewer rows per program, until the
+    grid has about ``_TARGET_PROGRAMS`` programs."""
     bm = triton.next_power_of_2(M)
     kw = K // 8
     bw = max(4, min(64, triton.next_power_of_2(kw)))
     bn = max(4, min(64, _GEMV_TILE // (4 * bw)))
     bn = min(bn, max(4, triton.next_power_of_2(N)))
     split = 1
-    while triton.cdiv(N, bn) * split < _TARGET_PROGRAMS and triton.cdiv(kw, split * 2) >= 2 * bw:
+    while triton.cdiv(N, bn) * split < _TARGET_PROGRAMS and triton.cdiv(kw, split * 2) >= bw:
         split *= 2
+    while triton.cdiv(N, bn) * split < _TARGET_PROGRAMS and bn > 4:  # then fewer rows per program
+        bn //= 2
     return bm, bn, bw, split
 
 
@@ -353,9 +355,11 @@ def nvfp4_linear_triton(
     weight_scale: torch.Tensor,
     weight_scale_2: torch.Tensor,
     bias: Optional[torch.Tensor] = None,
+    path: str = "auto",
 ) -> torch.Tensor:
     """Same contract as ``nvfp4_linear_torch``; CUDA, or CPU under TRITON_INTERPRET=1. Rows of x may be strided
-    (last dim contiguous); the weight and its scales must be row-major with contiguous rows."""
+    (last dim contiguous); the weight and its scales must be row-major with contiguous rows. ``path``: ``auto``
+    (by M), or ``gemv`` (M <= 8) / ``dot`` pinned (tests and the benchmark compare them)."""
     assert triton is not None, "triton is not installed"
     K = x.shape[-1]
     N = weight.shape[0]
@@ -365,9 +369,12 @@ def nvfp4_linear_triton(
         x2 = x2.contiguous()
     M = x2.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if path == "auto":
+        path = "gemv" if M <= GEMV_MAX_M else "dot"
+    assert path == "dot" or (path == "gemv" and M <= 8), f"unknown path {path!r} for M={M}"
     if M > 0 and N > 0:
         scale_bytes = weight_scale.view(torch.uint8)  # E4M3 bits, decoded in the kernel
-        launch = _launch_gemv if M <= GEMV_MAX_M else _launch_dot
+        launch = _launch_gemv if path == "gemv" else _launch_dot
         launch(x2, weight, scale_bytes, weight_scale_2.reshape(()), bias, out)
     return out.view(*x.shape[:-1], N)
 

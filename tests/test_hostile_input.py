@@ -91,7 +91,8 @@ def check_schema_is_honest(case, response) -> None:
     # what a static schema cannot say: the context and vocabulary limits, and which model names are served (the
     # schema documents the 404)
     inexpressible = (
-        error.get("code") in ("context_length_exceeded", "model_not_found")
+        error.get("code")
+        in ("context_length_exceeded", "model_not_found", "previous_response_not_found", "response_not_found")
         or "maximum context length" in message
         or "out of the vocabulary" in message
         or error.get("type") == "not_found_error"
@@ -121,7 +122,7 @@ def cross_field_logprobs(error: dict) -> bool:
 def tame(body):
     """Caps explicit output budgets so generated requests stay short (the schema itself stays honest)."""
     if isinstance(body, dict):
-        for key in ("max_tokens", "max_completion_tokens"):
+        for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             v = body.get(key)
             if isinstance(v, int) and not isinstance(v, bool) and MAX_OUT < v < 2**63:
                 body[key] = MAX_OUT
@@ -155,7 +156,7 @@ def test_schemathesis_cases_were_meaningful():
     if not _statuses:
         pytest.skip("the schemathesis test did not run in this session")
     print({op: sorted(set(v)) for op, v in _statuses.items()}, {op: len(v) for op, v in _statuses.items()})
-    for op in ("POST /v1/chat/completions", "POST /v1/completions"):
+    for op in ("POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses"):
         seen = _statuses.get(op, [])
         assert seen.count(200) >= 5, (op, seen)
         assert any(400 <= s < 500 for s in seen), (op, seen)
@@ -360,6 +361,12 @@ CASES: list[tuple[str, str, object, str]] = [
     ("prompt null", "/v1/completions", {"prompt": None, "max_tokens": 2}, FOUR),
     ("suffix", "/v1/completions", {"prompt": "hi", "suffix": "x", "max_tokens": 2}, FOUR),
     ("best_of 3", "/v1/completions", {"prompt": "hi", "best_of": 3, "max_tokens": 2}, FOUR),
+    ("responses input an object", "/v1/responses", {"input": {"text": "hi"}, "max_output_tokens": 2}, FOUR),
+    ("responses input item garbage", "/v1/responses", {"input": [5, None, "x"], "max_output_tokens": 2}, FOUR),
+    ("responses nested parts", "/v1/responses", {"input": [{"role": "user", "content": [[[]]]}]}, FOUR),
+    ("responses unknown previous id", "/v1/responses", {"input": "hi", "previous_response_id": "../x"}, FOUR),
+    ("responses call without id", "/v1/responses", {"input": [{"type": "function_call", "name": "f"}]}, FOUR),
+    ("responses cancel garbage id", "/v1/responses/%00%ff/cancel", {}, FOUR),
     ("echo byte tokens", "/v1/completions", {"prompt": [[200, 201, 202]], "echo": True, "max_tokens": 2}, ANY),
     (
         "echo special tokens streamed",

@@ -186,7 +186,8 @@ def test_ft_serve_missing_key_is_one_line(tmp_path, drop, key):
     "set_,needle",
     [
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "rope_type 'yarn'"),
-        ({"quantization_config": {"quant_method": "modelopt"}}, "quantization_config (quant_method 'modelopt')"),
+        ({"quantization_config": {"quant_method": "awq"}}, "quantization_config with quant_method 'awq'"),
+        ({"quantization_config": {"quant_method": "modelopt", "quant_algo": "INT4_AWQ"}}, "quant_algo 'INT4_AWQ'"),
     ],
 )
 def test_unsupported_config_values_are_one_line(tmp_path, set_, needle):

@@ -62,9 +62,10 @@ class Script:
             json.dump(self.turns, f)
         os.replace(tmp, self.path)
 
-    def next(self, text: str) -> int:
-        """The next request's output is ``text`` then ``<|im_end|>``; returns its token count."""
-        ids = self.tok.encode(text, add_special_tokens=False).ids + [IM_END_ID]
+    def next(self, text: str, end_turn: bool = True) -> int:
+        """The next request's output is ``text`` then ``<|im_end|>`` (``end_turn=False``: without, for a request cut
+        off by an output budget of exactly the returned count); returns its token count."""
+        ids = self.tok.encode(text, add_special_tokens=False).ids + ([IM_END_ID] if end_turn else [])
         self.turns.append(ids)
         self._write()
         return len(ids)

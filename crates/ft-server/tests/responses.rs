@@ -461,6 +461,8 @@ async fn bad_requests_are_400_and_unknown_ids_404() {
     assert_eq!((status, e["error"]["code"].as_str()), (404, Some("response_not_found")));
     let (status, _) = s.post("/v1/responses/resp_nope/cancel", json!({})).await;
     assert_eq!(status, 404);
+    let (status, e) = s.get("/v1/responses/%ff").await;
+    assert_eq!((status, e["error"]["type"].as_str()), (400, Some("invalid_request_error")));
     let (status, _) = s.post_raw("/v1/responses", "[1]").await;
     assert_eq!(status, 400);
     assert!(s.backend.submitted().is_empty());

@@ -30,6 +30,7 @@ use super::{off_the_async_workers, OpenAiJson, TextStream};
 use crate::http::openai_error::ApiError;
 use crate::http::state::AppState;
 use crate::validation::{self, Prepared};
+use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -137,17 +138,26 @@ async fn whole_response(mut ts: TextStream, spec: &OutputSpec, mut turn: Turn) -
     }
 }
 
+/// The `{id}` of the path (a 400 in OpenAI's shape for one that is not UTF-8).
+type IdPath = Result<Path<String>, PathRejection>;
+
+fn response_id(path: IdPath) -> Result<String, ApiError> {
+    path.map(|Path(id)| id).map_err(|e| ApiError::invalid(format!("bad response id in the path: {}", e.body_text())))
+}
+
 fn not_found(id: &str) -> ApiError {
     ApiError::not_found(format!("Response with id '{id}' not found.")).with_code("response_not_found")
 }
 
-pub async fn get_response(State(state): State<AppState>, Path(id): Path<String>) -> Result<Response, ApiError> {
+pub async fn get_response(State(state): State<AppState>, path: IdPath) -> Result<Response, ApiError> {
+    let id = response_id(path)?;
     let entry = state.responses.get(&id).ok_or_else(|| not_found(&id))?;
     Ok(Json(entry.response).into_response())
 }
 
 /// Aborts a response that is still generating and answers with it once it ended (`cancelled`).
-pub async fn cancel_response(State(state): State<AppState>, Path(id): Path<String>) -> Result<Response, ApiError> {
+pub async fn cancel_response(State(state): State<AppState>, path: IdPath) -> Result<Response, ApiError> {
+    let id = response_id(path)?;
     let entry = state.responses.get(&id).ok_or_else(|| not_found(&id))?;
     if let Some(live) = entry.live {
         live.cancel();
@@ -166,7 +176,8 @@ pub async fn cancel_response(State(state): State<AppState>, Path(id): Path<Strin
 }
 
 /// Forgets a stored response (one still generating is cancelled too).
-pub async fn delete_response(State(state): State<AppState>, Path(id): Path<String>) -> Result<Response, ApiError> {
+pub async fn delete_response(State(state): State<AppState>, path: IdPath) -> Result<Response, ApiError> {
+    let id = response_id(path)?;
     let entry = state.responses.remove(&id).ok_or_else(|| not_found(&id))?;
     if let Some(live) = entry.live {
         live.cancel();

@@ -1,0 +1,309 @@
+"""NVFP4 / FP8 kernel benchmark (issue 11) at Qwen3.6-35B-A3B's shapes, each beside a BF16 run of the same shape on
+the same card. Prints a table per group and writes JSON.
+
+    python bench/nvfp4_kernel_bench.py --out bench/out/nvfp4_kernels.json             # CUDA
+    python bench/nvfp4_kernel_bench.py --smoke                                         # CPU, interpreter, tiny
+
+Groups, each per M (rows of x; tokens for the MoE) in 1, 2, 4, 8, 16, 64, 256, 1024, 4096, 8192:
+- ``linear``: the W4A16 NVFP4 Linears (``kernels/nvfp4_linear.py``): the shared expert's gate (512 x 2048) and
+  down (2048 x 512), lm_head (248320 x 2048); beside each, ``torch.mm`` in BF16 (cuBLAS) over the same shape. At
+  M <= 8 both paths (CUDA-core GEMV and tensor cores) are timed: where they cross is ``GEMV_MAX_M``.
+- ``moe``: the routed experts of one layer, 256 experts of gate|up 2 x 512 x 2048 and down 2048 x 512, top-8
+  (``layers/nvfp4_experts.run_nvfp4_experts``: decode GEMVs up to 64 pairs, grouped kernels above), under uniform
+  and Zipf routing (``--routing``, default ``FREETOKEN_BENCH_ROUTING`` or both; the draws of
+  ``moe/bench_routing.py``), with the number of distinct experts the step touches; beside it the BF16 kernels
+  (``layers/moe.run_experts``) on the same routing over a BF16 bank.
+- ``fp8``: the FP8 per-tensor projections (``kernels/fp8_linear.py``: Triton quantization + tensor-wise
+  ``_scaled_mm``): GDN in_proj_qkv (8192 x 2048), out_proj (2048 x 4096), attention k (512 x 2048), beside
+  ``torch.mm`` in BF16.
+
+Columns: time (us, per call, from CUDA-graph replays of many calls, so launch overhead from Python is not counted),
+GB/s (the bytes the call must move: weights read once, distinct experts for the MoE, activations in and out) and
+its fraction of the measured HBM copy bandwidth (a 1 GiB device-to-device copy, bytes read + written), TFLOP/s,
+and ``vs bf16`` = BF16 time / our time (above 1: faster). Small weights are cycled through enough copies to
+exceed L2, so every call reads HBM. Targets on the H200: decode (M <= 16) >= 70 % of the copy bandwidth; the
+grouped MoE at prefill sizes no slower than BF16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MS = [1, 2, 4, 8, 16, 64, 256, 1024, 4096, 8192]
+L2_BYTES = 256 << 20  # cycle small weights through this many bytes of copies (H200 L2: 50 MiB)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "out", "nvfp4_kernels.json"))
+    p.add_argument("--groups", default="linear,moe,fp8")
+    p.add_argument("--ms", default=None, help="comma-separated M values (default: the issue's list)")
+    env_routing = os.environ.get("FREETOKEN_BENCH_ROUTING", "")
+    p.add_argument("--routing", default=env_routing if env_routing not in ("", "off") else "uniform,zipf")
+    p.add_argument("--reps", type=int, default=20, help="calls per timed CUDA-graph replay")
+    a = p.parse_args(argv)
+    a.groups = a.groups.split(",")
+    a.routing = a.routing.split(",")
+    a.ms = [int(m) for m in a.ms.split(",")] if a.ms else ([1, 3, 40] if a.smoke else MS)
+    if a.smoke:
+        a.reps = 1  # the interpreter runs a call in seconds
+    return a
+
+
+def shapes(smoke: bool) -> dict:
+    """The benchmark's shapes: Qwen3.6-35B-A3B's, or tiny ones for ``--smoke``."""
+    if smoke:
+        return dict(
+            linear={"shared gate": (40, 64), "shared down": (64, 48), "lm_head": (200, 64)},
+            moe=dict(E=8, k=2, H=64, I=32),
+            fp8={"in_proj_qkv": (64, 32), "out_proj": (32, 64)},
+        )
+    return dict(
+        linear={"shared gate": (512, 2048), "shared down": (2048, 512), "lm_head": (248320, 2048)},
+        moe=dict(E=256, k=8, H=2048, I=512),
+        fp8={"in_proj_qkv": (8192, 2048), "out_proj": (2048, 4096), "attn k": (512, 2048)},
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# timing and the hardware
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def time_calls(calls, device) -> float:
+    """Seconds per call of ``calls`` (a list of closures, each on its own copy of the weights). CUDA: all of them
+    captured in one CUDA graph, replayed; CPU: wall clock."""
+    import torch
+
+    if device.type != "cuda":  # (the interpreter compiles nothing: no warm-up)
+        t0 = time.perf_counter()
+        for c in calls:
+            c()
+        return (time.perf_counter() - t0) / len(calls)
+    for c in calls[:2]:
+        c()  # compile / warm up outside any capture
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / len(calls))
+    del graph
+    return statistics.median(times)
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes/s of a device copy (read + write counted): 1 GiB on CUDA, 64 MiB on the CPU."""
+    import torch
+
+    n = (1 << 30) if device.type == "cuda" else (64 << 20)
+    src, dst = torch.empty(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
+    t = min(time_calls([lambda: dst.copy_(src)] * 3, device) for _ in range(3))
+    return 2 * n / t
+
+
+def copies_for(nbytes: int, smoke: bool) -> int:
+    """How many copies of a weight of ``nbytes`` to cycle through so that the set exceeds L2."""
+    return 1 if smoke else max(2, min(512, math.ceil(L2_BYTES / max(1, nbytes))))
+
+
+def cycled(fn, items: list, reps: int) -> list:
+    """``max(reps, len(items))`` calls of ``fn(item)``, cycling through ``items`` (weight copies, routings)."""
+    return [lambda item=items[i % len(items)]: fn(item) for i in range(max(reps, len(items)))]
+
+
+def row(group, name, M, t, nbytes, flops, bw, t_bf16, **extra) -> dict:
+    r = dict(group=group, name=name, M=M, time_us=t * 1e6, gb_s=nbytes / t / 1e9, frac_hbm=nbytes / t / bw)
+    r.update(tflops=flops / t / 1e12, bf16_time_us=t_bf16 * 1e6, vs_bf16=t_bf16 / t, **extra)
+    return r
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the groups
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def nvfp4_weights(n, k, copies, device):
+    """``copies`` NVFP4 weights ``[n, k]`` in the ``--dummy-weight`` layout (random codes, scales in [1, 2))."""
+    import torch
+
+    from freetoken.layers.quantized_linear import fill_nvfp4_dummy
+
+    g = torch.Generator(device=device).manual_seed(0)
+    out = []
+    for _ in range(copies):
+        w = torch.empty(n, k // 2, dtype=torch.uint8, device=device)
+        s = torch.empty(n, k // 16, dtype=torch.float8_e4m3fn, device=device)
+        s2 = torch.empty((), dtype=torch.float32, device=device)
+        fill_nvfp4_dummy(w, s, s2, 0.02, g)
+        out.append((w, s, s2))
+    return out
+
+
+def bench_linear(a, device, dtype, bw) -> list:
+    import torch
+
+    from freetoken.kernels.nvfp4_linear import GEMV_MAX_M, nvfp4_linear_triton
+
+    rows = []
+    for name, (n, k) in shapes(a.smoke)["linear"].items():
+        nbytes_w = n * k // 2 + n * k // 16
+        weights = nvfp4_weights(n, k, copies_for(nbytes_w, a.smoke), device)
+        bf16 = [torch.randn(n, k, device=device, dtype=dtype) * 0.02 for _ in range(copies_for(2 * n * k, a.smoke))]
+        for M in a.ms:
+            if n * M > (1 << 31):  # lm_head at 8192 rows: a 4 GB output, the BF16 GEMM alone
+                continue
+            x = torch.randn(M, k, device=device, dtype=dtype)
+            nbytes = nbytes_w + (M * k + M * n) * x.element_size()
+            t_bf16 = time_calls(cycled(lambda w: torch.mm(x, w.t()), bf16, a.reps), device)
+            for path in ["gemv", "dot"] if M <= 8 else ["dot"]:
+                t = time_calls(cycled(lambda w, p=path: nvfp4_linear_triton(x, *w, path=p), weights, a.reps), device)
+                auto = path == ("gemv" if M <= GEMV_MAX_M else "dot")
+                rows.append(row("linear", name, M, t, nbytes, 2 * M * n * k, bw, t_bf16, path=path, auto=auto))
+    return rows
+
+
+def _routing(mode, T, E, k, device):
+    """Expert ids ``[T, k]`` drawn as ``moe/bench_routing.py`` draws them (``mode`` uniform or zipf) and weights."""
+    import torch
+
+    from freetoken.moe import bench_routing
+
+    bench_routing.set_mode(mode)
+    ids = bench_routing.override(torch.zeros(T, k, dtype=torch.int64, device=device), 0, E)
+    bench_routing.set_mode("off")
+    w = torch.rand(T, k, device=device)
+    return ids, w / w.sum(-1, keepdim=True)
+
+
+def moe_banks(s, device, dtype):
+    """An NVFP4 bank (``--dummy-weight`` layout) and a BF16 bank of the same experts' shapes."""
+    import torch
+
+    from freetoken.layers.nvfp4_experts import Nvfp4Experts
+
+    ex = Nvfp4Experts(s["E"], s["H"], s["I"], device=device)
+    ex.fill_dummy(0.02, torch.Generator(device=device).manual_seed(0))
+    w13 = torch.randn(s["E"], 2 * s["I"], s["H"], device=device, dtype=dtype) * 0.02
+    w2 = torch.randn(s["E"], s["H"], s["I"], device=device, dtype=dtype) * 0.02
+    return ex.bank(), (w13, w2)
+
+
+def bench_moe(a, device, dtype, bw) -> list:
+    import torch
+
+    from freetoken.layers.moe import run_experts
+    from freetoken.layers.nvfp4_experts import run_nvfp4_experts
+
+    s = shapes(a.smoke)["moe"]
+    E, k, H, I = s["E"], s["k"], s["H"], s["I"]
+    bank, (w13, w2) = moe_banks(s, device, dtype)
+    expert_bytes = 3 * H * I // 2 + 3 * H * I // 16 + 4 * (2 * I + H)  # codes, block scales, per-row globals
+    rows = []
+    for mode in a.routing:
+        for T in a.ms:
+            x = torch.randn(T, H, device=device, dtype=dtype)
+            # a fresh routing per call: a decode step's few experts would otherwise stay in L2 from the last call
+            reps = max(1, a.reps if T * k <= 64 else a.reps // 4)
+            routes = [_routing(mode, T, E, k, device) for _ in range(reps)]
+            distinct = statistics.mean(int(torch.unique(ids).numel()) for ids, _ in routes)
+            nbytes = distinct * expert_bytes + 2 * T * H * x.element_size()
+            t = time_calls(cycled(lambda r: run_nvfp4_experts(x, bank, *r), routes, reps), device)
+            t_bf16 = time_calls(cycled(lambda r: run_experts("triton", x, w13, w2, *r), routes, reps), device)
+            name = f"experts {mode}"
+            rows.append(row("moe", name, T, t, nbytes, 6 * T * k * H * I, bw, t_bf16, distinct_experts=distinct))
+    return rows
+
+
+def bench_fp8(a, device, dtype, bw) -> list:
+    import torch
+
+    from freetoken.kernels.fp8_linear import fp8_linear, scaled_mm_supported
+    from freetoken.quant import fp8
+
+    rows = []
+    for name, (n, k) in shapes(a.smoke)["fp8"].items():
+        wq, ws = fp8.quantize(torch.randn(n, k, device=device) * 0.02)
+        x_scale = torch.tensor(0.01, device=device)
+        wb = [torch.randn(n, k, device=device, dtype=dtype) * 0.02 for _ in range(copies_for(2 * n * k, a.smoke))]
+        wqs = [wq.clone() for _ in range(copies_for(n * k, a.smoke))]
+        for M in a.ms:
+            x = torch.randn(M, k, device=device, dtype=dtype)
+            kernel = "scaled_mm" if scaled_mm_supported(x, wq) else "reference"
+            nbytes = n * k + (M * k + M * n) * x.element_size()
+            t = time_calls(cycled(lambda q: fp8_linear(x, q, ws, x_scale), wqs, a.reps), device)
+            t_bf16 = time_calls(cycled(lambda w: torch.mm(x, w.t()), wb, a.reps), device)
+            rows.append(row("fp8", name, M, t, nbytes, 2 * M * n * k, bw, t_bf16, kernel=kernel))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# main
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def print_rows(rows: list, bw: float) -> None:
+    print(f"HBM copy bandwidth: {bw / 1e9:.0f} GB/s (read + write of a device copy)")
+    group = None
+    for r in rows:
+        if r["group"] != group:
+            group = r["group"]
+            print(f"\n{group:28s} {'M':>5s} {'time us':>10s} {'GB/s':>8s} {'%HBM':>6s} {'TFLOP/s':>8s} {'vs bf16':>8s}")
+        tag = r.get("path", "") + ("*" if r.get("auto") else "") if "path" in r else r.get("kernel", "")
+        if "distinct_experts" in r:
+            tag = f"{r['distinct_experts']:.0f} experts"
+        label = f"{r['name']} {tag}".strip()
+        print(
+            f"{label:28s} {r['M']:5d} {r['time_us']:10.1f} {r['gb_s']:8.0f} {100 * r['frac_hbm']:5.0f}% "
+            f"{r['tflops']:8.1f} {r['vs_bf16']:7.2f}x"
+        )
+    print("\n(* the path nvfp4_linear picks at that M; vs bf16 = BF16 time / ours)")
+
+
+def main(argv=None) -> dict:
+    a = parse_args(argv)
+    if a.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton compiles anything
+    sys.path.insert(0, os.path.join(ROOT, "python"))
+    import torch
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the interpreter's bf16 tl.dot is wrong
+    bw = copy_bandwidth(device)
+    rows = []
+    for group, fn in (("linear", bench_linear), ("moe", bench_moe), ("fp8", bench_fp8)):
+        if group in a.groups:
+            rows += fn(a, device, dtype, bw)
+    print_rows(rows, bw)
+    info = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__)
+    result = dict(info, smoke=a.smoke, hbm_copy_gb_s=bw / 1e9, rows=rows)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {a.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""W4A16 NVFP4 linear (``kernels/nvfp4_linear.py``) vs its torch reference, and ``Nvfp4Linear``'s dispatch: on CPU
+(the reference dispatch; the Triton paths under TRITON_INTERPRET=1, in a subprocess so the interpreter is on before
+triton compiles anything) and on CUDA (``gpu`` marker: a sweep of M 1..8192 over the Qwen3.6-35B-A3B shapes and odd
+ones, both paths at small M, CUDA-graph capture).
+
+Error measure: max |out - ref| / (1 + |ref|). The kernels compute ``e2m1 * scale`` exactly and apply the global
+scale to the fp32 sum; the reference rounds every weight to x's dtype after the global scale, so bf16 differs by
+about 2^-9 per weight; fp32 only by the order of the sums. The interpreter converts fp32 to bf16 by truncating
+(the GPU rounds to nearest) and its ``tl.dot`` is wrong in bf16, so the tensor-core path runs fp32 / fp16 there.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from nvfp4_cases import error, random_weight
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_TOL = {  # (cpu interpreter, cuda)
+    torch.float32: (1e-5, 1e-4),
+    torch.float16: (4e-3, 4e-3),
+    torch.bfloat16: (6e-2, 3e-2),
+}
+
+
+def check_linear(M, N, K, dtype, device, bias=False, strided=False, path="auto", seed=0, lead=()):
+    """``nvfp4_linear_triton`` (``path``: auto | gemv | dot) vs ``nvfp4_linear_torch`` for ``x [*lead, M, K]``."""
+    from freetoken.kernels.nvfp4_linear import nvfp4_linear_torch, nvfp4_linear_triton
+
+    w, s, s2 = random_weight(N, K, seed, device=device)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(*lead, M, K + 8 if strided else K, generator=g)[..., :K].to(device, dtype)
+    b = torch.randn(N, generator=g).to(device, dtype) if bias else None
+    out = nvfp4_linear_triton(x, w, s, s2, b, path=path)
+    ref = nvfp4_linear_torch(x, w, s, s2, b)
+    err = error(out, ref)
+    assert err <= _TOL[dtype][device == "cuda"], (M, N, K, dtype, path, err)
+    return err
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# CPU, no interpreter
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_layer_runs_the_reference_on_cpu(monkeypatch):
+    """``impl`` auto on a CPU tensor: the reference, bit for bit (no Triton launch)."""
+    import freetoken.layers.quantized_linear as ql
+
+    def boom(*a, **k):
+        raise AssertionError("the Triton path ran on CPU")
+
+    monkeypatch.setattr(ql, "nvfp4_linear_triton", boom)
+    lin = ql.Nvfp4Linear(64, 40, bias=True, dtype=torch.float32)
+    w, s, s2 = random_weight(40, 64)
+    with torch.no_grad():
+        lin.weight.copy_(w), lin.weight_scale.copy_(s), lin.weight_scale_2.copy_(s2), lin.bias.normal_()
+    x = torch.randn(3, 64)
+    assert torch.equal(lin(x), F.linear(x, lin.dequantized_weight(torch.float32), lin.bias))
+    lin.impl = "bogus"
+    with pytest.raises(ValueError, match="unknown implementation"):
+        lin(x)
+
+
+def test_configs():
+    """Block sizes from the shapes: K split when there are too few rows; every tile sized as documented."""
+    from freetoken.kernels import nvfp4_linear as nl
+
+    bm, bn, bw, split = nl._gemv_config(1, 512, 2048)  # the shared expert's gate: 512 rows
+    assert bm == 1 and split > 1 and 512 // bn * split >= nl._TARGET_PROGRAMS // 4
+    assert nl._gemv_config(1, 248320, 2048)[3] == 1  # lm_head: rows enough
+    assert nl._dot_config(16, 2048, 512)[0] == 16 and nl._dot_config(8192, 2048, 512)[:2] == (128, 128)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# CPU: the Triton paths under the interpreter
+# ----------------------------------------------------------------------------------------------------------------------
+
+_CPU_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    import test_nvfp4_linear as t
+    f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+    worst = {{}}
+    cases = [
+        # GEMV: one and two rows, bias, K not a multiple of the step (masked), odd N, strided and 3-D x
+        (1, 24, 96, f32, dict(bias=True)),
+        (2, 40, 4096, f32, {{}}),  # 40 rows: K split (two partial sums, the fixed-order reduce)
+        (1, 8, 64, f16, {{}}),
+        (2, 13, 48, bf16, dict(strided=True)),
+        (1, 16, 256, bf16, dict(bias=True, lead=(2,))),  # x [2, 1, K]: M = 2 rows
+        # tensor cores: small-M tiles, the large-M tiles, odd N, masked M and K tails
+        (3, 24, 96, f32, dict(bias=True)),
+        (16, 40, 160, f16, dict(strided=True)),
+        (33, 24, 64, f32, {{}}),
+        (70, 130, 96, f32, dict(bias=True)),
+        (70, 24, 48, f16, {{}}),
+        # both paths at small M
+        (2, 24, 64, f32, dict(path="dot")),
+        (4, 24, 64, f16, dict(path="gemv")),
+    ]
+    for M, N, K, dt, kw in cases:
+        key = str(dt).split(".")[-1]
+        worst[key] = max(worst.get(key, 0.0), t.check_linear(M, N, K, dt, "cpu", seed=M + N, **kw))
+    t.check_layer_dispatch("cpu", f32)
+    for dt, err in sorted(worst.items()):
+        print(f"nvfp4_linear {{dt:9s}} max |out - ref| / (1 + |ref|) = {{err:.3g}}")
+    print("OK")
+    """
+)
+
+
+def check_layer_dispatch(device, dtype):
+    """``Nvfp4Linear`` with ``impl`` triton (CUDA: auto) runs the kernel: its output is the kernel's, bit for bit."""
+    from freetoken.kernels.nvfp4_linear import nvfp4_linear_triton
+    from freetoken.layers.quantized_linear import Nvfp4Linear
+
+    lin = Nvfp4Linear(64, 24, bias=True, dtype=dtype, device=device)
+    w, s, s2 = random_weight(24, 64, 5, device=device)
+    with torch.no_grad():
+        lin.weight.copy_(w), lin.weight_scale.copy_(s), lin.weight_scale_2.copy_(s2), lin.bias.normal_()
+    lin.impl = "triton" if device == "cpu" else "auto"
+    for M in (1, 5):
+        x = torch.randn(M, 64, device=device).to(dtype)
+        assert torch.equal(lin(x), nvfp4_linear_triton(x, lin.weight, lin.weight_scale, lin.weight_scale_2, lin.bias))
+
+
+def test_nvfp4_linear_interpreter_cpu():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.path.join(ROOT, "python"))
+    script = _CPU_SCRIPT.format(tests=os.path.join(ROOT, "tests"))
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
+    print(r.stdout)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# CUDA: Qwen3.6-35B-A3B's NVFP4 Linears (shared expert 512 x 2048 and 2048 x 512, lm_head 248320 x 2048) and odd shapes
+# ----------------------------------------------------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+SWEEP_M = [1, 2, 3, 4, 8, 16, 17, 64, 65, 256, 1024, 8192]
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("M", SWEEP_M)
+@pytest.mark.parametrize("N,K", [(512, 2048), (2048, 512), (1000, 208)])
+def test_nvfp4_linear_cuda_sweep(M, N, K):
+    check_linear(M, N, K, torch.bfloat16, "cuda", bias=N == 1000, seed=M)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("M", [1, 2, 16, 256])
+def test_nvfp4_linear_cuda_lm_head(M):
+    check_linear(M, 248320, 2048, torch.bfloat16, "cuda", seed=M)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("M", [1, 2, 16, 300])
+def test_nvfp4_linear_cuda_dtypes(M, dtype):
+    check_linear(M, 2048, 512, dtype, "cuda", bias=True, strided=True, seed=M)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("path", ["gemv", "dot"])
+@pytest.mark.parametrize("M", [1, 2, 4, 8, 16])
+def test_nvfp4_linear_cuda_both_paths(M, path):
+    check_linear(M, 512, 2048, torch.bfloat16, "cuda", path=path, seed=M)
+
+
+@pytest.mark.gpu
+@cuda
+def test_nvfp4_layer_dispatch_cuda():
+    check_layer_dispatch("cuda", torch.bfloat16)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("M", [1, 16])  # the GEMV with split-K (two launches), the tensor-core path
+def test_nvfp4_linear_cuda_graph(M):
+    """Captured once, replayed with new activations: no host reads, nothing sized from data."""
+    from freetoken.kernels.nvfp4_linear import nvfp4_linear_torch, nvfp4_linear_triton
+
+    w, s, s2 = random_weight(512, 2048, 3, device="cuda")
+    x = torch.zeros(M, 2048, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        nvfp4_linear_triton(x, w, s, s2)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = nvfp4_linear_triton(x, w, s, s2)
+    g = torch.Generator().manual_seed(7)
+    for _ in range(2):
+        x.copy_(torch.randn(M, 2048, generator=g).to("cuda", torch.bfloat16))
+        graph.replay()
+        assert error(out, nvfp4_linear_torch(x, w, s, s2)) <= _TOL[torch.bfloat16][1]

@@ -1,0 +1,293 @@
+"""NVFP4 MoE kernels (``kernels/nvfp4_moe.py``) vs their torch reference, over the bank layout of
+``layers/nvfp4_experts.py``: the decode GEMVs (shared expert given or computed, ids outside the bank, CUDA-graph
+padding rows, strided x), the grouped prefill kernels (skewed routing, empty experts, ids outside the bank), a slot
+pool in the same layout indexed by slot ids (the offload cache's use) equal to the resident bank indexed by expert ids,
+and ``Nvfp4Experts``' dispatch. CPU under TRITON_INTERPRET=1 (tiny shapes, in a subprocess), CUDA under the ``gpu``
+marker (Qwen3.6-35B-A3B: 256 experts of 2 x 512 x 2048 and 2048 x 512, top-8; a sweep of T and expert counts).
+
+References: the decode kernels against ``moe_decode_torch`` over the dequantized bank (the same contract, shared
+term included), the grouped kernels against ``nvfp4_moe_torch``. Error: max |out - ref| / (1 + |ref|); the
+interpreter truncates fp32 to bf16 and its bf16 ``tl.dot`` is wrong, so the grouped path runs fp32 / fp16 there.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from nvfp4_cases import dequantized_bank, error, random_bank
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_TOL = {  # (cpu interpreter, cuda)
+    torch.float32: (1e-5, 1e-4),
+    torch.float16: (5e-3, 5e-3),
+    torch.bfloat16: (8e-2, 4e-2),
+}
+
+
+def _routing(T, S, k, g, invalid=False, padding_row=False, skew=False):
+    """``[T, k]`` ids (distinct per token) and fp32 weights summing to 1. ``invalid``: ids < 0 and one past the bank;
+    ``padding_row``: the last row all 0 (the expert cache's CUDA-graph padding); ``skew``: most pairs on 2 experts."""
+    logits = torch.randn(T, S, generator=g)
+    if skew:
+        logits[:, :2] += 6
+    ids = torch.topk(logits + torch.rand(T, S, generator=g), k, -1).indices
+    if invalid:
+        ids[0, -1] = -1
+        ids[T // 2, 0] = -7
+        ids[T - 1, k // 2] = S
+    if padding_row:
+        ids[-1] = 0
+    w = torch.rand(T, k, generator=g) + 0.1
+    return ids, w / w.sum(-1, keepdim=True)
+
+
+def _shared_kw(shared, T, H, dtype, device, g):
+    if shared is None:
+        return {}
+    y = torch.randn(T, 1 + 2 * 24, generator=g).to(device, dtype)  # [gate logit | gate|up] of a fused projection
+    if shared == "output":
+        return dict(shared=torch.randn(T, H, generator=g).to(device, dtype), shared_gate=y[:, :1])
+    down = (torch.randn(H, 24, generator=g) / 24**0.5).to(device, dtype)
+    return dict(shared_gate=y[:, :1], shared_gate_up=y[:, 1:], shared_down=down)
+
+
+def check_decode(T, S, k, H, I, dtype, device, shared=None, seed=0, strided_x=False, **routing):
+    from freetoken.kernels.moe_decode import moe_decode_torch
+    from freetoken.kernels.nvfp4_moe import nvfp4_moe_decode_triton
+
+    bank = random_bank(S, H, I, seed, device=device)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(T, H + 8 if strided_x else H, generator=g)[:, :H].to(device, dtype)
+    ids, w = _routing(T, S, k, g, **routing)
+    ids, w = ids.to(device), w.to(device)
+    kw = _shared_kw(shared, T, H, dtype, device, g)
+    out = nvfp4_moe_decode_triton(x, *bank, ids, w, **kw)
+    ref = moe_decode_torch(x, *dequantized_bank(bank, dtype), ids, w, **kw)
+    err = error(out, ref)
+    assert err <= _TOL[dtype][device == "cuda"], ("decode", T, S, k, H, I, dtype, shared, err)
+    return err
+
+
+def check_grouped(T, E, k, H, I, dtype, device, seed=0, **routing):
+    from freetoken.kernels.nvfp4_moe import nvfp4_fused_moe_triton, nvfp4_moe_torch
+
+    bank = random_bank(E, H, I, seed, device=device)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(T, H, generator=g).to(device, dtype)
+    ids, w = _routing(T, E, k, g, **routing)
+    ids, w = ids.to(device), w.to(device, dtype)
+    out = nvfp4_fused_moe_triton(x, *bank, ids, w)
+    ref = nvfp4_moe_torch(x, *bank, ids, w)
+    err = error(out, ref)
+    assert err <= 2 * _TOL[dtype][device == "cuda"], ("grouped", T, E, k, H, I, dtype, err)
+    return err
+
+
+def check_slot_pool(T, k, dtype, device, E=12, S=7, H=64, I=32, seed=0):
+    """Slots holding a subset of the experts in another order: the kernels over the pool with slot ids give exactly
+    the resident bank's result with expert ids (decode and grouped); pairs whose expert is not in the pool (slot
+    id -1) add nothing."""
+    from freetoken.kernels.nvfp4_moe import nvfp4_fused_moe_triton, nvfp4_moe_decode_triton
+
+    bank = random_bank(E, H, I, seed, device=device)
+    g = torch.Generator().manual_seed(seed + 1)
+    resident = torch.randperm(E, generator=g)[:S]  # slot s holds expert resident[s]
+    pool = tuple(t[resident.to(device)].contiguous() for t in bank)
+    slot_of = torch.full((E,), -1, dtype=torch.int64)
+    slot_of[resident] = torch.arange(S)
+    x = torch.randn(T, H, generator=g).to(device, dtype)
+    ids, w = _routing(T, E, k, g)
+    slots = slot_of[ids]
+    ids = torch.where(slots >= 0, ids, -1)  # an expert out of the pool contributes nothing on both sides
+    ids, slots, w = ids.to(device), slots.to(device), w.to(device, dtype)
+    for fn in (nvfp4_moe_decode_triton, nvfp4_fused_moe_triton):
+        assert torch.equal(fn(x, *pool, slots, w), fn(x, *bank, ids, w)), fn.__name__
+
+
+def check_module(T, dtype, device, shared="output", seed=0):
+    """``Nvfp4Experts`` with the kernels (``impl`` triton on CPU, auto on CUDA) vs the same module on the torch
+    reference, the block's shared expert handed over as a ``SharedExpertTerm``."""
+    from freetoken.layers.moe import SharedExpertTerm
+    from freetoken.layers.nvfp4_experts import Nvfp4Experts
+
+    E, H, I, k = 10, 64, 32, 4
+    ex = Nvfp4Experts(E, H, I, device=device)
+    with torch.no_grad():
+        for p, t in zip(ex.bank(), random_bank(E, H, I, seed, device=device)):
+            p.copy_(t)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(T, H, generator=g).to(device, dtype)
+    ids, w = _routing(T, E, k, g, invalid=True)
+    ids, w = ids.to(device), w.to(device)
+    kw = _shared_kw(shared, T, H, dtype, device, g)
+    term = None
+    if shared is not None:
+        term = SharedExpertTerm(kw["shared_gate"], kw.get("shared"), kw.get("shared_gate_up"), kw.get("shared_down"))
+    ex.impl = "triton" if device == "cpu" else "auto"
+    out = ex(x, ids, w, term)
+    ex.impl = "torch"
+    ref = ex(x, ids, w, term)
+    err = error(out, ref)
+    assert err <= 2 * _TOL[dtype][device == "cuda"], ("module", T, dtype, shared, err)
+    return err
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# CPU: the Triton kernels under the interpreter
+# ----------------------------------------------------------------------------------------------------------------------
+
+_CPU_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    import test_nvfp4_moe as t
+    f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+    worst = {{}}
+    def note(name, err):
+        worst[name] = max(worst.get(name, 0.0), err)
+    for dt in (f32, f16, bf16):
+        key = str(dt).split(".")[-1]
+        note("decode " + key, t.check_decode(1, 6, 2, 32, 16, dt, "cpu"))
+        note("decode " + key, t.check_decode(3, 9, 4, 48, 32, dt, "cpu", "output", invalid=True, strided_x=True))
+        note("decode " + key, t.check_decode(4, 8, 3, 64, 48, dt, "cpu", "expert", padding_row=True))
+        note("decode " + key, t.check_decode(2, 5, 2, 512, 64, dt, "cpu"))  # several K steps, H even
+    for dt in (f32, f16):
+        key = str(dt).split(".")[-1]
+        note("grouped " + key, t.check_grouped(9, 6, 2, 48, 32, dt, "cpu", invalid=True))
+        note("grouped " + key, t.check_grouped(40, 8, 3, 32, 48, dt, "cpu", skew=True))  # long runs, empty experts
+        note("grouped " + key, t.check_grouped(24, 5, 2, 160, 80, dt, "cpu"))  # K tails, I not a power of two
+    t.check_slot_pool(3, 4, f32, "cpu")
+    t.check_slot_pool(20, 4, f32, "cpu")
+    note("module float32", t.check_module(2, f32, "cpu", "expert"))
+    note("module float32", t.check_module(20, f32, "cpu", "output"))  # 80 pairs: grouped, shared added after
+    for name, err in sorted(worst.items()):
+        print(f"nvfp4_moe {{name:17s}} max |out - ref| / (1 + |ref|) = {{err:.3g}}")
+    print("OK")
+    """
+)
+
+
+def test_nvfp4_moe_interpreter_cpu():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.path.join(ROOT, "python"))
+    script = _CPU_SCRIPT.format(tests=os.path.join(ROOT, "tests"))
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
+    print(r.stdout)
+
+
+def test_module_runs_the_reference_on_cpu(monkeypatch):
+    """``impl`` auto on CPU tensors: the torch reference, whatever the step size (no Triton launch)."""
+    import freetoken.layers.nvfp4_experts as ne
+
+    def boom(*a, **k):
+        raise AssertionError("the Triton path ran on CPU")
+
+    monkeypatch.setattr(ne, "run_nvfp4_experts", boom)
+    ex = ne.Nvfp4Experts(6, 32, 16)
+    with torch.no_grad():
+        for p, t in zip(ex.bank(), random_bank(6, 32, 16)):
+            p.copy_(t)
+    for T in (1, 40):
+        ids, w = _routing(T, 6, 2, torch.Generator().manual_seed(T))
+        x = torch.randn(T, 32)
+        assert torch.equal(ex(x, ids, w), ne.nvfp4_moe_torch(x, *ex.bank(), ids, w))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# CUDA
+# ----------------------------------------------------------------------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+QWEN = dict(k=8, H=2048, I=512)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("shared", [None, "output", "expert"])
+@pytest.mark.parametrize("T", [1, 2, 8])  # 8 x top-8 = DECODE_MAX_PAIRS
+def test_decode_cuda_qwen(T, shared):
+    check_decode(T, 256, dtype=torch.bfloat16, device="cuda", shared=shared, seed=T, **QWEN)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    "T,S,k,H,I,kw",
+    [
+        (3, 256, 8, 2048, 512, dict(invalid=True, padding_row=True)),
+        (5, 64, 4, 208, 80, dict(strided_x=True)),  # H, I off every block size
+        (16, 512, 4, 1024, 256, {}),
+    ],
+)
+def test_decode_cuda_shapes(T, S, k, H, I, kw, dtype):
+    check_decode(T, S, k, H, I, dtype, "cuda", shared="output", seed=T, **kw)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("T", [9, 64, 512, 4096])
+def test_grouped_cuda_qwen(T):
+    check_grouped(T, 256, dtype=torch.bfloat16, device="cuda", seed=T, **QWEN)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    "T,E,k,H,I,kw",
+    [
+        (100, 8, 2, 2048, 512, dict(skew=True)),
+        (77, 60, 4, 208, 80, dict(invalid=True)),
+        (1024, 512, 8, 1024, 256, {}),
+    ],
+)
+def test_grouped_cuda_shapes(T, E, k, H, I, kw, dtype):
+    check_grouped(T, E, k, H, I, dtype, "cuda", seed=T, **kw)
+
+
+@pytest.mark.gpu
+@cuda
+def test_slot_pool_and_module_cuda():
+    check_slot_pool(3, 4, torch.bfloat16, "cuda")
+    check_slot_pool(40, 4, torch.bfloat16, "cuda")
+    check_module(2, torch.bfloat16, "cuda", "expert")
+    check_module(40, torch.bfloat16, "cuda", "output")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("T", [2, 16])  # decode GEMVs (shared fused) and the grouped kernels (128 pairs)
+def test_nvfp4_moe_cuda_graph(T):
+    """Captured once, replayed with new inputs and routing (ids outside the bank included)."""
+    from freetoken.layers.moe import SharedExpertTerm
+    from freetoken.layers.nvfp4_experts import run_nvfp4_experts
+
+    E, k, H, I = 256, 8, 2048, 512
+    bank = random_bank(E, H, I, 1, plain_scales=True, device="cuda")
+    x = torch.zeros(T, H, device="cuda", dtype=torch.bfloat16)
+    s_out, s_gate = torch.zeros_like(x), torch.zeros(T, 1, device="cuda", dtype=torch.bfloat16)
+    ids = torch.zeros(T, k, dtype=torch.int64, device="cuda")
+    w = torch.zeros(T, k, device="cuda")
+    term = SharedExpertTerm(s_gate, output=s_out)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run_nvfp4_experts(x, bank, ids, w, term)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run_nvfp4_experts(x, bank, ids, w, term)
+    g = torch.Generator().manual_seed(2)
+    for invalid in (False, True):
+        new_ids, new_w = _routing(T, E, k, g, invalid=invalid)
+        ids.copy_(new_ids), w.copy_(new_w)
+        x.copy_(torch.randn(T, H, generator=g)), s_out.copy_(torch.randn(T, H, generator=g))
+        s_gate.copy_(torch.randn(T, 1, generator=g))
+        graph.replay()
+        ref = run_nvfp4_experts(x, bank, ids, w, term)  # eager, same kernels
+        assert error(out, ref) <= _TOL[torch.bfloat16][1]
