@@ -320,8 +320,7 @@ def fused_moe_triton(
     """Grouped Triton MoE; same contract as ``fused_moe_torch``. Works on CUDA, or on CPU under TRITON_INTERPRET=1."""
     assert triton is not None, "triton is not installed"
     T, H = x.shape
-    E, two_i, _ = w13.shape
-    I = two_i // 2
+    E = w13.shape[0]
     k = topk_ids.shape[1]
     if T == 0:
         return torch.zeros_like(x)
@@ -331,8 +330,16 @@ def fused_moe_triton(
     n = T * k
     bm = block_m or _pick_block_m(n, E)
     sorted_ids, block_expert = moe_align_block_size(topk_ids, E, bm)
-    nblocks = block_expert.numel()
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 must not silently drop to tf32
+    inter = _launch_gate_up(x, w13, sorted_ids, block_expert, k, bm, block_n, block_k, prec)
+    partial = _launch_down(inter, w2, topk_weights, sorted_ids, block_expert, H, bm, block_n, block_k, prec)
+    return partial.view(T, k, H).sum(dim=1).to(x.dtype)
+
+
+def _launch_gate_up(x, w13, sorted_ids, block_expert, k, bm, block_n, block_k, prec) -> torch.Tensor:
+    """SiLU(gate) * up of every sorted (token, expert) row, block by expert block: ``[T * k, I]``."""
+    n, H, I = x.shape[0] * k, x.shape[1], w13.shape[1] // 2
+    nblocks = block_expert.numel()
     inter = torch.empty(n, I, dtype=x.dtype, device=x.device)
     bk1 = min(block_k, max(16, triton.next_power_of_2(H)))
     bn1 = min(block_n, max(16, triton.next_power_of_2(I)))
@@ -357,7 +364,14 @@ def fused_moe_triton(
         BLOCK_K=bk1,
         DOT_PREC=prec,
     )
-    partial = torch.empty(n, H, dtype=torch.float32, device=x.device)
+    return inter
+
+
+def _launch_down(inter, w2, topk_weights, sorted_ids, block_expert, H, bm, block_n, block_k, prec) -> torch.Tensor:
+    """Each row's down projection times its routing weight, in fp32: ``[T * k, H]`` (summed over k by the caller)."""
+    n, I = inter.shape
+    nblocks = block_expert.numel()
+    partial = torch.empty(n, H, dtype=torch.float32, device=inter.device)
     wts = topk_weights.reshape(-1).contiguous()
     bk2 = min(block_k, max(16, triton.next_power_of_2(I)))
     bn2 = min(block_n, max(16, triton.next_power_of_2(H)))
@@ -380,4 +394,4 @@ def fused_moe_triton(
         BLOCK_K=bk2,
         DOT_PREC=prec,
     )
-    return partial.view(T, k, H).sum(dim=1).to(x.dtype)
+    return partial

@@ -275,19 +275,29 @@ def moe_decode_triton(
     assert triton is not None, "triton is not installed"
     _check_shared(shared, shared_gate, shared_gate_up, shared_down)
     T, H = x.shape
-    S, two_i, _ = w13.shape
-    I = two_i // 2
-    k = topk_ids.shape[1]
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
-    w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
+    x = _last_dim_contiguous(x)
+    w13, w2 = _last_dim_contiguous(w13), _last_dim_contiguous(w2)
     ids = topk_ids.reshape(-1).contiguous()
     wts = topk_weights.reshape(-1).contiguous()
-    n = T * k
+    inter = _launch_gate_up(x, w13, ids, topk_ids.shape[1])
+    operands = _shared_operands(out, shared, shared_gate, shared_gate_up, shared_down)
+    _launch_down(inter, w2, ids, wts, out, topk_ids.shape[1], operands)
+    return out
 
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _launch_gate_up(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """SiLU(gate) * up of every (token, expert) pair: ``[T * k, I]``."""
+    H = x.shape[1]
+    S, two_i, _ = w13.shape
+    I = two_i // 2
+    n = ids.numel()
     inter = torch.empty(n, I, dtype=x.dtype, device=x.device)
     bn1 = _row_block(I, n)
     _moe_decode_gate_up_kernel[(n, triton.cdiv(I, bn1))](
@@ -307,21 +317,31 @@ def moe_decode_triton(
         NUM_STAGES=_NUM_STAGES,
         num_warps=4,
     )
+    return inter
 
-    mode, Is, stride_st, stride_sdn, stride_gt = 0, 1, 0, 0, 0
-    src, down, gate = out, out, out  # placeholders the kernel never reads when SHARED == 0
-    if shared_gate is not None:
-        gate = shared_gate.reshape(T, -1)
-        stride_gt = gate.stride(0)
-        if shared is not None:
-            mode, src = 1, shared if shared.stride(-1) == 1 else shared.contiguous()
-        else:
-            mode = 2
-            src = shared_gate_up if shared_gate_up.stride(-1) == 1 else shared_gate_up.contiguous()
-            down = shared_down if shared_down.stride(-1) == 1 else shared_down.contiguous()
-            Is, stride_sdn = down.shape[1], down.stride(0)
-            assert src.shape[-1] == 2 * Is and down.shape[0] == H, "shared expert shapes do not match"
-        stride_st = src.stride(0)
+
+def _shared_operands(out, shared, shared_gate, shared_gate_up, shared_down) -> dict:
+    """The down kernel's shared-expert operands: ``SHARED`` 0 (none), 1 (its output given) or 2 (its gate|up given,
+    the down projection done in the epilogue), with strides; ``out`` stands in for operands never read."""
+    ops = dict(mode=0, Is=1, stride_st=0, stride_sdn=0, stride_gt=0, src=out, down=out, gate=out)
+    if shared_gate is None:
+        return ops
+    gate = shared_gate.reshape(out.shape[0], -1)
+    ops.update(gate=gate, stride_gt=gate.stride(0))
+    if shared is not None:
+        ops.update(mode=1, src=_last_dim_contiguous(shared))
+    else:
+        src, down = _last_dim_contiguous(shared_gate_up), _last_dim_contiguous(shared_down)
+        assert src.shape[-1] == 2 * down.shape[1] and down.shape[0] == out.shape[1], "shared expert shapes do not match"
+        ops.update(mode=2, src=src, down=down, Is=down.shape[1], stride_sdn=down.stride(0))
+    ops["stride_st"] = ops["src"].stride(0)
+    return ops
+
+
+def _launch_down(inter, w2, ids, wts, out, k: int, ops: dict) -> None:
+    """The down projections of every token's experts, weighted and summed (plus the shared expert) into ``out``."""
+    T, H = out.shape
+    S, I = w2.shape[0], inter.shape[1]
     bn2 = _row_block(H, T)
     bj = triton.next_power_of_2(k)
     _moe_decode_down_kernel[(T, triton.cdiv(H, bn2))](
@@ -330,29 +350,28 @@ def moe_decode_triton(
         ids,
         wts,
         out,
-        src,
-        down,
-        gate,
+        ops["src"],
+        ops["down"],
+        ops["gate"],
         S,
         w2.stride(0),
         w2.stride(1),
         out.stride(0),
-        stride_st,
-        stride_sdn,
-        stride_gt,
+        ops["stride_st"],
+        ops["stride_sdn"],
+        ops["stride_gt"],
         H=H,
         I=I,
-        IS=Is,
+        IS=ops["Is"],
         TOPK=k,
-        SHARED=mode,
+        SHARED=ops["mode"],
         BLOCK_N=bn2,
         BLOCK_J=bj,
         BLOCK_K=_col_block(I, bn2 * bj),
-        BLOCK_KS=_col_block(Is, bn2),
+        BLOCK_KS=_col_block(ops["Is"], bn2),
         NUM_STAGES=_NUM_STAGES,
         num_warps=4,
     )
-    return out
 
 
 def moe_decode(
