@@ -34,8 +34,9 @@
 //!
 //! **Prefix cache**: a new request matches `prompt[..len - 1]` (at least one token must be computed to
 //! get logits), locks the match and starts computing after it; its first chunk sends the cached slots
-//! too (`table_from = 0`). When it ends, the tokens whose KV exists (prompt plus all but the last sampled
-//! token) go into the radix tree; see [`kv_cache`].
+//! too (`table_from = 0`). With [`CacheType::Radix`] its prompt (whole pages) goes into the radix tree as soon
+//! as its KV is computed; when it ends, the tokens whose KV exists (prompt plus all but the last sampled
+//! token) do; see [`kv_cache`].
 //!
 //! **Hybrid models** (`num_state_slots > 0`): each running request owns one live recurrent-state slot
 //! (`ScheduledSeq::state_slot`); a sequence whose first chunk has `prefix_len == 0` starts from a zeroed
@@ -726,6 +727,23 @@ impl Scheduler {
             let tokens = r.tokens(upto);
             let duplicates = self.kv.cache_snapshot(&tokens, &r.slots, &mut r.prefix, slot, cold);
             r.duplicates.extend(duplicates);
+        }
+        // Radix: the prompt is cached as soon as its KV is computed, not only when the request ends, so the
+        // other choices of an `n > 1` request (submitted after this one's first token) reuse it. Hybrid
+        // models share prompts through snapshots instead. Only when the tree holds nothing of it past the
+        // request's prefix: locking KV the tree cached meanwhile would take evictable pages out of what
+        // admission counted on, while the request keeps its duplicates of them.
+        let whole_pages = r.prompt_len() - r.prompt_len() % self.cfg.page_size;
+        if self.cfg.cache_type == CacheType::Radix
+            && r.state_slot < 0
+            && r.computed_len >= r.prompt_len()
+            && whole_pages > r.prefix.len
+        {
+            let tokens = r.tokens(whole_pages);
+            if self.kv.match_prefix(&tokens).prefix.len == r.prefix.len {
+                let duplicates = self.kv.cache_prefix(&tokens, &r.slots, &mut r.prefix);
+                debug_assert!(duplicates.is_empty());
+            }
         }
     }
 

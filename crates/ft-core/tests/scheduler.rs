@@ -288,6 +288,27 @@ fn repeated_prompt_hits_the_cache_page_4() {
     repeated_prompt(4, CacheType::Radix);
 }
 
+/// `n > 1` choices: the HTTP layer submits the other choices once the first has sampled a token; by then the
+/// radix cache holds its prompt (whole pages), though the first still runs.
+#[test]
+fn prompt_is_cached_once_computed_while_the_request_runs() {
+    for page_size in [1, 4] {
+        let mut sim = Sim::new(SchedulerConfig { page_size, ..small_cfg() });
+        let prompt: Vec<u32> = (0..37).map(|i| 100 + i).collect();
+        sim.add(request(1, prompt.clone(), 20)).unwrap();
+        let plan = sim.plan().unwrap();
+        sim.execute(&plan);
+        assert_eq!(sim.outcome(1).tokens.len(), 1, "the prompt's step sampled its first token");
+        assert!(!sim.outcome(1).ended());
+        assert_eq!(sim.sched.stats().cached_tokens_in_tree, 37 / page_size * page_size);
+        sim.add(request(2, prompt.clone(), 3)).unwrap();
+        sim.run_until_idle(100);
+        assert_eq!(sim.outcome(2).cached_tokens, Some((36 / page_size * page_size) as u32));
+        assert!(sim.outcome(1).ended());
+        sim.assert_clean();
+    }
+}
+
 #[test]
 fn naive_cache_never_reports_cached_tokens() {
     repeated_prompt(1, CacheType::Naive);

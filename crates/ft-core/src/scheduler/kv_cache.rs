@@ -12,6 +12,8 @@
 //!             alloc_live()                                    back to the deepest snapshot, which is locked too
 //!                                                             (and how far the KV alone reaches: a branch point)
 //!   steps:    allocate(pages)                                 evicts LRU tree leaves if the free list is short
+//!             cache_prefix(..)                                radix: the prompt goes into the tree once its KV
+//!                                                             is computed (n choices share it), lock moves down
 //!             restored(prefix)                                hybrid: its first step copied the snapshot
 //!             alloc_snapshot() ... cache_snapshot(..)         hybrid: a capture taken at a grid point goes into
 //!                                                             the tree, the request's lock moves down to it
@@ -281,19 +283,35 @@ impl KvCache {
         self.states.free(slot);
     }
 
-    /// A running request's step captured, into `slot`, the state after its first `tokens.len()` tokens
-    /// (a whole number of pages, all with KV written: `slots[..tokens.len()]`). The computed prefix goes
-    /// into the tree now (so other requests can resume from it while this one still runs), the snapshot is
-    /// attached to the node ending there (or freed, if that node already owns one), and the request's lock
-    /// moves down to that node: `prefix` becomes it.
+    /// A running request's computed prefix `tokens` (KV written in `slots[..tokens.len()]`) goes into the tree
+    /// now, so other requests can resume from it while this one still runs, and the request's lock moves
+    /// down to the node ending there: `prefix` becomes it.
     ///
     /// Where the tree already held KV for some of those positions (KV-only nodes past the snapshot the
     /// request resumed from, or cached meanwhile by another request), the tree keeps its own slots and the
     /// request keeps its duplicates for the rest of its life: its page table already points at them, so
     /// nothing is resent (a plan sends `table_from == 0` only in a request's first step). Returns those
     /// duplicate slots; the caller owns them from now on, beside its slots past `prefix.len`, and gives
-    /// them back with [`KvCache::free_slots`] when the request ends. `cold`: an intermediate chunk end (see
-    /// [`RadixTree::set_snapshot`]).
+    /// them back with [`KvCache::free_slots`] when the request ends.
+    pub fn cache_prefix(&mut self, tokens: &[u32], slots: &[u32], prefix: &mut CachedPrefix) -> Vec<u32> {
+        let g = tokens.len();
+        assert!(g > prefix.len && g <= slots.len(), "caching {g} tokens outside the request's computed tokens");
+        assert!(prefix.restore.is_none(), "a prefix cached before the restore it continues from has run");
+        let (already, node) = self.tree.insert_at(tokens, &slots[..g]);
+        debug_assert!(already >= prefix.len, "a locked prefix went missing from the tree");
+        // Positions prefix.len..already were in the tree already: ours are duplicates the request keeps.
+        let duplicates = slots[prefix.len..already.max(prefix.len)].to_vec();
+        self.tree.lock(node);
+        self.tree.unlock(prefix.node);
+        *prefix = CachedPrefix { node, len: g, restore: None };
+        duplicates
+    }
+
+    /// A running request's step captured, into `slot`, the state after its first `tokens.len()` tokens
+    /// (a whole number of pages, all with KV written: `slots[..tokens.len()]`): the prefix is cached as
+    /// [`KvCache::cache_prefix`] does and the snapshot is attached to the node ending there (or freed, if
+    /// that node already owns one). Returns the duplicates as `cache_prefix` does. `cold`: an intermediate
+    /// chunk end (see [`RadixTree::set_snapshot`]).
     pub fn cache_snapshot(
         &mut self,
         tokens: &[u32],
@@ -302,18 +320,9 @@ impl KvCache {
         slot: u32,
         cold: bool,
     ) -> Vec<u32> {
-        let g = tokens.len();
         assert_eq!(self.cache_type, CacheType::HybridRadix, "snapshots need the hybrid radix cache");
-        assert!(g > prefix.len && g <= slots.len(), "snapshot at {g} outside the request's computed tokens");
-        assert!(prefix.restore.is_none(), "a snapshot taken before the restore it continues from has run");
-        let (already, node) = self.tree.insert_at(tokens, &slots[..g]);
-        debug_assert!(already >= prefix.len, "a locked prefix went missing from the tree");
-        // Positions prefix.len..already were in the tree already: ours are duplicates the request keeps.
-        let duplicates = slots[prefix.len..already.max(prefix.len)].to_vec();
-        self.tree.lock(node);
-        self.tree.unlock(prefix.node);
-        *prefix = CachedPrefix { node, len: g, restore: None };
-        if !self.tree.set_snapshot(node, slot, cold) {
+        let duplicates = self.cache_prefix(tokens, slots, prefix);
+        if !self.tree.set_snapshot(prefix.node, slot, cold) {
             self.states.free(slot);
         }
         duplicates
