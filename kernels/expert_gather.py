@@ -35,7 +35,7 @@ def gather_experts_torch(bank_gate_up, bank_down, pool_gate_up, pool_down, job_s
     live = torch.arange(P, device=job_src.device) < num_jobs
     src = torch.where(live, job_src, job_src[0])  # rows past num_jobs repeat job 0: same slot, same bytes
     dst = torch.where(live, job_dst, job_dst[0])
-    any_job = (num_jobs > 0).reshape(1, 1, 1)
+    any_job = (num_jobs > 0).reshape(())  # broadcasts over banks of any rank (BF16 [E, N, K], NVFP4 rows [E, W])
     for bank, pool in ((bank_gate_up, pool_gate_up), (bank_down, pool_down)):
         # with no job at all, write slot job_dst[0] back onto itself
         rows = torch.where(any_job, bank[src], pool[dst])

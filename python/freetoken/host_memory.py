@@ -8,8 +8,8 @@ What the load holds in host memory (counted on the meta device, nothing allocate
 - with ``--moe-backend offload``, the routed experts' banks in pinned host memory;
 - fused on CUDA, nothing lasting (the weights stream from the checkpoint to the device).
 
-Quantized checkpoints are counted in their quantized layout on the CPU; their offloaded banks are not counted (their
-layout is the quantized loader's), so they are never refused here.
+Quantized checkpoints are counted in their quantized layout: on the CPU every weight, offloaded NVFP4 experts at
+their NVFP4 size (``moe/nvfp4_rows.py``).
 """
 
 from __future__ import annotations
@@ -43,23 +43,32 @@ def host_bytes_needed(cls, config, dtype, device, moe_backend: str, quant=None) 
         from .moe.backend_choice import device_bytes_needed
 
         return device_bytes_needed(cls, config, dtype, 0, quant), f"the weights ({name}, on the CPU)"
-    if moe_backend == "offload" and quant is None:
-        return routed_expert_bytes(cls, config, dtype), f"the routed experts ({name}, pinned host memory, offload)"
+    if moe_backend == "offload":
+        needed = routed_expert_bytes(cls, config, dtype, quant)
+        return needed, "the routed experts (pinned host memory, offload)"
     return 0, ""
 
 
-def routed_expert_bytes(cls, config, dtype: torch.dtype) -> int:
-    """Bytes of every routed expert (gate_up + down, as ``ExpertOffload`` banks them), from the model's MoE
-    blocks as they are built on the meta device."""
+def routed_expert_bytes(cls, config, dtype: torch.dtype, quant=None) -> int:
+    """Bytes of every routed expert (gate_up + down, as ``ExpertOffload`` banks them: NVFP4 rows where ``quant``
+    quantizes the experts, else ``dtype``), from the model's MoE blocks as they are built on the meta device."""
+    from .loading.quantized_model import experts_scheme
+    from .moe.nvfp4_rows import Nvfp4Rows
+    from .quant.config import NVFP4_SCHEMES
+
+    elt = torch.empty((), dtype=dtype).element_size()
     sizes: list[int] = []
 
     def record(layer_id: int, num_experts: int, hidden: int, intermediate: int) -> Optional[torch.nn.Module]:
-        sizes.append(num_experts * 3 * hidden * intermediate)
+        if quant is not None and experts_scheme(quant, layer_id) in NVFP4_SCHEMES:
+            sizes.append(num_experts * Nvfp4Rows(hidden, intermediate).expert_bytes)
+        else:
+            sizes.append(num_experts * 3 * hidden * intermediate * elt)
         return None  # the block builds its own (meta) experts
 
     with torch.device("meta"):
         cls(config, experts_factory=record)
-    return sum(sizes) * torch.empty((), dtype=dtype).element_size()
+    return sum(sizes)
 
 
 def available_host_bytes() -> int:

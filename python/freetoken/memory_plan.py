@@ -37,6 +37,7 @@ class MemoryPlan:
     expert_cache_bytes: int = 0
     expert_stream_bytes: int = 0
     host_expert_bytes: int = 0
+    expert_format: str = ""  # what one offloaded expert is stored as (nvfp4, bfloat16, ...)
     # decode CUDA graphs: planned from a dry decode step (None: no graphs), and the pool measured after capture
     graph_bytes: Optional[int] = None
     graph_pool_bytes: Optional[int] = None
@@ -66,7 +67,7 @@ class MemoryPlan:
         offload = []
         if self.host_expert_bytes:
             offload = [
-                ("routed experts in host memory (not device)", g(self.host_expert_bytes)),
+                (f"routed experts in host memory, {self.expert_format} (not device)", g(self.host_expert_bytes)),
                 (f"expert cache ({self.expert_slots} slots)", g(self.expert_cache_bytes)),
                 ("prefill expert stream buffers", g(self.expert_stream_bytes)),
             ]

@@ -142,6 +142,7 @@ def _allocate_expert_cache(w: "Worker", plan: MemoryPlan, used_by_loading: int, 
     off.allocate_cache(slots)
     plan.expert_slots, plan.expert_cache_bytes = slots, off.cache.nbytes
     plan.host_expert_bytes, plan.expert_stream_bytes = off.host_bytes, off.stream.nbytes
+    plan.expert_format = off.format
     if how == "auto":
         logger.info(f"--moe-cache-auto resolved moe_cache_size={slots}")
     logger.info(

@@ -54,6 +54,11 @@ class Nvfp4Experts(ExpertsBackend):
         if H % nvfp4.BLOCK or I % nvfp4.BLOCK:
             raise ValueError(f"NVFP4 experts need hidden and intermediate sizes divisible by {nvfp4.BLOCK}")
         self.num_experts, self.hidden_size, self.intermediate_size = E, H, I
+        self._allocate(E, H, I, device)
+        self._loaded: set = set()
+
+    def _allocate(self, E: int, H: int, I: int, device) -> None:
+        """The six bank tensors as parameters (expert offload keeps them as views of host rows instead)."""
         kw = dict(device=device)
         self.gate_up_proj = _frozen(torch.empty(E, 2 * I, H // 2, dtype=torch.uint8, **kw))
         self.gate_up_proj_scale = _frozen(torch.empty(E, 2 * I, H // 16, dtype=torch.float8_e4m3fn, **kw))
@@ -61,7 +66,6 @@ class Nvfp4Experts(ExpertsBackend):
         self.down_proj = _frozen(torch.empty(E, H, I // 2, dtype=torch.uint8, **kw))
         self.down_proj_scale = _frozen(torch.empty(E, H, I // 16, dtype=torch.float8_e4m3fn, **kw))
         self.down_proj_global = _frozen(torch.empty(E, H, dtype=torch.float32, **kw))
-        self._loaded: set = set()
 
     def bank(self) -> tuple[torch.Tensor, ...]:
         """The six bank tensors in the order ``nvfp4_moe_torch`` takes them."""
@@ -75,10 +79,7 @@ class Nvfp4Experts(ExpertsBackend):
         )
 
     def forward(self, x, topk_ids, topk_weights, shared=None):
-        if resolve_moe_impl(self.impl, x) == "triton":
-            return run_nvfp4_experts(x, self.bank(), topk_ids, topk_weights, shared)
-        out = nvfp4_moe_torch(x, *self.bank(), topk_ids, topk_weights.to(x.dtype))
-        return out if shared is None else shared.add_to(out)
+        return nvfp4_experts_forward(self.impl, x, self.bank(), topk_ids, topk_weights, shared)
 
     @torch.no_grad()
     def load_expert_weight(self, name: str, tensor: torch.Tensor) -> None:
@@ -124,6 +125,15 @@ class Nvfp4Experts(ExpertsBackend):
             one = torch.empty((), dtype=torch.float32, device=glob.device)
             fill_nvfp4_dummy(packed, scale, one, std, gen)
             glob.fill_(float(one))
+
+
+def nvfp4_experts_forward(impl, x, bank, topk_ids, topk_weights, shared=None):
+    """The routed experts over a bank in this layout (expert or slot ids) plus ``shared``: the Triton kernels where
+    ``impl`` resolves to triton, else the torch reference."""
+    if resolve_moe_impl(impl, x) == "triton":
+        return run_nvfp4_experts(x, bank, topk_ids, topk_weights, shared)
+    out = nvfp4_moe_torch(x, *bank, topk_ids, topk_weights.to(x.dtype))
+    return out if shared is None else shared.add_to(out)
 
 
 def run_nvfp4_experts(x, bank, topk_ids, topk_weights, shared=None):

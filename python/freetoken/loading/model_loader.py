@@ -113,8 +113,9 @@ def load_model(a: dict) -> LoadedModel:
         offload.finish_loading()  # pins the host banks, allocates the prefill stream buffers
         weights_bytes -= offload.host_bytes  # the banks stay on the host; the plan lists them apart
         logger.info(
-            f"Expert offload: {offload.total_experts} experts in {'pinned ' if offload.pinned else ''}host "
-            f"memory ({offload.host_bytes / GiB:.2f} GiB), prefill stream buffers "
+            f"Expert offload: {offload.total_experts} experts ({offload.format}, {offload.expert_bytes / 2**20:.2f} "
+            f"MiB each) in {'pinned ' if offload.pinned else ''}host memory ({offload.host_bytes / GiB:.2f} GiB), "
+            "prefill stream buffers "
             f"{offload.stream.nbytes / GiB:.2f} GiB (overlap={offload.stream.overlap})"
         )
     source = "dummy weights" if a["dummy_weight"] else os.path.basename(checkpoint.path)
@@ -272,7 +273,7 @@ def build_model(
         if quant is not None:
             from .quantized_model import build_quantized_model
 
-            return build_quantized_model(cls, config, quant, dtype, device, factory, offload is not None)
+            return build_quantized_model(cls, config, quant, dtype, device, factory, offload)
         model = cls(config, experts_factory=factory)
     return model.eval()
 

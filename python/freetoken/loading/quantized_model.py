@@ -45,18 +45,16 @@ def experts_scheme(qcfg: QuantConfig, layer_id: int) -> Optional[str]:
     return schemes.pop()
 
 
-def quantized_experts_factory(qcfg: QuantConfig, device, fallback=None, offload: bool = False):
-    """An ``experts_factory``: NVFP4 banks where the config quantizes experts, else ``fallback`` (the offload's
-    factory, or the model's default ``FusedExperts``)."""
+def quantized_experts_factory(qcfg: QuantConfig, device, fallback=None, offload=None):
+    """An ``experts_factory``: NVFP4 banks where the config quantizes experts (in host memory, in NVFP4 bytes, with
+    ``offload``: an ``ExpertOffload``), else ``fallback`` (the offload's factory, or the model's default
+    ``FusedExperts``)."""
     from ..layers.moe import FusedExperts
 
     def make(layer_id: int, num_experts: int, hidden: int, inter: int):
         scheme = experts_scheme(qcfg, layer_id)
-        if scheme in NVFP4_SCHEMES and offload:
-            raise UnsupportedModel(
-                "--moe-backend offload with NVFP4 experts is not built yet (NVFP4 host banks are a follow-up); "
-                "use --moe-backend fused"
-            )
+        if scheme in NVFP4_SCHEMES and offload is not None:
+            return offload.make_nvfp4_experts(layer_id, num_experts, hidden, inter)
         if scheme in NVFP4_SCHEMES:
             return Nvfp4Experts(num_experts, hidden, inter, device=device)
         if scheme in FP8_SCHEMES:
@@ -85,10 +83,9 @@ def quantize_linears(model: nn.Module, qcfg: QuantConfig, dtype: torch.dtype, de
     return n
 
 
-def build_quantized_model(
-    cls, config, qcfg: QuantConfig, dtype: torch.dtype, device, experts_factory=None, offload: bool = False
-):
-    """``cls(config)`` on ``device`` with the quantized layout of ``qcfg`` (call inside ``skip_init``)."""
+def build_quantized_model(cls, config, qcfg: QuantConfig, dtype: torch.dtype, device, experts_factory=None, offload=None):
+    """``cls(config)`` on ``device`` with the quantized layout of ``qcfg`` (call inside ``skip_init``); ``offload``:
+    the ``ExpertOffload`` whose host banks take the routed experts."""
     with linears_on_meta():
         model = cls(config, experts_factory=quantized_experts_factory(qcfg, device, experts_factory, offload))
     quantize_linears(model, qcfg, dtype, device)

@@ -3,7 +3,9 @@
 Lifecycle (``worker.py``):
 
 1. ``model = cls(config, experts_factory=offload.make_experts)`` — every MoE block gets an ``OffloadedExperts``
-   whose bank lives in host memory; nothing expert-sized touches the device.
+   whose bank lives in host memory; nothing expert-sized touches the device. An NVFP4 checkpoint's experts come
+   from ``make_nvfp4_experts`` instead (``OffloadedNvfp4Experts``: the bank in NVFP4 bytes, ``nvfp4_rows.py``);
+   the cache, the gather and the stream below copy either kind the same way (each layer's ``host_banks()``).
 2. Weights load (or the dummy fill) into the host banks through the usual ``load_expert_weight`` path.
 3. ``finish_loading()`` pins the banks in place (pin-after-fill: registering filled pages is faster than a pinned
    allocation, and exact-size where torch's pinned allocator rounds up to a power of two) and allocates the
@@ -54,34 +56,52 @@ class ExpertOffload:
         self.layers.append(experts)
         return experts
 
+    def make_nvfp4_experts(self, layer_id: int, num_experts: int, hidden_size: int, intermediate_size: int):
+        """``make_experts`` for NVFP4 experts: the host bank in NVFP4 bytes."""
+        from .offloaded_nvfp4_experts import OffloadedNvfp4Experts
+
+        experts = OffloadedNvfp4Experts(self, len(self.layers), num_experts, hidden_size, intermediate_size)
+        self.layers.append(experts)
+        return experts
+
     def finish_loading(self) -> None:
         if not self.layers:
             raise ValueError("--moe-backend offload: the model has no MoE layers")
+        gate_up, down = self.layers[0].host_banks()
+        if any(_layout(e.host_banks()) != _layout((gate_up, down)) for e in self.layers):
+            raise ValueError("--moe-backend offload: the MoE layers' experts differ in shape or quantization")
         if self.device.type == "cuda":
-            self.pinned = all(_pin_in_place(t) for e in self.layers for t in (e.gate_up_proj, e.down_proj))
+            self.pinned = all(_pin_in_place(t) for e in self.layers for t in e.host_banks())
             if not self.pinned:
                 logger.warning("Could not pin the host expert banks; expert copies will be synchronous and slower")
-        first = self.layers[0]
         self.stream = PrefillExpertStream(
-            [(e.gate_up_proj, e.down_proj) for e in self.layers],
-            tuple(first.gate_up_proj.shape),
-            tuple(first.down_proj.shape),
-            self.dtype,
+            [e.host_banks() for e in self.layers],
+            tuple(gate_up.shape),
+            tuple(down.shape),
+            gate_up.dtype,
             self.device,
             overlap=self.overlap,
         )
 
     def allocate_cache(self, num_slots: int) -> None:
         first = self.layers[0]
+        gate_up, down = first.host_banks()
         self.cache = DeviceExpertCache(
             num_slots,
             len(self.layers),
             first.num_experts,
-            tuple(first.gate_up_proj.shape[1:]),
-            tuple(first.down_proj.shape[1:]),
-            self.dtype,
+            tuple(gate_up.shape[1:]),
+            tuple(down.shape[1:]),
+            gate_up.dtype,
             self.device,
         )
+
+    @property
+    def format(self) -> str:
+        """What one expert is stored as: ``nvfp4`` or the model dtype (``bfloat16``, ...)."""
+        if hasattr(self.layers[0], "rows"):
+            return "nvfp4"
+        return str(self.dtype).removeprefix("torch.")
 
     # ------------------------------------------------------------------ sizes
 
@@ -92,8 +112,7 @@ class ExpertOffload:
     @property
     def expert_bytes(self) -> int:
         """Bytes of one expert (gate_up + down)."""
-        e = self.layers[0]
-        return (e.gate_up_proj[0].numel() + e.down_proj[0].numel()) * e.gate_up_proj.element_size()
+        return sum(t[0].numel() * t.element_size() for t in self.layers[0].host_banks())
 
     @property
     def host_bytes(self) -> int:
@@ -128,6 +147,10 @@ class ExpertOffload:
     def counters(self) -> tuple[int, int]:
         """(hits, misses) so far (reads the device counters: one sync)."""
         return self.cache.counters() if self.cache is not None else (0, 0)
+
+
+def _layout(banks) -> tuple:
+    return tuple((tuple(t.shape), t.dtype) for t in banks)
 
 
 def _pin_in_place(t: torch.Tensor) -> bool:

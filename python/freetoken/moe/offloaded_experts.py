@@ -33,13 +33,23 @@ class OffloadedExperts(FusedExperts):
         self.offload = offload  # the ExpertOffload that owns the cache, the stream buffers and num_valid_tokens
         self.index = index  # position among the model's MoE layers (forward order)
 
+    def host_banks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's host bank, one expert per index of the leading dim (what the cache and the stream copy)."""
+        return self.gate_up_proj, self.down_proj
+
     def forward(self, x, topk_ids, topk_weights, shared=None):
-        cache = self.offload.cache
-        pairs = topk_ids.shape[0] * topk_ids.shape[1]
-        if cache is not None and pairs < self.num_experts and pairs <= cache.num_slots:
-            slot_ids = cache.ensure(
-                self.index, self.gate_up_proj, self.down_proj, topk_ids, self.offload.num_valid_tokens
-            )
-            return run_experts(self.impl, x, cache.gate_up, cache.down, slot_ids, topk_weights, shared)
-        gate_up, down = self.offload.stream.layer_weights(self.index)
-        return run_experts(self.impl, x, gate_up, down, topk_ids, topk_weights, shared)
+        gate_up, down, ids = device_weights(self.offload, self.index, self.host_banks(), topk_ids)
+        return run_experts(self.impl, x, gate_up, down, ids, topk_weights, shared)
+
+
+def device_weights(offload, index: int, banks, topk_ids: torch.Tensor):
+    """``(gate_up, down, ids)`` on the device for MoE layer ``index``: the slot pool and slot ids when the step's
+    ``T * k`` pairs fit the cache (and are fewer than the layer's experts), else the layer streamed whole with the
+    expert ids. Decided by shapes only (see the module docstring); shared by the BF16 and NVFP4 banks."""
+    cache = offload.cache
+    pairs = topk_ids.shape[0] * topk_ids.shape[1]
+    if cache is not None and pairs < banks[0].shape[0] and pairs <= cache.num_slots:
+        slot_ids = cache.ensure(index, banks[0], banks[1], topk_ids, offload.num_valid_tokens)
+        return cache.gate_up, cache.down, slot_ids
+    gate_up, down = offload.stream.layer_weights(index)
+    return gate_up, down, topk_ids
