@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from triton_interpreter import run_under_interpreter
 
 from freetoken.engine.sync_audit import no_host_sync
 from freetoken.kernels.expert_gather import gather_experts_torch
@@ -207,10 +206,7 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
 
 
 def test_triton_admission_and_gather_interpreter_cpu():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.path.join(ROOT, "python"))
-    script = _INTERPRETER_SCRIPT.format(tests=os.path.join(ROOT, "tests"))
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+    run_under_interpreter(_INTERPRETER_SCRIPT)
 
 
 # ------------------------------------------------------------------------------------------------------------

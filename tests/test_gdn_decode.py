@@ -6,12 +6,11 @@ Every check runs several consecutive steps on slots that are a random subset of 
 step, state carried), and asserts that the slots no row names are left bit-identical."""
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from triton_interpreter import run_under_interpreter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -315,11 +314,7 @@ _CPU_SCRIPT = textwrap.dedent(
 
 
 def test_gdn_decode_interpreter_cpu():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.path.join(ROOT, "python"))
-    script = _CPU_SCRIPT.format(tests=os.path.join(ROOT, "tests"))
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    print(r.stdout)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+    run_under_interpreter(_CPU_SCRIPT)
 
 
 # ---------------------------------------------------------------------------------------------------------------

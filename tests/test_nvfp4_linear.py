@@ -10,14 +10,13 @@ about 2^-9 per weight; fp32 only by the order of the sums. The interpreter conve
 """
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 import torch.nn.functional as F
 from nvfp4_cases import error, random_weight
+from triton_interpreter import run_under_interpreter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -132,11 +131,7 @@ def check_layer_dispatch(device, dtype):
 
 
 def test_nvfp4_linear_interpreter_cpu():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.path.join(ROOT, "python"))
-    script = _CPU_SCRIPT.format(tests=os.path.join(ROOT, "tests"))
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
-    print(r.stdout)
+    run_under_interpreter(_CPU_SCRIPT, timeout=900)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -11,13 +11,12 @@ interpreter truncates fp32 to bf16 and its bf16 ``tl.dot`` is wrong, so the grou
 """
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 from nvfp4_cases import dequantized_bank, error, random_bank
+from triton_interpreter import run_under_interpreter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -172,11 +171,7 @@ _CPU_SCRIPT = textwrap.dedent(
 
 
 def test_nvfp4_moe_interpreter_cpu():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.path.join(ROOT, "python"))
-    script = _CPU_SCRIPT.format(tests=os.path.join(ROOT, "tests"))
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=1200)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
-    print(r.stdout)
+    run_under_interpreter(_CPU_SCRIPT, timeout=1200)
 
 
 def test_module_runs_the_reference_on_cpu(monkeypatch):

@@ -2,12 +2,11 @@
 TRITON_INTERPRET=1 (tiny shapes, run in a subprocess so the interpreter is on before triton compiles anything)."""
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from triton_interpreter import run_under_interpreter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -205,10 +204,7 @@ _CPU_SCRIPT = textwrap.dedent(
 
 
 def test_triton_attention_interpreter_cpu():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.path.join(ROOT, "python"))
-    script = _CPU_SCRIPT.format(tests=os.path.join(ROOT, "tests"))
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=800)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
+    run_under_interpreter(_CPU_SCRIPT, timeout=800)
 
 
 def test_registered_as_triton_backend():

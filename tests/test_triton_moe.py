@@ -5,12 +5,11 @@ environment variable set (the parent may already have imported triton without it
 """
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from triton_interpreter import run_under_interpreter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -91,10 +90,7 @@ def test_triton_moe_interpreter_cpu():
         (19, 8, 3, 32, 48, "float32", True),
         (7, 4, 2, 16, 32, "float16", False),
     ]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.path.join(ROOT, "python"))
-    script = _CPU_SCRIPT.format(tests=os.path.join(ROOT, "tests"), cases=cases)
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+    run_under_interpreter(_CPU_SCRIPT, cases=cases)
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -10,13 +10,12 @@ the interpreter gets 3e-2; fp16 there rounds like torch and keeps 1e-2.
 """
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_interpreter import run_under_interpreter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -280,11 +279,7 @@ _CPU_SCRIPT = textwrap.dedent(
 
 
 def test_small_ops_interpreter_cpu():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.path.join(ROOT, "python"))
-    script = _CPU_SCRIPT.format(tests=os.path.join(ROOT, "tests"))
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
-    print(r.stdout)
+    run_under_interpreter(_CPU_SCRIPT)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
