@@ -200,7 +200,9 @@ def test_unsupported_quantization_is_one_line(tmp_path):
     with pytest.raises(UnsupportedModel, match="INT4_AWQ"):
         find_quant_config(None, {"quantization_config": {"quant_method": "modelopt", "quant_algo": "INT4_AWQ"}})
     from freetoken.loading.quantized_model import quantized_experts_factory
+    from freetoken.moe.offload import ExpertOffload
 
     qcfg = find_quant_config(None, {"quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4"}})
-    with pytest.raises(UnsupportedModel, match="offload with NVFP4 experts"):
-        quantized_experts_factory(qcfg, "cpu", offload=True)(0, 8, 32, 16)
+    off = ExpertOffload(torch.device("cpu"), torch.bfloat16, top_k=2)
+    experts = quantized_experts_factory(qcfg, "cpu", offload=off)(0, 8, 32, 16)  # NVFP4 offload is built
+    assert type(experts).__name__ == "OffloadedNvfp4Experts" and off.layers == [experts]

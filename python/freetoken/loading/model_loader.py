@@ -25,7 +25,7 @@ from ..models.base import CausalLM, ModelConfig
 from ..models.registry import model_class
 from ..moe.backend_choice import device_bytes_needed, resolve_moe_backend
 from ..moe.offload import ExpertOffload
-from ..quant.backend import resolve_nvfp4_backend
+from ..quant.backend import apply_nvfp4_backend, resolve_nvfp4_backend
 from ..quant.config import QuantConfig, find_quant_config
 from ..startup_progress import phase
 from .cache_dir import cache_dir
@@ -107,17 +107,11 @@ def load_model(a: dict) -> LoadedModel:
         tensors = checkpoint.tensors(progress=bool(a["load_progress"]))
         model.load_weights(tensors if quant is None else translate(tensors, quant))
     fuse_projections(model)  # q|k|v, gate|up, GDN in_proj, router|shared expert: one GEMM each
+    if nvfp4_backend != "none":
+        apply_nvfp4_backend(model, a.get("nvfp4_backend"))
     weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if offload is not None:
-        phase("Pinning the expert banks in host memory")
-        offload.finish_loading()  # pins the host banks, allocates the prefill stream buffers
-        weights_bytes -= offload.host_bytes  # the banks stay on the host; the plan lists them apart
-        logger.info(
-            f"Expert offload: {offload.total_experts} experts ({offload.format}, {offload.expert_bytes / 2**20:.2f} "
-            f"MiB each) in {'pinned ' if offload.pinned else ''}host memory ({offload.host_bytes / GiB:.2f} GiB), "
-            "prefill stream buffers "
-            f"{offload.stream.nbytes / GiB:.2f} GiB (overlap={offload.stream.overlap})"
-        )
+        weights_bytes -= _finish_offload(offload)  # the banks stay on the host; the plan lists them apart
     source = "dummy weights" if a["dummy_weight"] else os.path.basename(checkpoint.path)
     logger.info(
         f"Loaded {type(model).__name__} ({weights_bytes / GiB:.2f} GiB, {dtype}, {source}) "
@@ -141,6 +135,18 @@ def load_model(a: dict) -> LoadedModel:
         quant,
         nvfp4_backend,
     )
+
+
+def _finish_offload(offload: ExpertOffload) -> int:
+    """Pins the host banks, allocates the prefill stream buffers, says so. Returns the banks' bytes."""
+    phase("Pinning the expert banks in host memory")
+    offload.finish_loading()
+    logger.info(
+        f"Expert offload: {offload.total_experts} experts ({offload.format}, {offload.expert_bytes / 2**20:.2f} "
+        f"MiB each) in {'pinned ' if offload.pinned else ''}host memory ({offload.host_bytes / GiB:.2f} GiB), "
+        f"prefill stream buffers {offload.stream.nbytes / GiB:.2f} GiB (overlap={offload.stream.overlap})"
+    )
+    return offload.host_bytes
 
 
 def _warn_unused_offload_flags(a: dict, moe_backend: str, has_experts: bool) -> None:

@@ -83,7 +83,9 @@ def quantize_linears(model: nn.Module, qcfg: QuantConfig, dtype: torch.dtype, de
     return n
 
 
-def build_quantized_model(cls, config, qcfg: QuantConfig, dtype: torch.dtype, device, experts_factory=None, offload=None):
+def build_quantized_model(
+    cls, config, qcfg: QuantConfig, dtype: torch.dtype, device, experts_factory=None, offload=None
+):
     """``cls(config)`` on ``device`` with the quantized layout of ``qcfg`` (call inside ``skip_init``); ``offload``:
     the ``ExpertOffload`` whose host banks take the routed experts."""
     with linears_on_meta():

@@ -17,7 +17,14 @@ from ..layers.nvfp4_experts import Nvfp4Experts, nvfp4_experts_forward
 from .nvfp4_rows import Nvfp4Rows
 from .offloaded_experts import device_weights
 
-_BANK = ("gate_up_proj", "gate_up_proj_scale", "gate_up_proj_global", "down_proj", "down_proj_scale", "down_proj_global")
+_BANK = (
+    "gate_up_proj",
+    "gate_up_proj_scale",
+    "gate_up_proj_global",
+    "down_proj",
+    "down_proj_scale",
+    "down_proj_global",
+)
 _DUMMY_DISTINCT = 8  # --dummy-weight: this many random experts per layer, repeated (the CPU generator is slow)
 
 
