@@ -72,27 +72,46 @@ def measure_bandwidth() -> dict:
     return {"hbm_copy_gb_s": hbm / 1e9, "pcie_h2d_gb_s": pcie / 1e9}
 
 
-def decode_bytes_per_token(model_path: str) -> dict:
-    """Bytes one batch-1 decode token must read, from the model's shapes (built on the meta device): every
-    parameter but the embedding table (one row) and the routed experts (top-k per MoE layer), plus the recurrent
-    state read and written. Also the bytes of one routed expert."""
+def _meta_model(model_path: str):
+    """The model built on the meta device in BF16, in its checkpoint's quantized layout when config.json has a
+    quantization block (NVFP4 experts and Linears at their real size)."""
     import torch
 
+    from freetoken.loading.model_loader import skip_init
+    from freetoken.loading.quantized_model import build_quantized_model
     from freetoken.models.base import ModelConfig
     from freetoken.models.registry import model_class
+    from freetoken.quant.config import find_quant_config
 
     with open(os.path.join(model_path, "config.json")) as f:
-        cfg = ModelConfig.from_dict(json.load(f))
-    with torch.device("meta"):
-        model = model_class(cfg)(cfg)
-    elt = 2  # bf16
-    total = sum(p.numel() for p in model.parameters()) * elt
+        raw = json.load(f)
+    cfg, quant = ModelConfig.from_dict(raw), find_quant_config(None, raw)
+    meta = torch.device("meta")
+    with skip_init(torch.bfloat16, meta):
+        if quant is not None:
+            return cfg, build_quantized_model(model_class(cfg), cfg, quant, torch.bfloat16, meta)
+        return cfg, model_class(cfg)(cfg)
+
+
+def decode_bytes_per_token(model_path: str) -> dict:
+    """Bytes one batch-1 decode token must read, from the model's shapes (built on the meta device, quantized
+    layers at their quantized size): every parameter but the embedding table (one row) and the routed experts
+    (top-k per MoE layer), plus the recurrent state read and written. Also the bytes of one routed expert."""
+    import torch
+
+    cfg, model = _meta_model(model_path)
+    elt = 2  # bf16 activations and state
+
+    def nbytes(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    total = nbytes(model.parameters())
     embed = model.embed_tokens.weight if hasattr(model, "embed_tokens") else model.model.embed_tokens.weight
-    experts = [m for m in model.modules() if type(m).__name__ == "FusedExperts"]
-    expert_bytes = (experts[0].gate_up_proj[0].numel() + experts[0].down_proj[0].numel()) * elt if experts else 0
-    routed = sum((e.gate_up_proj.numel() + e.down_proj.numel()) * elt for e in experts)
+    experts = [m for m in model.modules() if type(m).__name__ in ("FusedExperts", "Nvfp4Experts")]
+    expert_bytes = nbytes(p[0] for p in experts[0].parameters()) if experts else 0
+    routed = sum(nbytes(e.parameters()) for e in experts)
     top_k = int(cfg.get("num_experts_per_tok") or 0)
-    active = total - embed.numel() * elt - routed + len(experts) * top_k * expert_bytes
+    active = total - nbytes([embed]) - routed + len(experts) * top_k * expert_bytes
     state = 0
     if model.state_layout is not None:
         s = model.state_layout
@@ -217,6 +236,8 @@ def offload_run(args: list[str], env: dict, a, routing_file: str) -> dict:
             set_routing(routing_file, mode)
             stream_completion(srv.url, "warm up", 48)  # recapture, and fill the cache under this routing
             row[mode] = one_stream(srv, a.decode_tokens)
+        set_routing(routing_file, "uniform")  # prefill streams every layer's experts whatever the routing
+        row["prefill_uniform"] = prefill(srv, a.prefill_words)
     finally:
         row["exit_code"] = srv.stop()
     return row
@@ -366,6 +387,9 @@ def print_offload(off: dict, hw: dict, need: dict) -> None:
                 f"{r['tok_s'] / FREETOKEN_012['offload_all_hit_bs1']:.2f}x",
             ]
             print(f"{mode + ' routing':<34}" + "".join(f"{c:>{w}}" for c, w in zip(cells, (10, 10, 10, 15, 11, 15))))
+        if "prefill_uniform" in off:
+            p = off["prefill_uniform"]
+            print(f"offload prefill {p['prompt_tokens']} tokens, uniform routing: {p['tok_s']:.0f} tok/s")
 
 
 if __name__ == "__main__":

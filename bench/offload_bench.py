@@ -27,10 +27,19 @@ from server_harness import ServerProcess  # noqa: E402
 
 
 def expert_bytes(model_path: str, bytes_per_param: int = 2) -> int:
+    """Bytes one offloaded expert moves over PCIe: its NVFP4 rows when the config quantizes the experts to NVFP4
+    (``moe/nvfp4_rows.py``), else ``bytes_per_param`` per weight."""
     with open(os.path.join(model_path, "config.json")) as f:
-        cfg = json.load(f)
-    cfg = cfg.get("text_config", cfg)
-    return 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"] * bytes_per_param
+        raw = json.load(f)
+    cfg = raw.get("text_config", raw)
+    H, I = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    from freetoken.moe.nvfp4_rows import Nvfp4Rows
+    from freetoken.quant.config import NVFP4_SCHEMES, find_quant_config
+
+    quant = find_quant_config(None, raw)
+    if quant is not None and quant.scheme_for("layers.0.mlp.experts.0.gate_proj") in NVFP4_SCHEMES:
+        return Nvfp4Rows(H, I).expert_bytes
+    return 3 * H * I * bytes_per_param
 
 
 def run_one(label: str, serve_args: list[str], env: dict, a) -> dict:

@@ -10,6 +10,10 @@
 #            injected into its first long prefill, then prefill/decode figures and a near-context-limit prompt
 #            against the memory plan's workspace
 #   offload  bench/offload_bench.py on the same config: all-resident baseline vs expert caches (ROUTING=zipf)
+#   nvfp4    issue 11: the gpu-marked NVFP4/FP8 kernel, layer, offload and checkpoint tests, bench/nvfp4_kernel_bench.py
+#            at the real shapes, then bench/decode_bench.py on the NVFP4 dummy config (configs/qwen3.6-35b-a3b-nvfp4):
+#            resident with graphs, and offloaded (--moe-cache-size 1024: decode under three routings, the 8k-token
+#            offload prefill streaming NVFP4 bytes)
 #   radix    the hybrid radix cache on the same config: bench/agent_session_bench.py (10-turn session to 30k
 #            tokens, TTFT with the cache on and off) and bench/radix_offload_scenario.py (hybrid radix + offload,
 #            short / 2,500-token Japanese / short, three rounds)
@@ -54,6 +58,16 @@ if [[ " $SECTIONS " == *" offload "* ]]; then
       --dummy-weight --max-seq-len-override 32768 --max-prefill-length 8192 2>&1 | tee "$OUT/offload_bench.log" | tail -12
   python3 -c "import json,sys; [print(r['label'], *r['log_excerpt'], sep='\n  ') for r in json.load(open(sys.argv[1]))['runs']]" \
       "$OUT/offload_qwen36_dummy.json"
+fi
+if [[ " $SECTIONS " == *" nvfp4 "* ]]; then
+  timeout ${NVFP4_TEST_TIMEOUT:-400} python3 -m pytest -q -m gpu -p no:cacheprovider -rfs tests/test_nvfp4_linear.py \
+      tests/test_nvfp4_moe.py tests/test_nvfp4_layers.py tests/test_fp8_linear.py tests/test_nvfp4_offload.py \
+      tests/test_quantized_checkpoints.py 2>&1 | tee "$OUT/nvfp4_tests.log" | grep -E "passed|failed|error" | tail -25
+  timeout ${NVFP4_BENCH_TIMEOUT:-500} python3 bench/nvfp4_kernel_bench.py --out "$OUT/nvfp4_kernels.json" 2>&1 \
+      | tee "$OUT/nvfp4_kernel_bench.log" | tail -60
+  timeout ${NVFP4_DECODE_TIMEOUT:-560} python3 bench/decode_bench.py --model-path configs/qwen3.6-35b-a3b-nvfp4 \
+      --skip-eager --out "$OUT/decode_qwen36_nvfp4_dummy.json" ${DECODE_FLAGS:-} 2>&1 \
+      | tee "$OUT/decode_bench_nvfp4.log" | tail -30
 fi
 if [[ " $SECTIONS " == *" radix "* ]]; then
   timeout ${AGENT_TIMEOUT:-420} python3 bench/agent_session_bench.py --out "$OUT/agent_session_qwen36_dummy.json" \

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import hf_reference as R
 import pytest
 import torch
+from triton_interpreter import run_under_interpreter
 
 from freetoken.layers.nvfp4_experts import Nvfp4Experts
 from freetoken.moe.nvfp4_rows import Nvfp4Rows
@@ -147,10 +146,7 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
 
 
 def test_triton_kernels_over_the_rows_interpreter_cpu():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.path.join(ROOT, "python"))
-    script = _INTERPRETER_SCRIPT.format(tests=os.path.join(ROOT, "tests"))
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+    run_under_interpreter(_INTERPRETER_SCRIPT)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -200,6 +196,20 @@ def test_quantized_model_offloaded_equals_resident(nvfp4_dir, resident, slots):
     # hits after the cold run: the same request again gives the same tokens
     assert [o.token_ids for o in llm.generate([PROMPT, PROMPT[:9]], sp)] == tokens
     assert slots != 32 or llm.worker.offload.counters()[0] > hits
+
+
+@pytest.mark.slow
+def test_nvfp4_backend_flag_pins_the_layers(nvfp4_dir, monkeypatch):
+    from freetoken import LLM
+    from freetoken.layers.nvfp4_experts import Nvfp4Experts
+    from freetoken.layers.quantized_linear import Nvfp4Linear
+
+    llm = LLM(nvfp4_dir, nvfp4_backend="torch", moe_backend="offload", **LLM_ARGS)
+    nvfp4_layers = [m for m in llm.worker.model.modules() if isinstance(m, (Nvfp4Linear, Nvfp4Experts))]
+    assert llm.worker.loaded.nvfp4_backend == "torch" and {m.impl for m in nvfp4_layers} == {"torch"}
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="--nvfp4-backend triton needs CUDA"):
+        LLM(nvfp4_dir, nvfp4_backend="triton", **LLM_ARGS)
 
 
 @pytest.mark.slow
