@@ -1,7 +1,8 @@
 """``Nvfp4Experts``: one MoE layer's routed experts resident in NVFP4, and THE NVFP4 expert bank layout.
 
-The bank layout (the one place it is defined; the future grouped NVFP4 kernel and the offload slot cache read and
-copy these same tensors, one expert = one index of the leading dim)::
+The bank layout (the one place it is defined; the NVFP4 MoE kernels read it, one expert = one index of the leading
+dim; expert offload stores the same tensors as strided views of two rows of words per expert, ``moe/nvfp4_rows.py``,
+in host memory, the slot cache and the prefill stream)::
 
     gate_up_proj         uint8          [E, 2I, H/2]   rows [gate(I) | up(I)], two E2M1 codes per byte, low nibble first
     gate_up_proj_scale   float8_e4m3fn  [E, 2I, H/16]  per-16 block scales, row-major (not swizzled)
