@@ -113,10 +113,14 @@ def unsatisfiable_tool_choice(error: dict) -> bool:
 
 
 def cross_field_logprobs(error: dict) -> bool:
-    """``top_logprobs`` without ``logprobs: true`` (chat), ``max_tokens: 0`` without ``echo`` (completions): one
-    field's range depends on another's value, which OpenAPI 3.0 cannot say."""
+    """``top_logprobs`` without ``logprobs: true`` (chat), ``max_tokens: 0`` without ``echo`` (completions), more
+    than 128 choices over a batch of prompts, ``best_of`` other than ``n``: one field's range depends on another's
+    value, which OpenAPI 3.0 cannot say."""
     message = error.get("message", "")
-    return "needs logprobs set to true" in message or "0 only with echo" in message
+    return any(
+        s in message
+        for s in ("needs logprobs set to true", "0 only with echo", "choices in one request", "best_of must equal n")
+    )
 
 
 def tame(body):

@@ -23,6 +23,11 @@ use serde_json::Value as Json;
 /// Below this a temperature means greedy.
 const GREEDY_TEMPERATURE: f64 = 1e-5;
 
+/// The most choices one request may ask for: `n`, times the prompts of a `/v1/completions` batch. Each choice
+/// is a request in the engine (they queue past `--max-running-requests`); the bound keeps one HTTP request
+/// from filling the queue.
+pub const MAX_CHOICES: u32 = 128;
+
 /// Sampling fields after validation, before the prompt is known.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ValidatedSampling {
@@ -37,6 +42,8 @@ pub struct ValidatedSampling {
     /// `echo` with `max_tokens: 0` (loglikelihood evaluations): the prompt alone comes back. The engine still
     /// samples one token (from the logits the prompt's last chunk computes anyway); nobody sees it.
     pub prompt_only: bool,
+    /// Choices per prompt (`n`, `1..=MAX_CHOICES`).
+    pub n: u32,
 }
 
 /// The log-probabilities a request asked for (validated; also in its [`SamplingParams`] for the engine).
@@ -49,11 +56,26 @@ pub struct LogprobsAsk {
 }
 
 /// A validated request, ready to submit.
+#[derive(Clone, Debug)]
 pub struct Prepared {
     pub req: GenerateRequest,
     pub stop: Vec<String>,
     pub logprobs: Option<LogprobsAsk>,
     pub prompt_only: bool,
+    /// Choices to generate from this prompt; each is submitted as [`Prepared::choice`].
+    pub n: u32,
+}
+
+impl Prepared {
+    /// Choice `i` of `n`: the same request, seeded `seed + i` when a seed was given, so every choice is
+    /// reproducible and (at a temperature above 0) differs from the others; unseeded choices get the
+    /// scheduler's random seeds.
+    pub fn choice(&self, i: u32) -> Prepared {
+        let mut c = self.clone();
+        c.req.sampling.seed = self.req.sampling.seed.map(|s| s.wrapping_add(i as u64));
+        c.n = 1;
+        c
+    }
 }
 
 /// Checks every sampling and budget field; unset ones take `defaults`.
@@ -109,6 +131,7 @@ pub fn sampling(f: &SamplingFields, defaults: &SamplingParams) -> Result<Validat
         ignore_eos: f.ignore_eos.unwrap_or(false),
         logprobs: None,
         prompt_only: false,
+        n: 1,
     })
 }
 
@@ -124,7 +147,9 @@ pub fn chat_sampling(
     if top > 0 && !wanted {
         return Err(ApiError::invalid_param("top_logprobs", "top_logprobs needs logprobs set to true"));
     }
-    let mut v = sampling(f, defaults)?;
+    let n = choice_count(f.n, 1, None)?;
+    let mut v = sampling(&SamplingFields { n: None, ..f.clone() }, defaults)?;
+    v.n = n;
     if wanted {
         v.sampling.top_logprobs = top;
         v.logprobs = Some(LogprobsAsk { top, prompt: false });
@@ -132,23 +157,33 @@ pub fn chat_sampling(
     Ok(v)
 }
 
-/// Completions' `logprobs` (`0..=20` alternatives) and `echo` on top of [`sampling`]: `echo` with `logprobs`
-/// reports the prompt's tokens too, and `echo` allows `max_tokens: 0` (the prompt alone, as loglikelihood
-/// evaluations ask).
+/// What a `/v1/completions` request asks on top of the shared sampling fields.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CompletionAsk {
+    /// `logprobs`: alternatives per position.
+    pub logprobs: Option<i64>,
+    pub echo: bool,
+    /// Prompts in the batch (choices are `prompts * n`).
+    pub prompts: usize,
+    pub best_of: Option<i64>,
+}
+
+/// Completions' `logprobs` (`0..=20` alternatives), `echo`, `n` and `best_of` on top of [`sampling`]: `echo`
+/// with `logprobs` reports the prompt's tokens too, and `echo` allows `max_tokens: 0` (the prompt alone, as
+/// loglikelihood evaluations ask).
 pub fn completion_sampling(
     f: &SamplingFields,
-    logprobs: Option<i64>,
-    echo: bool,
+    ask: CompletionAsk,
     defaults: &SamplingParams,
 ) -> Result<ValidatedSampling, ApiError> {
+    let CompletionAsk { logprobs, echo, prompts, best_of } = ask;
     let top = logprobs.map(|n| top_count("logprobs", n)).transpose()?;
+    let n = choice_count(f.n, prompts, best_of)?;
     let prompt_only = echo && f.max_completion_tokens.is_none() && f.max_tokens == Some(0);
-    let mut v = if prompt_only {
-        sampling(&SamplingFields { max_tokens: Some(1), ..f.clone() }, defaults)?
-    } else {
-        sampling(f, defaults)?
-    };
+    let max_tokens = if prompt_only { Some(1) } else { f.max_tokens };
+    let mut v = sampling(&SamplingFields { max_tokens, n: None, ..f.clone() }, defaults)?;
     v.prompt_only = prompt_only;
+    v.n = n;
     if let Some(top) = top {
         v.sampling.top_logprobs = top;
         v.sampling.prompt_logprobs = echo;
@@ -165,13 +200,34 @@ fn top_count(name: &str, n: i64) -> Result<u32, ApiError> {
     Ok(n as u32)
 }
 
-/// `n` other than 1 and a non-empty `logit_bias` are refused: one choice per request, no logit bias.
+/// `n` choices per prompt: `1..=MAX_CHOICES`, at most [`MAX_CHOICES`] over all `prompts` of a batch; `best_of`
+/// only equal to `n` (nothing ranks extra candidates).
+fn choice_count(n: Option<i64>, prompts: usize, best_of: Option<i64>) -> Result<u32, ApiError> {
+    let n = n.unwrap_or(1);
+    if !(1..=MAX_CHOICES as i64).contains(&n) {
+        return Err(ApiError::invalid_param("n", format!("n must be between 1 and {MAX_CHOICES}, got {n}")));
+    }
+    if prompts.saturating_mul(n as usize) > MAX_CHOICES as usize {
+        let param = if n == 1 { "prompt" } else { "n" };
+        return Err(ApiError::invalid_param(
+            param,
+            format!("{prompts} prompts x n = {n} is more than {MAX_CHOICES} choices in one request"),
+        ));
+    }
+    if let Some(b) = best_of.filter(|&b| b != n) {
+        return Err(ApiError::invalid_param(
+            "best_of",
+            format!("best_of must equal n ({n}): candidates are not ranked on the server, got {b}"),
+        ));
+    }
+    Ok(n as u32)
+}
+
+/// `n` other than 1 (in APIs with one choice: chat and completions take `n` through [`choice_count`]) and a
+/// non-empty `logit_bias` are refused.
 fn unsupported_choices(f: &SamplingFields) -> Result<(), ApiError> {
     if let Some(n) = f.n.filter(|&n| n != 1) {
-        return Err(ApiError::invalid_param(
-            "n",
-            format!("n must be 1 (only one choice per request is supported), got {n}"),
-        ));
+        return Err(ApiError::invalid_param("n", format!("n must be 1 here (one choice per request), got {n}")));
     }
     if let Some(lb) = &f.logit_bias {
         if !(lb.is_null() || lb.as_object().is_some_and(|m| m.is_empty())) {
@@ -327,7 +383,7 @@ pub fn request(limits: &Limits, prompt: Vec<u32>, v: ValidatedSampling, param: &
         stop_token_ids,
         ignore_eos: v.ignore_eos,
     };
-    Ok(Prepared { req, stop: v.stop, logprobs: v.logprobs, prompt_only: v.prompt_only })
+    Ok(Prepared { req, stop: v.stop, logprobs: v.logprobs, prompt_only: v.prompt_only, n: v.n })
 }
 
 #[cfg(test)]
@@ -387,6 +443,52 @@ mod tests {
     }
 
     #[test]
+    fn choices_validation() {
+        let d = SamplingParams::default();
+        let chat = |v: Json| {
+            let r: crate::http::protocol::ChatCompletionRequest = serde_json::from_value(v).unwrap();
+            chat_sampling(&r.sampling, r.logprobs, r.top_logprobs, &d)
+        };
+        assert_eq!(chat(json!({"messages": [], "n": 2})).unwrap().n, 2);
+        assert_eq!(chat(json!({"messages": []})).unwrap().n, 1);
+        assert_eq!(chat(json!({"messages": [], "n": 128})).unwrap().n, 128);
+        for bad in
+            [json!({"messages": [], "n": 0}), json!({"messages": [], "n": 129}), json!({"messages": [], "n": -1})]
+        {
+            let e = chat(bad.clone()).unwrap_err();
+            assert_eq!((e.status.as_u16(), e.param.as_deref()), (400, Some("n")), "{bad}");
+        }
+        let completion = |n: i64, prompts: usize, best_of: Option<i64>| {
+            let f = fields(json!({"n": n}));
+            completion_sampling(&f, CompletionAsk { prompts, best_of, ..Default::default() }, &d)
+        };
+        assert_eq!(completion(2, 2, Some(2)).unwrap().n, 2);
+        assert_eq!(completion(1, 128, None).unwrap().n, 1);
+        for (n, prompts, best_of, param) in
+            [(2, 65, None, "n"), (1, 129, None, "prompt"), (2, 1, Some(3), "best_of"), (1, 1, Some(2), "best_of")]
+        {
+            let e = completion(n, prompts, best_of).unwrap_err();
+            assert_eq!((e.status.as_u16(), e.param.as_deref()), (400, Some(param)), "{n} {prompts} {best_of:?}");
+        }
+        // APIs with one choice refuse any other n.
+        assert_eq!(sampling(&fields(json!({"n": 2})), &d).unwrap_err().param.as_deref(), Some("n"));
+        // Choice i is seeded seed + i; unseeded choices stay unseeded (the scheduler draws each a seed).
+        let limits = Limits {
+            vocab_size: 10,
+            max_context: 10,
+            kv_capacity_tokens: 10,
+            eos_token_ids: vec![],
+            default_max_output: 4,
+        };
+        let p = request(&limits, vec![1, 2], chat(json!({"messages": [], "n": 3, "seed": 7})).unwrap(), "m").unwrap();
+        let seeds: Vec<_> = (0..3).map(|i| p.choice(i).req.sampling.seed).collect();
+        assert_eq!(seeds, vec![Some(7), Some(8), Some(9)]);
+        assert_eq!(p.choice(1).n, 1);
+        let p = request(&limits, vec![1, 2], chat(json!({"messages": [], "n": 3})).unwrap(), "m").unwrap();
+        assert_eq!(p.choice(2).req.sampling.seed, None);
+    }
+
+    #[test]
     fn logprobs_validation() {
         let d = SamplingParams::default();
         let chat = |v: Json| {
@@ -411,7 +513,9 @@ mod tests {
         }
         let completion = |v: Json| {
             let r: crate::http::protocol::CompletionRequest = serde_json::from_value(v).unwrap();
-            completion_sampling(&r.sampling, r.logprobs, r.echo.unwrap_or(false), &d)
+            let ask =
+                CompletionAsk { logprobs: r.logprobs, echo: r.echo.unwrap_or(false), prompts: 1, best_of: r.best_of };
+            completion_sampling(&r.sampling, ask, &d)
         };
         let v = completion(json!({"prompt": "x", "logprobs": 5, "echo": true, "max_tokens": 0})).unwrap();
         assert_eq!(

@@ -336,7 +336,7 @@ async fn completions_text_ids_echo_and_stream() {
 
     // Bad prompts.
     for bad in [
-        json!({"prompt": ["a", "b"]}),
+        json!({"prompt": ["a", []]}),
         json!({"prompt": []}),
         json!({"prompt": [999999]}),
         json!({"prompt": {"x": 1}}),
@@ -423,7 +423,8 @@ async fn malformed_and_invalid_requests_get_openai_400() {
         (json!({"top_p": 0}), "top_p"),
         (json!({"top_p": 1.5}), "top_p"),
         (json!({"max_tokens": 0}), "max_tokens"),
-        (json!({"n": 2}), "n"),
+        (json!({"n": 0}), "n"),
+        (json!({"n": 129}), "n"),
         (json!({"logit_bias": {"5": 1}}), "logit_bias"),
         (json!({"response_format": {"type": "json_object"}}), "response_format"),
         (json!({"response_format": {"type": "json_schema", "json_schema": {}}}), "response_format"),

@@ -9,15 +9,19 @@
 //! exactly one chunk with a `finish_reason`, a usage chunk with empty `choices` when
 //! `stream_options.include_usage`, then `data: [DONE]`. A failure midway sends `data: {"error": {...}}` and
 //! then `[DONE]`.
+//!
+//! With `n > 1` (`http::choices`) every choice has its own `index`, role delta, deltas and one finish chunk,
+//! interleaved as they come; the usage chunk and `[DONE]` follow the last of them.
 
+use super::choices::{collect_choices, submit_choices, total_usage, Collected, ResponseHead};
 use super::logprobs::{chat_logprobs, LogprobsUpdate, PositionLogprob};
 use super::output::{Output, OutputSpec};
-use super::sse::{collect, done_event, json_event, sse, Ending, StreamFormat};
-use super::{off_the_async_workers, response_id, submit, unix_now, OpenAiJson, TextStream};
+use super::sse::{done_event, json_event, sse_choices, Ending, StreamFormat};
+use super::{off_the_async_workers, response_id, unix_now, OpenAiJson};
 use crate::http::openai_error::ApiError;
 use crate::http::protocol::{
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
-    ChatMessageOut, FunctionCallDelta, FunctionCallOut, ToolCallDelta, ToolCallOut,
+    ChatMessageOut, FunctionCallDelta, FunctionCallOut, ToolCallDelta, ToolCallOut, Usage,
 };
 use crate::http::state::AppState;
 use crate::validation::{self, Prepared};
@@ -34,15 +38,33 @@ pub async fn chat_completions(
     let include_usage = req.include_usage();
     let st = state.clone();
     let (prepared, spec) = off_the_async_workers(&state, move || prepare_chat(&st, &req)).await?;
-    let text_stream = submit(&state, &prepared, "chat completion")?;
-    let id = response_id("chatcmpl");
-    let model = state.served_model_name();
+    let choices = submit_choices(&state, std::slice::from_ref(&prepared), "chat completion")?;
+    let head = ResponseHead { id: response_id("chatcmpl"), model: state.served_model_name(), created: unix_now() };
     if streaming {
-        let pending = prepared.logprobs.map(|_| Vec::new());
-        let format = ChatFormat { id, model, created: unix_now(), include_usage, state, pending };
-        Ok(sse(text_stream, &spec, format).into_response())
+        let formats = choices
+            .iter()
+            .map(|c| ChatFormat {
+                index: c.index as u32,
+                head: head.clone(),
+                include_usage,
+                state: state.clone(),
+                pending: prepared.logprobs.map(|_| Vec::new()),
+            })
+            .collect();
+        Ok(sse_choices(choices, &spec, formats).into_response())
     } else {
-        whole_response(&state, text_stream, &spec, id, model).await
+        let collected = collect_choices(choices, &spec).await?;
+        let usage = total_usage(&collected.iter().map(|c| (c.prompt, c.ending.usage.clone())).collect::<Vec<_>>());
+        let choices = collected.into_iter().map(|c| chat_choice(&state, c)).collect();
+        let body = ChatCompletionResponse {
+            id: head.id,
+            object: "chat.completion",
+            created: head.created,
+            model: head.model,
+            choices,
+            usage,
+        };
+        Ok(Json(body).into_response())
     }
 }
 
@@ -72,16 +94,11 @@ fn prepare_chat(state: &AppState, req: &ChatCompletionRequest) -> Result<(Prepar
     Ok((validation::request(&state.limits, prompt, sampling, "messages")?, spec))
 }
 
-async fn whole_response(
-    state: &AppState,
-    mut ts: TextStream,
-    spec: &OutputSpec,
-    id: String,
-    model: String,
-) -> Result<Response, ApiError> {
-    let (message, ending) = collect(&mut ts, spec).await?;
-    let logprobs = ts.wants_logprobs().then(|| chat_logprobs(&state.tokenizer, &ts.take_logprobs().tokens));
-    let tool_calls: Vec<ToolCallOut> = message
+/// One finished choice of a whole response.
+fn chat_choice(state: &AppState, mut c: Collected) -> ChatChoice {
+    let logprobs = c.ts.wants_logprobs().then(|| chat_logprobs(&state.tokenizer, &c.ts.take_logprobs().tokens));
+    let tool_calls: Vec<ToolCallOut> = c
+        .message
         .calls
         .into_iter()
         .map(|c| ToolCallOut {
@@ -90,34 +107,26 @@ async fn whole_response(
             function: FunctionCallOut { name: c.name, arguments: c.arguments },
         })
         .collect();
-    let content = if message.content.is_empty() && !tool_calls.is_empty() { None } else { Some(message.content) };
-    let body = ChatCompletionResponse {
-        id,
-        object: "chat.completion",
-        created: unix_now(),
-        model,
-        choices: vec![ChatChoice {
-            index: 0,
-            message: ChatMessageOut {
-                role: "assistant",
-                content,
-                reasoning_content: message.reasoning,
-                tool_calls: (!tool_calls.is_empty()).then_some(tool_calls),
-            },
-            logprobs,
-            finish_reason: ending.reason,
-        }],
-        usage: ending.usage,
-    };
-    Ok(Json(body).into_response())
+    let content = c.message.content;
+    let content = if content.is_empty() && !tool_calls.is_empty() { None } else { Some(content) };
+    ChatChoice {
+        index: c.index as u32,
+        message: ChatMessageOut {
+            role: "assistant",
+            content,
+            reasoning_content: c.message.reasoning,
+            tool_calls: (!tool_calls.is_empty()).then_some(tool_calls),
+        },
+        logprobs,
+        finish_reason: c.ending.reason,
+    }
 }
 
-/// Chat completion chunks: a first delta with the role, content deltas, one chunk with the finish reason, the
-/// usage chunk (empty `choices`) when asked for, `[DONE]`.
+/// One choice's chat completion chunks: a first delta with the role, content deltas, one chunk with the finish
+/// reason; after every choice's, the usage chunk (empty `choices`) when asked for, `[DONE]`.
 struct ChatFormat {
-    id: String,
-    model: String,
-    created: u64,
+    index: u32,
+    head: ResponseHead,
     include_usage: bool,
     state: AppState,
     /// Logprobs not sent yet (`None`: not asked); they ride on the next chunk.
@@ -128,12 +137,12 @@ impl ChatFormat {
     fn chunk(&mut self, delta: ChatDelta, finish_reason: Option<&'static str>) -> ChatCompletionChunk {
         let entries = self.pending.as_mut().map(std::mem::take).filter(|p| !p.is_empty());
         ChatCompletionChunk {
-            id: self.id.clone(),
+            id: self.head.id.clone(),
             object: "chat.completion.chunk",
-            created: self.created,
-            model: self.model.clone(),
+            created: self.head.created,
+            model: self.head.model.clone(),
             choices: vec![ChatChunkChoice {
-                index: 0,
+                index: self.index,
                 delta,
                 logprobs: entries.map(|e| chat_logprobs(&self.state.tokenizer, &e)),
                 finish_reason,
@@ -179,11 +188,15 @@ impl StreamFormat for ChatFormat {
     }
 
     fn finish(&mut self, ending: Ending) -> Vec<Event> {
-        let mut events = vec![json_event(&self.chunk(ChatDelta::default(), Some(ending.reason)))];
+        vec![json_event(&self.chunk(ChatDelta::default(), Some(ending.reason)))]
+    }
+
+    fn end(&mut self, usage: Usage) -> Vec<Event> {
+        let mut events = vec![];
         if self.include_usage {
             let mut usage_chunk = self.chunk(ChatDelta::default(), None);
             usage_chunk.choices.clear();
-            usage_chunk.usage = Some(ending.usage);
+            usage_chunk.usage = Some(usage);
             events.push(json_event(&usage_chunk));
         }
         events.push(done_event());

@@ -5,15 +5,19 @@
 //! (what loglikelihood evaluations read: `echo: true, logprobs: N, max_tokens: 0`, the prompt alone). Streamed,
 //! the echoed prompt is the first chunk; when it carries logprobs it waits for them (they come with the first
 //! sampled token).
+//!
+//! A list of prompts is a batch: `n` choices each (`http::choices`), choice `i` of prompt `p` at index
+//! `p * n + i`, each echoing its own prompt.
 
+use super::choices::{collect_choices, submit_choices, total_usage, Collected, ResponseHead};
 use super::logprobs::{completion_logprobs, text_offsets, LogprobsUpdate, PositionLogprob};
 use super::output::{Output, OutputSpec};
-use super::sse::{collect, done_event, json_event, sse, Ending, StreamFormat};
-use super::{off_the_async_workers, response_id, submit, unix_now, OpenAiJson};
+use super::sse::{done_event, json_event, sse_choices, Ending, StreamFormat};
+use super::{off_the_async_workers, response_id, unix_now, OpenAiJson};
 use crate::http::openai_error::ApiError;
 use crate::http::protocol::{CompletionChoice, CompletionRequest, CompletionResponse, PromptInput, Usage};
 use crate::http::state::AppState;
-use crate::validation::{self, Prepared};
+use crate::validation::{self, CompletionAsk, Prepared};
 use axum::extract::State;
 use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
@@ -26,32 +30,39 @@ pub async fn completions(
     let streaming = req.stream.unwrap_or(false);
     let include_usage = req.include_usage();
     let st = state.clone();
-    let (prepared, echo) = off_the_async_workers(&state, move || prepare_completion(&st, &req)).await?;
-    let mut ts = submit(&state, &prepared, "completion")?;
-    let mut format = CompletionFormat {
-        id: response_id("cmpl"),
-        model: state.served_model_name(),
-        created: unix_now(),
+    let (prompts, echoes): (Vec<Prepared>, Vec<Echo>) =
+        off_the_async_workers(&state, move || prepare_completion(&st, &req)).await?.into_iter().unzip();
+    let choices = submit_choices(&state, &prompts, "completion")?;
+    let head = ResponseHead { id: response_id("cmpl"), model: state.served_model_name(), created: unix_now() };
+    let format = |index: usize, prompt: usize| CompletionFormat {
+        index: index as u32,
+        head: head.clone(),
         include_usage,
-        logprobs: prepared.logprobs.map(|_| Vec::new()),
-        echo_chars: echo.text.chars().count(),
-        echo: Some(echo),
-        state,
+        logprobs: prompts[prompt].logprobs.map(|_| Vec::new()),
+        echo_chars: echoes[prompt].text.chars().count(),
+        echo: Some(echoes[prompt].clone()),
+        state: state.clone(),
     };
     if streaming {
-        return Ok(sse(ts, &OutputSpec::raw(), format).into_response());
+        let formats = choices.iter().map(|c| format(c.index, c.prompt)).collect();
+        return Ok(sse_choices(choices, &OutputSpec::raw(), formats).into_response());
     }
-    let (message, ending) = collect(&mut ts, &OutputSpec::raw()).await?;
-    format.logprobs(ts.take_logprobs());
-    let (echo, mut logprobs) = format.take_echo();
-    logprobs.extend(format.pending());
-    let mut body = format.response(echo + &message.content, Some(ending.reason), Some(ending.usage));
-    body.choices[0].logprobs =
-        format.logprobs.is_some().then(|| completion_logprobs(&format.state.tokenizer, &logprobs));
+    let collected = collect_choices(choices, &OutputSpec::raw()).await?;
+    let usage = total_usage(&collected.iter().map(|c| (c.prompt, c.ending.usage.clone())).collect::<Vec<_>>());
+    let choices = collected.into_iter().map(|c| format(c.index, c.prompt).whole(c)).collect();
+    let body = CompletionResponse {
+        id: head.id,
+        object: "text_completion",
+        created: head.created,
+        model: head.model,
+        choices,
+        usage: Some(usage),
+    };
     Ok(Json(body).into_response())
 }
 
 /// The echoed prompt: its text and, when its logprobs are asked, its entries (offsets in that text).
+#[derive(Clone)]
 struct Echo {
     text: String,
     ids: Vec<u32>,
@@ -61,12 +72,12 @@ struct Echo {
     logprobs: Option<Vec<PositionLogprob>>,
 }
 
-/// Completion chunks: the echoed prompt first (when asked), text chunks, the last one with the finish reason,
-/// the usage chunk (empty `choices`) when asked for, `[DONE]`.
+/// One choice's completion chunks: the echoed prompt first (when asked), text chunks, the last one with the
+/// finish reason; after every choice's, the usage chunk (empty `choices`) when asked for, `[DONE]`. Also
+/// the choice of a whole response ([`CompletionFormat::whole`]).
 struct CompletionFormat {
-    id: String,
-    model: String,
-    created: u64,
+    index: u32,
+    head: ResponseHead,
     include_usage: bool,
     state: AppState,
     /// Output logprobs not sent yet (`None`: not asked).
@@ -80,12 +91,26 @@ struct CompletionFormat {
 impl CompletionFormat {
     fn response(&self, text: String, finish_reason: Option<&'static str>, usage: Option<Usage>) -> CompletionResponse {
         CompletionResponse {
-            id: self.id.clone(),
+            id: self.head.id.clone(),
             object: "text_completion",
-            created: self.created,
-            model: self.model.clone(),
-            choices: vec![CompletionChoice { index: 0, text, logprobs: None, finish_reason }],
+            created: self.head.created,
+            model: self.head.model.clone(),
+            choices: vec![CompletionChoice { index: self.index, text, logprobs: None, finish_reason }],
             usage,
+        }
+    }
+
+    /// The finished choice `c` of a whole response: echo, text and all their logprobs.
+    fn whole(mut self, mut c: Collected) -> CompletionChoice {
+        self.logprobs(c.ts.take_logprobs());
+        let (echo, mut logprobs) = self.take_echo();
+        logprobs.extend(self.pending());
+        let logprobs = self.logprobs.is_some().then(|| completion_logprobs(&self.state.tokenizer, &logprobs));
+        CompletionChoice {
+            index: self.index,
+            text: echo + &c.message.content,
+            logprobs,
+            finish_reason: Some(c.ending.reason),
         }
     }
 
@@ -156,8 +181,13 @@ impl StreamFormat for CompletionFormat {
     fn finish(&mut self, ending: Ending) -> Vec<Event> {
         let mut events = self.echo_event(true);
         events.push(self.chunk(String::new(), Some(ending.reason)));
+        events
+    }
+
+    fn end(&mut self, usage: Usage) -> Vec<Event> {
+        let mut events = vec![];
         if self.include_usage {
-            let mut last = self.response(String::new(), None, Some(ending.usage));
+            let mut last = self.response(String::new(), None, Some(usage));
             last.choices.clear();
             events.push(json_event(&last));
         }
@@ -170,13 +200,26 @@ impl StreamFormat for CompletionFormat {
     }
 }
 
-/// Validation and tokenizer (CPU-bound for long prompts); also the echoed prompt (empty text unless `echo`).
-fn prepare_completion(state: &AppState, req: &CompletionRequest) -> Result<(Prepared, Echo), ApiError> {
+/// Validation and tokenizer (CPU-bound for long prompts), per prompt of the batch; also each echoed prompt
+/// (empty text unless `echo`).
+fn prepare_completion(state: &AppState, req: &CompletionRequest) -> Result<Vec<(Prepared, Echo)>, ApiError> {
     validation::model(state, req.model.as_deref())?;
     req.check_unsupported()?;
     let echo = req.echo.unwrap_or(false);
-    let sampling = validation::completion_sampling(&req.sampling, req.logprobs, echo, &state.default_sampling)?;
-    let (prompt, prompt_text) = match req.prompt_input()? {
+    let inputs = req.prompt_inputs()?;
+    let ask = CompletionAsk { logprobs: req.logprobs, echo, prompts: inputs.len(), best_of: req.best_of };
+    let sampling = validation::completion_sampling(&req.sampling, ask, &state.default_sampling)?;
+    inputs.into_iter().map(|input| prepare_prompt(state, input, sampling.clone(), echo)).collect()
+}
+
+/// One prompt of the batch, tokenized and validated, and its echo.
+fn prepare_prompt(
+    state: &AppState,
+    input: PromptInput,
+    sampling: validation::ValidatedSampling,
+    echo: bool,
+) -> Result<(Prepared, Echo), ApiError> {
+    let (prompt, prompt_text) = match input {
         PromptInput::Text(text) => {
             let bos = if state.info.add_bos_token { state.info.bos_token_id } else { None };
             let ids = state

@@ -7,6 +7,7 @@
 
 pub mod anthropic;
 pub mod chat;
+pub(crate) mod choices;
 pub mod completions;
 pub mod drain;
 pub mod info;

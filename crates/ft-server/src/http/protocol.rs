@@ -66,7 +66,7 @@ pub struct ChatCompletionRequest {
 #[derive(Clone, Debug, Deserialize)]
 pub struct CompletionRequest {
     pub model: Option<String>,
-    /// A string, a list of token ids, or a one-element list of either.
+    /// A string, a list of token ids, or a list of either (a batch: `n` choices each).
     pub prompt: Json,
     #[serde(flatten)]
     pub sampling: SamplingFields,
@@ -320,23 +320,20 @@ fn check_tool_call(call: &Json, param: &str) -> Result<(), ApiError> {
 }
 
 impl CompletionRequest {
+    /// `best_of` is checked with `n` in `validation.rs`.
     pub fn check_unsupported(&self) -> Result<(), ApiError> {
-        if let Some(b) = self.best_of {
-            if b != 1 {
-                return Err(ApiError::invalid_param("best_of", format!("best_of must be 1, got {b}")));
-            }
-        }
         if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
             return Err(ApiError::invalid_param("suffix", "suffix is not supported"));
         }
         Ok(())
     }
 
-    pub fn prompt_input(&self) -> Result<PromptInput, ApiError> {
+    /// The prompts of the batch: a string, a list of token ids, or a list of either (one choice set each).
+    pub fn prompt_inputs(&self) -> Result<Vec<PromptInput>, ApiError> {
         let bad = || {
             ApiError::invalid_param(
                 "prompt",
-                "prompt must be a string, a list of token ids, or a one-element list of either",
+                "prompt must be a string, a list of token ids, or a list of strings or of token-id lists",
             )
         };
         let ids = |items: &[Json]| -> Result<Vec<u32>, ApiError> {
@@ -346,17 +343,19 @@ impl CompletionRequest {
                 .collect()
         };
         match &self.prompt {
-            Json::String(s) => Ok(PromptInput::Text(s.clone())),
+            Json::String(s) => Ok(vec![PromptInput::Text(s.clone())]),
             Json::Array(items) if items.is_empty() => {
                 Err(ApiError::invalid_param("prompt", "prompt must not be empty"))
             }
-            Json::Array(items) if items.iter().all(Json::is_number) => Ok(PromptInput::Tokens(ids(items)?)),
-            Json::Array(items) if items.len() == 1 => match &items[0] {
-                Json::String(s) => Ok(PromptInput::Text(s.clone())),
-                Json::Array(inner) if !inner.is_empty() => Ok(PromptInput::Tokens(ids(inner)?)),
-                _ => Err(bad()),
-            },
-            Json::Array(_) => Err(ApiError::invalid_param("prompt", "only one prompt per request is supported")),
+            Json::Array(items) if items.iter().all(Json::is_number) => Ok(vec![PromptInput::Tokens(ids(items)?)]),
+            Json::Array(items) => items
+                .iter()
+                .map(|item| match item {
+                    Json::String(s) => Ok(PromptInput::Text(s.clone())),
+                    Json::Array(inner) if !inner.is_empty() => Ok(PromptInput::Tokens(ids(inner)?)),
+                    _ => Err(bad()),
+                })
+                .collect(),
             _ => Err(bad()),
         }
     }
@@ -565,12 +564,16 @@ mod tests {
 
     #[test]
     fn prompt_forms() {
-        let p = |v: Json| serde_json::from_value::<CompletionRequest>(json!({"prompt": v})).unwrap().prompt_input();
-        assert_eq!(p(json!("hi")).unwrap(), PromptInput::Text("hi".into()));
-        assert_eq!(p(json!(["hi"])).unwrap(), PromptInput::Text("hi".into()));
-        assert_eq!(p(json!([1, 2])).unwrap(), PromptInput::Tokens(vec![1, 2]));
-        assert_eq!(p(json!([[1, 2]])).unwrap(), PromptInput::Tokens(vec![1, 2]));
-        assert!(p(json!(["a", "b"])).is_err());
+        let p = |v: Json| serde_json::from_value::<CompletionRequest>(json!({"prompt": v})).unwrap().prompt_inputs();
+        let text = |t: &str| PromptInput::Text(t.into());
+        assert_eq!(p(json!("hi")).unwrap(), vec![text("hi")]);
+        assert_eq!(p(json!(["hi"])).unwrap(), vec![text("hi")]);
+        assert_eq!(p(json!([1, 2])).unwrap(), vec![PromptInput::Tokens(vec![1, 2])]);
+        assert_eq!(p(json!([[1, 2]])).unwrap(), vec![PromptInput::Tokens(vec![1, 2])]);
+        assert_eq!(p(json!(["a", "b"])).unwrap(), vec![text("a"), text("b")]);
+        assert_eq!(p(json!(["a", [3]])).unwrap(), vec![text("a"), PromptInput::Tokens(vec![3])]);
+        assert!(p(json!([[1], []])).is_err());
+        assert!(p(json!([["a"]])).is_err());
         assert!(p(json!([])).is_err());
         assert!(p(json!([-1])).is_err());
         assert!(p(json!(5)).is_err());

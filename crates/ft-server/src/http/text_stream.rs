@@ -130,6 +130,8 @@ pub(crate) struct TextStream {
     prompt_only: bool,
     /// Characters of text the detokenizer has given out: the next token's `text_offset`.
     emitted_chars: usize,
+    /// Told `true` at the first sampled token (`http::choices`: the other choices of this prompt wait for it).
+    first_token: Option<tokio::sync::watch::Sender<bool>>,
 }
 
 impl TextStream {
@@ -152,9 +154,17 @@ impl TextStream {
             logprobs: prepared.logprobs.map(|ask| LogprobsCollector::new(ask, &prepared.req.prompt)),
             prompt_only: prepared.prompt_only,
             emitted_chars: 0,
+            first_token: None,
             state,
             stream,
         }
+    }
+
+    /// Says `true` on `tx` when the request samples its first token: its prompt's KV is computed by then (and
+    /// in the radix cache), so the prompt's other choices, submitted then, reuse it. Dropped unsent if the
+    /// request ends without one.
+    pub fn notify_first_token(&mut self, tx: tokio::sync::watch::Sender<bool>) {
+        self.first_token = Some(tx);
     }
 
     /// Whether the request asked for logprobs.
@@ -272,6 +282,9 @@ impl TextStream {
 
     /// One generated token: its text, if any is ready (`None`: nothing to yield yet).
     fn on_token(&mut self, token: u32, logprob: f32, top: Vec<TopLogprob>) -> Option<Piece> {
+        if let Some(tx) = self.first_token.take() {
+            let _ = tx.send(true);
+        }
         self.completion_tokens += 1;
         self.timer.token();
         if let Some(c) = self.logprobs.as_mut() {
