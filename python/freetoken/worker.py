@@ -1,7 +1,8 @@
 """The worker: runs one step per ``execute(plan)`` call on the pools start-up built.
 
 The Rust engine thread builds it once with the ``ft serve`` flags (a dict, snake_case keys), reads ``info()`` (the
-engine description, version-checked with the step contract), then calls ``execute`` once per step:
+engine description, version-checked with the step contract), then calls ``execute`` once per step, or, in the
+overlap loop, ``launch`` (queued on the device, returns at once for a graph step) and later ``collect``:
 
     plan (flat dict) ──plain decode step?──▶ decode CUDA graph replay (engine/decode_graphs.py)
                      └─otherwise─▶ StepPlan.from_flat ─▶ checks ─▶ ForwardBatch.from_plan ─▶ model ─▶ sampler
@@ -14,6 +15,7 @@ Failures come back typed (``errors.py``): ``WorkerOutOfMemory`` (cached memory r
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -21,7 +23,7 @@ import numpy as np
 import torch
 
 from . import startup
-from .engine.decode_graphs import decode_inputs
+from .engine.decode_graphs import LaunchedDecode, decode_inputs
 from .engine.description import EngineDescription
 from .engine.forward_batch import ForwardBatch
 from .engine.logprobs import MAX_TOP_LOGPROBS, logit_rows, step_logprobs
@@ -74,6 +76,8 @@ class Worker:
         self.graph_max_bs = startup.graph_max_bs(a, self.device, self.max_running_requests)
         # hybrid models cache prefixes with recurrent-state snapshots (hybrid_radix), others KV alone (radix)
         self.cache_types = ["hybrid_radix" if self.model.state_layout else "radix", "naive"]
+        self._launched: deque = deque()  # steps launched and not collected: StepResult or (LaunchedDecode, stats)
+        self._prev_sampled: Optional[torch.Tensor] = None  # the last launched step's sampled tokens (device)
         self._log_resolved_config()
         startup.allocate_pools(self)
 
@@ -84,9 +88,11 @@ class Worker:
             from .layers.gated_deltanet import gdn_backend
 
             gdn = f", gdn_backend={gdn_backend(self.device)!r}"
+        overlap = not a.get("disable_overlap_schedule", False)
         logger.info(
             f"Resolved config: moe_backend={self.loaded.moe_backend!r}, attention_backend={self.attn.name!r}"
             f"{gdn}, nvfp4_backend={self.loaded.nvfp4_backend!r}, cache_type={cache_type!r}, page_size={self.page_size}"
+            f", overlap_schedule={overlap}"
         )
 
     def dry_run(self, num_tokens: int) -> None:
@@ -141,30 +147,62 @@ class Worker:
         ).to_dict()
 
     def execute(self, plan: dict) -> tuple[list[int], list[float], dict, dict]:
-        """One step from the flat plan the Rust side sends. Returns the sampled tokens and their logprobs in
-        plan order (one per sampled sequence), step statistics and the top / prompt logprobs asked for
+        """One step from the flat plan the Rust side sends, to the end. Returns the sampled tokens and their
+        logprobs in plan order (one per sampled sequence), step statistics and the top / prompt logprobs asked for
         (``step_plan.py``). Plain decode steps replay a CUDA graph."""
-        if self.bench_routing.poll() and self.graphs is not None:  # benchmarks switching the routing mode
-            self.graphs = None
+        self.launch(plan)
+        return self.collect()
+
+    def launch(self, plan: dict) -> None:
+        """Starts one step (the overlap loop; ``collect`` answers it). A graph step returns once its replay and
+        the copy of its tokens are queued; an eager step runs to the end here."""
+        if not self._launched and self.bench_routing.poll() and self.graphs is not None:  # benchmarks switching
+            self.graphs = None  # the routing mode, between steps
             self._release_cached_memory()
             self.graphs = startup.capture_decode_graphs(self)
         decode = decode_inputs(plan, self.graph_max_bs) if self.graphs is not None else None
         if decode is not None:
-            r = self._guarded_step(int(plan["step_id"]), len(decode["rows"]), lambda: self._replay(decode))
+            n = len(decode["rows"])
+            step, stats = self._guarded(int(plan["step_id"]), n, lambda: self._launch_replay(decode))
+            self._launched.append((step, stats))
         else:
-            r = self.execute_plan(StepPlan.from_flat(plan))
-        return r.tokens, r.logprobs, r.stats, r.extra
+            self._launched.append(self.execute_plan(StepPlan.from_flat(plan)))
 
-    def _replay(self, inputs: dict) -> tuple[list[int], list[float], None, dict]:
+    def collect(self) -> tuple[list[int], list[float], dict, dict]:
+        """The oldest launched step's answer (``execute``'s), waiting for its tokens."""
+        r = self._launched.popleft()
+        if isinstance(r, StepResult):
+            return r.tokens, r.logprobs, r.stats, r.extra
+        step, stats = r
+        t0 = time.perf_counter()
+        out = self.graphs.collect(step)
+        stats["forward_ms"] += (time.perf_counter() - t0) * 1e3
+        return out.tokens, out.logprobs, stats, out.extra
+
+    def _launch_replay(self, inputs: dict) -> LaunchedDecode:
         self._check_decode_inputs(inputs)
-        out = self.graphs.run(inputs, len(inputs["rows"]))
+        n = len(inputs["rows"])
+        step = self.graphs.launch(inputs, n, self._prev_sampled)
+        self._prev_sampled = self.graphs.tokens[:n]
         if inputs["snap_dst"].size:  # the tool-call anchor: the live state after this token, kept as a snapshot
             self.state.copy(torch.from_numpy(inputs["snap_src"].copy()), torch.from_numpy(inputs["snap_dst"].copy()))
-        return out.tokens, out.logprobs, None, out.extra
+        return step
+
+    def _feed_previous(self, plan: StepPlan) -> None:
+        """Eager steps: sequences reading the previous step's sampled token (``input_from_prev``) get it on the
+        host (the previous step ran to the end, or its tokens are waited for here)."""
+        idx = plan.input_from_prev
+        take = idx >= 0
+        prev = self._prev_sampled
+        if prev is None or int(idx.max()) >= prev.numel():
+            raise InvalidPlan("input_from_prev reads a row the previous step did not sample")
+        plan.input_ids[plan.cu_seqlens[:-1][take]] = prev.cpu()[idx[take]]
 
     def execute_plan(self, plan: StepPlan, all_logits: bool = False, _allow_scratch: bool = False) -> StepResult:
         """One step from a decoded plan (Python callers), always eager. ``all_logits`` also returns fp32 logits
         at every new token ``[T, V]``; otherwise ``logits`` holds the sampled rows ``[S, V]``."""
+        if plan.input_from_prev is not None:
+            self._feed_previous(plan)
         self._check_plan(plan, _allow_scratch)
 
         def run():
@@ -176,6 +214,7 @@ class Worker:
             logits = self.model(batch)
             sampled = logits if rows.sampled is None else logits[rows.sampled.to(logits.device)]
             tokens, logprobs = self._sample(sampled, plan.sampling, plan.rows[plan.sampling.seq_index])
+            self._prev_sampled = tokens
             extra = step_logprobs(logits, rows, plan.sampling.num_top_logprobs)
             return tokens.tolist(), logprobs.tolist(), logits if all_logits else sampled, extra
 
@@ -196,15 +235,21 @@ class Worker:
                 s.frequency_penalty.to(logits.device),
             )
         tokens, logprobs = sample(penalized, s.temperature, s.top_p, s.top_k, s.min_p, s.seeds)
-        tokens = force_scripted_tokens(tokens, rows)  # tests only: FREETOKEN_TEST_SCRIPT (scripted_output.py)
+        tokens = force_scripted_tokens(tokens, rows, self.token_counts)  # tests only: FREETOKEN_TEST_SCRIPT
         if penalized is not logits:
             logprobs = token_logprobs(logits.float(), tokens)
         self.token_counts.add(rows, tokens)
         return tokens, logprobs
 
     def _guarded_step(self, step_id: int, num_tokens: int, run, count: bool = True) -> StepResult:
+        """``_guarded`` for a step whose ``run`` returns ``(tokens, logprobs, logits, extra)``."""
+        (tokens, logprobs, logits, extra), stats = self._guarded(step_id, num_tokens, run, count)
+        return StepResult(tokens, logprobs, stats, logits, extra)
+
+    def _guarded(self, step_id: int, num_tokens: int, run, count: bool = True) -> tuple[object, dict]:
         """Runs one step: fault injection (tests), out-of-memory turned into ``WorkerOutOfMemory`` with the cached
-        memory released, and the step's statistics (time, expert hits and misses, transient memory peak)."""
+        memory released, and the step's statistics (time, expert hits and misses, transient memory peak).
+        Returns what ``run`` returned and the statistics."""
         t0 = time.perf_counter()
         oom = None
         hits0, misses0 = self.offload.counters() if self.offload is not None else (0, 0)
@@ -218,7 +263,7 @@ class Worker:
             if count:
                 self.faults.maybe_inject(self.steps_executed)  # tests only: FREETOKEN_FAULT
             with torch.inference_mode():
-                tokens, logprobs, logits, extra = run()
+                value = run()
         except torch.OutOfMemoryError as e:
             oom = str(e).splitlines()[0]
         except RuntimeError as e:  # the CPU allocator's spelling of OOM
@@ -237,7 +282,7 @@ class Worker:
             "expert_misses": misses - misses0,
             "workspace_bytes": workspace,
         }
-        return StepResult(tokens, logprobs, stats, logits, extra)
+        return value, stats
 
     def _check_decode_inputs(self, d: dict) -> None:
         """``_check_plan`` for the graph path, on the plan's numpy arrays: every index lands inside the pools."""
@@ -256,6 +301,9 @@ class Worker:
             raise InvalidPlan(f"context length out of range (1, {self.max_context}]")
         if bad((d["input_ids"] < 0) | (d["input_ids"] >= self.vocab_size)):
             raise InvalidPlan(f"token id out of range [0, {self.vocab_size})")
+        prev = self._prev_sampled
+        if bad(d["input_from_prev"] >= (0 if prev is None else prev.numel())):
+            raise InvalidPlan("input_from_prev reads a row the previous step did not sample")
         st = d["state_slots"]
         if self.state is not None and bad((st < 0) | (st >= self.num_state_slots)):
             raise InvalidPlan(f"state_slots out of range [0, {self.num_state_slots}): {st.tolist()}")

@@ -89,6 +89,7 @@
 //! request samples the same tokens whatever else is in its batch.
 
 pub mod kv_cache;
+mod overlap;
 
 use std::collections::VecDeque;
 
@@ -239,8 +240,12 @@ struct RunningRequest {
     table_sent: usize,
     /// Pages still to allocate to reach the whole budget (prompt + output); reserved at admission.
     reserved_pages: usize,
-    /// The step this request is part of, until it is committed or failed.
-    in_flight: Option<u64>,
+    /// The steps this request is part of, oldest first, until each is committed or failed (two while the
+    /// overlap loop has planned step N+1 before committing step N, see [`overlap`]).
+    in_flight: Vec<u64>,
+    /// Finished (its `Finished` event sent) while a later step of it was still in flight: released when that
+    /// step is committed or failed, so its KV and state slots are never reused before the device is done.
+    ended: Option<FinishReason>,
 }
 
 impl RunningRequest {
@@ -275,7 +280,8 @@ impl RunningRequest {
             computed_len: m.prefix.len,
             table_sent: 0,
             reserved_pages,
-            in_flight: None,
+            in_flight: Vec::new(),
+            ended: None,
         }
     }
 
@@ -287,12 +293,16 @@ impl RunningRequest {
         self.prompt.iter().chain(self.output.iter()).copied().take(n).collect()
     }
     fn wants_prefill(&self) -> bool {
-        self.in_flight.is_none() && self.scheduled_len < self.prompt.len()
+        self.in_flight.is_empty() && self.scheduled_len < self.prompt.len()
     }
     fn wants_decode(&self) -> bool {
-        self.in_flight.is_none() && !self.output.is_empty()
+        self.in_flight.is_empty() && !self.output.is_empty()
     }
     fn sample_spec(&self) -> SampleSpec {
+        self.sample_spec_at(self.output.len())
+    }
+    /// The draw of output token number `generated` (the overlap loop plans one token ahead of `output`).
+    fn sample_spec_at(&self, generated: usize) -> SampleSpec {
         let s = &self.sampling;
         SampleSpec {
             temperature: s.temperature,
@@ -301,7 +311,7 @@ impl RunningRequest {
             min_p: s.min_p,
             presence_penalty: s.presence_penalty,
             frequency_penalty: s.frequency_penalty,
-            seed: sample_seed(self.seed, self.output.len() as u64),
+            seed: sample_seed(self.seed, generated as u64),
             num_top_logprobs: s.top_logprobs,
         }
     }
@@ -432,7 +442,7 @@ impl Scheduler {
         if let Some(i) = self.queue.iter().position(|q| q.req.id == id) {
             self.queue.remove(i);
             self.events.push(RequestEvent::Finished { id, reason, completion_tokens: 0 });
-        } else if let Some(i) = self.running.iter().position(|r| r.id == id) {
+        } else if let Some(i) = self.running.iter().position(|r| r.id == id && r.ended.is_none()) {
             self.end_running(i, Ending::Finished(reason));
         }
     }
@@ -477,10 +487,7 @@ impl Scheduler {
             }
         };
         self.next_step_id += 1;
-        self.summaries.push_back((step_id, summary));
-        if self.summaries.len() > SUMMARIES_KEPT {
-            self.summaries.pop_front();
-        }
+        self.record_summary(step_id, summary);
         // Hybrid: restores run before the forward, captures after it.
         let mut state_copies = Vec::new();
         let mut snapshots = Vec::new();
@@ -496,6 +503,14 @@ impl Scheduler {
             }
         }
         Some(StepPlan { step_id, kind, seqs, state_copies, snapshots })
+    }
+
+    /// Keeps `summary` of plan `step_id` for [`Scheduler::plan_summary`].
+    fn record_summary(&mut self, step_id: u64, summary: PlanSummary) {
+        self.summaries.push_back((step_id, summary));
+        if self.summaries.len() > SUMMARIES_KEPT {
+            self.summaries.pop_front();
+        }
     }
 
     /// Prompt chunks for a step with `budget` tokens: chunked prompts under way first, then newly
@@ -627,6 +642,7 @@ impl Scheduler {
             row: r.row,
             prefix_len: start as u32,
             new_tokens: r.prompt[start..end].to_vec(),
+            input_from_prev: None,
             table_from: r.table_sent as u32,
             table_slots: r.slots[r.table_sent..end].to_vec(),
             state_slot: r.state_slot,
@@ -638,7 +654,7 @@ impl Scheduler {
         };
         r.scheduled_len = end;
         r.table_sent = end;
-        r.in_flight = Some(step_id);
+        r.in_flight.push(step_id);
         seq
     }
 
@@ -660,6 +676,7 @@ impl Scheduler {
             row: r.row,
             prefix_len: pos as u32,
             new_tokens: vec![*r.output.last().expect("a decoding request has sampled")],
+            input_from_prev: None,
             table_from: r.table_sent as u32,
             table_slots: r.slots[r.table_sent..pos + 1].to_vec(),
             state_slot: r.state_slot,
@@ -668,7 +685,7 @@ impl Scheduler {
         };
         r.scheduled_len = pos + 1;
         r.table_sent = pos + 1;
-        r.in_flight = Some(step_id);
+        r.in_flight.push(step_id);
         seq
     }
 
@@ -695,7 +712,10 @@ impl Scheduler {
                 (out.prompt_logprobs[p - n..p].to_vec(), top)
             });
             let Some(i) = self.in_plan(seq.request_id, plan.step_id) else { continue };
-            self.commit_progress(i, seq);
+            self.commit_progress(i, seq, plan.step_id);
+            if self.release_if_ended(i) {
+                continue; // the token of a step planned past the request's end: discarded
+            }
             let id = self.running[i].id;
             if let Some((logprobs, top_logprobs)) = prompt.filter(|(l, _)| !l.is_empty()) {
                 self.events.push(RequestEvent::PromptLogprobs {
@@ -709,15 +729,15 @@ impl Scheduler {
             self.running[i].output.push(token);
             self.events.push(RequestEvent::Token { id, token, logprob, top_logprobs });
             if let Some(reason) = self.finish_reason(i, token) {
-                self.end_running(i, Ending::Finished(reason));
+                self.finish_committed(i, reason);
             }
         }
     }
 
     /// Request `i`'s step `seq` is done: its KV and state are computed, its snapshot captures cached.
-    fn commit_progress(&mut self, i: usize, seq: &ScheduledSeq) {
+    fn commit_progress(&mut self, i: usize, seq: &ScheduledSeq, step_id: u64) {
         let r = &mut self.running[i];
-        r.in_flight = None;
+        r.in_flight.retain(|&s| s != step_id);
         r.computed_len = seq.context_len() as usize;
         if r.state_slot >= 0 {
             r.state_valid = true;
@@ -763,7 +783,7 @@ impl Scheduler {
 
     /// Index of running request `id` if it is part of step `step_id`.
     fn in_plan(&self, id: u64, step_id: u64) -> Option<usize> {
-        self.running.iter().position(|r| r.id == id && r.in_flight == Some(step_id))
+        self.running.iter().position(|r| r.id == id && r.in_flight.contains(&step_id))
     }
 
     /// The step failed (out of memory, invalid plan): each of its requests gets `Failed { message }` and
@@ -786,21 +806,26 @@ impl Scheduler {
         }
     }
 
-    /// Releases running request `i` and reports how it ended. A finished hybrid radix request donates its
-    /// live state unless a step of it is still in flight (that step would still advance the slot).
+    /// Releases running request `i` and reports how it ended (unless it had already ended: see
+    /// [`RunningRequest::ended`]). A finished hybrid radix request donates its live state unless a step of it is
+    /// still in flight (that step would still advance the slot).
     fn end_running(&mut self, i: usize, ending: Ending) {
         let r = self.running.remove(i);
+        let reported = r.ended.is_some();
         let insert = matches!(ending, Ending::Finished(_)) && self.cfg.cache_type.caches();
         let computed = r.tokens(if insert { r.computed_len } else { 0 });
         for &(_, slot, _) in &r.pending_snapshots {
             self.kv.free_snapshot(slot);
         }
-        let live = (r.state_slot >= 0)
-            .then(|| LiveState { slot: r.state_slot as u32, valid: r.state_valid && r.in_flight.is_none() });
+        let valid = r.state_valid && r.in_flight.is_empty();
+        let live = (r.state_slot >= 0).then_some(LiveState { slot: r.state_slot as u32, valid });
         self.kv.release(&computed, &r.slots, r.prefix, insert, live);
         self.kv.free_slots(&r.duplicates);
         self.reserved_pages -= r.reserved_pages;
         self.rows.free(r.row);
+        if reported {
+            return;
+        }
         self.events.push(match ending {
             Ending::Finished(reason) => {
                 RequestEvent::Finished { id: r.id, reason, completion_tokens: r.output.len() as u32 }
@@ -918,8 +943,11 @@ impl Scheduler {
             {
                 return Err(format!("request {} has a pending restore that is not its node's snapshot", r.id));
             }
-            if !r.pending_snapshots.is_empty() && r.in_flight.is_none() {
+            if !r.pending_snapshots.is_empty() && r.in_flight.is_empty() {
                 return Err(format!("request {} holds snapshot captures outside a step in flight", r.id));
+            }
+            if r.ended.is_some() && r.in_flight.is_empty() {
+                return Err(format!("request {} ended but is not released", r.id));
             }
             let budget = self.kv.pages_for(r.prompt_len() + r.max_new_tokens as usize - 1);
             if r.slots.len() % ps != 0 || r.slots.len() / ps + r.reserved_pages != budget {

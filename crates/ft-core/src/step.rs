@@ -13,6 +13,15 @@
 //! Recurrent state (hybrid models): each running sequence owns one live state slot. `state_copies` run
 //! before the forward (restore a snapshot into a live slot: copy-on-write), `snapshots` after it.
 //!
+//! Overlap (placeholder inputs): the engine may plan and launch step N+1 before it has collected step N's
+//! tokens ([`Worker::launch`] / [`Worker::collect`]). A decode sequence of N+1 then says
+//! `input_from_prev: Some(r)`: its one input token is the token the worker sampled for sampled row `r`
+//! (plan order) of the step launched just before, taken on the device; its `new_tokens` holds a placeholder.
+//!
+//! ```text
+//!   launch(N)   launch(N+1: row b's input = N's sampled row r)   collect(N)   launch(N+2)   collect(N+1) ...
+//! ```
+//!
 //! Logprobs: every sampled token comes back with its raw logprob. A sampled row with `num_top_logprobs > 0`
 //! also gets the most likely tokens at its position, and a sequence with `prompt_logprobs` gets the logprob
 //! (and alternatives) of each of its new tokens after the first, plus of `next_token` when the chunk does not
@@ -28,7 +37,10 @@
 use crate::request::TopLogprob;
 
 /// Bumped on every change to [`StepPlan`] / [`StepOutput`] or their flat encoding.
-pub const STEP_CONTRACT_VERSION: u32 = 3;
+pub const STEP_CONTRACT_VERSION: u32 = 4;
+
+/// What `new_tokens` holds where the input comes from the previous step on the device (`input_from_prev`).
+pub const PLACEHOLDER_TOKEN: u32 = 0;
 
 /// How a sequence samples its next token this step.
 #[derive(Clone, Debug, PartialEq)]
@@ -71,6 +83,9 @@ pub struct ScheduledSeq {
     pub prefix_len: u32,
     /// The tokens computed this step, at positions `prefix_len..prefix_len + new_tokens.len()`.
     pub new_tokens: Vec<u32>,
+    /// Overlap: the one new token is the token sampled for sampled row `r` of the step launched just before
+    /// this one (not yet collected); `new_tokens` then holds [`PLACEHOLDER_TOKEN`].
+    pub input_from_prev: Option<u32>,
     /// First position whose KV slot is sent in `table_slots`.
     pub table_from: u32,
     /// KV slots for positions `table_from..prefix_len + new_tokens.len()` of this row.
@@ -246,6 +261,13 @@ impl std::error::Error for WorkerError {}
 
 /// The one seam between the engine loop and whatever runs the model: the PyO3 worker in production,
 /// scripted fakes in tests.
+///
+/// `execute` runs one step to the end (the synchronous loop). `launch` starts one without waiting for its
+/// tokens and `collect` waits for the oldest launched step's output: the overlap loop keeps at most two
+/// launched, `launch(N+1)` before `collect(N)`, so a plan with `input_from_prev` follows the step whose
+/// tokens it reads. An error from `launch` means the step did not start (nothing to collect).
 pub trait Worker: Send {
     fn execute(&mut self, plan: &StepPlan) -> Result<StepOutput, WorkerError>;
+    fn launch(&mut self, plan: &StepPlan) -> Result<(), WorkerError>;
+    fn collect(&mut self) -> Result<StepOutput, WorkerError>;
 }

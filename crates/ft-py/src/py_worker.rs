@@ -1,6 +1,7 @@
 //! The Python worker seen from Rust: flattens a [`StepPlan`] into the flat arrays that
-//! `python/freetoken/engine/step_plan.py` decodes, calls `worker.execute(plan)` once per step, and maps the
-//! worker's typed exceptions onto [`WorkerError`].
+//! `python/freetoken/engine/step_plan.py` decodes, calls `worker.execute(plan)` once per step (or, in the
+//! overlap loop, `worker.launch(plan)` and later `worker.collect()`), and maps the worker's typed exceptions
+//! onto [`WorkerError`].
 
 use ft_core::step::{StepKind, StepOutput, StepPlan, TopLogprobs, Worker, WorkerError, STEP_CONTRACT_VERSION};
 use pyo3::prelude::*;
@@ -8,6 +9,8 @@ use pyo3::types::{PyBytes, PyDict};
 
 pub struct PyWorker {
     obj: Py<PyAny>,
+    /// Plans launched and not yet collected, oldest first (the output is checked against its plan).
+    launched: std::collections::VecDeque<StepPlan>,
     /// When set, `faulthandler` dumps every Python thread's stack if a step runs this long (the engine's
     /// watchdog fires at the same deadline).
     stack_dump_after_s: Option<f64>,
@@ -15,7 +18,7 @@ pub struct PyWorker {
 
 impl PyWorker {
     pub fn new(obj: Py<PyAny>) -> Self {
-        PyWorker { obj, stack_dump_after_s: None }
+        PyWorker { obj, launched: Default::default(), stack_dump_after_s: None }
     }
 
     pub fn with_stack_dump(mut self, seconds: f64) -> Self {
@@ -53,6 +56,7 @@ pub fn flatten_plan<'py>(py: Python<'py>, plan: &StepPlan) -> PyResult<Bound<'py
     let seqs = &plan.seqs;
     put("request_ids", i64_bytes(seqs.iter().map(|s| s.request_id as i64)))?;
     put("input_ids", i32_bytes(seqs.iter().flat_map(|s| s.new_tokens.iter().map(|&t| t as i64))))?;
+    put("input_from_prev", i32_bytes(seqs.iter().map(|s| s.input_from_prev.map_or(-1, |r| r as i64))))?;
     let mut cu = vec![0i64];
     let mut ti = vec![0i64];
     for s in seqs {
@@ -152,26 +156,62 @@ fn top_logprobs(d: &Bound<'_, PyDict>, prefix: &str) -> PyResult<TopLogprobs> {
     Ok(TopLogprobs { k, ids, logprobs: f32s(d, &format!("{prefix}_logprobs"))? })
 }
 
+impl PyWorker {
+    /// Calls `method(plan)` (or `method()`) on the Python worker with `faulthandler` armed for the stack-dump
+    /// deadline.
+    fn call<'py>(
+        &self,
+        py: Python<'py>,
+        method: &str,
+        plan: Option<Bound<'py, PyDict>>,
+    ) -> Result<Bound<'py, PyAny>, WorkerError> {
+        let faulthandler = match self.stack_dump_after_s {
+            Some(secs) => {
+                let fh = py.import("faulthandler").map_err(|e| classify_error(py, e))?;
+                fh.call_method1("dump_traceback_later", (secs,)).map_err(|e| classify_error(py, e))?;
+                Some(fh)
+            }
+            None => None,
+        };
+        let obj = self.obj.bind(py);
+        let ret = match plan {
+            Some(flat) => obj.call_method1(method, (flat,)),
+            None => obj.call_method0(method),
+        };
+        if let Some(fh) = faulthandler {
+            let _ = fh.call_method0("cancel_dump_traceback_later");
+        }
+        ret.map_err(|e| classify_error(py, e))
+    }
+}
+
+/// A step's answer, parsed and checked against its plan (a malformed answer is fatal).
+fn step_output(ret: Bound<'_, PyAny>, plan: &StepPlan) -> Result<StepOutput, WorkerError> {
+    let out = parse_output(ret).map_err(|e| WorkerError::Fatal(format!("bad worker output: {e}")))?;
+    out.check(plan).map_err(WorkerError::Fatal)?;
+    Ok(out)
+}
+
 impl Worker for PyWorker {
     fn execute(&mut self, plan: &StepPlan) -> Result<StepOutput, WorkerError> {
         Python::with_gil(|py| {
             let flat = flatten_plan(py, plan).map_err(|e| classify_error(py, e))?;
-            let faulthandler = match self.stack_dump_after_s {
-                Some(secs) => {
-                    let fh = py.import("faulthandler").map_err(|e| classify_error(py, e))?;
-                    fh.call_method1("dump_traceback_later", (secs,)).map_err(|e| classify_error(py, e))?;
-                    Some(fh)
-                }
-                None => None,
-            };
-            let ret = self.obj.bind(py).call_method1("execute", (flat,));
-            if let Some(fh) = faulthandler {
-                let _ = fh.call_method0("cancel_dump_traceback_later");
-            }
-            let ret = ret.map_err(|e| classify_error(py, e))?;
-            let out = parse_output(ret).map_err(|e| WorkerError::Fatal(format!("bad worker output: {e}")))?;
-            out.check(plan).map_err(WorkerError::Fatal)?;
-            Ok(out)
+            step_output(self.call(py, "execute", Some(flat))?, plan)
         })
+    }
+
+    fn launch(&mut self, plan: &StepPlan) -> Result<(), WorkerError> {
+        Python::with_gil(|py| {
+            let flat = flatten_plan(py, plan).map_err(|e| classify_error(py, e))?;
+            self.call(py, "launch", Some(flat))?;
+            self.launched.push_back(plan.clone());
+            Ok(())
+        })
+    }
+
+    fn collect(&mut self) -> Result<StepOutput, WorkerError> {
+        let plan =
+            self.launched.pop_front().ok_or_else(|| WorkerError::Fatal("collect without a launched step".into()))?;
+        Python::with_gil(|py| step_output(self.call(py, "collect", None)?, &plan))
     }
 }

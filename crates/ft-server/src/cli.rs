@@ -197,6 +197,11 @@ pub struct ServeArgs {
     #[arg(help_heading = MODEL, long)]
     pub disable_cuda_graph: bool,
 
+    /// Commit each step before planning the next (SGLang's spelling; also DISABLE_OVERLAP_SCHEDULING=1): by default
+    /// a decode step is planned and launched while the one before it still runs on the GPU.
+    #[arg(help_heading = MODEL, long, env = "DISABLE_OVERLAP_SCHEDULING")]
+    pub disable_overlap_schedule: bool,
+
     /// Tensor-parallel ranks (only 1 is built).
     #[arg(help_heading = MODEL, long = "tensor-parallel-size", visible_alias = "tp-size", default_value_t = 1)]
     pub tensor_parallel_size: usize,

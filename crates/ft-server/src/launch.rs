@@ -122,6 +122,7 @@ fn engine_config(args: &ServeArgs, info: &EngineDescription, metrics: Arc<crate:
         max_queued_requests: args.max_queued_requests,
         step_timeout: Duration::from_secs_f64(args.step_timeout),
         planned_workspace_bytes: info.planned_workspace_bytes,
+        overlap: !args.disable_overlap_schedule,
         metrics,
     }
 }

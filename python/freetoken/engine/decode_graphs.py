@@ -11,11 +11,16 @@ none does exactly what it did before.
 
 Per step the host does little: the plan's flat arrays are packed into two pinned staging buffers (numpy, no
 torch ops), copied to the graph's static input buffers in two asynchronous copies, the graph is replayed, and the
-sampled tokens come back through one event. A batch smaller than its bucket is padded with rows that point at
+sampled tokens come back through one event. ``launch`` returns once all that is queued and ``collect`` waits on the
+event, so the engine plans and launches the next step while this one runs (overlap scheduling): a sequence whose
+input is the token this step samples (``input_from_prev``) gets it on the device, gathered from the previous
+replay's ``tokens`` before the next replay overwrites them. Staging and output buffers alternate between two sets,
+so a launch never writes what the step before it may still be copying. A batch smaller than its bucket is padded with rows that point at
 the worker's scratch page-table row, scratch KV slot and scratch state slot: they compute garbage nobody reads,
 and the expert cache is told how many rows are real (``num_valid_tokens``) so padding fetches no experts.
 
-    plan (flat dict) ──pack──▶ pinned staging ──H2D──▶ static inputs ──replay──▶ tokens ──D2H + event──▶ host
+    plan (flat dict) ──pack──▶ pinned staging[k] ──H2D──▶ static inputs (+ previous tokens) ──replay──▶ tokens
+                     ──D2H──▶ pinned out[k] + event[k]  ...  collect: event[k].synchronize() ──▶ host lists
 
 On CPU there are no graphs; ``emulate=True`` (tests) records the step function and replays it by calling it
 again on the same static buffers, which checks the static-buffer plumbing and padding without a GPU, and
@@ -40,7 +45,7 @@ from .logprobs import MAX_TOP_LOGPROBS, graph_logprobs
 logger = get_logger(__name__)
 
 # int64 fields of the static input buffer, in packing order
-_INT_FIELDS = ("input_ids", "positions", "rows", "out_cache_loc", "state_slots", "top_k", "seeds")
+_INT_FIELDS = ("input_ids", "positions", "rows", "out_cache_loc", "state_slots", "top_k", "seeds", "input_from_prev")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty")
 
 
@@ -67,6 +72,9 @@ def decode_inputs(flat: dict, max_bs: int) -> Optional[dict[str, np.ndarray]]:
     if not (np.array_equal(arr("table_from", "<i4"), pre) and np.array_equal(sample_index, np.arange(n))):
         return None
     state_slots = arr("state_slots", "<i4")
+    from_prev = arr("input_from_prev", "<i4")
+    if from_prev.size not in (0, n):
+        return None
     snap_seq, snap_upto = arr("snap_seq", "<i4"), arr("snap_upto", "<i4")
     if snap_seq.size and (np.any((snap_seq < 0) | (snap_seq >= n)) or np.any(snap_upto != pre[snap_seq] + 1)):
         return None  # a capture anywhere but after the step's one token: the eager path runs it
@@ -84,6 +92,7 @@ def decode_inputs(flat: dict, max_bs: int) -> Optional[dict[str, np.ndarray]]:
         "presence_penalty": arr("presence_penalty", "<f4"),
         "frequency_penalty": arr("frequency_penalty", "<f4"),
         "num_top_logprobs": arr("num_top_logprobs", "<i4"),
+        "input_from_prev": from_prev if from_prev.size else np.full(n, -1, dtype=np.int32),
         "snap_src": state_slots[snap_seq],
         "snap_dst": arr("snap_slot", "<i4"),
     }
@@ -117,6 +126,16 @@ class _EmulatedGraph:
 
     def replay(self) -> None:
         self.fn()
+
+
+@dataclass
+class LaunchedDecode:
+    """A replay in flight: the buffer set ``k`` its tokens are copied into, and what ``collect`` reads."""
+
+    k: int
+    batch_size: int
+    num_top_logprobs: Optional[np.ndarray]  # the rows' requests when one asked, else None
+    done: Optional[object]  # torch.cuda.Event recorded after the copies (None on CPU: already done)
 
 
 @dataclass
@@ -164,12 +183,15 @@ class DecodeGraphs:
         self.pool_bytes = 0
         B = self.max_bs
         pin = device.type == "cuda"
-        # static inputs: one int64 and one float32 device buffer, views per field; pinned staging beside them
-        self._host_i = torch.zeros(len(_INT_FIELDS) * B + 1, dtype=torch.int64, pin_memory=pin)
-        self._host_f = torch.zeros(len(_FLOAT_FIELDS) * B, dtype=torch.float32, pin_memory=pin)
+        # static inputs: one int64 and one float32 device buffer, views per field; two sets of pinned staging
+        # beside them (a launch fills one while the previous step's copy may still read the other)
+        self._hosts_i = [torch.zeros(len(_INT_FIELDS) * B + 1, dtype=torch.int64, pin_memory=pin) for _ in (0, 1)]
+        self._hosts_f = [torch.zeros(len(_FLOAT_FIELDS) * B, dtype=torch.float32, pin_memory=pin) for _ in (0, 1)]
+        self._host_i, self._host_f = self._hosts_i[0], self._hosts_f[0]
         self._dev_i = torch.zeros_like(self._host_i, device=device)
         self._dev_f = torch.zeros_like(self._host_f, device=device)
         self._np_i, self._np_f = self._host_i.numpy(), self._host_f.numpy()
+        self._next_set = 0  # the buffer set the next launch uses
         self.inputs = {name: self._dev_i[i * B : (i + 1) * B] for i, name in enumerate(_INT_FIELDS)}
         self.inputs.update({name: self._dev_f[i * B : (i + 1) * B] for i, name in enumerate(_FLOAT_FIELDS)})
         self.num_valid = self._dev_i[len(_INT_FIELDS) * B :]  # [1]: real (non-padding) rows this step
@@ -178,9 +200,9 @@ class DecodeGraphs:
         # outputs
         self.tokens = torch.zeros(B, dtype=torch.int64, device=device)
         self.logprobs = torch.zeros(B, dtype=torch.float32, device=device)
-        self._out_tokens = torch.zeros(B, dtype=torch.int64, pin_memory=pin)
-        self._out_logprobs = torch.zeros(B, dtype=torch.float32, pin_memory=pin)
-        self._done = torch.cuda.Event() if device.type == "cuda" else None
+        self._outs_tokens = [torch.zeros(B, dtype=torch.int64, pin_memory=pin) for _ in (0, 1)]
+        self._outs_logprobs = [torch.zeros(B, dtype=torch.float32, pin_memory=pin) for _ in (0, 1)]
+        self._done = [torch.cuda.Event() for _ in (0, 1)] if device.type == "cuda" else [None, None]
         self._pad = self._padding_values()
 
     # ------------------------------------------------------------------ capture
@@ -250,8 +272,8 @@ class DecodeGraphs:
             k, pin = min(MAX_TOP_LOGPROBS, self.logits[bs].shape[-1]), self.device.type == "cuda"
             self.top_ids = torch.zeros(self.max_bs, k, dtype=torch.int64, device=self.device)
             self.top_lps = torch.zeros(self.max_bs, k, dtype=torch.float32, device=self.device)
-            self._out_top_ids = torch.zeros(self.max_bs, k, dtype=torch.int64, pin_memory=pin)
-            self._out_top_lps = torch.zeros(self.max_bs, k, dtype=torch.float32, pin_memory=pin)
+            self._outs_top_ids = [torch.zeros(self.max_bs, k, dtype=torch.int64, pin_memory=pin) for _ in (0, 1)]
+            self._outs_top_lps = [torch.zeros(self.max_bs, k, dtype=torch.float32, pin_memory=pin) for _ in (0, 1)]
 
         def top() -> None:
             ids, lps = top_logprobs(self.logits[bs], self.top_ids.shape[1])
@@ -319,6 +341,7 @@ class DecodeGraphs:
             "state_slots": p.state_slot,
             "top_k": 0,
             "seeds": 0,
+            "input_from_prev": -1,
             "temperature": 0.0,
             "top_p": 1.0,
             "min_p": 0.0,
@@ -338,12 +361,12 @@ class DecodeGraphs:
         self._dev_f.copy_(self._host_f)
 
     def run(self, inputs: dict[str, np.ndarray], batch_size: int) -> DecodeResult:
-        """One decode step of ``batch_size`` sequences. ``inputs`` maps every field of ``_INT_FIELDS`` and
-        ``_FLOAT_FIELDS`` to an array of ``batch_size`` values (validated by the caller)."""
-        bs = self.bucket(batch_size)
-        assert bs is not None, f"batch of {batch_size} exceeds the largest graph ({self.max_bs})"
-        B, n = self.max_bs, batch_size
-        ni, nf, pad = self._np_i, self._np_f, self._pad
+        """One decode step of ``batch_size`` sequences, to the end (``launch`` then ``collect``)."""
+        return self.collect(self.launch(inputs, batch_size))
+
+    def _stage(self, inputs: dict[str, np.ndarray], n: int, bs: int, k: int) -> None:
+        """Packs ``inputs`` (``n`` rows, padded to bucket ``bs``) into staging set ``k``."""
+        B, ni, nf, pad = self.max_bs, self._hosts_i[k].numpy(), self._hosts_f[k].numpy(), self._pad
         for f, name in enumerate(_INT_FIELDS):
             ni[f * B : f * B + n] = inputs[name]
             ni[f * B + n : f * B + bs] = pad[name]  # padding rows: never a real row's slots
@@ -351,31 +374,56 @@ class DecodeGraphs:
         for f, name in enumerate(_FLOAT_FIELDS):
             nf[f * B : f * B + n] = inputs[name]
             nf[f * B + n : f * B + bs] = pad[name]
+
+    def _feed_previous(self, prev_tokens: torch.Tensor, n: int) -> None:
+        """Rows with ``input_from_prev >= 0`` take that row of the previous step's sampled tokens, on the device
+        (stream-ordered before this replay, which overwrites ``tokens``)."""
+        src, ids = self.inputs["input_from_prev"][:n], self.inputs["input_ids"][:n]
+        ids.copy_(torch.where(src >= 0, prev_tokens[src.clamp(min=0)], ids))
+
+    def launch(
+        self, inputs: dict[str, np.ndarray], batch_size: int, prev_tokens: Optional[torch.Tensor] = None
+    ) -> LaunchedDecode:
+        """Queues one decode step of ``batch_size`` sequences. ``inputs`` maps every field of ``_INT_FIELDS`` and
+        ``_FLOAT_FIELDS`` to an array of ``batch_size`` values (validated by the caller); ``prev_tokens`` are the
+        previous step's sampled tokens on the device, read where ``input_from_prev >= 0``."""
+        bs = self.bucket(batch_size)
+        assert bs is not None, f"batch of {batch_size} exceeds the largest graph ({self.max_bs})"
+        n, k = batch_size, self._next_set
+        self._next_set ^= 1
+        self._stage(inputs, n, bs, k)
         greedy = (inputs["temperature"] <= 0) | (inputs["top_k"] == 1)
         penalized = (inputs["presence_penalty"] != 0) | (inputs["frequency_penalty"] != 0)
         sampling = not bool(np.all(greedy & ~penalized))
         tops = bool(np.any(inputs["num_top_logprobs"] > 0))
-        self._dev_i.copy_(self._host_i, non_blocking=True)
-        self._dev_f.copy_(self._host_f, non_blocking=True)
+        self._dev_i.copy_(self._hosts_i[k], non_blocking=True)
+        self._dev_f.copy_(self._hosts_f[k], non_blocking=True)
+        if prev_tokens is not None and bool(np.any(inputs["input_from_prev"] >= 0)):
+            self._feed_previous(prev_tokens, n)
         self.graphs[bs].replay()
         if sampling:
             self.samplers[bs].replay()
         if tops:  # only when a row asks: the plain step does no more than before
             self.toppers[bs].replay()
-            self._out_top_ids[:n].copy_(self.top_ids[:n], non_blocking=True)
-            self._out_top_lps[:n].copy_(self.top_lps[:n], non_blocking=True)
+            self._outs_top_ids[k][:n].copy_(self.top_ids[:n], non_blocking=True)
+            self._outs_top_lps[k][:n].copy_(self.top_lps[:n], non_blocking=True)
         self.counts.add(self.inputs["rows"][:n], self.tokens[:n])
-        self._out_tokens[:n].copy_(self.tokens[:n], non_blocking=True)
-        self._out_logprobs[:n].copy_(self.logprobs[:n], non_blocking=True)
-        if self._done is not None:
-            self._done.record()
-            self._done.synchronize()
+        self._outs_tokens[k][:n].copy_(self.tokens[:n], non_blocking=True)
+        self._outs_logprobs[k][:n].copy_(self.logprobs[:n], non_blocking=True)
+        if self._done[k] is not None:
+            self._done[k].record()
+        return LaunchedDecode(k, n, inputs["num_top_logprobs"].copy() if tops else None, self._done[k])
+
+    def collect(self, step: LaunchedDecode) -> DecodeResult:
+        """Waits for a launched step's copies and returns its tokens."""
+        if step.done is not None:
+            step.done.synchronize()
+        k, n = step.k, step.batch_size
         extra = {}
-        if tops:
-            extra = graph_logprobs(
-                inputs["num_top_logprobs"], self._out_top_ids[:n].numpy(), self._out_top_lps[:n].numpy()
-            )
-        return DecodeResult(self._out_tokens[:n].tolist(), self._out_logprobs[:n].tolist(), extra)
+        if step.num_top_logprobs is not None:
+            ids, lps = self._outs_top_ids[k][:n].numpy(), self._outs_top_lps[k][:n].numpy()
+            extra = graph_logprobs(step.num_top_logprobs, ids, lps)
+        return DecodeResult(self._outs_tokens[k][:n].tolist(), self._outs_logprobs[k][:n].tolist(), extra)
 
     def describe(self) -> str:
         return (

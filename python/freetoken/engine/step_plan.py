@@ -11,6 +11,8 @@ Encoding (B sequences, T new tokens, S sampled sequences, C state copies, N snap
     kind                   "prefill" | "decode" | "mixed"
     request_ids   i64[B]   cu_seqlens    i32[B+1]   new tokens of sequence b: input_ids[cu[b]:cu[b+1]]
     input_ids     i32[T]   prefix_lens   i32[B]     tokens already in the KV cache / recurrent state
+    input_from_prev i32[B] -1, or r: the sequence's one new token is the token sampled for sampled row r of the
+                           step launched just before (overlap: not yet collected; input_ids holds a placeholder)
     rows          i32[B]   page-table row of each sequence
     table_from    i32[B]   table_indptr  i32[B+1]   table_slots i32[..]: KV slots for positions
                                                     table_from[b] .. prefix_lens[b] + extend_len[b] of row b
@@ -23,7 +25,11 @@ Encoding (B sequences, T new tokens, S sampled sequences, C state copies, N snap
     copy_src, copy_dst  i32[C]          state copies to run before the forward
     snap_seq, snap_upto, snap_slot i32[N]  recurrent-state snapshots to capture
 
-The answer of ``Worker.execute``: ``(tokens, logprobs, stats, extra)``: the sampled tokens and their raw logprobs
+``Worker.execute(plan)`` runs a step to the end; the overlap loop calls ``Worker.launch(plan)`` instead and later
+``Worker.collect()`` (the oldest launched step's answer; at most two launched, so a plan reading ``input_from_prev``
+follows the step it reads).
+
+The answer of ``Worker.execute`` (and ``collect``): ``(tokens, logprobs, stats, extra)``: the sampled tokens and their raw logprobs
 (one per sampled sequence, plan order), the step's statistics, and the logprobs asked for besides (absent keys
 mean none; ``engine/logprobs.py`` builds it):
 
@@ -37,11 +43,12 @@ mean none; ``engine/logprobs.py`` builds it):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 import torch
 
-STEP_CONTRACT_VERSION = 3
+STEP_CONTRACT_VERSION = 4
 
 _I32 = np.dtype("<i4")
 _I64 = np.dtype("<i8")
@@ -95,6 +102,7 @@ class StepPlan:
     plp_seq: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
     plp_next: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
     plp_top: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    input_from_prev: Optional[torch.Tensor] = None  # [B]; -1 or the previous step's sampled row (None: all -1)
 
     @property
     def num_seqs(self) -> int:
@@ -151,6 +159,8 @@ class StepPlan:
             plp_next=i32("plp_next"),
             plp_top=i32("plp_top"),
         )
+        prev = i32("input_from_prev")
+        plan.input_from_prev = prev if bool((prev >= 0).any()) else None
         plan.validate()
         return plan
 
@@ -183,6 +193,7 @@ class StepPlan:
             "plp_seq": i32(self.plp_seq),
             "plp_next": i32(self.plp_next),
             "plp_top": i32(self.plp_top),
+            "input_from_prev": i32(self.input_from_prev) if self.input_from_prev is not None else b"",
             "copy_src": i32(self.copy_src),
             "copy_dst": i32(self.copy_dst),
             "snap_seq": i32(self.snap_seq),
@@ -222,6 +233,9 @@ class StepPlan:
             raise InvalidPlan("plp_seq, plp_next and plp_top differ in length")
         if q and (int(self.plp_seq.min()) < 0 or int(self.plp_seq.max()) >= b or self.plp_seq.unique().numel() != q):
             raise InvalidPlan("plp_seq out of range or repeated")
+        prev = self.input_from_prev
+        if prev is not None and (prev.numel() != b or bool(((prev >= 0) & (self.extend_lens != 1)).any())):
+            raise InvalidPlan("input_from_prev needs one entry per sequence, each one-token where set")
 
     @classmethod
     def build(
@@ -269,5 +283,7 @@ class StepPlan:
         plan.plp_seq = t64([i for i, _ in plp])
         plan.plp_next = t64([p.get("next", -1) for _, p in plp])
         plan.plp_top = t64([p.get("top", 0) for _, p in plp])
+        if any(s.get("input_from_prev", -1) >= 0 for s in seqs):
+            plan.input_from_prev = t64([s.get("input_from_prev", -1) for s in seqs])
         plan.validate()
         return plan

@@ -74,6 +74,8 @@ pub struct FakeWorker {
     pub favourite: Option<u32>,
     /// Scripted tokens: `(request id, output index) -> token`.
     pub script: HashMap<(u64, usize), u32>,
+    /// The tokens the last step sampled: what a sequence with `input_from_prev` reads (overlap).
+    last_sampled: Vec<u32>,
 }
 
 impl FakeWorker {
@@ -93,6 +95,7 @@ impl FakeWorker {
             anchor_captures: 0,
             favourite: None,
             script: HashMap::new(),
+            last_sampled: Vec::new(),
         }
     }
 
@@ -159,6 +162,13 @@ impl FakeWorker {
             let id = seq.request_id;
             let row = seq.row as usize;
             let ctx = seq.context_len() as usize;
+            let new_tokens = match seq.input_from_prev {
+                Some(r) => {
+                    assert_eq!(seq.new_tokens.len(), 1, "a placeholder input in a sequence of several tokens");
+                    vec![self.last_sampled[r as usize]]
+                }
+                None => seq.new_tokens.clone(),
+            };
             let s = self.seqs.get_mut(&id).unwrap_or_else(|| panic!("plan schedules unknown request {id}"));
             if self.gone.contains(&id) {
                 // Ended while this plan was in flight: the device still writes its KV and states.
@@ -198,7 +208,7 @@ impl FakeWorker {
             self.table[row].extend_from_slice(&seq.table_slots);
             assert_eq!(self.table[row].len(), ctx);
             assert!(ctx <= s.tokens.len(), "request {id} computes tokens it does not have");
-            assert_eq!(&seq.new_tokens[..], &s.tokens[seq.prefix_len as usize..ctx], "new_tokens of request {id}");
+            assert_eq!(&new_tokens[..], &s.tokens[seq.prefix_len as usize..ctx], "new_tokens of request {id}");
             assert!(!seq.new_tokens.is_empty());
             s.hash_upto(ctx);
             // Every position read must hold this request's own prefix.
@@ -270,6 +280,7 @@ impl FakeWorker {
                 self.anchor_captures += 1;
             }
         }
+        self.last_sampled = out.tokens.clone();
         out
     }
 }
@@ -317,6 +328,12 @@ pub struct Sim {
     pub keep_plans: bool,
     /// Check integrity after every step (O(pool)); on by default.
     pub check_every_step: bool,
+    /// Drive the overlap loop: [`Sim::step`] plans N+1 with `next_step_ahead` before committing N.
+    pub overlap: bool,
+    /// The step "on the device" (already run by the fake worker, not yet committed), overlap only.
+    pub in_flight: Option<(StepPlan, StepOutput)>,
+    /// Plans made ahead (overlap).
+    pub ahead_plans: Vec<StepPlan>,
 }
 
 pub fn request(id: u64, prompt: Vec<u32>, max_new: u32) -> NewRequest {
@@ -343,6 +360,9 @@ impl Sim {
             plans: Vec::new(),
             keep_plans: false,
             check_every_step: true,
+            overlap: false,
+            in_flight: None,
+            ahead_plans: Vec::new(),
         }
     }
 
@@ -412,6 +432,12 @@ impl Sim {
     /// Plans one step and checks the plan against the config. Does not execute it.
     pub fn plan(&mut self) -> Option<StepPlan> {
         let plan = self.sched.next_step()?;
+        self.check_plan(&plan);
+        Some(plan)
+    }
+
+    /// The per-plan checks of [`Sim::plan`] (and of plans made ahead).
+    fn check_plan(&mut self, plan: &StepPlan) {
         let c = &self.cfg;
         let decode = plan.seqs.iter().filter(|s| s.prefix_len as usize >= self.worker_prompt_len(s.request_id)).count();
         let prefill = plan.seqs.len() - decode;
@@ -463,7 +489,6 @@ impl Sim {
         assert!(st.kv_used_tokens + st.evictable_tokens <= st.kv_capacity_tokens);
         assert!(st.running <= c.max_running_requests);
         self.absorb_events();
-        Some(plan)
     }
 
     fn worker_prompt_len(&self, id: u64) -> usize {
@@ -473,7 +498,12 @@ impl Sim {
     /// Executes and commits a plan from [`Sim::plan`].
     pub fn execute(&mut self, plan: &StepPlan) {
         let out = self.worker.execute(plan);
-        self.sched.commit(plan, &out);
+        self.commit(plan, &out);
+    }
+
+    /// Commits a step the fake worker ran, with the per-step checks.
+    pub fn commit(&mut self, plan: &StepPlan, out: &StepOutput) {
+        self.sched.commit(plan, out);
         self.steps += 1;
         self.absorb_events();
         if self.keep_plans {
@@ -494,6 +524,9 @@ impl Sim {
 
     /// One engine iteration; false when the scheduler had nothing to do.
     pub fn step(&mut self) -> bool {
+        if self.overlap {
+            return self.step_overlapped();
+        }
         match self.plan() {
             Some(p) => {
                 self.execute(&p);
@@ -501,6 +534,30 @@ impl Sim {
             }
             None => false,
         }
+    }
+
+    /// One iteration of the overlap loop: the step in flight (or a new one, run at once), then N+1 planned
+    /// ahead and run by the worker (the device runs it after N) before N is committed.
+    fn step_overlapped(&mut self) -> bool {
+        let (plan, out) = match self.in_flight.take() {
+            Some(f) => f,
+            None => match self.plan() {
+                Some(p) => {
+                    let out = self.worker.execute(&p);
+                    (p, out)
+                }
+                None => return false,
+            },
+        };
+        if let Some(next) = self.sched.next_step_ahead(&plan) {
+            self.check_plan(&next);
+            assert!(next.seqs.iter().all(|s| s.input_from_prev.is_some()), "ahead plans read the previous step");
+            let out = self.worker.execute(&next);
+            self.ahead_plans.push(next.clone());
+            self.in_flight = Some((next, out));
+        }
+        self.commit(&plan, &out);
+        true
     }
 
     pub fn finish(&mut self, id: u64, reason: FinishReason) {

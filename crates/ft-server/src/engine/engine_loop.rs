@@ -4,6 +4,12 @@
 //!   loop { drain commands into the scheduler; plan = scheduler.next_step(); out = worker.execute(plan);
 //!          scheduler.commit(plan, out) or fail_step; send events; status lines; publish stats }
 //! ```
+//!
+//! With overlap scheduling (the default; `--disable-overlap-schedule` or `DISABLE_OVERLAP_SCHEDULING=1` turn it
+//! off) a step is launched and collected in two calls, and a decode step's successor is planned and launched
+//! between them (`overlap.rs`), so the GPU runs step N+1 while the host commits step N.
+
+mod overlap;
 
 use super::stats::EngineStats;
 use super::watchdog::RunningStep;
@@ -12,8 +18,8 @@ use crate::backend::HealthState;
 use crate::engine::status_log::StatusLog;
 use crate::metrics::{EngineGauges, Metrics};
 use ft_core::request::{FinishReason, RequestEvent};
-use ft_core::scheduler::Scheduler;
-use ft_core::step::{StepKind, Worker, WorkerError};
+use ft_core::scheduler::{PlanSummary, Scheduler};
+use ft_core::step::{StepKind, StepOutput, StepPlan, Worker, WorkerError};
 use std::sync::atomic::Ordering;
 use std::sync::mpsc as std_mpsc;
 use std::sync::Arc;
@@ -37,6 +43,15 @@ pub(super) struct EngineLoop {
     decode_steps: u64,
     decode_forward_ms: f64,
     decode_engine_ms: f64,
+    /// Plan the next decode step while this one runs (launch / collect) instead of `execute`.
+    overlap: bool,
+    /// Steps launched ahead of the commit of the step before them (`/v1/stats`).
+    overlapped_steps: u64,
+    /// The step launched and not yet collected (overlap only).
+    in_flight: Option<overlap::Launched>,
+    /// When the last step was committed: with overlap a step's engine time runs from there, not from when it
+    /// was planned (its planning overlapped the step before).
+    last_commit: Option<Instant>,
 }
 
 impl EngineLoop {
@@ -54,13 +69,17 @@ impl EngineLoop {
             decode_steps: 0,
             decode_forward_ms: 0.0,
             decode_engine_ms: 0.0,
+            overlap: config.overlap,
+            overlapped_steps: 0,
+            in_flight: None,
+            last_commit: None,
         }
     }
 
     pub(super) fn run(mut self, commands: std_mpsc::Receiver<Command>) {
         loop {
             // Block while idle; otherwise take whatever arrived since the last step.
-            if self.scheduler.is_idle() {
+            if self.is_idle() {
                 self.publish_stats();
                 match commands.recv_timeout(Duration::from_secs(60)) {
                     Ok(cmd) => {
@@ -84,13 +103,18 @@ impl EngineLoop {
                 // (health is already Unhealthy: `step` sets it before failing anyone)
                 return self.stop(&fatal.to_string());
             }
-            if self.scheduler.is_idle() {
+            if self.is_idle() {
                 if let Err(e) = self.scheduler.check_integrity() {
                     tracing::error!("cache integrity check failed while idle: {e}");
                 }
                 tracing::info!("Scheduler is idle, waiting for new reqs...");
             }
         }
+    }
+
+    /// Nothing queued, running or on the device.
+    fn is_idle(&self) -> bool {
+        self.scheduler.is_idle() && self.in_flight.is_none()
     }
 
     /// Applies one command; false means shut down.
@@ -114,8 +138,17 @@ impl EngineLoop {
         true
     }
 
-    /// One forward pass. Errors only for a fatal worker failure.
+    /// One step committed. Errors only for a fatal worker failure.
     fn step(&mut self) -> Result<(), WorkerError> {
+        if self.overlap {
+            self.step_overlapped()
+        } else {
+            self.step_sync()
+        }
+    }
+
+    /// One forward pass, planned, run and committed in turn.
+    fn step_sync(&mut self) -> Result<(), WorkerError> {
         let began = Instant::now();
         let Some(plan) = self.scheduler.next_step() else {
             self.dispatch_events();
@@ -124,26 +157,33 @@ impl EngineLoop {
         self.dispatch_events();
         let summary = self.scheduler.plan_summary(&plan);
         let started = Instant::now();
-        *self.shared.current_step.lock().unwrap() = Some(RunningStep { step_id: plan.step_id, started });
+        self.watch(Some((plan.step_id, started)));
         let result = self.worker.execute(&plan);
-        *self.shared.current_step.lock().unwrap() = None;
-        let elapsed = started.elapsed();
+        self.watch(None);
+        self.finish_step(&plan, &summary, result, began)
+    }
+
+    /// Tells the watchdog which step the worker runs now, and since when.
+    fn watch(&self, step: Option<(u64, Instant)>) {
+        *self.shared.current_step.lock().unwrap() = step.map(|(step_id, started)| RunningStep { step_id, started });
+    }
+
+    /// Commits (or fails) a step whose worker answer is `result`; `began` is when its planning began. Errors
+    /// only for a fatal worker failure.
+    fn finish_step(
+        &mut self,
+        plan: &StepPlan,
+        summary: &PlanSummary,
+        result: Result<StepOutput, WorkerError>,
+        began: Instant,
+    ) -> Result<(), WorkerError> {
         if self.shared.stalled.load(Ordering::SeqCst) {
             // The watchdog already answered everyone and the server is going down.
             return Err(WorkerError::Fatal("step overran --step-timeout".into()));
         }
+        let from = self.last_commit.map_or(began, |t| t.max(began));
         match result {
-            Ok(out) => {
-                if plan.kind == StepKind::Decode {
-                    self.decode_steps += 1;
-                    self.decode_forward_ms += out.stats.forward_ms;
-                }
-                self.max_step_workspace_bytes = self.max_step_workspace_bytes.max(out.stats.workspace_bytes);
-                self.expert_hits += out.stats.expert_hits;
-                self.expert_misses += out.stats.expert_misses;
-                self.scheduler.commit(&plan, &out);
-                self.status.record(&summary, &self.scheduler.stats(), elapsed);
-            }
+            Ok(out) => self.commit(plan, summary, &out, from.elapsed()),
             Err(WorkerError::Fatal(msg)) => {
                 tracing::error!("Engine stopped: {msg}");
                 // Clients and /health get the first line; the traceback is in the log.
@@ -156,17 +196,31 @@ impl EngineLoop {
             }
             Err(e) => {
                 tracing::error!("Step {} failed, failing its {} request(s): {e}", plan.step_id, plan.seqs.len());
-                self.scheduler.fail_step(&plan, &e.to_string());
+                self.scheduler.fail_step(plan, &e.to_string());
             }
         }
         self.dispatch_events();
-        let step_time = began.elapsed().as_secs_f64();
+        let step_time = from.elapsed().as_secs_f64();
+        self.last_commit = Some(Instant::now());
         if plan.kind == StepKind::Decode {
             self.decode_engine_ms += step_time * 1e3;
         }
         self.metrics.observe_step(plan.kind, step_time);
         self.publish_stats();
         Ok(())
+    }
+
+    /// Applies a step's output: the scheduler commits it, the counters take its statistics.
+    fn commit(&mut self, plan: &StepPlan, summary: &PlanSummary, out: &StepOutput, elapsed: Duration) {
+        if plan.kind == StepKind::Decode {
+            self.decode_steps += 1;
+            self.decode_forward_ms += out.stats.forward_ms;
+        }
+        self.max_step_workspace_bytes = self.max_step_workspace_bytes.max(out.stats.workspace_bytes);
+        self.expert_hits += out.stats.expert_hits;
+        self.expert_misses += out.stats.expert_misses;
+        self.scheduler.commit(plan, out);
+        self.status.record(summary, &self.scheduler.stats(), elapsed);
     }
 
     fn dispatch_events(&mut self) {
@@ -212,6 +266,7 @@ impl EngineLoop {
             decode_steps: self.decode_steps,
             decode_forward_ms_total: self.decode_forward_ms,
             decode_engine_ms_total: self.decode_engine_ms,
+            overlapped_steps: self.overlapped_steps,
             ..EngineStats::from_scheduler(&self.scheduler.stats())
         };
         self.metrics.set_gauges(EngineGauges {

@@ -5,7 +5,8 @@
 //!      ▲                                              loop {
 //!      │ per-request event channels                     drain commands into the scheduler
 //!      └──────────────────────────────────────────────  plan = scheduler.next_step()
-//!                                                        out  = worker.execute(plan)
+//!                                                        out  = worker.execute(plan)  (or launch / collect,
+//!                                                               the next decode launched in between: overlap)
 //!                                                        scheduler.commit(plan, out) / fail_step
 //!                                                        send events, log status lines }
 //! ```
@@ -47,6 +48,9 @@ pub struct EngineConfig {
     pub step_timeout: Duration,
     /// The memory plan's prefill workspace (CUDA), reported beside the largest step workspace seen.
     pub planned_workspace_bytes: Option<u64>,
+    /// Overlap scheduling: plan and launch the next decode step while this one runs (`--disable-overlap-schedule`
+    /// turns it off).
+    pub overlap: bool,
     /// `/metrics`, shared with the HTTP side: the engine sets the gauges and step times after every step and
     /// the health where it changes.
     pub metrics: Arc<Metrics>,

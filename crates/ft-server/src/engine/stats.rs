@@ -43,6 +43,8 @@ pub struct EngineStats {
     pub decode_steps: u64,
     pub decode_forward_ms_total: f64,
     pub decode_engine_ms_total: f64,
+    /// Steps launched while the step before them was still running (overlap scheduling), since start.
+    pub overlapped_steps: u64,
 }
 
 impl EngineStats {
