@@ -188,7 +188,18 @@ impl StreamFormat for ChatFormat {
     }
 
     fn finish(&mut self, ending: Ending) -> Vec<Event> {
-        vec![json_event(&self.chunk(ChatDelta::default(), Some(ending.reason)))]
+        self.finish_with(vec![], ending)
+    }
+
+    /// The last text rides in the finish chunk.
+    fn finish_with(&mut self, mut outputs: Vec<Output>, ending: Ending) -> Vec<Event> {
+        let content = match outputs.last() {
+            Some(Output::Text(_)) => outputs.pop().and_then(|o| if let Output::Text(t) = o { Some(t) } else { None }),
+            _ => None,
+        };
+        let mut events: Vec<Event> = outputs.into_iter().flat_map(|o| self.output(o)).collect();
+        events.push(json_event(&self.chunk(ChatDelta { content, ..Default::default() }, Some(ending.reason))));
+        events
     }
 
     fn end(&mut self, usage: Usage) -> Vec<Event> {

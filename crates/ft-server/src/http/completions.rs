@@ -179,8 +179,18 @@ impl StreamFormat for CompletionFormat {
     }
 
     fn finish(&mut self, ending: Ending) -> Vec<Event> {
-        let mut events = self.echo_event(true);
-        events.push(self.chunk(String::new(), Some(ending.reason)));
+        self.finish_with(vec![], ending)
+    }
+
+    /// The last text (with its logprobs) rides in the finish chunk.
+    fn finish_with(&mut self, mut outputs: Vec<Output>, ending: Ending) -> Vec<Event> {
+        let last = match outputs.last() {
+            Some(Output::Text(_)) => outputs.pop().and_then(|o| if let Output::Text(t) = o { Some(t) } else { None }),
+            _ => None,
+        };
+        let mut events: Vec<Event> = outputs.into_iter().flat_map(|o| self.output(o)).collect();
+        events.extend(self.echo_event(true));
+        events.push(self.chunk(last.unwrap_or_default(), Some(ending.reason)));
         events
     }
 

@@ -43,6 +43,13 @@ pub(crate) trait StreamFormat: Send + 'static {
     /// The request (or this choice of it) ended; its last events, `[DONE]` included where the API has one
     /// and no [`end`](Self::end).
     fn finish(&mut self, ending: Ending) -> Vec<Event>;
+    /// The outputs of the text that came with the end, then the end. OpenAI's formats put the last text in
+    /// the finish chunk (as vLLM and SGLang do, and their compatibility tests expect).
+    fn finish_with(&mut self, outputs: Vec<Output>, ending: Ending) -> Vec<Event> {
+        let mut events: Vec<Event> = outputs.into_iter().flat_map(|o| self.output(o)).collect();
+        events.extend(self.finish(ending));
+        events
+    }
     /// Every choice ended (asked of the first choice's format), with their usage summed: the closing events
     /// of APIs with several choices (the usage chunk, `[DONE]`).
     fn end(&mut self, _usage: Usage) -> Vec<Event> {
@@ -139,11 +146,10 @@ impl<F: StreamFormat> Run<F> {
             Piece::Text(t) => parser.push(&t).into_iter().for_each(|o| queue.extend(format.output(o))),
             Piece::Finish { text, reason, stop_string } => {
                 let outputs: Vec<Output> = parser.push(&text).into_iter().chain(parser.finish()).collect();
-                outputs.into_iter().for_each(|o| queue.extend(format.output(o)));
                 let reason = parser.finish_reason(reason);
                 let usage = item.usage.unwrap_or_else(|| total_usage(&[]));
                 self.usages.push((self.prompts[item.slot], usage.clone()));
-                self.queue.extend(format.finish(Ending { reason, stop_string, usage }));
+                self.queue.extend(format.finish_with(outputs, Ending { reason, stop_string, usage }));
             }
             Piece::Error(e) => {
                 queue.extend(format.error(e));
