@@ -1,11 +1,12 @@
-//! `OfflineEngine`: the production scheduler and worker, stepped synchronously from Python (the caller holds
-//! the GIL, so the worker runs inline). `freetoken.LLM` is built on it, so offline results exercise the same
-//! scheduling, chunking and caching as `ft serve`.
+//! `OfflineEngine`: the production scheduler and worker, stepped from Python (the caller holds the GIL, so the
+//! worker runs inline). `freetoken.LLM` is built on it, so offline results exercise the same scheduling, chunking,
+//! caching and overlap scheduling (a decode step launched before the one ahead of it is committed, unless
+//! `disable_overlap_schedule`) as `ft serve`.
 
 use crate::py_worker::PyWorker;
 use ft_core::request::{FinishReason, NewRequest, RequestEvent, SamplingParams};
 use ft_core::scheduler::Scheduler;
-use ft_core::step::{Worker, WorkerError};
+use ft_core::step::{StepOutput, StepPlan, Worker, WorkerError};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -16,6 +17,12 @@ pub struct OfflineEngine {
     worker: PyWorker,
     /// What requests are validated against, as `ft serve` validates them.
     limits: ft_server::validation::Limits,
+    /// Launch the next decode step before committing this one (the server's default).
+    overlap: bool,
+    /// The step launched and not yet collected (overlap only).
+    in_flight: Option<StepPlan>,
+    /// Steps launched ahead of the commit of the step before them.
+    overlapped_steps: u64,
 }
 
 fn event_tuple(py: Python<'_>, ev: RequestEvent) -> PyResult<PyObject> {
@@ -58,7 +65,15 @@ impl OfflineEngine {
         }
         let cfg = ft_server::launch::scheduler_config(&args, &info);
         let limits = ft_server::validation::Limits::new(&info, &args);
-        Ok(OfflineEngine { scheduler: Scheduler::new(cfg), worker: PyWorker::new(worker), limits })
+        let overlap = !args.disable_overlap_schedule;
+        Ok(OfflineEngine {
+            scheduler: Scheduler::new(cfg),
+            worker: PyWorker::new(worker),
+            limits,
+            overlap,
+            in_flight: None,
+            overlapped_steps: 0,
+        })
     }
 
     /// Queues a request. `sampling`: the OpenAI-named sampling and budget fields (`temperature`, `top_p`, `top_k`,
@@ -90,21 +105,13 @@ impl OfflineEngine {
     /// Runs one step; returns the events as tuples: ("started", id, prompt_tokens, cached_tokens),
     /// ("token", id, token, logprob), ("prompt_logprobs", id, start, logprobs), ("finished", id, reason, completion_tokens), ("failed", id, message, 0).
     fn step(&mut self, py: Python<'_>) -> PyResult<Vec<PyObject>> {
-        if let Some(plan) = self.scheduler.next_step() {
-            match self.worker.execute(&plan) {
-                Ok(out) => self.scheduler.commit(&plan, &out),
-                Err(WorkerError::Fatal(m)) => {
-                    self.scheduler.fail_all(&m);
-                    return Err(PyRuntimeError::new_err(m));
-                }
-                Err(e) => self.scheduler.fail_step(&plan, &e.to_string()),
-            }
-        }
+        let done = if self.overlap { self.step_overlapped() } else { self.step_sync() };
+        done.map_err(PyRuntimeError::new_err)?;
         self.scheduler.drain_events().into_iter().map(|ev| event_tuple(py, ev)).collect()
     }
 
     fn is_idle(&self) -> bool {
-        self.scheduler.is_idle()
+        self.scheduler.is_idle() && self.in_flight.is_none()
     }
 
     /// Scheduler counters (running, queued, KV use, cached tokens, hybrid radix snapshots) as a dict.
@@ -122,10 +129,62 @@ impl OfflineEngine {
         d.set_item("evictable_snapshots", s.evictable_snapshots)?;
         d.set_item("snapshot_hits", s.snapshot_hits)?;
         d.set_item("snapshot_hit_tokens", s.snapshot_hit_tokens)?;
+        d.set_item("overlapped_steps", self.overlapped_steps)?;
         Ok(d)
     }
 
     fn check_integrity(&self) -> PyResult<()> {
+        if self.in_flight.is_some() {
+            return Ok(()); // checked when nothing is on the device
+        }
         self.scheduler.check_integrity().map_err(PyRuntimeError::new_err)
+    }
+}
+
+impl OfflineEngine {
+    /// Plans, runs and commits one step. Errors with the message of a fatal worker failure.
+    fn step_sync(&mut self) -> Result<(), String> {
+        let Some(plan) = self.scheduler.next_step() else { return Ok(()) };
+        let result = self.worker.execute(&plan);
+        self.apply(&plan, result)
+    }
+
+    /// Commits one step, its successor already launched when the scheduler allows (as the server's loop).
+    fn step_overlapped(&mut self) -> Result<(), String> {
+        let current = match self.in_flight.take() {
+            Some(plan) => plan,
+            None => match self.scheduler.next_step() {
+                Some(plan) => match self.worker.launch(&plan) {
+                    Ok(()) => plan,
+                    Err(e) => return self.apply(&plan, Err(e)),
+                },
+                None => return Ok(()),
+            },
+        };
+        if let Some(next) = self.scheduler.next_step_ahead(&current) {
+            match self.worker.launch(&next) {
+                Ok(()) => {
+                    self.in_flight = Some(next);
+                    self.overlapped_steps += 1;
+                }
+                Err(e) => self.apply(&next, Err(e))?,
+            }
+        }
+        let result = self.worker.collect();
+        self.apply(&current, result)
+    }
+
+    /// Commits `plan` or fails it (a fatal failure fails everything and is returned).
+    fn apply(&mut self, plan: &StepPlan, result: Result<StepOutput, WorkerError>) -> Result<(), String> {
+        match result {
+            Ok(out) => self.scheduler.commit(plan, &out),
+            Err(WorkerError::Fatal(m)) => {
+                self.scheduler.fail_all(&m);
+                self.in_flight = None;
+                return Err(m);
+            }
+            Err(e) => self.scheduler.fail_step(plan, &e.to_string()),
+        }
+        Ok(())
     }
 }

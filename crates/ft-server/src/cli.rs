@@ -199,7 +199,7 @@ pub struct ServeArgs {
 
     /// Commit each step before planning the next (SGLang's spelling; also DISABLE_OVERLAP_SCHEDULING=1): by default
     /// a decode step is planned and launched while the one before it still runs on the GPU.
-    #[arg(help_heading = MODEL, long, env = "DISABLE_OVERLAP_SCHEDULING")]
+    #[arg(help_heading = MODEL, long, env = "DISABLE_OVERLAP_SCHEDULING", value_parser = clap::builder::BoolishValueParser::new())]
     pub disable_overlap_schedule: bool,
 
     /// Tensor-parallel ranks (only 1 is built).
