@@ -191,7 +191,7 @@ impl StreamFormat for ChatFormat {
         self.finish_with(vec![], ending)
     }
 
-    /// The last text rides in the finish chunk.
+    /// Text that came with the end rides in the finish chunk.
     fn finish_with(&mut self, mut outputs: Vec<Output>, ending: Ending) -> Vec<Event> {
         let content = match outputs.last() {
             Some(Output::Text(_)) => outputs.pop().and_then(|o| if let Output::Text(t) = o { Some(t) } else { None }),

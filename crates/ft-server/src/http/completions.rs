@@ -182,7 +182,7 @@ impl StreamFormat for CompletionFormat {
         self.finish_with(vec![], ending)
     }
 
-    /// The last text (with its logprobs) rides in the finish chunk.
+    /// Text that came with the end (with its logprobs) rides in the finish chunk.
     fn finish_with(&mut self, mut outputs: Vec<Output>, ending: Ending) -> Vec<Event> {
         let last = match outputs.last() {
             Some(Output::Text(_)) => outputs.pop().and_then(|o| if let Output::Text(t) = o { Some(t) } else { None }),

@@ -43,8 +43,8 @@ pub(crate) trait StreamFormat: Send + 'static {
     /// The request (or this choice of it) ended; its last events, `[DONE]` included where the API has one
     /// and no [`end`](Self::end).
     fn finish(&mut self, ending: Ending) -> Vec<Event>;
-    /// The outputs of the text that came with the end, then the end. OpenAI's formats put the last text in
-    /// the finish chunk (as vLLM and SGLang do, and their compatibility tests expect).
+    /// The outputs of the text that came with the end (a stop-string prefix held back, the detokenizer's
+    /// tail), then the end. OpenAI's formats put that last text in the finish chunk, as vLLM does.
     fn finish_with(&mut self, outputs: Vec<Output>, ending: Ending) -> Vec<Event> {
         let mut events: Vec<Event> = outputs.into_iter().flat_map(|o| self.output(o)).collect();
         events.extend(self.finish(ending));
