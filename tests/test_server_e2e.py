@@ -188,6 +188,21 @@ def test_prefix_cache_hit_reports_cached_tokens_and_matches_naive(server, naive_
     assert "Prefill batch" in server.log() and f"#cached-token: {cached}" in server.log()
 
 
+def test_n_choices_with_and_without_the_prefix_cache(server, naive_server):
+    """``n`` works with the cache off too (each choice computes the prompt); greedy choices are equal, and the same
+    as the radix server's, where the other choices found the prompt cached."""
+    body = {"model": "demo", "messages": QUESTION, "temperature": 0, "max_tokens": 12, "n": 3}
+    cached = server.post("/v1/chat/completions", body).json()
+    naive = naive_server.post("/v1/chat/completions", body).json()
+    for r in (cached, naive):
+        assert [c["index"] for c in r["choices"]] == [0, 1, 2], r
+        assert len({c["message"]["content"] for c in r["choices"]}) == 1, r
+    assert naive["choices"][0]["message"] == cached["choices"][0]["message"]
+    prompt = cached["usage"]["prompt_tokens"]
+    assert naive["usage"]["prompt_tokens"] == prompt, "the prompt counts once"
+    assert cached["usage"]["prompt_tokens_details"]["cached_tokens"] == prompt - 1
+
+
 def test_thirty_two_clients_with_shared_prefixes_then_idle(server):
     system = "You are a terse assistant. " * 20
 
