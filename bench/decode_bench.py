@@ -10,6 +10,9 @@ Runs, one server at a time:
   engine's own per-step times from ``/v1/stats`` (worker step, whole engine iteration) beside the gap seen over
   HTTP, which together say what each layer of the stack costs per token.
 - ``eager``: the same decode runs with ``--disable-cuda-graph``.
+- ``no_overlap`` (unless ``--skip-no-overlap``): the graphs server with overlap scheduling off
+  (``DISABLE_OVERLAP_SCHEDULING=1``: each step committed before the next is planned), to show what planning step
+  N+1 while step N runs on the GPU gains (``overlapped_steps`` from ``/v1/stats`` says it happened).
 - ``offload`` (unless ``--skip-offload``): ``--moe-backend offload --moe-cache-size N``, 1 stream under Zipf,
   uniform and hot (all-hit) routing, switched while the server runs (``FREETOKEN_BENCH_ROUTING_FILE``), with the
   measured hit rate and the PCIe floor (misses per token x expert bytes / measured PCIe bandwidth).
@@ -131,7 +134,14 @@ def decode_stats(srv) -> dict:
     s = srv.get("/v1/stats").json()
     return {
         k: s.get(k, 0)
-        for k in ("decode_steps", "decode_forward_ms_total", "decode_engine_ms_total", "expert_hits", "expert_misses")
+        for k in (
+            "decode_steps",
+            "decode_forward_ms_total",
+            "decode_engine_ms_total",
+            "expert_hits",
+            "expert_misses",
+            "overlapped_steps",
+        )
     }
 
 
@@ -155,6 +165,7 @@ def one_stream(srv, tokens: int) -> dict:
         "worker_ms_per_step": d["decode_forward_ms_total"] / steps,
         "hit_rate": hits / (hits + misses) if hits + misses else None,
         "misses_per_token": misses / steps,
+        "overlapped_steps": d["overlapped_steps"],
     }
 
 
@@ -252,6 +263,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--prefill-words", type=int, default=7000, help="~8k tokens with the Qwen tokenizer")
     ap.add_argument("--cache-size", type=int, default=1024)
     ap.add_argument("--skip-eager", action="store_true")
+    ap.add_argument("--skip-no-overlap", action="store_true", help="no run with DISABLE_OVERLAP_SCHEDULING=1")
     ap.add_argument("--skip-offload", action="store_true")
     ap.add_argument("--skip-resident", action="store_true", help="only the offload run")
     ap.add_argument("--out", default="bench/out/decode.json")
@@ -308,6 +320,9 @@ def main() -> int:
             routing_file,
             with_prefill=False,
         )
+    if not a.skip_no_overlap and not a.skip_resident:
+        no_overlap_env = {**env, "DISABLE_OVERLAP_SCHEDULING": "1"}
+        attempt("no_overlap", resident_run, "no_overlap", common + resident, no_overlap_env, a, routing_file, False)
     if not a.skip_offload:
         off = ["--moe-backend", "offload", "--moe-cache-size", str(a.cache_size), "--max-running-requests", "4"]
         attempt("offload", offload_run, common + off, env, a, routing_file)
@@ -355,6 +370,15 @@ def print_resident(runs: dict, hw: dict, need: dict, roof_ms) -> None:
     line(f"resident, {g['many']['streams']} streams, graphs", g["many"], e and e["many"]["tok_s"], roof=False)
     if e:
         line(f"resident, {e['many']['streams']} streams, eager", e["many"], roof=False)
+    n = runs.get("no_overlap")
+    if n:
+        line("resident, 1 stream, overlap off", n["bs1"], None, FREETOKEN_012["resident_bs1"])
+        line(f"resident, {n['many']['streams']} streams, overlap off", n["many"], roof=False)
+        print(
+            f"overlap on / off: 1 stream {g['bs1']['tok_s'] / n['bs1']['tok_s']:.2f}x, {g['many']['streams']} streams "
+            f"{g['many']['tok_s'] / n['many']['tok_s']:.2f}x (overlapped steps at 1 stream: "
+            f"{g['bs1'].get('overlapped_steps', 0)} on, {n['bs1'].get('overlapped_steps', 0)} off)"
+        )
     b = g["bs1"]
     print(
         f"per token at 1 stream: HTTP gap {b['http_ms_per_token']:.2f} ms, engine iteration "

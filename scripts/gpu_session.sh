@@ -5,7 +5,8 @@
 #   profile  bench/profile_decode.py on the Qwen3.6-35B-A3B config: decode step from the CUDA graph and eagerly,
 #            the eager step's kernels by device time
 #   decode   bench/decode_bench.py: graphs vs eager through HTTP (1 and 32 streams), offload under three routings
-#            (DECODE_FLAGS adds flags, e.g. --skip-offload)
+#            (DECODE_FLAGS adds flags, e.g. --skip-offload); then overlap scheduling on vs off (the graphs server
+#            again with DISABLE_OVERLAP_SCHEDULING=1; OVERLAP_TIMEOUT)
 #   serve    the serving benchmark of the Qwen3.6-35B-A3B config with dummy weights: an out-of-memory error
 #            injected into its first long prefill, then prefill/decode figures and a near-context-limit prompt
 #            against the memory plan's workspace
@@ -41,8 +42,10 @@ if [[ " $SECTIONS " == *" profile "* ]]; then
       --moe-backend fused 2>&1 | tee "$OUT/profile_decode.log" | grep -vE "^\[|^  " | tail -40
 fi
 if [[ " $SECTIONS " == *" decode "* ]]; then
-  timeout ${DECODE_TIMEOUT:-560} python3 bench/decode_bench.py --model-path configs/qwen3.6-35b-a3b \
+  timeout ${DECODE_TIMEOUT:-560} python3 bench/decode_bench.py --model-path configs/qwen3.6-35b-a3b --skip-no-overlap \
       --out "$OUT/decode_qwen36_dummy.json" ${DECODE_FLAGS:-} 2>&1 | tee "$OUT/decode_bench.log" | tail -30
+  timeout ${OVERLAP_TIMEOUT:-500} python3 bench/decode_bench.py --model-path configs/qwen3.6-35b-a3b --skip-eager \
+      --skip-offload --out "$OUT/decode_qwen36_overlap.json" 2>&1 | tee "$OUT/decode_overlap.log" | tail -14
 fi
 if [[ " $SECTIONS " == *" serve "* ]]; then
   FREETOKEN_FAULT=oom@2 timeout ${BENCH_TIMEOUT:-330} python3 bench/serve_bench.py --oom-check --max-length-words 27000 \

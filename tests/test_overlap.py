@@ -143,7 +143,7 @@ def test_hybrid_radix_multi_turn_with_answers_ending_on_a_stop_token(model_dirs)
     """Each answer ends on a stop token while the next decode is already launched: the request's live state,
     advanced by that step, is donated covering the whole answer, and the next turn resumes there."""
     off, on = _llm(model_dirs["qwen3_5_moe"], False), _llm(model_dirs["qwen3_5_moe"], True)
-    history = R.prompt(150, seed=1)
+    history, previous = R.prompt(150, seed=1), 0
     for turn in range(3):
         probe = _run(off, [history], [[]], late=0)[0][0]
         (ref,) = _run(off, [history], [[probe[3]]], late=0)
@@ -203,3 +203,52 @@ def test_server_outputs_equal_with_overlap_on_and_off(servers):
     assert "stop" in {r["finish_reason"] for r in ref}
     assert on.wait_idle()["overlapped_steps"] > 0
     assert off.wait_idle()["overlapped_steps"] == 0
+
+
+def _worker(path: str, graphs: bool):
+    from freetoken.worker import Worker
+
+    return Worker({**ARGS, "model_path": path, "dtype": "float32", "emulate_cuda_graphs": graphs})
+
+
+def _decode(rows_pos: list[tuple[int, int]], tokens: list[int], prev: list[int], step_id: int, seed: int) -> dict:
+    """A decode plan: row r at position p feeds ``tokens[i]`` (or, where ``prev[i] >= 0``, the previous step's
+    sampled row ``prev[i]``), its KV slot ``100 * r + p``; seeded sampling with penalties."""
+    from freetoken.engine.step_plan import StepPlan
+
+    sample = {"temperature": 0.9, "top_k": 30, "presence_penalty": 0.5, "num_top_logprobs": 2}
+    seqs = [
+        {"tokens": [t], "prefix_len": p, "row": r, "table_from": p, "table_slots": [100 * r + p], "input_from_prev": q}
+        | {"sample": {**sample, "seed": seed + r}}
+        for (r, p), t, q in zip(rows_pos, tokens, prev)
+    ]
+    return StepPlan.build(seqs, step_id=step_id).to_flat()
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "emulated-graphs"])
+def test_worker_launch_collect_reads_the_previous_steps_tokens(model_dirs, graphs):
+    """Two decode steps launched before either is collected, the second's inputs taken from the first's sampled
+    rows (in another order), equal the same steps run one by one with the tokens fed back from the host."""
+    from freetoken.engine.step_plan import StepPlan
+    from freetoken.errors import InvalidPlan
+
+    def prefill(w):
+        seqs = [
+            {"tokens": R.prompt(6, seed=r), "prefix_len": 0, "row": r, "table_from": 0}
+            | {"table_slots": [100 * r + i for i in range(6)], "sample": {"temperature": 0.0}}
+            for r in (0, 1)
+        ]
+        return w.execute(StepPlan.build(seqs).to_flat())[0]
+
+    ref, over = _worker(model_dirs["llama"], graphs), _worker(model_dirs["llama"], graphs)
+    first = prefill(ref)
+    assert prefill(over) == first
+    a = ref.execute(_decode([(0, 6), (1, 6)], first, [-1, -1], 1, 10))
+    b = ref.execute(_decode([(1, 7), (0, 7)], a[0][::-1], [-1, -1], 2, 20))
+    over.launch(_decode([(0, 6), (1, 6)], first, [-1, -1], 1, 10))
+    over.launch(_decode([(1, 7), (0, 7)], [0, 0], [1, 0], 2, 20))
+    for want in (a, b):
+        tokens, logprobs, _, extra = over.collect()  # (the statistics differ)
+        assert (tokens, logprobs, extra) == (want[0], want[1], want[3])
+    with pytest.raises(InvalidPlan, match="input_from_prev"):
+        over.launch(_decode([(0, 8)], [0], [2], 3, 30))  # the previous step sampled two rows

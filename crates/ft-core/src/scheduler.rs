@@ -10,6 +10,9 @@
 //!                                                                   Err(e) => fail_step(&plan, e) } }
 //! ```
 //!
+//! With overlap scheduling the engine also calls [`Scheduler::next_step_ahead`] while a decode step is in flight:
+//! the next decode step, planned before the one ahead of it is committed (`scheduler/overlap.rs`).
+//!
 //! **Admission** (in [`Scheduler::next_step`]): strictly first come, first served. The head of the queue
 //! starts when a page-table row is free, a recurrent-state slot is free (hybrid models), and free +
 //! evictable KV covers its uncached prompt plus its whole output budget on top of what the running
@@ -241,7 +244,7 @@ struct RunningRequest {
     /// Pages still to allocate to reach the whole budget (prompt + output); reserved at admission.
     reserved_pages: usize,
     /// The steps this request is part of, oldest first, until each is committed or failed (two while the
-    /// overlap loop has planned step N+1 before committing step N, see [`overlap`]).
+    /// overlap loop has planned step N+1 before committing step N, see `scheduler/overlap.rs`).
     in_flight: Vec<u64>,
     /// Finished (its `Finished` event sent) while a later step of it was still in flight: released when that
     /// step is committed or failed, so its KV and state slots are never reused before the device is done.
