@@ -102,6 +102,8 @@ fn overlap_gives_the_tokens_of_the_synchronous_loop() {
         ("naive", SchedulerConfig { cache_type: CacheType::Naive, ..small_cfg() }),
         ("prefill first", SchedulerConfig { mixed_decode: false, ..small_cfg() }),
         ("hybrid radix", hybrid_cfg()),
+        ("hybrid radix page 4", SchedulerConfig { page_size: 4, ..hybrid_cfg() }),
+        ("hybrid naive", SchedulerConfig { cache_type: CacheType::Naive, ..hybrid_cfg() }),
     ];
     for (name, cfg) in configs {
         for seed in 0..3 {
@@ -260,7 +262,13 @@ fn admissions_wait_for_the_step_in_flight() {
 /// the pools come back whole.
 #[test]
 fn random_overlapped_runs_end_cleanly() {
-    for (cfg, seed) in [(small_cfg(), 1), (SchedulerConfig { page_size: 4, ..small_cfg() }, 2), (hybrid_cfg(), 3)] {
+    let configs = [
+        (small_cfg(), 1),
+        (SchedulerConfig { page_size: 4, ..small_cfg() }, 2),
+        (hybrid_cfg(), 3),
+        (SchedulerConfig { page_size: 4, ..hybrid_cfg() }, 4),
+    ];
+    for (cfg, seed) in configs {
         let mut rng = StdRng::seed_from_u64(seed);
         let mut sim = Sim::new(cfg);
         sim.overlap = true;

@@ -142,6 +142,17 @@ impl FakeWorker {
         }
     }
 
+    /// The sequence's new tokens, a placeholder replaced by the previous step's sampled token (overlap).
+    fn input_tokens(&self, seq: &ft_core::step::ScheduledSeq) -> Vec<u32> {
+        match seq.input_from_prev {
+            Some(r) => {
+                assert_eq!(seq.new_tokens.len(), 1, "a placeholder input in a sequence of several tokens");
+                vec![self.last_sampled[r as usize]]
+            }
+            None => seq.new_tokens.clone(),
+        }
+    }
+
     /// Runs a plan: state copies first, then checks it against the page table, the KV pool and the state
     /// slots, writes the new K/V and states, samples; snapshot captures last.
     pub fn execute(&mut self, plan: &StepPlan) -> StepOutput {
@@ -162,13 +173,7 @@ impl FakeWorker {
             let id = seq.request_id;
             let row = seq.row as usize;
             let ctx = seq.context_len() as usize;
-            let new_tokens = match seq.input_from_prev {
-                Some(r) => {
-                    assert_eq!(seq.new_tokens.len(), 1, "a placeholder input in a sequence of several tokens");
-                    vec![self.last_sampled[r as usize]]
-                }
-                None => seq.new_tokens.clone(),
-            };
+            let new_tokens = self.input_tokens(seq);
             let s = self.seqs.get_mut(&id).unwrap_or_else(|| panic!("plan schedules unknown request {id}"));
             if self.gone.contains(&id) {
                 // Ended while this plan was in flight: the device still writes its KV and states.
