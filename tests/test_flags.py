@@ -28,7 +28,8 @@ def _ft(*args: str) -> subprocess.CompletedProcess:
     "flags,needle",
     [
         # a feature that is not built
-        (["--nvfp4-backend", "triton"], "--nvfp4-backend triton is not supported yet"),
+        (["--nvfp4-backend", "marlin"], "--nvfp4-backend marlin is not supported: it needs vLLM's Marlin"),
+        (["--nvfp4-backend", "flashinfer"], "--nvfp4-backend flashinfer is not supported: it needs FlashInfer"),
         (["--moe-backend", "cpu"], "--moe-backend cpu is not supported yet"),
         (["--moe-cpu-threads", "8"], "--moe-cpu-threads 8 is not supported yet"),
         (["--moe-cpu-layers", "3,7"], "--moe-cpu-layers 3,7 is not supported yet"),

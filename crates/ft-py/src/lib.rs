@@ -3,6 +3,7 @@
 //! - `main(argv)` is the `ft` command: parses the flags (ft-server's CLI) and runs `ft serve` through
 //!   `ft_server::python::serve` (bind, build the Python worker, then release the GIL and run the HTTP server; the
 //!   engine thread takes the GIL once per step), the same path as the `ft-server` binary.
+//! - `ft quantize` runs the Python quantizer (`freetoken.quant.quantize_checkpoint.main`) with the parsed flags.
 //! - `OfflineEngine` runs the same scheduler and worker synchronously for `freetoken.LLM` (tests, notebooks).
 
 mod offline;
@@ -33,7 +34,20 @@ fn main(py: Python<'_>, argv: Vec<String>) -> PyResult<i32> {
     };
     match cli.command {
         Command::Serve(args) => ft_server::python::serve(py, args),
+        Command::Quantize(args) => Ok(quantize(py, &args)),
     }
+}
+
+/// `ft quantize`: the quantizer's own exit code; an exception is one `error:` line and exit 1.
+fn quantize(py: Python<'_>, args: &ft_server::cli::QuantizeArgs) -> i32 {
+    let run = || -> PyResult<i32> {
+        let main = py.import("freetoken.quant.quantize_checkpoint")?.getattr("main")?;
+        main.call1((args.python_argv(),))?.extract()
+    };
+    run().unwrap_or_else(|e| {
+        let message = e.value(py).to_string();
+        ft_server::cli::print_outcome(&format!("error: {}", message.lines().next().unwrap_or_default()), 1)
+    })
 }
 
 /// Every `ft serve` flag with its default, as JSON (snake_case keys): the Python side's defaults, so they are
@@ -42,7 +56,7 @@ fn main(py: Python<'_>, argv: Vec<String>) -> PyResult<i32> {
 fn serve_defaults() -> PyResult<String> {
     let cli = ft_server::cli::parse_cli(vec!["ft".into(), "serve".into()])
         .map_err(|(msg, _)| pyo3::exceptions::PyRuntimeError::new_err(msg))?;
-    let Command::Serve(args) = cli.command;
+    let Command::Serve(args) = cli.command else { unreachable!("argv is ft serve") };
     serde_json::to_string(&args).map_err(|e| pyo3::exceptions::PyRuntimeError::new_err(e.to_string()))
 }
 

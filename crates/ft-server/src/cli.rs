@@ -31,10 +31,75 @@ pub struct Cli {
     pub command: Command,
 }
 
+// Parsed once per process: no point boxing the large serve flags.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug, Clone, Serialize)]
 pub enum Command {
     /// Start the OpenAI-compatible API server.
     Serve(ServeArgs),
+    /// Quantize a BF16/FP16/FP32 checkpoint into a ModelOpt-format NVFP4 (or mixed NVFP4/FP8) checkpoint.
+    Quantize(QuantizeArgs),
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum QuantScheme {
+    /// ModelOpt W4A16_NVFP4: every Linear but ModelOpt's default-disabled ones (routers, GDN conv1d / in_proj_a/b,
+    /// shared_expert_gate, lm_head, embeddings) in NVFP4, weights only.
+    #[value(name = "w4a16-nvfp4")]
+    W4a16Nvfp4,
+    /// ModelOpt NVFP4 (W4A4): the same weights plus static input scales from calibration (served as W4A16).
+    #[value(name = "nvfp4")]
+    Nvfp4,
+    /// NVIDIA's Qwen3.6-35B-A3B-NVFP4 recipe: NVFP4 experts, shared experts and lm_head; FP8 attention and GDN
+    /// projections with calibrated input scales.
+    #[value(name = "mixed-qwen3.6")]
+    MixedQwen36,
+}
+
+/// `ft quantize`: the flags of `freetoken.quant.quantize_checkpoint` (the Python quantizer runs it).
+#[derive(Args, Debug, Clone, Serialize, Deserialize)]
+pub struct QuantizeArgs {
+    /// The BF16/FP16/FP32 Hugging Face checkpoint directory to quantize.
+    #[arg(long = "model-path", visible_alias = "model")]
+    pub model_path: String,
+
+    /// The directory to write (safetensors, config.json with quantization_config, hf_quant_config.json).
+    #[arg(long, visible_alias = "out")]
+    pub output: String,
+
+    /// What to quantize and how.
+    #[arg(long, value_enum)]
+    pub scheme: QuantScheme,
+
+    /// Tokens run through the model to calibrate static input scales (nvfp4, mixed-qwen3.6).
+    #[arg(long, default_value_t = 512)]
+    pub calib_tokens: usize,
+
+    /// Where calibration runs; auto = CUDA when a device is present, else CPU.
+    #[arg(long, value_enum, default_value_t = Device::Auto)]
+    pub device: Device,
+}
+
+impl QuantizeArgs {
+    /// The argument list of `freetoken.quant.quantize_checkpoint.main`.
+    pub fn python_argv(&self) -> Vec<String> {
+        let scheme = self.scheme.to_possible_value().map(|v| v.get_name().to_string()).unwrap_or_default();
+        [
+            "--model-path",
+            &self.model_path,
+            "--out",
+            &self.output,
+            "--scheme",
+            &scheme,
+            "--calib-tokens",
+            &self.calib_tokens.to_string(),
+            "--device",
+            &self.device.as_str(),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    }
 }
 
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -59,10 +124,16 @@ pub enum MoeBackend {
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Nvfp4Backend {
+    /// triton on CUDA, torch elsewhere.
     Auto,
-    Marlin,
-    Flashinfer,
+    /// Our W4A16 Triton kernels (NVFP4 Linear, MoE decode GEMVs, grouped prefill); CUDA.
     Triton,
+    /// The reference: dequantize, then the BF16 matmul (any device; slow).
+    Torch,
+    /// vLLM's Marlin FP4 kernels: not built.
+    Marlin,
+    /// FlashInfer's FP4 GEMMs (FP4 tensor cores, Blackwell): not built.
+    Flashinfer,
 }
 
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -184,7 +255,8 @@ pub struct ServeArgs {
     #[arg(help_heading = MODEL, long = "attention-backend", visible_alias = "attn", value_enum, default_value_t = AttentionBackend::Auto)]
     pub attention_backend: AttentionBackend,
 
-    /// NVFP4 GEMM kernels; NVFP4 checkpoints are not supported yet, so only auto is accepted.
+    /// What runs NVFP4 layers and experts: auto = triton on CUDA (our W4A16 Triton kernels), torch elsewhere (the
+    /// dequantizing reference); triton or torch pin one (triton needs CUDA); marlin and flashinfer are not built.
     #[arg(help_heading = MODEL, long, value_enum, default_value_t = Nvfp4Backend::Auto)]
     pub nvfp4_backend: Nvfp4Backend,
 
@@ -561,11 +633,18 @@ fn unsupported_parallelism_or_kernel(args: &ServeArgs) -> Option<String> {
         let name = args.attention_backend.as_str();
         return Some(format!("--attention-backend {name} is not supported yet: only auto, triton and torch are built"));
     }
-    if args.nvfp4_backend != Nvfp4Backend::Auto {
-        let name = args.nvfp4_backend.as_str();
-        return Some(format!(
-            "--nvfp4-backend {name} is not supported yet: NVFP4 checkpoints are not loaded yet, so no NVFP4 kernel runs (leave it auto)"
-        ));
+    match args.nvfp4_backend {
+        Nvfp4Backend::Marlin => {
+            return Some(
+                "--nvfp4-backend marlin is not supported: it needs vLLM's Marlin FP4 kernels, which are not built (use auto, triton or torch)".into(),
+            )
+        }
+        Nvfp4Backend::Flashinfer => {
+            return Some(
+                "--nvfp4-backend flashinfer is not supported: it needs FlashInfer's FP4 GEMMs (FP4 tensor cores, Blackwell), which are not built (use auto, triton or torch)".into(),
+            )
+        }
+        Nvfp4Backend::Auto | Nvfp4Backend::Triton | Nvfp4Backend::Torch => {}
     }
     None
 }
@@ -626,6 +705,7 @@ pub fn parse_cli(argv: Vec<String>) -> Result<Cli, (String, i32)> {
     let cli = Cli::try_parse_from(argv).map_err(clap_outcome)?;
     match &cli.command {
         Command::Serve(args) => check_serve_args(args)?,
+        Command::Quantize(_) => {}
     }
     Ok(cli)
 }
@@ -680,6 +760,7 @@ pub fn parse_serve_args<I: IntoIterator<Item = S>, S: Into<String>>(args: I) -> 
     argv.extend(args.into_iter().map(Into::into));
     match parse_cli(argv)?.command {
         Command::Serve(a) => Ok(a),
+        Command::Quantize(_) => unreachable!("argv starts with serve"),
     }
 }
 
@@ -702,7 +783,7 @@ mod tests {
     fn launch_line_parses_as_written() {
         let argv = "ft serve --model-path M --max-running-requests 1 --max-seq-len-override 32768 --moe-backend offload --moe-cache-size 1024 --host 0.0.0.0 --port 1920";
         let cli = parse_cli(argv.split(' ').map(String::from).collect()).unwrap();
-        let Command::Serve(a) = cli.command;
+        let Command::Serve(a) = cli.command else { panic!("serve") };
         assert_eq!(a.model_path.as_deref(), Some("M"));
         assert_eq!(a.max_running_requests, 1);
         assert_eq!(a.max_seq_len_override, Some(32768));
@@ -830,7 +911,6 @@ mod tests {
             (&["--moe-backend", "cpu"], "--moe-backend cpu"),
             (&["--moe-backend", "hybrid"], "--moe-backend hybrid"),
             (&["--moe-prefill-hit-d2d"], "--moe-prefill-hit-d2d"),
-            (&["--nvfp4-backend", "triton"], "--nvfp4-backend triton"),
             (&["--moe-cpu-threads", "8"], "--moe-cpu-threads 8"),
             (&["--moe-cpu-layers", "3,7"], "--moe-cpu-layers 3,7"),
             (&["--moe-hybrid-max-fetch", "0"], "--moe-hybrid-max-fetch 0"),
@@ -843,7 +923,10 @@ mod tests {
             assert!(msg.contains("not supported"), "{msg}");
             assert_eq!(msg.lines().count(), 1);
         }
-        // Accepted values of the same flags (their defaults, spelled out).
+        // Accepted values of the same flags (their defaults, spelled out; NVFP4 kernels that exist).
+        for backend in ["triton", "torch"] {
+            assert_eq!(serve(&["--nvfp4-backend", backend]).unwrap().nvfp4_backend.as_str(), backend);
+        }
         serve(&[
             "--attn",
             "triton",
@@ -956,5 +1039,32 @@ mod tests {
         ] {
             serve(flags).unwrap();
         }
+    }
+    #[test]
+    fn quantize_takes_the_python_quantizers_flags() {
+        let argv = "ft quantize --model-path IN --output OUT --scheme mixed-qwen3.6";
+        let Command::Quantize(q) = parse_cli(argv.split(' ').map(String::from).collect()).unwrap().command else {
+            panic!("quantize")
+        };
+        assert_eq!(q.scheme, QuantScheme::MixedQwen36);
+        let want = "--model-path IN --out OUT --scheme mixed-qwen3.6 --calib-tokens 512 --device auto";
+        assert_eq!(q.python_argv().join(" "), want);
+        let argv = "ft quantize --model IN --out OUT --scheme w4a16-nvfp4 --calib-tokens 64 --device cpu";
+        let Command::Quantize(q) = parse_cli(argv.split(' ').map(String::from).collect()).unwrap().command else {
+            panic!("quantize")
+        };
+        assert_eq!(q.python_argv()[5], "w4a16-nvfp4");
+        assert_eq!(&q.python_argv()[6..], ["--calib-tokens", "64", "--device", "cpu"]);
+        let (help, code) = parse_cli(vec!["ft".into(), "quantize".into(), "--help".into()]).unwrap_err();
+        assert_eq!(code, 0);
+        for needle in ["--model-path", "--output", "--scheme", "w4a16-nvfp4", "mixed-qwen3.6", "[default: 512]"] {
+            assert!(help.contains(needle), "{needle}: {help}");
+        }
+        let (msg, code) =
+            parse_cli(vec!["ft".into(), "quantize".into(), "--scheme".into(), "int4".into()]).unwrap_err();
+        assert_eq!(code, 2);
+        assert_eq!(msg.lines().count(), 1, "{msg}");
+        let (msg, code) = parse_cli(vec!["ft".into()]).unwrap_err();
+        assert!(code == 0 && msg.contains("quantize"), "{msg}");
     }
 }
