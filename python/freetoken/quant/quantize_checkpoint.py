@@ -2,6 +2,7 @@
 ``quantization_config`` in config.json, ModelOpt tensor names), with ModelOpt's published rounding and scaling
 (``quant/nvfp4.py``, ``quant/fp8.py``).
 
+    ft quantize --model-path BF16_DIR --output DIR --scheme SCHEME      (the Rust CLI runs ``main`` below)
     python -m freetoken.quant.quantize_checkpoint --model-path BF16_DIR --out DIR --scheme SCHEME
 
 Schemes:
