@@ -78,8 +78,10 @@ class Worker:
         self.cache_types = ["hybrid_radix" if self.model.state_layout else "radix", "naive"]
         self._launched: deque = deque()  # steps launched and not collected: StepResult or (LaunchedDecode, stats)
         self._prev_sampled: Optional[torch.Tensor] = None  # the last launched step's sampled tokens (device)
+        self._experts_reported = (0, 0)  # expert-cache (hits, misses) already reported in some step's statistics
         self._log_resolved_config()
         startup.allocate_pools(self)
+        self._skip_expert_counts()  # lookups of the dry run and the graph capture are nobody's
 
     def _log_resolved_config(self) -> None:
         a, gdn = self.args, ""
@@ -160,10 +162,12 @@ class Worker:
             self.graphs = None  # the routing mode, between steps
             self._release_cached_memory()
             self.graphs = startup.capture_decode_graphs(self)
+            self._skip_expert_counts()
         decode = decode_inputs(plan, self.graph_max_bs) if self.graphs is not None else None
         if decode is not None:
             n = len(decode["rows"])
-            step, stats = self._guarded(int(plan["step_id"]), n, lambda: self._launch_replay(decode))
+            run = lambda: self._launch_replay(decode)  # noqa: E731
+            step, stats = self._guarded(int(plan["step_id"]), n, run, count_experts=False)  # counted at collect
             self._launched.append((step, stats))
         else:
             self._launched.append(self.execute_plan(StepPlan.from_flat(plan)))
@@ -177,6 +181,8 @@ class Worker:
         t0 = time.perf_counter()
         out = self.graphs.collect(step)
         stats["forward_ms"] += (time.perf_counter() - t0) * 1e3
+        if self.offload is not None:  # the counters copied out behind the step, else one read (a sync)
+            stats["expert_hits"], stats["expert_misses"] = self._new_expert_counts(out.expert_counts)
         return out.tokens, out.logprobs, stats, out.extra
 
     def _launch_replay(self, inputs: dict) -> LaunchedDecode:
@@ -246,13 +252,27 @@ class Worker:
         (tokens, logprobs, logits, extra), stats = self._guarded(step_id, num_tokens, run, count)
         return StepResult(tokens, logprobs, stats, logits, extra)
 
-    def _guarded(self, step_id: int, num_tokens: int, run, count: bool = True) -> tuple[object, dict]:
+    def _skip_expert_counts(self) -> None:
+        """Expert-cache lookups so far are reported by no step (start-up, graph capture)."""
+        if self.offload is not None:
+            self._experts_reported = self.offload.counters()
+
+    def _new_expert_counts(self, cumulative: Optional[tuple[int, int]] = None) -> tuple[int, int]:
+        """Expert-cache (hits, misses) not yet reported, from the cache's cumulative counters (read now when not
+        given). Each lookup is reported once, by the first step to see it."""
+        hits, misses = cumulative if cumulative is not None else self.offload.counters()
+        h0, m0 = self._experts_reported
+        self._experts_reported = (max(h0, hits), max(m0, misses))
+        return max(0, hits - h0), max(0, misses - m0)
+
+    def _guarded(
+        self, step_id: int, num_tokens: int, run, count: bool = True, count_experts: bool = True
+    ) -> tuple[object, dict]:
         """Runs one step: fault injection (tests), out-of-memory turned into ``WorkerOutOfMemory`` with the cached
         memory released, and the step's statistics (time, expert hits and misses, transient memory peak).
         Returns what ``run`` returned and the statistics."""
         t0 = time.perf_counter()
         oom = None
-        hits0, misses0 = self.offload.counters() if self.offload is not None else (0, 0)
         on_cuda = self.device.type == "cuda"
         if on_cuda:  # the step's transient peak, checked against the memory plan (host-side counters, no sync)
             allocated_before = torch.cuda.memory_allocated(self.device)
@@ -274,12 +294,13 @@ class Worker:
             self._release_cached_memory()
             raise WorkerOutOfMemory(f"step {step_id} ({num_tokens} tokens): {oom}")
         workspace = max(0, torch.cuda.max_memory_allocated(self.device) - allocated_before) if on_cuda else 0
-        hits, misses = self.offload.counters() if self.offload is not None else (0, 0)
+        count_experts = count_experts and self.offload is not None
+        hits, misses = self._new_expert_counts() if count_experts else (0, 0)
         stats = {
             "forward_ms": (time.perf_counter() - t0) * 1e3,
             "num_tokens": num_tokens,
-            "expert_hits": hits - hits0,
-            "expert_misses": misses - misses0,
+            "expert_hits": hits,
+            "expert_misses": misses,
             "workspace_bytes": workspace,
         }
         return value, stats

@@ -136,6 +136,7 @@ class LaunchedDecode:
     batch_size: int
     num_top_logprobs: Optional[np.ndarray]  # the rows' requests when one asked, else None
     done: Optional[object]  # torch.cuda.Event recorded after the copies (None on CPU: already done)
+    expert_counts: bool = False  # the expert cache's cumulative (hits, misses) were copied out after the step
 
 
 @dataclass
@@ -143,6 +144,7 @@ class DecodeResult:
     tokens: list[int]
     logprobs: list[float]
     extra: dict = field(default_factory=dict)  # top logprobs when a row asked (engine/logprobs.py)
+    expert_counts: Optional[tuple[int, int]] = None  # the expert cache's cumulative (hits, misses) after the step
 
 
 class DecodeGraphs:
@@ -203,6 +205,8 @@ class DecodeGraphs:
         self._outs_tokens = [torch.zeros(B, dtype=torch.int64, pin_memory=pin) for _ in (0, 1)]
         self._outs_logprobs = [torch.zeros(B, dtype=torch.float32, pin_memory=pin) for _ in (0, 1)]
         self._done = [torch.cuda.Event() for _ in (0, 1)] if device.type == "cuda" else [None, None]
+        # the expert cache's device counters, copied out behind each step (reading them directly would sync)
+        self._outs_counts = [torch.zeros(2, dtype=torch.int64, pin_memory=pin) for _ in (0, 1)]
         self._pad = self._padding_values()
 
     # ------------------------------------------------------------------ capture
@@ -408,11 +412,20 @@ class DecodeGraphs:
             self._outs_top_ids[k][:n].copy_(self.top_ids[:n], non_blocking=True)
             self._outs_top_lps[k][:n].copy_(self.top_lps[:n], non_blocking=True)
         self.counts.add(self.inputs["rows"][:n], self.tokens[:n])
+        experts = self._expert_counters()
+        if experts is not None:
+            self._outs_counts[k].copy_(experts, non_blocking=True)
         self._outs_tokens[k][:n].copy_(self.tokens[:n], non_blocking=True)
         self._outs_logprobs[k][:n].copy_(self.logprobs[:n], non_blocking=True)
         if self._done[k] is not None:
             self._done[k].record()
-        return LaunchedDecode(k, n, inputs["num_top_logprobs"].copy() if tops else None, self._done[k])
+        tops_of = inputs["num_top_logprobs"].copy() if tops else None
+        return LaunchedDecode(k, n, tops_of, self._done[k], expert_counts=experts is not None)
+
+    def _expert_counters(self) -> Optional[torch.Tensor]:
+        """The device expert cache's cumulative (hits, misses) tensor (``--moe-backend offload``), if any."""
+        counts = getattr(getattr(self.offload, "cache", None), "counts", None)
+        return counts if isinstance(counts, torch.Tensor) else None
 
     def collect(self, step: LaunchedDecode) -> DecodeResult:
         """Waits for a launched step's copies and returns its tokens."""
@@ -423,7 +436,8 @@ class DecodeGraphs:
         if step.num_top_logprobs is not None:
             ids, lps = self._outs_top_ids[k][:n].numpy(), self._outs_top_lps[k][:n].numpy()
             extra = graph_logprobs(step.num_top_logprobs, ids, lps)
-        return DecodeResult(self._outs_tokens[k][:n].tolist(), self._outs_logprobs[k][:n].tolist(), extra)
+        experts = tuple(self._outs_counts[k].tolist()) if step.expert_counts else None
+        return DecodeResult(self._outs_tokens[k][:n].tolist(), self._outs_logprobs[k][:n].tolist(), extra, experts)
 
     def describe(self) -> str:
         return (
