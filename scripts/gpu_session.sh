@@ -34,7 +34,7 @@ if [[ " $SECTIONS " == *" tests "* ]]; then
   timeout ${GPU_TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -rfs ${GPU_TESTS:-tests/test_memory_plan.py \
       tests/test_worker_steps.py tests/test_sampler.py tests/test_expert_offload.py tests/test_gated_deltanet.py \
       tests/test_qwen3_5_moe_vs_hf.py tests/test_decode_graphs.py tests/test_triton_small_ops.py tests/test_gdn_decode.py \
-      tests/test_device_slot_cache.py tests/test_triton_moe.py tests/test_triton_attention.py} -s 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|error|planned workspace|chunk at" | tail -25
+      tests/test_device_slot_cache.py tests/test_triton_moe.py tests/test_triton_attention.py tests/test_overlap.py} -s 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|error|planned workspace|chunk at" | tail -25
 fi
 if [[ " $SECTIONS " == *" profile "* ]]; then
   timeout ${PROFILE_TIMEOUT:-300} python3 bench/profile_decode.py --out "$OUT/profile_decode.json" -- \
