@@ -214,6 +214,23 @@ async fn greedy_choices_are_equal_and_one_failure_fails_the_request() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disconnect_while_waiting_for_a_whole_response_aborts_every_choice() {
+    let mut info = engine_description();
+    info.max_context = 100000;
+    let s = TestServer::start_with(&[], info).await;
+    s.backend.set_script(|_| {
+        Ok(Script { tokens: vec![], end: End::Trickle(b'a' as u32), delay: Duration::from_millis(5), cached_tokens: 0 })
+    });
+    let (client, url) = (s.client.clone(), s.url("/v1/completions"));
+    let body = json!({"prompt": ["x", "y"], "n": 2, "max_tokens": 1000000});
+    let req = tokio::spawn(async move { client.post(url).json(&body).send().await });
+    s.backend.wait_for("every choice to start", |b| b.submitted().len() == 4).await;
+    req.abort();
+    s.backend.wait_for("every choice's guard to fire", |b| b.guard_fired().len() == 4).await;
+    s.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn disconnect_aborts_every_choice() {
     let mut info = engine_description();
     info.max_context = 100000;

@@ -11,7 +11,9 @@
 //! the SSE body; a client that goes away drops them all, which aborts the submitted ones and never submits
 //! the others.
 //!
-//! Usage is summed as OpenAI does: each prompt's tokens once, every choice's completion tokens.
+//! Usage is summed as OpenAI does: each prompt's tokens once, every choice's completion tokens. `/metrics`
+//! counts each choice as an engine request (the first one timed from the HTTP request's arrival, the others
+//! from their submission).
 
 use super::output::{Message, OutputSpec};
 use super::sse::{collect, Ending};
