@@ -213,6 +213,17 @@ def test_nvfp4_backend_flag_pins_the_layers(nvfp4_dir, monkeypatch):
 
 
 @pytest.mark.slow
+def test_dummy_weights_offloaded_in_nvfp4(nvfp4_dir):
+    """``--dummy-weight`` with a quantized config and offload: random NVFP4 bytes in the host rows."""
+    from freetoken import LLM
+
+    llm = LLM(nvfp4_dir, dummy_weight=True, moe_backend="offload", moe_cache_size=6, **LLM_ARGS)
+    experts = llm.worker.model.layers[0].mlp.experts
+    assert type(experts).__name__ == "OffloadedNvfp4Experts" and int(experts.gate_up_proj[0].sum()) > 0
+    assert torch.isfinite(llm.logits(PROMPT[:5])).all()
+
+
+@pytest.mark.slow
 def test_memory_plan_counts_the_experts_at_nvfp4_size(nvfp4_dir):
     from freetoken import LLM
 

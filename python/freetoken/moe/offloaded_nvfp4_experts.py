@@ -65,7 +65,7 @@ class OffloadedNvfp4Experts(Nvfp4Experts):
         n = min(self.num_experts, _DUMMY_DISTINCT)
         few = Nvfp4Experts(n, self.hidden_size, self.intermediate_size, device="cpu")
         few.fill_dummy(std, gen)
-        src = self.rows.allocate(n)
+        src = self.rows.allocate(n, "cpu")
         for dst_view, part in zip(self.rows.views(*src), few.bank()):
             dst_view.copy_(part)
         for mine, theirs in zip(self.host_banks(), src):
