@@ -403,6 +403,13 @@ def decode_attention_triton(
         num_warps=4,
         num_stages=2,
     )
+    _combine_splits(mid_o, mid_l, out, gate)
+    return out
+
+
+def _combine_splits(mid_o, mid_l, out, gate) -> None:
+    """Stage 2: each head's split partials merged by their log-sum-exp into ``out`` (times sigmoid(gate) if given)."""
+    B, nh, S, DV = mid_o.shape
     if gate is not None:
         assert gate.shape == out.shape and gate.stride(-1) == 1, "the gate is [B, nh, Dv] with a contiguous last dim"
     g = out if gate is None else gate  # a placeholder the kernel never reads without HAS_GATE
@@ -418,10 +425,9 @@ def decode_attention_triton(
         DV,
         S,
         BLOCK_S=triton.next_power_of_2(S),
-        BLOCK_DV=bdv,
+        BLOCK_DV=triton.next_power_of_2(DV),
         HAS_GATE=gate is not None,
     )
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------------

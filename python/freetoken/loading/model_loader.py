@@ -99,14 +99,7 @@ def load_model(a: dict) -> LoadedModel:
         )
     phase(f"Loading weights ({'dummy' if a['dummy_weight'] else os.path.basename(checkpoint.path)}, {dtype})")
     model = build_model(cls, config, dtype, device, offload, quant)
-    if a["dummy_weight"]:
-        from .dummy_weights import fill_dummy_weights
-
-        fill_dummy_weights(model)
-    else:
-        tensors = checkpoint.tensors(progress=bool(a["load_progress"]))
-        model.load_weights(tensors if quant is None else translate(tensors, quant))
-    fuse_projections(model)  # q|k|v, gate|up, GDN in_proj, router|shared expert: one GEMM each
+    _fill_weights(a, model, checkpoint, quant)
     if nvfp4_backend != "none":
         apply_nvfp4_backend(model, a.get("nvfp4_backend"))
     weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -135,6 +128,19 @@ def load_model(a: dict) -> LoadedModel:
         quant,
         nvfp4_backend,
     )
+
+
+def _fill_weights(a: dict, model, checkpoint, quant) -> None:
+    """The checkpoint's tensors (or dummy values) into ``model``, then its projections fused: q|k|v, gate|up, the GDN
+    input projections, router|shared expert, one GEMM each."""
+    if a["dummy_weight"]:
+        from .dummy_weights import fill_dummy_weights
+
+        fill_dummy_weights(model)
+    else:
+        tensors = checkpoint.tensors(progress=bool(a["load_progress"]))
+        model.load_weights(tensors if quant is None else translate(tensors, quant))
+    fuse_projections(model)
 
 
 def _finish_offload(offload: ExpertOffload) -> int:
