@@ -51,13 +51,11 @@ def test_missing_key_names_it():
     assert c.get("hidden_size", 7) == 7 and not hasattr(c, "hidden_size")  # optional reads keep their default
 
 
-def _tiny_qwen3_moe(path) -> str:
-    """A random 2-layer Qwen3-MoE saved by the installed transformers' save_pretrained, with a word-level tokenizer
-    and a chat template so ``ft serve`` can run it."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+def _tiny_qwen3_moe_config(**extra):
+    """The 2-layer, 8-expert Qwen3-MoE shape these tests save (``extra``: more config fields)."""
+    from transformers import Qwen3MoeConfig
 
-    cfg = Qwen3MoeConfig(
+    return Qwen3MoeConfig(
         vocab_size=64,
         hidden_size=64,
         intermediate_size=96,
@@ -69,10 +67,17 @@ def _tiny_qwen3_moe(path) -> str:
         num_experts=8,
         num_experts_per_tok=2,
         max_position_embeddings=256,
-        norm_topk_prob=True,
-        bos_token_id=1,
-        eos_token_id=2,
+        **extra,
     )
+
+
+def _tiny_qwen3_moe(path) -> str:
+    """A random 2-layer Qwen3-MoE saved by the installed transformers' save_pretrained, with a word-level tokenizer
+    and a chat template so ``ft serve`` can run it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import Qwen3MoeForCausalLM
+
+    cfg = _tiny_qwen3_moe_config(norm_topk_prob=True, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(cfg).float().eval()
     with torch.no_grad():
@@ -148,21 +153,7 @@ def _error_lines(stderr: str) -> list[str]:
 
 
 def _config_dir(tmp_path, drop=(), **set_) -> str:
-    from transformers import Qwen3MoeConfig
-
-    d = Qwen3MoeConfig(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        moe_intermediate_size=32,
-        num_experts=8,
-        num_experts_per_tok=2,
-        max_position_embeddings=256,
-    ).to_dict()
+    d = _tiny_qwen3_moe_config().to_dict()
     for k in drop:
         d.pop(k)
     d.update(set_)
