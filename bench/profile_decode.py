@@ -1,5 +1,5 @@
-"""Where a decode step's time goes: builds the worker in-process (no HTTP, no scheduler), prefills one prompt,
-then times batch-1 decode steps from the decode CUDA graph (``Worker.execute``) and eagerly (``Worker.execute_plan``)
+"""Where a decode step's time goes: builds the worker in-process (no HTTP, no scheduler), prefills ``--batch``
+prompts (default 1; the serve args' ``--max-running-requests`` must allow as many), then times decode steps of that batch from the decode CUDA graph (``Worker.execute``) and eagerly (``Worker.execute_plan``)
 and profiles a few eager ones with ``torch.profiler``. Prints the mean step time, the host time the GPU waited on, and the top operators by host
 (self CPU) and device time; writes JSON.
 
@@ -36,18 +36,21 @@ def worker_args(serve_args: list[str]) -> dict:
     return out
 
 
-def one_seq(tokens: list[int], prefix: int, state_slot: int) -> StepPlan:
+def batch_plan(tokens: list[list[int]], prefix: int, state_slots: list[int], kv_stride: int) -> StepPlan:
+    """One step over ``len(tokens)`` sequences of equal length: sequence i in row i, its KV slots from
+    ``i * kv_stride``, its recurrent state in ``state_slots[i]``."""
     return StepPlan.build(
         [
             {
-                "tokens": tokens,
+                "tokens": toks,
                 "prefix_len": prefix,
-                "row": 0,
+                "row": i,
                 "table_from": prefix,
-                "table_slots": list(range(prefix, prefix + len(tokens))),
-                "state_slot": state_slot,
+                "table_slots": list(range(i * kv_stride + prefix, i * kv_stride + prefix + len(toks))),
+                "state_slot": state_slots[i],
                 "sample": {"temperature": 0.0},
             }
+            for i, toks in enumerate(tokens)
         ]
     )
 
@@ -56,6 +59,7 @@ def parse_args() -> argparse.Namespace:
     """The command line."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--profile-steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=25)
@@ -67,18 +71,19 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     a = parse_args()
     w = Worker(worker_args([x for x in a.serve_args if x != "--"]))
-    state_slot = 0 if w.state is not None else -1
+    slots = list(range(a.batch)) if w.state is not None else [-1] * a.batch
     sync = torch.cuda.synchronize if w.device.type == "cuda" else (lambda: None)
-    prompt = [(i * 37) % 1000 + 10 for i in range(a.prompt_tokens)]
-    tok = w.execute_plan(one_seq(prompt, 0, state_slot)).tokens[0]
-    pos = len(prompt)
+    stride = a.prompt_tokens + a.steps * 2 + a.profile_steps + 16  # KV slots per sequence, every step included
+    prompts = [[(i * 37 + 101 * b) % 1000 + 10 for i in range(a.prompt_tokens)] for b in range(a.batch)]
+    toks = list(w.execute_plan(batch_plan(prompts, 0, slots, stride)).tokens)
+    pos = a.prompt_tokens
 
     eager = True
 
     def step():
-        nonlocal tok, pos
-        plan = one_seq([tok], pos, state_slot)
-        tok = (w.execute_plan(plan).tokens if eager else w.execute(plan.to_flat())[0])[0]
+        nonlocal toks, pos
+        plan = batch_plan([[t] for t in toks], pos, slots, stride)
+        toks = list(w.execute_plan(plan).tokens if eager else w.execute(plan.to_flat())[0])
         pos += 1
 
     def timed() -> float:
@@ -101,9 +106,10 @@ def main() -> int:
     by_cpu, by_dev, device_ms = profile_steps(step, sync, w.device, a.profile_steps, a.top)
     result = {
         "serve_args": a.serve_args,
+        "batch": a.batch,
         "graph_step_ms": graph_ms,
         "step_ms": step_ms,
-        "tok_s": 1e3 / step_ms,
+        "tok_s": a.batch * 1e3 / step_ms,
         "device_busy_ms_per_step": device_ms,
         "by_self_cpu": by_cpu,
         "by_device": by_dev,
@@ -146,10 +152,11 @@ def profile_steps(step, sync, device, n: int, top: int) -> tuple[list[dict], lis
 
 def print_profile(result: dict) -> None:
     graph_ms, step_ms, device_ms = result["graph_step_ms"], result["step_ms"], result["device_busy_ms_per_step"]
+    b = result["batch"]
     if graph_ms is not None:
-        print(f"decode step from the CUDA graph {graph_ms:.2f} ms ({1e3 / graph_ms:.1f} tok/s)")
+        print(f"batch {b}: decode step from the CUDA graph {graph_ms:.2f} ms ({b * 1e3 / graph_ms:.1f} tok/s)")
     print(
-        f"decode step eager {step_ms:.2f} ms ({1e3 / step_ms:.1f} tok/s); device busy {device_ms:.2f} ms/step "
+        f"batch {b}: decode step eager {step_ms:.2f} ms ({b * 1e3 / step_ms:.1f} tok/s); device busy {device_ms:.2f} ms/step "
         f"(profiled eagerly: the same kernels the graph replays, plus the launches)"
     )
     for title, table in (("self CPU", result["by_self_cpu"]), ("device", result["by_device"])):
