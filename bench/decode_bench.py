@@ -37,6 +37,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+from hardware_bandwidth import measure_bandwidth  # noqa: E402
 from serve_bench import long_prompt, stream_completion  # noqa: E402
 from server_harness import ServerProcess  # noqa: E402
 
@@ -44,35 +45,6 @@ FREETOKEN_012 = {"resident_bs1": 262.7, "offload_all_hit_bs1": 174.6}  # tok/s, 
 
 
 # ------------------------------------------------------------------ the hardware
-
-
-def measure_bandwidth() -> dict:
-    """Device-to-device copy bandwidth (bytes read + written) and pinned host-to-device bandwidth, medians."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return {}
-
-    def timed(fn, reps=10) -> float:
-        fn()
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        return statistics.median(times)
-
-    n = 1 << 30
-    src, dst = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
-    hbm = 2 * n / timed(lambda: dst.copy_(src))
-    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    pcie = n / timed(lambda: dst.copy_(host, non_blocking=True))
-    src = dst = host = None  # frees the buffers (the timed closures hold the names, not the tensors)
-    torch.cuda.empty_cache()
-    return {"hbm_copy_gb_s": hbm / 1e9, "pcie_h2d_gb_s": pcie / 1e9}
 
 
 def _meta_model(model_path: str):

@@ -19,7 +19,8 @@ Groups, each per M (rows of x; tokens for the MoE) in 1, 2, 4, 8, 16, 64, 256, 1
 
 Columns: time (us, per call, from CUDA-graph replays of many calls, so launch overhead from Python is not counted),
 GB/s (the bytes the call must move: weights read once, distinct experts for the MoE, activations in and out) and
-its fraction of the measured HBM copy bandwidth (a 1 GiB device-to-device copy, bytes read + written), TFLOP/s,
+its fraction of the measured HBM copy bandwidth (``bench/hardware_bandwidth.py``: a 1 GiB device-to-device
+copy, bytes read + written, the figure decode_bench divides by too), TFLOP/s,
 and ``vs bf16`` = BF16 time / our time (above 1: faster). Small weights are cycled through enough copies to
 exceed L2, so every call reads HBM. Targets on the H200: decode (M <= 16) >= 70 % of the copy bandwidth; the
 grouped MoE at prefill sizes no slower than BF16.
@@ -114,11 +115,16 @@ def time_calls(calls, device) -> float:
 
 
 def copy_bandwidth(device) -> float:
-    """Bytes/s of a device copy (read + write counted): 1 GiB on CUDA, 64 MiB on the CPU."""
+    """Bytes/s of a device copy (read + written): on CUDA ``hardware_bandwidth.measure_bandwidth`` (the figure
+    every benchmark divides by), on the CPU a 64 MiB copy by the wall clock."""
     import torch
 
-    n = (1 << 30) if device.type == "cuda" else (64 << 20)
-    src, dst = torch.empty(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
+    if device.type == "cuda":
+        from hardware_bandwidth import measure_bandwidth
+
+        return measure_bandwidth()["hbm_copy_gb_s"] * 1e9
+    n = 64 << 20
+    src, dst = torch.empty(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
     t = min(time_calls([lambda: dst.copy_(src)] * 3, device) for _ in range(3))
     return 2 * n / t
 
@@ -286,6 +292,7 @@ def main(argv=None) -> dict:
     if a.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton compiles anything
     sys.path.insert(0, os.path.join(ROOT, "python"))
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
     import torch
 
     device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")

@@ -1,0 +1,37 @@
+"""The hardware limits every benchmark reports against, measured on the card it runs on: HBM bandwidth (a 1 GiB
+device-to-device copy, bytes read + written, timed eagerly with events: a copy captured in a CUDA graph becomes a
+memcpy node that runs well below what kernels reach) and pinned host-to-device PCIe bandwidth."""
+
+from __future__ import annotations
+
+import statistics
+
+
+def measure_bandwidth() -> dict:
+    """``{"hbm_copy_gb_s", "pcie_h2d_gb_s"}``: device-to-device copy bandwidth (bytes read + written) and pinned
+    host-to-device bandwidth, medians of 10; ``{}`` without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+
+    def timed(fn, reps=10) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        return statistics.median(times)
+
+    n = 1 << 30
+    src, dst = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
+    hbm = 2 * n / timed(lambda: dst.copy_(src))
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    pcie = n / timed(lambda: dst.copy_(host, non_blocking=True))
+    src = dst = host = None  # frees the buffers (the timed closures hold the names, not the tensors)
+    torch.cuda.empty_cache()
+    return {"hbm_copy_gb_s": hbm / 1e9, "pcie_h2d_gb_s": pcie / 1e9}
