@@ -91,7 +91,42 @@ def decode_bytes_per_token(model_path: str) -> dict:
     if model.state_layout is not None:
         s = model.state_layout
         state = 2 * s.num_layers * (torch.Size(s.ssm_shape).numel() * 4 + torch.Size(s.conv_shape).numel() * elt)
-    return {"weight_bytes": active, "state_bytes": state, "bytes": active + state, "expert_bytes": expert_bytes}
+    return {
+        "weight_bytes": active,
+        "state_bytes": state,
+        "bytes": active + state,
+        "expert_bytes": expert_bytes,
+        "moe_layers": len(experts),
+        "num_experts": int(cfg.get("num_experts") or 0),
+        "top_k": top_k,
+    }
+
+
+def uniform_step_bytes(need: dict, streams: int) -> float:
+    """Bytes a decode step of ``streams`` sequences must read under uniform routing: the batch-1 weights with
+    the top-k experts replaced by the expected number of distinct experts ``E (1 - (1 - k/E)^B)`` per MoE layer,
+    plus every sequence's recurrent state."""
+    E, k, L = need.get("num_experts", 0), need.get("top_k", 0), need.get("moe_layers", 0)
+    distinct = E * (1 - (1 - k / E) ** streams) if E else 0.0
+    dense = need["weight_bytes"] - L * k * need["expert_bytes"]
+    return dense + L * distinct * need["expert_bytes"] + streams * need["state_bytes"]
+
+
+def zipf_best_hit_rate(need: dict, cache_size: int, draws: int = 20000) -> float:
+    """The hit rate of the best fixed expert cache under ``FREETOKEN_BENCH_ROUTING=zipf`` (the same Gumbel top-k
+    draws over Zipf(1) popularity): each MoE layer holds its ``cache_size / layers`` most popular experts (a
+    fractional share interpolated), simulated over ``draws`` tokens. No eviction policy can beat it on average,
+    so its PCIe floor bounds the Zipf decode rate whatever the cache does."""
+    import torch
+
+    E, k, L = need["num_experts"], need["top_k"], need["moe_layers"]
+    g = torch.Generator().manual_seed(0)
+    u = torch.rand(draws, E, generator=g).clamp_(min=1e-20)
+    ids = (-torch.log(-torch.log(u)) + torch.log(1.0 / torch.arange(1, E + 1, dtype=torch.float32))).topk(k).indices
+    per_layer = min(E, cache_size / L)
+    lo = int(per_layer)
+    frac = per_layer - lo
+    return float((ids < lo).float().mean() * (1 - frac) + (ids < min(E, lo + 1)).float().mean() * frac)
 
 
 # ------------------------------------------------------------------ measurements through HTTP
@@ -206,6 +241,11 @@ def resident_run(label: str, args: list[str], env: dict, a, routing_file: str, w
         one_stream(srv, 16)
         row["bs1"] = one_stream(srv, a.decode_tokens)
         row["many"] = many_streams(srv, a.streams, a.decode_tokens)
+        if with_prefill:  # the same streams with uniform routing: a known number of distinct experts per step
+            set_routing(routing_file, "uniform")
+            stream_completion(srv.url, "warm up", 4)
+            row["many_uniform"] = many_streams(srv, a.streams, a.decode_tokens)
+            set_routing(routing_file, "off")
     finally:
         row["exit_code"] = srv.stop()
     return row
@@ -342,6 +382,15 @@ def print_resident(runs: dict, hw: dict, need: dict, roof_ms) -> None:
     line(f"resident, {g['many']['streams']} streams, graphs", g["many"], e and e["many"]["tok_s"], roof=False)
     if e:
         line(f"resident, {e['many']['streams']} streams, eager", e["many"], roof=False)
+    u = g.get("many_uniform")
+    if u and hw:
+        roof_tok_s = u["streams"] / (uniform_step_bytes(need, u["streams"]) / (hw["hbm_copy_gb_s"] * 1e9))
+        line(f"resident, {u['streams']} streams, uniform routing", u, roof=False)
+        print(
+            f"  {u['streams']} streams under uniform routing read {uniform_step_bytes(need, u['streams']) / 1e9:.1f} GB "
+            f"a step (distinct experts, every state): HBM roofline {roof_tok_s:.0f} tok/s, measured "
+            f"{u['tok_s'] / roof_tok_s:.2f} of it"
+        )
     n = runs.get("no_overlap")
     if n:
         line("resident, 1 stream, overlap off", n["bs1"], None, FREETOKEN_012["resident_bs1"])
@@ -383,6 +432,12 @@ def print_offload(off: dict, hw: dict, need: dict) -> None:
                 f"{r['tok_s'] / FREETOKEN_012['offload_all_hit_bs1']:.2f}x",
             ]
             print(f"{mode + ' routing':<34}" + "".join(f"{c:>{w}}" for c, w in zip(cells, (10, 10, 10, 15, 11, 15))))
+        best = zipf_best_hit_rate(need, off["cache_size"])
+        floor = (1 - best) * need["top_k"] * need["moe_layers"] * need["expert_bytes"] / pcie * 1e3
+        print(
+            f"  zipf, the best fixed cache of {off['cache_size']} experts (each layer its most popular): hit rate "
+            f"{best:.3f}, PCIe floor {floor:.2f} ms -> at most {1e3 / floor:.0f} tok/s at 1 stream"
+        )
         if "prefill_uniform" in off:
             p = off["prefill_uniform"]
             print(f"offload prefill {p['prompt_tokens']} tokens, uniform routing: {p['tok_s']:.0f} tok/s")

@@ -152,11 +152,11 @@ def profile_steps(step, sync, device, n: int, top: int) -> tuple[list[dict], lis
 
 def print_profile(result: dict) -> None:
     graph_ms, step_ms, device_ms = result["graph_step_ms"], result["step_ms"], result["device_busy_ms_per_step"]
-    b = result["batch"]
+    b, kind = result["batch"], result.get("kind", "decode")
     if graph_ms is not None:
-        print(f"batch {b}: decode step from the CUDA graph {graph_ms:.2f} ms ({b * 1e3 / graph_ms:.1f} tok/s)")
+        print(f"batch {b}: {kind} step from the CUDA graph {graph_ms:.2f} ms ({b * 1e3 / graph_ms:.1f} tok/s)")
     print(
-        f"batch {b}: decode step eager {step_ms:.2f} ms ({b * 1e3 / step_ms:.1f} tok/s); device busy {device_ms:.2f} ms/step "
+        f"batch {b}: {kind} step eager {step_ms:.2f} ms ({result['tok_s']:.1f} tok/s); device busy {device_ms:.2f} ms/step "
         f"(profiled eagerly: the same kernels the graph replays, plus the launches)"
     )
     for title, table in (("self CPU", result["by_self_cpu"]), ("device", result["by_device"])):

@@ -1,0 +1,101 @@
+"""Where a prefill chunk over a long cached prefix spends its time (issue 12's agent turn: ~2,200 new tokens after
+~28,000 cached ones): builds the worker in-process (no HTTP, no scheduler, no radix tree), prefills ``--context``
+tokens in ``--max-prefill-length`` chunks, then times a ``--new``-token chunk at that position eagerly (the same
+chunk re-run over the same KV slots) and profiles it. The gap between this worker time and the HTTP TTFT of
+``bench/agent_session_bench.py`` is what the server, the tokenizer path and the cache bookkeeping add.
+``--routing off,uniform`` times the chunk under each ``FREETOKEN_BENCH_ROUTING`` mode (the dummy router
+concentrates tokens on few experts; uniform routing gives every expert its share, as a trained router does).
+
+    python bench/profile_prefill.py --context 27816 --new 2184 --out bench/out/profile_prefill.json -- \\
+        --dummy-weight --model-path configs/qwen3.6-35b-a3b --max-seq-len-override 32768 --moe-backend fused
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+from profile_decode import batch_plan, print_profile, profile_steps, worker_args  # noqa: E402
+
+from freetoken.moe import bench_routing  # noqa: E402
+from freetoken.worker import Worker  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    """The command line."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--context", type=int, default=27816, help="cached tokens before the chunk")
+    ap.add_argument("--new", type=int, default=2184, help="tokens of the timed chunk")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--routing", default="off", help="comma-separated FREETOKEN_BENCH_ROUTING modes, each timed")
+    ap.add_argument("--profile-steps", type=int, default=2)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out", default="bench/out/profile_prefill.json")
+    ap.add_argument("serve_args", nargs=argparse.REMAINDER)
+    return ap.parse_args()
+
+
+def main() -> int:
+    a = parse_args()
+    w = Worker(worker_args([x for x in a.serve_args if x != "--"]))
+    slots = [0 if w.state is not None else -1]
+    sync = torch.cuda.synchronize if w.device.type == "cuda" else (lambda: None)
+    ids = [(i * 37) % 1000 + 10 for i in range(a.context + a.new)]
+    stride = a.context + a.new
+    t0 = time.perf_counter()
+    for start in range(0, a.context, w.max_prefill_length):
+        chunk = ids[start : min(a.context, start + w.max_prefill_length)]
+        w.execute_plan(batch_plan([chunk], start, slots, stride))
+    sync()
+    context_s = time.perf_counter() - t0
+
+    def step():
+        w.execute_plan(batch_plan([ids[a.context :]], a.context, slots, stride))
+
+    results = []
+    for mode in a.routing.split(","):
+        bench_routing.set_mode(mode)
+        step()  # warm-up: JIT for this chunk's shapes
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(a.reps):
+            step()
+        sync()
+        step_ms = (time.perf_counter() - t0) / a.reps * 1e3
+        by_cpu, by_dev, device_ms = profile_steps(step, sync, w.device, a.profile_steps, a.top)
+        result = {
+            "serve_args": a.serve_args,
+            "routing": mode,
+            "batch": 1,
+            "kind": f"prefill ({a.new} tokens after {a.context}, routing {mode})",
+            "context": a.context,
+            "new": a.new,
+            "context_prefill_s": context_s,
+            "graph_step_ms": None,
+            "step_ms": step_ms,
+            "tok_s": a.new * 1e3 / step_ms,
+            "device_busy_ms_per_step": device_ms,
+            "by_self_cpu": by_cpu,
+            "by_device": by_dev,
+        }
+        results.append(result)
+        print(
+            f"\ncontext {a.context} tokens prefilled in {context_s:.2f} s; chunk of {a.new} new tokens after it, "
+            f"routing {mode}: {step_ms:.1f} ms ({a.new * 1e3 / step_ms:.0f} tok/s), device busy {device_ms:.1f} ms"
+        )
+        print_profile(result)
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
