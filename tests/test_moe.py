@@ -116,7 +116,9 @@ def test_bf16_forward_close_to_fp32():
     d = _cfg()
     blk = SparseMoeBlock(ModelConfig.from_dict(d))
     _randomise(blk, 5)
-    x = torch.randn(9, d["hidden_size"])
+    # a fixed input: about one random input in ten has a near-tie in the router that bf16 flips (a different
+    # expert, an error of ~0.4), which no tolerance on the outputs can allow for
+    x = torch.randn(9, d["hidden_size"], generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = blk(x)
         out = blk.to(torch.bfloat16)(x.bfloat16())

@@ -22,20 +22,28 @@ from torch import nn
 from ..kernels.fp8_linear import fp8_quantize, fp8_scaled_mm, scaled_mm_supported
 from .quantized_linear import Fp8Linear
 
+# The fused weight's rows are padded with zeros to a multiple of this: an output row of an odd width (the MoE
+# router | shared gate | shared gate_up of Qwen3.5/3.6 is 256 + 1 + 1024 = 1281 wide) is not 16-byte aligned, and
+# cuBLAS then falls back to an sm_75 kernel that ran the router GEMM of an 8,192-token prefill at ~18 TFLOP/s on an
+# H200 (19 ms of a 320 ms chunk). The padding costs a few zero rows; the output is narrowed back to the parts.
+_ROW_ALIGN = 8
+
 
 class FusedLinear(nn.Module):
-    """One weight ``[sum(sizes), in]`` whose row blocks are the parts' weights. The parts own the parameters; the
+    """One weight ``[sum(sizes) + padding, in]`` whose row blocks are the parts' weights. The parts own the parameters; the
     fused tensors are non-persistent buffers (out of ``state_dict()`` and the parameter count, moved by ``.to()``;
     after a move the two are separate copies of the same values)."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], sizes: list[int]):
         super().__init__()
-        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("weight", weight, persistent=False)  # rows past sum(sizes): zero padding
         self.register_buffer("bias", bias, persistent=False)
         self.sizes = sizes
+        self.out_features = sum(sizes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias)
+        return y if y.shape[-1] == self.out_features else y[..., : self.out_features]
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return torch.split(y, self.sizes, dim=-1)
@@ -120,8 +128,10 @@ def fuse_linears(*parts: nn.Module) -> FusedLinear | PartwiseLinear:
     if any(with_bias) and not all(with_bias):
         raise ValueError("fused projections must all have a bias or none")
     sizes = [p.out_features for p in parts]
-    weight = torch.cat([p.weight for p in parts], dim=0)
-    bias = torch.cat([p.bias for p in parts], dim=0) if all(with_bias) else None
+    pad = -sum(sizes) % _ROW_ALIGN
+    w0 = parts[0].weight
+    weight = torch.cat([p.weight for p in parts] + [w0.new_zeros(pad, w0.shape[1])], dim=0)
+    bias = torch.cat([p.bias for p in parts] + [parts[0].bias.new_zeros(pad)], dim=0) if all(with_bias) else None
     start = 0
     for p, n in zip(parts, sizes):
         p.weight = nn.Parameter(weight[start : start + n], requires_grad=False)
