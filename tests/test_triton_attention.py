@@ -26,7 +26,7 @@ def _tol(dtype):
     return {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
 
 
-def extend_case(nh, nkv, D, DV, ext, pre, dtype, device, seed=0):
+def extend_case(nh, nkv, D, DV, ext, pre, dtype, device, seed=0, config=None):
     from freetoken.kernels.attention import extend_attention_torch, extend_attention_triton
 
     B = len(ext)
@@ -48,6 +48,7 @@ def extend_case(nh, nkv, D, DV, ext, pre, dtype, device, seed=0):
         torch.tensor(pre, dtype=torch.int32, device=device),
         scale,
         max_extend_len=max(ext),
+        config=config,
     )
     torch.testing.assert_close(out.float(), ref.float(), atol=_tol(dtype), rtol=_tol(dtype))
 
@@ -196,6 +197,8 @@ _CPU_SCRIPT = textwrap.dedent(
         t.decode_case(4, 1, 16, 16, [1, 9, 40], dt, "cpu", splits=1)
         t.decode_case(6, 2, 16, 32, [1, 9, 40, 3], dt, "cpu", splits=3)  # GQA group 3, empty splits
         t.decode_case(4, 2, 16, 24, [1, 9, 40], dt, "cpu", splits=2, gated=True)  # output gate in the merge
+    # the 64 x 64 tiles sm_90 takes for head dims above 128, over chunks shorter and longer than a tile
+    t.extend_case(4, 2, 16, 16, [70, 5], [100, 0], torch.float16, "cpu", seed=2, config=(64, 64, 8, 2))
     t.backend_case("cpu", torch.float32)
     t.gated_backend_case("cpu", torch.float32)
     print("OK")

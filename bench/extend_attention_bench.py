@@ -1,0 +1,102 @@
+"""The Triton extend (prefill) attention kernel at Qwen3.6-35B-A3B's attention shape (16 query heads, 2 KV heads,
+head dim 256, bf16, page size 1) over the chunks a server runs: a fresh 8,192-token chunk, the last 8,192-token
+chunk of a 30k prompt, and an agent turn's 2,184 new tokens after 27,816 cached ones (issue 12). Each chunk is
+timed under the tile configs given (``--configs``; the default is the launcher's own pick first, then the
+alternatives), printing ms, TFLOP/s over the causal work actually done and the fraction of the H200's dense BF16
+tensor-core peak (989 TFLOP/s), and the launcher's pick against the old 32 x 32 tiles. Writes JSON.
+
+    python bench/extend_attention_bench.py --out bench/out/extend_attention.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHUNKS = [(8192, 0), (8192, 21808), (2184, 27816)]  # (new tokens, cached prefix)
+H200_BF16_DENSE_TFLOPS = 989.0
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", default="auto,32x32x4x2,64x64x8x2,64x32x4x2,128x32x8x2,128x64x8x2")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "out", "extend_attention.json"))
+    return ap.parse_args()
+
+
+def causal_flops(ext: int, pre: int, nh: int, d: int, dv: int) -> float:
+    """QKᵀ and PV over the keys each query sees (its prefix and the chunk up to itself)."""
+    keys = ext * pre + ext * (ext + 1) / 2
+    return 2.0 * keys * nh * (d + dv)
+
+
+def main() -> int:
+    a = parse_args()
+    sys.path.insert(0, os.path.join(ROOT, "python"))
+    import torch
+
+    from freetoken.kernels.attention import _extend_config, extend_attention_triton
+
+    dev = torch.device("cuda")
+    nh, nkv, D = 16, 2, 256
+    dt = torch.bfloat16
+    rows = []
+    for ext, pre in CHUNKS:
+        ctx = ext + pre
+        kc = torch.randn(ctx + 8, nkv, D, device=dev, dtype=dt)
+        vc = torch.randn(ctx + 8, nkv, D, device=dev, dtype=dt)
+        r2t = torch.randperm(ctx + 8, device=dev)[:ctx].to(torch.int32).view(1, ctx)  # page size 1, scattered
+        q = torch.randn(ext, nh, D, device=dev, dtype=dt)
+        cu = torch.tensor([0, ext], dtype=torch.int32, device=dev)
+        pl = torch.tensor([pre], dtype=torch.int32, device=dev)
+        r = torch.zeros(1, dtype=torch.int32, device=dev)
+        flops = causal_flops(ext, pre, nh, D, D)
+        for name in a.configs.split(","):
+            cfg = None if name == "auto" else tuple(int(v) for v in name.split("x"))
+            label = name if cfg else "auto=" + "x".join(map(str, _extend_config(q, kc, D, D, ext)))
+
+            def call():
+                extend_attention_triton(q, kc, vc, r2t, r, cu, pl, D**-0.5, ext, config=cfg)
+
+            try:
+                call()
+                torch.cuda.synchronize()
+                times = []
+                for _ in range(a.reps):
+                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    s.record()
+                    call()
+                    e.record()
+                    e.synchronize()
+                    times.append(s.elapsed_time(e))
+                ms = statistics.median(times)
+                rows.append({"new": ext, "prefix": pre, "config": label, "ms": ms, "tflops": flops / ms / 1e9})
+            except Exception as exc:  # a config that does not fit (shared memory, registers) on this card
+                rows.append({"new": ext, "prefix": pre, "config": label, "error": str(exc).splitlines()[0][:80]})
+    print(f"{'chunk':<24}{'config':<22}{'ms':>9}{'TFLOP/s':>10}{'of peak':>9}")
+    for row in rows:
+        chunk = f"{row['new']} after {row['prefix']}"
+        if "error" in row:
+            print(f"{chunk:<24}{row['config']:<22}  failed: {row['error']}")
+            continue
+        frac = row["tflops"] / H200_BF16_DENSE_TFLOPS
+        print(f"{chunk:<24}{row['config']:<22}{row['ms']:>9.2f}{row['tflops']:>10.1f}{frac:>9.2f}")
+    for ext, pre in CHUNKS:
+        got = {r["config"].split("=")[0]: r for r in rows if (r["new"], r["prefix"]) == (ext, pre) and "ms" in r}
+        if "auto" in got and "32x32x4x2" in got:
+            print(
+                f"{ext} after {pre}: the launcher's pick {got['32x32x4x2']['ms'] / got['auto']['ms']:.2f}x the 32x32 tiles"
+            )
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
