@@ -323,6 +323,9 @@ def run_server(label: str, serve_args: list[str], session: Session, tok, warmup_
                     "e2e_s": r["e2e_s"],
                     "completion_tokens": r["usage"]["completion_tokens"],
                     "ids_exact": r["ids_exact"],
+                    # the last prefill step's own throughput (tokens / its forward): the whole turn's prefill when
+                    # the computed tokens fit one chunk, so TTFT minus (computed / this) is the time outside it
+                    "prefill_step_tok_s": after.get("prefill_throughput"),
                     "answer": r["text"],
                 }
             )
@@ -437,6 +440,8 @@ def main() -> int:
         "turns": a.turns,
         "final_context": a.final_context,
         "max_tokens": a.max_tokens,
+        # one prefill step's tokens (ft serve's default 8192): a turn that computes no more is one step
+        "chunk": int(extra[extra.index("--max-prefill-length") + 1]) if "--max-prefill-length" in extra else 8192,
         "planned_prompt_tokens": session.contexts,
         "target_ratio": TARGET_RATIO,
         "runs": {},
@@ -479,6 +484,9 @@ def summarize(report: dict) -> list[dict]:
             "ttft_uncached_s": t_off["ttft_s"] if t_off else None,
             "ids_exact": all(t["ids_exact"] for t in (t_on, t_off) if t),
         }
+        tps = t_on and t_on.get("prefill_step_tok_s")
+        computed = t_on and t_on["prompt_tokens"] - t_on["cached_tokens"]
+        row["prefill_step_cached_s"] = computed / tps if tps and computed and computed <= report["chunk"] else None
         row["ratio"] = row["ttft_cached_s"] / row["ttft_uncached_s"] if t_on and t_off else None
         row["same_answer"] = t_on["answer"] == t_off["answer"] if t_on and t_off else None
         rows.append(row)
@@ -505,7 +513,7 @@ def print_table(report: dict, rows: list[dict]) -> None:
     )
     print(
         f"{'turn':>4}{'prompt':>8}{'new':>7}{'cached':>8}{'snap hit':>9}{'TTFT on ms':>12}{'TTFT off ms':>13}"
-        f"{'on/off':>8}{'same ans':>9}{'ids exact':>10}"
+        f"{'on/off':>8}{'step on ms':>11}{'same ans':>9}{'ids exact':>10}"
     )
     for r in rows:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.1%}"
@@ -513,7 +521,7 @@ def print_table(report: dict, rows: list[dict]) -> None:
         print(
             f"{r['turn']:>4}{r['prompt_tokens']:>8}{r['new_tokens']:>7}{str(r['cached_tokens']):>8}"
             f"{str(r['snapshot_hit_tokens']):>9}{ms(r['ttft_cached_s']):>12}{ms(r['ttft_uncached_s']):>13}"
-            f"{ratio:>8}{same:>9}{'yes' if r['ids_exact'] else 'no':>10}"
+            f"{ratio:>8}{ms(r.get('prefill_step_cached_s')):>11}{same:>9}{'yes' if r['ids_exact'] else 'no':>10}"
         )
     last = report["last_turn"]
     if last["ratio"] is not None:
