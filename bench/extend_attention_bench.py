@@ -23,7 +23,7 @@ H200_BF16_DENSE_TFLOPS = 989.0
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--configs", default="auto,32x32x4x2,64x64x8x2,64x32x4x2,128x32x8x2,128x64x8x2")
+    ap.add_argument("--configs", default="auto,32x32x4x2,64x64x8x2,64x32x4x2,128x32x8x2,128x64x8x2,128x128x8x2")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "out", "extend_attention.json"))
     return ap.parse_args()

@@ -297,14 +297,17 @@ def _prec(dtype: torch.dtype) -> str:
 
 def _extend_config(q, k_cache, bd: int, bdv: int, max_extend_len: int) -> tuple[int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of the extend kernel. Head dims above 128 (Qwen3.5/3.6: 256)
-    in 16-bit take 64 x 64 tiles where shared memory holds two stages of both (sm_90: 228 KB per SM): with 32 x 32
-    tiles a chunk after a 28k-token prefix ran at ~100 TFLOP/s on an H200 (10 ms a layer), each key tile reused
-    by 32 queries only. sm_80/86/89 (100-164 KB) keep 32 x 32."""
+    in 16-bit take 128 x 64 tiles where shared memory holds two stages of the K and V tiles beside the Q tile
+    (sm_90: 228 KB per SM). Measured on the H200 at Qwen3.6's shape (bench/extend_attention_bench.py,
+    2026-12-01): 2.4-3.2x the 32 x 32 tiles (a 2,184-token chunk after 27,816 cached: 4.6 ms a layer instead of
+    10.9; 8,192 after 21,808: 9.1 ms instead of 28.8, 381 TFLOP/s) and 1.5-2x 64 x 64. sm_80/86/89 (100-164 KB)
+    keep 32 x 32."""
     big = max(bd, bdv) > 128 or k_cache.dtype == torch.float32
+    wide_smem = 2 * 2 * 64 * (bd + bdv) + 2 * 128 * bd  # bytes: two stages of 64-key K and V tiles, the Q tile
     if not big:
         cfg = (64, 64, 4, 2)
-    elif k_cache.dtype != torch.float32 and q.is_cuda and _smem_per_block(q.device) >= 2 * 2 * 64 * (bd + bdv) + 65536:
-        cfg = (64, 64, 8, 2)
+    elif k_cache.dtype != torch.float32 and q.is_cuda and _smem_per_block(q.device) >= wide_smem:
+        cfg = (128, 64, 8, 2)
     else:
         cfg = (32, 32, 4, 2)
     if max_extend_len <= 16:

@@ -197,8 +197,8 @@ _CPU_SCRIPT = textwrap.dedent(
         t.decode_case(4, 1, 16, 16, [1, 9, 40], dt, "cpu", splits=1)
         t.decode_case(6, 2, 16, 32, [1, 9, 40, 3], dt, "cpu", splits=3)  # GQA group 3, empty splits
         t.decode_case(4, 2, 16, 24, [1, 9, 40], dt, "cpu", splits=2, gated=True)  # output gate in the merge
-    # the 64 x 64 tiles sm_90 takes for head dims above 128, over chunks shorter and longer than a tile
-    t.extend_case(4, 2, 16, 16, [70, 5], [100, 0], torch.float16, "cpu", seed=2, config=(64, 64, 8, 2))
+    # the 128 x 64 tiles sm_90 takes for head dims above 128, over chunks shorter and longer than a tile
+    t.extend_case(4, 2, 16, 16, [150, 5], [100, 0], torch.float16, "cpu", seed=2, config=(128, 64, 8, 2))
     t.backend_case("cpu", torch.float32)
     t.gated_backend_case("cpu", torch.float32)
     print("OK")
