@@ -307,6 +307,9 @@ class DecodeGraphs:
                 self.offload.num_valid_tokens = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            # the eager warm-up runs on the side stream left their blocks cached in the allocator, outside the
+            # graphs' pool: hand them back, so the figure (and the plan's check against it) is the pool alone
+            torch.cuda.empty_cache()
             self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved0
         self.capture_s = time.perf_counter() - t0
 
