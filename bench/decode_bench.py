@@ -389,7 +389,8 @@ def print_resident(runs: dict, hw: dict, need: dict, roof_ms) -> None:
         roof_tok_s = u["streams"] / (uniform_step_bytes(need, u["streams"]) / (hw["hbm_copy_gb_s"] * 1e9))
         line(f"resident, {u['streams']} streams, uniform routing", u, roof=False)
         print(
-            f"  {u['streams']} streams under uniform routing read {uniform_step_bytes(need, u['streams']) / 1e9:.1f} GB "
+            f"  {u['streams']} streams under uniform routing read "
+            f"{uniform_step_bytes(need, u['streams']) / 1e9:.1f} GB "
             f"a step (distinct experts, every state): HBM roofline {roof_tok_s:.0f} tok/s, measured "
             f"{u['tok_s'] / roof_tok_s:.2f} of it"
         )

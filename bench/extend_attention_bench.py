@@ -89,9 +89,8 @@ def main() -> int:
     for ext, pre in CHUNKS:
         got = {r["config"].split("=")[0]: r for r in rows if (r["new"], r["prefix"]) == (ext, pre) and "ms" in r}
         if "auto" in got and "32x32x4x2" in got:
-            print(
-                f"{ext} after {pre}: the launcher's pick {got['32x32x4x2']['ms'] / got['auto']['ms']:.2f}x the 32x32 tiles"
-            )
+            speedup = got["32x32x4x2"]["ms"] / got["auto"]["ms"]
+            print(f"{ext} after {pre}: the launcher's pick {speedup:.2f}x the 32x32 tiles")
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)

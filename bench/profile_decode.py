@@ -1,7 +1,8 @@
 """Where a decode step's time goes: builds the worker in-process (no HTTP, no scheduler), prefills ``--batch``
-prompts (default 1; the serve args' ``--max-running-requests`` must allow as many), then times decode steps of that batch from the decode CUDA graph (``Worker.execute``) and eagerly (``Worker.execute_plan``)
-and profiles a few eager ones with ``torch.profiler``. Prints the mean step time, the host time the GPU waited on, and the top operators by host
-(self CPU) and device time; writes JSON.
+prompts (default 1; the serve args' ``--max-running-requests`` must allow as many), then times decode steps of
+that batch from the decode CUDA graph (``Worker.execute``) and eagerly (``Worker.execute_plan``) and profiles a
+few eager ones with ``torch.profiler``. Prints the mean step time, the host time the GPU waited on, and the top
+operators by host (self CPU) and device time; writes JSON.
 
     python bench/profile_decode.py --out bench/out/profile.json -- --dummy-weight --model-path configs/qwen3.6-35b-a3b
 """
@@ -156,7 +157,8 @@ def print_profile(result: dict) -> None:
     if graph_ms is not None:
         print(f"batch {b}: {kind} step from the CUDA graph {graph_ms:.2f} ms ({b * 1e3 / graph_ms:.1f} tok/s)")
     print(
-        f"batch {b}: {kind} step eager {step_ms:.2f} ms ({result['tok_s']:.1f} tok/s); device busy {device_ms:.2f} ms/step "
+        f"batch {b}: {kind} step eager {step_ms:.2f} ms ({result['tok_s']:.1f} tok/s); "
+        f"device busy {device_ms:.2f} ms/step "
         f"(profiled eagerly: the same kernels the graph replays, plus the launches)"
     )
     for title, table in (("self CPU", result["by_self_cpu"]), ("device", result["by_device"])):

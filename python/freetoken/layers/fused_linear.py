@@ -30,9 +30,9 @@ _ROW_ALIGN = 8
 
 
 class FusedLinear(nn.Module):
-    """One weight ``[sum(sizes) + padding, in]`` whose row blocks are the parts' weights. The parts own the parameters; the
-    fused tensors are non-persistent buffers (out of ``state_dict()`` and the parameter count, moved by ``.to()``;
-    after a move the two are separate copies of the same values)."""
+    """One weight ``[sum(sizes) + padding, in]`` whose row blocks are the parts' weights. The parts own the
+    parameters; the fused tensors are non-persistent buffers (out of ``state_dict()`` and the parameter count,
+    moved by ``.to()``; after a move the two are separate copies of the same values)."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], sizes: list[int]):
         super().__init__()
