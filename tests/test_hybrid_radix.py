@@ -3,18 +3,21 @@ through the offline engine, which runs the production scheduler. A prefix hit on
 linear-attention layers from a recurrent-state snapshot, so every hit must give the tokens (and logprobs) of the
 same request run cold on the naive cache: multi-turn conversations, a repeated prompt, a shared system prompt
 (alone and batched), and a snapshot pool small enough to evict. Each test also checks that hits happened, so
-equality cannot come from both runs computing everything."""
+equality cannot come from both runs computing everything. Every test runs on the CPU and, under the ``gpu``
+marker, on CUDA (the Triton attention and fla GDN kernels, in fp32 so that the cached and cold runs' different
+chunkings can only reorder float sums, never flip a bf16 near-tie)."""
 
 from __future__ import annotations
 
 import hf_reference as R
 import pytest
+import torch
 
 pytestmark = pytest.mark.slow
 
 GRID = 64  # snapshots sit on the GDN chunk grid
 ENGINE_ARGS = dict(
-    device="cpu",
+    dtype="float32",
     num_tokens=8192,
     max_seq_len_override=4096,
     load_progress=False,
@@ -30,18 +33,26 @@ def checkpoint(tmp_path_factory):
     return d
 
 
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, _CUDA])])
+def device(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def cached(checkpoint):
+def cached(checkpoint, device):
     from freetoken import LLM
 
-    return LLM(checkpoint, **ENGINE_ARGS)  # --cache-type radix (default), resolved to hybrid_radix
+    return LLM(checkpoint, device=device, **ENGINE_ARGS)  # --cache-type radix (default), resolved to hybrid_radix
 
 
 @pytest.fixture(scope="module")
-def cold(checkpoint):
+def cold(checkpoint, device):
     from freetoken import LLM
 
-    return LLM(checkpoint, cache_type="naive", **ENGINE_ARGS)
+    return LLM(checkpoint, device=device, cache_type="naive", **ENGINE_ARGS)
 
 
 def greedy(n: int):
@@ -118,12 +129,12 @@ def test_shared_system_prompt_alone_and_batched(cached, cold):
     cached.engine.check_integrity()
 
 
-def test_small_snapshot_pool_evicts_and_stays_exact(checkpoint, cold):
+def test_small_snapshot_pool_evicts_and_stays_exact(checkpoint, device, cold):
     """Four conversations on two snapshot slots: the second turns, most recent first, find the latest
     conversations' snapshots and miss the evicted ones, and every answer equals the cold run."""
     from freetoken import LLM
 
-    small = LLM(checkpoint, num_snapshot_slots=2, **ENGINE_ARGS)
+    small = LLM(checkpoint, device=device, num_snapshot_slots=2, **ENGINE_ARGS)
     assert small.engine.stats()["snapshot_slots_total"] == 2
     first_turns = [R.prompt(140 + 10 * i, seed=50 + i) for i in range(4)]
     answers = []
