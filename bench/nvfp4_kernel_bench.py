@@ -12,7 +12,9 @@ Groups, each per M (rows of x; tokens for the MoE) in 1, 2, 4, 8, 16, 64, 256, 1
   (``layers/nvfp4_experts.run_nvfp4_experts``: decode GEMVs up to 64 pairs, grouped kernels above), under uniform
   and Zipf routing (``--routing``, default ``FREETOKEN_BENCH_ROUTING`` or both; the draws of
   ``moe/bench_routing.py``), with the number of distinct experts the step touches; beside it the BF16 kernels
-  (``layers/moe.run_experts``) on the same routing over a BF16 bank.
+  (``layers/moe.run_experts``) on the same routing over a BF16 bank. Above the decode sizes both grouped paths
+  are timed: the NVFP4 grouped kernel, and ``dequant`` (the whole bank dequantized, then the BF16 kernel):
+  where they cross is ``layers/nvfp4_experts.DEQUANT_MIN_PAIRS``.
 - ``fp8``: the FP8 per-tensor projections (``kernels/fp8_linear.py``: Triton quantization + tensor-wise
   ``_scaled_mm``): GDN in_proj_qkv (8192 x 2048), out_proj (2048 x 4096), attention k (512 x 2048), beside
   ``torch.mm`` in BF16.
@@ -219,6 +221,8 @@ def moe_banks(s, device, dtype):
 def bench_moe(a, device, dtype, bw) -> list:
     import torch
 
+    from freetoken.kernels.nvfp4_dequant import nvfp4_dequant_moe
+    from freetoken.kernels.nvfp4_moe import DECODE_MAX_PAIRS
     from freetoken.layers.moe import run_experts
     from freetoken.layers.nvfp4_experts import run_nvfp4_experts
 
@@ -239,6 +243,11 @@ def bench_moe(a, device, dtype, bw) -> list:
             t_bf16 = time_calls(cycled(lambda r: run_experts("triton", x, w13, w2, *r), routes, reps), device)
             name = f"experts {mode}"
             rows.append(row("moe", name, T, t, nbytes, 6 * T * k * H * I, bw, t_bf16, distinct_experts=distinct))
+            if T * k > DECODE_MAX_PAIRS:  # the other grouped path: the bank dequantized, then the BF16 kernel
+                t_deq = time_calls(cycled(lambda r: nvfp4_dequant_moe(x, *bank, *r), routes, reps), device)
+                rows.append(
+                    row("moe", f"{name} dequant", T, t_deq, nbytes, 6 * T * k * H * I, bw, t_bf16, distinct_experts=E)
+                )
     return rows
 
 

@@ -86,6 +86,41 @@ def check_grouped(T, E, k, H, I, dtype, device, seed=0, **routing):
     return err
 
 
+def check_dequant(S, H, I, dtype, device, seed=0):
+    """``nvfp4_dequantize_triton`` over a bank, contiguous and as the offload stream's strided row views
+    (``moe/nvfp4_rows.py``), against the reference: equal up to the order of the two fp32 products (at most one
+    ulp of the output dtype)."""
+    from freetoken.kernels.nvfp4_dequant import nvfp4_dequantize_torch, nvfp4_dequantize_triton
+    from freetoken.moe.nvfp4_rows import Nvfp4Rows
+
+    bank = random_bank(S, H, I, seed, device=device)
+    layout = Nvfp4Rows(H, I)
+    views = layout.views(*layout.allocate(S, device=device))
+    for v, t in zip(views, bank):
+        v.copy_(t)
+    ulp = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[dtype]
+    for packed, scale, glob in (bank[:3], bank[3:], views[:3], views[3:]):
+        out = nvfp4_dequantize_triton(packed, scale, glob, dtype)
+        ref = nvfp4_dequantize_torch(packed, scale, glob, dtype)
+        torch.testing.assert_close(out, ref, rtol=ulp, atol=0.0)
+
+
+def check_dequant_moe(T, E, k, H, I, dtype, device, seed=0, **routing):
+    """The dequantize-then-BF16-grouped path against ``nvfp4_moe_torch`` (the same dequantization, then the same
+    grouped math), ids outside the bank included."""
+    from freetoken.kernels.nvfp4_dequant import nvfp4_dequant_moe
+    from freetoken.kernels.nvfp4_moe import nvfp4_moe_torch
+
+    bank = random_bank(E, H, I, seed, device=device)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(T, H, generator=g).to(device, dtype)
+    ids, w = _routing(T, E, k, g, **routing)
+    ids, w = ids.to(device), w.to(device, dtype)
+    err = error(nvfp4_dequant_moe(x, *bank, ids, w), nvfp4_moe_torch(x, *bank, ids, w))
+    assert err <= 2 * _TOL[dtype][device == "cuda"], ("dequant grouped", T, E, k, H, I, dtype, err)
+    return err
+
+
 def check_slot_pool(T, k, dtype, device, E=12, S=7, H=64, I=32, seed=0):
     """Slots holding a subset of the experts in another order: the kernels over the pool with slot ids give exactly
     the resident bank's result with expert ids (decode and grouped); pairs whose expert is not in the pool (slot
@@ -159,10 +194,16 @@ _CPU_SCRIPT = textwrap.dedent(
         note("grouped " + key, t.check_grouped(9, 6, 2, 48, 32, dt, "cpu", invalid=True))
         note("grouped " + key, t.check_grouped(40, 8, 3, 32, 48, dt, "cpu", skew=True))  # long runs, empty experts
         note("grouped " + key, t.check_grouped(24, 5, 2, 160, 80, dt, "cpu"))  # K tails, I not a power of two
+        t.check_dequant(3, 48, 32, dt, "cpu")
+        note("dequant grouped " + key, t.check_dequant_moe(24, 6, 2, 160, 80, dt, "cpu", invalid=True))
+    t.check_dequant(2, 2064, 32, bf16, "cpu")  # a row longer than one step, with a tail
     t.check_slot_pool(3, 4, f32, "cpu")
     t.check_slot_pool(20, 4, f32, "cpu")
     note("module float32", t.check_module(2, f32, "cpu", "expert"))
     note("module float32", t.check_module(20, f32, "cpu", "output"))  # 80 pairs: grouped, shared added after
+    import freetoken.layers.nvfp4_experts as nx
+    nx.DEQUANT_MIN_PAIRS = 80  # the same module step through the dequantized bank
+    note("module dequant float32", t.check_module(20, f32, "cpu", "output"))
     for name, err in sorted(worst.items()):
         print(f"nvfp4_moe {{name:17s}} max |out - ref| / (1 + |ref|) = {{err:.3g}}")
     print("OK")
@@ -243,6 +284,20 @@ def test_grouped_cuda_qwen(T):
 )
 def test_grouped_cuda_shapes(T, E, k, H, I, kw, dtype):
     check_grouped(T, E, k, H, I, dtype, "cuda", seed=T, **kw)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dequant_cuda_qwen(dtype):
+    check_dequant(8, 2048, 512, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("T", [512, 4096])  # 4,096 and 32,768 pairs: the path run_nvfp4_experts takes there
+def test_dequant_grouped_cuda_qwen(T):
+    check_dequant_moe(T, 256, dtype=torch.bfloat16, device="cuda", seed=T, **QWEN)
 
 
 @pytest.mark.gpu

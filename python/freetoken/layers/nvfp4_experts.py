@@ -137,14 +137,24 @@ def nvfp4_experts_forward(impl, x, bank, topk_ids, topk_weights, shared=None):
     return out if shared is None else shared.add_to(out)
 
 
+# From this many (token, expert) pairs (512 tokens at top-8) a step dequantizes the whole bank to x's dtype and runs
+# the BF16 grouped kernel (``kernels/nvfp4_dequant.py`` says why). Not yet tuned on a GPU: on the H200 an 8,192-token
+# NVFP4 offload prefill took 0.9 s against 0.33 s of PCIe copies, the grouped NVFP4 kernel's share; the kernel
+# benchmark's ``experts dequant`` rows measure both paths per M, which is where this cut comes from next.
+DEQUANT_MIN_PAIRS = 4096
+
+
 def run_nvfp4_experts(x, bank, topk_ids, topk_weights, shared=None):
     """The Triton kernels over a bank in this layout (six tensors, ``Nvfp4Experts.bank()``'s order; expert or slot
     ids): the decode GEMVs for steps of at most ``DECODE_MAX_PAIRS`` pairs (shared expert in their epilogue), the
-    grouped kernels above (shared expert added after). On CPU this runs under TRITON_INTERPRET=1 only."""
+    grouped kernels above (shared expert added after), from ``DEQUANT_MIN_PAIRS`` pairs over the bank dequantized.
+    On CPU this runs under TRITON_INTERPRET=1 only."""
+    from ..kernels.nvfp4_dequant import nvfp4_dequant_moe
     from ..kernels.nvfp4_moe import nvfp4_fused_moe_triton, nvfp4_moe_decode_triton
 
     T, k = topk_ids.shape
     if T * k <= DECODE_MAX_PAIRS:
         return nvfp4_moe_decode_triton(x, *bank, topk_ids, topk_weights, **(shared.kernel_args() if shared else {}))
-    out = nvfp4_fused_moe_triton(x, *bank, topk_ids, topk_weights.to(x.dtype))
+    grouped = nvfp4_dequant_moe if T * k >= DEQUANT_MIN_PAIRS else nvfp4_fused_moe_triton
+    out = grouped(x, *bank, topk_ids, topk_weights.to(x.dtype))
     return out if shared is None else shared.add_to(out)
