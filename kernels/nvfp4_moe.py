@@ -21,10 +21,12 @@ in the same layout: ``topk_ids`` are then slot ids, as for the BF16 decode kerne
   in fp32, the shared expert's gated output added in the epilogue -> ``out [T, H]``. A pair whose id is outside the
   bank reads nothing (its loads are masked off): CUDA-graph padding rows and the offload slot cache's misses cost
   no bandwidth.
-- ``nvfp4_fused_moe_triton`` (prefill; modelled on ``fused_moe.py``): the pairs sorted by expert and padded to the
-  block size (``moe_align_block_size``; ids outside the bank go to a dummy expert whose blocks write zeros), then
-  two grouped tensor-core GEMMs, each K step decoding a ``[BLOCK_N, BLOCK_K]`` weight tile to x's dtype in registers
-  as the left operand of ``tl.dot`` (``nvfp4_linear.py`` says why: no BF16 copy of the experts, one launch each).
+- ``nvfp4_fused_moe_triton`` (mid-sized steps; modelled on ``fused_moe.py``; from ``DEQUANT_MIN_PAIRS`` pairs
+  ``layers/nvfp4_experts`` dequantizes the bank instead, ``nvfp4_dequant.py``): the pairs sorted by expert and padded
+  to the block size (``moe_align_block_size``; ids outside the bank go to a dummy expert whose blocks write zeros),
+  then two grouped tensor-core GEMMs, each K step decoding a ``[BLOCK_N, BLOCK_K]`` weight tile to x's dtype in
+  registers as the left operand of ``tl.dot`` (``nvfp4_linear.py`` says why: no BF16 copy of the experts, one launch
+  each).
 
 Rounding follows ``moe_decode``: gate and up rounded to x's dtype, the SiLU rounded, the product rounded; each down
 projection rounded, times the routing weight rounded to x's dtype, rounded; the k terms summed in fp32 and rounded
