@@ -310,8 +310,8 @@ def _extend_config(q, k_cache, bd: int, bdv: int, max_extend_len: int) -> tuple[
         cfg = (128, 64, 8, 2)
     else:
         cfg = (32, 32, 4, 2)
-    if max_extend_len <= 16:
-        cfg = (16,) + cfg[1:]
+    if max_extend_len <= 16:  # a few new tokens (short prompts, mixed steps): 16-row tiles, as before
+        cfg = (16, 32 if big else 64, 4, 2)
     return cfg
 
 
