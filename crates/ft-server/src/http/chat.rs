@@ -16,7 +16,7 @@
 use super::choices::{collect_choices, submit_choices, total_usage, Collected, ResponseHead};
 use super::logprobs::{chat_logprobs, LogprobsUpdate, PositionLogprob};
 use super::output::{Output, OutputSpec};
-use super::sse::{done_event, json_event, sse_choices, Ending, StreamFormat};
+use super::sse::{done_event, events_before_trailing_text, json_event, sse_choices, Ending, StreamFormat};
 use super::{off_the_async_workers, response_id, unix_now, OpenAiJson};
 use crate::http::openai_error::ApiError;
 use crate::http::protocol::{
@@ -192,12 +192,8 @@ impl StreamFormat for ChatFormat {
     }
 
     /// Text that came with the end rides in the finish chunk.
-    fn finish_with(&mut self, mut outputs: Vec<Output>, ending: Ending) -> Vec<Event> {
-        let content = match outputs.last() {
-            Some(Output::Text(_)) => outputs.pop().and_then(|o| if let Output::Text(t) = o { Some(t) } else { None }),
-            _ => None,
-        };
-        let mut events: Vec<Event> = outputs.into_iter().flat_map(|o| self.output(o)).collect();
+    fn finish_with(&mut self, outputs: Vec<Output>, ending: Ending) -> Vec<Event> {
+        let (mut events, content) = events_before_trailing_text(self, outputs);
         events.push(json_event(&self.chunk(ChatDelta { content, ..Default::default() }, Some(ending.reason))));
         events
     }

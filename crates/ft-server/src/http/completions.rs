@@ -12,7 +12,7 @@
 use super::choices::{collect_choices, submit_choices, total_usage, Collected, ResponseHead};
 use super::logprobs::{completion_logprobs, text_offsets, LogprobsUpdate, PositionLogprob};
 use super::output::{Output, OutputSpec};
-use super::sse::{done_event, json_event, sse_choices, Ending, StreamFormat};
+use super::sse::{done_event, events_before_trailing_text, json_event, sse_choices, Ending, StreamFormat};
 use super::{off_the_async_workers, response_id, unix_now, OpenAiJson};
 use crate::http::openai_error::ApiError;
 use crate::http::protocol::{CompletionChoice, CompletionRequest, CompletionResponse, PromptInput, Usage};
@@ -183,12 +183,8 @@ impl StreamFormat for CompletionFormat {
     }
 
     /// Text that came with the end (with its logprobs) rides in the finish chunk.
-    fn finish_with(&mut self, mut outputs: Vec<Output>, ending: Ending) -> Vec<Event> {
-        let last = match outputs.last() {
-            Some(Output::Text(_)) => outputs.pop().and_then(|o| if let Output::Text(t) = o { Some(t) } else { None }),
-            _ => None,
-        };
-        let mut events: Vec<Event> = outputs.into_iter().flat_map(|o| self.output(o)).collect();
+    fn finish_with(&mut self, outputs: Vec<Output>, ending: Ending) -> Vec<Event> {
+        let (mut events, last) = events_before_trailing_text(self, outputs);
         events.extend(self.echo_event(true));
         events.push(self.chunk(last.unwrap_or_default(), Some(ending.reason)));
         events

@@ -59,6 +59,23 @@ pub(crate) trait StreamFormat: Send + 'static {
     fn error(&mut self, error: ApiError) -> Vec<Event>;
 }
 
+/// The outputs that came with the end as `format`'s events, but a trailing text held back and returned: the
+/// formats that put the last text in their finish chunk ([`StreamFormat::finish_with`]) send it there.
+pub(crate) fn events_before_trailing_text<F: StreamFormat + ?Sized>(
+    format: &mut F,
+    mut outputs: Vec<Output>,
+) -> (Vec<Event>, Option<String>) {
+    let text = match outputs.pop() {
+        Some(Output::Text(t)) => Some(t),
+        Some(other) => {
+            outputs.push(other);
+            None
+        }
+        None => None,
+    };
+    (outputs.into_iter().flat_map(|o| format.output(o)).collect(), text)
+}
+
 /// The whole output of a request, parsed by `spec` (a call counts only once it closed well-formed), or the
 /// error that ended it.
 pub(crate) async fn collect(ts: &mut TextStream, spec: &OutputSpec) -> Result<(Message, Ending), ApiError> {
