@@ -184,18 +184,23 @@ def test_completion_stream_matrix(client, tokenizer):
 # ---- SGLang: chat ---------------------------------------------------------------------------------------------
 
 
+def chat_args(logprobs, n) -> dict:
+    """The chat request of the matrix: ``logprobs`` top logprobs per position (None: no logprobs), ``n`` choices."""
+    return dict(
+        model=MODEL,
+        messages=CHAT,
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        logprobs=logprobs is not None,
+        top_logprobs=logprobs,
+        n=n,
+    )
+
+
 def test_chat_matrix(client):
     for logprobs in (None, 5):
         for n in (1, 2):
-            r = client.chat.completions.create(
-                model=MODEL,
-                messages=CHAT,
-                temperature=0,
-                max_tokens=MAX_TOKENS,
-                logprobs=logprobs is not None,
-                top_logprobs=logprobs,
-                n=n,
-            )
+            r = client.chat.completions.create(**chat_args(logprobs, n))
             assert [c.index for c in r.choices] == list(range(n))
             for c in r.choices:
                 assert c.message.role == "assistant" and isinstance(c.message.content, str)
@@ -211,15 +216,7 @@ def test_chat_stream_matrix(client):
     for logprobs in (None, 5):
         for n in (1, 2):
             stream = client.chat.completions.create(
-                model=MODEL,
-                messages=CHAT,
-                temperature=0,
-                max_tokens=MAX_TOKENS,
-                logprobs=logprobs is not None,
-                top_logprobs=logprobs,
-                stream=True,
-                stream_options={"include_usage": True},
-                n=n,
+                **chat_args(logprobs, n), stream=True, stream_options={"include_usage": True}
             )
             chunks, usage = stream_chunks(stream)
             seen: set[int] = set()
