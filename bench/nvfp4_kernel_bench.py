@@ -13,8 +13,9 @@ Groups, each per M (rows of x; tokens for the MoE) in 1, 2, 4, 8, 16, 64, 256, 1
   and Zipf routing (``--routing``, default ``FREETOKEN_BENCH_ROUTING`` or both; the draws of
   ``moe/bench_routing.py``), with the number of distinct experts the step touches; beside it the BF16 kernels
   (``layers/moe.run_experts``) on the same routing over a BF16 bank. Above the decode sizes both grouped paths
-  are timed: the NVFP4 grouped kernel, and ``dequant`` (the whole bank dequantized, then the BF16 kernel):
-  where they cross is ``layers/nvfp4_experts.DEQUANT_MIN_PAIRS``.
+  are timed, each by itself: the NVFP4 grouped kernel at its block size (``pick_nvfp4_block_m``; at prefill sizes
+  also at 64 rows), and ``dequant`` (the whole bank dequantized, then the BF16 kernel); ``*`` marks the path
+  ``run_nvfp4_experts`` takes (``layers/nvfp4_experts.DEQUANT_MIN_PAIRS``).
 - ``fp8``: the FP8 per-tensor projections (``kernels/fp8_linear.py``: Triton quantization + tensor-wise
   ``_scaled_mm``): GDN in_proj_qkv (8192 x 2048), out_proj (2048 x 4096), attention k (512 x 2048), beside
   ``torch.mm`` in BF16.
@@ -222,9 +223,9 @@ def bench_moe(a, device, dtype, bw) -> list:
     import torch
 
     from freetoken.kernels.nvfp4_dequant import nvfp4_dequant_moe
-    from freetoken.kernels.nvfp4_moe import DECODE_MAX_PAIRS
+    from freetoken.kernels.nvfp4_moe import DECODE_MAX_PAIRS, nvfp4_fused_moe_triton, pick_nvfp4_block_m
     from freetoken.layers.moe import run_experts
-    from freetoken.layers.nvfp4_experts import run_nvfp4_experts
+    from freetoken.layers.nvfp4_experts import DEQUANT_MIN_PAIRS, run_nvfp4_experts
 
     s = shapes(a.smoke)["moe"]
     E, k, H, I = s["E"], s["k"], s["H"], s["I"]
@@ -239,15 +240,33 @@ def bench_moe(a, device, dtype, bw) -> list:
             routes = [_routing(mode, T, E, k, device) for _ in range(reps)]
             distinct = statistics.mean(int(torch.unique(ids).numel()) for ids, _ in routes)
             nbytes = distinct * expert_bytes + 2 * T * H * x.element_size()
-            t = time_calls(cycled(lambda r: run_nvfp4_experts(x, bank, *r), routes, reps), device)
             t_bf16 = time_calls(cycled(lambda r: run_experts("triton", x, w13, w2, *r), routes, reps), device)
+            flops = 6 * T * k * H * I
             name = f"experts {mode}"
-            rows.append(row("moe", name, T, t, nbytes, 6 * T * k * H * I, bw, t_bf16, distinct_experts=distinct))
-            if T * k > DECODE_MAX_PAIRS:  # the other grouped path: the bank dequantized, then the BF16 kernel
-                t_deq = time_calls(cycled(lambda r: nvfp4_dequant_moe(x, *bank, *r), routes, reps), device)
-                rows.append(
-                    row("moe", f"{name} dequant", T, t_deq, nbytes, 6 * T * k * H * I, bw, t_bf16, distinct_experts=E)
+            if T * k <= DECODE_MAX_PAIRS:  # the decode GEMVs
+                t = time_calls(cycled(lambda r: run_nvfp4_experts(x, bank, *r), routes, reps), device)
+                rows.append(row("moe", name, T, t, nbytes, flops, bw, t_bf16, distinct_experts=distinct))
+                continue
+            # every grouped path, each timed by itself; * marks the one run_nvfp4_experts takes at this size
+            picked_dequant = T * k >= DEQUANT_MIN_PAIRS
+            bm = pick_nvfp4_block_m(T * k, E)
+            paths = [(f"grouped bm{bm}", bm, not picked_dequant)]
+            if bm != 64:
+                paths.append(("grouped bm64", 64, False))
+            for label, block_m, picked in paths:
+                t = time_calls(
+                    cycled(lambda r: nvfp4_fused_moe_triton(x, *bank, *r, block_m=block_m), routes, reps), device
                 )
+                rows.append(
+                    row("moe", f"{name} {label}{'*' if picked else ''}", T, t, nbytes, flops, bw, t_bf16,
+                        distinct_experts=distinct)
+                )  # fmt: skip
+            # the bank dequantized, then the BF16 kernel (reads and writes the whole bank: distinct = E)
+            t_deq = time_calls(cycled(lambda r: nvfp4_dequant_moe(x, *bank, *r), routes, reps), device)
+            rows.append(
+                row("moe", f"{name} dequant{'*' if picked_dequant else ''}", T, t_deq, nbytes, flops, bw, t_bf16,
+                    distinct_experts=E)
+            )  # fmt: skip
     return rows
 
 
@@ -284,16 +303,16 @@ def print_rows(rows: list, bw: float) -> None:
     for r in rows:
         if r["group"] != group:
             group = r["group"]
-            print(f"\n{group:28s} {'M':>5s} {'time us':>10s} {'GB/s':>8s} {'%HBM':>6s} {'TFLOP/s':>8s} {'vs bf16':>8s}")
+            print(f"\n{group:42s} {'M':>5s} {'time us':>10s} {'GB/s':>8s} {'%HBM':>6s} {'TFLOP/s':>8s} {'vs bf16':>8s}")
         tag = r.get("path", "") + ("*" if r.get("auto") else "") if "path" in r else r.get("kernel", "")
         if "distinct_experts" in r:
             tag = f"{r['distinct_experts']:.0f} experts"
         label = f"{r['name']} {tag}".strip()
         print(
-            f"{label:28s} {r['M']:5d} {r['time_us']:10.1f} {r['gb_s']:8.0f} {100 * r['frac_hbm']:5.0f}% "
+            f"{label:42s} {r['M']:5d} {r['time_us']:10.1f} {r['gb_s']:8.0f} {100 * r['frac_hbm']:5.0f}% "
             f"{r['tflops']:8.1f} {r['vs_bf16']:7.2f}x"
         )
-    print("\n(* the path nvfp4_linear picks at that M; vs bf16 = BF16 time / ours)")
+    print("\n(* the path nvfp4_linear / run_nvfp4_experts takes at that M; vs bf16 = BF16 time / ours)")
 
 
 def main(argv=None) -> dict:

@@ -448,9 +448,20 @@ if triton is not None:
             tl.store(o_ptrs, acc, mask=n_mask[:, None] & m_mask[None, :])
 
 
-def nvfp4_fused_moe_triton(x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_ids, topk_weights):
+def pick_nvfp4_block_m(num_pairs: int, num_experts: int) -> int:
+    """Rows per block of the grouped NVFP4 kernels: ``fused_moe``'s pick, and 128 once experts average more than
+    128 pairs (prefill): every block decodes its expert's whole weight tile on the CUDA cores, so the decode cost per
+    row halves with twice the rows, while the BF16 kernel has no such cost to spread."""
+    per_expert = num_pairs / max(1, min(num_experts, num_pairs))
+    return 128 if per_expert > 128 else _pick_block_m(num_pairs, num_experts)
+
+
+def nvfp4_fused_moe_triton(
+    x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_ids, topk_weights, block_m: int | None = None
+):
     """Grouped NVFP4 MoE; same contract as ``nvfp4_moe_torch`` (``topk_weights`` in x's dtype, as
-    ``fused_moe_triton`` takes them). CUDA, or CPU under TRITON_INTERPRET=1."""
+    ``fused_moe_triton`` takes them). ``block_m`` overrides ``pick_nvfp4_block_m`` (tests, benchmarks). CUDA, or
+    CPU under TRITON_INTERPRET=1."""
     assert triton is not None, "triton is not installed"
     T, H = x.shape
     E, two_i, _ = w13.shape
@@ -461,7 +472,7 @@ def nvfp4_fused_moe_triton(x, w13, w13_scale, w13_global, w2, w2_scale, w2_globa
     n = T * k
     ids = topk_ids.reshape(-1)
     ids = torch.where((ids >= 0) & (ids < E), ids, E)  # outside the bank: the dummy expert E
-    bm = _pick_block_m(n, E)
+    bm = block_m or pick_nvfp4_block_m(n, E)
     warps = 4 if bm <= 16 else 8  # two [BLOCK_N, BLOCK_M] accumulators and the decoded tiles: 4 warps spill
     sorted_ids, block_expert = moe_align_block_size(ids, E + 1, bm)
     nblocks = block_expert.numel()

@@ -119,10 +119,13 @@ def _torch_varlen(q, k, v, g, beta, init, cu, decode):
     return o, final
 
 
-@pytest.mark.parametrize("captures", [{0: [37, 64], 2: [1]}, {1: [70]}, {0: [5], 1: [1, 69], 2: [3]}, {3: [2]}])
+@pytest.mark.parametrize(
+    "captures", [{0: [37, 64], 2: [1]}, {1: [70]}, {0: [5], 1: [1, 69], 2: [3]}, {3: [2]}, {0: [100], 3: [2]}]
+)
 def test_rounds_give_the_states_at_capture_points(captures):
     """The fla path's snapshot captures (pieces run in rounds) against per-token states from the formula: outputs,
-    finals and every captured state, with sequences of different piece counts in one batch."""
+    finals and every captured state, with sequences of different piece counts in one batch (and captures at
+    sequence ends only: one call, no gathers)."""
     lens = [100, 70, 4, 2]
     seqs, cat, init, cu = varlen_batch(lens, seed=40)
     calls = []
@@ -191,6 +194,8 @@ class _Batch:
         self.prefix_lens_cpu = [lens.get(s, 0) for s, _ in items]
         self.state_slots_cpu = [2 * s + 1 for s, _ in items]
         self.state_slots = torch.tensor(self.state_slots_cpu)
+        self.cu_seqlens = torch.tensor([0, *self.extend_lens_cpu], dtype=torch.int32).cumsum(0).to(torch.int32)
+        self.prefix_lens = torch.tensor(self.prefix_lens_cpu, dtype=torch.int32)
         self.is_decode = all(n == 1 for n in self.extend_lens_cpu) and all(p > 0 for p in self.prefix_lens_cpu)
         self.snapshots = None
 

@@ -71,7 +71,7 @@ def check_decode(T, S, k, H, I, dtype, device, shared=None, seed=0, strided_x=Fa
     return err
 
 
-def check_grouped(T, E, k, H, I, dtype, device, seed=0, **routing):
+def check_grouped(T, E, k, H, I, dtype, device, seed=0, block_m=None, **routing):
     from freetoken.kernels.nvfp4_moe import nvfp4_fused_moe_triton, nvfp4_moe_torch
 
     bank = random_bank(E, H, I, seed, device=device)
@@ -79,7 +79,7 @@ def check_grouped(T, E, k, H, I, dtype, device, seed=0, **routing):
     x = torch.randn(T, H, generator=g).to(device, dtype)
     ids, w = _routing(T, E, k, g, **routing)
     ids, w = ids.to(device), w.to(device, dtype)
-    out = nvfp4_fused_moe_triton(x, *bank, ids, w)
+    out = nvfp4_fused_moe_triton(x, *bank, ids, w, block_m=block_m)
     ref = nvfp4_moe_torch(x, *bank, ids, w)
     err = error(out, ref)
     assert err <= 2 * _TOL[dtype][device == "cuda"], ("grouped", T, E, k, H, I, dtype, err)
@@ -194,6 +194,7 @@ _CPU_SCRIPT = textwrap.dedent(
         note("grouped " + key, t.check_grouped(9, 6, 2, 48, 32, dt, "cpu", invalid=True))
         note("grouped " + key, t.check_grouped(40, 8, 3, 32, 48, dt, "cpu", skew=True))  # long runs, empty experts
         note("grouped " + key, t.check_grouped(24, 5, 2, 160, 80, dt, "cpu"))  # K tails, I not a power of two
+        note("grouped " + key, t.check_grouped(60, 3, 2, 32, 48, dt, "cpu", block_m=128, invalid=True))  # prefill tiles
         t.check_dequant(3, 48, 32, dt, "cpu")
         note("dequant grouped " + key, t.check_dequant_moe(24, 6, 2, 160, 80, dt, "cpu", invalid=True))
     t.check_dequant(2, 2064, 32, bf16, "cpu")  # a row longer than one step, with a tail
@@ -266,7 +267,7 @@ def test_decode_cuda_shapes(T, S, k, H, I, kw, dtype):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("T", [9, 64, 512, 4096])
+@pytest.mark.parametrize("T", [9, 64, 512, 4096, 8192])  # 8192: 256 pairs an expert, blocks of 128 rows
 def test_grouped_cuda_qwen(T):
     check_grouped(T, 256, dtype=torch.bfloat16, device="cuda", seed=T, **QWEN)
 
