@@ -11,6 +11,8 @@ Importable as ``freetoken.kernels`` (``python/freetoken/kernels`` is a symlink t
 - ``kv_store``: a step's new K and V written into the pool in one launch (``store_kv_torch`` reference).
 - ``gdn_decode``: one Gated DeltaNet decode step in place on the state pool's slots (``gdn_conv_decode``,
   ``gdn_recurrent_decode``: Triton on CUDA, ``*_torch`` references elsewhere; CUDA-graph capturable).
+- ``gdn_conv_prefill``: the Gated DeltaNet causal conv + SiLU of a varlen prefill batch in one launch, continuing
+  from the state pool's slots (read only; ``gdn_conv_prefill_torch`` reference: the former per-sequence conv1d).
 - ``rms_norm``: ``rms_norm``, ``add_rms_norm`` (the residual add fused, optionally in place), ``gated_rms_norm``.
 - ``activation``: ``silu_and_mul`` over a fused ``[gate | up]`` projection.
 - ``rope``: ``qk_norm_rope``, per-head q/k RMSNorm (optional) and partial or full rotate-half RoPE in one kernel.

@@ -38,7 +38,8 @@ python3 -c "import fla.ops.gated_delta_rule" 2>&1 | tail -1 | sed 's/^/fla impor
 if [[ " $SECTIONS " == *" tests "* ]]; then
   timeout ${GPU_TEST_TIMEOUT:-400} python3 -m pytest -v -m gpu -p no:cacheprovider -rfs ${GPU_TESTS:-tests/test_overlap.py \
       tests/test_triton_attention.py tests/test_moe_decode.py tests/test_kv_store.py tests/test_hybrid_radix.py \
-      tests/test_decode_graphs.py tests/test_triton_small_ops.py tests/test_gdn_decode.py tests/test_expert_offload.py \
+      tests/test_decode_graphs.py tests/test_triton_small_ops.py tests/test_gdn_decode.py tests/test_gdn_conv_prefill.py \
+      tests/test_expert_offload.py \
       tests/test_device_slot_cache.py tests/test_triton_moe.py tests/test_memory_plan.py tests/test_worker_steps.py \
       tests/test_sampler.py tests/test_gated_deltanet.py tests/test_qwen3_5_moe_vs_hf.py} 2>&1 | tee "$OUT/gpu_tests.log" \
       | grep -E "PASSED|FAILED|ERROR|passed|failed" | grep -vE " PASSED " | tail -25

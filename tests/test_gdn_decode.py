@@ -134,6 +134,9 @@ class _DecodeBatch:
         self.prefix_lens_cpu = list(prefix_lens)
         self.extend_lens_cpu = list(extend_lens)
         self.has_initial_state_cpu = [p > 0 for p in prefix_lens]
+        dev = pool.device
+        self.prefix_lens = torch.tensor(prefix_lens, dtype=torch.int32, device=dev)
+        self.cu_seqlens = torch.tensor([0, *extend_lens], dtype=torch.int32).cumsum(0).to(dev, torch.int32)
         self.is_decode = is_decode
         self.snapshots = None
 

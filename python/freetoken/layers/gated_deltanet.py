@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.gdn_conv_prefill import gdn_conv_prefill
 from ..kernels.gdn_decode import gdn_conv_decode, gdn_recurrent_decode
 from ..kernels.rms_norm import gated_rms_norm
 from .fused_linear import FusedLinear, fuse_linears
@@ -431,7 +432,9 @@ class GatedDeltaNet(nn.Module):
         return gdn_recurrent_decode(q, k, v, a, b, self.A_log, self.dt_bias, ssm_pool, slots)
 
     def _extend(self, qkv, b, a, batch) -> torch.Tensor:
-        """Prompt chunks (and mixed batches): per sequence on the host lengths; captures snapshots."""
+        """Prompt chunks (and mixed batches): the conv in one launch over the batch (``kernels/gdn_conv_prefill.py``;
+        ``FREETOKEN_GDN_CONV_IMPL=torch|triton`` forces an implementation), the state windows per sequence on the
+        host lengths; captures snapshots."""
         pool = batch.state
         li = self.state_layer
         conv_pool, ssm_pool = pool.conv[li], pool.ssm[li]
@@ -450,38 +453,46 @@ class GatedDeltaNet(nn.Module):
 
         slots = batch.state_slots
         has_init = batch.has_initial_state_cpu
-        y = torch.empty_like(qkv)
-        conv_windows = []
-        inits = []
-        cu = 0
-        for s, n in enumerate(batch.extend_lens_cpu):
-            slot = batch.state_slots_cpu[s]
+        lens = batch.extend_lens_cpu
+        cu_list = [0]
+        for n in lens:
+            cu_list.append(cu_list[-1] + n)
+        # device offsets from the ForwardBatch: no copies; prefix_lens > 0 is what has_initial_state means
+        impl = os.environ.get("FREETOKEN_GDN_CONV_IMPL", "auto").lower()
+        y = gdn_conv_prefill(qkv, w, conv_pool, batch.cu_seqlens, slots, batch.prefix_lens, max(lens), impl=impl)
+
+        def conv_window(s: int, end: int) -> torch.Tensor:
+            """``[C, Kc-1]``: the inputs of sequence s before offset ``end``, in qkv's dtype as the conv read
+            them. When end < Kc-1 it reaches into the previous state: a copy (``cat``), so that later slot
+            writes cannot change it; otherwise a view of qkv, which nothing writes."""
+            at = cu_list[s]
+            if end >= Kc1:
+                return qkv[at + end - Kc1 : at + end].t()
             if has_init[s]:
-                prev = conv_pool[slot].to(qkv.dtype)
-                inits.append(ssm_pool[slot].float())
+                prev = conv_pool[batch.state_slots_cpu[s]].to(qkv.dtype)
             else:
                 prev = qkv.new_zeros(self.conv_dim, Kc1)
-                inits.append(torch.zeros(self.ssm_state_shape, dtype=torch.float32, device=qkv.device))
-            xx = torch.cat([prev, qkv[cu : cu + n].t()], dim=-1)  # [C, Kc-1+n]; column j = position p0-Kc+1+j
-            y[cu : cu + n] = F.silu(F.conv1d(xx[None], w[:, None, :].to(qkv.dtype), groups=self.conv_dim)[0].t())
-            conv_windows.append(xx)
-            cu += n
+            return torch.cat([prev[:, end:], qkv[at : at + end].t()], dim=-1)
+
+        # every window is read before any slot is written (a snapshot window can reach into the previous state)
+        new_conv = [conv_window(s, n) for s, n in enumerate(lens)]
+        snap_conv = [conv_window(seq, upto - batch.prefix_lens_cpu[seq]) for seq, upto, _slot in snaps]
+        inits = [
+            ssm_pool[slot].float() if h else torch.zeros(self.ssm_state_shape, dtype=torch.float32, device=qkv.device)
+            for slot, h in zip(batch.state_slots_cpu, has_init)
+        ]
         init = torch.stack(inits)
-        # write the conv states only after every sequence has read its own
-        for s, xx in enumerate(conv_windows):
-            conv_pool[batch.state_slots_cpu[s]] = xx[:, xx.shape[1] - Kc1 :].to(conv_pool.dtype)
+        for s, window in enumerate(new_conv):
+            conv_pool[batch.state_slots_cpu[s]] = window.to(conv_pool.dtype)
 
         q, k, v = self._split_heads(y)
         g, beta = self._gates(b, a)
-        cu_list = [0]
-        for n in batch.extend_lens_cpu:
-            cu_list.append(cu_list[-1] + n)
         o, final, captured = gated_delta_rule(q, k, v, g, beta, init, cu_list, False, captures or None)
         ssm_pool[slots] = final.to(ssm_pool.dtype)
 
         # snapshots: state after `upto` tokens into the snapshot slot (conv window = the Kc-1 inputs before upto)
-        for seq, upto, slot in snaps:
+        for (seq, upto, slot), window in zip(snaps, snap_conv):
             rel = upto - batch.prefix_lens_cpu[seq]
-            conv_pool[slot] = conv_windows[seq][:, rel : rel + Kc1].to(conv_pool.dtype)
+            conv_pool[slot] = window.to(conv_pool.dtype)
             ssm_pool[slot] = captured[(seq, rel)].to(ssm_pool.dtype)
         return o.to(qkv.dtype)

@@ -1,0 +1,206 @@
+"""Gated DeltaNet causal depthwise conv1d + SiLU over a varlen prefill batch (``GatedDeltaNet._extend``).
+
+Sequence b holds the tokens ``cu_seqlens[b] .. cu_seqlens[b+1]-1`` of ``qkv [T, C]`` and continues from the slot
+``s = slots[b]`` of the conv state pool. For the token at position p of that sequence and channel c:
+
+    y[t, c] = silu(Σ_{j<Kc} weight[c, j] · x(p − (Kc−1) + j, c))
+
+where ``x(i, c) = qkv[cu_seqlens[b] + i, c]`` for i ≥ 0 and ``x(i, c) = conv_pool[s, c, Kc−1+i]`` (the last Kc−1
+inputs before this step) for i < 0, or 0 when ``has_init[b]`` is false. The cached inputs and the weight are
+rounded to qkv's dtype first (as the layer's eager path does).
+
+- ``gdn_conv_prefill_torch``: the reference, the layer's former per-sequence ``cat`` + ``F.conv1d(groups=C)`` +
+  ``F.silu`` (math in qkv's dtype); it reads the batch's offsets on the host.
+- ``gdn_conv_prefill_triton``: one launch for the whole batch, grid ``(N, cdiv(max_len, BLOCK_T), cdiv(C,
+  BLOCK_C))``; a program computes a ``[BLOCK_T, BLOCK_C]`` tile of one sequence (fp32 sums and SiLU, one rounding)
+  and returns when the tile starts past its sequence's end. No host sync: only ``max_len`` comes from the host.
+
+Both only read the pool: the caller writes the new states (the last Kc−1 inputs) afterwards, so every sequence
+reads its previous state before any slot changes. ``gdn_conv_prefill`` dispatches: Triton on CUDA tensors, torch
+elsewhere (``impl`` forces one; Triton on CPU needs ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:  # triton is a hard dependency on GPU machines; keep the reference importable without it
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover
+    triton = None
+    tl = None
+
+BLOCK_T = 32
+BLOCK_C = 128
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# torch reference
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def gdn_conv_prefill_torch(
+    qkv: torch.Tensor,
+    weight: torch.Tensor,
+    conv_pool: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    slots: torch.Tensor,
+    has_init: torch.Tensor,
+    max_len: int = 0,
+) -> torch.Tensor:
+    """Reference for ``gdn_conv_prefill_triton``: exactly the layer's former eager conv, one sequence at a time.
+    Reads ``cu_seqlens``, ``slots`` and ``has_init`` on the host (a sync on CUDA); ``max_len`` is unused."""
+    T, C = qkv.shape
+    Kc = weight.shape[-1]
+    w = weight[:, None, :].to(qkv.dtype)  # [C, 1, Kc]: conv1d's depthwise layout
+    y = torch.empty(T, C, dtype=qkv.dtype, device=qkv.device)
+    cu, sl, init = cu_seqlens.tolist(), slots.tolist(), has_init.tolist()
+    for b in range(len(sl)):
+        a, z = cu[b], cu[b + 1]
+        prev = conv_pool[sl[b]].to(qkv.dtype) if init[b] else qkv.new_zeros(C, Kc - 1)
+        xx = torch.cat([prev, qkv[a:z].t()], dim=-1)  # [C, Kc-1+n]; column j = position j-(Kc-1)
+        y[a:z] = F.silu(F.conv1d(xx[None], w, groups=C)[0].t())
+    return y
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Triton kernel
+# ----------------------------------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _gdn_conv_prefill_kernel(
+        x_ptr,  # [T, C], unit column stride
+        w_ptr,  # [C, KC]
+        pool_ptr,  # [S, C, KC-1]
+        cu_ptr,  # [N+1]
+        slots_ptr,  # [N]
+        init_ptr,  # [N], nonzero = continue from the slot
+        y_ptr,  # [T, C] contiguous
+        C,
+        stride_xt,
+        stride_wc,
+        stride_wk,
+        stride_ps,
+        stride_pc,
+        stride_pk,
+        KC: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+    ):
+        i_n = tl.program_id(0)
+        start = tl.load(cu_ptr + i_n)
+        n = tl.load(cu_ptr + i_n + 1) - start
+        t0 = tl.program_id(1) * BLOCK_T
+        if t0 >= n:  # the grid covers the longest sequence
+            return
+        offs_t = t0 + tl.arange(0, BLOCK_T)  # positions within the sequence
+        offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_mask = offs_c < C
+        mask = (offs_t < n)[:, None] & c_mask[None, :]
+        xdt = x_ptr.dtype.element_ty
+        slot = tl.load(slots_ptr + i_n).to(tl.int64)
+        # positions before the sequence that come from the slot: KC-1 of them, or none (zeros) for a fresh one
+        n_prev = tl.where(tl.load(init_ptr + i_n).to(tl.int32) != 0, KC - 1, 0)
+        x_base = x_ptr + start.to(tl.int64) * stride_xt + offs_c[None, :]
+        p_base = pool_ptr + slot * stride_ps + offs_c[None, :].to(tl.int64) * stride_pc
+        acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        # tap j reads the tile shifted by j-(KC-1) rows: reloaded per tap (L1/L2 hits), registers cannot shift
+        for j in tl.static_range(KC):
+            pos = offs_t[:, None] + (j - (KC - 1))
+            in_x = pos >= 0
+            # addresses clamped into range: the masked-off lanes still form them
+            xv = tl.load(x_base + tl.maximum(pos, 0).to(tl.int64) * stride_xt, mask=mask & in_x, other=0.0)
+            # positions before the sequence (only the first tile has any)
+            pcol = tl.minimum(pos + (KC - 1), KC - 2)
+            pv = tl.load(p_base + pcol * stride_pk, mask=mask & (pos < 0) & (pos >= -n_prev), other=0.0)
+            v = tl.where(in_x, xv, pv.to(xdt)).to(tl.float32)
+            # the reference rounds the weight to qkv's dtype too
+            w = tl.load(w_ptr + offs_c * stride_wc + j * stride_wk, mask=c_mask, other=0.0)
+            acc += v * w.to(xdt).to(tl.float32)[None, :]
+        y = acc * tl.sigmoid(acc)
+        y_ptrs = y_ptr + (start + offs_t).to(tl.int64)[:, None] * C + offs_c[None, :]
+        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def gdn_conv_prefill_triton(
+    qkv: torch.Tensor,
+    weight: torch.Tensor,
+    conv_pool: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    slots: torch.Tensor,
+    has_init: torch.Tensor,
+    max_len: int,
+    block_t: int = BLOCK_T,
+    block_c: int = BLOCK_C,
+) -> torch.Tensor:
+    """Triton form of ``gdn_conv_prefill``; grid ``(N, cdiv(max_len, block_t), cdiv(C, block_c))``."""
+    assert triton is not None, "triton is not installed"
+    T, C = qkv.shape
+    Kc = weight.shape[-1]
+    N = slots.shape[0]
+    assert weight.shape == (C, Kc) and Kc >= 2 and conv_pool.shape[1:] == (C, Kc - 1), (
+        qkv.shape,
+        weight.shape,
+        conv_pool.shape,
+    )
+    assert qkv.stride(1) == 1, "qkv needs a unit column stride"
+    assert cu_seqlens.shape == (N + 1,) and has_init.shape == (N,)
+    assert qkv.device == weight.device == conv_pool.device == cu_seqlens.device == slots.device == has_init.device
+    y = torch.empty(T, C, dtype=qkv.dtype, device=qkv.device)
+    if N == 0 or T == 0 or max_len <= 0:
+        return y
+    block_c = min(block_c, triton.next_power_of_2(C))
+    _gdn_conv_prefill_kernel[(N, triton.cdiv(max_len, block_t), triton.cdiv(C, block_c))](
+        qkv,
+        weight,
+        conv_pool,
+        cu_seqlens,
+        slots,
+        has_init,
+        y,
+        C,
+        qkv.stride(0),
+        weight.stride(0),
+        weight.stride(1),
+        conv_pool.stride(0),
+        conv_pool.stride(1),
+        conv_pool.stride(2),
+        KC=Kc,
+        BLOCK_T=block_t,
+        BLOCK_C=block_c,
+        num_warps=4,
+    )
+    return y
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# dispatch
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def gdn_conv_prefill(
+    qkv: torch.Tensor,
+    weight: torch.Tensor,
+    conv_pool: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    slots: torch.Tensor,
+    has_init: torch.Tensor,
+    max_len: int,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Causal depthwise conv + SiLU over a varlen batch, continuing from the pool's slots (read only).
+
+    ``qkv [T, C]`` (unit column stride, row stride free: may be columns of a fused projection output),
+    ``weight [C, Kc]``, ``conv_pool [S, C, Kc-1]`` (any dtype: its values are rounded to qkv's), ``cu_seqlens [N+1]``
+    int32, ``slots [N]`` int, ``has_init [N]`` bool or int (nonzero: continue from the slot, else from zeros), all
+    on qkv's device; ``max_len`` the longest sequence (host int, sizes the Triton grid). Returns ``y [T, C]``
+    contiguous in qkv's dtype. ``impl``: ``auto`` (Triton on CUDA, torch elsewhere) | ``triton`` | ``torch``."""
+    if impl not in ("auto", "triton", "torch"):
+        raise ValueError(f"unknown GDN conv prefill implementation {impl!r}")
+    if impl == "triton" or (impl == "auto" and qkv.is_cuda and triton is not None):
+        return gdn_conv_prefill_triton(qkv, weight, conv_pool, cu_seqlens, slots, has_init, max_len)
+    return gdn_conv_prefill_torch(qkv, weight, conv_pool, cu_seqlens, slots, has_init, max_len)
