@@ -7,8 +7,7 @@ the same card. Prints a table per group and writes JSON.
 Groups, each per M (rows of x; tokens for the MoE) in 1, 2, 4, 8, 16, 64, 256, 1024, 4096, 8192:
 - ``linear``: the W4A16 NVFP4 Linears (``kernels/nvfp4_linear.py``): the shared expert's gate (512 x 2048) and
   down (2048 x 512), lm_head (248320 x 2048); beside each, ``torch.mm`` in BF16 (cuBLAS) over the same shape. At
-  M <= 8 both paths (CUDA-core GEMV and tensor cores) are timed: where they cross is ``GEMV_MAX_M``; up to 64 rows
-  also ``dotp``, the tensor-core path as eight dots over the weights' positions in a word.
+  M <= 8 both paths (CUDA-core GEMV and tensor cores) are timed: where they cross is ``GEMV_MAX_M``.
 - ``moe``: the routed experts of one layer, 256 experts of gate|up 2 x 512 x 2048 and down 2048 x 512, top-8
   (``layers/nvfp4_experts.run_nvfp4_experts``: decode GEMVs up to 64 pairs, grouped kernels above), under uniform
   and Zipf routing (``--routing``, default ``FREETOKEN_BENCH_ROUTING`` or both; the draws of
@@ -187,8 +186,7 @@ def bench_linear(a, device, dtype, bw) -> list:
             x = torch.randn(M, k, device=device, dtype=dtype)
             nbytes = nbytes_w + (M * k + M * n) * x.element_size()
             t_bf16 = time_calls(cycled(lambda w: torch.mm(x, w.t()), bf16, a.reps), device)
-            # dotp: the tensor-core path as eight dots (no interleaving of the decoded tile), timed where it may win
-            for path in (["gemv"] if M <= 8 else []) + ["dot"] + (["dotp"] if M <= 64 else []):
+            for path in ["gemv", "dot"] if M <= 8 else ["dot"]:
                 t = time_calls(cycled(lambda w, p=path: nvfp4_linear_triton(x, *w, path=p), weights, a.reps), device)
                 auto = path == ("gemv" if M <= GEMV_MAX_M else "dot")
                 rows.append(row("linear", name, M, t, nbytes, 2 * M * n * k, bw, t_bf16, path=path, auto=auto))

@@ -255,7 +255,6 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         NUM_STAGES: tl.constexpr,
         DOT_PREC: tl.constexpr,
-        SPLIT_P: tl.constexpr,
     ):
         BW: tl.constexpr = BLOCK_K // 8
         dt = x_ptr.dtype.element_ty
@@ -272,31 +271,13 @@ if triton is not None:
         w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_w[None, :]
         s_ptrs = s_ptr + offs_n[:, None].to(tl.int64) * stride_sn + offs_s[None, :]
         xt_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None]  # xᵀ tile [BLOCK_K, BLOCK_M]
-        # SPLIT_P: xᵀ rows 8j + p for one p, [BW, BLOCK_M], matching e2m1_word's vp
-        xp_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + 8 * offs_w[:, None]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # yᵀ
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-            w_in = (k0 // 8 + offs_w) < K // 8
-            w = tl.load(w_ptrs + k0 // 8, mask=n_mask[:, None] & w_in[None, :], other=0)
+            w_mask = n_mask[:, None] & ((k0 // 8 + offs_w) < K // 8)[None, :]
+            w = tl.load(w_ptrs + k0 // 8, mask=w_mask, other=0)
             s = tl.load(s_ptrs + k0 // 16, mask=n_mask[:, None] & ((k0 // 16 + offs_s) < K // 16)[None, :], other=0)
-            if SPLIT_P:
-                # a sum over K in any order is the same product: eight dots over K/8 each, one per position p in
-                # a word, so the decoded weights go to the tensor cores without being interleaved back into K order
-                v0, v1, v2, v3, v4, v5, v6, v7 = e2m1_word(w)
-                sw = tl.reshape(tl.broadcast_to(block_scale(s)[:, :, None], (BLOCK_N, BW // 2, 2)), (BLOCK_N, BW))
-                xm = w_in[:, None] & m_mask[None, :]
-                xp = xp_ptrs + k0
-                acc = tl.dot((v0 * sw).to(dt), tl.load(xp, mask=xm, other=0.0), acc, input_precision=DOT_PREC)
-                acc = tl.dot((v1 * sw).to(dt), tl.load(xp + 1, mask=xm, other=0.0), acc, input_precision=DOT_PREC)
-                acc = tl.dot((v2 * sw).to(dt), tl.load(xp + 2, mask=xm, other=0.0), acc, input_precision=DOT_PREC)
-                acc = tl.dot((v3 * sw).to(dt), tl.load(xp + 3, mask=xm, other=0.0), acc, input_precision=DOT_PREC)
-                acc = tl.dot((v4 * sw).to(dt), tl.load(xp + 4, mask=xm, other=0.0), acc, input_precision=DOT_PREC)
-                acc = tl.dot((v5 * sw).to(dt), tl.load(xp + 5, mask=xm, other=0.0), acc, input_precision=DOT_PREC)
-                acc = tl.dot((v6 * sw).to(dt), tl.load(xp + 6, mask=xm, other=0.0), acc, input_precision=DOT_PREC)
-                acc = tl.dot((v7 * sw).to(dt), tl.load(xp + 7, mask=xm, other=0.0), acc, input_precision=DOT_PREC)
-            else:
-                xt = tl.load(xt_ptrs + k0, mask=((k0 + offs_k) < K)[:, None] & m_mask[None, :], other=0.0)
-                acc = tl.dot(dequant_tile_words(w, s, BLOCK_N, BW, dt), xt, acc, input_precision=DOT_PREC)
+            xt = tl.load(xt_ptrs + k0, mask=((k0 + offs_k) < K)[:, None] & m_mask[None, :], other=0.0)
+            acc = tl.dot(dequant_tile_words(w, s, BLOCK_N, BW, dt), xt, acc, input_precision=DOT_PREC)
         y = acc * tl.load(g_ptr)
         if HAS_BIAS:
             y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
@@ -354,18 +335,17 @@ def _launch_gemv(x2, weight, weight_scale, weight_scale_2, bias, out) -> None:
         )  # fmt: skip
 
 
-def _launch_dot(x2, weight, weight_scale, weight_scale_2, bias, out, split_p: bool = False) -> None:
+def _launch_dot(x2, weight, weight_scale, weight_scale_2, bias, out) -> None:
     M, K = x2.shape
     N = weight.shape[0]
     bm, bn, bk, warps = _dot_config(M, N, K)
-    split_p = split_p and bk >= 128  # each of the eight dots needs K/8 >= 16
     prec = "ieee" if x2.dtype == torch.float32 else "tf32"  # fp32 must not silently drop to tf32
     words = weight.view(torch.int32)
     _nvfp4_dot_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
         x2, words, weight_scale, weight_scale_2, bias if bias is not None else out, out, M, N, K,
         x2.stride(0), words.stride(0), weight_scale.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=_NUM_STAGES,
-        DOT_PREC=prec, SPLIT_P=split_p, num_warps=warps,
+        DOT_PREC=prec, num_warps=warps,
     )  # fmt: skip
 
 
@@ -379,8 +359,7 @@ def nvfp4_linear_triton(
 ) -> torch.Tensor:
     """Same contract as ``nvfp4_linear_torch``; CUDA, or CPU under TRITON_INTERPRET=1. Rows of x may be strided
     (last dim contiguous); the weight and its scales must be row-major with contiguous rows. ``path``: ``auto``
-    (by M), or ``gemv`` (M <= 8) / ``dot`` / ``dotp`` pinned (tests and the benchmark compare them; ``dotp``: the
-    tensor-core path as eight dots, one per weight position in a word, instead of one over an interleaved tile)."""
+    (by M), or ``gemv`` (M <= 8) / ``dot`` pinned (tests and the benchmark compare them)."""
     assert triton is not None, "triton is not installed"
     K = x.shape[-1]
     N = weight.shape[0]
@@ -392,14 +371,11 @@ def nvfp4_linear_triton(
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if path == "auto":
         path = "gemv" if M <= GEMV_MAX_M else "dot"
-    assert path in ("dot", "dotp") or (path == "gemv" and M <= 8), f"unknown path {path!r} for M={M}"
+    assert path == "dot" or (path == "gemv" and M <= 8), f"unknown path {path!r} for M={M}"
     if M > 0 and N > 0:
         scale_bytes = weight_scale.view(torch.uint8)  # E4M3 bits, decoded in the kernel
-        args = (x2, weight, scale_bytes, weight_scale_2.reshape(()), bias, out)
-        if path == "gemv":
-            _launch_gemv(*args)
-        else:
-            _launch_dot(*args, split_p=path == "dotp")
+        launch = _launch_gemv if path == "gemv" else _launch_dot
+        launch(x2, weight, scale_bytes, weight_scale_2.reshape(()), bias, out)
     return out.view(*x.shape[:-1], N)
 
 
