@@ -137,11 +137,11 @@ def nvfp4_experts_forward(impl, x, bank, topk_ids, topk_weights, shared=None):
     return out if shared is None else shared.add_to(out)
 
 
-# From this many (token, expert) pairs (512 tokens at top-8) a step dequantizes the whole bank to x's dtype and runs
-# the BF16 grouped kernel (``kernels/nvfp4_dequant.py`` says why). Not yet tuned on a GPU: on the H200 an 8,192-token
-# NVFP4 offload prefill took 0.9 s against 0.33 s of PCIe copies, the grouped NVFP4 kernel's share; the kernel
-# benchmark's ``experts dequant`` rows measure both paths per M, which is where this cut comes from next.
-DEQUANT_MIN_PAIRS = 4096
+# From this many (token, expert) pairs (2,048 tokens at top-8) a step dequantizes the whole bank to x's dtype and
+# runs the BF16 grouped kernel (``kernels/nvfp4_dequant.py`` says why). Measured on the H200 at Qwen3.6's expert
+# shapes, uniform routing (bench/nvfp4_kernel_bench.py): grouped 797 us vs dequant 1,146 at 1,024 tokens; 1,981 vs
+# 1,720 at 4,096; 2,873 (128-row blocks) vs 2,554 at 8,192: they cross between 1,024 and 4,096 tokens.
+DEQUANT_MIN_PAIRS = 16384
 
 
 def run_nvfp4_experts(x, bank, topk_ids, topk_weights, shared=None):
