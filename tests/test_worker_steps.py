@@ -386,3 +386,27 @@ def test_frequency_penalty_forbids_repeats_and_counts_start_fresh_with_each_requ
     toks, lps, _, _ = worker.execute(encode_plan([fresh.item(sample=strong)], step_id=99))
     want, want_lp = _ref_next(worker, fresh.tokens)
     assert toks == [want] and abs(lps[0] - want_lp) < 1e-4  # logprobs stay the model's own
+
+
+def test_step_profiler_profiles_only_steps_over_its_threshold(worker, tmp_path):
+    """``FREETOKEN_PROFILE_STEPS``: an eager step of at least that many new tokens is run under the profiler and
+    written out (same tokens as unprofiled); a smaller step, or no variable, profiles nothing."""
+    from freetoken.engine.step_profiler import StepProfiler
+
+    out = tmp_path / "steps.txt"
+    tokens = [5, 9, 13, 200, 7, 7, 1]
+    plain, _, _, _ = worker.execute(encode_plan([Seq(0, tokens, slot_base=0).item(sample=GREEDY)], 0))
+    saved = worker.step_profiler
+    try:
+        worker.step_profiler = StepProfiler(
+            worker.device, {"FREETOKEN_PROFILE_STEPS": "5", "FREETOKEN_PROFILE_OUT": str(out)}
+        )
+        profiled, _, _, _ = worker.execute(encode_plan([Seq(0, tokens, slot_base=0).item(sample=GREEDY)], 41))
+        worker.execute(encode_plan([Seq(0, tokens[:3], slot_base=0).item(sample=GREEDY)], 42))  # 3 < 5 tokens
+    finally:
+        worker.step_profiler = saved
+    assert profiled == plain
+    text = out.read_text()
+    assert text.startswith("step 41: 7 new tokens, wall ") and "top by self CPU time" in text, text[:300]
+    assert "step 42" not in text
+    assert StepProfiler(worker.device, {}).wrap(0, 10**6, len) is len  # unset: the step itself, untouched

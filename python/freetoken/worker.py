@@ -28,6 +28,7 @@ from .engine.description import EngineDescription
 from .engine.forward_batch import ForwardBatch
 from .engine.logprobs import MAX_TOP_LOGPROBS, logit_rows, step_logprobs
 from .engine.step_plan import StepPlan
+from .engine.step_profiler import StepProfiler
 from .errors import InvalidPlan, UnsupportedModel, WorkerOutOfMemory
 from .fault_injection import FaultInjector
 from .layers.attention import make_attention_backend
@@ -70,6 +71,7 @@ class Worker:
             raise ValueError("--num-tokens and --num-pages are exclusive")
         self.loaded = m = load_model(a)
         self.device, self.dtype, self.model, self.offload = m.device, m.dtype, m.model, m.offload
+        self.step_profiler = StepProfiler(self.device)  # FREETOKEN_PROFILE_STEPS (off by default)
         self.max_context, self.vocab_size = m.max_context, int(m.config.vocab_size)
         # fails fast on fi / fa / trtllm and unknown names
         self.attn = make_attention_backend(a["attention_backend"], self.device)
@@ -224,6 +226,7 @@ class Worker:
             extra = step_logprobs(logits, rows, plan.sampling.num_top_logprobs)
             return tokens.tolist(), logprobs.tolist(), logits if all_logits else sampled, extra
 
+        run = self.step_profiler.wrap(plan.step_id, plan.num_tokens, run)
         result = self._guarded_step(plan.step_id, plan.num_tokens, run, count=not _allow_scratch)
         if not _allow_scratch:
             self._check_workspace(plan, result.stats["workspace_bytes"])

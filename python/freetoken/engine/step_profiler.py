@@ -1,0 +1,65 @@
+"""Opt-in profile of eager steps inside a running server: where a served prefill step's time goes, which an
+in-process benchmark (``bench/profile_prefill.py``) cannot show when the server's step is slower than the same
+chunk run alone (the plan the scheduler builds, snapshot captures and restores, the KV slots' layout).
+
+    FREETOKEN_PROFILE_STEPS=1000 FREETOKEN_PROFILE_OUT=/tmp/steps.txt ft serve ...
+
+profiles every eager step of at least ``FREETOKEN_PROFILE_STEPS`` new tokens under ``torch.profiler`` and appends
+one block per step to ``FREETOKEN_PROFILE_OUT`` (default ``freetoken_steps_profile.txt``): the step's wall time
+(profiler overhead included), the device's busy time, and the top ops by device time and by self CPU time. Off
+(no cost beyond one comparison a step) when the variable is unset. Decode graph replays are never profiled.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, Optional
+
+import torch
+
+TOP = 14
+
+
+class StepProfiler:
+    def __init__(self, device: torch.device, env: Optional[dict] = None):
+        env = os.environ if env is None else env
+        raw = env.get("FREETOKEN_PROFILE_STEPS", "").strip()
+        self.min_tokens = int(raw) if raw else None
+        self.out = env.get("FREETOKEN_PROFILE_OUT", "freetoken_steps_profile.txt")
+        self.device = device
+        self.profiled = 0
+
+    def wrap(self, step_id: int, num_tokens: int, run: Callable):
+        """``run`` itself, or ``run`` under the profiler when this step qualifies."""
+        if self.min_tokens is None or num_tokens < self.min_tokens:
+            return run
+        return lambda: self._profiled(step_id, num_tokens, run)
+
+    def _profiled(self, step_id: int, num_tokens: int, run: Callable):
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        t0 = time.perf_counter()
+        with profile(activities=acts) as prof:
+            out = run()  # ends with the sampled tokens on the host: the device work is inside
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        self.profiled += 1
+        with open(self.out, "a") as f:
+            f.write(format_profile(prof.key_averages(), step_id, num_tokens, wall_ms) + "\n")
+        return out
+
+
+def format_profile(averages, step_id: int, num_tokens: int, wall_ms: float) -> str:
+    """One step's block: header line, then the top ops by device time and by self CPU time (ms)."""
+    dev_attr = "self_device_time_total" if hasattr(averages[0], "self_device_time_total") else "self_cuda_time_total"
+    busy_ms = sum(getattr(e, dev_attr, 0) for e in averages) / 1e3
+    lines = [f"step {step_id}: {num_tokens} new tokens, wall {wall_ms:.1f} ms (profiled), device busy {busy_ms:.1f} ms"]
+    for title, attr in (("device", dev_attr), ("self CPU", "self_cpu_time_total")):
+        lines.append(f"  top by {title} time:{'calls':>43}{'cpu ms':>10}{'dev ms':>10}")
+        for e in sorted(averages, key=lambda e: getattr(e, attr, 0), reverse=True)[:TOP]:
+            cpu, dev = e.self_cpu_time_total / 1e3, getattr(e, dev_attr, 0) / 1e3
+            lines.append(f"    {e.key[:56]:<56}{e.count:>8}{cpu:>10.3f}{dev:>10.3f}")
+    return "\n".join(lines)
