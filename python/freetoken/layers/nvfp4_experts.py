@@ -29,6 +29,7 @@ layout (the offload cache) runs through them with slot ids.
 
 from __future__ import annotations
 
+import os
 import re
 
 import torch
@@ -137,11 +138,16 @@ def nvfp4_experts_forward(impl, x, bank, topk_ids, topk_weights, shared=None):
     return out if shared is None else shared.add_to(out)
 
 
-# From this many (token, expert) pairs (2,048 tokens at top-8) a step dequantizes the whole bank to x's dtype and
-# runs the BF16 grouped kernel (``kernels/nvfp4_dequant.py`` says why). Measured on the H200 at Qwen3.6's expert
-# shapes, uniform routing (bench/nvfp4_kernel_bench.py): grouped 797 us vs dequant 1,146 at 1,024 tokens; 1,981 vs
-# 1,720 at 4,096; 2,873 (128-row blocks) vs 2,554 at 8,192: they cross between 1,024 and 4,096 tokens.
-DEQUANT_MIN_PAIRS = 16384
+# From this many (token, expert) pairs a step dequantizes the whole bank to x's dtype and runs the BF16 grouped kernel
+# (``kernels/nvfp4_dequant.py`` says why); below, the grouped NVFP4 kernel. Measured on the H200 at Qwen3.6's expert
+# shapes, uniform routing, one layer alone (bench/nvfp4_kernel_bench.py): grouped 797 us vs dequant 1,146 at 1,024
+# tokens; 1,981 vs 1,720 at 4,096; 2,873 (128-row blocks) vs 2,554 at 8,192. But end to end, the 8k-token NVFP4
+# offload prefill (bench/decode_bench.py) ran 7,757 tok/s on the dequant path against 9,098 on the grouped kernel
+# with 64-row blocks, at an earlier commit (why is not measured yet: there the bank is the offload stream's strided
+# staging rows, and writing a 1.6 GB BF16 bank a layer shares HBM with the stream). So the default keeps chunks up to
+# 8,192 tokens on the grouped kernel, and ``FREETOKEN_NVFP4_DEQUANT_MIN_PAIRS`` moves the cut for the A/B that
+# settles it.
+DEQUANT_MIN_PAIRS = int(os.environ.get("FREETOKEN_NVFP4_DEQUANT_MIN_PAIRS", 8192 * 8 + 1))
 
 
 def run_nvfp4_experts(x, bank, topk_ids, topk_weights, shared=None):
