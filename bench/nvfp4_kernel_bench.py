@@ -16,6 +16,9 @@ Groups, each per M (rows of x; tokens for the MoE) in 1, 2, 4, 8, 16, 64, 256, 1
   are timed, each by itself: the NVFP4 grouped kernel at its block size (``pick_nvfp4_block_m``; at prefill sizes
   also at 64 rows), and ``dequant`` (the whole bank dequantized, then the BF16 kernel); ``*`` marks the path
   ``run_nvfp4_experts`` takes (``layers/nvfp4_experts.DEQUANT_MIN_PAIRS``).
+- ``sweep`` (not in the default groups): the ``linear`` shapes at M <= 16 under each launch setting of ``SWEEP``
+  (``nvfp4_linear_triton(..., tune=...)``: GEMV tile bytes, warps, pipeline stages; tensor-core BLOCK_N, BLOCK_K,
+  warps, stages), to retune the defaults in ``kernels/nvfp4_linear.py``.
 - ``fp8``: the FP8 per-tensor projections (``kernels/fp8_linear.py``: Triton quantization + tensor-wise
   ``_scaled_mm``): GDN in_proj_qkv (8192 x 2048), out_proj (2048 x 4096), attention k (512 x 2048), beside
   ``torch.mm`` in BF16.
@@ -193,6 +196,40 @@ def bench_linear(a, device, dtype, bw) -> list:
     return rows
 
 
+# launch settings --groups sweep times beside the default pick ({} = the default), per path
+SWEEP = {
+    "gemv": [{}, {"tile": 8192}, {"warps": 8, "tile": 8192}, {"stages": 4}, {"stages": 2}, {"warps": 2, "tile": 2048}],
+    "dot": [{}, {"block_n": 64}, {"warps": 8}, {"block_n": 64, "warps": 8}, {"block_k": 64}, {"stages": 4}],
+}
+
+
+def bench_sweep(a, device, dtype, bw) -> list:
+    """The linear shapes at decode sizes (M <= 16) under each of ``SWEEP``'s launch settings: where the default
+    pick leaves bandwidth behind (the issue's target: >= 70 % of HBM at M = 1..16)."""
+    import torch
+
+    from freetoken.kernels.nvfp4_linear import nvfp4_linear_triton
+
+    rows = []
+    for name, (n, k) in shapes(a.smoke)["linear"].items():
+        nbytes_w = n * k // 2 + n * k // 16
+        weights = nvfp4_weights(n, k, copies_for(nbytes_w, a.smoke), device)
+        bf16 = [torch.randn(n, k, device=device, dtype=dtype) * 0.02 for _ in range(copies_for(2 * n * k, a.smoke))]
+        for M in [m for m in a.ms if m <= 16]:
+            x = torch.randn(M, k, device=device, dtype=dtype)
+            nbytes = nbytes_w + (M * k + M * n) * x.element_size()
+            t_bf16 = time_calls(cycled(lambda w: torch.mm(x, w.t()), bf16, a.reps), device)
+            for path in ["gemv", "dot"] if M <= 8 else ["dot"]:
+                for tune in SWEEP[path]:
+                    label = ",".join(f"{key}{v}" for key, v in tune.items()) or "default"
+                    t = time_calls(
+                        cycled(lambda w, p=path, c=tune: nvfp4_linear_triton(x, *w, path=p, tune=c), weights, a.reps),
+                        device,
+                    )
+                    rows.append(row("sweep", f"{name} {path} {label}", M, t, nbytes, 2 * M * n * k, bw, t_bf16))
+    return rows
+
+
 def _routing(mode, T, E, k, device):
     """Expert ids ``[T, k]`` drawn as ``moe/bench_routing.py`` draws them (``mode`` uniform or zipf) and weights."""
     import torch
@@ -327,7 +364,7 @@ def main(argv=None) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the interpreter's bf16 tl.dot is wrong
     bw = copy_bandwidth(device)
     rows = []
-    for group, fn in (("linear", bench_linear), ("moe", bench_moe), ("fp8", bench_fp8)):
+    for group, fn in (("linear", bench_linear), ("moe", bench_moe), ("fp8", bench_fp8), ("sweep", bench_sweep)):
         if group in a.groups:
             rows += fn(a, device, dtype, bw)
     print_rows(rows, bw)

@@ -163,7 +163,6 @@ if triton is not None:
                 s_mask = n_mask[:, None] & ((kw0 // 2 + offs_s) < kw_end // 2)[None, :]
                 w = tl.load(w_ptrs + kw0, mask=w_mask, other=0)
                 scale = block_scale(tl.load(s_ptrs + kw0 // 2, mask=s_mask, other=0))
-            v0, v1, v2, v3, v4, v5, v6, v7 = e2m1_word(w)
             k_mask = (8 * kw0 + offs_x) < 8 * kw_end if not EVEN else offs_x >= 0
             v0, v1, v2, v3, v4, v5, v6, v7 = e2m1_word(w)
             k0 = 8 * kw0
@@ -285,14 +284,14 @@ if triton is not None:
         tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
 
 
-def _gemv_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_W, SPLIT_K)`` for the GEMV: tiles of ``_GEMV_TILE`` bytes, 4..64 words (32..512
+def _gemv_config(M: int, N: int, K: int, tile: int = _GEMV_TILE) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_W, SPLIT_K)`` for the GEMV: tiles of ``tile`` bytes, 4..64 words (32..512
     weights) of a row per step; K split (each split at least one step long), then fewer rows per program, until the
     grid has about ``_TARGET_PROGRAMS`` programs."""
     bm = triton.next_power_of_2(M)
     kw = K // 8
     bw = max(4, min(64, triton.next_power_of_2(kw)))
-    bn = max(4, min(64, _GEMV_TILE // (4 * bw)))
+    bn = max(4, min(64, tile // (4 * bw)))
     bn = min(bn, max(4, triton.next_power_of_2(N)))
     split = 1
     while triton.cdiv(N, bn) * split < _TARGET_PROGRAMS and triton.cdiv(kw, split * 2) >= bw:
@@ -312,10 +311,17 @@ def _dot_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
     return 128, 128, min(bk, 64), 8
 
 
-def _launch_gemv(x2, weight, weight_scale, weight_scale_2, bias, out) -> None:
+# Launch settings a benchmark may override per call (``nvfp4_linear_triton(..., tune=...)``; bench/nvfp4_kernel_bench.py
+# --groups sweep times them): GEMV ``tile`` (weight bytes a program loads per step), ``warps``, ``stages``; tensor cores
+# ``block_n``, ``block_k``, ``warps``, ``stages``. Anything not given keeps the default pick above.
+TUNE_KEYS = {"gemv": ("tile", "warps", "stages"), "dot": ("block_n", "block_k", "warps", "stages")}
+
+
+def _launch_gemv(x2, weight, weight_scale, weight_scale_2, bias, out, tune: Optional[dict] = None) -> None:
     M, K = x2.shape
     N = weight.shape[0]
-    bm, bn, bw, split = _gemv_config(M, N, K)
+    tune = tune or {}
+    bm, bn, bw, split = _gemv_config(M, N, K, tune.get("tile", _GEMV_TILE))
     kw_per_split = triton.cdiv(triton.cdiv(K // 8, split), bw) * bw
     split = triton.cdiv(K // 8, kw_per_split)  # no empty splits
     dst = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x2.device)
@@ -325,7 +331,7 @@ def _launch_gemv(x2, weight, weight_scale, weight_scale_2, bias, out) -> None:
         x2, words, weight_scale, weight_scale_2, b, dst, M, N, K,
         x2.stride(0), words.stride(0), weight_scale.stride(0), dst.stride(-2), dst.stride(0) if split > 1 else 0,
         kw_per_split, HAS_BIAS=bias is not None, EVEN=N % bn == 0 and (K // 8) % kw_per_split == 0, SPLIT_K=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=bw,
-        NUM_STAGES=_NUM_STAGES, num_warps=4,
+        NUM_STAGES=tune.get("stages", _NUM_STAGES), num_warps=tune.get("warps", 4),
     )  # fmt: skip
     if split > 1:
         block = min(1024, triton.next_power_of_2(N))
@@ -335,16 +341,18 @@ def _launch_gemv(x2, weight, weight_scale, weight_scale_2, bias, out) -> None:
         )  # fmt: skip
 
 
-def _launch_dot(x2, weight, weight_scale, weight_scale_2, bias, out) -> None:
+def _launch_dot(x2, weight, weight_scale, weight_scale_2, bias, out, tune: Optional[dict] = None) -> None:
     M, K = x2.shape
     N = weight.shape[0]
     bm, bn, bk, warps = _dot_config(M, N, K)
+    tune = tune or {}
+    bn, bk, warps = tune.get("block_n", bn), tune.get("block_k", bk), tune.get("warps", warps)
     prec = "ieee" if x2.dtype == torch.float32 else "tf32"  # fp32 must not silently drop to tf32
     words = weight.view(torch.int32)
     _nvfp4_dot_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
         x2, words, weight_scale, weight_scale_2, bias if bias is not None else out, out, M, N, K,
         x2.stride(0), words.stride(0), weight_scale.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=_NUM_STAGES,
+        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=tune.get("stages", _NUM_STAGES),
         DOT_PREC=prec, num_warps=warps,
     )  # fmt: skip
 
@@ -356,10 +364,12 @@ def nvfp4_linear_triton(
     weight_scale_2: torch.Tensor,
     bias: Optional[torch.Tensor] = None,
     path: str = "auto",
+    tune: Optional[dict] = None,
 ) -> torch.Tensor:
     """Same contract as ``nvfp4_linear_torch``; CUDA, or CPU under TRITON_INTERPRET=1. Rows of x may be strided
     (last dim contiguous); the weight and its scales must be row-major with contiguous rows. ``path``: ``auto``
-    (by M), or ``gemv`` (M <= 8) / ``dot`` pinned (tests and the benchmark compare them)."""
+    (by M), or ``gemv`` (M <= 8) / ``dot`` pinned (tests and the benchmark compare them); ``tune`` overrides the
+    chosen path's launch settings (``TUNE_KEYS``)."""
     assert triton is not None, "triton is not installed"
     K = x.shape[-1]
     N = weight.shape[0]
@@ -374,8 +384,10 @@ def nvfp4_linear_triton(
     assert path == "dot" or (path == "gemv" and M <= 8), f"unknown path {path!r} for M={M}"
     if M > 0 and N > 0:
         scale_bytes = weight_scale.view(torch.uint8)  # E4M3 bits, decoded in the kernel
+        if tune and set(tune) - set(TUNE_KEYS[path]):
+            raise ValueError(f"unknown {path} settings {sorted(set(tune) - set(TUNE_KEYS[path]))}")
         launch = _launch_gemv if path == "gemv" else _launch_dot
-        launch(x2, weight, scale_bytes, weight_scale_2.reshape(()), bias, out)
+        launch(x2, weight, scale_bytes, weight_scale_2.reshape(()), bias, out, tune)
     return out.view(*x.shape[:-1], N)
 
 

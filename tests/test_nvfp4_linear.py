@@ -27,7 +27,7 @@ _TOL = {  # (cpu interpreter, cuda)
 }
 
 
-def check_linear(M, N, K, dtype, device, bias=False, strided=False, path="auto", seed=0, lead=()):
+def check_linear(M, N, K, dtype, device, bias=False, strided=False, path="auto", seed=0, lead=(), tune=None):
     """``nvfp4_linear_triton`` (``path``: auto | gemv | dot) vs ``nvfp4_linear_torch`` for ``x [*lead, M, K]``."""
     from freetoken.kernels.nvfp4_linear import nvfp4_linear_torch, nvfp4_linear_triton
 
@@ -35,7 +35,7 @@ def check_linear(M, N, K, dtype, device, bias=False, strided=False, path="auto",
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(*lead, M, K + 8 if strided else K, generator=g)[..., :K].to(device, dtype)
     b = torch.randn(N, generator=g).to(device, dtype) if bias else None
-    out = nvfp4_linear_triton(x, w, s, s2, b, path=path)
+    out = nvfp4_linear_triton(x, w, s, s2, b, path=path, tune=tune)
     ref = nvfp4_linear_torch(x, w, s, s2, b)
     err = error(out, ref)
     assert err <= _TOL[dtype][device == "cuda"], (M, N, K, dtype, path, err)
@@ -103,6 +103,9 @@ _CPU_SCRIPT = textwrap.dedent(
         # both paths at small M
         (2, 24, 64, f32, dict(path="dot")),
         (4, 24, 64, f16, dict(path="gemv")),
+        # launch settings a benchmark sweep overrides (bench/nvfp4_kernel_bench.py --groups sweep)
+        (2, 40, 1024, f32, dict(path="gemv", tune=dict(tile=8192, warps=8, stages=4))),
+        (5, 40, 256, f16, dict(path="dot", tune=dict(block_n=64, block_k=64, warps=8, stages=2))),
     ]
     for M, N, K, dt, kw in cases:
         key = str(dt).split(".")[-1]
@@ -201,3 +204,12 @@ def test_nvfp4_linear_cuda_graph(M):
         x.copy_(torch.randn(M, 2048, generator=g).to("cuda", torch.bfloat16))
         graph.replay()
         assert error(out, nvfp4_linear_torch(x, w, s, s2)) <= _TOL[torch.bfloat16][1]
+
+
+def test_unknown_launch_settings_are_refused():
+    """A benchmark's ``tune`` names only its path's settings: a typo must not silently time the default."""
+    from freetoken.kernels.nvfp4_linear import nvfp4_linear_triton
+
+    w, s, s2 = random_weight(16, 64, 0)
+    with pytest.raises(ValueError, match="block_n"):
+        nvfp4_linear_triton(torch.randn(1, 64), w, s, s2, path="gemv", tune={"block_n": 64})
