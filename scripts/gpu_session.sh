@@ -17,7 +17,7 @@
 #            offload prefill streaming NVFP4 bytes)
 #   radix    the hybrid radix cache on the same config: bench/agent_session_bench.py (10-turn session to 30k
 #            tokens, TTFT with the cache on and off) and bench/radix_offload_scenario.py (hybrid radix + offload,
-#            short / 2,500-token Japanese / short, three rounds)
+#            short / 2,500-token Japanese / short, three rounds), BF16 and NVFP4 experts
 #   prefill  bench/extend_attention_bench.py (the extend kernel's tiles at Qwen3.6's attention shape), then
 #            bench/profile_prefill.py: the agent turn's chunk (2,184 tokens after 27,816 cached) by kernel, and an
 #            8,192-token chunk with NVFP4 experts offloaded (uniform routing): are the expert copies (Memcpy HtoD)
@@ -105,6 +105,10 @@ if [[ " $SECTIONS " == *" radix "* ]]; then
       | tee "$OUT/agent_session.log" | grep -vE "^\[" | tail -16
   timeout ${SCENARIO_TIMEOUT:-300} python3 bench/radix_offload_scenario.py --out "$OUT/radix_offload_scenario.json" 2>&1 \
       | tee "$OUT/radix_offload_scenario.log" | grep -vE "^\[" | tail -12
+  # issue 11's form of it: the same three requests with NVFP4 experts offloaded
+  timeout ${SCENARIO_TIMEOUT:-300} python3 bench/radix_offload_scenario.py --model-path configs/qwen3.6-35b-a3b-nvfp4 \
+      --out "$OUT/radix_offload_scenario_nvfp4.json" 2>&1 | tee "$OUT/radix_offload_scenario_nvfp4.log" \
+      | grep -vE "^\[" | tail -12
 fi
 if [[ " $SECTIONS " == *" serverprofile "* ]]; then
   FREETOKEN_PROFILE_STEPS=1000 FREETOKEN_PROFILE_OUT="$OUT/server_steps_profile.txt" timeout ${AGENT_TIMEOUT:-240} \
