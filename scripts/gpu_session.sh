@@ -24,7 +24,8 @@
 #            hidden under the compute, and what does the grouped NVFP4 kernel cost
 #   serverprofile  issue 12's open question: the agent session on the radix server alone with
 #            FREETOKEN_PROFILE_STEPS=1000 (engine/step_profiler.py): the served prefill steps' own profiles, to set
-#            beside bench/profile_prefill.py's in-process one (the server's step was ~2x slower, 2026-12-01 night)
+#            beside bench/profile_prefill.py's in-process one (the server's step was ~2x slower, 2026-12-01 night),
+#            then the same session through the offline engine (bench/agent_steps_offline.py: scheduler, no HTTP)
 #   nvfp4ab  the 8k NVFP4 offload prefill (and offload decode) on the grouped kernel (default) and on the
 #            dequantized-bank path (FREETOKEN_NVFP4_DEQUANT_MIN_PAIRS=16384): which one DEQUANT_MIN_PAIRS keeps
 #   sweep    bench/nvfp4_kernel_bench.py --groups sweep: the NVFP4 linear's launch settings at M <= 16
@@ -117,6 +118,10 @@ if [[ " $SECTIONS " == *" serverprofile "* ]]; then
       | tee "$OUT/agent_session_profiled.log" | grep -vE "^\[" | tail -14
   grep -E "^step " "$OUT/server_steps_profile.txt" | tail -12  # one line per profiled step; the blocks follow each
   awk '/^step /{b=""} {b=b $0 "\n"} END{printf "%s", b}' "$OUT/server_steps_profile.txt"  # the last turn's block
+  # the same session through the offline engine (scheduler + worker, no HTTP): which side of HTTP the gap is on
+  FREETOKEN_PROFILE_STEPS=1000 FREETOKEN_PROFILE_OUT="$OUT/offline_steps_profile.txt" timeout ${AGENT_TIMEOUT:-240} \
+      python3 bench/agent_steps_offline.py --out "$OUT/agent_steps_offline.json" -- --moe-backend fused \
+      --max-prefill-length 8192 --max-running-requests 4 2>&1 | tee "$OUT/agent_steps_offline.log" | grep -vE "^\[" | tail -13
 fi
 if [[ " $SECTIONS " == *" nvfp4ab "* ]]; then
   for cut in default 16384; do
