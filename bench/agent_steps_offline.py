@@ -32,6 +32,7 @@ import time
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.join(os.path.dirname(_HERE), "tests"), os.path.join(os.path.dirname(_HERE), "python")]
 from agent_session_bench import Session, gpu_name, has_weights, load_tokenizer, write_tiny  # noqa: E402
+from profile_decode import worker_args  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -45,22 +46,6 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(_HERE), "bench", "out", "agent_steps_offline.json"))
     ap.add_argument("serve_args", nargs=argparse.REMAINDER, help="after --: ft serve flags (--name value pairs)")
     return ap.parse_args()
-
-
-def worker_kwargs(flags: list[str]) -> dict:
-    """``--moe-backend fused --max-prefill-length 8192`` -> ``{"moe_backend": "fused", "max_prefill_length": 8192}``
-    (a flag followed by another flag, or last, is a switch: True)."""
-    out, i = {}, 0
-    flags = [f for f in flags if f != "--"]
-    while i < len(flags):
-        key = flags[i].lstrip("-").replace("-", "_")
-        if i + 1 < len(flags) and not flags[i + 1].startswith("--"):
-            value = flags[i + 1]
-            out[key] = int(value) if value.lstrip("-").isdigit() else value
-            i += 2
-        else:
-            out[key], i = True, i + 1
-    return out
 
 
 def run_turn(llm, prompt: list[int], max_tokens: int) -> dict:
@@ -98,7 +83,7 @@ def main() -> int:
 
     max_seq = math.ceil((a.final_context + a.max_tokens + 64) / 1024) * 1024
     tmp = None
-    kwargs = worker_kwargs(a.serve_args)
+    kwargs = worker_args([x for x in a.serve_args if x != "--"])
     model_path = a.model_path
     if a.tiny:
         tmp = tempfile.mkdtemp(prefix="ft-agent-steps-")
@@ -137,7 +122,7 @@ def main() -> int:
         "command": " ".join([sys.executable, *sys.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": gpu_name(),
-        "worker_args": {k: v for k, v in kwargs.items()},
+        "worker_args": kwargs,
         "startup_s": startup,
         "turns": [{k: v for k, v in r.items() if k != "answer"} for r in rows],
     }

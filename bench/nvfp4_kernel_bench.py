@@ -173,26 +173,33 @@ def nvfp4_weights(n, k, copies, device):
     return out
 
 
-def bench_linear(a, device, dtype, bw) -> list:
+def linear_cases(a, device, dtype, max_m: int):
+    """Each linear shape at each M (up to ``max_m``): ``(name, M, x, weights, nbytes, flops, t_bf16)``, the
+    NVFP4 weights cycled past L2 and the BF16 GEMM of the same shape timed beside them."""
     import torch
 
-    from freetoken.kernels.nvfp4_linear import GEMV_MAX_M, nvfp4_linear_triton
-
-    rows = []
     for name, (n, k) in shapes(a.smoke)["linear"].items():
         nbytes_w = n * k // 2 + n * k // 16
         weights = nvfp4_weights(n, k, copies_for(nbytes_w, a.smoke), device)
         bf16 = [torch.randn(n, k, device=device, dtype=dtype) * 0.02 for _ in range(copies_for(2 * n * k, a.smoke))]
-        for M in a.ms:
+        for M in [m for m in a.ms if m <= max_m]:
             if n * M > (1 << 31):  # lm_head at 8192 rows: a 4 GB output, the BF16 GEMM alone
                 continue
             x = torch.randn(M, k, device=device, dtype=dtype)
             nbytes = nbytes_w + (M * k + M * n) * x.element_size()
             t_bf16 = time_calls(cycled(lambda w: torch.mm(x, w.t()), bf16, a.reps), device)
-            for path in ["gemv", "dot"] if M <= 8 else ["dot"]:
-                t = time_calls(cycled(lambda w, p=path: nvfp4_linear_triton(x, *w, path=p), weights, a.reps), device)
-                auto = path == ("gemv" if M <= GEMV_MAX_M else "dot")
-                rows.append(row("linear", name, M, t, nbytes, 2 * M * n * k, bw, t_bf16, path=path, auto=auto))
+            yield name, M, x, weights, nbytes, 2 * M * n * k, t_bf16
+
+
+def bench_linear(a, device, dtype, bw) -> list:
+    from freetoken.kernels.nvfp4_linear import GEMV_MAX_M, nvfp4_linear_triton
+
+    rows = []
+    for name, M, x, weights, nbytes, flops, t_bf16 in linear_cases(a, device, dtype, max(a.ms)):
+        for path in ["gemv", "dot"] if M <= 8 else ["dot"]:
+            t = time_calls(cycled(lambda w, p=path: nvfp4_linear_triton(x, *w, path=p), weights, a.reps), device)
+            auto = path == ("gemv" if M <= GEMV_MAX_M else "dot")
+            rows.append(row("linear", name, M, t, nbytes, flops, bw, t_bf16, path=path, auto=auto))
     return rows
 
 
@@ -206,27 +213,16 @@ SWEEP = {
 def bench_sweep(a, device, dtype, bw) -> list:
     """The linear shapes at decode sizes (M <= 16) under each of ``SWEEP``'s launch settings: where the default
     pick leaves bandwidth behind (the issue's target: >= 70 % of HBM at M = 1..16)."""
-    import torch
-
     from freetoken.kernels.nvfp4_linear import nvfp4_linear_triton
 
     rows = []
-    for name, (n, k) in shapes(a.smoke)["linear"].items():
-        nbytes_w = n * k // 2 + n * k // 16
-        weights = nvfp4_weights(n, k, copies_for(nbytes_w, a.smoke), device)
-        bf16 = [torch.randn(n, k, device=device, dtype=dtype) * 0.02 for _ in range(copies_for(2 * n * k, a.smoke))]
-        for M in [m for m in a.ms if m <= 16]:
-            x = torch.randn(M, k, device=device, dtype=dtype)
-            nbytes = nbytes_w + (M * k + M * n) * x.element_size()
-            t_bf16 = time_calls(cycled(lambda w: torch.mm(x, w.t()), bf16, a.reps), device)
-            for path in ["gemv", "dot"] if M <= 8 else ["dot"]:
-                for tune in SWEEP[path]:
-                    label = ",".join(f"{key}{v}" for key, v in tune.items()) or "default"
-                    t = time_calls(
-                        cycled(lambda w, p=path, c=tune: nvfp4_linear_triton(x, *w, path=p, tune=c), weights, a.reps),
-                        device,
-                    )
-                    rows.append(row("sweep", f"{name} {path} {label}", M, t, nbytes, 2 * M * n * k, bw, t_bf16))
+    for name, M, x, weights, nbytes, flops, t_bf16 in linear_cases(a, device, dtype, 16):
+        for path in ["gemv", "dot"] if M <= 8 else ["dot"]:
+            for tune in SWEEP[path]:
+                label = ",".join(f"{key}{v}" for key, v in tune.items()) or "default"
+                call = lambda w, p=path, c=tune: nvfp4_linear_triton(x, *w, path=p, tune=c)  # noqa: E731
+                t = time_calls(cycled(call, weights, a.reps), device)
+                rows.append(row("sweep", f"{name} {path} {label}", M, t, nbytes, flops, bw, t_bf16))
     return rows
 
 

@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 from freetoken.engine.step_plan import StepPlan  # noqa: E402
+from freetoken.engine.step_profiler import top_ops  # noqa: E402
 from freetoken.worker import Worker  # noqa: E402
 
 
@@ -132,23 +133,7 @@ def profile_steps(step, sync, device, n: int, top: int) -> tuple[list[dict], lis
         for _ in range(n):
             step()
         sync()
-    ka = prof.key_averages()
-    dev_attr = "self_device_time_total" if hasattr(ka[0], "self_device_time_total") else "self_cuda_time_total"
-
-    def rows(attr):
-        ranked = sorted(ka, key=lambda e: getattr(e, attr, 0), reverse=True)[:top]
-        return [
-            {
-                "op": e.key,
-                "calls_per_step": e.count / n,
-                "self_cpu_ms_per_step": e.self_cpu_time_total / 1e3 / n,
-                "self_device_ms_per_step": getattr(e, dev_attr, 0) / 1e3 / n,
-            }
-            for e in ranked
-        ]
-
-    device_ms = sum(getattr(e, dev_attr, 0) for e in ka) / 1e3 / n
-    return rows("self_cpu_time_total"), rows(dev_attr), device_ms
+    return top_ops(prof.key_averages(), n, top)
 
 
 def print_profile(result: dict) -> None:

@@ -296,7 +296,7 @@ def test_dequant_cuda_qwen(dtype):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("T", [512, 4096])  # 4,096 and 32,768 pairs: the path run_nvfp4_experts takes there
+@pytest.mark.parametrize("T", [512, 4096])  # 4,096 and 32,768 pairs
 def test_dequant_grouped_cuda_qwen(T):
     check_dequant_moe(T, 256, dtype=torch.bfloat16, device="cuda", seed=T, **QWEN)
 

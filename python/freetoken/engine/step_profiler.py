@@ -52,14 +52,36 @@ class StepProfiler:
         return out
 
 
+def top_ops(averages, n_steps: int, top: int) -> tuple[list[dict], list[dict], float]:
+    """A profile's ``key_averages()`` per step: the ``top`` ops by self CPU time and by device time (dicts of op,
+    calls, self CPU ms, self device ms) and the device's busy ms. Shared with ``bench/profile_decode.py``."""
+    dev_attr = "self_device_time_total" if hasattr(averages[0], "self_device_time_total") else "self_cuda_time_total"
+
+    def rows(attr):
+        ranked = sorted(averages, key=lambda e: getattr(e, attr, 0), reverse=True)[:top]
+        return [
+            {
+                "op": e.key,
+                "calls_per_step": e.count / n_steps,
+                "self_cpu_ms_per_step": e.self_cpu_time_total / 1e3 / n_steps,
+                "self_device_ms_per_step": getattr(e, dev_attr, 0) / 1e3 / n_steps,
+            }
+            for e in ranked
+        ]
+
+    device_ms = sum(getattr(e, dev_attr, 0) for e in averages) / 1e3 / n_steps
+    return rows("self_cpu_time_total"), rows(dev_attr), device_ms
+
+
 def format_profile(averages, step_id: int, num_tokens: int, wall_ms: float) -> str:
     """One step's block: header line, then the top ops by device time and by self CPU time (ms)."""
-    dev_attr = "self_device_time_total" if hasattr(averages[0], "self_device_time_total") else "self_cuda_time_total"
-    busy_ms = sum(getattr(e, dev_attr, 0) for e in averages) / 1e3
+    by_cpu, by_dev, busy_ms = top_ops(averages, 1, TOP)
     lines = [f"step {step_id}: {num_tokens} new tokens, wall {wall_ms:.1f} ms (profiled), device busy {busy_ms:.1f} ms"]
-    for title, attr in (("device", dev_attr), ("self CPU", "self_cpu_time_total")):
+    for title, table in (("device", by_dev), ("self CPU", by_cpu)):
         lines.append(f"  top by {title} time:{'calls':>43}{'cpu ms':>10}{'dev ms':>10}")
-        for e in sorted(averages, key=lambda e: getattr(e, attr, 0), reverse=True)[:TOP]:
-            cpu, dev = e.self_cpu_time_total / 1e3, getattr(e, dev_attr, 0) / 1e3
-            lines.append(f"    {e.key[:56]:<56}{e.count:>8}{cpu:>10.3f}{dev:>10.3f}")
+        for r in table:
+            lines.append(
+                f"    {r['op'][:56]:<56}{r['calls_per_step']:>8.0f}{r['self_cpu_ms_per_step']:>10.3f}"
+                f"{r['self_device_ms_per_step']:>10.3f}"
+            )
     return "\n".join(lines)
