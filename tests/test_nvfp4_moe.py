@@ -342,3 +342,17 @@ def test_nvfp4_moe_cuda_graph(T):
         graph.replay()
         ref = run_nvfp4_experts(x, bank, ids, w, term)  # eager, same kernels
         assert error(out, ref) <= _TOL[torch.bfloat16][1]
+
+
+def test_dequant_cut_from_the_environment(monkeypatch):
+    """``FREETOKEN_NVFP4_DEQUANT_MIN_PAIRS`` moves the dequantized-bank cut; a value that is not a number is refused
+    in one line naming the variable (it is read when the NVFP4 layers load, at start-up)."""
+    from freetoken.layers.nvfp4_experts import _dequant_min_pairs
+
+    monkeypatch.delenv("FREETOKEN_NVFP4_DEQUANT_MIN_PAIRS", raising=False)
+    assert _dequant_min_pairs() == 8192 * 8 + 1  # an 8,192-token chunk at top-8 stays on the grouped kernel
+    monkeypatch.setenv("FREETOKEN_NVFP4_DEQUANT_MIN_PAIRS", "16384")
+    assert _dequant_min_pairs() == 16384
+    monkeypatch.setenv("FREETOKEN_NVFP4_DEQUANT_MIN_PAIRS", "lots")
+    with pytest.raises(ValueError, match="FREETOKEN_NVFP4_DEQUANT_MIN_PAIRS='lots'"):
+        _dequant_min_pairs()

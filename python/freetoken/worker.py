@@ -89,8 +89,9 @@ class Worker:
         a, gdn = self.args, ""
         cache_type = "naive" if a["cache_type"] == "naive" else self.cache_types[0]
         if self.model.state_layout:
-            from .layers.gated_deltanet import gdn_backend
+            from .layers.gated_deltanet import gdn_backend, gdn_conv_impl
 
+            gdn_conv_impl()  # a bad FREETOKEN_GDN_CONV_IMPL stops start-up here, not the first prefill
             gdn = f", gdn_backend={gdn_backend(self.device)!r}"
         overlap = not a.get("disable_overlap_schedule", False)
         logger.info(

@@ -188,6 +188,15 @@ def gdn_backend(device: torch.device) -> str:
     return "fla" if usable else "torch"
 
 
+def gdn_conv_impl() -> str:
+    """The prefill conv's implementation: ``auto`` (Triton on CUDA), or ``FREETOKEN_GDN_CONV_IMPL=torch|triton``
+    (tests, A/B runs); any other value is refused (checked at start-up with the ``Resolved config`` line)."""
+    impl = os.environ.get("FREETOKEN_GDN_CONV_IMPL", "auto").lower()
+    if impl not in ("auto", "torch", "triton"):
+        raise ValueError(f"FREETOKEN_GDN_CONV_IMPL={impl!r}: expected auto, torch or triton")
+    return impl
+
+
 def _fla_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, decode):
     chunk, recurrent, takes_cpu_cu = _fla_ops()
     scale = q.shape[-1] ** -0.5
@@ -473,8 +482,9 @@ class GatedDeltaNet(nn.Module):
         for n in lens:
             cu_list.append(cu_list[-1] + n)
         # device offsets from the ForwardBatch: no copies; prefix_lens > 0 is what has_initial_state means
-        impl = os.environ.get("FREETOKEN_GDN_CONV_IMPL", "auto").lower()
-        y = gdn_conv_prefill(qkv, w, conv_pool, batch.cu_seqlens, slots, batch.prefix_lens, max(lens), impl=impl)
+        y = gdn_conv_prefill(
+            qkv, w, conv_pool, batch.cu_seqlens, slots, batch.prefix_lens, max(lens), impl=gdn_conv_impl()
+        )
 
         def conv_window(s: int, end: int) -> torch.Tensor:
             """``[C, Kc-1]``: the inputs of sequence s before offset ``end``, in qkv's dtype as the conv read

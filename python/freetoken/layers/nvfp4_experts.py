@@ -147,7 +147,17 @@ def nvfp4_experts_forward(impl, x, bank, topk_ids, topk_weights, shared=None):
 # staging rows, and writing a 1.6 GB BF16 bank a layer shares HBM with the stream). So the default keeps chunks up to
 # 8,192 tokens on the grouped kernel, and ``FREETOKEN_NVFP4_DEQUANT_MIN_PAIRS`` moves the cut for the A/B that
 # settles it.
-DEQUANT_MIN_PAIRS = int(os.environ.get("FREETOKEN_NVFP4_DEQUANT_MIN_PAIRS", 8192 * 8 + 1))
+def _dequant_min_pairs(default: int = 8192 * 8 + 1) -> int:
+    raw = os.environ.get("FREETOKEN_NVFP4_DEQUANT_MIN_PAIRS")
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:  # read at import, i.e. start-up: one line naming the variable
+        raise ValueError(f"FREETOKEN_NVFP4_DEQUANT_MIN_PAIRS={raw!r}: expected a number of pairs") from None
+
+
+DEQUANT_MIN_PAIRS = _dequant_min_pairs()
 
 
 def run_nvfp4_experts(x, bank, topk_ids, topk_weights, shared=None):
