@@ -5,6 +5,9 @@ chunk re-run over the same KV slots) and profiles it. The gap between this worke
 ``bench/agent_session_bench.py`` is what the server, the tokenizer path and the cache bookkeeping add.
 ``--routing off,uniform`` times the chunk under each ``FREETOKEN_BENCH_ROUTING`` mode (the dummy router
 concentrates tokens on few experts; uniform routing gives every expert its share, as a trained router does).
+``--snapshots none,end,grid`` times the chunk with the recurrent-state snapshots the hybrid radix scheduler asks of
+a prompt's last chunk: none, one at the chunk's end, or also one at the last 64-token grid point inside it (a
+second delta-rule pass per GDN layer).
 
     python bench/profile_prefill.py --context 27816 --new 2184 --out bench/out/profile_prefill.json -- \\
         --dummy-weight --model-path configs/qwen3.6-35b-a3b --max-seq-len-override 32768 --moe-backend fused
@@ -35,6 +38,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--new", type=int, default=2184, help="tokens of the timed chunk")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--routing", default="off", help="comma-separated FREETOKEN_BENCH_ROUTING modes, each timed")
+    ap.add_argument("--snapshots", default="none", help="comma-separated: none, end, grid (grid point + end)")
     ap.add_argument("--profile-steps", type=int, default=2)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default="bench/out/profile_prefill.json")
@@ -56,12 +60,26 @@ def main() -> int:
     sync()
     context_s = time.perf_counter() - t0
 
-    def step():
-        w.execute_plan(batch_plan([ids[a.context :]], a.context, slots, stride))
+    def plan_with(snapshots: str):
+        plan = batch_plan([ids[a.context :]], a.context, slots, stride)
+        end, grid = a.context + a.new, (a.context + a.new - 1) // 64 * 64
+        points = {"none": [], "end": [end], "grid": [p for p in (grid, end) if p > a.context]}[snapshots]
+        if points and w.state is None:
+            raise SystemExit("--snapshots needs a model with recurrent state")
+        plan.snap_seq = torch.zeros(len(points), dtype=torch.int64)
+        plan.snap_upto = torch.tensor(points, dtype=torch.int64)
+        plan.snap_slot = torch.arange(w.num_state_slots - len(points), w.num_state_slots, dtype=torch.int64)
+        plan.validate()
+        return plan
 
     results = []
-    for mode in a.routing.split(","):
+    for mode, snapshots in [(m, s) for m in a.routing.split(",") for s in a.snapshots.split(",")]:
         bench_routing.set_mode(mode)
+        plan = plan_with(snapshots)
+
+        def step():
+            w.execute_plan(plan)
+
         step()  # warm-up: JIT for this chunk's shapes
         sync()
         t0 = time.perf_counter()
@@ -73,8 +91,9 @@ def main() -> int:
         result = {
             "serve_args": a.serve_args,
             "routing": mode,
+            "snapshots": snapshots,
             "batch": 1,
-            "kind": f"prefill ({a.new} tokens after {a.context}, routing {mode})",
+            "kind": f"prefill ({a.new} tokens after {a.context}, routing {mode}, snapshots {snapshots})",
             "context": a.context,
             "new": a.new,
             "context_prefill_s": context_s,
@@ -88,7 +107,7 @@ def main() -> int:
         results.append(result)
         print(
             f"\ncontext {a.context} tokens prefilled in {context_s:.2f} s; chunk of {a.new} new tokens after it, "
-            f"routing {mode}: {step_ms:.1f} ms ({a.new * 1e3 / step_ms:.0f} tok/s), device busy {device_ms:.1f} ms"
+            f"routing {mode}, snapshots {snapshots}: {step_ms:.1f} ms ({a.new * 1e3 / step_ms:.0f} tok/s), device busy {device_ms:.1f} ms"
         )
         print_profile(result)
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)

@@ -22,10 +22,10 @@
 #            bench/profile_prefill.py: the agent turn's chunk (2,184 tokens after 27,816 cached) by kernel, and an
 #            8,192-token chunk with NVFP4 experts offloaded (uniform routing): are the expert copies (Memcpy HtoD)
 #            hidden under the compute, and what does the grouped NVFP4 kernel cost
-#   serverprofile  issue 12's open question: the agent session on the radix server alone with
-#            FREETOKEN_PROFILE_STEPS=1000 (engine/step_profiler.py): the served prefill steps' own profiles, to set
-#            beside bench/profile_prefill.py's in-process one (the server's step was ~2x slower, 2026-12-01 night),
-#            then the same session through the offline engine (bench/agent_steps_offline.py: scheduler, no HTTP)
+#   serverprofile  issue 12's open question (the served cached turn's step was ~2x the in-process one, 2026-12-01
+#            night): bench/profile_prefill.py on the turn-10 chunk with snapshots none / end / grid+end, the session
+#            through the offline engine (bench/agent_steps_offline.py: scheduler, no HTTP), then the served session
+#            with its cached turns' steps profiled (FREETOKEN_PROFILE_STEPS=1000-4000, engine/step_profiler.py)
 #   nvfp4ab  the 8k NVFP4 offload prefill (and offload decode) on the grouped kernel (default) and on the
 #            dequantized-bank path (FREETOKEN_NVFP4_DEQUANT_MIN_PAIRS=16384): which one DEQUANT_MIN_PAIRS keeps
 #   sweep    bench/nvfp4_kernel_bench.py --groups sweep: the NVFP4 linear's launch settings at M <= 16
@@ -112,16 +112,22 @@ if [[ " $SECTIONS " == *" radix "* ]]; then
       | grep -vE "^\[" | tail -12
 fi
 if [[ " $SECTIONS " == *" serverprofile "* ]]; then
-  FREETOKEN_PROFILE_STEPS=1000 FREETOKEN_PROFILE_OUT="$OUT/server_steps_profile.txt" timeout ${AGENT_TIMEOUT:-240} \
+  # the cached turn's chunk in-process, without snapshots, with one at its end, and with the grid point too
+  timeout ${PREFILL_TIMEOUT:-150} python3 bench/profile_prefill.py --context 27816 --new 2184 --snapshots none,end,grid \
+      --profile-steps 1 --out "$OUT/profile_prefill_snapshots.json" -- --dummy-weight --model-path configs/qwen3.6-35b-a3b \
+      --max-seq-len-override 32768 --moe-backend fused --max-prefill-length 8192 2>&1 \
+      | tee "$OUT/profile_prefill_snapshots.log" | grep -E "^context|ChunkGated|cudaStreamSync|cudaMemcpyAsync"
+  # the session through the offline engine (scheduler + worker, no HTTP), unprofiled: which side of HTTP the gap is on
+  timeout ${AGENT_TIMEOUT:-240} python3 bench/agent_steps_offline.py --out "$OUT/agent_steps_offline.json" -- \
+      --moe-backend fused --max-prefill-length 8192 --max-running-requests 4 2>&1 | tee "$OUT/agent_steps_offline.log" \
+      | grep -vE "^\[" | tail -13
+  # the served session with its cached turns' steps profiled (1,000-4,000 new tokens: not turn 1's long chunks)
+  FREETOKEN_PROFILE_STEPS=1000-4000 FREETOKEN_PROFILE_OUT="$OUT/server_steps_profile.txt" timeout ${AGENT_TIMEOUT:-240} \
       python3 bench/agent_session_bench.py --caches radix --out "$OUT/agent_session_profiled.json" \
       --server-args "--max-running-requests 4 --moe-backend fused --max-prefill-length 8192" 2>&1 \
       | tee "$OUT/agent_session_profiled.log" | grep -vE "^\[" | tail -14
   grep -E "^step " "$OUT/server_steps_profile.txt" | tail -12  # one line per profiled step; the blocks follow each
   awk '/^step /{b=""} {b=b $0 "\n"} END{printf "%s", b}' "$OUT/server_steps_profile.txt"  # the last turn's block
-  # the same session through the offline engine (scheduler + worker, no HTTP): which side of HTTP the gap is on
-  FREETOKEN_PROFILE_STEPS=1000 FREETOKEN_PROFILE_OUT="$OUT/offline_steps_profile.txt" timeout ${AGENT_TIMEOUT:-240} \
-      python3 bench/agent_steps_offline.py --out "$OUT/agent_steps_offline.json" -- --moe-backend fused \
-      --max-prefill-length 8192 --max-running-requests 4 2>&1 | tee "$OUT/agent_steps_offline.log" | grep -vE "^\[" | tail -13
 fi
 if [[ " $SECTIONS " == *" nvfp4ab "* ]]; then
   for cut in default 16384; do

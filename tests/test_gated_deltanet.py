@@ -147,6 +147,28 @@ def test_rounds_give_the_states_at_capture_points(captures):
             assert (cap[(b, at)] - s_ref).abs().max() < 2e-5, (b, at)
 
 
+@pytest.mark.parametrize("captures", [[37, 64], [64], [99], [1, 2, 3]])
+def test_rounds_of_one_sequence_run_on_views(captures):
+    """One sequence (a cached turn's last chunk: a snapshot at the grid point inside it and one at its end) takes
+    the view path: one call per piece, each starting where the previous ended, against the formula."""
+    seqs, cat, init, cu = varlen_batch([100], seed=41)
+    calls = []
+
+    def counted(*a):
+        calls.append(a[6])
+        return _torch_varlen(*a)
+
+    o, final, cap = gated_delta_rule_in_rounds(counted, *cat, init, cu, {0: captures + [100]})
+    assert len(calls) == len(captures) + 1 and all(c[0] == 0 and len(c) == 2 for c in calls)
+    q, k, v, g, beta, state = seqs[0]
+    o_ref, s_ref = naive_gdn(q, k, v, g, beta, state)
+    assert o.dtype == torch.float32 and (o - o_ref).abs().max() < 2e-5
+    assert (final[0] - s_ref).abs().max() < 2e-5 and (cap[(0, 100)] - s_ref).abs().max() < 2e-5
+    for at in captures:
+        _, s_at = naive_gdn(q[:at], k[:at], v[:at], g[:at], beta[:at], state)
+        assert (cap[(0, at)] - s_at).abs().max() < 2e-5, at
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the layer
 # ---------------------------------------------------------------------------------------------------------------

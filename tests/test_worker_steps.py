@@ -410,3 +410,7 @@ def test_step_profiler_profiles_only_steps_over_its_threshold(worker, tmp_path):
     assert text.startswith("step 41: 7 new tokens, wall ") and "top by self CPU time" in text, text[:300]
     assert "step 42" not in text
     assert StepProfiler(worker.device, {}).wrap(0, 10**6, len) is len  # unset: the step itself, untouched
+    ranged = StepProfiler(worker.device, {"FREETOKEN_PROFILE_STEPS": "5-8"})
+    assert ranged.wrap(0, 9, len) is len and ranged.wrap(0, 4, len) is len and ranged.wrap(0, 8, len) is not len
+    with pytest.raises(ValueError, match="FREETOKEN_PROFILE_STEPS='5-x'"):
+        StepProfiler(worker.device, {"FREETOKEN_PROFILE_STEPS": "5-x"})

@@ -4,7 +4,8 @@ chunk run alone (the plan the scheduler builds, snapshot captures and restores, 
 
     FREETOKEN_PROFILE_STEPS=1000 FREETOKEN_PROFILE_OUT=/tmp/steps.txt ft serve ...
 
-profiles every eager step of at least ``FREETOKEN_PROFILE_STEPS`` new tokens under ``torch.profiler`` and appends
+profiles every eager step of at least ``FREETOKEN_PROFILE_STEPS`` new tokens (``MIN-MAX``: between the two, so that a
+session's long uncached chunks are left out) under ``torch.profiler`` and appends
 one block per step to ``FREETOKEN_PROFILE_OUT`` (default ``freetoken_steps_profile.txt``): the step's wall time
 (profiler overhead included), the device's busy time, and the top ops by device time and by self CPU time. Off
 (no cost beyond one comparison a step) when the variable is unset. Decode graph replays are never profiled.
@@ -24,15 +25,14 @@ TOP = 14
 class StepProfiler:
     def __init__(self, device: torch.device, env: Optional[dict] = None):
         env = os.environ if env is None else env
-        raw = env.get("FREETOKEN_PROFILE_STEPS", "").strip()
-        self.min_tokens = int(raw) if raw else None
+        self.min_tokens, self.max_tokens = parse_token_range(env.get("FREETOKEN_PROFILE_STEPS", ""))
         self.out = env.get("FREETOKEN_PROFILE_OUT", "freetoken_steps_profile.txt")
         self.device = device
         self.profiled = 0
 
     def wrap(self, step_id: int, num_tokens: int, run: Callable):
         """``run`` itself, or ``run`` under the profiler when this step qualifies."""
-        if self.min_tokens is None or num_tokens < self.min_tokens:
+        if self.min_tokens is None or not self.min_tokens <= num_tokens <= self.max_tokens:
             return run
         return lambda: self._profiled(step_id, num_tokens, run)
 
@@ -50,6 +50,20 @@ class StepProfiler:
         with open(self.out, "a") as f:
             f.write(format_profile(prof.key_averages(), step_id, num_tokens, wall_ms) + "\n")
         return out
+
+
+def parse_token_range(raw: str) -> tuple[Optional[int], Optional[int]]:
+    """``""`` -> off (None, None); ``"N"`` -> (N, inf); ``"N-M"`` -> (N, M). Anything else is refused naming the
+    variable, at start-up."""
+    raw = raw.strip()
+    if not raw:
+        return None, None
+    lo, sep, hi = raw.partition("-")
+    try:
+        bounds = int(lo), (int(hi) if sep else 1 << 62)
+    except ValueError:
+        raise ValueError(f"FREETOKEN_PROFILE_STEPS={raw!r}: expected a token count N or a range N-M") from None
+    return bounds
 
 
 def top_ops(averages, n_steps: int, top: int) -> tuple[list[dict], list[dict], float]:

@@ -264,9 +264,17 @@ def gated_delta_rule_in_rounds(varlen, q, k, v, g, beta, initial_state, cu_seqle
         o, final = varlen(q, k, v, g, beta, initial_state, cu_seqlens, False)
         final = final.float()
         return o, final, {(b, cu_seqlens[b + 1] - cu_seqlens[b]): final[b] for b in range(N)}
+    captured: dict[tuple[int, int], torch.Tensor] = {}
+    if N == 1:  # one sequence (a cached turn's chunk): its pieces are views, no index tensors, gathers or scatters
+        outs, state = [], initial_state
+        for a, z in pieces[0]:
+            o_r, final_r = varlen(q[a:z], k[a:z], v[a:z], g[a:z], beta[a:z], state, [0, z - a], False)
+            outs.append(o_r)
+            state = final_r
+            captured[(0, z)] = final_r[0].float()
+        return torch.cat(outs).float(), state.float(), captured
     state = [initial_state[b].float() for b in range(N)]
     o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    captured: dict[tuple[int, int], torch.Tensor] = {}
     for r in range(max(len(p) for p in pieces)):
         seqs = [b for b in range(N) if r < len(pieces[b])]
         ranges = [(cu_seqlens[b] + pieces[b][r][0], cu_seqlens[b] + pieces[b][r][1]) for b in seqs]
