@@ -6,7 +6,9 @@ the in-process figure, the gap is in the server (HTTP, its engine loop); if they
 in what the scheduler plans (a restore, snapshot captures, the prefix's KV slots, the chunking) and
 ``FREETOKEN_PROFILE_STEPS`` (``engine/step_profiler.py``) shows where.
 
-Per turn: prompt tokens, the scheduler's cached tokens, the steps the turn's prefill took and the time of each
+Per turn: prompt tokens, the scheduler's cached tokens, the garbage collector's milliseconds inside the turn's
+prefill steps (``engine/gc_control.py``; ``FREETOKEN_GC_FREEZE=0`` shows them without the start-up freeze), the
+steps the turn's prefill took and the time of each
 (the engine's ``step()`` runs a prefill step to the end: it samples the turn's first token), then the rest of the
 answer stepped to completion (greedy, ``ignore_eos``), whose ids go into the history. Prints a table, writes JSON.
 
@@ -34,6 +36,8 @@ sys.path[:0] = [_HERE, os.path.join(os.path.dirname(_HERE), "tests"), os.path.jo
 from agent_session_bench import Session, gpu_name, has_weights, load_tokenizer, write_tiny  # noqa: E402
 from profile_decode import worker_args  # noqa: E402
 
+from freetoken.engine.gc_control import GcClock  # noqa: E402
+
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -56,13 +60,16 @@ def run_turn(llm, prompt: list[int], max_tokens: int) -> dict:
     rid = next(llm._ids)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     llm.engine.add_request(rid, prompt, dataclasses.asdict(params))
-    prefill_steps, cached, tokens, first = [], 0, [], None
+    prefill_steps, gc_ms, cached, tokens, first = [], [], 0, [], None
     while not llm.engine.is_idle():
+        clock = GcClock().start()
         t0 = time.perf_counter()
         events = llm.engine.step()
         dt = time.perf_counter() - t0
+        clock.stop()
         if first is None:
             prefill_steps.append(dt)
+            gc_ms.append(clock.total_ms())
         for kind, r, a, b in events:
             if r != rid:
                 continue
@@ -74,7 +81,7 @@ def run_turn(llm, prompt: list[int], max_tokens: int) -> dict:
             elif kind == "failed":
                 raise RuntimeError(f"request failed: {a}")
     return {"prompt_tokens": len(prompt), "cached_tokens": cached, "prefill_steps_ms": [s * 1e3 for s in prefill_steps],
-            "answer": tokens}  # fmt: skip
+            "prefill_gc_ms": gc_ms, "answer": tokens}  # fmt: skip
 
 
 def main() -> int:
@@ -113,11 +120,16 @@ def main() -> int:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
     print(f"offline engine, cache {a.cache_type}, {kwargs}; start-up {startup:.1f} s; GPU: {gpu_name()}")
-    print(f"{'turn':>4}{'prompt':>8}{'new':>7}{'cached':>8}{'computed':>9}  prefill steps ms (the turn's first token)")
+    print(
+        f"{'turn':>4}{'prompt':>8}{'new':>7}{'cached':>8}{'computed':>9}{'gc ms':>8}  prefill steps ms (the turn's first token)"
+    )
     for r in rows:
         steps = " + ".join(f"{s:.1f}" for s in r["prefill_steps_ms"])
         computed = r["prompt_tokens"] - r["cached_tokens"]
-        print(f"{r['turn']:>4}{r['prompt_tokens']:>8}{r['new_tokens']:>7}{r['cached_tokens']:>8}{computed:>9}  {steps}")
+        gc_ms = sum(r["prefill_gc_ms"])
+        print(
+            f"{r['turn']:>4}{r['prompt_tokens']:>8}{r['new_tokens']:>7}{r['cached_tokens']:>8}{computed:>9}{gc_ms:>8.1f}  {steps}"
+        )
     report = {
         "command": " ".join([sys.executable, *sys.argv]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

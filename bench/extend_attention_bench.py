@@ -3,7 +3,11 @@ head dim 256, bf16, page size 1) over the chunks a server runs: a fresh 8,192-to
 chunk of a 30k prompt, and an agent turn's 2,184 new tokens after 27,816 cached ones (issue 12). Each chunk is
 timed under the tile configs given (``--configs``; the default is the launcher's own pick first, then the
 alternatives), printing ms, TFLOP/s over the causal work actually done and the fraction of the H200's dense BF16
-tensor-core peak (989 TFLOP/s), and the launcher's pick against the old 32 x 32 tiles. Writes JSON.
+tensor-core peak (989 TFLOP/s), and the launcher's pick against the old 32 x 32 tiles. Beside them, torch's
+scaled-dot-product attention backends (``--baselines``: flash, cuDNN, memory-efficient, and flash with the KV heads
+expanded) on the same chunk with a lower-right causal mask, the paged KV gathered into contiguous tensors inside
+the timed call: what a library kernel would give if the extend path used it, each checked against our output
+(max |diff|; a backend this torch cannot run at the shape is printed as failed). Writes JSON.
 
     python bench/extend_attention_bench.py --out bench/out/extend_attention.json
 """
@@ -24,6 +28,7 @@ H200_BF16_DENSE_TFLOPS = 989.0
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default="auto,32x32x4x2,64x64x8x2,64x32x4x2,128x32x8x2,128x64x8x2,128x128x8x2")
+    ap.add_argument("--baselines", default="sdpa-flash,sdpa-cudnn,sdpa-efficient,sdpa-flash-expanded")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "out", "extend_attention.json"))
     return ap.parse_args()
@@ -33,6 +38,46 @@ def causal_flops(ext: int, pre: int, nh: int, d: int, dv: int) -> float:
     """QKᵀ and PV over the keys each query sees (its prefix and the chunk up to itself)."""
     keys = ext * pre + ext * (ext + 1) / 2
     return 2.0 * keys * nh * (d + dv)
+
+
+def time_call(call, reps: int) -> float:
+    """Median device milliseconds of ``call()`` after one warm-up."""
+    import torch
+
+    call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        call()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def sdpa_extend(q, kc, vc, slots, backend: str):
+    """The chunk's attention through ``F.scaled_dot_product_attention``: KV gathered from the paged cache, queries
+    aligned to the end of the keys (lower-right causal), GQA native or (``-expanded``) by repeating KV heads."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    name = backend.removeprefix("sdpa-").removesuffix("-expanded")
+    which = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION}[name]  # fmt: skip
+    k, v = kc[slots].transpose(0, 1)[None], vc[slots].transpose(0, 1)[None]  # [1, nkv, ctx, D]
+    qh = q.transpose(0, 1)[None]  # [1, nh, ext, D]
+    gqa = not backend.endswith("-expanded")
+    if not gqa:
+        r = qh.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)
+    mask = causal_lower_right(qh.shape[2], k.shape[2])
+    with sdpa_kernel([which]):
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, enable_gqa=gqa)
+    return out[0].transpose(0, 1)
 
 
 def main() -> int:
@@ -56,7 +101,22 @@ def main() -> int:
         pl = torch.tensor([pre], dtype=torch.int32, device=dev)
         r = torch.zeros(1, dtype=torch.int32, device=dev)
         flops = causal_flops(ext, pre, nh, D, D)
-        for name in a.configs.split(","):
+        ours = torch.empty(0)
+        for name in a.configs.split(",") + [b for b in a.baselines.split(",") if b]:
+            if name.startswith("sdpa-"):
+                slots = r2t[0].long()
+
+                def call(name=name):
+                    return sdpa_extend(q, kc, vc, slots, name)
+
+                try:
+                    diff = (call().float() - ours.float()).abs().max().item() if ours.numel() else float("nan")
+                    ms = time_call(call, a.reps)
+                    rows.append({"new": ext, "prefix": pre, "config": name, "ms": ms, "tflops": flops / ms / 1e9,
+                                 "max_abs_diff_vs_ours": diff})  # fmt: skip
+                except Exception as exc:
+                    rows.append({"new": ext, "prefix": pre, "config": name, "error": str(exc).splitlines()[0][:80]})
+                continue
             cfg = None if name == "auto" else tuple(int(v) for v in name.split("x"))
             label = name if cfg else "auto=" + "x".join(map(str, _extend_config(q, kc, D, D, ext)))
 
@@ -64,17 +124,9 @@ def main() -> int:
                 extend_attention_triton(q, kc, vc, r2t, r, cu, pl, D**-0.5, ext, config=cfg)
 
             try:
-                call()
-                torch.cuda.synchronize()
-                times = []
-                for _ in range(a.reps):
-                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    s.record()
-                    call()
-                    e.record()
-                    e.synchronize()
-                    times.append(s.elapsed_time(e))
-                ms = statistics.median(times)
+                if name == "auto":
+                    ours = extend_attention_triton(q, kc, vc, r2t, r, cu, pl, D**-0.5, ext)
+                ms = time_call(call, a.reps)
                 rows.append({"new": ext, "prefix": pre, "config": label, "ms": ms, "tflops": flops / ms / 1e9})
             except Exception as exc:  # a config that does not fit (shared memory, registers) on this card
                 rows.append({"new": ext, "prefix": pre, "config": label, "error": str(exc).splitlines()[0][:80]})
@@ -85,7 +137,8 @@ def main() -> int:
             print(f"{chunk:<24}{row['config']:<22}  failed: {row['error']}")
             continue
         frac = row["tflops"] / H200_BF16_DENSE_TFLOPS
-        print(f"{chunk:<24}{row['config']:<22}{row['ms']:>9.2f}{row['tflops']:>10.1f}{frac:>9.2f}")
+        diff = f"  max|diff| vs ours {row['max_abs_diff_vs_ours']:.3g}" if "max_abs_diff_vs_ours" in row else ""
+        print(f"{chunk:<24}{row['config']:<22}{row['ms']:>9.2f}{row['tflops']:>10.1f}{frac:>9.2f}{diff}")
     for ext, pre in CHUNKS:
         got = {r["config"].split("=")[0]: r for r in rows if (r["new"], r["prefix"]) == (ext, pre) and "ms" in r}
         if "auto" in got and "32x32x4x2" in got:

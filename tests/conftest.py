@@ -13,6 +13,9 @@ sys.path.insert(0, os.path.join(_ROOT, "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # helper modules next to the tests
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
+# workers built by the tests (and the servers they start) leave the collector alone: a test process builds many, and
+# frozen objects in reference cycles would never be freed. tests/test_gc_control.py covers the freeze itself.
+os.environ.setdefault("FREETOKEN_GC_FREEZE", "0")
 
 
 def blocked_fla() -> None:

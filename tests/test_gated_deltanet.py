@@ -13,6 +13,7 @@ from freetoken.cache.state_pool import RecurrentStatePool, default_ssm_dtype
 from freetoken.layers.gated_deltanet import (
     GatedDeltaNet,
     gated_delta_rule,
+    SHORT_PIECE,
     gated_delta_rule_in_rounds,
     l2norm,
     torch_chunk_gated_delta_rule,
@@ -150,7 +151,8 @@ def test_rounds_give_the_states_at_capture_points(captures):
 @pytest.mark.parametrize("captures", [[37, 64], [64], [99], [1, 2, 3]])
 def test_rounds_of_one_sequence_run_on_views(captures):
     """One sequence (a cached turn's last chunk: a snapshot at the grid point inside it and one at its end) takes
-    the view path: one call per piece, each starting where the previous ended, against the formula."""
+    the view path: one call per piece, each starting where the previous ended, pieces shorter than fla's chunk on
+    the token-by-token kernel, against the formula."""
     seqs, cat, init, cu = varlen_batch([100], seed=41)
     calls = []
 
@@ -158,8 +160,18 @@ def test_rounds_of_one_sequence_run_on_views(captures):
         calls.append(a[6])
         return _torch_varlen(*a)
 
-    o, final, cap = gated_delta_rule_in_rounds(counted, *cat, init, cu, {0: captures + [100]})
-    assert len(calls) == len(captures) + 1 and all(c[0] == 0 and len(c) == 2 for c in calls)
+    shorts = []
+
+    def short(q, k, v, g, beta, init):  # the token-by-token path, as the fla dispatch gives it
+        shorts.append(q.shape[0])
+        o, final, _ = gated_delta_rule(q, k, v, g, beta, init, [0, q.shape[0]], False, backend="torch")
+        return o, final
+
+    o, final, cap = gated_delta_rule_in_rounds(counted, *cat, init, cu, {0: captures + [100]}, short=short)
+    bounds = [0, *captures, 100]
+    sizes = [z - a for a, z in zip(bounds[:-1], bounds[1:])]
+    assert sorted(shorts) == sorted(n for n in sizes if n < SHORT_PIECE)  # pieces under fla's chunk go token by token
+    assert len(calls) + len(shorts) == len(captures) + 1 and all(c[0] == 0 and len(c) == 2 for c in calls)
     q, k, v, g, beta, state = seqs[0]
     o_ref, s_ref = naive_gdn(q, k, v, g, beta, state)
     assert o.dtype == torch.float32 and (o - o_ref).abs().max() < 2e-5
@@ -409,6 +421,24 @@ def test_fla_captures_match_torch():
     captures = {0: [64, 100], 1: [64], 2: [1]}
     o_t, f_t, c_t = gated_delta_rule(*cat, init.clone(), cu, False, captures=captures, backend="torch")
     o_f, f_f, c_f = gated_delta_rule(*cat, init.clone(), cu, False, captures=captures, backend="fla")
+    assert (o_f - o_t).abs().max() < 2e-3 and (f_f - f_t).abs().max() < 2e-3
+    for key, state in c_t.items():
+        assert (c_f[key] - state).abs().max() < 2e-3, key
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n, captures", [(600, [576, 600]), (150, [64, 150]), (40, [13, 40])])
+def test_fla_single_sequence_captures_match_torch(n, captures):
+    """A cached turn's chunk: pieces on views, the tail after the grid snapshot on fla's recurrent kernel."""
+    from freetoken.layers.gated_deltanet import _fla_ops
+
+    if _fla_ops() is None:
+        pytest.skip("fla not importable")
+    q, k, v, g, beta, init = (x.cuda() for x in rand_inputs(n, Hk=2, Hv=4, dk=64, dv=64, seed=70))
+    cu, caps = [0, n], {0: captures}
+    o_t, f_t, c_t = gated_delta_rule(q, k, v, g, beta, init[None].clone(), cu, False, captures=caps, backend="torch")
+    o_f, f_f, c_f = gated_delta_rule(q, k, v, g, beta, init[None].clone(), cu, False, captures=caps, backend="fla")
     assert (o_f - o_t).abs().max() < 2e-3 and (f_f - f_t).abs().max() < 2e-3
     for key, state in c_t.items():
         assert (c_f[key] - state).abs().max() < 2e-3, key

@@ -28,6 +28,7 @@ from .engine.description import EngineDescription
 from .engine.forward_batch import ForwardBatch
 from .engine.logprobs import MAX_TOP_LOGPROBS, logit_rows, step_logprobs
 from .engine.step_plan import StepPlan
+from .engine.gc_control import freeze_startup_objects
 from .engine.step_profiler import StepProfiler
 from .errors import InvalidPlan, UnsupportedModel, WorkerOutOfMemory
 from .fault_injection import FaultInjector
@@ -84,6 +85,7 @@ class Worker:
         self._log_resolved_config()
         startup.allocate_pools(self)
         self._skip_expert_counts()  # lookups of the dry run and the graph capture are nobody's
+        freeze_startup_objects()  # full collections would walk all of start-up's objects inside some step
 
     def _log_resolved_config(self) -> None:
         a, gdn = self.args, ""

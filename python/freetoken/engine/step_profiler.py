@@ -19,6 +19,8 @@ from typing import Callable, Optional
 
 import torch
 
+from .gc_control import GcClock
+
 TOP = 14
 
 
@@ -40,15 +42,17 @@ class StepProfiler:
         from torch.profiler import ProfilerActivity, profile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        clock = GcClock().start()
         t0 = time.perf_counter()
         with profile(activities=acts) as prof:
             out = run()  # ends with the sampled tokens on the host: the device work is inside
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
         wall_ms = (time.perf_counter() - t0) * 1e3
+        clock.stop()
         self.profiled += 1
         with open(self.out, "a") as f:
-            f.write(format_profile(prof.key_averages(), step_id, num_tokens, wall_ms) + "\n")
+            f.write(format_profile(prof.key_averages(), step_id, num_tokens, wall_ms, clock.summary()) + "\n")
         return out
 
 
@@ -87,10 +91,14 @@ def top_ops(averages, n_steps: int, top: int) -> tuple[list[dict], list[dict], f
     return rows("self_cpu_time_total"), rows(dev_attr), device_ms
 
 
-def format_profile(averages, step_id: int, num_tokens: int, wall_ms: float) -> str:
-    """One step's block: header line, then the top ops by device time and by self CPU time (ms)."""
+def format_profile(averages, step_id: int, num_tokens: int, wall_ms: float, gc_summary: str = "") -> str:
+    """One step's block: header line (with the garbage collector's share), then the top ops by device time and by
+    self CPU time (ms)."""
     by_cpu, by_dev, busy_ms = top_ops(averages, 1, TOP)
-    lines = [f"step {step_id}: {num_tokens} new tokens, wall {wall_ms:.1f} ms (profiled), device busy {busy_ms:.1f} ms"]
+    gc_part = f", {gc_summary}" if gc_summary else ""
+    lines = [
+        f"step {step_id}: {num_tokens} new tokens, wall {wall_ms:.1f} ms (profiled), device busy {busy_ms:.1f} ms{gc_part}"
+    ]
     for title, table in (("device", by_dev), ("self CPU", by_cpu)):
         lines.append(f"  top by {title} time:{'calls':>43}{'cpu ms':>10}{'dev ms':>10}")
         for r in table:

@@ -202,20 +202,9 @@ def _fla_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, decode):
     scale = q.shape[-1] ** -0.5
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # split views of the conv output are strided
     initial_state = initial_state.contiguous()
-    # keywords only: fused_recurrent's 5th positional parameter is gk, not beta
     if decode:
         # [B, 1, H, *]: one sequence per batch row, state rows aligned with batch rows
-        o, final = recurrent(
-            q=q[:, None],
-            k=k[:, None],
-            v=v[:, None],
-            g=g[:, None].float(),
-            beta=beta[:, None].float(),
-            scale=scale,
-            initial_state=initial_state,
-            output_final_state=True,
-            use_qk_l2norm_in_kernel=True,
-        )
+        o, final = _fla_recurrent(recurrent, q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], initial_state)
         return o[:, 0], final
     kw = {}
     if len(cu_seqlens) > 2:  # one sequence runs as a batch of one: no varlen index tensors, no host syncs
@@ -236,6 +225,34 @@ def _fla_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, decode):
     return o[0], final
 
 
+def _fla_recurrent(recurrent, q, k, v, g, beta, initial_state):
+    """fla's token-by-token kernel on ``[B, T, H, *]`` inputs (keywords only: its 5th positional parameter is gk)."""
+    return recurrent(
+        q=q,
+        k=k,
+        v=v,
+        g=g.float(),
+        beta=beta.float(),
+        scale=q.shape[-1] ** -0.5,
+        initial_state=initial_state,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+
+
+def _fla_short_piece(q, k, v, g, beta, initial_state):
+    """One sequence's few tokens (``[T, H, *]``, T < SHORT_PIECE) through fla's recurrent kernel: one launch where
+    the chunked path takes ~10 and ~1 ms of Python (the tail after a cached turn's grid snapshot)."""
+    _, recurrent, _ = _fla_ops()
+    q, k, v = (x[None].contiguous() for x in (q, k, v))
+    o, final = _fla_recurrent(recurrent, q, k, v, g[None], beta[None], initial_state.contiguous())
+    return o[0], final
+
+
+# a piece shorter than this (fla's chunk length) runs token by token when the caller gives a ``short`` kernel
+SHORT_PIECE = 64
+
+
 @functools.lru_cache(maxsize=4)
 def _fla_cu_seqlens(cu_seqlens: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The same ``cu_seqlens`` tensors for every GDN layer of a step: fla caches its varlen index tensors on the
@@ -245,13 +262,15 @@ def _fla_cu_seqlens(cu_seqlens: tuple[int, ...], device: torch.device) -> tuple[
     return cu_cpu.to(device), cu_cpu
 
 
-def gated_delta_rule_in_rounds(varlen, q, k, v, g, beta, initial_state, cu_seqlens, captures):
+def gated_delta_rule_in_rounds(varlen, q, k, v, g, beta, initial_state, cu_seqlens, captures, short=None):
     """States at snapshot points from a varlen kernel that only returns final states: each sequence is cut at
     its capture offsets, and round r runs the r-th piece of every sequence that has one in one varlen call,
     starting from the state the previous round ended with. Pieces of one sequence depend on each other, so a
     step with at most two snapshots per sequence costs at most three calls.
 
-    ``varlen(q, k, v, g, beta, init, cu_seqlens, decode) -> (o, final)`` is the capture-free kernel.
+    ``varlen(q, k, v, g, beta, init, cu_seqlens, decode) -> (o, final)`` is the capture-free kernel;
+    ``short(q, k, v, g, beta, init) -> (o, final)``, when given, runs a single sequence's pieces shorter than
+    ``SHORT_PIECE`` tokens (the tail after a grid-point snapshot) in one cheap launch.
     Returns ``(o [T, Hv, dv] fp32 (the kernel's dtype when no sequence is cut), final [N, Hv, dk, dv] fp32,
     {(seq, offset): state})``."""
     N = len(cu_seqlens) - 1
@@ -268,7 +287,10 @@ def gated_delta_rule_in_rounds(varlen, q, k, v, g, beta, initial_state, cu_seqle
     if N == 1:  # one sequence (a cached turn's chunk): its pieces are views, no index tensors, gathers or scatters
         outs, state = [], initial_state
         for a, z in pieces[0]:
-            o_r, final_r = varlen(q[a:z], k[a:z], v[a:z], g[a:z], beta[a:z], state, [0, z - a], False)
+            if short is not None and z - a < SHORT_PIECE:
+                o_r, final_r = short(q[a:z], k[a:z], v[a:z], g[a:z], beta[a:z], state)
+            else:
+                o_r, final_r = varlen(q[a:z], k[a:z], v[a:z], g[a:z], beta[a:z], state, [0, z - a], False)
             outs.append(o_r)
             state = final_r
             captured[(0, z)] = final_r[0].float()
@@ -320,7 +342,7 @@ def gated_delta_rule(
     if backend == "fla":
         if captures:
             return gated_delta_rule_in_rounds(
-                _fla_gated_delta_rule, q, k, v, g, beta, initial_state, cu_seqlens, captures
+                _fla_gated_delta_rule, q, k, v, g, beta, initial_state, cu_seqlens, captures, short=_fla_short_piece
             )
         o, final = _fla_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, decode)
         return o, final.float(), {}
