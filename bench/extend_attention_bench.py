@@ -60,7 +60,6 @@ def time_call(call, reps: int) -> float:
 def sdpa_extend(q, kc, vc, slots, backend: str):
     """The chunk's attention through ``F.scaled_dot_product_attention``: KV gathered from the paged cache, queries
     aligned to the end of the keys (lower-right causal), GQA native or (``-expanded``) by repeating KV heads."""
-    import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right

@@ -204,7 +204,9 @@ def _fla_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, decode):
     initial_state = initial_state.contiguous()
     if decode:
         # [B, 1, H, *]: one sequence per batch row, state rows aligned with batch rows
-        o, final = _fla_recurrent(recurrent, q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], initial_state)
+        o, final = _fla_recurrent(
+            recurrent, q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], initial_state
+        )
         return o[:, 0], final
     kw = {}
     if len(cu_seqlens) > 2:  # one sequence runs as a batch of one: no varlen index tensors, no host syncs
