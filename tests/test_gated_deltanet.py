@@ -11,9 +11,9 @@ import torch
 
 from freetoken.cache.state_pool import RecurrentStatePool, default_ssm_dtype
 from freetoken.layers.gated_deltanet import (
+    SHORT_PIECE,
     GatedDeltaNet,
     gated_delta_rule,
-    SHORT_PIECE,
     gated_delta_rule_in_rounds,
     l2norm,
     torch_chunk_gated_delta_rule,

@@ -26,9 +26,9 @@ from . import startup
 from .engine.decode_graphs import LaunchedDecode, decode_inputs
 from .engine.description import EngineDescription
 from .engine.forward_batch import ForwardBatch
+from .engine.gc_control import freeze_startup_objects
 from .engine.logprobs import MAX_TOP_LOGPROBS, logit_rows, step_logprobs
 from .engine.step_plan import StepPlan
-from .engine.gc_control import freeze_startup_objects
 from .engine.step_profiler import StepProfiler
 from .errors import InvalidPlan, UnsupportedModel, WorkerOutOfMemory
 from .fault_injection import FaultInjector
