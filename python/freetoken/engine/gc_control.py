@@ -1,12 +1,13 @@
 """Python's cyclic garbage collector, kept out of the steps.
 
 A full (generation-2) collection walks every tracked object of the process: torch, triton, fla, the model's modules
-and the compiled kernels make that ~0.2-1 M objects, 50-100 ms of one core, and it fires inside whatever step
-happens to allocate the object that crosses the threshold. On the H200 that was the bimodal cached-turn prefill
-step of issue 12 (126 ms or ~210 ms for the same work through the offline engine). Everything alive at the end
-of start-up lives as long as the server, so after start-up it is collected once and moved out of the collector's
-sight (``gc.freeze``): later collections only walk what the steps allocate. ``FREETOKEN_GC_FREEZE=0`` keeps the
-default behaviour.
+and the compiled kernels make that ~0.2-1 M objects, 50-100 ms of one core (67 ms for 235 k objects on the 2-core
+CI machine), and it fires inside whatever step allocates the object that crosses its threshold. Everything alive
+at the end of start-up lives as long as the server, so after start-up it is collected once and moved out of the
+collector's sight (``gc.freeze``, as vLLM and SGLang do): later collections only walk what the steps allocated.
+``FREETOKEN_GC_FREEZE=0`` keeps the default behaviour. Measured on the H200 (2026-12-01, the agent session through
+the offline engine): without the freeze the cached turns' prefill steps spent 0-1.8 ms in the collector, so it was
+not what made those steps vary (122-199 ms); the freeze is insurance for a long-running server, not a speed-up.
 
 ``GcClock`` counts the collections and the time spent in them (``gc.callbacks``), so a step profile or a benchmark
 can say how much of a step was the collector's.
