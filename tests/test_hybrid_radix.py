@@ -76,8 +76,8 @@ def assert_same(hit, ref):
 def test_resolved_cache_and_snapshot_pool(cached, cold):
     assert cached.worker.info()["cache_types"][0] == "hybrid_radix"
     s = cached.engine.stats()
-    # --linear-state-cache-ratio 2.0: ceil(2.0 x 4 running requests) snapshot slots
-    assert s["snapshot_slots_total"] == 8
+    # --linear-state-cache-ratio 2.0 x 4 running requests = 8, raised to the floor of 16
+    assert s["snapshot_slots_total"] == 16
     assert cold.engine.stats()["snapshot_slots_total"] == 0
 
 

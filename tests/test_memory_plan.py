@@ -156,3 +156,29 @@ def test_cuda_workspace_covers_a_max_length_prefill(tmp_path):
         )
         assert r.stats["workspace_bytes"] == peak
         assert peak <= p.workspace * 1.1 + 2**20
+
+
+@pytest.mark.parametrize(
+    "running, ratio, count, want",
+    [(1, 2.0, None, 16), (4, 2.0, None, 16), (12, 2.0, None, 24), (4, 0.0, None, 0), (1, 2.0, 3, 3)],
+)
+def test_snapshot_pool_default_has_a_floor(running, ratio, count, want):
+    """ceil(--linear-state-cache-ratio x --max-running-requests), raised to MIN_SNAPSHOT_SLOTS (FreeToken's 2.0 alone
+    gave a one-request server 2 snapshots, fewer than two alternating prompts need); ratio 0 means none, and
+    --num-snapshot-slots is taken as given."""
+    from types import SimpleNamespace
+
+    from freetoken.models.base import StateLayout
+    from freetoken.startup import MIN_SNAPSHOT_SLOTS, _allocate_state_pool
+
+    assert MIN_SNAPSHOT_SLOTS == 16
+    w = SimpleNamespace(
+        model=SimpleNamespace(state_layout=StateLayout(2, (8, 3), (2, 4, 4))),
+        args={"cache_type": "radix", "num_snapshot_slots": count, "linear_state_cache_ratio": ratio},
+        max_running_requests=running,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    _allocate_state_pool(w)
+    assert w.num_snapshot_slots == want and w.num_state_slots == running + want
+    assert w.state.num_slots == running + want + 1  # the scratch slot past Rust's

@@ -89,10 +89,17 @@ def allocate_pools(w: "Worker") -> None:
     logger.info(f"Free memory after initialization: {plan.free_after / GiB:.2f} GiB")
 
 
+# FreeToken's ratio alone gives a one-request server 2 snapshots, and a request takes up to 2 (its prompt's grid
+# point, its finished answer): on the H200 the second of three alternating prompts already found its snapshot
+# evicted (radix_offload_scenario, 2026-12-01). 16 Qwen3.6 snapshots are ~1 GiB.
+MIN_SNAPSHOT_SLOTS = 16
+
+
 def _allocate_state_pool(w: "Worker") -> int:
     """Hybrid models: one live recurrent-state slot per running request, snapshot slots for the hybrid radix
-    cache (``--num-snapshot-slots``, else ``--linear-state-cache-ratio`` per running request; none without a
-    prefix cache), Rust owning 0..num_state_slots, and one scratch slot past them. Returns the pool's bytes."""
+    cache (``--num-snapshot-slots``, else ``--linear-state-cache-ratio`` per running request and at least
+    ``MIN_SNAPSHOT_SLOTS`` (ratio 0: none); none without a prefix cache), Rust owning 0..num_state_slots, and one
+    scratch slot past them. Returns the pool's bytes."""
     w.state, w.num_state_slots, w.num_snapshot_slots = None, 0, 0
     stl = w.model.state_layout
     if stl is None:
@@ -101,11 +108,13 @@ def _allocate_state_pool(w: "Worker") -> int:
 
     a = w.args
     if a["cache_type"] != "naive":
-        count = a["num_snapshot_slots"]
+        count, ratio = a["num_snapshot_slots"], float(a["linear_state_cache_ratio"])
         w.num_snapshot_slots = (
             int(count)
             if count is not None
-            else math.ceil(float(a["linear_state_cache_ratio"]) * w.max_running_requests)
+            else 0
+            if ratio == 0
+            else max(MIN_SNAPSHOT_SLOTS, math.ceil(ratio * w.max_running_requests))
         )
     w.num_state_slots = w.max_running_requests + w.num_snapshot_slots
     w.state = RecurrentStatePool.from_layout(stl, w.num_state_slots + 1, w.dtype, w.device)

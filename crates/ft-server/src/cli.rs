@@ -375,12 +375,12 @@ pub struct ServeArgs {
     pub enable_cache_report: bool,
 
     /// Hybrid models (hybrid_radix): recurrent-state snapshot slots per running request (FreeToken's
-    /// `linear_state_cache_ratio`).
+    /// `linear_state_cache_ratio`), at least 16 in all; 0 keeps no snapshots.
     #[arg(help_heading = CACHE, long, default_value_t = 2.0)]
     pub linear_state_cache_ratio: f64,
 
     /// Hybrid models: recurrent-state snapshot slots in all (default: --linear-state-cache-ratio x
-    /// --max-running-requests).
+    /// --max-running-requests, at least 16).
     #[arg(help_heading = CACHE, long)]
     pub num_snapshot_slots: Option<usize>,
 
