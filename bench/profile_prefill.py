@@ -6,8 +6,8 @@ chunk re-run over the same KV slots) and profiles it. The gap between this worke
 ``--routing off,uniform`` times the chunk under each ``FREETOKEN_BENCH_ROUTING`` mode (the dummy router
 concentrates tokens on few experts; uniform routing gives every expert its share, as a trained router does).
 ``--snapshots none,end,grid`` times the chunk with the recurrent-state snapshots the hybrid radix scheduler asks of
-a prompt's last chunk: none, one at the chunk's end, or also one at the last 64-token grid point inside it (a
-second delta-rule pass per GDN layer).
+a prompt's last chunk: none, one at the chunk's end, or also one at the last 64-token grid point inside it (the
+tokens after it are a second delta-rule pass per GDN layer, token by token on fla's recurrent kernel).
 
     python bench/profile_prefill.py --context 27816 --new 2184 --out bench/out/profile_prefill.json -- \\
         --dummy-weight --model-path configs/qwen3.6-35b-a3b --max-seq-len-override 32768 --moe-backend fused

@@ -4,7 +4,7 @@ A full (generation-2) collection walks every tracked object of the process: torc
 and the compiled kernels make that ~0.2-1 M objects, 50-100 ms of one core (67 ms for 235 k objects on the 2-core
 CI machine), and it fires inside whatever step allocates the object that crosses its threshold. Everything alive
 at the end of start-up lives as long as the server, so after start-up it is collected once and moved out of the
-collector's sight (``gc.freeze``, as vLLM and SGLang do): later collections only walk what the steps allocated.
+collector's sight (``gc.freeze``; vLLM does the same after its start-up): later collections only walk what the steps allocated.
 ``FREETOKEN_GC_FREEZE=0`` keeps the default behaviour. Measured on the H200 (2026-12-01, the agent session through
 the offline engine): without the freeze the cached turns' prefill steps spent 0-1.8 ms in the collector, so it was
 not what made those steps vary (122-199 ms); the freeze is insurance for a long-running server, not a speed-up.
@@ -16,12 +16,13 @@ can say how much of a step was the collector's.
 from __future__ import annotations
 
 import gc
-import logging
 import os
 import time
 from typing import Optional
 
-logger = logging.getLogger("freetoken")
+from ..log import get_logger
+
+logger = get_logger(__name__)
 
 
 def freeze_startup_objects(env: Optional[dict] = None) -> int:
