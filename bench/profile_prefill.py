@@ -8,6 +8,9 @@ concentrates tokens on few experts; uniform routing gives every expert its share
 ``--snapshots none,end,grid`` times the chunk with the recurrent-state snapshots the hybrid radix scheduler asks of
 a prompt's last chunk: none, one at the chunk's end, or also one at the last 64-token grid point inside it (the
 tokens after it are a second delta-rule pass per GDN layer, token by token on fla's recurrent kernel).
+On CUDA each timed chunk is also run once under ``torch.cuda.set_sync_debug_mode("warn")``: the host syncs of one
+step, counted by the innermost call site in our code or fla's (a sync mid-step lets the GPU drain while the host
+launches the rest, so a host-bound step pays CPU and GPU time in series).
 
     python bench/profile_prefill.py --context 27816 --new 2184 --out bench/out/profile_prefill.json -- \\
         --dummy-weight --model-path configs/qwen3.6-35b-a3b --max-seq-len-override 32768 --moe-backend fused
@@ -44,6 +47,34 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--out", default="bench/out/profile_prefill.json")
     ap.add_argument("serve_args", nargs=argparse.REMAINDER)
     return ap.parse_args()
+
+
+def host_sync_sites(step) -> dict[str, int]:
+    """One ``step()`` under torch's sync debug mode: ``{call site: syncs}``, a site being the innermost frame of
+    freetoken or fla (else torch's own) on the Python stack when the synchronizing call warned."""
+    import collections
+    import traceback
+    import warnings
+
+    sites: collections.Counter = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack()[:-1] if "freetoken" in f.filename or "/fla/" in f.filename]
+        f = frames[-1] if frames else None
+        sites[f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" if f else f"{filename}:{lineno}"] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return dict(sites)
 
 
 def main() -> int:
@@ -88,6 +119,7 @@ def main() -> int:
         sync()
         step_ms = (time.perf_counter() - t0) / a.reps * 1e3
         by_cpu, by_dev, device_ms = profile_steps(step, sync, w.device, a.profile_steps, a.top)
+        syncs = host_sync_sites(step) if w.device.type == "cuda" else {}
         result = {
             "serve_args": a.serve_args,
             "routing": mode,
@@ -103,6 +135,7 @@ def main() -> int:
             "device_busy_ms_per_step": device_ms,
             "by_self_cpu": by_cpu,
             "by_device": by_dev,
+            "host_sync_sites": syncs,
         }
         results.append(result)
         print(
@@ -110,6 +143,9 @@ def main() -> int:
             f"routing {mode}, snapshots {snapshots}: {step_ms:.1f} ms ({a.new * 1e3 / step_ms:.0f} tok/s), device busy {device_ms:.1f} ms"
         )
         print_profile(result)
+        print(f"host syncs in one step: {sum(syncs.values())}")
+        for site, n in sorted(syncs.items(), key=lambda kv: -kv[1]):
+            print(f"  {n:>4} x {site}")
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(results, f, indent=2)

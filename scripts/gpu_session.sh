@@ -119,7 +119,7 @@ if [[ " $SECTIONS " == *" serverprofile "* ]]; then
   timeout ${PREFILL_TIMEOUT:-150} python3 bench/profile_prefill.py --context 27816 --new 2184 --snapshots none,end,grid \
       --profile-steps 1 --out "$OUT/profile_prefill_snapshots.json" -- --dummy-weight --model-path configs/qwen3.6-35b-a3b \
       --max-seq-len-override 32768 --moe-backend fused --max-prefill-length 8192 2>&1 \
-      | tee "$OUT/profile_prefill_snapshots.log" | grep -E "^context|ChunkGated|cudaStreamSync|cudaMemcpyAsync"
+      | tee "$OUT/profile_prefill_snapshots.log" | grep -E "^context|ChunkGated|host syncs|^ +[0-9]+ x "
   # the session through the offline engine (scheduler + worker, no HTTP), unprofiled: which side of HTTP the gap is on
   timeout ${AGENT_TIMEOUT:-240} python3 bench/agent_steps_offline.py --out "$OUT/agent_steps_offline.json" -- \
       --moe-backend fused --max-prefill-length 8192 --max-running-requests 4 2>&1 | tee "$OUT/agent_steps_offline.log" \
