@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,23 +37,6 @@ def causal_flops(ext: int, pre: int, nh: int, d: int, dv: int) -> float:
     """QKᵀ and PV over the keys each query sees (its prefix and the chunk up to itself)."""
     keys = ext * pre + ext * (ext + 1) / 2
     return 2.0 * keys * nh * (d + dv)
-
-
-def time_call(call, reps: int) -> float:
-    """Median device milliseconds of ``call()`` after one warm-up."""
-    import torch
-
-    call()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        call()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
 
 
 def sdpa_extend(q, kc, vc, slots, backend: str):
@@ -83,6 +65,7 @@ def main() -> int:
     a = parse_args()
     sys.path.insert(0, os.path.join(ROOT, "python"))
     import torch
+    from hardware_bandwidth import median_device_ms
 
     from freetoken.kernels.attention import _extend_config, extend_attention_triton
 
@@ -101,33 +84,34 @@ def main() -> int:
         r = torch.zeros(1, dtype=torch.int32, device=dev)
         flops = causal_flops(ext, pre, nh, D, D)
         ours = torch.empty(0)
+        slots = r2t[0].long()
         for name in a.configs.split(",") + [b for b in a.baselines.split(",") if b]:
-            if name.startswith("sdpa-"):
-                slots = r2t[0].long()
+            baseline = name.startswith("sdpa-")
+            if baseline:
+                label = name
 
                 def call(name=name):
                     return sdpa_extend(q, kc, vc, slots, name)
 
-                try:
-                    diff = (call().float() - ours.float()).abs().max().item() if ours.numel() else float("nan")
-                    ms = time_call(call, a.reps)
-                    rows.append({"new": ext, "prefix": pre, "config": name, "ms": ms, "tflops": flops / ms / 1e9,
-                                 "max_abs_diff_vs_ours": diff})  # fmt: skip
-                except Exception as exc:
-                    rows.append({"new": ext, "prefix": pre, "config": name, "error": str(exc).splitlines()[0][:80]})
-                continue
-            cfg = None if name == "auto" else tuple(int(v) for v in name.split("x"))
-            label = name if cfg else "auto=" + "x".join(map(str, _extend_config(q, kc, D, D, ext)))
+            else:
+                cfg = None if name == "auto" else tuple(int(v) for v in name.split("x"))
+                label = name if cfg else "auto=" + "x".join(map(str, _extend_config(q, kc, D, D, ext)))
 
-            def call():
-                extend_attention_triton(q, kc, vc, r2t, r, cu, pl, D**-0.5, ext, config=cfg)
+                def call(cfg=cfg):
+                    return extend_attention_triton(q, kc, vc, r2t, r, cu, pl, D**-0.5, ext, config=cfg)
 
             try:
+                out = call()
+                row = {"new": ext, "prefix": pre, "config": label}
                 if name == "auto":
-                    ours = extend_attention_triton(q, kc, vc, r2t, r, cu, pl, D**-0.5, ext)
-                ms = time_call(call, a.reps)
-                rows.append({"new": ext, "prefix": pre, "config": label, "ms": ms, "tflops": flops / ms / 1e9})
-            except Exception as exc:  # a config that does not fit (shared memory, registers) on this card
+                    ours = out
+                elif baseline:
+                    row["max_abs_diff_vs_ours"] = (
+                        (out.float() - ours.float()).abs().max().item() if ours.numel() else float("nan")
+                    )
+                ms = median_device_ms(call, a.reps)
+                rows.append({**row, "ms": ms, "tflops": flops / ms / 1e9})
+            except Exception as exc:  # a config that does not fit (shared memory, registers), a backend torch lacks
                 rows.append({"new": ext, "prefix": pre, "config": label, "error": str(exc).splitlines()[0][:80]})
     print(f"{'chunk':<24}{'config':<22}{'ms':>9}{'TFLOP/s':>10}{'of peak':>9}")
     for row in rows:

@@ -7,6 +7,23 @@ from __future__ import annotations
 import statistics
 
 
+def median_device_ms(fn, reps: int) -> float:
+    """Median device milliseconds of ``fn()`` between two CUDA events, ``reps`` runs after one warm-up."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
 def measure_bandwidth() -> dict:
     """``{"hbm_copy_gb_s", "pcie_h2d_gb_s"}``: device-to-device copy bandwidth (bytes read + written) and pinned
     host-to-device bandwidth, medians of 10; ``{}`` without CUDA."""
@@ -15,17 +32,8 @@ def measure_bandwidth() -> dict:
     if not torch.cuda.is_available():
         return {}
 
-    def timed(fn, reps=10) -> float:
-        fn()
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        return statistics.median(times)
+    def timed(fn) -> float:
+        return median_device_ms(fn, 10) / 1e3
 
     n = 1 << 30
     src, dst = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
