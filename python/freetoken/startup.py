@@ -109,13 +109,10 @@ def _allocate_state_pool(w: "Worker") -> int:
     a = w.args
     if a["cache_type"] != "naive":
         count, ratio = a["num_snapshot_slots"], float(a["linear_state_cache_ratio"])
-        w.num_snapshot_slots = (
-            int(count)
-            if count is not None
-            else 0
-            if ratio == 0
-            else max(MIN_SNAPSHOT_SLOTS, math.ceil(ratio * w.max_running_requests))
-        )
+        if count is not None:
+            w.num_snapshot_slots = int(count)
+        elif ratio != 0:
+            w.num_snapshot_slots = max(MIN_SNAPSHOT_SLOTS, math.ceil(ratio * w.max_running_requests))
     w.num_state_slots = w.max_running_requests + w.num_snapshot_slots
     w.state = RecurrentStatePool.from_layout(stl, w.num_state_slots + 1, w.dtype, w.device)
     nbytes = w.state.nbytes()
