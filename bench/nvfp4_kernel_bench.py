@@ -7,7 +7,7 @@ the same card. Prints a table per group and writes JSON.
 Groups, each per M (rows of x; tokens for the MoE) in 1, 2, 4, 8, 16, 64, 256, 1024, 4096, 8192:
 - ``linear``: the W4A16 NVFP4 Linears (``kernels/nvfp4_linear.py``): the shared expert's gate (512 x 2048) and
   down (2048 x 512), lm_head (248320 x 2048); beside each, ``torch.mm`` in BF16 (cuBLAS) over the same shape. At
-  M <= 8 both paths (CUDA-core GEMV and tensor cores) are timed: where they cross is ``GEMV_MAX_M``.
+  M <= 8 both paths (CUDA-core GEMV and tensor cores) are timed: where they cross is ``nvfp4_linear.pick_path``.
 - ``moe``: the routed experts of one layer, 256 experts of gate|up 2 x 512 x 2048 and down 2048 x 512, top-8
   (``layers/nvfp4_experts.run_nvfp4_experts``: decode GEMVs up to 64 pairs, grouped kernels above), under uniform
   and Zipf routing (``--routing``, default ``FREETOKEN_BENCH_ROUTING`` or both; the draws of
@@ -192,21 +192,31 @@ def linear_cases(a, device, dtype, max_m: int):
 
 
 def bench_linear(a, device, dtype, bw) -> list:
-    from freetoken.kernels.nvfp4_linear import GEMV_MAX_M, nvfp4_linear_triton
+    from freetoken.kernels.nvfp4_linear import nvfp4_linear_triton, pick_path
 
     rows = []
     for name, M, x, weights, nbytes, flops, t_bf16 in linear_cases(a, device, dtype, max(a.ms)):
         for path in ["gemv", "dot"] if M <= 8 else ["dot"]:
             t = time_calls(cycled(lambda w, p=path: nvfp4_linear_triton(x, *w, path=p), weights, a.reps), device)
-            auto = path == ("gemv" if M <= GEMV_MAX_M else "dot")
+            auto = path == pick_path(M, weights[0][0].shape[0])
             rows.append(row("linear", name, M, t, nbytes, flops, bw, t_bf16, path=path, auto=auto))
     return rows
 
 
 # launch settings --groups sweep times beside the default pick ({} = the default), per path
+# (the 2026-12-02 H200 sweeps moved the defaults to tile 8192, and 32 rows on 2 warps for M <= 16; these are their
+# neighbours)
 SWEEP = {
-    "gemv": [{}, {"tile": 8192}, {"warps": 8, "tile": 8192}, {"stages": 4}, {"stages": 2}, {"warps": 2, "tile": 2048}],
-    "dot": [{}, {"block_n": 64}, {"warps": 8}, {"block_n": 64, "warps": 8}, {"block_k": 64}, {"stages": 4}],
+    "gemv": [{}, {"tile": 16384}, {"stages": 4}, {"tile": 4096}],
+    "dot": [
+        {},
+        {"block_n": 16, "warps": 1},
+        {"block_n": 64, "warps": 2},
+        {"block_n": 32, "warps": 1},
+        {"block_k": 256},
+        {"stages": 4},
+        {"block_n": 64, "warps": 4},
+    ],
 }
 
 

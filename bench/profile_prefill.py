@@ -10,7 +10,9 @@ a prompt's last chunk: none, one at the chunk's end, or also one at the last 64-
 tokens after it are a second delta-rule pass per GDN layer, token by token on fla's recurrent kernel).
 On CUDA each timed chunk is also run once under ``torch.cuda.set_sync_debug_mode("warn")``: the host syncs of one
 step, counted by the innermost call site in our code or fla's (a sync mid-step lets the GPU drain while the host
-launches the rest, so a host-bound step pays CPU and GPU time in series).
+launches the rest, so a host-bound step pays CPU and GPU time in series). ``--host-profile N`` then runs one step
+under cProfile and lists the N functions with the most host time of their own (a step whose device is idle part of
+the time is bound by these).
 
     python bench/profile_prefill.py --context 27816 --new 2184 --out bench/out/profile_prefill.json -- \\
         --dummy-weight --model-path configs/qwen3.6-35b-a3b --max-seq-len-override 32768 --moe-backend fused
@@ -44,6 +46,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--snapshots", default="none", help="comma-separated: none, end, grid (grid point + end)")
     ap.add_argument("--profile-steps", type=int, default=2)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument(
+        "--host-profile", type=int, default=30, help="functions listed from one step under cProfile (0: skip)"
+    )
     ap.add_argument("--out", default="bench/out/profile_prefill.json")
     ap.add_argument("serve_args", nargs=argparse.REMAINDER)
     return ap.parse_args()
@@ -75,6 +80,26 @@ def host_sync_sites(step) -> dict[str, int]:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return dict(sites)
+
+
+def host_profile(step, sync, top: int) -> list[dict]:
+    """One ``step()`` under cProfile: the ``top`` functions by own (exclusive) host time, with their call counts:
+    where a host-bound step's launch-side time goes (Python of ours, fla's, Triton's launcher, torch's wrappers)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    sync()
+    prof.enable()
+    step()
+    prof.disable()
+    sync()
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (prim calls, calls, own s, cumulative s, callers)}
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [
+        {"function": f"{os.path.basename(f)}:{line} {name}", "calls": c, "own_ms": own * 1e3, "cum_ms": cum * 1e3}
+        for (f, line, name), (_, c, own, cum, _) in rows
+    ]
 
 
 def main() -> int:
@@ -120,6 +145,7 @@ def main() -> int:
         step_ms = (time.perf_counter() - t0) / a.reps * 1e3
         by_cpu, by_dev, device_ms = profile_steps(step, sync, w.device, a.profile_steps, a.top)
         syncs = host_sync_sites(step) if w.device.type == "cuda" else {}
+        host = host_profile(step, sync, a.host_profile) if a.host_profile else []
         result = {
             "serve_args": a.serve_args,
             "routing": mode,
@@ -136,6 +162,7 @@ def main() -> int:
             "by_self_cpu": by_cpu,
             "by_device": by_dev,
             "host_sync_sites": syncs,
+            "host_profile": host,
         }
         results.append(result)
         print(
@@ -146,6 +173,10 @@ def main() -> int:
         print(f"host syncs in one step: {sum(syncs.values())}")
         for site, n in sorted(syncs.items(), key=lambda kv: -kv[1]):
             print(f"  {n:>4} x {site}")
+        if host:
+            print(f"host time by function, one step under cProfile (own ms, cumulative ms, calls; top {len(host)}):")
+            for r in host:
+                print(f"  {r['own_ms']:8.2f} {r['cum_ms']:9.2f} {r['calls']:6d}  {r['function']}")
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(results, f, indent=2)

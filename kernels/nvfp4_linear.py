@@ -8,7 +8,7 @@ reference it is tested against.
 paths never materialize ``W``: each tile is decoded in registers (``nvfp4_tiles.py``) right where it is used, so a
 step reads 0.5625 bytes per weight instead of 2. Three paths, by the number of rows ``M`` of x:
 
-- ``M <= GEMV_MAX_M`` (decode): a GEMV on the CUDA cores. One program per block of output rows (and, when there are
+- ``M <= GEMV_MAX_M``, or ``M <= GEMV_MAX_M_FEW_ROWS`` for weights with few rows (``pick_path``): a GEMV on the CUDA cores. One program per block of output rows (and, when there are
   too few rows to fill the GPU, per slice of K: split-K, the fp32 partial sums added by a second small kernel in a
   fixed order, so the result does not depend on timing). Each step loads a ``[rows, words]`` tile with 16-byte
   loads (a word = 8 weights), decodes two weights per 32-bit operation (``nvfp4_tiles.e2m1_word``), multiplies by
@@ -16,7 +16,7 @@ step reads 0.5625 bytes per weight instead of 2. Three paths, by the number of r
   software-pipelined (loads run ahead through shared memory): a weight-streaming kernel needs that many bytes in
   flight to reach HBM bandwidth. Every row of x costs a multiply-add per weight on the CUDA cores, so past a couple
   of rows the ALUs, not HBM, set the pace: hence the tensor-core path above ``GEMV_MAX_M``.
-- ``M > GEMV_MAX_M``: tensor cores. Each K step decodes a ``[BLOCK_N, BLOCK_K]`` tile to x's dtype in registers
+- Otherwise tensor cores. Each K step decodes a ``[BLOCK_N, BLOCK_K]`` tile to x's dtype in registers
   (exact: ``e2m1 * scale`` fits bf16) and runs ``tl.dot(W_tile, xᵀ_tile)``: the weights are the left operand, which
   Hopper's wgmma takes from registers, x the right one (read through shared memory). The decode costs the same
   whatever M is. Up to ``SMALL_M_MAX`` rows the tile is narrow in M (16..64) and wide in N; above, 128 x 128 tiles
@@ -57,13 +57,20 @@ except Exception:  # pragma: no cover
 # costs ~6 instructions per weight for one row and ~8 for two, ~12 for four; the tensor-core tile ~7 whatever M
 # is. (bench/nvfp4_kernel_bench.py measures both paths at small M: retune here.)
 GEMV_MAX_M = 2
+# ... and up to this M when the weight has too few rows to give every SM a tensor-core program (the GEMV splits K,
+# the tensor-core path does not): on the H200 the shared expert's gate (512 x 2048) took 4.8 / 6.4 us at M = 4 / 8
+# on the GEMV against 16.5 on tensor cores
+GEMV_MAX_M_FEW_ROWS = 8
+_SMS = 132  # H100 / H200
 # up to this many rows the tensor-core path uses tiles narrow in M (16..64 rows) and wide in N
 SMALL_M_MAX = 64
 
 # a weight-streaming kernel wants about four programs per SM (132 on an H100 / H200)
 _TARGET_PROGRAMS = 528
-# weight bytes one GEMV program loads per step: 32 per thread at 4 warps (two 16-byte loads, 64 decoded weights)
-_GEMV_TILE = 4096
+# weight bytes one GEMV program loads per step: 64 per thread at 4 warps (four 16-byte loads, 128 decoded weights).
+# H200 sweep (2026-12-02, bench/results/2026-12-02-h200-nvfp4-sweep.txt): lm_head at M=1 115.7 us with 8192 against
+# 134.1 with 4096 (63 % vs 54 % of HBM), M=2 184 vs 210; the small shared-expert shapes equal.
+_GEMV_TILE = 8192
 _NUM_STAGES = 3
 
 
@@ -305,9 +312,13 @@ def _dot_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)`` for the tensor-core path."""
     bk = max(32, min(128, triton.next_power_of_2(K)))
     if M <= SMALL_M_MAX:
+        # narrow programs, many of them in flight per SM to hide the decode's latency. H200 sweeps (2026-12-02,
+        # lm_head 248320 x 2048): M <= 16 took 197-214 us with 32 output rows and 2 warps a program, 250 with 64
+        # rows and 4 warps, 329 with 128 rows (the former default); M = 32 / 64: 278 / 371 us with 64 rows
         bm = max(16, triton.next_power_of_2(M))
-        bn = 128 if triton.cdiv(N, 128) >= _TARGET_PROGRAMS // 4 else 64
-        return bm, bn, bk, 4 if bm <= 32 else 8  # 4 warps at 64 rows spill registers on sm_80/89
+        if bm == 16:
+            return bm, 32, bk, 2
+        return bm, 64, bk, 4 if bm <= 32 else 8  # 4 warps at 64 rows spill registers on sm_80/89
     return 128, 128, min(bk, 64), 8
 
 
@@ -357,6 +368,13 @@ def _launch_dot(x2, weight, weight_scale, weight_scale_2, bias, out, tune: Optio
     )  # fmt: skip
 
 
+def pick_path(M: int, N: int) -> str:
+    """``gemv`` (CUDA cores) or ``dot`` (tensor cores) for ``M`` rows of x against ``N`` output rows."""
+    if M <= GEMV_MAX_M or (M <= GEMV_MAX_M_FEW_ROWS and triton.cdiv(N, _dot_config(M, N, 16)[1]) < _SMS):
+        return "gemv"
+    return "dot"
+
+
 def nvfp4_linear_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -380,7 +398,7 @@ def nvfp4_linear_triton(
     M = x2.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if path == "auto":
-        path = "gemv" if M <= GEMV_MAX_M else "dot"
+        path = pick_path(M, N)
     assert path == "dot" or (path == "gemv" and M <= 8), f"unknown path {path!r} for M={M}"
     if M > 0 and N > 0:
         scale_bytes = weight_scale.view(torch.uint8)  # E4M3 bits, decoded in the kernel

@@ -442,3 +442,24 @@ def test_fla_single_sequence_captures_match_torch(n, captures):
     assert (o_f - o_t).abs().max() < 2e-3 and (f_f - f_t).abs().max() < 2e-3
     for key, state in c_t.items():
         assert (c_f[key] - state).abs().max() < 2e-3, key
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n", [1, 63, 64, 200, 2184])
+def test_fla_direct_matches_public(n):
+    """One sequence runs below fla's entry point (``fla_direct_prefill``): the same kernels, so the same output and
+    final state, bit for bit, as fla's public ``chunk_gated_delta_rule``; and the dispatch takes that route."""
+    from freetoken.layers import gated_deltanet as gdn
+
+    if gdn._fla_ops() is None or gdn._fla_direct_ops() is None:
+        pytest.skip("fla not importable, or internals this fla version does not have")
+    q, k, v, g, beta, init = (x.cuda() for x in rand_inputs(n, Hk=2, Hv=4, dk=64, dv=64, seed=80))
+    q, k, v = (x.to(torch.bfloat16).contiguous() for x in (q, k, v))
+    chunk, _, takes_cpu_cu = gdn._fla_ops()
+    o_p, f_p = gdn._fla_public_chunk(chunk, takes_cpu_cu, q, k, v, g, beta, init[None].clone(), [0, n])
+    o_d, f_d = gdn.fla_direct_prefill(q, k, v, g, beta, init[None].clone())
+    assert o_d.dtype == o_p.dtype == torch.bfloat16
+    assert torch.equal(o_d, o_p) and torch.equal(f_d, f_p)
+    o_r, f_r = gdn._fla_gated_delta_rule(q, k, v, g, beta, init[None].clone(), [0, n], False)
+    assert torch.equal(o_r, o_d) and torch.equal(f_r, f_d)

@@ -74,6 +74,9 @@ def test_configs():
     assert bm == 1 and split > 1 and 512 // bn * split >= nl._TARGET_PROGRAMS // 4
     assert nl._gemv_config(1, 248320, 2048)[3] == 1  # lm_head: rows enough
     assert nl._dot_config(16, 2048, 512)[0] == 16 and nl._dot_config(8192, 2048, 512)[:2] == (128, 128)
+    # the path: the GEMV for one or two rows; up to 8 only where tensor-core programs would not fill the SMs
+    assert [nl.pick_path(m, 248320) for m in (1, 2, 3, 8)] == ["gemv", "gemv", "dot", "dot"]
+    assert [nl.pick_path(m, 512) for m in (1, 4, 8, 9, 16)] == ["gemv", "gemv", "gemv", "dot", "dot"]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -94,8 +97,10 @@ _CPU_SCRIPT = textwrap.dedent(
         (1, 8, 64, f16, {{}}),
         (2, 13, 48, bf16, dict(strided=True)),
         (1, 16, 256, bf16, dict(bias=True, lead=(2,))),  # x [2, 1, K]: M = 2 rows
+        # the GEMV up to 8 rows for a weight with few rows (auto)
+        (6, 24, 96, f32, dict(bias=True)),
         # tensor cores: small-M tiles, the large-M tiles, odd N, masked M and K tails
-        (3, 24, 96, f32, dict(bias=True)),
+        (3, 24, 96, f32, dict(bias=True, path="dot")),
         (16, 40, 160, f16, dict(strided=True)),
         (33, 24, 64, f32, {{}}),
         (70, 130, 96, f32, dict(bias=True)),

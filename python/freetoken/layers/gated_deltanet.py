@@ -199,7 +199,6 @@ def gdn_conv_impl() -> str:
 
 def _fla_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, decode):
     chunk, recurrent, takes_cpu_cu = _fla_ops()
-    scale = q.shape[-1] ** -0.5
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # split views of the conv output are strided
     initial_state = initial_state.contiguous()
     if decode:
@@ -208,8 +207,17 @@ def _fla_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, decode):
             recurrent, q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], initial_state
         )
         return o[:, 0], final
+    if len(cu_seqlens) <= 2 and _fla_direct_ops() is not None:
+        # one sequence runs as a batch of one (no varlen index tensors, no host syncs), below fla's entry point
+        return fla_direct_prefill(q, k, v, g, beta, initial_state)
+    return _fla_public_chunk(chunk, takes_cpu_cu, q, k, v, g, beta, initial_state, cu_seqlens)
+
+
+def _fla_public_chunk(chunk, takes_cpu_cu, q, k, v, g, beta, initial_state, cu_seqlens):
+    """fla's public ``chunk_gated_delta_rule`` (several sequences through its varlen path, or any fla whose
+    internals ``fla_direct_prefill`` does not know). Inputs contiguous."""
     kw = {}
-    if len(cu_seqlens) > 2:  # one sequence runs as a batch of one: no varlen index tensors, no host syncs
+    if len(cu_seqlens) > 2:
         cu_dev, cu_cpu = _fla_cu_seqlens(tuple(cu_seqlens), q.device)
         kw = {"cu_seqlens": cu_dev, **({"cu_seqlens_cpu": cu_cpu} if takes_cpu_cu else {})}
     o, final = chunk(
@@ -218,13 +226,52 @@ def _fla_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, decode):
         v=v[None],
         g=g[None].float(),
         beta=beta[None].float(),
-        scale=scale,
+        scale=q.shape[-1] ** -0.5,
         initial_state=initial_state,
         output_final_state=True,
         use_qk_l2norm_in_kernel=True,
         **kw,
     )
     return o[0], final
+
+
+@functools.lru_cache(maxsize=None)
+def _fla_direct_ops():
+    """fla's chunked forward pieces (``l2norm_fwd``, ``chunk_gated_delta_rule_fwd``) when this fla has them with the
+    parameters ``fla_direct_prefill`` passes, else None (the public entry point then runs)."""
+    try:
+        from fla.modules.norm.l2norm import l2norm_fwd
+        from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+    except Exception:
+        return None
+    wanted = {"q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state"}
+    if not wanted <= set(inspect.signature(chunk_gated_delta_rule_fwd).parameters):
+        return None
+    return l2norm_fwd, chunk_gated_delta_rule_fwd
+
+
+def fla_direct_prefill(q, k, v, g, beta, initial_state):
+    """One sequence (``[T, H, *]``) through fla's chunked forward, called below its public entry point: the same
+    kernels as ``chunk_gated_delta_rule(..., use_qk_l2norm_in_kernel=True)`` without the wrappers around them
+    (backend dispatch, ``torch.compiler.disable``, ``input_guard``, the autograd Function), which are host time in
+    every GDN layer of a prefill step. On the H200 (bench/fla_host_cost.py, 2,184 tokens at Qwen3.6's shape): 1.04
+    ms of host time a call against 1.37, bit-for-bit the same output and state. Needs ``_fla_direct_ops()``."""
+    l2norm_fwd, fwd = _fla_direct_ops()
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    qn, _ = l2norm_fwd(q[None])
+    kn, _ = l2norm_fwd(k[None])
+    out = fwd(
+        q=qn,
+        k=kn,
+        v=v[None],
+        g=g[None].float(),
+        beta=beta[None].float(),
+        scale=q.shape[-1] ** -0.5,
+        initial_state=initial_state.contiguous(),
+        output_final_state=True,
+    )
+    o, final = out[1], out[3]  # (g, o, A, final_state, initial_state, g_input) in fla 0.6
+    return o[0].to(q.dtype), final
 
 
 def _fla_recurrent(recurrent, q, k, v, g, beta, initial_state):
