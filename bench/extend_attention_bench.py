@@ -2,7 +2,7 @@
 head dim 256, bf16, page size 1) over the chunks a server runs: a fresh 8,192-token chunk, the last 8,192-token
 chunk of a 30k prompt, and an agent turn's 2,184 new tokens after 27,816 cached ones (issue 12). Each chunk is
 timed under the tile configs given (``--configs``; the default is the launcher's own pick first, then the
-alternatives), printing ms, TFLOP/s over the causal work actually done and the fraction of the H200's dense BF16
+alternatives, with the keys split 1..6 ways for the big tiles), printing ms, TFLOP/s over the causal work actually done and the fraction of the H200's dense BF16
 tensor-core peak (989 TFLOP/s), and the launcher's pick against the old 32 x 32 tiles. Beside them, torch's
 scaled-dot-product attention backends (``--baselines``: flash, cuDNN, memory-efficient, and flash with the KV heads
 expanded) on the same chunk with a lower-right causal mask, the paged KV gathered into contiguous tensors inside
@@ -26,8 +26,12 @@ H200_BF16_DENSE_TFLOPS = 989.0
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--configs", default="auto,32x32x4x2,64x64x8x2,64x32x4x2,128x32x8x2,128x64x8x2,128x128x8x2")
-    ap.add_argument("--baselines", default="sdpa-flash,sdpa-cudnn,sdpa-efficient,sdpa-flash-expanded")
+    ap.add_argument(
+        "--configs",
+        default="auto,128x64x8x2,128x64x8x2s2,128x64x8x2s3,128x64x8x2s4,128x64x8x2s6,32x32x4x2",
+        help="BLOCK_MxBLOCK_Nxwarpsxstages, sN: N key splits (unsuffixed: one); auto: the launcher's pick",
+    )
+    ap.add_argument("--baselines", default="sdpa-flash,sdpa-cudnn")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "out", "extend_attention.json"))
     return ap.parse_args()
@@ -67,7 +71,7 @@ def main() -> int:
     import torch
     from hardware_bandwidth import median_device_ms
 
-    from freetoken.kernels.attention import _extend_config, extend_attention_triton
+    from freetoken.kernels.attention import _extend_config, _sm_count, extend_attention_triton, pick_extend_splits
 
     dev = torch.device("cuda")
     nh, nkv, D = 16, 2, 256
@@ -94,11 +98,17 @@ def main() -> int:
                     return sdpa_extend(q, kc, vc, slots, name)
 
             else:
-                cfg = None if name == "auto" else tuple(int(v) for v in name.split("x"))
-                label = name if cfg else "auto=" + "x".join(map(str, _extend_config(q, kc, D, D, ext)))
+                tiles, _, splits = name.partition("s")
+                cfg = None if name == "auto" else tuple(int(v) for v in tiles.split("x"))
+                n_split = int(splits) if splits else (0 if name == "auto" else 1)
+                picked = pick_extend_splits(-(-ext // 128) * nh, ctx, _sm_count(dev))
+                auto = "x".join(map(str, _extend_config(q, kc, D, D, ext))) + f"s{picked}"
+                label = name if cfg else "auto=" + auto
 
-                def call(cfg=cfg):
-                    return extend_attention_triton(q, kc, vc, r2t, r, cu, pl, D**-0.5, ext, config=cfg)
+                def call(cfg=cfg, n_split=n_split):
+                    return extend_attention_triton(
+                        q, kc, vc, r2t, r, cu, pl, D**-0.5, ext, config=cfg, max_context=ctx, num_splits=n_split
+                    )
 
             try:
                 out = call()
@@ -124,9 +134,9 @@ def main() -> int:
         print(f"{chunk:<24}{row['config']:<22}{row['ms']:>9.2f}{row['tflops']:>10.1f}{frac:>9.2f}{diff}")
     for ext, pre in CHUNKS:
         got = {r["config"].split("=")[0]: r for r in rows if (r["new"], r["prefix"]) == (ext, pre) and "ms" in r}
-        if "auto" in got and "32x32x4x2" in got:
-            speedup = got["32x32x4x2"]["ms"] / got["auto"]["ms"]
-            print(f"{ext} after {pre}: the launcher's pick {speedup:.2f}x the 32x32 tiles")
+        if "auto" in got and "128x64x8x2" in got:
+            speedup = got["128x64x8x2"]["ms"] / got["auto"]["ms"]
+            print(f"{ext} after {pre}: the launcher's pick ({got['auto']['config']}) {speedup:.2f}x unsplit 128x64")
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)

@@ -7,6 +7,8 @@ key a query sees (cached prefix and new tokens alike) is read through ``req_to_t
 - ``extend``: varlen new tokens (``cu_seqlens``) of each sequence attend causally to its whole context: new token i
   of sequence b sits at position ``prefix_lens[b] + i`` and sees keys ``0 .. prefix_lens[b] + i``. Serves prefill
   (prefix 0), chunked prefill / prefix-cache hits (prefix > 0) and mixed batches (decode rows are extend len 1).
+  A short chunk after a long prefix has few, long programs: their keys are split (``pick_extend_splits``) and the
+  partials merged by the decode's merge kernel.
 - ``decode``: one query per sequence over ``context_lens[b]`` keys, split-K over the context (stage 1: each split
   writes a partial output and its log-sum-exp; stage 2 merges the splits). A whole GQA group of q heads shares each
   K/V tile load. An optional output gate (gated attention: ``out * sigmoid(gate)``, rounded as those two torch ops
@@ -83,6 +85,8 @@ if triton is not None:
         K,
         V,
         O,
+        MidO,
+        MidL,
         req_to_token,
         rows_ptr,
         cu_ptr,
@@ -97,16 +101,24 @@ if triton is not None:
         stride_ot,
         stride_oh,
         stride_rt,
+        stride_mot,
+        stride_moh,
+        stride_mos,
+        stride_mlt,
+        stride_mlh,
         D,
         DV,
+        NUM_SPLITS,
         GROUP: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
         BLOCK_DV: tl.constexpr,
         PREC: tl.constexpr,
+        SPLIT: tl.constexpr,  # NUM_SPLITS > 1: partial outputs and log-sum-exps into MidO / MidL, merged after
     ):
-        pid_m = tl.program_id(0)
+        pid_m = tl.program_id(0) // NUM_SPLITS
+        split = tl.program_id(0) % NUM_SPLITS
         b = tl.program_id(1)
         h = tl.program_id(2)
         q_start = tl.load(cu_ptr + b)
@@ -129,9 +141,13 @@ if triton is not None:
             l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
             acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
             end = prefix + tl.minimum((pid_m + 1) * BLOCK_M, n)  # keys past the block's last query are masked anyway
-            for start in range(0, end, BLOCK_N):
+            # this split's keys: whole BLOCK_N tiles of [0, end), split 0 first (every query sees key 0)
+            per_split = tl.cdiv(tl.cdiv(end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+            lo = split * per_split
+            hi = tl.minimum(lo + per_split, end)
+            for start in range(lo, hi, BLOCK_N):
                 offs_n = start + tl.arange(0, BLOCK_N)
-                n_mask = offs_n < end
+                n_mask = offs_n < hi
                 slot = tl.load(req_to_token + row * stride_rt + offs_n, mask=n_mask, other=0).to(tl.int64)
                 k = tl.load(
                     K + slot[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
@@ -153,10 +169,17 @@ if triton is not None:
                 )
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
                 m_i = m_new
-            l_i = tl.where(l_i == 0.0, 1.0, l_i)
-            out = acc / l_i[:, None]
-            o_ptrs = O + (q_start + offs_m)[:, None].to(tl.int64) * stride_ot + h * stride_oh + offs_dv[None, :]
-            tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=m_mask[:, None] & dv_mask[None, :])
+            l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+            out = acc / l_safe[:, None]
+            tok = (q_start + offs_m).to(tl.int64)
+            if SPLIT:  # as the decode splits: the partial output and its base-2 lse (-inf for no visible key)
+                lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+                mo_ptrs = MidO + tok[:, None] * stride_mot + h * stride_moh + split * stride_mos + offs_dv[None, :]
+                tl.store(mo_ptrs, out, mask=m_mask[:, None] & dv_mask[None, :])
+                tl.store(MidL + tok * stride_mlt + h * stride_mlh + split, lse, mask=m_mask)
+            else:
+                o_ptrs = O + tok[:, None] * stride_ot + h * stride_oh + offs_dv[None, :]
+                tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=m_mask[:, None] & dv_mask[None, :])
 
     @triton.jit
     def _decode_stage1_kernel(
@@ -320,12 +343,53 @@ def _smem_per_block(device) -> int:
     return int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
 
 
+def pick_extend_splits(programs: int, max_context: int, slots_per_wave: int) -> int:
+    """Key splits for the extend kernel's big tiles (one program per SM). A chunk of a couple of thousand tokens
+    after a long cached prefix has few, long programs (Qwen3.6's 2,184 after 27,816: 18 query blocks x 16 heads =
+    288 on 132 SMs, three waves of which the last is 18 % full: 73 % of the machine); splitting every program's
+    keys S ways fills the waves (S = 3: 864 programs, 94 %) for one merge pass over ``[T, heads, S, Dv]`` fp32
+    partials. The smallest S (up to 8, each split at least 2,048 keys) whose waves are >= 90 % full; 1 when the
+    grid is already that full, so a long fresh prefill (its causal programs have uneven lengths anyway) never splits
+    and the partials stay below ~8 waves' worth of query blocks (~140 MB at Qwen3.6's shape)."""
+
+    def fill(p: int) -> float:
+        return p / (math.ceil(p / slots_per_wave) * slots_per_wave)
+
+    best = 1
+    for s in range(1, 9):
+        if s > 1 and max_context / s < 2048:
+            break
+        if fill(programs * s) > fill(programs * best) + 1e-9:
+            best = s
+        if fill(programs * s) >= 0.9:
+            return s
+    return best
+
+
+def _sm_count(device) -> int:
+    return int(torch.cuda.get_device_properties(device).multi_processor_count) if device.type == "cuda" else 132
+
+
 def extend_attention_triton(
-    q, k_cache, v_cache, req_to_token, rows, cu_seqlens, prefix_lens, scale, max_extend_len: int, out=None, config=None
+    q,
+    k_cache,
+    v_cache,
+    req_to_token,
+    rows,
+    cu_seqlens,
+    prefix_lens,
+    scale,
+    max_extend_len: int,
+    out=None,
+    config=None,
+    max_context: int = 0,
+    num_splits: int = 0,
 ):
     """Triton ``extend``; same contract as ``extend_attention_torch``. ``cu_seqlens``/``prefix_lens``/``rows`` are
     device int tensors; ``max_extend_len`` is a host int (sizes the grid without a sync). ``config``: pins
-    ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` (tests and benchmarks), else ``_extend_config``."""
+    ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` (tests and benchmarks), else ``_extend_config``. ``max_context``
+    (host int, the longest sequence's prefix + new tokens) lets the big tiles split each program's keys
+    (``pick_extend_splits``); ``num_splits`` pins the split count (tests, benchmarks)."""
     T, nh, D = q.shape
     nkv, DV = k_cache.shape[1], v_cache.shape[2]
     B = rows.numel()
@@ -336,12 +400,22 @@ def extend_attention_triton(
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and q.stride(-1) == 1
     bd, bdv = triton.next_power_of_2(D), triton.next_power_of_2(DV)
     block_m, block_n, warps, stages = config or _extend_config(q, k_cache, bd, bdv, max_extend_len)
-    grid = (triton.cdiv(max_extend_len, block_m), B, nh)
+    m_blocks = triton.cdiv(max_extend_len, block_m)
+    S = num_splits
+    if S <= 0:
+        S = pick_extend_splits(m_blocks * B * nh, max_context, _sm_count(q.device)) if block_m == 128 else 1
+    mid_o = mid_l = out  # placeholders the kernel never touches without SPLIT
+    if S > 1:
+        mid_o = torch.empty(T, nh, S, DV, dtype=torch.float32, device=q.device)
+        mid_l = torch.empty(T, nh, S, dtype=torch.float32, device=q.device)
+    grid = (m_blocks * S, B, nh)
     _extend_kernel[grid](
         q,
         k_cache,
         v_cache,
         out,
+        mid_o,
+        mid_l,
         req_to_token,
         rows,
         cu_seqlens,
@@ -356,17 +430,23 @@ def extend_attention_triton(
         out.stride(0),
         out.stride(1),
         req_to_token.stride(0),
+        *(mid_o.stride()[:3] if S > 1 else (0, 0, 0)),
+        *(mid_l.stride()[:2] if S > 1 else (0, 0)),
         D,
         DV,
+        S,
         GROUP=nh // nkv,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=bd,
         BLOCK_DV=bdv,
         PREC=_prec(k_cache.dtype),
+        SPLIT=S > 1,
         num_warps=warps,
         num_stages=stages,
     )
+    if S > 1:
+        _combine_splits(mid_o, mid_l, out, None)  # the decode merge: tokens as its batch rows
     return out
 
 
@@ -491,6 +571,7 @@ class TritonAttention(AttentionBackend):
             batch.prefix_lens,
             scale,
             max_extend_len=max(batch.extend_lens_cpu, default=1),
+            max_context=max(batch.context_lens_cpu, default=1),
         )
         return gate_output(out, gate)
 

@@ -26,7 +26,7 @@ def _tol(dtype):
     return {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
 
 
-def extend_case(nh, nkv, D, DV, ext, pre, dtype, device, seed=0, config=None):
+def extend_case(nh, nkv, D, DV, ext, pre, dtype, device, seed=0, config=None, num_splits=0):
     from freetoken.kernels.attention import extend_attention_torch, extend_attention_triton
 
     B = len(ext)
@@ -49,6 +49,7 @@ def extend_case(nh, nkv, D, DV, ext, pre, dtype, device, seed=0, config=None):
         scale,
         max_extend_len=max(ext),
         config=config,
+        num_splits=num_splits,
     )
     torch.testing.assert_close(out.float(), ref.float(), atol=_tol(dtype), rtol=_tol(dtype))
 
@@ -199,6 +200,11 @@ _CPU_SCRIPT = textwrap.dedent(
         t.decode_case(4, 2, 16, 24, [1, 9, 40], dt, "cpu", splits=2, gated=True)  # output gate in the merge
     # the 128 x 64 tiles sm_90 takes for head dims above 128, over chunks shorter and longer than a tile
     t.extend_case(4, 2, 16, 16, [150, 5], [100, 0], torch.float16, "cpu", seed=2, config=(128, 64, 8, 2))
+    # the keys split over programs (a short chunk after a long prefix), merged after: splits of whole key tiles,
+    # some empty for a short sequence, more splits than tiles, and the small tiles
+    t.extend_case(4, 2, 16, 16, [150, 5], [300, 0], torch.float16, "cpu", seed=3, config=(128, 64, 8, 2), num_splits=3)
+    t.extend_case(4, 2, 16, 16, [3, 1, 20], [0, 5, 70], torch.float32, "cpu", seed=4, num_splits=5)
+    t.extend_case(2, 2, 24, 8, [17], [33], torch.float32, "cpu", seed=5, config=(16, 32, 4, 2), num_splits=2)
     t.backend_case("cpu", torch.float32)
     t.gated_backend_case("cpu", torch.float32)
     print("OK")
@@ -208,6 +214,16 @@ _CPU_SCRIPT = textwrap.dedent(
 
 def test_triton_attention_interpreter_cpu():
     run_under_interpreter(_CPU_SCRIPT, timeout=800)
+
+
+def test_pick_extend_splits():
+    """Splits fill the waves of a short chunk after a long prefix and leave full grids (long fresh prefills) alone."""
+    from freetoken.kernels.attention import pick_extend_splits
+
+    assert pick_extend_splits(288, 30000, 132) == 3  # Qwen3.6's agent turn: 18 blocks x 16 heads, 30k keys
+    assert pick_extend_splits(1024, 8192, 132) == 1  # a fresh 8k chunk: 64 x 16, 97 % full already
+    assert pick_extend_splits(16, 3000, 132) == 1  # short context: splits under 2,048 keys do not pay
+    assert pick_extend_splits(16, 100000, 132) == 8  # few programs, long context: up to 8 splits
 
 
 def test_registered_as_triton_backend():
@@ -236,6 +252,15 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 )
 def test_extend_cuda(nh, nkv, D, DV, ext, pre, dtype):
     extend_case(nh, nkv, D, DV, ext, pre, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_splits", [0, 2, 3, 8])
+def test_extend_split_cuda(num_splits, dtype):
+    """Qwen3.6's shape, a chunk after a long prefix, with the keys split over programs (0: the launcher's pick)."""
+    extend_case(16, 2, 256, 256, [300, 1, 129], [5000, 64, 2100], dtype, "cuda", num_splits=num_splits)
 
 
 @pytest.mark.gpu
