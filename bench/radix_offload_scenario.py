@@ -114,6 +114,7 @@ def main() -> int:
         resolved = next((line for line in srv.log().splitlines() if "Resolved config" in line), "")
     finally:
         code = srv.stop()
+        log_tail = srv.log()[-6000:]
     # idle: nothing running or queued, no KV held outside the tree, every live state slot free
     idle = (
         stats["running_requests"] == stats["queued_requests"] == stats["kv_used_tokens"] == 0
@@ -129,6 +130,7 @@ def main() -> int:
         "stats_end": stats,
         "idle_after": idle,
         "exit_code": code,
+        "server_log_tail": log_tail,  # how the server ended (its shutdown lines), kept for a nonzero exit
     }
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
@@ -136,6 +138,8 @@ def main() -> int:
     failed = [r for r in rows if not r["ok"]]
     print(f"{len(rows) - len(failed)}/{len(rows)} requests answered; engine idle after: {idle}; server exit {code}")
     print(report["resolved_config"])
+    if code != 0:
+        print("server log, last lines:\n" + "\n".join(log_tail.splitlines()[-25:]))
     return 1 if failed or not idle or code != 0 else 0
 
 
