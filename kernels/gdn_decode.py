@@ -35,12 +35,13 @@ import torch.nn.functional as F
 try:  # triton is a hard dependency on GPU machines; keep the references importable without it
     import triton
     import triton.language as tl
+
+    from .gdn_gates import gate_values
 except Exception:  # pragma: no cover
     triton = None
     tl = None
 
 L2NORM_EPS = 1e-6
-SOFTPLUS_THRESHOLD = 20.0  # torch's F.softplus default: x above it is returned as is
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -186,7 +187,6 @@ if triton is not None:
         BK: tl.constexpr,  # next power of 2 >= DK: a program holds every key row of its value columns
         BV: tl.constexpr,
         EPS: tl.constexpr,
-        THRESHOLD: tl.constexpr,
     ):
         i_b = tl.program_id(0)
         i_h = tl.program_id(1)
@@ -206,11 +206,12 @@ if triton is not None:
         v = tl.load(v_ptr + i_b * stride_vb + i_h * stride_vh + offs_v * stride_vv, mask=v_mask, other=0.0)
         v = v.to(tl.float32)
 
-        a = tl.load(a_ptr + i_b * stride_ab + i_h * stride_ah).to(tl.float32)
-        x = a + tl.load(dt_bias_ptr + i_h).to(tl.float32)
-        softplus = tl.where(x > THRESHOLD, x, tl.log(1.0 + tl.exp(x)))
-        g = -tl.exp(tl.load(A_log_ptr + i_h).to(tl.float32)) * softplus
-        beta = tl.sigmoid(tl.load(b_ptr + i_b * stride_bb + i_h * stride_bh).to(tl.float32))
+        g, beta = gate_values(
+            tl.load(a_ptr + i_b * stride_ab + i_h * stride_ah).to(tl.float32),
+            tl.load(b_ptr + i_b * stride_bb + i_h * stride_bh).to(tl.float32),
+            tl.load(A_log_ptr + i_h).to(tl.float32),
+            tl.load(dt_bias_ptr + i_h).to(tl.float32),
+        )
 
         # [BK, BV] block of the state: every element read once and written once by this program only
         s_ptrs = (
@@ -340,7 +341,6 @@ def gdn_recurrent_decode_triton(
         BK=bk,
         BV=bv,
         EPS=L2NORM_EPS,
-        THRESHOLD=SOFTPLUS_THRESHOLD,
         num_warps=max(1, min(4, bk * bv // 512)),  # about 16 state elements per thread
     )
     return o

@@ -29,6 +29,7 @@ from torch import nn
 
 from ..kernels.gdn_conv_prefill import gdn_conv_prefill
 from ..kernels.gdn_decode import gdn_conv_decode, gdn_recurrent_decode
+from ..kernels.gdn_gates import gdn_gates
 from ..kernels.rms_norm import gated_rms_norm
 from .fused_linear import FusedLinear, fuse_linears
 
@@ -509,10 +510,18 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o.reshape(T, self.value_dim))
 
     def _gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(g, beta)`` fp32 ``[T, Hv]``: log-decay and write strength."""
-        beta = torch.sigmoid(b.float())
-        g = -torch.exp(self.A_log.float()) * F.softplus(a.float() + self.dt_bias.float())
-        return g, beta
+        """``(g, beta)`` fp32 ``[T, Hv]``: log-decay and write strength (one launch on CUDA)."""
+        return gdn_gates(a, b, self.A_log, self.dt_bias)
+
+    def _initial_states(self, ssm_pool, slots: list[int], has_init: list[bool], device) -> torch.Tensor:
+        """``[N, Hv, dk, dv]`` fp32: each sequence's state before this step (its slot, or zeros when fresh). One
+        sequence continuing from an fp32 slot reads the slot itself (a view: the kernels only read it, and the slot
+        is written after them), saving the copies of a per-sequence gather."""
+        if len(slots) == 1 and ssm_pool.dtype == torch.float32:
+            s = slots[0]
+            return ssm_pool[s : s + 1] if has_init[0] else torch.zeros_like(ssm_pool[s : s + 1])
+        zeros = torch.zeros(self.ssm_state_shape, dtype=torch.float32, device=device)
+        return torch.stack([ssm_pool[s].float() if h else zeros for s, h in zip(slots, has_init)])
 
     def _split_heads(self, y: torch.Tensor):
         T = y.shape[0]
@@ -581,11 +590,7 @@ class GatedDeltaNet(nn.Module):
         # every window is read before any slot is written (a snapshot window can reach into the previous state)
         new_conv = [conv_window(s, n) for s, n in enumerate(lens)]
         snap_conv = [conv_window(seq, upto - batch.prefix_lens_cpu[seq]) for seq, upto, _slot in snaps]
-        inits = [
-            ssm_pool[slot].float() if h else torch.zeros(self.ssm_state_shape, dtype=torch.float32, device=qkv.device)
-            for slot, h in zip(batch.state_slots_cpu, has_init)
-        ]
-        init = torch.stack(inits)
+        init = self._initial_states(ssm_pool, batch.state_slots_cpu, has_init, qkv.device)
         for s, window in enumerate(new_conv):
             conv_pool[batch.state_slots_cpu[s]] = window.to(conv_pool.dtype)
 
