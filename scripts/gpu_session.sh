@@ -18,8 +18,10 @@
 #   radix    the hybrid radix cache on the same config: bench/agent_session_bench.py (10-turn session to 30k
 #            tokens, TTFT with the cache on and off) and bench/radix_offload_scenario.py (hybrid radix + offload,
 #            short / 2,500-token Japanese / short, three rounds), BF16 and NVFP4 experts
-#   prefill  bench/extend_attention_bench.py (the extend kernel's tiles at Qwen3.6's attention shape), then
-#            bench/profile_prefill.py: the agent turn's chunk (2,184 tokens after 27,816 cached) by kernel, and an
+#   prefill  bench/extend_attention_bench.py (the extend kernel's tiles and key splits at Qwen3.6's attention
+#            shape), bench/fla_host_cost.py (fla's host time per GDN prefill call, public entry vs direct), then
+#            bench/profile_prefill.py: the agent turn's chunk (2,184 tokens after 27,816 cached) by kernel and its
+#            host time by function (cProfile), and an
 #            8,192-token chunk with NVFP4 experts offloaded (uniform routing): are the expert copies (Memcpy HtoD)
 #            hidden under the compute, and what does the grouped NVFP4 kernel cost
 #   serverprofile  issue 12's open question (the served cached turn's step was ~2x the in-process one, 2026-12-01
@@ -50,6 +52,7 @@ if [[ " $SECTIONS " == *" tests "* ]]; then
   timeout ${GPU_TEST_TIMEOUT:-400} python3 -m pytest -v -m gpu -p no:cacheprovider -rfs ${GPU_TESTS:-tests/test_overlap.py \
       tests/test_triton_attention.py tests/test_moe_decode.py tests/test_kv_store.py tests/test_hybrid_radix.py \
       tests/test_decode_graphs.py tests/test_triton_small_ops.py tests/test_gdn_decode.py tests/test_gdn_conv_prefill.py \
+      tests/test_gdn_gates.py tests/test_nvfp4_linear.py \
       tests/test_expert_offload.py \
       tests/test_device_slot_cache.py tests/test_triton_moe.py tests/test_memory_plan.py tests/test_worker_steps.py \
       tests/test_sampler.py tests/test_gated_deltanet.py tests/test_qwen3_5_moe_vs_hf.py} 2>&1 | tee "$OUT/gpu_tests.log" \
@@ -94,7 +97,9 @@ if [[ " $SECTIONS " == *" nvfp4 "* ]]; then
 fi
 if [[ " $SECTIONS " == *" prefill "* ]]; then
   timeout ${EXTEND_TIMEOUT:-120} python3 bench/extend_attention_bench.py --out "$OUT/extend_attention.json" 2>&1 \
-      | tee "$OUT/extend_attention.log" | tail -30
+      | tee "$OUT/extend_attention.log" | grep -vE "^\[|scaled_dot_product" | tail -30
+  timeout ${FLA_TIMEOUT:-90} python3 bench/fla_host_cost.py --out "$OUT/fla_host_cost.json" 2>&1 \
+      | tee "$OUT/fla_host_cost.log" | grep -vE "^\[" | tail -32
   timeout ${PREFILL_TIMEOUT:-150} python3 bench/profile_prefill.py --context 27816 --new 2184 --out "$OUT/profile_prefill.json" \
       -- --dummy-weight --model-path configs/qwen3.6-35b-a3b --max-seq-len-override 32768 --moe-backend fused \
       --max-prefill-length 8192 2>&1 | tee "$OUT/profile_prefill.log" | grep -vE "^\[|^  " | tail -32
