@@ -1,11 +1,11 @@
 """The Triton extend (prefill) attention kernel at Qwen3.6-35B-A3B's attention shape (16 query heads, 2 KV heads,
 head dim 256, bf16, page size 1) over the chunks a server runs: a fresh 8,192-token chunk, the last 8,192-token
 chunk of a 30k prompt, and an agent turn's 2,184 new tokens after 27,816 cached ones (issue 12). Each chunk is
-timed under the tile configs given (``--configs``; the default is the launcher's own pick first, then the
-alternatives, with the keys split 1..6 ways for the big tiles), printing ms, TFLOP/s over the causal work actually done and the fraction of the H200's dense BF16
-tensor-core peak (989 TFLOP/s), and the launcher's pick against the old 32 x 32 tiles. Beside them, torch's
-scaled-dot-product attention backends (``--baselines``: flash, cuDNN, memory-efficient, and flash with the KV heads
-expanded) on the same chunk with a lower-right causal mask, the paged KV gathered into contiguous tensors inside
+timed under the tile configs given (``--configs``; the default is the launcher's own pick first, then the big
+tiles with the keys split 1..6 ways, then the old 32 x 32 tiles), printing ms, TFLOP/s over the causal work actually
+done and the fraction of the H200's dense BF16 tensor-core peak (989 TFLOP/s), and the launcher's pick against the
+unsplit big tiles. Beside them, torch's scaled-dot-product attention backends (``--baselines``: flash and cuDNN by
+default; memory-efficient and flash with the KV heads expanded on request) on the same chunk with a lower-right causal mask, the paged KV gathered into contiguous tensors inside
 the timed call: what a library kernel would give if the extend path used it, each checked against our output
 (max |diff|; a backend this torch cannot run at the shape is printed as failed). Writes JSON.
 

@@ -8,14 +8,15 @@ reference it is tested against.
 paths never materialize ``W``: each tile is decoded in registers (``nvfp4_tiles.py``) right where it is used, so a
 step reads 0.5625 bytes per weight instead of 2. Three paths, by the number of rows ``M`` of x:
 
-- ``M <= GEMV_MAX_M``, or ``M <= GEMV_MAX_M_FEW_ROWS`` for weights with few rows (``pick_path``): a GEMV on the CUDA cores. One program per block of output rows (and, when there are
-  too few rows to fill the GPU, per slice of K: split-K, the fp32 partial sums added by a second small kernel in a
-  fixed order, so the result does not depend on timing). Each step loads a ``[rows, words]`` tile with 16-byte
+- ``M <= GEMV_MAX_M``, or ``M <= GEMV_MAX_M_FEW_ROWS`` for weights with few rows (``pick_path``): a GEMV on the
+  CUDA cores. One program per block of output rows (and, when there are too few rows to fill the GPU, per slice of
+  K: split-K, the fp32 partial sums added by a second small kernel in a fixed order, so the result does not depend
+  on timing). Each step loads a ``[rows, words]`` tile with 16-byte
   loads (a word = 8 weights), decodes two weights per 32-bit operation (``nvfp4_tiles.e2m1_word``), multiplies by
   the matching activations, sums each 16-weight block in registers and applies its scale once. The K loop is
   software-pipelined (loads run ahead through shared memory): a weight-streaming kernel needs that many bytes in
   flight to reach HBM bandwidth. Every row of x costs a multiply-add per weight on the CUDA cores, so past a couple
-  of rows the ALUs, not HBM, set the pace: hence the tensor-core path above ``GEMV_MAX_M``.
+  of rows the ALUs, not HBM, set the pace: hence the tensor-core path above.
 - Otherwise tensor cores. Each K step decodes a ``[BLOCK_N, BLOCK_K]`` tile to x's dtype in registers
   (exact: ``e2m1 * scale`` fits bf16) and runs ``tl.dot(W_tile, xᵀ_tile)``: the weights are the left operand, which
   Hopper's wgmma takes from registers, x the right one (read through shared memory). The decode costs the same
