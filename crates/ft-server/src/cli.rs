@@ -269,6 +269,12 @@ pub struct ServeArgs {
     #[arg(help_heading = MODEL, long)]
     pub disable_cuda_graph: bool,
 
+    /// Skip the start-up prefill warm-up: on CUDA a few prompt chunks of other shapes than the dry run's (short,
+    /// medium, a chunk after a long prefix) run before the server answers, so that the first requests do not wait
+    /// for Triton to compile their kernels (seconds on a cold cache).
+    #[arg(help_heading = MODEL, long)]
+    pub skip_prefill_warmup: bool,
+
     /// Commit each step before planning the next (SGLang's spelling; also DISABLE_OVERLAP_SCHEDULING=1): by default
     /// a decode step is planned and launched while the one before it still runs on the GPU.
     #[arg(help_heading = MODEL, long, env = "DISABLE_OVERLAP_SCHEDULING", value_parser = clap::builder::BoolishValueParser::new())]

@@ -1,0 +1,93 @@
+"""Prefill warm-up at start-up: a few prompt chunks of the shapes requests bring run on the scratch row before the
+server answers, so the first requests do not wait for Triton to compile their kernels.
+
+The memory plan's dry run compiles the kernels of one shape (the largest chunk) and the graph capture those of
+decode; a request of another shape compiles its own specializations (Triton specializes on integer arguments equal
+to 1 or divisible by 16, and the launchers pick other tiles for short chunks, small MoE steps, a chunk after a long
+prefix). On the H200 the first short chat after start-up waited 3.3 s (resident) and 14.4 s (NVFP4 experts
+offloaded) for that (``bench/results/2026-12-02-h200-qwen3.6-35b-a3b-radix-offload-scenario-nvfp4.txt``);
+FreeToken 0.1.2 warmed two lengths and its first TTFT was 15.1 s on an H100, 0.6 s once it warmed them all
+(REFERENCES §4.5, FT#169). ``--skip-prefill-warmup`` skips it.
+
+The chunks: short and medium odd lengths from an empty prefix (a short prompt, a chat turn, a document), then a
+chunk after a long prefix with recurrent-state snapshots at the grid point inside it and at its end (a cached
+agent turn: key-split attention, the snapshot rounds of the Gated DeltaNet prefill). Each runs through the real
+step path on the scratch row, KV slots and state slot (``Worker.dry_run``'s region), sampled greedily; nothing of
+a live request is touched, and the prompt ids are 0 (finite activations; their outputs are discarded). CUDA only:
+on the CPU nothing is compiled.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..log import get_logger
+from ..startup_progress import phase
+from .step_plan import StepPlan
+
+if TYPE_CHECKING:
+    from ..worker import Worker
+
+logger = get_logger(__name__)
+
+FRESH_LENGTHS = (5, 37, 301, 1999)  # odd: Triton's "other integer" specialization, and each a different tile pick
+CACHED_TURN = (6007, 303)  # (prefix, new tokens): few query blocks over a long prefix (key splits), snapshots
+GRID = 64  # the recurrent-state snapshot grid
+
+
+def warmup_chunks(max_prefill_length: int, scratch_tokens: int, max_context: int) -> list[tuple[int, int]]:
+    """``[(prefix, new tokens)]`` the warm-up runs, clipped to what the scratch region and the model allow (a
+    prefix longer than a chunk is built by the chunks before it: ``(0, c), (c, c), ...``)."""
+    room = min(scratch_tokens, max_context)
+    chunks = [(0, min(n, max_prefill_length)) for n in FRESH_LENGTHS if n < room]
+    prefix, new = CACHED_TURN
+    prefix = min(prefix, room - new - 1)
+    if prefix >= 2 * GRID:
+        for start in range(0, prefix, max_prefill_length):
+            chunks.append((start, min(max_prefill_length, prefix - start)))
+        chunks.append((prefix, min(new, max_prefill_length)))
+    return list(dict.fromkeys(chunks))  # in order, once each
+
+
+def _plan(w: "Worker", prefix: int, new: int) -> StepPlan:
+    """``new`` zero ids after ``prefix`` on the scratch row; the chunk after a prefix (the cached turn) also
+    captures its state at the grid point inside it and at its end, into the scratch state slot."""
+    base = w.kv_capacity_tokens
+    state_slot = w.num_state_slots if w.state is not None else -1
+    plan = StepPlan.build(
+        [
+            {
+                "tokens": [0] * new,
+                "prefix_len": prefix,
+                "row": w.scratch_row,
+                "table_from": prefix,
+                "table_slots": list(range(base + prefix, base + prefix + new)),
+                "state_slot": state_slot,
+                "sample": {"temperature": 0.0},
+            }
+        ]
+    )
+    end = prefix + new
+    grid = (end - 1) // GRID * GRID
+    if w.state is not None and prefix > 0:
+        points = [p for p in (grid, end) if p > prefix]
+        plan.snap_seq = torch.zeros(len(points), dtype=torch.int64)
+        plan.snap_upto = torch.tensor(points, dtype=torch.int64)
+        plan.snap_slot = torch.full((len(points),), state_slot, dtype=torch.int64)
+    return plan
+
+
+def run_prefill_warmup(w: "Worker") -> float:
+    """Runs the warm-up chunks on ``w`` (see the module doc); returns the seconds it took."""
+    chunks = warmup_chunks(w.max_prefill_length, w.scratch_tokens, w.max_context)
+    shapes = ", ".join(f"{n}" if p == 0 else f"{n} after {p}" for p, n in chunks)
+    phase(f"Prefill warm-up: {len(chunks)} chunks ({shapes} tokens)")
+    t0 = time.perf_counter()
+    for prefix, new in chunks:
+        w.execute_plan(_plan(w, prefix, new), _allow_scratch=True)
+    took = time.perf_counter() - t0
+    logger.info(f"Prefill warm-up done in {took:.1f} s")
+    return took

@@ -1,0 +1,83 @@
+"""The start-up prefill warm-up (``engine/prefill_warmup.py``): which chunks it runs, that they run through the step
+path on a hybrid model (snapshots and the chunk after a prefix included) and leave nothing behind that a live
+request sees, and the ``--skip-prefill-warmup`` flag. (Its point, Triton compiling before the server answers,
+is a CUDA matter: ``Worker`` runs it on CUDA only; here it is called directly on CPU workers.)"""
+
+from __future__ import annotations
+
+import hf_reference as R
+import pytest
+import torch
+
+from freetoken.engine.prefill_warmup import CACHED_TURN, FRESH_LENGTHS, run_prefill_warmup, warmup_chunks
+
+
+def test_chunks_fit_the_scratch_region_and_the_chunk_length():
+    prefix, new = CACHED_TURN
+    full = warmup_chunks(8192, 8192, 32768)
+    assert full == [(0, n) for n in FRESH_LENGTHS] + [(0, prefix), (prefix, new)]
+    # a prefix longer than a chunk is built chunk by chunk; no chunk exceeds the chunk length
+    small = warmup_chunks(1024, 8192, 32768)
+    assert all(n <= 1024 for _, n in small) and small[-1] == (prefix, new)
+    assert [p for p, _ in small[len(FRESH_LENGTHS) - 1 : -1]] == list(range(0, prefix, 1024))
+    # a short context: the fresh lengths that fit, and a prefix clipped to leave room for the chunk after it
+    short = warmup_chunks(8192, 8192, 1024)
+    assert (0, 2000) not in short and max(p + n for p, n in short) < 1024 and short[-1][0] > 0
+    assert warmup_chunks(8192, 8192, 40) == [(0, 5), (0, 37)]  # too short for a cached turn
+
+
+def _worker(path: str, **kw):
+    from freetoken.worker import Worker
+
+    args = dict(model_path=path, device="cpu", dtype="float32", num_tokens=4096, max_running_requests=2)
+    return Worker({**args, "load_progress": False, **kw})
+
+
+def _chunk(w, ids: list[int], prefix: int) -> torch.Tensor:
+    """A live request's chunk on row 0 (KV slots 0.., state slot 0) after ``prefix`` of its tokens: the logits of
+    its last position."""
+    from freetoken.engine.step_plan import StepPlan
+
+    plan = StepPlan.build(
+        [
+            {
+                "tokens": ids,
+                "prefix_len": prefix,
+                "row": 0,
+                "table_from": prefix,
+                "table_slots": list(range(prefix, prefix + len(ids))),
+                "state_slot": 0 if w.state is not None else -1,
+                "sample": {"temperature": 0.0},
+            }
+        ]
+    )
+    return w.execute_plan(plan).logits
+
+
+@pytest.fixture(scope="module")
+def hybrid_checkpoint(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("tiny-qwen3_5_moe-warmup"))
+    R.write_released_qwen3_5_moe(d, seed=5, max_position_embeddings=2048)
+    return d
+
+
+def test_warmup_runs_on_the_scratch_region_only(hybrid_checkpoint):
+    """A hybrid model (snapshots in the chunk after the prefix): the warm-up runs between two chunks of a live
+    request, and the second chunk (reading the first one's KV and recurrent state) gives the logits it gives on a
+    worker that never warmed up."""
+    ids = R.prompt(90, seed=3, vocab=1000)
+    warmed, plain = (_worker(hybrid_checkpoint, max_prefill_length=1024) for _ in range(2))
+    assert warmed.state is not None
+    for w in (warmed, plain):
+        _chunk(w, ids[:50], 0)
+    steps = warmed.steps_executed
+    took = run_prefill_warmup(warmed)
+    assert took >= 0 and warmed.steps_executed == steps  # scratch steps are not served steps
+    assert len(warmup_chunks(warmed.max_prefill_length, warmed.scratch_tokens, warmed.max_context)) >= 6
+    assert torch.equal(_chunk(warmed, ids[50:], 50), _chunk(plain, ids[50:], 50))
+
+
+def test_the_flag_defaults_to_warming_up():
+    from freetoken.serve_defaults import serve_defaults
+
+    assert serve_defaults()["skip_prefill_warmup"] is False
