@@ -53,8 +53,9 @@ def warmup_chunks(max_prefill_length: int, scratch_tokens: int, max_context: int
 
 
 def _plan(w: "Worker", prefix: int, new: int) -> StepPlan:
-    """``new`` zero ids after ``prefix`` on the scratch row; the chunk after a prefix (the cached turn) also
-    captures its state at the grid point inside it and at its end, into the scratch state slot."""
+    """``new`` zero ids after ``prefix`` on the scratch row; a chunk after a prefix (the cached turn, and the chunks
+    that build a prefix longer than one chunk) also captures its state at the grid point inside it and at its end,
+    into the scratch state slot."""
     base = w.kv_capacity_tokens
     state_slot = w.num_state_slots if w.state is not None else -1
     plan = StepPlan.build(
