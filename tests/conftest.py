@@ -16,6 +16,9 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 # workers built by the tests (and the servers they start) leave the collector alone: a test process builds many, and
 # frozen objects in reference cycles would never be freed. tests/test_gc_control.py covers the freeze itself.
 os.environ.setdefault("FREETOKEN_GC_FREEZE", "0")
+# ... and skip the start-up prefill warm-up on CUDA (each small worker would compile its own warm-up shapes);
+# tests/test_prefill_warmup.py runs it directly, on the CPU and under the gpu marker.
+os.environ.setdefault("FREETOKEN_PREFILL_WARMUP", "0")
 
 
 def blocked_fla() -> None:

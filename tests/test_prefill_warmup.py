@@ -1,7 +1,8 @@
 """The start-up prefill warm-up (``engine/prefill_warmup.py``): which chunks it runs, that they run through the step
 path on a hybrid model (snapshots and the chunk after a prefix included) and leave nothing behind that a live
 request sees, and the ``--skip-prefill-warmup`` flag. (Its point, Triton compiling before the server answers,
-is a CUDA matter: ``Worker`` runs it on CUDA only; here it is called directly on CPU workers.)"""
+is a CUDA matter: ``Worker`` runs it on CUDA only; here it is called directly, on CPU workers and under the gpu
+marker on CUDA ones.)"""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ import hf_reference as R
 import pytest
 import torch
 
-from freetoken.engine.prefill_warmup import CACHED_TURN, FRESH_LENGTHS, run_prefill_warmup, warmup_chunks
+from freetoken.engine.prefill_warmup import (
+    CACHED_TURN,
+    FRESH_LENGTHS,
+    run_prefill_warmup,
+    warmup_chunks,
+    warmup_enabled,
+)
 
 
 def test_chunks_fit_the_scratch_region_and_the_chunk_length():
@@ -22,7 +29,7 @@ def test_chunks_fit_the_scratch_region_and_the_chunk_length():
     assert [p for p, _ in small[len(FRESH_LENGTHS) - 1 : -1]] == list(range(0, prefix, 1024))
     # a short context: the fresh lengths that fit, and a prefix clipped to leave room for the chunk after it
     short = warmup_chunks(8192, 8192, 1024)
-    assert (0, 2000) not in short and max(p + n for p, n in short) < 1024 and short[-1][0] > 0
+    assert (0, 1999) not in short and max(p + n for p, n in short) < 1024 and short[-1][0] > 0
     assert warmup_chunks(8192, 8192, 40) == [(0, 5), (0, 37)]  # too short for a cached turn
 
 
@@ -81,3 +88,27 @@ def test_the_flag_defaults_to_warming_up():
     from freetoken.serve_defaults import serve_defaults
 
     assert serve_defaults()["skip_prefill_warmup"] is False
+
+
+def test_when_it_runs():
+    """CUDA only, unless the flag or FREETOKEN_PREFILL_WARMUP=0 skips it; another value of the variable is refused."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    on, off = {"skip_prefill_warmup": False}, {"skip_prefill_warmup": True}
+    assert warmup_enabled(on, cuda, env={}) and warmup_enabled(on, cuda, env={"FREETOKEN_PREFILL_WARMUP": "1"})
+    assert not warmup_enabled(on, cpu, env={}) and not warmup_enabled(off, cuda, env={})
+    assert not warmup_enabled(on, cuda, env={"FREETOKEN_PREFILL_WARMUP": "0"})
+    with pytest.raises(ValueError, match="FREETOKEN_PREFILL_WARMUP"):
+        warmup_enabled(on, cpu, env={"FREETOKEN_PREFILL_WARMUP": "yes"})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_warmup_on_cuda(hybrid_checkpoint):
+    """The warm-up's chunks on a CUDA hybrid worker (Triton attention with key splits, fla with snapshot rounds,
+    the gates kernel): they run, and leave a live request's second chunk as it is without them."""
+    ids = R.prompt(90, seed=4, vocab=1000)
+    warmed, plain = (_worker(hybrid_checkpoint, device="cuda", max_prefill_length=1024) for _ in range(2))
+    for w in (warmed, plain):
+        _chunk(w, ids[:50], 0)
+    run_prefill_warmup(warmed)
+    assert torch.equal(_chunk(warmed, ids[50:], 50), _chunk(plain, ids[50:], 50))

@@ -28,7 +28,7 @@ from .engine.description import EngineDescription
 from .engine.forward_batch import ForwardBatch
 from .engine.gc_control import freeze_startup_objects
 from .engine.logprobs import MAX_TOP_LOGPROBS, logit_rows, step_logprobs
-from .engine.prefill_warmup import run_prefill_warmup
+from .engine.prefill_warmup import run_prefill_warmup, warmup_enabled
 from .engine.step_plan import StepPlan
 from .engine.step_profiler import StepProfiler
 from .errors import InvalidPlan, UnsupportedModel, WorkerOutOfMemory
@@ -85,7 +85,7 @@ class Worker:
         self._experts_reported = (0, 0)  # expert-cache (hits, misses) already reported in some step's statistics
         self._log_resolved_config()
         startup.allocate_pools(self)
-        if self.device.type == "cuda" and not a["skip_prefill_warmup"]:
+        if warmup_enabled(a, self.device):
             run_prefill_warmup(self)  # compiles the prefill kernels of the shapes requests bring, before serving
         self._skip_expert_counts()  # lookups of the dry run, the graph capture and the warm-up are nobody's
         freeze_startup_objects()  # full collections would walk all of start-up's objects inside some step

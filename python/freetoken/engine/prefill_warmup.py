@@ -7,7 +7,8 @@ to 1 or divisible by 16, and the launchers pick other tiles for short chunks, sm
 prefix). On the H200 the first short chat after start-up waited 3.3 s (resident) and 14.4 s (NVFP4 experts
 offloaded) for that (``bench/results/2026-12-02-h200-qwen3.6-35b-a3b-radix-offload-scenario-nvfp4.txt``);
 FreeToken 0.1.2 warmed two lengths and its first TTFT was 15.1 s on an H100, 0.6 s once it warmed them all
-(REFERENCES §4.5, FT#169). ``--skip-prefill-warmup`` skips it.
+(REFERENCES §4.5, FT#169). ``--skip-prefill-warmup`` skips it, and so does ``FREETOKEN_PREFILL_WARMUP=0`` (the
+test suite sets it: its many small workers would each compile their own warm-up shapes on a GPU).
 
 The chunks: short and medium odd lengths from an empty prefix (a short prompt, a chat turn, a document), then a
 chunk after a long prefix with recurrent-state snapshots at the grid point inside it and at its end (a cached
@@ -19,8 +20,9 @@ on the CPU nothing is compiled.
 
 from __future__ import annotations
 
+import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -36,6 +38,16 @@ logger = get_logger(__name__)
 FRESH_LENGTHS = (5, 37, 301, 1999)  # odd: Triton's "other integer" specialization, and each a different tile pick
 CACHED_TURN = (6007, 303)  # (prefix, new tokens): few query blocks over a long prefix (key splits), snapshots
 GRID = 64  # the recurrent-state snapshot grid
+
+
+def warmup_enabled(args: dict, device: torch.device, env: Optional[dict] = None) -> bool:
+    """CUDA, without ``--skip-prefill-warmup`` and without ``FREETOKEN_PREFILL_WARMUP=0`` (any other value than 0
+    or 1 is refused)."""
+    env = os.environ if env is None else env
+    raw = env.get("FREETOKEN_PREFILL_WARMUP", "1").strip()
+    if raw not in ("0", "1"):
+        raise ValueError(f"FREETOKEN_PREFILL_WARMUP={raw!r}: expected 1 (warm up on CUDA, the default) or 0")
+    return device.type == "cuda" and not args["skip_prefill_warmup"] and raw == "1"
 
 
 def warmup_chunks(max_prefill_length: int, scratch_tokens: int, max_context: int) -> list[tuple[int, int]]:
