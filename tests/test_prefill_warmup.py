@@ -68,13 +68,15 @@ def hybrid_checkpoint(tmp_path_factory):
     return d
 
 
-def test_warmup_runs_on_the_scratch_region_only(hybrid_checkpoint):
-    """A hybrid model (snapshots in the chunk after the prefix): the warm-up runs between two chunks of a live
-    request, and the second chunk (reading the first one's KV and recurrent state) gives the logits it gives on a
-    worker that never warmed up."""
+@pytest.mark.parametrize("moe", [{}, {"moe_backend": "offload", "moe_cache_size": 4}])
+def test_warmup_runs_on_the_scratch_region_only(hybrid_checkpoint, moe):
+    """A hybrid model (snapshots in the chunk after the prefix), its experts resident or offloaded behind a small
+    expert cache (which the warm-up's chunks fill with experts of their own): the warm-up runs between two chunks of
+    a live request, and the second chunk (reading the first one's KV and recurrent state) gives the logits it gives
+    on a worker that never warmed up."""
     ids = R.prompt(90, seed=3, vocab=1000)
-    warmed, plain = (_worker(hybrid_checkpoint, max_prefill_length=1024) for _ in range(2))
-    assert warmed.state is not None
+    warmed, plain = (_worker(hybrid_checkpoint, max_prefill_length=1024, **moe) for _ in range(2))
+    assert warmed.state is not None and (warmed.offload is not None) == bool(moe)
     for w in (warmed, plain):
         _chunk(w, ids[:50], 0)
     steps = warmed.steps_executed
