@@ -5,8 +5,8 @@ timed under the tile configs given (``--configs``; the default is the launcher's
 tiles with the keys split 1..6 ways, then the old 32 x 32 tiles), printing ms, TFLOP/s over the causal work actually
 done and the fraction of the H200's dense BF16 tensor-core peak (989 TFLOP/s), and the launcher's pick against the
 unsplit big tiles. Beside them, torch's scaled-dot-product attention backends (``--baselines``: flash and cuDNN by
-default; memory-efficient and flash with the KV heads expanded on request) on the same chunk with a lower-right causal mask, the paged KV gathered into contiguous tensors inside
-the timed call: what a library kernel would give if the extend path used it, each checked against our output
+default; memory-efficient and flash with the KV heads expanded on request) on the same chunk with a lower-right
+causal mask, the paged KV gathered into contiguous tensors inside the timed call: what a library kernel would give if the extend path used it, each checked against our output
 (max |diff|; a backend this torch cannot run at the shape is printed as failed). Writes JSON.
 
     python bench/extend_attention_bench.py --out bench/out/extend_attention.json
@@ -71,7 +71,7 @@ def main() -> int:
     import torch
     from hardware_bandwidth import median_device_ms
 
-    from freetoken.kernels.attention import _extend_config, _sm_count, extend_attention_triton, pick_extend_splits
+    from freetoken.kernels.attention import extend_attention_triton, extend_launch
 
     dev = torch.device("cuda")
     nh, nkv, D = 16, 2, 256
@@ -89,6 +89,8 @@ def main() -> int:
         flops = causal_flops(ext, pre, nh, D, D)
         ours = torch.empty(0)
         slots = r2t[0].long()
+        tiles_picked, splits_picked = extend_launch(q, kc, vc, ext, 1, ctx)
+        auto = "x".join(map(str, tiles_picked)) + f"s{splits_picked}"
         for name in a.configs.split(",") + [b for b in a.baselines.split(",") if b]:
             baseline = name.startswith("sdpa-")
             if baseline:
@@ -101,8 +103,6 @@ def main() -> int:
                 tiles, _, splits = name.partition("s")
                 cfg = None if name == "auto" else tuple(int(v) for v in tiles.split("x"))
                 n_split = int(splits) if splits else (0 if name == "auto" else 1)
-                picked = pick_extend_splits(-(-ext // 128) * nh, ctx, _sm_count(dev))
-                auto = "x".join(map(str, _extend_config(q, kc, D, D, ext))) + f"s{picked}"
                 label = name if cfg else "auto=" + auto
 
                 def call(cfg=cfg, n_split=n_split):

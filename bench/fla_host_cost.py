@@ -1,4 +1,4 @@
-"""The host (launch-side) cost of one Gated DeltaNet prefill call through fla, beside its device time, at Qwen3.6's
+"""The host (launch-side) cost of one Gated DeltaNet prefill call through fla, beside its elapsed time, at Qwen3.6's
 GDN shape (16 key heads, 32 value heads, 128 x 128 state). Issue 12's cached agent turn (2,184 new tokens) is
 host-bound: the torch profiler put ~1.75 ms of host time in each of the step's 30 ``ChunkGatedDeltaRuleFunction``
 calls against ~0.16 ms of device time. This times, per call and with no sync inside the loop (what a step pays):
@@ -8,7 +8,7 @@ calls against ~0.16 ms of device time. This times, per call and with no sync ins
 - ``direct``: ``layers/gated_deltanet.fla_direct_prefill`` (fla's forward pieces called directly), as the layer
   calls it for one;
 
-then lists the top functions of one ``public`` call under cProfile, and checks that both give the same output.
+then lists the top functions of one ``public`` call under cProfile (``profile_prefill.host_profile``), and checks that both give the same output.
 
     python3 bench/fla_host_cost.py --tokens 2184 --out bench/out/fla_host_cost.json      # CUDA + fla
 """
@@ -16,16 +16,17 @@ then lists the top functions of one ``public`` call under cProfile, and checks t
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
 import os
-import pstats
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profile_prefill import host_profile  # noqa: E402
+
 from freetoken.layers import gated_deltanet as gdn  # noqa: E402
 
 
@@ -41,8 +42,9 @@ def inputs(T: int, hk: int, hv: int, d: int, device: str):
     return q, k, v, gate, beta, state
 
 
-def host_and_device_ms(fn, reps: int) -> tuple[float, float]:
-    """(host ms per call with no sync in the loop, device ms per call from events around the same loop)."""
+def host_and_elapsed_ms(fn, reps: int) -> tuple[float, float]:
+    """(host ms per call with no sync in the loop, ms per call between CUDA events around the same loop: the
+    device's timeline, idle gaps included, so the larger of the call's host and device time)."""
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -77,30 +79,20 @@ def main() -> int:
     o_ref, s_ref = outs["public"]
     rows = []
     print(f"fla {a.tokens}-token GDN prefill call (Hk 16, Hv 32, 128 x 128 state), {a.reps} calls, no sync between")
-    print(f"{'variant':<10} {'host ms':>8} {'device ms':>10} {'max |do|':>10} {'max |dS|':>10}")
+    print(f"{'variant':<10} {'host ms':>8} {'elapsed ms':>10} {'max |do|':>10} {'max |dS|':>10}")
     for name, fn in variants.items():
-        host, dev = host_and_device_ms(fn, a.reps)
+        host, elapsed = host_and_elapsed_ms(fn, a.reps)
         o, s = outs[name]
         do = (o.float() - o_ref.float()).abs().max().item()
         ds = (s.float() - s_ref.float()).abs().max().item()
         rows.append(
-            {"variant": name, "host_ms": host, "device_ms": dev, "max_abs_diff_o": do, "max_abs_diff_state": ds}
+            {"variant": name, "host_ms": host, "elapsed_ms": elapsed, "max_abs_diff_o": do, "max_abs_diff_state": ds}
         )
-        print(f"{name:<10} {host:8.3f} {dev:10.3f} {do:10.2e} {ds:10.2e}")
-    prof = cProfile.Profile()
-    torch.cuda.synchronize()
-    prof.enable()
-    for _ in range(10):
-        variants["public"]()
-    prof.disable()
-    torch.cuda.synchronize()
-    stats = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[: a.top]
+        print(f"{name:<10} {host:8.3f} {elapsed:10.3f} {do:10.2e} {ds:10.2e}")
+    top = host_profile(variants["public"], torch.cuda.synchronize, a.top, repeats=10)
     print(f"\none public call under cProfile (own ms, cumulative ms, calls per call; top {a.top}):")
-    top = []
-    for (f, line, fn_name), (_, calls, own, cum, _) in stats:
-        where = f"{'/'.join(f.split('/')[-3:])}:{line} {fn_name}"
-        top.append({"function": where, "calls": calls / 10, "own_ms": own * 100, "cum_ms": cum * 100})
-        print(f"  {own * 100:7.3f} {cum * 100:8.3f} {calls / 10:6.1f}  {where}")
+    for r in top:
+        print(f"  {r['own_ms']:7.3f} {r['cum_ms']:8.3f} {r['calls']:6.1f}  {r['function']}")
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"tokens": a.tokens, "variants": rows, "public_cprofile": top}, f, indent=2)

@@ -82,22 +82,29 @@ def host_sync_sites(step) -> dict[str, int]:
     return dict(sites)
 
 
-def host_profile(step, sync, top: int) -> list[dict]:
-    """One ``step()`` under cProfile: the ``top`` functions by own (exclusive) host time, with their call counts:
-    where a host-bound step's launch-side time goes (Python of ours, fla's, Triton's launcher, torch's wrappers)."""
+def host_profile(step, sync, top: int, repeats: int = 1) -> list[dict]:
+    """``step()`` run ``repeats`` times under cProfile: the ``top`` functions by own (exclusive) host time, per run,
+    with their calls per run: where a host-bound step's launch-side time goes (Python of ours, fla's, Triton's
+    launcher, torch's wrappers). A function is named by its file's last two path parts, line and name."""
     import cProfile
     import pstats
 
     prof = cProfile.Profile()
     sync()
     prof.enable()
-    step()
+    for _ in range(repeats):
+        step()
     prof.disable()
     sync()
     stats = pstats.Stats(prof).stats  # {(file, line, name): (prim calls, calls, own s, cumulative s, callers)}
     rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
     return [
-        {"function": f"{os.path.basename(f)}:{line} {name}", "calls": c, "own_ms": own * 1e3, "cum_ms": cum * 1e3}
+        {
+            "function": f"{'/'.join(f.split('/')[-2:])}:{line} {name}",
+            "calls": c / repeats,
+            "own_ms": own * 1e3 / repeats,
+            "cum_ms": cum * 1e3 / repeats,
+        }
         for (f, line, name), (_, c, own, cum, _) in rows
     ]
 
@@ -176,7 +183,7 @@ def main() -> int:
         if host:
             print(f"host time by function, one step under cProfile (own ms, cumulative ms, calls; top {len(host)}):")
             for r in host:
-                print(f"  {r['own_ms']:8.2f} {r['cum_ms']:9.2f} {r['calls']:6d}  {r['function']}")
+                print(f"  {r['own_ms']:8.2f} {r['cum_ms']:9.2f} {r['calls']:6.0f}  {r['function']}")
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(results, f, indent=2)

@@ -370,6 +370,19 @@ def _sm_count(device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count) if device.type == "cuda" else 132
 
 
+def extend_launch(q, k_cache, v_cache, max_extend_len: int, batch: int, max_context: int, config=None, num_splits=0):
+    """``((BLOCK_M, BLOCK_N, num_warps, num_stages), key splits)`` the extend launcher runs (``config`` and
+    ``num_splits`` > 0 pin them): ``_extend_config``'s tiles, and ``pick_extend_splits`` for the big tiles."""
+    bd, bdv = triton.next_power_of_2(q.shape[2]), triton.next_power_of_2(v_cache.shape[2])
+    cfg = config or _extend_config(q, k_cache, bd, bdv, max_extend_len)
+    if num_splits > 0:
+        return cfg, num_splits
+    if cfg[0] != 128:
+        return cfg, 1
+    programs = triton.cdiv(max_extend_len, cfg[0]) * batch * q.shape[1]
+    return cfg, pick_extend_splits(programs, max_context, _sm_count(q.device))
+
+
 def extend_attention_triton(
     q,
     k_cache,
@@ -399,11 +412,10 @@ def extend_attention_triton(
         return out
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and q.stride(-1) == 1
     bd, bdv = triton.next_power_of_2(D), triton.next_power_of_2(DV)
-    block_m, block_n, warps, stages = config or _extend_config(q, k_cache, bd, bdv, max_extend_len)
+    (block_m, block_n, warps, stages), S = extend_launch(
+        q, k_cache, v_cache, max_extend_len, B, max_context, config, num_splits
+    )
     m_blocks = triton.cdiv(max_extend_len, block_m)
-    S = num_splits
-    if S <= 0:
-        S = pick_extend_splits(m_blocks * B * nh, max_context, _sm_count(q.device)) if block_m == 128 else 1
     mid_o = mid_l = out  # placeholders the kernel never touches without SPLIT
     if S > 1:
         mid_o = torch.empty(T, nh, S, DV, dtype=torch.float32, device=q.device)

@@ -28,7 +28,7 @@ from .engine.description import EngineDescription
 from .engine.forward_batch import ForwardBatch
 from .engine.gc_control import freeze_startup_objects
 from .engine.logprobs import MAX_TOP_LOGPROBS, logit_rows, step_logprobs
-from .engine.prefill_warmup import run_prefill_warmup, warmup_enabled
+from .engine.prefill_warmup import run_prefill_warmup, scratch_chunk_plan, warmup_enabled
 from .engine.step_plan import StepPlan
 from .engine.step_profiler import StepProfiler
 from .errors import InvalidPlan, UnsupportedModel, WorkerOutOfMemory
@@ -107,20 +107,7 @@ class Worker:
 
     def dry_run(self, num_tokens: int) -> None:
         """One prompt chunk of ``num_tokens`` through the real step path on the scratch row and slots."""
-        plan = StepPlan.build(
-            [
-                {
-                    "tokens": [0] * num_tokens,
-                    "prefix_len": 0,
-                    "row": self.scratch_row,
-                    "table_from": 0,
-                    "table_slots": list(range(self.kv_capacity_tokens, self.kv_capacity_tokens + num_tokens)),
-                    "state_slot": self.num_state_slots if self.state is not None else -1,
-                    "sample": {"temperature": 0.0},
-                }
-            ]
-        )
-        self.execute_plan(plan, _allow_scratch=True)
+        self.execute_plan(scratch_chunk_plan(self, 0, num_tokens), _allow_scratch=True)
 
     # ------------------------------------------------------------------ the step contract
 

@@ -13,7 +13,7 @@ test suite sets it: its many small workers would each compile their own warm-up 
 The chunks: short and medium odd lengths from an empty prefix (a short prompt, a chat turn, a document), then a
 chunk after a long prefix with recurrent-state snapshots at the grid point inside it and at its end (a cached
 agent turn: key-split attention, the snapshot rounds of the Gated DeltaNet prefill). Each runs through the real
-step path on the scratch row, KV slots and state slot (``Worker.dry_run``'s region), sampled greedily; nothing of
+step path on the scratch row, KV slots and state slot (the region of the memory plan's dry run), sampled greedily; nothing of
 a live request is touched, and the prompt ids are 0 (finite activations; their outputs are discarded). CUDA only:
 on the CPU nothing is compiled.
 """
@@ -64,8 +64,9 @@ def warmup_chunks(max_prefill_length: int, scratch_tokens: int, max_context: int
     return list(dict.fromkeys(chunks))  # in order, once each
 
 
-def _plan(w: "Worker", prefix: int, new: int) -> StepPlan:
-    """``new`` zero ids after ``prefix`` on the scratch row; a chunk after a prefix (the cached turn, and the chunks
+def scratch_chunk_plan(w: "Worker", prefix: int, new: int) -> StepPlan:
+    """``new`` zero ids after ``prefix`` on the scratch row, sampled greedily (also the memory plan's dry run,
+    ``Worker.dry_run``, with no prefix); a chunk after a prefix (the cached turn, and the chunks
     that build a prefix longer than one chunk) also captures its state at the grid point inside it and at its end,
     into the scratch state slot."""
     base = w.kv_capacity_tokens
@@ -100,7 +101,7 @@ def run_prefill_warmup(w: "Worker") -> float:
     phase(f"Prefill warm-up: {len(chunks)} chunks ({shapes} tokens)")
     t0 = time.perf_counter()
     for prefix, new in chunks:
-        w.execute_plan(_plan(w, prefix, new), _allow_scratch=True)
+        w.execute_plan(scratch_chunk_plan(w, prefix, new), _allow_scratch=True)
     took = time.perf_counter() - t0
     logger.info(f"Prefill warm-up done in {took:.1f} s")
     return took
