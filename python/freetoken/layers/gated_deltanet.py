@@ -271,6 +271,8 @@ def fla_direct_prefill(q, k, v, g, beta, initial_state):
         initial_state=initial_state.contiguous(),
         output_final_state=True,
     )
+    if len(out) != 6:  # the signature matched but the result does not: never read the wrong tensors
+        raise RuntimeError(f"fla's chunk_gated_delta_rule_fwd returned {len(out)} values, fla_direct_prefill reads 6")
     o, final = out[1], out[3]  # (g, o, A, final_state, initial_state, g_input) in fla 0.6
     return o[0].to(q.dtype), final
 
