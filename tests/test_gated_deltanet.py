@@ -463,3 +463,20 @@ def test_fla_direct_matches_public(n):
     assert torch.equal(o_d, o_p) and torch.equal(f_d, f_p)
     o_r, f_r = gdn._fla_gated_delta_rule(q, k, v, g, beta, init[None].clone(), [0, n], False)
     assert torch.equal(o_r, o_d) and torch.equal(f_r, f_d)
+
+
+def test_fla_direct_refuses_a_result_of_another_shape(monkeypatch):
+    """An fla whose ``chunk_gated_delta_rule_fwd`` takes the expected parameters but returns other than its six
+    values is refused with a message, not read as the wrong tensors (stand-ins for fla's functions, on the CPU)."""
+    from freetoken.layers import gated_deltanet as gdn
+
+    def l2norm_fwd(x):
+        return x, None
+
+    def fwd(q, k, v, g, beta, scale, initial_state, output_final_state):
+        return v, v, initial_state, v, initial_state  # five values, not (g, o, A, final_state, h0, g_input)
+
+    monkeypatch.setattr(gdn, "_fla_direct_ops", lambda: (l2norm_fwd, fwd))
+    q, k, v, g, beta, init = rand_inputs(5)
+    with pytest.raises(RuntimeError, match="returned 5 values"):
+        gdn.fla_direct_prefill(q, k, v, g, beta, init[None])
