@@ -19,6 +19,9 @@ Groups, each per M (rows of x; tokens for the MoE) in 1, 2, 4, 8, 16, 64, 256, 1
 - ``sweep`` (not in the default groups): the ``linear`` shapes at M <= 16 under each launch setting of ``SWEEP``
   (``nvfp4_linear_triton(..., tune=...)``: GEMV tile bytes, warps, pipeline stages; tensor-core BLOCK_N, BLOCK_K,
   warps, stages), to retune the defaults in ``kernels/nvfp4_linear.py``.
+- ``moesweep`` (not in the default groups): the grouped kernel at prefill sizes (M >= 1024) under each launch
+  setting of ``MOE_SWEEP`` (``nvfp4_fused_moe_triton(..., tune=...)``: rows per block, gate|up and down tiles, warps,
+  stages, gate and up rows in one tile), uniform routing, beside the BF16 kernel: to retune ``grouped_config``.
 - ``fp8``: the FP8 per-tensor projections (``kernels/fp8_linear.py``: Triton quantization + tensor-wise
   ``_scaled_mm``): GDN in_proj_qkv (8192 x 2048), out_proj (2048 x 4096), attention k (512 x 2048), beside
   ``torch.mm`` in BF16.
@@ -236,6 +239,53 @@ def bench_sweep(a, device, dtype, bw) -> list:
     return rows
 
 
+# launch settings --groups moesweep times ({} = the default, grouped_config)
+MOE_SWEEP = [
+    {},
+    {"fuse_gate_up": True},
+    {"fuse_gate_up": True, "gu_block_n": 32},
+    {"stages": 2},
+    {"stages": 4},
+    {"gu_block_k": 64, "down_block_k": 64},
+    {"down_block_n": 64},
+    {"block_m": 64, "warps": 4},
+    {"block_m": 256, "gu_block_n": 32, "down_block_n": 64},
+]
+
+
+def bench_moe_sweep(a, device, dtype, bw) -> list:
+    """The grouped NVFP4 kernel at prefill sizes under each of ``MOE_SWEEP``'s launch settings (the issue's target:
+    no slower than BF16), uniform routing."""
+    import torch
+
+    from freetoken.kernels.nvfp4_moe import nvfp4_fused_moe_triton
+    from freetoken.layers.moe import run_experts
+
+    s = shapes(a.smoke)["moe"]
+    E, k, H, I = s["E"], s["k"], s["H"], s["I"]
+    bank, (w13, w2) = moe_banks(s, device, dtype)
+    expert_bytes = 3 * H * I // 2 + 3 * H * I // 16 + 4 * (2 * I + H)
+    rows = []
+    for T in [m for m in a.ms if m * k > 64] or a.ms[-1:]:
+        x = torch.randn(T, H, device=device, dtype=dtype)
+        reps = max(1, a.reps // 4)
+        routes = [_routing("uniform", T, E, k, device) for _ in range(reps)]
+        distinct = statistics.mean(int(torch.unique(ids).numel()) for ids, _ in routes)
+        nbytes = distinct * expert_bytes + 2 * T * H * x.element_size()
+        flops = 6 * T * k * H * I
+        t_bf16 = time_calls(cycled(lambda r: run_experts("triton", x, w13, w2, *r), routes, reps), device)
+        for tune in MOE_SWEEP:
+            label = ",".join(f"{key}={v}" for key, v in tune.items()) or "default"
+            call = lambda r, c=tune: nvfp4_fused_moe_triton(x, *bank, *r, tune=c)  # noqa: E731
+            try:
+                t = time_calls(cycled(call, routes, reps), device)
+            except Exception as e:  # a setting that does not compile (registers, shared memory) is reported
+                print(f"moesweep M={T} {label}: {type(e).__name__}: {str(e)[:160]}")
+                continue
+            rows.append(row("moesweep", f"grouped {label}", T, t, nbytes, flops, bw, t_bf16, kernel=""))
+    return rows
+
+
 def _routing(mode, T, E, k, device):
     """Expert ids ``[T, k]`` drawn as ``moe/bench_routing.py`` draws them (``mode`` uniform or zipf) and weights."""
     import torch
@@ -370,7 +420,13 @@ def main(argv=None) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the interpreter's bf16 tl.dot is wrong
     bw = copy_bandwidth(device)
     rows = []
-    for group, fn in (("linear", bench_linear), ("moe", bench_moe), ("fp8", bench_fp8), ("sweep", bench_sweep)):
+    for group, fn in (
+        ("linear", bench_linear),
+        ("moe", bench_moe),
+        ("fp8", bench_fp8),
+        ("sweep", bench_sweep),
+        ("moesweep", bench_moe_sweep),
+    ):
         if group in a.groups:
             rows += fn(a, device, dtype, bw)
     print_rows(rows, bw)

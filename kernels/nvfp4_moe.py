@@ -348,6 +348,7 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         NUM_STAGES: tl.constexpr,
         DOT_PREC: tl.constexpr,
+        FUSE_GU: tl.constexpr,  # gate and up rows as one [2 * BLOCK_N, BLOCK_K] tile: one decode call, one larger dot
     ):
         dt = out_ptr.dtype.element_ty
         BW: tl.constexpr = BLOCK_K // 8
@@ -367,21 +368,43 @@ if triton is not None:
             gw = w_ptr + e64 * stride_we + rows * stride_wn + offs_w[None, :]
             gs = s_ptr + e64 * stride_se + rows * stride_sn + offs_s[None, :]
             xt_ptrs = x_ptr + (pair // TOPK)[None, :].to(tl.int64) * stride_xt + offs_k[:, None]  # xᵀ [K, M]
-            acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # gateᵀ
-            acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
-                xt = tl.load(xt_ptrs + k0, mask=((k0 + offs_k) < H)[:, None] & m_mask[None, :], other=0.0)
-                w_mask = n_mask[:, None] & ((k0 // 8 + offs_w) < H // 8)[None, :]
-                s_mask = n_mask[:, None] & ((k0 // 16 + offs_s) < H // 16)[None, :]
-                wg = tl.load(gw + k0 // 8, mask=w_mask, other=0)
-                sg = tl.load(gs + k0 // 16, mask=s_mask, other=0)
-                acc_g = tl.dot(dequant_tile_words(wg, sg, BLOCK_N, BW, dt), xt, acc_g, input_precision=DOT_PREC)
-                wu = tl.load(gw + I * stride_wn + k0 // 8, mask=w_mask, other=0)
-                su = tl.load(gs + I * stride_sn + k0 // 16, mask=s_mask, other=0)
-                acc_u = tl.dot(dequant_tile_words(wu, su, BLOCK_N, BW, dt), xt, acc_u, input_precision=DOT_PREC)
-            glob = g_ptr + e64 * stride_ge + offs_n
-            gate = (acc_g * tl.load(glob, mask=n_mask, other=0.0)[:, None]).to(dt).to(tl.float32)
-            up = (acc_u * tl.load(glob + I, mask=n_mask, other=0.0)[:, None]).to(dt).to(tl.float32)
+            if FUSE_GU:
+                # tile row r: gate row offs_n[r] for r < BLOCK_N, up row offs_n[r - BLOCK_N] after
+                r2 = tl.arange(0, 2 * BLOCK_N)
+                n2 = tl.program_id(1) * BLOCK_N + r2 % BLOCK_N
+                n2_mask = n2 < I
+                rows2 = (n2 + (r2 // BLOCK_N) * I)[:, None].to(tl.int64)
+                gw2 = w_ptr + e64 * stride_we + rows2 * stride_wn + offs_w[None, :]
+                gs2 = s_ptr + e64 * stride_se + rows2 * stride_sn + offs_s[None, :]
+                acc = tl.zeros((2 * BLOCK_N, BLOCK_M), dtype=tl.float32)  # [gate | up]ᵀ
+                for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
+                    xt = tl.load(xt_ptrs + k0, mask=((k0 + offs_k) < H)[:, None] & m_mask[None, :], other=0.0)
+                    w2_mask = n2_mask[:, None] & ((k0 // 8 + offs_w) < H // 8)[None, :]
+                    s2_mask = n2_mask[:, None] & ((k0 // 16 + offs_s) < H // 16)[None, :]
+                    w = tl.load(gw2 + k0 // 8, mask=w2_mask, other=0)
+                    sc = tl.load(gs2 + k0 // 16, mask=s2_mask, other=0)
+                    acc = tl.dot(dequant_tile_words(w, sc, 2 * BLOCK_N, BW, dt), xt, acc, input_precision=DOT_PREC)
+                glob2 = tl.load(g_ptr + e64 * stride_ge + n2 + (r2 // BLOCK_N) * I, mask=n2_mask, other=0.0)
+                acc = acc * glob2[:, None]
+                acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
+                gate = acc_g.to(dt).to(tl.float32)
+                up = acc_u.to(dt).to(tl.float32)
+            else:
+                acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # gateᵀ
+                acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
+                    xt = tl.load(xt_ptrs + k0, mask=((k0 + offs_k) < H)[:, None] & m_mask[None, :], other=0.0)
+                    w_mask = n_mask[:, None] & ((k0 // 8 + offs_w) < H // 8)[None, :]
+                    s_mask = n_mask[:, None] & ((k0 // 16 + offs_s) < H // 16)[None, :]
+                    wg = tl.load(gw + k0 // 8, mask=w_mask, other=0)
+                    sg = tl.load(gs + k0 // 16, mask=s_mask, other=0)
+                    acc_g = tl.dot(dequant_tile_words(wg, sg, BLOCK_N, BW, dt), xt, acc_g, input_precision=DOT_PREC)
+                    wu = tl.load(gw + I * stride_wn + k0 // 8, mask=w_mask, other=0)
+                    su = tl.load(gs + I * stride_sn + k0 // 16, mask=s_mask, other=0)
+                    acc_u = tl.dot(dequant_tile_words(wu, su, BLOCK_N, BW, dt), xt, acc_u, input_precision=DOT_PREC)
+                glob = g_ptr + e64 * stride_ge + offs_n
+                gate = (acc_g * tl.load(glob, mask=n_mask, other=0.0)[:, None]).to(dt).to(tl.float32)
+                up = (acc_u * tl.load(glob + I, mask=n_mask, other=0.0)[:, None]).to(dt).to(tl.float32)
             h = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up
             o_ptrs = out_ptr + pair[None, :].to(tl.int64) * stride_ot + offs_n[:, None]
             tl.store(o_ptrs, h.to(dt), mask=n_mask[:, None] & m_mask[None, :])
@@ -456,12 +479,44 @@ def pick_nvfp4_block_m(num_pairs: int, num_experts: int) -> int:
     return 128 if per_expert > 128 else _pick_block_m(num_pairs, num_experts)
 
 
+def grouped_config(num_pairs: int, E: int, H: int, I: int, block_m: int | None = None, tune: Optional[dict] = None):
+    """Launch settings of the grouped kernels: rows per block (``pick_nvfp4_block_m``), the gate|up and down tiles,
+    warps, pipeline stages, and whether gate and up rows share one tile; ``tune`` overrides any of them."""
+    bm = block_m or pick_nvfp4_block_m(num_pairs, E)
+    cfg = {
+        "block_m": bm,
+        "gu_block_n": min(64, max(16, triton.next_power_of_2(I))),
+        "gu_block_k": min(128, max(32, triton.next_power_of_2(H))),
+        "down_block_n": min(128, max(16, triton.next_power_of_2(H))),
+        "down_block_k": min(128, max(32, triton.next_power_of_2(I))),
+        "warps": 4 if bm <= 16 else 8,  # two [BLOCK_N, BLOCK_M] accumulators and the decoded tiles: 4 warps spill
+        "stages": _NUM_STAGES,
+        "fuse_gate_up": False,
+    }
+    unknown = set(tune or {}) - set(cfg)
+    if unknown:
+        raise ValueError(f"unknown grouped NVFP4 launch settings {sorted(unknown)}; known: {sorted(cfg)}")
+    cfg.update(tune or {})
+    return cfg
+
+
 def nvfp4_fused_moe_triton(
-    x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_ids, topk_weights, block_m: int | None = None
+    x,
+    w13,
+    w13_scale,
+    w13_global,
+    w2,
+    w2_scale,
+    w2_global,
+    topk_ids,
+    topk_weights,
+    block_m: int | None = None,
+    tune: Optional[dict] = None,
 ):
     """Grouped NVFP4 MoE; same contract as ``nvfp4_moe_torch`` (``topk_weights`` in x's dtype, as
-    ``fused_moe_triton`` takes them). ``block_m`` overrides ``pick_nvfp4_block_m`` (tests, benchmarks). CUDA, or
-    CPU under TRITON_INTERPRET=1."""
+    ``fused_moe_triton`` takes them). ``block_m`` overrides ``pick_nvfp4_block_m`` (tests, benchmarks); ``tune``
+    overrides the launch settings (``grouped_config``'s keys; bench/nvfp4_kernel_bench.py --groups moesweep). CUDA,
+    or CPU under TRITON_INTERPRET=1."""
     assert triton is not None, "triton is not installed"
     T, H = x.shape
     E, two_i, _ = w13.shape
@@ -472,25 +527,26 @@ def nvfp4_fused_moe_triton(
     n = T * k
     ids = topk_ids.reshape(-1)
     ids = torch.where((ids >= 0) & (ids < E), ids, E)  # outside the bank: the dummy expert E
-    bm = block_m or pick_nvfp4_block_m(n, E)
-    warps = 4 if bm <= 16 else 8  # two [BLOCK_N, BLOCK_M] accumulators and the decoded tiles: 4 warps spill
+    cfg = grouped_config(n, E, H, I, block_m, tune)
+    bm = cfg["block_m"]
     sorted_ids, block_expert = moe_align_block_size(ids, E + 1, bm)
     nblocks = block_expert.numel()
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 must not silently drop to tf32
     w13b, w13s, w2b, w2s = _words(w13), _scale_bytes(w13_scale), _words(w2), _scale_bytes(w2_scale)
     inter = torch.empty(n, I, dtype=x.dtype, device=x.device)
-    bn1, bk1 = min(64, max(16, triton.next_power_of_2(I))), min(128, max(32, triton.next_power_of_2(H)))
+    bn1, bk1 = cfg["gu_block_n"], cfg["gu_block_k"]
     _nvfp4_moe_gate_up_kernel[(nblocks, triton.cdiv(I, bn1))](
         x, w13b, w13s, w13_global, inter, sorted_ids, block_expert, n, E, H, I, x.stride(0), w13b.stride(0),
         w13b.stride(1), w13s.stride(0), w13s.stride(1), w13_global.stride(0), inter.stride(0), TOPK=k, BLOCK_M=bm,
-        BLOCK_N=bn1, BLOCK_K=bk1, NUM_STAGES=_NUM_STAGES, DOT_PREC=prec, num_warps=warps,
+        BLOCK_N=bn1, BLOCK_K=bk1, NUM_STAGES=cfg["stages"], DOT_PREC=prec, FUSE_GU=cfg["fuse_gate_up"],
+        num_warps=cfg["warps"],
     )  # fmt: skip
     partial = torch.empty(n, H, dtype=torch.float32, device=x.device)
     wts = topk_weights.reshape(-1).contiguous()
-    bn2, bk2 = min(128, max(16, triton.next_power_of_2(H))), min(128, max(32, triton.next_power_of_2(I)))
+    bn2, bk2 = cfg["down_block_n"], cfg["down_block_k"]
     _nvfp4_moe_down_kernel[(nblocks, triton.cdiv(H, bn2))](
         inter, w2b, w2s, w2_global, wts, partial, sorted_ids, block_expert, n, E, H, I, inter.stride(0),
         w2b.stride(0), w2b.stride(1), w2s.stride(0), w2s.stride(1), w2_global.stride(0), partial.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, NUM_STAGES=_NUM_STAGES, DOT_PREC=prec, num_warps=warps,
+        BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, NUM_STAGES=cfg["stages"], DOT_PREC=prec, num_warps=cfg["warps"],
     )  # fmt: skip
     return partial.view(T, k, H).sum(dim=1).to(x.dtype)

@@ -71,7 +71,7 @@ def check_decode(T, S, k, H, I, dtype, device, shared=None, seed=0, strided_x=Fa
     return err
 
 
-def check_grouped(T, E, k, H, I, dtype, device, seed=0, block_m=None, **routing):
+def check_grouped(T, E, k, H, I, dtype, device, seed=0, block_m=None, tune=None, **routing):
     from freetoken.kernels.nvfp4_moe import nvfp4_fused_moe_triton, nvfp4_moe_torch
 
     bank = random_bank(E, H, I, seed, device=device)
@@ -79,10 +79,10 @@ def check_grouped(T, E, k, H, I, dtype, device, seed=0, block_m=None, **routing)
     x = torch.randn(T, H, generator=g).to(device, dtype)
     ids, w = _routing(T, E, k, g, **routing)
     ids, w = ids.to(device), w.to(device, dtype)
-    out = nvfp4_fused_moe_triton(x, *bank, ids, w, block_m=block_m)
+    out = nvfp4_fused_moe_triton(x, *bank, ids, w, block_m=block_m, tune=tune)
     ref = nvfp4_moe_torch(x, *bank, ids, w)
     err = error(out, ref)
-    assert err <= 2 * _TOL[dtype][device == "cuda"], ("grouped", T, E, k, H, I, dtype, err)
+    assert err <= 2 * _TOL[dtype][device == "cuda"], ("grouped", T, E, k, H, I, dtype, tune, err)
     return err
 
 
@@ -195,6 +195,10 @@ _CPU_SCRIPT = textwrap.dedent(
         note("grouped " + key, t.check_grouped(40, 8, 3, 32, 48, dt, "cpu", skew=True))  # long runs, empty experts
         note("grouped " + key, t.check_grouped(24, 5, 2, 160, 80, dt, "cpu"))  # K tails, I not a power of two
         note("grouped " + key, t.check_grouped(60, 3, 2, 32, 48, dt, "cpu", block_m=128, invalid=True))  # prefill tiles
+        # gate and up rows in one tile (I not a multiple of the tile: masked rows in both halves), other tiles
+        fused = dict(fuse_gate_up=True, gu_block_n=32, gu_block_k=64, stages=2)
+        note("grouped " + key, t.check_grouped(24, 5, 2, 160, 80, dt, "cpu", tune=fused, invalid=True))
+        note("grouped " + key, t.check_grouped(40, 3, 2, 64, 48, dt, "cpu", block_m=32, tune=fused))
         t.check_dequant(3, 48, 32, dt, "cpu")
         note("dequant grouped " + key, t.check_dequant_moe(24, 6, 2, 160, 80, dt, "cpu", invalid=True))
     t.check_dequant(2, 2064, 32, bf16, "cpu")  # a row longer than one step, with a tail
@@ -285,6 +289,25 @@ def test_grouped_cuda_qwen(T):
 )
 def test_grouped_cuda_shapes(T, E, k, H, I, kw, dtype):
     check_grouped(T, E, k, H, I, dtype, "cuda", seed=T, **kw)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("tune", [dict(fuse_gate_up=True), dict(fuse_gate_up=True, gu_block_n=32)])
+@pytest.mark.parametrize("T,E,k,H,I,kw", [(4096, 256, 8, 2048, 512, {}), (77, 60, 4, 208, 80, dict(invalid=True))])
+def test_grouped_cuda_tunes(T, E, k, H, I, kw, tune):
+    """Launch settings other than the default pick (the moesweep candidates): the same result."""
+    check_grouped(T, E, k, H, I, torch.bfloat16, "cuda", seed=T, tune=tune, **kw)
+
+
+def test_grouped_config_refuses_unknown_settings():
+    pytest.importorskip("triton")
+    from freetoken.kernels.nvfp4_moe import grouped_config
+
+    assert grouped_config(65536, 256, 2048, 512)["block_m"] == 128
+    assert grouped_config(65536, 256, 2048, 512, tune={"stages": 2})["stages"] == 2
+    with pytest.raises(ValueError, match="block_nn"):
+        grouped_config(65536, 256, 2048, 512, tune={"block_nn": 64})
 
 
 @pytest.mark.gpu
