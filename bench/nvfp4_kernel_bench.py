@@ -244,12 +244,13 @@ MOE_SWEEP = [
     {},
     {"fuse_gate_up": True},
     {"fuse_gate_up": True, "gu_block_n": 32},
-    {"stages": 2},
-    {"stages": 4},
+    {"fuse_gate_up": True, "gu_block_k": 64},
+    {"fuse_gate_up": True, "stages": 4},
+    {"fuse_gate_up": True, "block_m": 64, "warps": 4},
     {"gu_block_k": 64, "down_block_k": 64},
-    {"down_block_n": 64},
     {"block_m": 64, "warps": 4},
-    {"block_m": 256, "gu_block_n": 32, "down_block_n": 64},
+    {"down_block_n": 64},
+    {"stages": 2},
 ]
 
 

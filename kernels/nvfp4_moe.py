@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from ..quant import nvfp4
 from .activation import silu_and_mul_torch
-from .fused_moe import _GATHER_PAIRS, _moe_gather_torch, _pick_block_m, fused_moe_torch
+from .fused_moe import _GATHER_PAIRS, _moe_gather_torch, fused_moe_torch
 
 try:  # keep the reference importable without triton
     import triton
@@ -472,26 +472,36 @@ if triton is not None:
 
 
 def pick_nvfp4_block_m(num_pairs: int, num_experts: int) -> int:
-    """Rows per block of the grouped NVFP4 kernels: ``fused_moe``'s pick, and 128 once experts average more than
-    128 pairs (prefill): every block decodes its expert's whole weight tile on the CUDA cores, so the decode cost per
-    row halves with twice the rows, while the BF16 kernel has no such cost to spread."""
+    """Rows per block of the grouped NVFP4 kernels: 16 while experts average at most 16 pairs, 64 up to 128 pairs,
+    then 128 (prefill). Every block decodes its expert's whole weight tile on the CUDA cores, so the decode cost per
+    row falls with more rows a block, a cost the BF16 kernel (``fused_moe._pick_block_m``) has no need to spread."""
     per_expert = num_pairs / max(1, min(num_experts, num_pairs))
-    return 128 if per_expert > 128 else _pick_block_m(num_pairs, num_experts)
+    if per_expert <= 16:
+        return 16
+    return 128 if per_expert > 128 else 64
 
 
+# Launch settings from the H200 sweep at Qwen3.6's expert shapes, uniform routing (bench/nvfp4_kernel_bench.py
+# --groups moesweep, bench/results/2026-12-02-h200-nvfp4-moesweep.txt): blocks of 64 rows on 4 warps while experts
+# average at most 64 pairs (1,024 tokens 795 -> 722 us, 2,048 tokens 1,418 -> 1,061 us against 32-row blocks on 8
+# warps); above, gate and up rows decoded as one tile with K steps of 64 (4,096 tokens 1,966 -> 1,595 us, 8,192
+# tokens 2,883 -> 2,571 us).
 def grouped_config(num_pairs: int, E: int, H: int, I: int, block_m: int | None = None, tune: Optional[dict] = None):
     """Launch settings of the grouped kernels: rows per block (``pick_nvfp4_block_m``), the gate|up and down tiles,
     warps, pipeline stages, and whether gate and up rows share one tile; ``tune`` overrides any of them."""
     bm = block_m or pick_nvfp4_block_m(num_pairs, E)
+    per_expert = num_pairs / max(1, min(E, num_pairs))
+    large = per_expert > 64 and bm >= 64
     cfg = {
         "block_m": bm,
         "gu_block_n": min(64, max(16, triton.next_power_of_2(I))),
-        "gu_block_k": min(128, max(32, triton.next_power_of_2(H))),
+        "gu_block_k": min(64 if large else 128, max(32, triton.next_power_of_2(H))),
         "down_block_n": min(128, max(16, triton.next_power_of_2(H))),
         "down_block_k": min(128, max(32, triton.next_power_of_2(I))),
-        "warps": 4 if bm <= 16 else 8,  # two [BLOCK_N, BLOCK_M] accumulators and the decoded tiles: 4 warps spill
+        # two [BLOCK_N, BLOCK_M] accumulators and the decoded tiles: 4 warps spill at 128 rows
+        "warps": 4 if bm <= 16 or (bm <= 64 and not large) else 8,
         "stages": _NUM_STAGES,
-        "fuse_gate_up": False,
+        "fuse_gate_up": large,
     }
     unknown = set(tune or {}) - set(cfg)
     if unknown:

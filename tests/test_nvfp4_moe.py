@@ -199,6 +199,8 @@ _CPU_SCRIPT = textwrap.dedent(
         fused = dict(fuse_gate_up=True, gu_block_n=32, gu_block_k=64, stages=2)
         note("grouped " + key, t.check_grouped(24, 5, 2, 160, 80, dt, "cpu", tune=fused, invalid=True))
         note("grouped " + key, t.check_grouped(40, 3, 2, 64, 48, dt, "cpu", block_m=32, tune=fused))
+        # the default settings of large steps (100 pairs an expert: 64-row blocks, gate and up in one tile)
+        note("grouped " + key, t.check_grouped(200, 2, 1, 64, 48, dt, "cpu"))
         t.check_dequant(3, 48, 32, dt, "cpu")
         note("dequant grouped " + key, t.check_dequant_moe(24, 6, 2, 160, 80, dt, "cpu", invalid=True))
     t.check_dequant(2, 2064, 32, bf16, "cpu")  # a row longer than one step, with a tail
@@ -271,7 +273,8 @@ def test_decode_cuda_shapes(T, S, k, H, I, kw, dtype):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("T", [9, 64, 512, 4096, 8192])  # 8192: 256 pairs an expert, blocks of 128 rows
+# 2048: 64 pairs an expert (64-row blocks, 4 warps); 4096: gate and up in one tile; 8192: blocks of 128 rows
+@pytest.mark.parametrize("T", [9, 64, 512, 2048, 4096, 8192])
 def test_grouped_cuda_qwen(T):
     check_grouped(T, 256, dtype=torch.bfloat16, device="cuda", seed=T, **QWEN)
 
@@ -304,7 +307,11 @@ def test_grouped_config_refuses_unknown_settings():
     pytest.importorskip("triton")
     from freetoken.kernels.nvfp4_moe import grouped_config
 
-    assert grouped_config(65536, 256, 2048, 512)["block_m"] == 128
+    big = grouped_config(65536, 256, 2048, 512)
+    assert (big["block_m"], big["fuse_gate_up"], big["gu_block_k"], big["warps"]) == (128, True, 64, 8)
+    mid = grouped_config(16384, 256, 2048, 512)  # 64 pairs an expert
+    assert (mid["block_m"], mid["fuse_gate_up"], mid["warps"]) == (64, False, 4)
+    assert grouped_config(4096, 256, 2048, 512)["block_m"] == 16
     assert grouped_config(65536, 256, 2048, 512, tune={"stages": 2})["stages"] == 2
     with pytest.raises(ValueError, match="block_nn"):
         grouped_config(65536, 256, 2048, 512, tune={"block_nn": 64})

@@ -111,7 +111,14 @@ pub fn run(args: ServeArgs, listener: std::net::TcpListener, worker: Box<dyn Wor
             return 1;
         }
     };
-    let served = runtime.block_on(serve_http(args, listener, engine.clone(), info, metrics));
+    let served = runtime.block_on(async {
+        // before anything listens: a handler a library left on SIGTERM / SIGINT would end the process (stop_signals)
+        let reset = crate::stop_signals::claim();
+        if !reset.is_empty() {
+            tracing::debug!("reset the handlers a library had installed on {}", reset.join(", "));
+        }
+        serve_http(args, listener, engine.clone(), info, metrics).await
+    });
     exit_code(&engine, served)
 }
 

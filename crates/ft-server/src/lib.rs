@@ -1,7 +1,8 @@
 //! ft-server: everything between the socket and the engine thread, grouped by concern:
 //!
-//! - `cli` the flags, `launch` start-up, `logging`; `python` the server in-process with the Python worker (for
-//!   `ft serve` and the `ft-server` binary); `notify` and `readiness` systemd's notify protocol;
+//! - `cli` the flags, `launch` start-up, `stop_signals` SIGTERM / SIGINT kept for the drain, `logging`; `python`
+//!   the server in-process with the Python worker (for `ft serve` and the `ft-server` binary); `notify` and
+//!   `readiness` systemd's notify protocol;
 //! - `http` the server, routes, the shared SSE loop, wire types and errors; `validation` the one place that
 //!   checks a request's content and builds what the engine runs;
 //! - `text` tokenizer, chat template, detokenizer, stop strings, tool-call and reasoning parsers;
@@ -18,5 +19,6 @@ pub mod metrics;
 pub mod notify;
 pub mod python;
 pub mod readiness;
+pub mod stop_signals;
 pub mod text;
 pub mod validation;
