@@ -1,6 +1,7 @@
-//! Text in and out of the model: the tokenizer, the chat template, and what happens to the output between the
-//! tokens and the wire: the incremental detokenizer, stop strings, reasoning split out of `<think>` blocks
-//! (`reasoning`), tool calls parsed out of the content (`tool_calls`).
+//! Text in and out of the model: the tokenizer (with `segment_cache`, the ids of text it has seen), the chat
+//! template, and what happens to the output between the tokens and the wire: the incremental detokenizer, stop
+//! strings, reasoning split out of `<think>` blocks (`reasoning`), tool calls parsed out of the content
+//! (`tool_calls`).
 //!
 //! ```text
 //!   tokens ─▶ detokenizer ─▶ stop strings ─▶ ReasoningParser ─┬─ reasoning ─────────────▶ reasoning_content / thinking
@@ -14,6 +15,7 @@
 pub mod chat_template;
 pub mod detokenizer;
 pub mod reasoning;
+pub mod segment_cache;
 pub mod stop_strings;
 pub mod token_text;
 pub mod tokenizer;
