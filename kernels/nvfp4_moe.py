@@ -26,7 +26,8 @@ in the same layout: ``topk_ids`` are then slot ids, as for the BF16 decode kerne
   to the block size (``moe_align_block_size``; ids outside the bank go to a dummy expert whose blocks write zeros),
   then two grouped tensor-core GEMMs, each K step decoding a ``[BLOCK_N, BLOCK_K]`` weight tile to x's dtype in
   registers as the left operand of ``tl.dot`` (``nvfp4_linear.py`` says why: no BF16 copy of the experts, one launch
-  each).
+  each); for large steps the gate and up rows of a block are decoded as one tile (``FUSE_GU``; launch settings in
+  ``grouped_config``).
 
 Rounding follows ``moe_decode``: gate and up rounded to x's dtype, the SiLU rounded, the product rounded; each down
 projection rounded, times the routing weight rounded to x's dtype, rounded; the k terms summed in fp32 and rounded
