@@ -28,6 +28,8 @@ import torch
 
 from freetoken.layers.attention import AttentionBackend, gate_output, register_attention_backend
 
+from .device_sms import sm_count
+
 try:
     import triton
     import triton.language as tl
@@ -366,10 +368,6 @@ def pick_extend_splits(programs: int, max_context: int, slots_per_wave: int) -> 
     return best
 
 
-def _sm_count(device) -> int:
-    return int(torch.cuda.get_device_properties(device).multi_processor_count) if device.type == "cuda" else 132
-
-
 def extend_launch(q, k_cache, v_cache, max_extend_len: int, batch: int, max_context: int, config=None, num_splits=0):
     """``((BLOCK_M, BLOCK_N, num_warps, num_stages), key splits)`` the extend launcher runs (``config`` and
     ``num_splits`` > 0 pin them): ``_extend_config``'s tiles, and ``pick_extend_splits`` for the big tiles."""
@@ -380,7 +378,7 @@ def extend_launch(q, k_cache, v_cache, max_extend_len: int, batch: int, max_cont
     if cfg[0] != 128:
         return cfg, 1
     programs = triton.cdiv(max_extend_len, cfg[0]) * batch * q.shape[1]
-    return cfg, pick_extend_splits(programs, max_context, _sm_count(q.device))
+    return cfg, pick_extend_splits(programs, max_context, sm_count(q.device))
 
 
 def extend_attention_triton(

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .device_sms import scaled
+
 try:  # triton is a hard dependency on GPU machines; keep the reference importable without it
     import triton
     import triton.language as tl
@@ -294,7 +296,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     return sorted_ids, block_expert
 
 
-# a weight-streaming kernel needs about two programs per SM (132 on an H100/H200) to reach HBM bandwidth
+# a weight-streaming kernel needs about two programs per SM (264 on the H200's 132; ``device_sms.scaled``) to reach
+# HBM bandwidth
 _MIN_PROGRAMS = 264
 
 
@@ -343,7 +346,7 @@ def _launch_gate_up(x, w13, sorted_ids, block_expert, k, bm, block_n, block_k, p
     inter = torch.empty(n, I, dtype=x.dtype, device=x.device)
     bk1 = min(block_k, max(16, triton.next_power_of_2(H)))
     bn1 = min(block_n, max(16, triton.next_power_of_2(I)))
-    while bn1 > 16 and nblocks * triton.cdiv(I, bn1) < _MIN_PROGRAMS:  # decode: few blocks, spread over N
+    while bn1 > 16 and nblocks * triton.cdiv(I, bn1) < scaled(_MIN_PROGRAMS):  # decode: few blocks, spread over N
         bn1 //= 2
     _moe_gate_up_kernel[(nblocks, triton.cdiv(I, bn1))](
         x,

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from .activation import silu_and_mul_torch
+from .device_sms import scaled
 from .fused_moe import _moe_gather_torch
 
 try:  # keep the reference importable without triton
@@ -61,7 +62,7 @@ except Exception:  # pragma: no cover
 # weight reuse wins. It is also where ``fused_moe_torch`` switches to the gather path this file's reference uses.
 MAX_PAIRS = 64
 
-# about four programs per SM on a 132-SM H100/H200
+# about four programs per SM on the H200's 132 (``device_sms.scaled`` for other GPUs)
 _TARGET_PROGRAMS = 512
 # weight elements one program loads per matrix per step: 32 per thread at 4 warps, four 16-byte loads of bf16
 _TILE = 4096
@@ -249,7 +250,7 @@ def _row_block(rows: int, items: int) -> int:
     """Output rows per program: the widest power of two <= 64 that still gives ``items * rows / block`` about
     ``_TARGET_PROGRAMS`` programs, at least 4."""
     bn = min(64, max(4, triton.next_power_of_2(rows)))
-    while bn > 4 and items * triton.cdiv(rows, bn) < _TARGET_PROGRAMS:
+    while bn > 4 and items * triton.cdiv(rows, bn) < scaled(_TARGET_PROGRAMS):
         bn //= 2
     return bn
 

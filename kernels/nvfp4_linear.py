@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from ..quant import nvfp4
+from .device_sms import scaled, sm_count
 
 try:  # keep the reference importable without triton
     import triton
@@ -62,11 +63,10 @@ GEMV_MAX_M = 2
 # the tensor-core path does not): on the H200 the shared expert's gate (512 x 2048) took 4.8 / 6.4 us at M = 4 / 8
 # on the GEMV against 16.5 on tensor cores
 GEMV_MAX_M_FEW_ROWS = 8
-_SMS = 132  # H100 / H200
 # up to this many rows the tensor-core path uses tiles narrow in M (16..64 rows) and wide in N
 SMALL_M_MAX = 64
 
-# a weight-streaming kernel wants about four programs per SM (132 on an H100 / H200)
+# a weight-streaming kernel wants about four programs per SM (the H200's 132; ``device_sms.scaled`` for other GPUs)
 _TARGET_PROGRAMS = 528
 # weight bytes one GEMV program loads per step: 64 per thread at 4 warps (four 16-byte loads, 128 decoded weights).
 # H200 sweep (2026-12-02, bench/results/2026-12-02-h200-nvfp4-sweep.txt): lm_head at M=1 115.7 us with 8192 against
@@ -302,9 +302,9 @@ def _gemv_config(M: int, N: int, K: int, tile: int = _GEMV_TILE) -> tuple[int, i
     bn = max(4, min(64, tile // (4 * bw)))
     bn = min(bn, max(4, triton.next_power_of_2(N)))
     split = 1
-    while triton.cdiv(N, bn) * split < _TARGET_PROGRAMS and triton.cdiv(kw, split * 2) >= bw:
+    while triton.cdiv(N, bn) * split < scaled(_TARGET_PROGRAMS) and triton.cdiv(kw, split * 2) >= bw:
         split *= 2
-    while triton.cdiv(N, bn) * split < _TARGET_PROGRAMS and bn > 4:  # then fewer rows per program
+    while triton.cdiv(N, bn) * split < scaled(_TARGET_PROGRAMS) and bn > 4:  # then fewer rows per program
         bn //= 2
     return bm, bn, bw, split
 
@@ -371,7 +371,7 @@ def _launch_dot(x2, weight, weight_scale, weight_scale_2, bias, out, tune: Optio
 
 def pick_path(M: int, N: int) -> str:
     """``gemv`` (CUDA cores) or ``dot`` (tensor cores) for ``M`` rows of x against ``N`` output rows."""
-    if M <= GEMV_MAX_M or (M <= GEMV_MAX_M_FEW_ROWS and triton.cdiv(N, _dot_config(M, N, 16)[1]) < _SMS):
+    if M <= GEMV_MAX_M or (M <= GEMV_MAX_M_FEW_ROWS and triton.cdiv(N, _dot_config(M, N, 16)[1]) < sm_count()):
         return "gemv"
     return "dot"
 

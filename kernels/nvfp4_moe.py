@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from ..quant import nvfp4
 from .activation import silu_and_mul_torch
+from .device_sms import scaled
 from .fused_moe import _GATHER_PAIRS, _moe_gather_torch, fused_moe_torch
 
 try:  # keep the reference importable without triton
@@ -61,7 +62,7 @@ except Exception:  # pragma: no cover
 # (``moe_decode.MAX_PAIRS``, which says why)
 DECODE_MAX_PAIRS = 64
 
-_TARGET_PROGRAMS = 528  # about four programs per SM on a 132-SM H100 / H200
+_TARGET_PROGRAMS = 528  # about four programs per SM on the H200's 132 (``device_sms.scaled`` for other GPUs)
 _NUM_STAGES = 3
 
 
@@ -256,7 +257,7 @@ def _decode_blocks(rows: int, items: int, k_len: int) -> tuple[int, int]:
     programs (``items`` programs per block of rows), 4..32 rows each."""
     bw = max(4, min(64, triton.next_power_of_2(k_len // 8)))
     bn = 32
-    while bn > 4 and items * triton.cdiv(rows, bn) < _TARGET_PROGRAMS:
+    while bn > 4 and items * triton.cdiv(rows, bn) < scaled(_TARGET_PROGRAMS):
         bn //= 2
     return bn, bw
 
