@@ -668,3 +668,38 @@ async fn wrong_method_is_405_in_openai_shape() {
     assert_eq!(body["error"]["code"], "method_not_allowed");
     s.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conversation_sent_again_reuses_its_tokenized_history() {
+    let mut info = engine_description();
+    info.chat_template = Some("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}".into());
+    info.max_context = 4096;
+    let s = TestServer::start_with(&[], info).await;
+    let history = "Hello world, or ld. ".repeat(30);
+    let mut messages = vec![json!({"role": "user", "content": history})];
+    for turn in 0..2 {
+        let body = json!({"model": "test-model", "messages": messages, "max_tokens": 2});
+        let (status, resp) = s.post("/v1/chat/completions", body).await;
+        assert_eq!(status, 200, "{resp}");
+        let text = format!(
+            "{}<|im_start|>assistant\n",
+            messages
+                .iter()
+                .map(|m| format!(
+                    "<|im_start|>{}\n{}<|im_end|>\n",
+                    m["role"].as_str().unwrap(),
+                    m["content"].as_str().unwrap()
+                ))
+                .collect::<String>()
+        );
+        // the prompt the engine got is the tokenizer's own encoding of the rendered conversation
+        assert_eq!(s.backend.submitted()[turn].prompt, tokenizer().encode_plain(&text, false).unwrap(), "turn {turn}");
+        messages.push(json!({"role": "assistant", "content": "Hello"}));
+        messages.push(json!({"role": "user", "content": format!("turn {turn}")}));
+    }
+    let (_, stats) = s.get("/v1/stats").await;
+    // turn 2 found the first message's text (and the short pieces the turns share) instead of encoding it again
+    assert!(stats["tokenizer_cache_hits"].as_u64().unwrap() >= 2, "{stats}");
+    assert!(stats["tokenizer_cache_bytes"].as_u64().unwrap() >= history.len() as u64, "{stats}");
+    s.stop().await;
+}

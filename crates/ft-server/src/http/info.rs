@@ -56,7 +56,12 @@ pub async fn openapi() -> Response {
 }
 
 pub async fn stats(State(state): State<AppState>) -> Json<crate::engine::stats::EngineStats> {
-    Json(state.backend.stats())
+    let mut stats = state.backend.stats();
+    if let Some((hits, misses, bytes)) = state.tokenizer.segment_counters() {
+        (stats.tokenizer_cache_hits, stats.tokenizer_cache_misses) = (hits, misses);
+        stats.tokenizer_cache_bytes = bytes as u64;
+    }
+    Json(stats)
 }
 
 /// `GET|POST /v1`: a liveness answer some clients probe before listing models.
