@@ -90,6 +90,10 @@ fn no_cache_where_the_split_is_not_the_tokenizers() {
         assert_eq!(tok.encode(&text, false).unwrap(), tok.encode_plain(&text, false).unwrap());
     }
     let mut json: serde_json::Value = serde_json::from_str(&tokenizer_json()).unwrap();
+    json["truncation"] =
+        serde_json::json!({"direction": "Right", "max_length": 100, "strategy": "LongestFirst", "stride": 0});
+    assert!(Tokenizer::from_json(&json.to_string()).unwrap().segment_counters().is_none());
+    let mut json: serde_json::Value = serde_json::from_str(&tokenizer_json()).unwrap();
     json["pre_tokenizer"] =
         serde_json::json!({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": true});
     assert!(Tokenizer::from_json(&json.to_string()).unwrap().segment_counters().is_none());

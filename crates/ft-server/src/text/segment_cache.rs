@@ -11,8 +11,8 @@
 //!
 //! Used only where that split is exactly the tokenizer's ([`SegmentCache::new`] returns `None` otherwise): every
 //! added token matched on the raw text as written (not normalized, no lstrip / rstrip / single_word), no Metaspace
-//! pre-tokenizer (its prefix depends on the piece's position), a post-processor that adds no tokens, and a probe text
-//! that encodes the same both ways.
+//! pre-tokenizer (its prefix depends on the piece's position), a post-processor that adds no tokens, no truncation or
+//! padding, and a probe text that encodes the same both ways.
 
 use aho_corasick::{AhoCorasick, MatchKind};
 use std::collections::{BTreeMap, HashMap};
@@ -20,8 +20,11 @@ use std::sync::{Arc, Mutex};
 
 /// Shorter prompts are encoded whole, without the cache (`Tokenizer::encode`).
 pub const MIN_CACHED_BYTES: usize = 256;
-/// The cache keeps pieces (text and ids) up to this many bytes, least recently used out first.
+/// The cache keeps pieces (text, ids and bookkeeping) up to this many bytes, least recently used out first.
 pub const MAX_CACHED_BYTES: usize = 64 << 20;
+/// Bytes an entry costs beyond its text and ids (the two maps' nodes, the shared pointers), counted in the budget
+/// so that many tiny pieces cannot outgrow it.
+const ENTRY_OVERHEAD: usize = 96;
 
 pub struct SegmentCache {
     matcher: AhoCorasick,
@@ -58,14 +61,14 @@ impl Entries {
     }
 
     fn put(&mut self, text: &str, ids: Arc<[u32]>) {
-        let size = text.len() + 4 * ids.len();
+        let size = entry_size(text, &ids);
         if size > MAX_CACHED_BYTES || self.by_text.contains_key(text) {
             return;
         }
         while self.bytes + size > MAX_CACHED_BYTES {
             let Some((_, oldest)) = self.by_use.pop_first() else { break };
             if let Some((ids, _)) = self.by_text.remove(&oldest) {
-                self.bytes -= oldest.len() + 4 * ids.len();
+                self.bytes -= entry_size(&oldest, &ids);
             }
         }
         self.clock += 1;
@@ -74,6 +77,10 @@ impl Entries {
         self.by_text.insert(key, (ids, self.clock));
         self.bytes += size;
     }
+}
+
+fn entry_size(text: &str, ids: &[u32]) -> usize {
+    text.len() + 4 * ids.len() + ENTRY_OVERHEAD
 }
 
 impl SegmentCache {
@@ -85,6 +92,9 @@ impl SegmentCache {
         }
         if tok.get_post_processor().is_some_and(|p| tokenizers::PostProcessor::added_tokens(p, false) > 0) {
             return None;
+        }
+        if tok.get_truncation().is_some() || tok.get_padding().is_some() {
+            return None; // they act on the whole text's ids
         }
         if serde_json::to_string(&tok.get_pre_tokenizer()).map_or(true, |s| s.contains("Metaspace")) {
             return None;
