@@ -31,6 +31,9 @@
 #   nvfp4ab  the 8k NVFP4 offload prefill (and offload decode) on the grouped kernel (default) and on the
 #            dequantized-bank path (FREETOKEN_NVFP4_DEQUANT_MIN_PAIRS=16384): which one DEQUANT_MIN_PAIRS keeps
 #   sweep    bench/nvfp4_kernel_bench.py --groups sweep: the NVFP4 linear's launch settings at M <= 16
+#   moesweep bench/nvfp4_kernel_bench.py --groups moesweep: the grouped NVFP4 MoE's launch settings at 1k-8k tokens
+#            (run it alone: a server starting on the same GPU disturbs the timings)
+#   shutdown bench/shutdown_check.py: a CUDA server keeps its SIGTERM handler, drains and exits 0
 #   stress   issue 12's stress run (bench/radix_stress.py): 16 concurrent 4-turn sessions with hang-ups on the
 #            hybrid radix server, all resident, then with NVFP4 experts offloaded; every request answered and every
 #            slot and snapshot accounted for
@@ -144,6 +147,15 @@ if [[ " $SECTIONS " == *" nvfp4ab "* ]]; then
         --skip-no-overlap --out "$OUT/decode_qwen36_nvfp4_offload_$cut.json" 2>&1 \
         | tee "$OUT/decode_bench_nvfp4_$cut.log" | grep -E "routing|prefill" | sed "s/^/[dequant cut $cut] /"
   done
+fi
+if [[ " $SECTIONS " == *" moesweep "* ]]; then
+  timeout ${SWEEP_TIMEOUT:-300} python3 bench/nvfp4_kernel_bench.py --groups moesweep --ms 1024,2048,4096,8192 \
+      --out "$OUT/nvfp4_moesweep.json" 2>&1 | tee "$OUT/nvfp4_moesweep.log" | grep -E "grouped|HBM copy|moesweep"
+fi
+if [[ " $SECTIONS " == *" shutdown "* ]]; then
+  timeout ${SHUTDOWN_TIMEOUT:-200} python3 bench/shutdown_check.py --out "$OUT/shutdown_check.json" -- \
+      --model-path configs/qwen3.6-35b-a3b --dummy-weight --moe-backend fused --max-seq-len-override 8192 \
+      --max-running-requests 2 2>&1 | grep -vE "leaked|nanobind" | tail -9
 fi
 if [[ " $SECTIONS " == *" sweep "* ]]; then
   timeout ${SWEEP_TIMEOUT:-300} python3 bench/nvfp4_kernel_bench.py --groups sweep --ms 1,2,4,8,16 \
