@@ -345,8 +345,8 @@ def _launch_gate_up(x, w13, sorted_ids, block_expert, k, bm, block_n, block_k, p
     nblocks = block_expert.numel()
     inter = torch.empty(n, I, dtype=x.dtype, device=x.device)
     bk1 = min(block_k, max(16, triton.next_power_of_2(H)))
-    bn1 = min(block_n, max(16, triton.next_power_of_2(I)))
-    while bn1 > 16 and nblocks * triton.cdiv(I, bn1) < scaled(_MIN_PROGRAMS):  # decode: few blocks, spread over N
+    bn1, target = min(block_n, max(16, triton.next_power_of_2(I))), scaled(_MIN_PROGRAMS)
+    while bn1 > 16 and nblocks * triton.cdiv(I, bn1) < target:  # decode: few blocks, spread over N
         bn1 //= 2
     _moe_gate_up_kernel[(nblocks, triton.cdiv(I, bn1))](
         x,

@@ -249,8 +249,8 @@ if triton is not None:
 def _row_block(rows: int, items: int) -> int:
     """Output rows per program: the widest power of two <= 64 that still gives ``items * rows / block`` about
     ``_TARGET_PROGRAMS`` programs, at least 4."""
-    bn = min(64, max(4, triton.next_power_of_2(rows)))
-    while bn > 4 and items * triton.cdiv(rows, bn) < scaled(_TARGET_PROGRAMS):
+    bn, target = min(64, max(4, triton.next_power_of_2(rows))), scaled(_TARGET_PROGRAMS)
+    while bn > 4 and items * triton.cdiv(rows, bn) < target:
         bn //= 2
     return bn
 

@@ -301,10 +301,10 @@ def _gemv_config(M: int, N: int, K: int, tile: int = _GEMV_TILE) -> tuple[int, i
     bw = max(4, min(64, triton.next_power_of_2(kw)))
     bn = max(4, min(64, tile // (4 * bw)))
     bn = min(bn, max(4, triton.next_power_of_2(N)))
-    split = 1
-    while triton.cdiv(N, bn) * split < scaled(_TARGET_PROGRAMS) and triton.cdiv(kw, split * 2) >= bw:
+    split, target = 1, scaled(_TARGET_PROGRAMS)
+    while triton.cdiv(N, bn) * split < target and triton.cdiv(kw, split * 2) >= bw:
         split *= 2
-    while triton.cdiv(N, bn) * split < scaled(_TARGET_PROGRAMS) and bn > 4:  # then fewer rows per program
+    while triton.cdiv(N, bn) * split < target and bn > 4:  # then fewer rows per program
         bn //= 2
     return bm, bn, bw, split
 

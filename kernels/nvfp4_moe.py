@@ -256,8 +256,8 @@ def _decode_blocks(rows: int, items: int, k_len: int) -> tuple[int, int]:
     """``(BLOCK_N, BLOCK_W)``: up to 64 words (512 weights) of a row per step and about ``_TARGET_PROGRAMS``
     programs (``items`` programs per block of rows), 4..32 rows each."""
     bw = max(4, min(64, triton.next_power_of_2(k_len // 8)))
-    bn = 32
-    while bn > 4 and items * triton.cdiv(rows, bn) < scaled(_TARGET_PROGRAMS):
+    bn, target = 32, scaled(_TARGET_PROGRAMS)
+    while bn > 4 and items * triton.cdiv(rows, bn) < target:
         bn //= 2
     return bn, bw
 
