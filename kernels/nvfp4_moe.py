@@ -53,7 +53,7 @@ try:  # keep the reference importable without triton
     import triton.language as tl
 
     from .fused_moe import moe_align_block_size
-    from .nvfp4_tiles import dequant_tile_words, gemv_step, gemv_step_split
+    from .nvfp4_tiles import gemv_step, gemv_step_split, tile_dot_step
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -366,9 +366,6 @@ if triton is not None:
             offs_w = tl.arange(0, BW)
             offs_s = tl.arange(0, BLOCK_K // 16)
             offs_k = tl.arange(0, BLOCK_K)
-            rows = offs_n[:, None].to(tl.int64)
-            gw = w_ptr + e64 * stride_we + rows * stride_wn + offs_w[None, :]
-            gs = s_ptr + e64 * stride_se + rows * stride_sn + offs_s[None, :]
             xt_ptrs = x_ptr + (pair // TOPK)[None, :].to(tl.int64) * stride_xt + offs_k[:, None]  # xᵀ [K, M]
             if FUSE_GU:
                 # tile row r: gate row offs_n[r] for r < BLOCK_N, up row offs_n[r - BLOCK_N] after
@@ -381,29 +378,27 @@ if triton is not None:
                 acc = tl.zeros((2 * BLOCK_N, BLOCK_M), dtype=tl.float32)  # [gate | up]ᵀ
                 for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
                     xt = tl.load(xt_ptrs + k0, mask=((k0 + offs_k) < H)[:, None] & m_mask[None, :], other=0.0)
-                    w2_mask = n2_mask[:, None] & ((k0 // 8 + offs_w) < H // 8)[None, :]
-                    s2_mask = n2_mask[:, None] & ((k0 // 16 + offs_s) < H // 16)[None, :]
-                    w = tl.load(gw2 + k0 // 8, mask=w2_mask, other=0)
-                    sc = tl.load(gs2 + k0 // 16, mask=s2_mask, other=0)
-                    acc = tl.dot(dequant_tile_words(w, sc, 2 * BLOCK_N, BW, dt), xt, acc, input_precision=DOT_PREC)
+                    acc = tile_dot_step(
+                        gw2, gs2, n2_mask, k0, H, offs_w, offs_s, xt, acc, 2 * BLOCK_N, BW, dt, DOT_PREC
+                    )
                 glob2 = tl.load(g_ptr + e64 * stride_ge + n2 + (r2 // BLOCK_N) * I, mask=n2_mask, other=0.0)
                 acc = acc * glob2[:, None]
                 acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
                 gate = acc_g.to(dt).to(tl.float32)
                 up = acc_u.to(dt).to(tl.float32)
             else:
+                rows = offs_n[:, None].to(tl.int64)
+                gw = w_ptr + e64 * stride_we + rows * stride_wn + offs_w[None, :]  # gate rows; up rows I further
+                gs = s_ptr + e64 * stride_se + rows * stride_sn + offs_s[None, :]
+                gw_u, gs_u = gw + I * stride_wn, gs + I * stride_sn
                 acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # gateᵀ
                 acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
                 for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
                     xt = tl.load(xt_ptrs + k0, mask=((k0 + offs_k) < H)[:, None] & m_mask[None, :], other=0.0)
-                    w_mask = n_mask[:, None] & ((k0 // 8 + offs_w) < H // 8)[None, :]
-                    s_mask = n_mask[:, None] & ((k0 // 16 + offs_s) < H // 16)[None, :]
-                    wg = tl.load(gw + k0 // 8, mask=w_mask, other=0)
-                    sg = tl.load(gs + k0 // 16, mask=s_mask, other=0)
-                    acc_g = tl.dot(dequant_tile_words(wg, sg, BLOCK_N, BW, dt), xt, acc_g, input_precision=DOT_PREC)
-                    wu = tl.load(gw + I * stride_wn + k0 // 8, mask=w_mask, other=0)
-                    su = tl.load(gs + I * stride_sn + k0 // 16, mask=s_mask, other=0)
-                    acc_u = tl.dot(dequant_tile_words(wu, su, BLOCK_N, BW, dt), xt, acc_u, input_precision=DOT_PREC)
+                    acc_g = tile_dot_step(gw, gs, n_mask, k0, H, offs_w, offs_s, xt, acc_g, BLOCK_N, BW, dt, DOT_PREC)
+                    acc_u = tile_dot_step(
+                        gw_u, gs_u, n_mask, k0, H, offs_w, offs_s, xt, acc_u, BLOCK_N, BW, dt, DOT_PREC
+                    )
                 glob = g_ptr + e64 * stride_ge + offs_n
                 gate = (acc_g * tl.load(glob, mask=n_mask, other=0.0)[:, None]).to(dt).to(tl.float32)
                 up = (acc_u * tl.load(glob + I, mask=n_mask, other=0.0)[:, None]).to(dt).to(tl.float32)
@@ -460,11 +455,9 @@ if triton is not None:
                 ht_ptrs = h_ptr + pair[None, :].to(tl.int64) * stride_ht + offs_k[:, None]
                 for k0 in tl.range(0, I, BLOCK_K, num_stages=NUM_STAGES):
                     ht = tl.load(ht_ptrs + k0, mask=((k0 + offs_k) < I)[:, None] & m_mask[None, :], other=0.0)
-                    w_mask = n_mask[:, None] & ((k0 // 8 + offs_w) < I // 8)[None, :]
-                    w = tl.load(w_ptrs + k0 // 8, mask=w_mask, other=0)
-                    s_mask = n_mask[:, None] & ((k0 // 16 + offs_s) < I // 16)[None, :]
-                    s = tl.load(s_ptrs + k0 // 16, mask=s_mask, other=0)
-                    acc = tl.dot(dequant_tile_words(w, s, BLOCK_N, BW, dt), ht, acc, input_precision=DOT_PREC)
+                    acc = tile_dot_step(
+                        w_ptrs, s_ptrs, n_mask, k0, I, offs_w, offs_s, ht, acc, BLOCK_N, BW, dt, DOT_PREC
+                    )
                 glob = tl.load(g_ptr + e64 * stride_ge + offs_n, mask=n_mask, other=0.0)
                 rw = tl.load(wt_ptr + pair, mask=m_mask, other=0.0).to(tl.float32)
                 # as the reference: the down projection rounded to x's dtype, then scaled by the routing weight

@@ -135,3 +135,15 @@ if triton is not None:
         a11 = tl.join((v3 * sw).to(DTYPE), (v7 * sw).to(DTYPE))
         t = tl.join(tl.join(a00, a10), tl.join(a01, a11))  # [ROWS, WORDS, a, b, c]
         return tl.reshape(t, (ROWS, 8 * WORDS))
+
+    @triton.jit
+    def tile_dot_step(
+        w_ptrs, s_ptrs, row_mask, k0, K, offs_w, offs_s, xt, acc,
+        ROWS: tl.constexpr, WORDS: tl.constexpr, DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    ):  # fmt: skip
+        """One K step of a tensor-core NVFP4 GEMM: the ``[ROWS, WORDS]`` words and their scale bytes at weight
+        ``k0`` (``w_ptrs`` / ``s_ptrs`` at the tile's first step; rows outside ``row_mask`` and weights past ``K``
+        read as zeros), decoded by ``dequant_tile_words``, times ``xt [8 * WORDS, M]``, added to ``acc``."""
+        w = tl.load(w_ptrs + k0 // 8, mask=row_mask[:, None] & ((k0 // 8 + offs_w) < K // 8)[None, :], other=0)
+        s = tl.load(s_ptrs + k0 // 16, mask=row_mask[:, None] & ((k0 // 16 + offs_s) < K // 16)[None, :], other=0)
+        return tl.dot(dequant_tile_words(w, s, ROWS, WORDS, DTYPE), xt, acc, input_precision=DOT_PREC)
