@@ -8,7 +8,8 @@ calls against ~0.16 ms of device time. This times, per call and with no sync ins
 - ``direct``: ``layers/gated_deltanet.fla_direct_prefill`` (fla's forward pieces called directly), as the layer
   calls it for one;
 
-then lists the top functions of one ``public`` call under cProfile (``profile_prefill.host_profile``), and checks that both give the same output.
+then lists the top functions of one ``public`` call under cProfile (``profile_prefill.host_profile``), and checks
+that both give the same output.
 
     python3 bench/fla_host_cost.py --tokens 2184 --out bench/out/fla_host_cost.json      # CUDA + fla
 """

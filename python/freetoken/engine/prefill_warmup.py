@@ -13,8 +13,8 @@ test suite sets it: its many small workers would each compile their own warm-up 
 The chunks: short and medium odd lengths from an empty prefix (a short prompt, a chat turn, a document), then a
 chunk after a long prefix with recurrent-state snapshots at the grid point inside it and at its end (a cached
 agent turn: key-split attention, the snapshot rounds of the Gated DeltaNet prefill). Each runs through the real
-step path on the scratch row, KV slots and state slot (the region of the memory plan's dry run), sampled greedily; nothing of
-a live request is touched, and the prompt ids are 0 (finite activations; their outputs are discarded). CUDA only:
+step path on the scratch row, KV slots and state slot (the region of the memory plan's dry run), sampled greedily;
+nothing of a live request is touched, and the prompt ids are 0 (finite activations; their outputs are discarded). CUDA only:
 on the CPU nothing is compiled.
 """
 
