@@ -7,7 +7,8 @@ done and the fraction of the H200's dense BF16 tensor-core peak (989 TFLOP/s), a
 unsplit big tiles. Beside them, torch's scaled-dot-product attention backends (``--baselines``: flash and cuDNN by
 default; memory-efficient and flash with the KV heads expanded on request) on the same chunk with a lower-right
 causal mask, the paged KV gathered into contiguous tensors inside the timed call: what a library kernel would give
-if the extend path used it, each checked against our output (max |diff|; a backend this torch cannot run at the shape is printed as failed). Writes JSON.
+if the extend path used it, each checked against our output (max |diff|; a backend this torch cannot run at the
+shape is printed as failed). Writes JSON.
 
     python bench/extend_attention_bench.py --out bench/out/extend_attention.json
 """
