@@ -45,19 +45,15 @@ struct Entries {
 impl Entries {
     fn get(&mut self, text: &str) -> Option<Arc<[u32]>> {
         self.clock += 1;
-        let clock = self.clock;
-        let (key, ids) = match self.by_text.get_key_value(text) {
-            Some((key, (ids, _))) => (key.clone(), ids.clone()),
-            None => {
-                self.misses += 1;
-                return None;
-            }
+        let Some((ids, stamp)) = self.by_text.get_mut(text) else {
+            self.misses += 1;
+            return None;
         };
-        let old = std::mem::replace(&mut self.by_text.get_mut(text).expect("present").1, clock);
-        self.by_use.remove(&old);
-        self.by_use.insert(clock, key);
+        // the recency list's entry for the old stamp holds the key: move it to the new one
+        let key = self.by_use.remove(&std::mem::replace(stamp, self.clock)).expect("every entry is stamped");
+        self.by_use.insert(self.clock, key);
         self.hits += 1;
-        Some(ids)
+        Some(ids.clone())
     }
 
     fn put(&mut self, text: &str, ids: Arc<[u32]>) {
