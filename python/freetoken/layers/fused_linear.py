@@ -5,7 +5,9 @@ each projection is a small GEMV.
 ``fuse_linears`` is applied after the weights are loaded: the parts' weights are concatenated along the output
 dimension into one tensor, and each part's ``weight`` (and ``bias``) becomes a view into it, so parameter names,
 ``state_dict()`` and the bytes counted stay exactly as loaded. The layer then calls the ``FusedLinear`` and splits
-the output. Quantized parts keep their own scales and run part by part (``PartwiseLinear``); FP8 parts
+the output. Quantized parts keep their own scales and run part by part (``PartwiseLinear``), except in decode-sized
+steps on CUDA, where the parts of each format are one block of rows of a single mixed BF16/FP8/NVFP4 GEMV launch
+(``layers/mixed_projection.py``); FP8 parts
 (``Fp8PartwiseLinear``) quantize the shared input once per distinct input scale and run one tensor-wise
 ``_scaled_mm`` per part, on the current stream: a single GEMM over the concatenated weight would need a row-wise
 scale vector, and row-wise ``_scaled_mm`` ignores the stream on sm_89 with torch < 2.12 (REFERENCES §3.5).
@@ -13,6 +15,7 @@ scale vector, and row-wise ``_scaled_mm`` ignores the stream on sm_89 with torch
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -20,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.fp8_linear import fp8_quantize, fp8_scaled_mm, scaled_mm_supported
+from ..kernels.mixed_gemv import MixedRows, mixed_gemv_triton
+from .mixed_projection import mixed_rows, use_mixed_gemv
 from .quantized_linear import Fp8Linear
 
 # The fused weight's rows are padded with zeros to a multiple of this: an output row of an odd width (the MoE
@@ -52,14 +57,35 @@ class FusedLinear(nn.Module):
 class PartwiseLinear(nn.Module):
     """The fused projection of parts that cannot share one weight tensor (quantized parts keep their own scales):
     each part runs on its own and the outputs are concatenated; ``split`` is ``FusedLinear``'s. The parts stay owned
-    by their modules (held in a list, so they are not registered twice)."""
+    by their modules (held in a list, so they are not registered twice). Decode-sized inputs run the mixed GEMV
+    over all parts at once where it applies (``mixed``; ``mixed_mode`` auto | on | off, tests pin it)."""
 
     def __init__(self, parts: list[nn.Module]):
         super().__init__()
         self.parts = list(parts)
         self.sizes = [p.out_features for p in parts]
+        self.mixed_mode = "auto"
+        self._mixed = mixed_rows(self.parts)
+        if self._mixed is not None:  # its tensors as buffers: ``.to()`` moves them with the module
+            for name, t in self._mixed.tensors().items():
+                self.register_buffer("mixed_" + name, t, persistent=False)
+
+    @property
+    def mixed(self) -> Optional[MixedRows]:
+        """The parts as the mixed GEMV's row blocks (``None``: the kernel does not apply to them)."""
+        if self._mixed is None:
+            return None
+        return dataclasses.replace(self._mixed, **{n: getattr(self, "mixed_" + n) for n in self._mixed.tensors()})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_mixed_gemv(x, self._mixed, self.mixed_mode) and all(p.impl == "auto" for p in self._quantized()):
+            return mixed_gemv_triton(x, self.mixed)
+        return self.forward_parts(x)
+
+    def _quantized(self) -> list[nn.Module]:
+        return [p for p in self.parts if hasattr(p, "impl")]
+
+    def forward_parts(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -76,13 +102,13 @@ class Fp8PartwiseLinear(PartwiseLinear):
         super().__init__(parts)
         self.groups = _input_scale_groups(parts)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_parts(self, x: torch.Tensor) -> torch.Tensor:
         parts = self.parts
         if any(p.impl != "auto" for p in parts) or not all(scaled_mm_supported(x, p.weight) for p in parts):
-            return super().forward(x)
+            return super().forward_parts(x)
         x2 = x.reshape(-1, x.shape[-1])
         if x2.shape[0] == 0:
-            return super().forward(x)
+            return super().forward_parts(x)
         x2 = x2 if x2.is_contiguous() else x2.contiguous()
         quantized: dict = {}
         outs = []

@@ -1,0 +1,311 @@
+"""One launch for a decode-sized projection whose output rows come in up to three formats: BF16 (or the activation
+dtype), FP8 E4M3 with a scale per row, NVFP4 with a global scale per row. Beside its torch reference.
+
+    x [M, K], M <= MAX_M
+    dense  [Nd, K] in x's dtype                                          -> out[:, d_col : d_col + Nd]
+    fp8    e4m3 bytes [Nf, K], scale fp32 [Nf] (or one, stride 0)        -> out[:, f_col : f_col + Nf]
+    nvfp4  packed [Nn, K/2], e4m3 block scales [Nn, K/16], global fp32 [Nn] (or one) -> out[:, n_col : n_col + Nn]
+
+Why: in a decode step every projection is a GEMV of a few microseconds, and a fused projection whose parts have
+different formats ran as one kernel per part plus a concatenation. Qwen3.6's NVFP4 checkpoint (ModelOpt
+``MIXED_PRECISION``) has them everywhere: the MoE block's router and shared-expert gate (BF16) beside its shared
+gate|up (NVFP4), the GDN input projection's qkv|z (FP8) beside b|a (BF16), q|k|v (FP8, one W8A8 GEMM and one
+activation quantization each). On the H200 that made ~1,100 kernels a token (the BF16 model ~500) and 5.7 ms a step.
+Here each program takes a block of rows of one format (the format is the program's, so there is no divergence), runs
+all of K and writes its columns of the one output.
+
+FP8 runs W8A16 here: the weight bytes are decoded to floats in registers (``e4m3_f16_bits``: placed into the fp16 bit
+pattern, exact, subnormals included), the activations stay in x's dtype; that is the reference's arithmetic
+(``fp8_linear_torch`` dequantizes the weight) and closer to it than the W8A8 GEMM prefill takes. NVFP4 reuses the
+W4A16 GEMV's decode (``nvfp4_tiles.py``). All sums are fp32; the scales multiply once per row at the end (the NVFP4
+block scales once per 16 weights). Nothing is read back on the host and the grid depends only on the shapes:
+CUDA-graph capturable. ``mixed_gemv_torch`` is the reference: each format's reference, concatenated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..quant import nvfp4
+from .device_sms import scaled
+
+try:  # keep the reference importable without triton
+    import triton
+    import triton.language as tl
+
+    from .nvfp4_tiles import block_scale, e2m1_word, split8, word_block_dot
+except Exception:  # pragma: no cover
+    triton = None
+    tl = None
+
+# rows of x the kernel takes (one fp32 accumulator tile per row); larger batches run GEMMs
+MAX_M = 4
+# weights of a row per step for the dense and FP8 rows (NVFP4: the same count, as BLOCK_K / 8 words)
+_BLOCK_K = 256
+# about two programs per SM (the H200's 132): these projections are 1-25 MB, a program streams a block of rows
+_TARGET_PROGRAMS = 264
+_NUM_STAGES = 3
+
+
+@dataclass
+class MixedRows:
+    """The row blocks of one projection, each optional (``None``), in output order dense? fp8? nvfp4? given by the
+    column offsets. Tensors are row-major with contiguous rows; scales are 1-D per row or 0-d (one for all rows)."""
+
+    K: int
+    dense: Optional[torch.Tensor] = None  # [Nd, K]
+    fp8_weight: Optional[torch.Tensor] = None  # float8_e4m3fn [Nf, K]
+    fp8_scale: Optional[torch.Tensor] = None  # fp32 [Nf] or []
+    nvfp4_weight: Optional[torch.Tensor] = None  # uint8 [Nn, K/2]
+    nvfp4_scale: Optional[torch.Tensor] = None  # float8_e4m3fn [Nn, K/16]
+    nvfp4_global: Optional[torch.Tensor] = None  # fp32 [Nn] or []
+    dense_col: int = 0
+    fp8_col: int = 0
+    nvfp4_col: int = 0
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The fields that hold tensors (the others are sizes and column offsets)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+
+    @property
+    def rows(self) -> tuple[int, int, int]:
+        return tuple(0 if w is None else w.shape[0] for w in (self.dense, self.fp8_weight, self.nvfp4_weight))
+
+    @property
+    def out_features(self) -> int:
+        nd, nf, nn_ = self.rows
+        return max(self.dense_col + nd, self.fp8_col + nf, self.nvfp4_col + nn_)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# torch reference
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def mixed_gemv_torch(x: torch.Tensor, rows: MixedRows) -> torch.Tensor:
+    """Each block through its format's reference (weights dequantized to x's dtype, then ``F.linear``), written to
+    its columns."""
+    x2 = x.reshape(-1, rows.K)
+    out = x2.new_zeros(x2.shape[0], rows.out_features)
+    nd, nf, nn_ = rows.rows
+    if nd:
+        out[:, rows.dense_col : rows.dense_col + nd] = F.linear(x2, rows.dense)
+    if nf:
+        w = rows.fp8_weight.float() * rows.fp8_scale.float().reshape(-1, 1)
+        out[:, rows.fp8_col : rows.fp8_col + nf] = F.linear(x2, w.to(x.dtype))
+    if nn_:
+        g = rows.nvfp4_global.float()
+        w = nvfp4.dequantize(rows.nvfp4_weight, rows.nvfp4_scale, torch.ones((), dtype=torch.float32), torch.float32)
+        w = w * (g.reshape(-1, 1) if g.dim() else g)
+        out[:, rows.nvfp4_col : rows.nvfp4_col + nn_] = F.linear(x2, w.to(x.dtype))
+    return out.view(*x.shape[:-1], rows.out_features)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Triton
+# ----------------------------------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def e4m3_f16_bits(b):
+        """E4M3 bytes (int32 0..255) -> ``e4m3 * 2^-8`` in fp32: the 7 magnitude bits placed at fp16 bits 7..13 are
+        that value exactly (subnormals too), the sign goes to bit 15 (``* 256`` is the caller's, once per row)."""
+        bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+        return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _row_products(w, x_ptr, m, M, stride_xm, k0, offs_k, k_mask):
+        """Row ``m`` of x against a decoded ``[BLOCK_N, BLOCK_K]`` step: the products (summed after the loop)."""
+        xm = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=k_mask & (offs_k * 0 + m < M), other=0.0)
+        return w * xm.to(tl.float32)[None, :]
+
+    @triton.jit
+    def _wide_rows(
+        w_ptrs, n_mask, x_ptr, M, stride_xm,
+        K: tl.constexpr, IS_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
+    ):  # fmt: skip
+        """Dense or FP8 rows (``w_ptrs [BLOCK_N, BLOCK_K]`` at k = 0) times rows 0..3 of x: four ``[BLOCK_N]`` sums
+        (FP8: of ``e4m3 * 2^-8``; zeros for rows past ``BLOCK_M``)."""
+        offs_k = tl.arange(0, BLOCK_K)
+        a0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        a1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        a2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        a3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+            k_mask = (k0 + offs_k) < K
+            if IS_FP8:
+                w = e4m3_f16_bits(tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0).to(tl.int32))
+            else:
+                w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+            a0 += _row_products(w, x_ptr, 0, M, stride_xm, k0, offs_k, k_mask)
+            if BLOCK_M > 1:
+                a1 += _row_products(w, x_ptr, 1, M, stride_xm, k0, offs_k, k_mask)
+            if BLOCK_M > 2:
+                a2 += _row_products(w, x_ptr, 2, M, stride_xm, k0, offs_k, k_mask)
+                a3 += _row_products(w, x_ptr, 3, M, stride_xm, k0, offs_k, k_mask)
+        return tl.sum(a0, 1), tl.sum(a1, 1), tl.sum(a2, 1), tl.sum(a3, 1)
+
+    @triton.jit
+    def _nvfp4_row_sums(v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, m, M, stride_xm, k0, offs_x, x_mask, BN, BW):
+        xm = tl.load(x_ptr + m * stride_xm + k0 + offs_x, mask=x_mask & (offs_x * 0 + m < M), other=0.0)
+        x0, x1, x2, x3, x4, x5, x6, x7 = split8(xm, BW)
+        return word_block_dot(v0, v1, v2, v3, v4, v5, v6, v7, x0, x1, x2, x3, x4, x5, x6, x7, scale, BN, BW)
+
+    @triton.jit
+    def _nvfp4_rows(
+        w_ptrs, s_ptrs, n_mask, x_ptr, M, stride_xm,
+        K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
+    ):  # fmt: skip
+        """NVFP4 rows (``w_ptrs [BLOCK_N, BLOCK_K / 8]`` words, ``s_ptrs [BLOCK_N, BLOCK_K / 16]`` scale bytes, at
+        k = 0) times rows 0..3 of x: four ``[BLOCK_N]`` sums of ``e2m1 * block scale * x``. The decode is
+        ``nvfp4_tiles``' (the W4A16 GEMV's), shared by the rows of x."""
+        BW: tl.constexpr = BLOCK_K // 8
+        NB: tl.constexpr = BLOCK_K // 16
+        offs_w = tl.arange(0, BW)
+        offs_s = tl.arange(0, NB)
+        offs_x = tl.arange(0, BLOCK_K)
+        b0 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+        b1 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+        b2 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+        b3 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+            w_mask = n_mask[:, None] & ((k0 // 8 + offs_w) < K // 8)[None, :]
+            s_mask = n_mask[:, None] & ((k0 // 16 + offs_s) < K // 16)[None, :]
+            w = tl.load(w_ptrs + k0 // 8, mask=w_mask, other=0)
+            scale = block_scale(tl.load(s_ptrs + k0 // 16, mask=s_mask, other=0))
+            x_mask = (k0 + offs_x) < K
+            v0, v1, v2, v3, v4, v5, v6, v7 = e2m1_word(w)
+            b0 += _nvfp4_row_sums(v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 0, M, stride_xm, k0, offs_x, x_mask, BLOCK_N, BW)
+            if BLOCK_M > 1:
+                b1 += _nvfp4_row_sums(v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 1, M, stride_xm, k0, offs_x, x_mask, BLOCK_N, BW)
+            if BLOCK_M > 2:
+                b2 += _nvfp4_row_sums(v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 2, M, stride_xm, k0, offs_x, x_mask, BLOCK_N, BW)
+                b3 += _nvfp4_row_sums(v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 3, M, stride_xm, k0, offs_x, x_mask, BLOCK_N, BW)
+        return tl.sum(b0, 1), tl.sum(b1, 1), tl.sum(b2, 1), tl.sum(b3, 1)
+
+    @triton.jit
+    def _store_row(y, m, M, out_ptr, stride_om, col, offs_n, n_mask):
+        mask = n_mask & (offs_n * 0 + m < M)
+        tl.store(out_ptr + m * stride_om + col + offs_n, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _mixed_gemv_kernel(
+        x_ptr,  # [M, K]
+        out_ptr,  # [M, >= every block's columns]
+        d_ptr,  # dense [Nd, K]
+        f_ptr,  # fp8 bytes [Nf, K]
+        fs_ptr,  # fp32 per-row scale [Nf] (stride_fs 0: one scale)
+        n_ptr,  # nvfp4 int32 words [Nn, K/8]
+        ns_ptr,  # nvfp4 block scale bytes [Nn, K/16]
+        ng_ptr,  # fp32 per-row global scale [Nn] (stride_ng 0: one)
+        M,
+        Nd,
+        Nf,
+        Nn,
+        d_progs,  # programs of the dense rows, then of the fp8 rows; the rest take the nvfp4 rows
+        f_progs,
+        d_col,
+        f_col,
+        n_col,
+        stride_xm,
+        stride_om,
+        stride_d,
+        stride_f,
+        stride_fs,
+        stride_n,
+        stride_ns,
+        stride_ng,
+        K: tl.constexpr,
+        BLOCK_M: tl.constexpr,  # 1, 2 or 4 rows of x
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        offs_b = tl.arange(0, BLOCK_N)
+        # each branch: its rows, their sums against rows 0..3 of x, the per-row scale, the first output column
+        if pid < d_progs:
+            offs_n = pid * BLOCK_N + offs_b
+            n_mask = offs_n < Nd
+            d_ptrs = d_ptr + offs_n[:, None].to(tl.int64) * stride_d + tl.arange(0, BLOCK_K)[None, :]
+            y0, y1, y2, y3 = _wide_rows(d_ptrs, n_mask, x_ptr, M, stride_xm, K, False, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)
+            row_scale = tl.full((BLOCK_N,), 1.0, tl.float32)
+            col = d_col
+        elif pid < d_progs + f_progs:
+            offs_n = (pid - d_progs) * BLOCK_N + offs_b
+            n_mask = offs_n < Nf
+            f_ptrs = f_ptr + offs_n[:, None].to(tl.int64) * stride_f + tl.arange(0, BLOCK_K)[None, :]
+            y0, y1, y2, y3 = _wide_rows(f_ptrs, n_mask, x_ptr, M, stride_xm, K, True, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)
+            row_scale = tl.load(fs_ptr + offs_n * stride_fs, mask=n_mask, other=0.0) * 256.0  # undoes the 2^-8
+            col = f_col
+        else:
+            offs_n = (pid - d_progs - f_progs) * BLOCK_N + offs_b
+            n_mask = offs_n < Nn
+            rows = offs_n[:, None].to(tl.int64)
+            n_ptrs = n_ptr + rows * stride_n + tl.arange(0, BLOCK_K // 8)[None, :]
+            ns_ptrs = ns_ptr + rows * stride_ns + tl.arange(0, BLOCK_K // 16)[None, :]
+            y0, y1, y2, y3 = _nvfp4_rows(n_ptrs, ns_ptrs, n_mask, x_ptr, M, stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)
+            row_scale = tl.load(ng_ptr + offs_n * stride_ng, mask=n_mask, other=0.0)
+            col = n_col
+        _store_row(y0 * row_scale, 0, M, out_ptr, stride_om, col, offs_n, n_mask)
+        if BLOCK_M > 1:
+            _store_row(y1 * row_scale, 1, M, out_ptr, stride_om, col, offs_n, n_mask)
+        if BLOCK_M > 2:
+            _store_row(y2 * row_scale, 2, M, out_ptr, stride_om, col, offs_n, n_mask)
+            _store_row(y3 * row_scale, 3, M, out_ptr, stride_om, col, offs_n, n_mask)
+
+
+def _block_n(rows: tuple[int, int, int]) -> int:
+    """Rows a program: 32 down to 4 until the grid has about ``_TARGET_PROGRAMS`` programs."""
+    bn, target = 32, scaled(_TARGET_PROGRAMS)
+    while bn > 4 and sum(triton.cdiv(r, bn) for r in rows) < target:
+        bn //= 2
+    return bn
+
+
+def supports(rows: MixedRows) -> bool:
+    """The kernel's shape rules: K a multiple of 16 (the NVFP4 block; every row 16-byte aligned for wide loads)."""
+    return rows.K % 16 == 0
+
+
+def mixed_gemv_triton(x: torch.Tensor, rows: MixedRows, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``mixed_gemv_torch``'s contract for ``x [..., K]`` with at most ``MAX_M`` rows; CUDA, or CPU under
+    TRITON_INTERPRET=1. ``out``: an ``[M, out_features]`` tensor to write (columns no block covers are left as
+    they are)."""
+    assert triton is not None, "triton is not installed"
+    K = rows.K
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    assert M <= MAX_M and supports(rows), (M, K)
+    if out is None:
+        out = torch.empty(M, rows.out_features, dtype=x.dtype, device=x.device)
+    nd, nf, nn_ = rows.rows
+    if M == 0 or nd + nf + nn_ == 0:
+        return out.view(*x.shape[:-1], rows.out_features)
+    bn = _block_n(rows.rows)
+    d_progs, f_progs, n_progs = (triton.cdiv(r, bn) for r in rows.rows)
+    dummy = out  # never read: a block with no rows has no programs
+    dense = rows.dense if nd else dummy
+    f_w = rows.fp8_weight.view(torch.uint8) if nf else dummy
+    f_s = rows.fp8_scale if nf else dummy
+    n_w = rows.nvfp4_weight.view(torch.int32) if nn_ else dummy
+    n_s = rows.nvfp4_scale.view(torch.uint8) if nn_ else dummy
+    n_g = rows.nvfp4_global if nn_ else dummy
+    _mixed_gemv_kernel[(d_progs + f_progs + n_progs,)](
+        x2, out, dense, f_w, f_s, n_w, n_s, n_g, M, nd, nf, nn_, d_progs, f_progs,
+        rows.dense_col, rows.fp8_col, rows.nvfp4_col, x2.stride(0), out.stride(0),
+        dense.stride(0) if nd else 0, f_w.stride(0) if nf else 0, f_s.stride(0) if nf and f_s.dim() else 0,
+        n_w.stride(0) if nn_ else 0, n_s.stride(0) if nn_ else 0, n_g.stride(0) if nn_ and n_g.dim() else 0,
+        K=K, BLOCK_M=triton.next_power_of_2(max(M, 1)), BLOCK_N=bn, BLOCK_K=_BLOCK_K, NUM_STAGES=_NUM_STAGES,
+        num_warps=4,
+    )  # fmt: skip
+    return out.view(*x.shape[:-1], rows.out_features)
