@@ -22,6 +22,11 @@ Groups, each per M (rows of x; tokens for the MoE) in 1, 2, 4, 8, 16, 64, 256, 1
 - ``moesweep`` (not in the default groups): the grouped kernel at prefill sizes (M >= 1024) under each launch
   setting of ``MOE_SWEEP`` (``nvfp4_fused_moe_triton(..., tune=...)``: rows per block, gate|up and down tiles, warps,
   stages, gate and up rows in one tile), uniform routing, beside the BF16 kernel: to retune ``grouped_config``.
+- ``mixed`` (decode sizes, M <= 4): the projections of nvidia/Qwen3.6-35B-A3B-NVFP4 whose parts mix BF16, FP8 and
+  NVFP4 (the MoE block's router | shared gate | shared gate|up, the GDN in_proj qkv | z | b | a, attention q | k | v)
+  and the lone FP8 / few-row NVFP4 Linears, through the layers (``layers/mixed_projection.py``): the one-launch
+  mixed GEMV (``kernels/mixed_gemv.py``) beside the per-part path it replaces (``forward_parts``: a kernel per part,
+  FP8 as W8A8 with its activation quantization, then a concatenation), and beside one BF16 GEMM of the whole shape.
 - ``fp8``: the FP8 per-tensor projections (``kernels/fp8_linear.py``: Triton quantization + tensor-wise
   ``_scaled_mm``): GDN in_proj_qkv (8192 x 2048), out_proj (2048 x 4096), attention k (512 x 2048), beside
   ``torch.mm`` in BF16.
@@ -54,7 +59,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "out", "nvfp4_kernels.json"))
-    p.add_argument("--groups", default="linear,moe,fp8")
+    p.add_argument("--groups", default="linear,moe,fp8,mixed")
     p.add_argument("--ms", default=None, help="comma-separated M values (default: the issue's list)")
     env_routing = os.environ.get("FREETOKEN_BENCH_ROUTING", "")
     p.add_argument("--routing", default=env_routing if env_routing not in ("", "off") else "uniform,zipf")
@@ -75,11 +80,19 @@ def shapes(smoke: bool) -> dict:
             linear={"shared gate": (40, 64), "shared down": (64, 48), "lm_head": (200, 64)},
             moe=dict(E=8, k=2, H=64, I=32),
             fp8={"in_proj_qkv": (64, 32), "out_proj": (32, 64)},
+            mixed={"moe router|shared": ([("d", 9), ("d", 1), ("n", 16), ("n", 16)], 64), "o_proj": ([("f", 32)], 64)},
         )
     return dict(
         linear={"shared gate": (512, 2048), "shared down": (2048, 512), "lm_head": (248320, 2048)},
         moe=dict(E=256, k=8, H=2048, I=512),
         fp8={"in_proj_qkv": (8192, 2048), "out_proj": (2048, 4096), "attn k": (512, 2048)},
+        mixed={
+            "moe router|shared": ([("d", 256), ("d", 1), ("n", 512), ("n", 512)], 2048),
+            "gdn in_proj": ([("f", 8192), ("f", 4096), ("d", 32), ("d", 32)], 2048),
+            "attn q|k|v": ([("f", 8192), ("f", 512), ("f", 512)], 2048),
+            "o_proj": ([("f", 2048)], 4096),
+            "shared down": ([("n", 2048)], 512),
+        },
     )
 
 
@@ -386,6 +399,61 @@ def bench_fp8(a, device, dtype, bw) -> list:
     return rows
 
 
+def mixed_projection(spec, k, device, dtype, seed):
+    """A layer as the model has it for ``spec`` (``[(format letter d/f/n, rows), ...]``, ``--dummy-weight``
+    values): a fused projection of the parts, or the lone quantized Linear. Returns ``(module, per-part call)``."""
+    import torch
+
+    from freetoken.layers.fused_linear import fuse_linears
+    from freetoken.layers.quantized_linear import Fp8Linear, Nvfp4Linear
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    parts = []
+    for f, n in spec:
+        if f == "d":
+            p = torch.nn.Linear(k, n, bias=False, device=device, dtype=dtype)
+            torch.nn.init.normal_(p.weight, 0.0, 0.02, generator=g)
+        else:
+            p = (Fp8Linear if f == "f" else Nvfp4Linear)(k, n, dtype=dtype, device=device)
+            p.fill_dummy(0.02, g)
+        parts.append(p)
+    if len(parts) == 1:
+        lone = parts[0]
+        if isinstance(lone, Fp8Linear):  # what ran before: the W8A8 GEMM with its quantization
+            from freetoken.kernels.fp8_linear import fp8_linear
+
+            return lone, lambda x: fp8_linear(x, lone.weight, lone.weight_scale, lone.input_scale)
+        from freetoken.kernels.nvfp4_linear import nvfp4_linear_triton
+
+        return lone, lambda x: nvfp4_linear_triton(x, lone.weight, lone.weight_scale, lone.weight_scale_2)
+    fused = fuse_linears(*parts)
+    return fused, fused.forward_parts
+
+
+def bench_mixed(a, device, dtype, bw) -> list:
+    import torch
+
+    bytes_per = {"d": 2.0, "f": 1.0, "n": 0.5625}
+    rows = []
+    for name, (spec, k) in shapes(a.smoke)["mixed"].items():
+        n = sum(r for _, r in spec)
+        nbytes_w = int(sum(bytes_per[f] * r * k for f, r in spec))
+        layers = [mixed_projection(spec, k, device, dtype, i) for i in range(copies_for(nbytes_w, a.smoke))]
+        bf16 = [torch.randn(n, k, device=device, dtype=dtype) * 0.02 for _ in range(copies_for(2 * n * k, a.smoke))]
+        for M in [m for m in a.ms if m <= 4]:
+            x = torch.randn(M, k, device=device, dtype=dtype)
+            nbytes = nbytes_w + (M * k + M * n) * x.element_size()
+            t_bf16 = time_calls(cycled(lambda w: torch.mm(x, w.t()), bf16, a.reps), device)
+            t_mixed = time_calls(cycled(lambda layer: layer[0](x), layers, a.reps), device)
+            t_parts = time_calls(cycled(lambda layer: layer[1](x), layers, a.reps), device)
+            flops = 2 * M * n * k
+            rows.append(
+                row("mixed", name, M, t_mixed, nbytes, flops, bw, t_bf16, kernel="mixed", vs_parts=t_parts / t_mixed)
+            )
+            rows.append(row("mixed", name, M, t_parts, nbytes, flops, bw, t_bf16, kernel="per part"))
+    return rows
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # main
 # ----------------------------------------------------------------------------------------------------------------------
@@ -425,6 +493,7 @@ def main(argv=None) -> dict:
         ("linear", bench_linear),
         ("moe", bench_moe),
         ("fp8", bench_fp8),
+        ("mixed", bench_mixed),
         ("sweep", bench_sweep),
         ("moesweep", bench_moe_sweep),
     ):

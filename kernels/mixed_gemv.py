@@ -182,12 +182,20 @@ if triton is not None:
             scale = block_scale(tl.load(s_ptrs + k0 // 16, mask=s_mask, other=0))
             x_mask = (k0 + offs_x) < K
             v0, v1, v2, v3, v4, v5, v6, v7 = e2m1_word(w)
-            b0 += _nvfp4_row_sums(v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 0, M, stride_xm, k0, offs_x, x_mask, BLOCK_N, BW)
+            b0 += _nvfp4_row_sums(
+                v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 0, M, stride_xm, k0, offs_x, x_mask, BLOCK_N, BW
+            )
             if BLOCK_M > 1:
-                b1 += _nvfp4_row_sums(v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 1, M, stride_xm, k0, offs_x, x_mask, BLOCK_N, BW)
+                b1 += _nvfp4_row_sums(
+                    v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 1, M, stride_xm, k0, offs_x, x_mask, BLOCK_N, BW
+                )
             if BLOCK_M > 2:
-                b2 += _nvfp4_row_sums(v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 2, M, stride_xm, k0, offs_x, x_mask, BLOCK_N, BW)
-                b3 += _nvfp4_row_sums(v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 3, M, stride_xm, k0, offs_x, x_mask, BLOCK_N, BW)
+                b2 += _nvfp4_row_sums(
+                    v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 2, M, stride_xm, k0, offs_x, x_mask, BLOCK_N, BW
+                )
+                b3 += _nvfp4_row_sums(
+                    v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 3, M, stride_xm, k0, offs_x, x_mask, BLOCK_N, BW
+                )
         return tl.sum(b0, 1), tl.sum(b1, 1), tl.sum(b2, 1), tl.sum(b3, 1)
 
     @triton.jit
@@ -235,14 +243,18 @@ if triton is not None:
             offs_n = pid * BLOCK_N + offs_b
             n_mask = offs_n < Nd
             d_ptrs = d_ptr + offs_n[:, None].to(tl.int64) * stride_d + tl.arange(0, BLOCK_K)[None, :]
-            y0, y1, y2, y3 = _wide_rows(d_ptrs, n_mask, x_ptr, M, stride_xm, K, False, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)
+            y0, y1, y2, y3 = _wide_rows(
+                d_ptrs, n_mask, x_ptr, M, stride_xm, K, False, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES
+            )
             row_scale = tl.full((BLOCK_N,), 1.0, tl.float32)
             col = d_col
         elif pid < d_progs + f_progs:
             offs_n = (pid - d_progs) * BLOCK_N + offs_b
             n_mask = offs_n < Nf
             f_ptrs = f_ptr + offs_n[:, None].to(tl.int64) * stride_f + tl.arange(0, BLOCK_K)[None, :]
-            y0, y1, y2, y3 = _wide_rows(f_ptrs, n_mask, x_ptr, M, stride_xm, K, True, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)
+            y0, y1, y2, y3 = _wide_rows(
+                f_ptrs, n_mask, x_ptr, M, stride_xm, K, True, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES
+            )
             row_scale = tl.load(fs_ptr + offs_n * stride_fs, mask=n_mask, other=0.0) * 256.0  # undoes the 2^-8
             col = f_col
         else:
@@ -251,7 +263,9 @@ if triton is not None:
             rows = offs_n[:, None].to(tl.int64)
             n_ptrs = n_ptr + rows * stride_n + tl.arange(0, BLOCK_K // 8)[None, :]
             ns_ptrs = ns_ptr + rows * stride_ns + tl.arange(0, BLOCK_K // 16)[None, :]
-            y0, y1, y2, y3 = _nvfp4_rows(n_ptrs, ns_ptrs, n_mask, x_ptr, M, stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)
+            y0, y1, y2, y3 = _nvfp4_rows(
+                n_ptrs, ns_ptrs, n_mask, x_ptr, M, stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES
+            )
             row_scale = tl.load(ng_ptr + offs_n * stride_ng, mask=n_mask, other=0.0)
             col = n_col
         _store_row(y0 * row_scale, 0, M, out_ptr, stride_om, col, offs_n, n_mask)

@@ -7,7 +7,6 @@ Error measure: max |out - ref| / (1 + |ref|). The kernel multiplies exact decode
 sums once per row; the reference rounds each weight to x's dtype first (about 2^-9 in bf16).
 """
 
-import os
 import textwrap
 
 import pytest

@@ -141,7 +141,9 @@ class Fp8Linear(QuantizedLinear):
             return fp8_linear_scaled_mm(x, self.weight, self.weight_scale, self.input_scale, self.bias)
         if self.impl == "auto" and x.is_cuda and self.bias is None and _decode_sized(x, self.in_features):
             # decode: one W8A16 GEMV launch (no activation quantization kernel; the reference's arithmetic)
-            return mixed_gemv_triton(x, MixedRows(self.in_features, fp8_weight=self.weight, fp8_scale=self.weight_scale))
+            return mixed_gemv_triton(
+                x, MixedRows(self.in_features, fp8_weight=self.weight, fp8_scale=self.weight_scale)
+            )
         if self.use_kernel(x):
             return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, self.bias)
         return self.forward_reference(x)
