@@ -93,7 +93,7 @@ def fp8_scaled_mm(
     """``xq [M, K]`` fp8 row-major times ``weight [N, K]`` (``weight.t()`` is the column-major operand cuBLASLt wants),
     both scales 0-d: tensor-wise, the only scaling used here."""
     assert x_scale.numel() == 1 and weight_scale.numel() == 1, "tensor-wise scales only (never row-wise)"
-    fuse_bias = bias is not None and bias.dtype == out_dtype
+    fuse_bias = bias is not None and bias.dtype == out_dtype and out_dtype != torch.float32  # (cuBLASLt refuses)
     y = torch._scaled_mm(
         xq,
         weight.t(),

@@ -44,8 +44,15 @@ except Exception:  # pragma: no cover
 
 # rows of x the kernel takes (one fp32 accumulator tile per row); larger batches run GEMMs
 MAX_M = 4
-# weights of a row per step for the dense and FP8 rows (NVFP4: the same count, as BLOCK_K / 8 words)
-_BLOCK_K = 256
+
+
+# weights of a row per step for the dense and FP8 rows (NVFP4: the same count, as BLOCK_K / 8 words), by rows of x:
+# each row of x keeps a [BLOCK_N, BLOCK_K] fp32 accumulator, so four rows take half the width. (H200, 2026-12-02:
+# 256 at four rows spilled: q|k|v and o_proj ran slower than the per-part GEMMs.)
+def _block_k(M: int) -> int:
+    return 256 if M <= 2 else 128
+
+
 # about two programs per SM (the H200's 132): these projections are 1-25 MB, a program streams a block of rows
 _TARGET_PROGRAMS = 264
 _NUM_STAGES = 3
@@ -323,7 +330,7 @@ def mixed_gemv_triton(x: torch.Tensor, rows: MixedRows, out: Optional[torch.Tens
         rows.dense_col, rows.fp8_col, rows.nvfp4_col, x2.stride(0), out.stride(0),
         dense.stride(0) if nd else 0, f_w.stride(0) if nf else 0, f_s.stride(0) if nf and f_s.dim() else 0,
         n_w.stride(0) if nn_ else 0, n_s.stride(0) if nn_ else 0, n_g.stride(0) if nn_ and n_g.dim() else 0,
-        K=K, BLOCK_M=triton.next_power_of_2(max(M, 1)), BLOCK_N=bn, BLOCK_K=_BLOCK_K, NUM_STAGES=_NUM_STAGES,
+        K=K, BLOCK_M=triton.next_power_of_2(max(M, 1)), BLOCK_N=bn, BLOCK_K=_block_k(M), NUM_STAGES=_NUM_STAGES,
         num_warps=4,
     )  # fmt: skip
     return out.view(*x.shape[:-1], rows.out_features)
