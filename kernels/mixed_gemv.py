@@ -44,13 +44,15 @@ except Exception:  # pragma: no cover
 
 # rows of x the kernel takes (one fp32 accumulator tile per row); larger batches run GEMMs
 MAX_M = 4
+# ... and for rows that are all FP8: there the per-part path is one W8A8 GEMM a part, and on the H200 (2026-12-02,
+# bench/nvfp4_kernel_bench.py --groups mixed) q|k|v took 32 us here at four rows against 19 that way, o_proj 12 vs 8.5,
+# while at one or two rows this kernel wins (12.2 vs 18.9 us, 7.8 vs 9.2)
+FP8_ONLY_MAX_M = 2
 
 
-# weights of a row per step for the dense and FP8 rows (NVFP4: the same count, as BLOCK_K / 8 words), by rows of x:
-# each row of x keeps a [BLOCK_N, BLOCK_K] fp32 accumulator, so four rows take half the width. (H200, 2026-12-02:
-# 256 at four rows spilled: q|k|v and o_proj ran slower than the per-part GEMMs.)
-def _block_k(M: int) -> int:
-    return 256 if M <= 2 else 128
+# weights of a row per step for the dense and FP8 rows (NVFP4: the same count, as BLOCK_K / 8 words). (H200,
+# 2026-12-02: 128 at three or four rows of x ran 2-4x slower than 256.)
+_BLOCK_K = 256
 
 
 # about two programs per SM (the H200's 132): these projections are 1-25 MB, a program streams a block of rows
@@ -81,6 +83,12 @@ class MixedRows:
     @property
     def rows(self) -> tuple[int, int, int]:
         return tuple(0 if w is None else w.shape[0] for w in (self.dense, self.fp8_weight, self.nvfp4_weight))
+
+    @property
+    def max_m(self) -> int:
+        """The most rows of x this projection takes the kernel for (``FP8_ONLY_MAX_M`` when all rows are FP8)."""
+        nd, nf, nn_ = self.rows
+        return FP8_ONLY_MAX_M if nd == nn_ == 0 else MAX_M
 
     @property
     def out_features(self) -> int:
@@ -330,7 +338,7 @@ def mixed_gemv_triton(x: torch.Tensor, rows: MixedRows, out: Optional[torch.Tens
         rows.dense_col, rows.fp8_col, rows.nvfp4_col, x2.stride(0), out.stride(0),
         dense.stride(0) if nd else 0, f_w.stride(0) if nf else 0, f_s.stride(0) if nf and f_s.dim() else 0,
         n_w.stride(0) if nn_ else 0, n_s.stride(0) if nn_ else 0, n_g.stride(0) if nn_ and n_g.dim() else 0,
-        K=K, BLOCK_M=triton.next_power_of_2(max(M, 1)), BLOCK_N=bn, BLOCK_K=_block_k(M), NUM_STAGES=_NUM_STAGES,
+        K=K, BLOCK_M=triton.next_power_of_2(max(M, 1)), BLOCK_N=bn, BLOCK_K=_BLOCK_K, NUM_STAGES=_NUM_STAGES,
         num_warps=4,
     )  # fmt: skip
     return out.view(*x.shape[:-1], rows.out_features)

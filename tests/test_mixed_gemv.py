@@ -63,6 +63,7 @@ def check_projection(spec, k, M, dtype, device, mode="auto"):
     reference on CPU, its kernel on CUDA), and vs the kernel's torch reference."""
     from freetoken.kernels.mixed_gemv import mixed_gemv_torch
     from freetoken.layers.fused_linear import fuse_linears
+    from freetoken.layers.mixed_projection import use_mixed_gemv
 
     parts = make_parts(spec, k, dtype, device)
     g = torch.Generator().manual_seed(M)
@@ -73,10 +74,15 @@ def check_projection(spec, k, M, dtype, device, mode="auto"):
     fused.mixed_mode = mode
     out = fused(x)
     assert out.shape == alone.shape and out.dtype == x.dtype
-    err = max(error(out, alone), error(out, mixed_gemv_torch(x, fused.mixed)))
-    assert err <= _TOL[dtype], (spec, M, dtype, err)
-    if device == "cpu":  # the parts now read views of the fused blocks and still give their own outputs
+    if not use_mixed_gemv(x, fused.mixed, mode):  # all-FP8 rows at three or four rows of x: the parts' GEMMs
+        assert M > 2 and torch.equal(out, fused.forward_parts(x))
+        return 0.0
+    err = error(out, mixed_gemv_torch(x, fused.mixed))
+    if device == "cpu":  # the parts' references (on CUDA an FP8 part alone may run W8A8)
+        err = max(err, error(out, alone))
+        # the parts now read views of the fused blocks and still give their own outputs
         assert torch.equal(torch.cat([p(x) for p in parts], dim=-1), fused.forward_parts(x))
+    assert err <= _TOL[dtype], (spec, M, dtype, err)
     return err
 
 
@@ -122,6 +128,8 @@ def test_where_the_kernel_does_not_apply():
     x = torch.randn(4, 64)
     assert not use_mixed_gemv(x, rows)  # CPU: auto keeps the per-part references
     assert use_mixed_gemv(x, rows, "on") and not use_mixed_gemv(torch.randn(5, 64), rows, "on")
+    fp8_only = mixed_rows(make_parts([("f", 8), ("f", 8)], 64))  # q|k|v: W8A8 GEMMs from three rows
+    assert use_mixed_gemv(x[:2], fp8_only, "on") and not use_mixed_gemv(x[:3], fp8_only, "on")
     assert not use_mixed_gemv(x, None, "on") and not use_mixed_gemv(x, rows, "off")
     with pytest.raises(ValueError, match="unknown mixed GEMV mode"):
         use_mixed_gemv(x, rows, "bogus")
@@ -187,15 +195,15 @@ def test_mixed_projection_cuda(name, M):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("M", [1, 4, 5])
+@pytest.mark.parametrize("M", [1, 2, 3])
 def test_fp8_linear_decode_gemv_cuda(M):
-    """A lone FP8 Linear (o_proj, GDN out_proj): up to 4 rows the W8A16 GEMV (near the dequantized reference), above
+    """A lone FP8 Linear (o_proj, GDN out_proj): up to 2 rows the W8A16 GEMV (near the dequantized reference), above
     the W8A8 GEMM."""
     from freetoken.kernels.fp8_linear import fp8_linear, fp8_linear_torch
 
     lin = _fp8(2048, 4096, 1, torch.bfloat16, "cuda")
     x = torch.randn(M, 4096, device="cuda", dtype=torch.bfloat16)
-    if M <= 4:
+    if M <= 2:
         assert error(lin(x), fp8_linear_torch(x, lin.weight, lin.weight_scale)) <= 3e-2
     else:
         assert torch.equal(lin(x), fp8_linear(x, lin.weight, lin.weight_scale, lin.input_scale))

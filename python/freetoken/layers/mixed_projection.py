@@ -7,8 +7,8 @@ plain Linears, so names, ``state_dict()`` and bytes stay as loaded) and their sc
 It returns ``None`` where the kernel does not apply: a bias, a part pinned to an implementation (tests), a format
 whose parts are not contiguous in the output, an input size off the 16 grid.
 
-``use_mixed_gemv(x, rows)``: CUDA activations with at most ``MAX_M`` rows take the kernel; larger batches (prefill,
-big decode batches) keep the per-part GEMMs, which run on tensor cores.
+``use_mixed_gemv(x, rows)``: CUDA activations with at most ``rows.max_m`` rows (4; 2 when every part is FP8) take the
+kernel; larger batches (prefill, big decode batches) keep the per-part GEMMs, which run on tensor cores.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..kernels.mixed_gemv import MAX_M, MixedRows, supports
+from ..kernels.mixed_gemv import MixedRows, supports
 from .quantized_linear import Fp8Linear, Nvfp4Linear
 
 # where the decode kernel runs: auto (CUDA, small M), on (also on CPU: tests under the Triton interpreter), off
@@ -91,5 +91,4 @@ def use_mixed_gemv(x: torch.Tensor, rows: Optional[MixedRows], mode: str = "auto
         raise ValueError(f"unknown mixed GEMV mode {mode!r} (one of {', '.join(MODES)})")
     if rows is None or mode == "off" or x.numel() == 0:
         return False
-    small = x.numel() // x.shape[-1] <= MAX_M
-    return small and (mode == "on" or x.is_cuda)
+    return x.numel() // x.shape[-1] <= rows.max_m and (mode == "on" or x.is_cuda)

@@ -9,9 +9,9 @@ lookup as for ``nn.Linear``::
 ``forward`` dispatches by ``impl`` (``auto``: the kernels on CUDA, the torch reference elsewhere; ``torch`` or
 ``triton`` pin one, tests do): ``Nvfp4Linear`` runs the W4A16 Triton kernels of ``kernels/nvfp4_linear.py``,
 ``Fp8Linear`` W8A8 through ``torch._scaled_mm`` with tensor-wise scales (``kernels/fp8_linear.py``; static
-``input_scale``, or a dynamic per-tensor one with ``dynamic_input=True``). Decode-sized inputs (at most
-``kernels/mixed_gemv.MAX_M`` rows) on CUDA take ``kernels/mixed_gemv.py`` instead, one launch: W8A16 for FP8 (no
-activation quantization kernel), and for NVFP4 layers with few rows (no split-K reduce). The torch reference every kernel is
+``input_scale``, or a dynamic per-tensor one with ``dynamic_input=True``); at decode sizes (at most
+``kernels/mixed_gemv.FP8_ONLY_MAX_M`` rows) on CUDA one W8A16 launch of ``kernels/mixed_gemv.py`` instead (no
+activation quantization kernel). The torch reference every kernel is
 checked against dequantizes the whole weight to the activation dtype, then runs one matmul (W4A16 / W8A16; a W4A4
 checkpoint's ``input_scale`` is not used for NVFP4). ``dequantized_weight`` gives the same tensor for tests and
 tools.
@@ -26,21 +26,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.fp8_linear import fp8_linear, fp8_linear_scaled_mm
-from ..kernels.mixed_gemv import MAX_M as MIXED_MAX_M
-from ..kernels.mixed_gemv import MixedRows, mixed_gemv_triton
+from ..kernels.mixed_gemv import FP8_ONLY_MAX_M, MixedRows, mixed_gemv_triton
 from ..kernels.mixed_gemv import supports as mixed_supports
 from ..kernels.nvfp4_linear import nvfp4_linear_triton
 from ..quant import fp8, nvfp4
 
 IMPLS = ("auto", "torch", "triton")
-# a lone NVFP4 Linear with fewer output rows than this (the shared expert's down projection, not the lm_head, whose
-# GEMV is tuned for its 248,320 rows) takes the mixed GEMV at decode sizes
-MIXED_MAX_ROWS = 16384
 
 
 def _decode_sized(x: torch.Tensor, in_features: int) -> bool:
-    """At most ``kernels/mixed_gemv.MAX_M`` rows, an input size the mixed GEMV takes."""
-    return 0 < x.numel() <= MIXED_MAX_M * in_features and mixed_supports(MixedRows(in_features))
+    """At most ``kernels/mixed_gemv.FP8_ONLY_MAX_M`` rows, an input size the mixed GEMV takes."""
+    return 0 < x.numel() <= FP8_ONLY_MAX_M * in_features and mixed_supports(MixedRows(in_features))
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:
@@ -98,11 +94,6 @@ class Nvfp4Linear(QuantizedLinear):
         return nvfp4.dequantize(self.weight, self.weight_scale, self.weight_scale_2, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.impl == "auto" and x.is_cuda and self.bias is None and self.out_features < MIXED_MAX_ROWS:
-            if _decode_sized(x, self.in_features):  # one launch; the GEMV would split K and add a reduce
-                rows = MixedRows(self.in_features, nvfp4_weight=self.weight, nvfp4_scale=self.weight_scale)
-                rows.nvfp4_global = self.weight_scale_2
-                return mixed_gemv_triton(x, rows)
         if self.use_kernel(x):
             return nvfp4_linear_triton(x, self.weight, self.weight_scale, self.weight_scale_2, self.bias)
         return self.forward_reference(x)
