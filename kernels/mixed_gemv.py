@@ -44,10 +44,11 @@ except Exception:  # pragma: no cover
 
 # rows of x the kernel takes (one fp32 accumulator tile per row); larger batches run GEMMs
 MAX_M = 4
-# ... and for rows that are all FP8: there the per-part path is one W8A8 GEMM a part, and on the H200 (2026-12-02,
-# bench/nvfp4_kernel_bench.py --groups mixed) q|k|v took 32 us here at four rows against 19 that way, o_proj 12 vs 8.5,
-# while at one or two rows this kernel wins (12.2 vs 18.9 us, 7.8 vs 9.2)
-FP8_ONLY_MAX_M = 2
+# ... and for projections with FP8 rows: from three rows of x the W8A8 GEMMs of the per-part path win on the H200
+# (2026-12-02, bench/nvfp4_kernel_bench.py --groups mixed: GDN in_proj 38.9 us here against 27.5, q|k|v 32 vs 19), while
+# at one or two rows this kernel does (in_proj 12.5 vs 28.5 us, q|k|v 12.2 vs 19.0, o_proj 7.9 vs 9.3); without FP8
+# rows it wins up to four (the MoE block's router | shared expert: 5.7 vs 20.6 us)
+FP8_MAX_M = 2
 
 
 # weights of a row per step for the dense and FP8 rows (NVFP4: the same count, as BLOCK_K / 8 words). (H200,
@@ -86,9 +87,8 @@ class MixedRows:
 
     @property
     def max_m(self) -> int:
-        """The most rows of x this projection takes the kernel for (``FP8_ONLY_MAX_M`` when all rows are FP8)."""
-        nd, nf, nn_ = self.rows
-        return FP8_ONLY_MAX_M if nd == nn_ == 0 else MAX_M
+        """The most rows of x this projection takes the kernel for (``FP8_MAX_M`` when it has FP8 rows)."""
+        return FP8_MAX_M if self.rows[1] else MAX_M
 
     @property
     def out_features(self) -> int:

@@ -74,7 +74,7 @@ def check_projection(spec, k, M, dtype, device, mode="auto"):
     fused.mixed_mode = mode
     out = fused(x)
     assert out.shape == alone.shape and out.dtype == x.dtype
-    if not use_mixed_gemv(x, fused.mixed, mode):  # all-FP8 rows at three or four rows of x: the parts' GEMMs
+    if not use_mixed_gemv(x, fused.mixed, mode):  # FP8 rows at three or four rows of x: the parts' GEMMs
         assert M > 2 and torch.equal(out, fused.forward_parts(x))
         return 0.0
     err = error(out, mixed_gemv_torch(x, fused.mixed))
@@ -124,12 +124,13 @@ def test_where_the_kernel_does_not_apply():
     pinned = make_parts([("d", 8), ("n", 8)], 64)
     pinned[1].impl = "torch"
     assert mixed_rows(pinned) is None
-    rows = mixed_rows(make_parts([("f", 8), ("d", 8)], 64))
+    rows = mixed_rows(make_parts([("d", 8), ("n", 16)], 64))
     x = torch.randn(4, 64)
     assert not use_mixed_gemv(x, rows)  # CPU: auto keeps the per-part references
     assert use_mixed_gemv(x, rows, "on") and not use_mixed_gemv(torch.randn(5, 64), rows, "on")
-    fp8_only = mixed_rows(make_parts([("f", 8), ("f", 8)], 64))  # q|k|v: W8A8 GEMMs from three rows
-    assert use_mixed_gemv(x[:2], fp8_only, "on") and not use_mixed_gemv(x[:3], fp8_only, "on")
+    for spec in ([("f", 8), ("f", 8)], [("f", 8), ("d", 8)]):  # with FP8 rows: W8A8 GEMMs from three rows
+        fp8_rows = mixed_rows(make_parts(spec, 64))
+        assert use_mixed_gemv(x[:2], fp8_rows, "on") and not use_mixed_gemv(x[:3], fp8_rows, "on")
     assert not use_mixed_gemv(x, None, "on") and not use_mixed_gemv(x, rows, "off")
     with pytest.raises(ValueError, match="unknown mixed GEMV mode"):
         use_mixed_gemv(x, rows, "bogus")
@@ -154,7 +155,8 @@ _CPU_SCRIPT = textwrap.dedent(
         ([("d", 40), ("n", 8)], 256, 1, f32),
         ([("n", 24), ("n", 8)], 160, 3, f32),  # one format alone
         ([("f", 24)], 96, 2, f32),  # K not a multiple of the step
-        ([("f", 17), ("f", 9), ("d", 3), ("d", 1)], 512, 4, f32),  # GDN: qkv | z (fp8), b | a (dense)
+        ([("f", 17), ("f", 9), ("d", 3), ("d", 1)], 512, 2, f32),  # GDN: qkv | z (fp8), b | a (dense)
+        ([("d", 5), ("n", 16)], 96, 4, f32),  # four rows of x (no FP8 rows)
         ([("d", 9), ("d", 1), ("n", 32), ("n", 32)], 2048, 1, bf16),  # MoE: router | shared gate, gate | up
         ([("n", 7), ("f", 6), ("d", 5)], 64, 2, f16),  # any order of the blocks
     ]

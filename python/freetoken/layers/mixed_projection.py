@@ -7,7 +7,7 @@ plain Linears, so names, ``state_dict()`` and bytes stay as loaded) and their sc
 It returns ``None`` where the kernel does not apply: a bias, a part pinned to an implementation (tests), a format
 whose parts are not contiguous in the output, an input size off the 16 grid.
 
-``use_mixed_gemv(x, rows)``: CUDA activations with at most ``rows.max_m`` rows (4; 2 when every part is FP8) take the
+``use_mixed_gemv(x, rows)``: CUDA activations with at most ``rows.max_m`` rows (4; 2 when a part is FP8) take the
 kernel; larger batches (prefill, big decode batches) keep the per-part GEMMs, which run on tensor cores.
 """
 

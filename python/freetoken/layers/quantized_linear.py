@@ -10,7 +10,7 @@ lookup as for ``nn.Linear``::
 ``triton`` pin one, tests do): ``Nvfp4Linear`` runs the W4A16 Triton kernels of ``kernels/nvfp4_linear.py``,
 ``Fp8Linear`` W8A8 through ``torch._scaled_mm`` with tensor-wise scales (``kernels/fp8_linear.py``; static
 ``input_scale``, or a dynamic per-tensor one with ``dynamic_input=True``); at decode sizes (at most
-``kernels/mixed_gemv.FP8_ONLY_MAX_M`` rows) on CUDA one W8A16 launch of ``kernels/mixed_gemv.py`` instead (no
+``kernels/mixed_gemv.FP8_MAX_M`` rows) on CUDA one W8A16 launch of ``kernels/mixed_gemv.py`` instead (no
 activation quantization kernel). The torch reference every kernel is
 checked against dequantizes the whole weight to the activation dtype, then runs one matmul (W4A16 / W8A16; a W4A4
 checkpoint's ``input_scale`` is not used for NVFP4). ``dequantized_weight`` gives the same tensor for tests and
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.fp8_linear import fp8_linear, fp8_linear_scaled_mm
-from ..kernels.mixed_gemv import FP8_ONLY_MAX_M, MixedRows, mixed_gemv_triton
+from ..kernels.mixed_gemv import FP8_MAX_M, MixedRows, mixed_gemv_triton
 from ..kernels.mixed_gemv import supports as mixed_supports
 from ..kernels.nvfp4_linear import nvfp4_linear_triton
 from ..quant import fp8, nvfp4
@@ -35,8 +35,8 @@ IMPLS = ("auto", "torch", "triton")
 
 
 def _decode_sized(x: torch.Tensor, in_features: int) -> bool:
-    """At most ``kernels/mixed_gemv.FP8_ONLY_MAX_M`` rows, an input size the mixed GEMV takes."""
-    return 0 < x.numel() <= FP8_ONLY_MAX_M * in_features and mixed_supports(MixedRows(in_features))
+    """At most ``kernels/mixed_gemv.FP8_MAX_M`` rows, an input size the mixed GEMV takes."""
+    return 0 < x.numel() <= FP8_MAX_M * in_features and mixed_supports(MixedRows(in_features))
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:
