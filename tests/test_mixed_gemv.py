@@ -213,6 +213,23 @@ def test_fp8_linear_decode_gemv_cuda(M):
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("M", [1, 4, 5])
+def test_nvfp4_linear_few_rows_decode_gemv_cuda(M):
+    """A lone NVFP4 Linear with few rows (the shared expert's down projection): up to 4 rows the mixed GEMV (one
+    launch, near the reference), above the W4A16 kernels of ``nvfp4_linear``."""
+    from freetoken.kernels.nvfp4_linear import nvfp4_linear_torch, nvfp4_linear_triton
+
+    lin = _nvfp4(2048, 512, 1, torch.bfloat16, "cuda")
+    x = torch.randn(M, 512, device="cuda", dtype=torch.bfloat16)
+    args = (lin.weight, lin.weight_scale, lin.weight_scale_2)
+    if M <= 4:
+        assert error(lin(x), nvfp4_linear_torch(x, *args)) <= 3e-2
+    else:
+        assert torch.equal(lin(x), nvfp4_linear_triton(x, *args))
+
+
+@pytest.mark.gpu
+@cuda
 def test_mixed_projection_cuda_dispatch_and_graph():
     """M <= 4 runs one launch (no per-part kernel), M = 5 the parts; a captured graph replays new inputs."""
     from freetoken.kernels.mixed_gemv import mixed_gemv_torch

@@ -9,9 +9,9 @@ lookup as for ``nn.Linear``::
 ``forward`` dispatches by ``impl`` (``auto``: the kernels on CUDA, the torch reference elsewhere; ``torch`` or
 ``triton`` pin one, tests do): ``Nvfp4Linear`` runs the W4A16 Triton kernels of ``kernels/nvfp4_linear.py``,
 ``Fp8Linear`` W8A8 through ``torch._scaled_mm`` with tensor-wise scales (``kernels/fp8_linear.py``; static
-``input_scale``, or a dynamic per-tensor one with ``dynamic_input=True``); at decode sizes (at most
-``kernels/mixed_gemv.FP8_MAX_M`` rows) on CUDA one W8A16 launch of ``kernels/mixed_gemv.py`` instead (no
-activation quantization kernel). The torch reference every kernel is
+``input_scale``, or a dynamic per-tensor one with ``dynamic_input=True``). At decode sizes on CUDA (up to
+``kernels/mixed_gemv.FP8_MAX_M`` rows) ``Fp8Linear`` runs one W8A16 launch of ``kernels/mixed_gemv.py`` instead (no
+activation quantization kernel), and so does an ``Nvfp4Linear`` with few rows (up to ``MAX_M``; no split-K reduce). The torch reference every kernel is
 checked against dequantizes the whole weight to the activation dtype, then runs one matmul (W4A16 / W8A16; a W4A4
 checkpoint's ``input_scale`` is not used for NVFP4). ``dequantized_weight`` gives the same tensor for tests and
 tools.
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.fp8_linear import fp8_linear, fp8_linear_scaled_mm
-from ..kernels.mixed_gemv import FP8_MAX_M, MixedRows, mixed_gemv_triton
+from ..kernels.mixed_gemv import MixedRows, mixed_gemv_triton
 from ..kernels.mixed_gemv import supports as mixed_supports
 from ..kernels.nvfp4_linear import nvfp4_linear_triton
 from ..quant import fp8, nvfp4
@@ -34,9 +34,15 @@ from ..quant import fp8, nvfp4
 IMPLS = ("auto", "torch", "triton")
 
 
-def _decode_sized(x: torch.Tensor, in_features: int) -> bool:
-    """At most ``kernels/mixed_gemv.FP8_MAX_M`` rows, an input size the mixed GEMV takes."""
-    return 0 < x.numel() <= FP8_MAX_M * in_features and mixed_supports(MixedRows(in_features))
+# A lone NVFP4 Linear with fewer output rows than this (the shared expert's down projection; not the lm_head, whose
+# GEMV is tuned for its 248,320 rows) takes the mixed GEMV at decode sizes: the same time alone on the H200 (2.7 us
+# at 1 row, 2026-12-02), but one launch where the GEMV splits K and adds a reduce, and launches add up in a decode step
+MIXED_MAX_ROWS = 16384
+
+
+def _decode_sized(x: torch.Tensor, rows: MixedRows) -> bool:
+    """At most ``rows.max_m`` rows of x, an input size the mixed GEMV takes."""
+    return 0 < x.numel() <= rows.max_m * rows.K and mixed_supports(rows)
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:
@@ -94,6 +100,11 @@ class Nvfp4Linear(QuantizedLinear):
         return nvfp4.dequantize(self.weight, self.weight_scale, self.weight_scale_2, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.impl == "auto" and x.is_cuda and self.bias is None and self.out_features < MIXED_MAX_ROWS:
+            rows = MixedRows(self.in_features, nvfp4_weight=self.weight, nvfp4_scale=self.weight_scale)
+            rows.nvfp4_global = self.weight_scale_2
+            if _decode_sized(x, rows):  # one launch where the GEMV splits K and adds a reduce
+                return mixed_gemv_triton(x, rows)
         if self.use_kernel(x):
             return nvfp4_linear_triton(x, self.weight, self.weight_scale, self.weight_scale_2, self.bias)
         return self.forward_reference(x)
@@ -130,11 +141,12 @@ class Fp8Linear(QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.impl == "triton":  # pinned: the W8A8 kernel even where ``fp8_linear`` would pick the reference
             return fp8_linear_scaled_mm(x, self.weight, self.weight_scale, self.input_scale, self.bias)
-        if self.impl == "auto" and x.is_cuda and self.bias is None and _decode_sized(x, self.in_features):
-            # decode: one W8A16 GEMV launch (no activation quantization kernel; the reference's arithmetic)
-            return mixed_gemv_triton(
-                x, MixedRows(self.in_features, fp8_weight=self.weight, fp8_scale=self.weight_scale)
-            )
+        if self.impl == "auto" and x.is_cuda and self.bias is None:
+            rows = MixedRows(self.in_features, fp8_weight=self.weight, fp8_scale=self.weight_scale)
+            if _decode_sized(
+                x, rows
+            ):  # one W8A16 launch: no activation quantization kernel, the reference's arithmetic
+                return mixed_gemv_triton(x, rows)
         if self.use_kernel(x):
             return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, self.bias)
         return self.forward_reference(x)
