@@ -49,13 +49,9 @@ MAX_M = 4
 # at one or two rows this kernel does (in_proj 12.5 vs 28.5 us, q|k|v 12.2 vs 19.0, o_proj 7.9 vs 9.3); without FP8
 # rows it wins up to four (the MoE block's router | shared expert: 5.7 vs 20.6 us)
 FP8_MAX_M = 2
-
-
 # weights of a row per step for the dense and FP8 rows (NVFP4: the same count, as BLOCK_K / 8 words). (H200,
 # 2026-12-02: 128 at three or four rows of x ran 2-4x slower than 256.)
 _BLOCK_K = 256
-
-
 # about two programs per SM (the H200's 132): these projections are 1-25 MB, a program streams a block of rows
 _TARGET_PROGRAMS = 264
 _NUM_STAGES = 3
@@ -114,7 +110,8 @@ def mixed_gemv_torch(x: torch.Tensor, rows: MixedRows) -> torch.Tensor:
         out[:, rows.fp8_col : rows.fp8_col + nf] = F.linear(x2, w.to(x.dtype))
     if nn_:
         g = rows.nvfp4_global.float()
-        w = nvfp4.dequantize(rows.nvfp4_weight, rows.nvfp4_scale, torch.ones((), dtype=torch.float32), torch.float32)
+        one = torch.ones((), dtype=torch.float32, device=g.device)  # the global scale per row, below
+        w = nvfp4.dequantize(rows.nvfp4_weight, rows.nvfp4_scale, one, torch.float32)
         w = w * (g.reshape(-1, 1) if g.dim() else g)
         out[:, rows.nvfp4_col : rows.nvfp4_col + nn_] = F.linear(x2, w.to(x.dtype))
     return out.view(*x.shape[:-1], rows.out_features)

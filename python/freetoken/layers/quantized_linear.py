@@ -11,10 +11,10 @@ lookup as for ``nn.Linear``::
 ``Fp8Linear`` W8A8 through ``torch._scaled_mm`` with tensor-wise scales (``kernels/fp8_linear.py``; static
 ``input_scale``, or a dynamic per-tensor one with ``dynamic_input=True``). At decode sizes on CUDA (up to
 ``kernels/mixed_gemv.FP8_MAX_M`` rows) ``Fp8Linear`` runs one W8A16 launch of ``kernels/mixed_gemv.py`` instead (no
-activation quantization kernel), and so does an ``Nvfp4Linear`` with few rows (up to ``MAX_M``; no split-K reduce). The torch reference every kernel is
-checked against dequantizes the whole weight to the activation dtype, then runs one matmul (W4A16 / W8A16; a W4A4
-checkpoint's ``input_scale`` is not used for NVFP4). ``dequantized_weight`` gives the same tensor for tests and
-tools.
+activation quantization kernel), and so does an ``Nvfp4Linear`` with few rows (up to ``MAX_M``; no split-K
+reduce). The torch reference every kernel is checked against dequantizes the whole weight to the activation dtype,
+then runs one matmul (W4A16 / W8A16; a W4A4 checkpoint's ``input_scale`` is not used for NVFP4).
+``dequantized_weight`` gives the same tensor for tests and tools.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from ..kernels.nvfp4_linear import nvfp4_linear_triton
 from ..quant import fp8, nvfp4
 
 IMPLS = ("auto", "torch", "triton")
-
 
 # A lone NVFP4 Linear with fewer output rows than this (the shared expert's down projection; not the lm_head, whose
 # GEMV is tuned for its 248,320 rows) takes the mixed GEMV at decode sizes: the same time alone on the H200 (2.7 us
@@ -101,8 +100,12 @@ class Nvfp4Linear(QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.impl == "auto" and x.is_cuda and self.bias is None and self.out_features < MIXED_MAX_ROWS:
-            rows = MixedRows(self.in_features, nvfp4_weight=self.weight, nvfp4_scale=self.weight_scale)
-            rows.nvfp4_global = self.weight_scale_2
+            rows = MixedRows(
+                self.in_features,
+                nvfp4_weight=self.weight,
+                nvfp4_scale=self.weight_scale,
+                nvfp4_global=self.weight_scale_2,
+            )
             if _decode_sized(x, rows):  # one launch where the GEMV splits K and adds a reduce
                 return mixed_gemv_triton(x, rows)
         if self.use_kernel(x):
@@ -142,10 +145,9 @@ class Fp8Linear(QuantizedLinear):
         if self.impl == "triton":  # pinned: the W8A8 kernel even where ``fp8_linear`` would pick the reference
             return fp8_linear_scaled_mm(x, self.weight, self.weight_scale, self.input_scale, self.bias)
         if self.impl == "auto" and x.is_cuda and self.bias is None:
+            # one W8A16 launch: no activation quantization kernel, the reference's arithmetic
             rows = MixedRows(self.in_features, fp8_weight=self.weight, fp8_scale=self.weight_scale)
-            if _decode_sized(
-                x, rows
-            ):  # one W8A16 launch: no activation quantization kernel, the reference's arithmetic
+            if _decode_sized(x, rows):
                 return mixed_gemv_triton(x, rows)
         if self.use_kernel(x):
             return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, self.bias)
