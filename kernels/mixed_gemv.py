@@ -37,7 +37,7 @@ try:  # keep the reference importable without triton
     import triton
     import triton.language as tl
 
-    from .nvfp4_tiles import block_scale, e2m1_word, split8, word_block_dot
+    from .nvfp4_tiles import block_scale, e2m1_word, gemv_row
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -164,12 +164,6 @@ if triton is not None:
         return tl.sum(a0, 1), tl.sum(a1, 1), tl.sum(a2, 1), tl.sum(a3, 1)
 
     @triton.jit
-    def _nvfp4_row_sums(v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, m, M, stride_xm, k0, offs_x, x_mask, BN, BW):
-        xm = tl.load(x_ptr + m * stride_xm + k0 + offs_x, mask=x_mask & (offs_x * 0 + m < M), other=0.0)
-        x0, x1, x2, x3, x4, x5, x6, x7 = split8(xm, BW)
-        return word_block_dot(v0, v1, v2, v3, v4, v5, v6, v7, x0, x1, x2, x3, x4, x5, x6, x7, scale, BN, BW)
-
-    @triton.jit
     def _nvfp4_rows(
         w_ptrs, s_ptrs, n_mask, x_ptr, M, stride_xm,
         K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -194,19 +188,19 @@ if triton is not None:
             scale = block_scale(tl.load(s_ptrs + k0 // 16, mask=s_mask, other=0))
             x_mask = (k0 + offs_x) < K
             v0, v1, v2, v3, v4, v5, v6, v7 = e2m1_word(w)
-            b0 += _nvfp4_row_sums(
-                v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 0, M, stride_xm, k0, offs_x, x_mask, BLOCK_N, BW
+            b0 += gemv_row(
+                v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 0, M, stride_xm, k0, x_mask, offs_x, BLOCK_N, BW
             )
             if BLOCK_M > 1:
-                b1 += _nvfp4_row_sums(
-                    v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 1, M, stride_xm, k0, offs_x, x_mask, BLOCK_N, BW
+                b1 += gemv_row(
+                    v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 1, M, stride_xm, k0, x_mask, offs_x, BLOCK_N, BW
                 )
             if BLOCK_M > 2:
-                b2 += _nvfp4_row_sums(
-                    v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 2, M, stride_xm, k0, offs_x, x_mask, BLOCK_N, BW
+                b2 += gemv_row(
+                    v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 2, M, stride_xm, k0, x_mask, offs_x, BLOCK_N, BW
                 )
-                b3 += _nvfp4_row_sums(
-                    v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 3, M, stride_xm, k0, offs_x, x_mask, BLOCK_N, BW
+                b3 += gemv_row(
+                    v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 3, M, stride_xm, k0, x_mask, offs_x, BLOCK_N, BW
                 )
         return tl.sum(b0, 1), tl.sum(b1, 1), tl.sum(b2, 1), tl.sum(b3, 1)
 

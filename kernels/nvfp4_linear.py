@@ -50,7 +50,7 @@ try:  # keep the reference importable without triton
     import triton
     import triton.language as tl
 
-    from .nvfp4_tiles import block_scale, dequant_tile_words, e2m1_word, split8, word_block_dot
+    from .nvfp4_tiles import block_scale, dequant_tile_words, e2m1_word, gemv_row
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -96,13 +96,6 @@ def nvfp4_linear_torch(
 # ----------------------------------------------------------------------------------------------------------------------
 
 if triton is not None:
-
-    @triton.jit
-    def _gemv_row(v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, m, M, stride_xm, k0, k_mask, offs_x, BN, BW):
-        """Row ``m`` of x against the decoded step: ``[BLOCK_N, BLOCK_W // 2]`` block sums (zeros past M)."""
-        xm = tl.load(x_ptr + m * stride_xm + k0 + offs_x, mask=k_mask & (offs_x * 0 + m < M), other=0.0)
-        x0, x1, x2, x3, x4, x5, x6, x7 = split8(xm, BW)
-        return word_block_dot(v0, v1, v2, v3, v4, v5, v6, v7, x0, x1, x2, x3, x4, x5, x6, x7, scale, BN, BW)
 
     @triton.jit
     def _gemv_store(acc, m, M, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL):
@@ -174,31 +167,31 @@ if triton is not None:
             k_mask = (8 * kw0 + offs_x) < 8 * kw_end if not EVEN else offs_x >= 0
             v0, v1, v2, v3, v4, v5, v6, v7 = e2m1_word(w)
             k0 = 8 * kw0
-            a0 += _gemv_row(
+            a0 += gemv_row(
                 v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 0, M, stride_xm, k0, k_mask, offs_x, BLOCK_N, BLOCK_W
             )
             if BLOCK_M > 1:
-                a1 += _gemv_row(
+                a1 += gemv_row(
                     v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 1, M, stride_xm, k0, k_mask, offs_x, BLOCK_N, BLOCK_W
                 )
             if BLOCK_M > 2:
-                a2 += _gemv_row(
+                a2 += gemv_row(
                     v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 2, M, stride_xm, k0, k_mask, offs_x, BLOCK_N, BLOCK_W
                 )
-                a3 += _gemv_row(
+                a3 += gemv_row(
                     v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 3, M, stride_xm, k0, k_mask, offs_x, BLOCK_N, BLOCK_W
                 )
             if BLOCK_M > 4:
-                a4 += _gemv_row(
+                a4 += gemv_row(
                     v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 4, M, stride_xm, k0, k_mask, offs_x, BLOCK_N, BLOCK_W
                 )
-                a5 += _gemv_row(
+                a5 += gemv_row(
                     v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 5, M, stride_xm, k0, k_mask, offs_x, BLOCK_N, BLOCK_W
                 )
-                a6 += _gemv_row(
+                a6 += gemv_row(
                     v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 6, M, stride_xm, k0, k_mask, offs_x, BLOCK_N, BLOCK_W
                 )
-                a7 += _gemv_row(
+                a7 += gemv_row(
                     v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 7, M, stride_xm, k0, k_mask, offs_x, BLOCK_N, BLOCK_W
                 )
         g = tl.load(g_ptr)

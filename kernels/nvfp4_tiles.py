@@ -96,6 +96,15 @@ if triton is not None:
         return tl.sum(tl.reshape(d, (ROWS, WORDS // 2, 2)), 2) * scale
 
     @triton.jit
+    def gemv_row(v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, m, M, stride_xm, k0, k_mask, offs_x, ROWS, WORDS):
+        """Row ``m`` of x (``x_ptr``, rows ``stride_xm`` apart; weights ``k0 + offs_x`` under ``k_mask``, zeros for
+        ``m >= M``) against a decoded step (``e2m1_word``'s ``v0..v7``, ``block_scale``'s ``scale``): the
+        ``[ROWS, WORDS // 2]`` scaled block sums. A GEMV over several rows of x decodes once and calls this per row."""
+        xm = tl.load(x_ptr + m * stride_xm + k0 + offs_x, mask=k_mask & (offs_x * 0 + m < M), other=0.0)
+        x0, x1, x2, x3, x4, x5, x6, x7 = split8(xm, WORDS)
+        return word_block_dot(v0, v1, v2, v3, v4, v5, v6, v7, x0, x1, x2, x3, x4, x5, x6, x7, scale, ROWS, WORDS)
+
+    @triton.jit
     def gemv_step(w, s, x, ROWS: tl.constexpr, WORDS: tl.constexpr):
         """``w [ROWS, WORDS]`` int32 words, ``s [ROWS, WORDS // 2]`` scale bytes, ``x [8 * WORDS]`` activations ->
         ``[ROWS, WORDS // 2]`` scaled block sums (sum them for the step's dot products)."""
