@@ -24,9 +24,10 @@ Groups, each per M (rows of x; tokens for the MoE) in 1, 2, 4, 8, 16, 64, 256, 1
   stages, gate and up rows in one tile), uniform routing, beside the BF16 kernel: to retune ``grouped_config``.
 - ``mixed`` (decode sizes, M <= 4): the projections of nvidia/Qwen3.6-35B-A3B-NVFP4 whose parts mix BF16, FP8 and
   NVFP4 (the MoE block's router | shared gate | shared gate|up, the GDN in_proj qkv | z | b | a, attention q | k | v)
-  and the lone FP8 / few-row NVFP4 Linears, through the layers (``layers/mixed_projection.py``): the one-launch
-  mixed GEMV (``kernels/mixed_gemv.py``) beside the per-part path it replaces (``forward_parts``: a kernel per part,
-  FP8 as W8A8 with its activation quantization, then a concatenation), and beside one BF16 GEMM of the whole shape.
+  and the lone FP8 / few-row NVFP4 Linears, through the layers (``layers/mixed_projection.py``): the layer's own
+  path (``mixed``: the one-launch mixed GEMV of ``kernels/mixed_gemv.py`` where it applies, e.g. not for FP8 rows at
+  3-4 rows of x) beside the per-part path it replaces (``per part``: a kernel per part, FP8 as W8A8 with its
+  activation quantization, then a concatenation), and beside one BF16 GEMM of the whole shape.
 - ``fp8``: the FP8 per-tensor projections (``kernels/fp8_linear.py``: Triton quantization + tensor-wise
   ``_scaled_mm``): GDN in_proj_qkv (8192 x 2048), out_proj (2048 x 4096), attention k (512 x 2048), beside
   ``torch.mm`` in BF16.
