@@ -89,7 +89,7 @@ if [[ " $SECTIONS " == *" offload "* ]]; then
       "$OUT/offload_qwen36_dummy.json"
 fi
 if [[ " $SECTIONS " == *" nvfp4 "* ]]; then
-  timeout ${NVFP4_TEST_TIMEOUT:-400} python3 -m pytest -q -m gpu -p no:cacheprovider -rfs tests/test_nvfp4_linear.py \
+  timeout ${NVFP4_TEST_TIMEOUT:-400} python3 -m pytest -q -m gpu -p no:cacheprovider -rfs tests/test_nvfp4_linear.py tests/test_mixed_gemv.py \
       tests/test_nvfp4_moe.py tests/test_nvfp4_layers.py tests/test_fp8_linear.py tests/test_nvfp4_offload.py \
       tests/test_quantized_checkpoints.py 2>&1 | tee "$OUT/nvfp4_tests.log" | grep -E "passed|failed|error" | tail -25
   timeout ${NVFP4_BENCH_TIMEOUT:-500} python3 bench/nvfp4_kernel_bench.py --out "$OUT/nvfp4_kernels.json" 2>&1 \
