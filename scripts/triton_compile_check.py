@@ -1,0 +1,63 @@
+"""Compiles a Triton kernel for a GPU this machine does not have (default sm_90, the H200), to PTX and cubin with
+Triton's bundled ptxas: a type error between branches, a bad cast or a register-allocation failure shows here, before
+a GPU session spends minutes starting a machine to find it. The interpreter (TRITON_INTERPRET=1) checks what a
+kernel computes; this checks that the GPU compiler takes it.
+
+    python scripts/triton_compile_check.py freetoken.kernels.mixed_gemv:_mixed_gemv_kernel \\
+        --ptr x_ptr=*bf16,out_ptr=*bf16,d_ptr=*bf16,f_ptr=*u8,fs_ptr=*fp32,n_ptr=*i32,ns_ptr=*u8,ng_ptr=*fp32 \\
+        --const K=2048,BLOCK_M=1,BLOCK_N=16,BLOCK_K=256,NUM_STAGES=3
+
+Arguments not named in ``--ptr`` or ``--const`` are 32-bit integers. ``--const`` values are Python literals
+(``True``, ``64``). Prints the PTX size and the registers per thread; exits 1 if compiling fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import inspect
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _pairs(text: str) -> dict:
+    return dict(item.split("=", 1) for item in text.split(",") if item) if text else {}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("kernel", help="module:function, e.g. freetoken.kernels.mixed_gemv:_mixed_gemv_kernel")
+    p.add_argument("--ptr", default="", help="name=type pairs for pointer arguments (*bf16, *fp32, *i32, *u8, ...)")
+    p.add_argument("--const", default="", help="name=value pairs for constexpr arguments")
+    p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80, 89, 90")
+    a = p.parse_args(argv)
+    sys.path.insert(0, os.path.join(ROOT, "python"))
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    module, name = a.kernel.split(":")
+    fn = getattr(importlib.import_module(module), name)
+    names = list(inspect.signature(fn.fn).parameters)
+    consts = {k: ast.literal_eval(v) for k, v in _pairs(a.const).items()}
+    ptrs = _pairs(a.ptr)
+    unknown = (set(consts) | set(ptrs)) - set(names)
+    if unknown:
+        p.error(f"{name} has no argument(s) {sorted(unknown)}")
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+    try:
+        compiled = triton.compile(src, target=GPUTarget("cuda", a.arch, 32))
+    except Exception as e:  # the compiler's message is the point of the tool
+        print(f"{name} does not compile for sm_{a.arch}: {e}")
+        return 1
+    regs = getattr(compiled, "n_regs", None)
+    print(f"{name}: sm_{a.arch} PTX {len(compiled.asm['ptx'])} bytes" + (f", {regs} registers" if regs else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
