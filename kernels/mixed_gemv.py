@@ -297,10 +297,24 @@ def supports(rows: MixedRows) -> bool:
     return rows.K % 16 == 0
 
 
-def mixed_gemv_triton(x: torch.Tensor, rows: MixedRows, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+# where the kernel runs: auto (CUDA, small M), on (also on CPU: tests under the Triton interpreter), off
+MODES = ("auto", "on", "off")
+
+
+def use_mixed_gemv(x: torch.Tensor, rows: Optional[MixedRows], mode: str = "auto") -> bool:
+    """Whether ``x`` takes the kernel over ``rows``: at most ``rows.max_m`` rows (4; 2 with FP8 rows), shapes the
+    kernel takes, CUDA (``auto``) or anywhere (``on``). The one dispatch rule of the fused projections and the lone
+    quantized Linears."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mixed GEMV mode {mode!r} (one of {', '.join(MODES)})")
+    if rows is None or mode == "off" or x.numel() == 0 or not supports(rows):
+        return False
+    return x.numel() // x.shape[-1] <= rows.max_m and (mode == "on" or x.is_cuda)
+
+
+def mixed_gemv_triton(x: torch.Tensor, rows: MixedRows) -> torch.Tensor:
     """``mixed_gemv_torch``'s contract for ``x [..., K]`` with at most ``MAX_M`` rows; CUDA, or CPU under
-    TRITON_INTERPRET=1. ``out``: an ``[M, out_features]`` tensor to write (columns no block covers are left as
-    they are)."""
+    TRITON_INTERPRET=1."""
     assert triton is not None, "triton is not installed"
     K = rows.K
     x2 = x.reshape(-1, K)
@@ -308,8 +322,7 @@ def mixed_gemv_triton(x: torch.Tensor, rows: MixedRows, out: Optional[torch.Tens
         x2 = x2.contiguous()
     M = x2.shape[0]
     assert M <= MAX_M and supports(rows), (M, K)
-    if out is None:
-        out = torch.empty(M, rows.out_features, dtype=x.dtype, device=x.device)
+    out = torch.empty(M, rows.out_features, dtype=x.dtype, device=x.device)
     nd, nf, nn_ = rows.rows
     if M == 0 or nd + nf + nn_ == 0:
         return out.view(*x.shape[:-1], rows.out_features)

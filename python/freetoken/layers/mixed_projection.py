@@ -7,8 +7,9 @@ plain Linears, so names, ``state_dict()`` and bytes stay as loaded) and their sc
 It returns ``None`` where the kernel does not apply: a bias, a part pinned to an implementation (tests), a format
 whose parts are not contiguous in the output, an input size off the 16 grid.
 
-``use_mixed_gemv(x, rows)``: CUDA activations with at most ``rows.max_m`` rows (4; 2 when a part is FP8) take the
-kernel; larger batches (prefill, big decode batches) keep the per-part GEMMs, which run on tensor cores.
+``use_mixed_gemv(x, rows)`` (``kernels/mixed_gemv.py``, the lone quantized Linears' rule too): CUDA activations with
+at most ``rows.max_m`` rows (4; 2 when a part is FP8) take the kernel; larger batches (prefill, big decode batches)
+keep the per-part GEMMs, which run on tensor cores.
 """
 
 from __future__ import annotations
@@ -18,11 +19,10 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..kernels.mixed_gemv import MixedRows, supports
+from ..kernels.mixed_gemv import MixedRows, supports, use_mixed_gemv
 from .quantized_linear import Fp8Linear, Nvfp4Linear
 
-# where the decode kernel runs: auto (CUDA, small M), on (also on CPU: tests under the Triton interpreter), off
-MODES = ("auto", "on", "off")
+__all__ = ["mixed_rows", "use_mixed_gemv"]
 
 
 def _format(p: nn.Module) -> Optional[str]:
@@ -84,11 +84,3 @@ def _concat(group: list[nn.Module], name: str) -> torch.Tensor:
 def _per_row(group: list[nn.Module], name: str) -> torch.Tensor:
     """Each part's 0-d scale repeated over its output rows (fp32)."""
     return torch.cat([getattr(p, name).float().reshape(1).expand(p.out_features) for p in group]).contiguous()
-
-
-def use_mixed_gemv(x: torch.Tensor, rows: Optional[MixedRows], mode: str = "auto") -> bool:
-    if mode not in MODES:
-        raise ValueError(f"unknown mixed GEMV mode {mode!r} (one of {', '.join(MODES)})")
-    if rows is None or mode == "off" or x.numel() == 0:
-        return False
-    return x.numel() // x.shape[-1] <= rows.max_m and (mode == "on" or x.is_cuda)

@@ -26,8 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.fp8_linear import fp8_linear, fp8_linear_scaled_mm
-from ..kernels.mixed_gemv import MixedRows, mixed_gemv_triton
-from ..kernels.mixed_gemv import supports as mixed_supports
+from ..kernels.mixed_gemv import MixedRows, mixed_gemv_triton, use_mixed_gemv
 from ..kernels.nvfp4_linear import nvfp4_linear_triton
 from ..quant import fp8, nvfp4
 
@@ -37,11 +36,6 @@ IMPLS = ("auto", "torch", "triton")
 # GEMV is tuned for its 248,320 rows) takes the mixed GEMV at decode sizes: the same time alone on the H200 (2.7 us
 # at 1 row, 2026-12-02), but one launch where the GEMV splits K and adds a reduce, and launches add up in a decode step
 MIXED_MAX_ROWS = 16384
-
-
-def _decode_sized(x: torch.Tensor, rows: MixedRows) -> bool:
-    """At most ``rows.max_m`` rows of x, an input size the mixed GEMV takes."""
-    return 0 < x.numel() <= rows.max_m * rows.K and mixed_supports(rows)
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:
@@ -99,14 +93,14 @@ class Nvfp4Linear(QuantizedLinear):
         return nvfp4.dequantize(self.weight, self.weight_scale, self.weight_scale_2, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.impl == "auto" and x.is_cuda and self.bias is None and self.out_features < MIXED_MAX_ROWS:
+        if self.impl == "auto" and self.bias is None and self.out_features < MIXED_MAX_ROWS:
             rows = MixedRows(
                 self.in_features,
                 nvfp4_weight=self.weight,
                 nvfp4_scale=self.weight_scale,
                 nvfp4_global=self.weight_scale_2,
             )
-            if _decode_sized(x, rows):  # one launch where the GEMV splits K and adds a reduce
+            if use_mixed_gemv(x, rows):  # one launch where the GEMV splits K and adds a reduce
                 return mixed_gemv_triton(x, rows)
         if self.use_kernel(x):
             return nvfp4_linear_triton(x, self.weight, self.weight_scale, self.weight_scale_2, self.bias)
@@ -144,10 +138,10 @@ class Fp8Linear(QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.impl == "triton":  # pinned: the W8A8 kernel even where ``fp8_linear`` would pick the reference
             return fp8_linear_scaled_mm(x, self.weight, self.weight_scale, self.input_scale, self.bias)
-        if self.impl == "auto" and x.is_cuda and self.bias is None:
+        if self.impl == "auto" and self.bias is None:
             # one W8A16 launch: no activation quantization kernel, the reference's arithmetic
             rows = MixedRows(self.in_features, fp8_weight=self.weight, fp8_scale=self.weight_scale)
-            if _decode_sized(x, rows):
+            if use_mixed_gemv(x, rows):
                 return mixed_gemv_triton(x, rows)
         if self.use_kernel(x):
             return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, self.bias)
