@@ -53,6 +53,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MS = [1, 2, 4, 8, 16, 64, 256, 1024, 4096, 8192]
+SORTED_MAX_PAIRS = 512  # the MoE group times the decode GEMVs (per pair, sorted by expert) up to this many pairs
 L2_BYTES = 256 << 20  # cycle small weights through this many bytes of copies (H200 L2: 50 MiB)
 
 
@@ -331,7 +332,12 @@ def bench_moe(a, device, dtype, bw) -> list:
     import torch
 
     from freetoken.kernels.nvfp4_dequant import nvfp4_dequant_moe
-    from freetoken.kernels.nvfp4_moe import DECODE_MAX_PAIRS, nvfp4_fused_moe_triton, pick_nvfp4_block_m
+    from freetoken.kernels.nvfp4_moe import (
+        DECODE_MAX_PAIRS,
+        nvfp4_fused_moe_triton,
+        nvfp4_moe_decode_triton,
+        pick_nvfp4_block_m,
+    )
     from freetoken.layers.moe import run_experts
     from freetoken.layers.nvfp4_experts import DEQUANT_MIN_PAIRS, run_nvfp4_experts
 
@@ -355,6 +361,16 @@ def bench_moe(a, device, dtype, bw) -> list:
                 t = time_calls(cycled(lambda r: run_nvfp4_experts(x, bank, *r), routes, reps), device)
                 rows.append(row("moe", name, T, t, nbytes, flops, bw, t_bf16, distinct_experts=distinct))
                 continue
+            if T * k <= SORTED_MAX_PAIRS:  # the decode GEMVs past their cut: per pair, and sorted by expert
+                gemv_paths = [("gemv per pair", 0)] + [(f"gemv sorted bm{m}", m) for m in (1, 2, 4)]
+                for label, m in gemv_paths:
+                    t = time_calls(
+                        cycled(lambda r: nvfp4_moe_decode_triton(x, *bank, *r, gate_up_block_m=m), routes, reps),
+                        device,
+                    )
+                    rows.append(
+                        row("moe", f"{name} {label}", T, t, nbytes, flops, bw, t_bf16, distinct_experts=distinct)
+                    )
             # every grouped path, each timed by itself; * marks the one run_nvfp4_experts takes at this size
             picked_dequant = T * k >= DEQUANT_MIN_PAIRS
             bm = pick_nvfp4_block_m(T * k, E)
