@@ -20,7 +20,11 @@ in the same layout: ``topk_ids`` are then slot ids, as for the BF16 decode kerne
   running the k pairs one after another (unrolled: their loads are all in flight together), weighting and summing
   in fp32, the shared expert's gated output added in the epilogue -> ``out [T, H]``. A pair whose id is outside the
   bank reads nothing (its loads are masked off): CUDA-graph padding rows and the offload slot cache's misses cost
-  no bandwidth.
+  no bandwidth. The shared expert comes as its output, or (``shared_down_nvfp4``, an NVFP4 checkpoint's shared
+  expert) as its gate|up projection ``[T, 2Is]`` and NVFP4 down weight ``[H, Is]``: the epilogue then runs its
+  SiLU-and-mul and down GEMV for the program's rows (the same word decoding), which saves the block the two
+  launches per layer of a separate ``silu_and_mul`` and ``Nvfp4Linear``; it rounds where those two do (the SiLU,
+  its product with up, the GEMV's output after its global scale).
 - ``nvfp4_fused_moe_triton`` (mid-sized steps; modelled on ``fused_moe.py``; from ``DEQUANT_MIN_PAIRS`` pairs
   ``layers/nvfp4_experts`` dequantizes the bank instead, ``nvfp4_dequant.py``): the pairs sorted by expert and padded
   to the block size (``moe_align_block_size``; ids outside the bank go to a dummy expert whose blocks write zeros),
@@ -178,6 +182,44 @@ if triton is not None:
         return (ev >= 0) & (ev < num_slots)
 
     @triton.jit
+    def _nvfp4_shared_down(
+        gu_row, w_ptr, s_ptr, g_ptr, stride_w, stride_s, stride_g, offs_n, n_mask,
+        DT: tl.constexpr, IS: tl.constexpr, EVEN_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_WS: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
+    ):  # fmt: skip
+        """Rows ``offs_n`` of the shared expert's output for one token: its NVFP4 down GEMV over
+        ``silu_and_mul(gate|up)`` (``gu_row [2 * IS]``), rounded where the separate launches round (the SiLU, its
+        product with up, the GEMV's output: ``silu_and_mul`` and ``Nvfp4Linear``), in fp32."""
+        NBS: tl.constexpr = BLOCK_WS // 2
+        offs_w = tl.arange(0, BLOCK_WS)
+        offs_s = tl.arange(0, NBS)
+        offs_x = tl.arange(0, 8 * BLOCK_WS)
+        rows = offs_n[:, None].to(tl.int64)
+        w_rows = w_ptr + rows * stride_w + offs_w[None, :]
+        s_rows = s_ptr + rows * stride_s + offs_s[None, :]
+        acc = tl.zeros((BLOCK_N, NBS), dtype=tl.float32)
+        for kw0 in tl.range(0, IS // 8, BLOCK_WS, num_stages=NUM_STAGES):
+            if EVEN_S:
+                g = tl.load(gu_row + 8 * kw0 + offs_x).to(tl.float32)
+                u = tl.load(gu_row + IS + 8 * kw0 + offs_x).to(tl.float32)
+                w = tl.load(w_rows + kw0)
+                s = tl.load(s_rows + kw0 // 2)
+            else:
+                x_mask = (8 * kw0 + offs_x) < IS
+                g = tl.load(gu_row + 8 * kw0 + offs_x, mask=x_mask, other=0.0).to(tl.float32)
+                u = tl.load(gu_row + IS + 8 * kw0 + offs_x, mask=x_mask, other=0.0).to(tl.float32)
+                w = tl.load(w_rows + kw0, mask=n_mask[:, None] & ((kw0 + offs_w) < IS // 8)[None, :], other=0)
+                s = tl.load(
+                    s_rows + kw0 // 2, mask=n_mask[:, None] & ((kw0 // 2 + offs_s) < IS // 16)[None, :], other=0
+                )
+            # SiLU-and-mul recomputed by each program of the token (2 * IS values: cheaper than a launch)
+            act = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32)
+            act = (act * u).to(DT).to(tl.float32)
+            acc += gemv_step(w, s, act, BLOCK_N, BLOCK_WS)
+        glob = tl.load(g_ptr + offs_n * stride_g, mask=n_mask, other=0.0)
+        return (tl.sum(acc, 1) * glob).to(DT).to(tl.float32)
+
+    @triton.jit
     def _nvfp4_decode_down_kernel(
         inter_ptr,  # fp32 [T*k, 8, I/8], from the gate_up kernel
         w_ptr,  # int32 words [S, H, I/8]
@@ -186,8 +228,11 @@ if triton is not None:
         ids_ptr,  # [T*k]
         wts_ptr,  # [T*k] routing weights, any float dtype
         out_ptr,  # [T, H]
-        shared_ptr,  # SHARED: the shared expert's output [T, H]
-        shared_gate_ptr,  # SHARED: its gate logit, [T] strided
+        shared_ptr,  # SHARED 1: the shared expert's output [T, H]; SHARED 2: its gate|up [T, 2 * IS]
+        sd_w_ptr,  # SHARED 2: the shared expert's NVFP4 down projection, int32 words [H, IS/8]
+        sd_s_ptr,  # SHARED 2: its block scale bytes [H, IS/16]
+        sd_g_ptr,  # SHARED 2: its global scale, fp32 [H] (stride_sdg 0: one for all rows)
+        shared_gate_ptr,  # SHARED 1, 2: its gate logit, [T] strided
         num_slots,
         stride_we,
         stride_wn,
@@ -196,14 +241,20 @@ if triton is not None:
         stride_ge,
         stride_ot,
         stride_st,
+        stride_sdw,
+        stride_sds,
+        stride_sdg,
         stride_gt,
         H: tl.constexpr,
         I: tl.constexpr,
+        IS: tl.constexpr,
         TOPK: tl.constexpr,
-        SHARED: tl.constexpr,
+        SHARED: tl.constexpr,  # 0: none, 1: output given, 2: computed from gate|up and the NVFP4 down weight
         EVEN: tl.constexpr,  # H a multiple of BLOCK_N and I of 8 * BLOCK_W: no masks
+        EVEN_S: tl.constexpr,  # H a multiple of BLOCK_N and IS of 8 * BLOCK_WS: no masks in the shared GEMV
         BLOCK_N: tl.constexpr,
         BLOCK_W: tl.constexpr,
+        BLOCK_WS: tl.constexpr,  # words of a shared down row per step
         NUM_STAGES: tl.constexpr,
     ):
         dt = out_ptr.dtype.element_ty
@@ -244,10 +295,16 @@ if triton is not None:
             rw = tl.load(wts_ptr + pair).to(dt).to(tl.float32)
             out += tl.where(valid, (d * rw).to(dt).to(tl.float32), 0.0)
         out = out.to(dt).to(tl.float32)
-        if SHARED:  # as ``out + torch.sigmoid(g) * s``: each step rounded
+        if SHARED != 0:  # as ``out + torch.sigmoid(g) * s``: each step rounded
             logit = tl.load(shared_gate_ptr + t * stride_gt).to(tl.float32)
             sg = (1.0 / (1.0 + tl.exp(-logit))).to(dt).to(tl.float32)
-            s = tl.load(shared_ptr + t * stride_st + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            if SHARED == 1:
+                s = tl.load(shared_ptr + t * stride_st + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            else:
+                s = _nvfp4_shared_down(
+                    shared_ptr + t * stride_st, sd_w_ptr, sd_s_ptr, sd_g_ptr, stride_sdw, stride_sds, stride_sdg,
+                    offs_n, n_mask, dt, IS, EVEN_S, BLOCK_N, BLOCK_WS, NUM_STAGES,
+                )  # fmt: skip
             out = out + (sg * s).to(dt).to(tl.float32)
         tl.store(out_ptr + t * stride_ot + offs_n, out.to(dt), mask=n_mask)
 
@@ -272,20 +329,48 @@ def _scale_bytes(scale: torch.Tensor) -> torch.Tensor:
 
 
 def _shared_output(shared, shared_gate, shared_gate_up, shared_down) -> Optional[torch.Tensor]:
-    """The shared expert's output for the epilogue: given, or computed here from its gate|up projection and a
-    plain down weight (an NVFP4 shared expert's down projection runs as its own layer, so the block hands over its
-    output)."""
+    """The shared expert's output for the epilogue when it is not computed there: given, or computed here from its
+    gate|up projection and a plain down weight."""
     if shared is not None or shared_gate_up is None:
         return shared
     return F.linear(silu_and_mul_torch(shared_gate_up), shared_down)
 
 
+def _shared_operands(out, shared, shared_gate, shared_gate_up, shared_down, shared_down_nvfp4) -> dict:
+    """The down kernel's shared-expert operands: ``SHARED`` 0 (none), 1 (its output, given or computed here) or 2
+    (its gate|up and NVFP4 down weight: the down GEMV in the epilogue), with strides; ``out`` stands in for operands
+    never read."""
+    T, H = out.shape
+    ops = dict(mode=0, Is=16, src=out, sd_w=out, sd_s=out, sd_g=out, gate=out, strides=(0, 0, 0, 0, 0))
+    if shared_down_nvfp4 is not None and (shared is not None or shared_down is not None or shared_gate_up is None):
+        raise ValueError("an NVFP4 shared down weight goes with shared_gate_up only (not shared / shared_down)")
+    if (shared is not None or shared_gate_up is not None) != (shared_gate is not None):
+        raise ValueError("shared_gate goes with a shared expert term, and only with one")
+    if shared_gate is None:
+        return ops
+    gate = shared_gate.reshape(T, -1)
+    if shared_down_nvfp4 is None:
+        src = _shared_output(shared, shared_gate, shared_gate_up, shared_down)
+        src = src if src.stride(-1) == 1 else src.contiguous()
+        return dict(ops, mode=1, src=src, gate=gate, strides=(src.stride(0), 0, 0, 0, gate.stride(0)))
+    d = shared_down_nvfp4
+    src = shared_gate_up if shared_gate_up.stride(-1) == 1 else shared_gate_up.contiguous()
+    sd_w, sd_s, sd_g = _words(d.packed), _scale_bytes(d.scale), d.scale_2.reshape(-1)  # [1] (one) or [H]
+    Is = sd_w.shape[1] * 8
+    assert sd_w.shape[0] == H and src.shape[1] == 2 * Is and sd_g.numel() in (1, H), "shared expert shapes differ"
+    strides = (src.stride(0), sd_w.stride(0), sd_s.stride(0), sd_g.stride(0) if sd_g.numel() > 1 else 0, gate.stride(0))
+    return dict(mode=2, Is=Is, src=src, sd_w=sd_w, sd_s=sd_s, sd_g=sd_g, gate=gate, strides=strides)
+
+
 def nvfp4_moe_decode_triton(
     x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_ids, topk_weights,
-    shared=None, shared_gate=None, shared_gate_up=None, shared_down=None,
+    shared=None, shared_gate=None, shared_gate_up=None, shared_down=None, shared_down_nvfp4=None,
 ) -> torch.Tensor:  # fmt: skip
     """Same contract as ``nvfp4_moe_torch`` plus ``moe_decode``'s shared-expert term (``out + sigmoid(shared_gate)
-    * shared``); for decode-sized steps. CUDA, or CPU under TRITON_INTERPRET=1."""
+    * s``), ``s`` the shared expert's output: ``shared [T, H]``, or computed from its ``shared_gate_up [T, 2Is]`` and
+    either a plain ``shared_down [H, Is]`` (here, in torch) or ``shared_down_nvfp4`` (an ``nvfp4.Nvfp4Tensor``:
+    packed ``[H, Is/2]``, block scales ``[H, Is/16]``, global scale ``[]`` or ``[H]``; in the down kernel's
+    epilogue). For decode-sized steps. CUDA, or CPU under TRITON_INTERPRET=1."""
     assert triton is not None, "triton is not installed"
     T, H = x.shape
     S, two_i, _ = w13.shape
@@ -303,16 +388,15 @@ def nvfp4_moe_decode_triton(
         w13s.stride(1), w13_global.stride(0), H=H, I=I, TOPK=k, EVEN=I % bn == 0 and H % (8 * bw) == 0,
         BLOCK_N=bn, BLOCK_W=bw, NUM_STAGES=_NUM_STAGES, num_warps=4,
     )  # fmt: skip
-    s_out = _shared_output(shared, shared_gate, shared_gate_up, shared_down)
-    gate = shared_gate.reshape(T, -1) if shared_gate is not None else out  # never read without SHARED
-    if s_out is not None and s_out.stride(-1) != 1:
-        s_out = s_out.contiguous()
-    src = s_out if s_out is not None else out
+    ops = _shared_operands(out, shared, shared_gate, shared_gate_up, shared_down, shared_down_nvfp4)
+    Is = ops["Is"]
     bn, bw = _decode_blocks(H, T, I)
+    bws = max(4, min(64, triton.next_power_of_2(Is // 8)))  # as ``_decode_blocks`` picks the routed step
     _nvfp4_decode_down_kernel[(T, triton.cdiv(H, bn))](
-        inter, w2w, w2s, w2_global, ids, wts, out, src, gate, S, w2w.stride(0), w2w.stride(1), w2s.stride(0),
-        w2s.stride(1), w2_global.stride(0), out.stride(0), src.stride(0), gate.stride(0), H=H, I=I, TOPK=k,
-        SHARED=s_out is not None, EVEN=H % bn == 0 and I % (8 * bw) == 0, BLOCK_N=bn, BLOCK_W=bw,
+        inter, w2w, w2s, w2_global, ids, wts, out, ops["src"], ops["sd_w"], ops["sd_s"], ops["sd_g"], ops["gate"],
+        S, w2w.stride(0), w2w.stride(1), w2s.stride(0), w2s.stride(1), w2_global.stride(0), out.stride(0),
+        *ops["strides"], H=H, I=I, IS=Is, TOPK=k, SHARED=ops["mode"], EVEN=H % bn == 0 and I % (8 * bw) == 0,
+        EVEN_S=H % bn == 0 and Is % (8 * bws) == 0, BLOCK_N=bn, BLOCK_W=bw, BLOCK_WS=bws,
         NUM_STAGES=_NUM_STAGES, num_warps=4,
     )  # fmt: skip
     return out

@@ -1,9 +1,11 @@
 """NVFP4 MoE kernels (``kernels/nvfp4_moe.py``) vs their torch reference, over the bank layout of
-``layers/nvfp4_experts.py``: the decode GEMVs (shared expert given or computed, ids outside the bank, CUDA-graph
-padding rows, strided x), the grouped prefill kernels (skewed routing, empty experts, ids outside the bank), a slot
-pool in the same layout indexed by slot ids (the offload cache's use) equal to the resident bank indexed by expert ids,
-and ``Nvfp4Experts``' dispatch. CPU under TRITON_INTERPRET=1 (tiny shapes, in a subprocess), CUDA under the ``gpu``
-marker (Qwen3.6-35B-A3B: 256 experts of 2 x 512 x 2048 and 2048 x 512, top-8; a sweep of T and expert counts).
+``layers/nvfp4_experts.py``: the decode GEMVs (shared expert given or computed, its NVFP4 down projection in the
+epilogue, ids outside the bank, CUDA-graph padding rows, strided x), the grouped prefill kernels (skewed routing, empty
+experts, ids outside the bank), a slot pool in the same layout indexed by slot ids (the offload cache's use) equal to
+the resident bank indexed by expert ids, ``Nvfp4Experts``' dispatch, and a ``SparseMoeBlock`` that folds its NVFP4
+shared expert's SiLU-and-mul and down projection into the experts' decode kernel equal to one that does not. CPU
+under TRITON_INTERPRET=1 (tiny shapes, in a subprocess), CUDA under the ``gpu`` marker (Qwen3.6-35B-A3B: 256
+experts of 2 x 512 x 2048 and 2048 x 512, top-8, a shared expert of 512; a sweep of T and expert counts).
 
 References: the decode kernels against ``moe_decode_torch`` over the dequantized bank (the same contract, shared
 term included), the grouped kernels against ``nvfp4_moe_torch``. Error: max |out - ref| / (1 + |ref|); the
@@ -15,8 +17,10 @@ import textwrap
 
 import pytest
 import torch
-from nvfp4_cases import dequantized_bank, error, random_bank
+from nvfp4_cases import dequantized_bank, error, random_bank, random_weight
 from triton_interpreter import run_under_interpreter
+
+from freetoken.quant import nvfp4
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,17 +48,38 @@ def _routing(T, S, k, g, invalid=False, padding_row=False, skew=False):
     return ids, w / w.sum(-1, keepdim=True)
 
 
-def _shared_kw(shared, T, H, dtype, device, g):
+def _shared_kw(shared, T, H, dtype, device, g, Is=None):
+    """The shared-expert arguments: None, "output" (given), "expert" (gate|up and a plain down weight), "nvfp4"
+    (gate|up and an NVFP4 down weight with one global scale, as ``Nvfp4Linear`` has it) or "nvfp4_rows" (a global
+    scale per row)."""
     if shared is None:
         return {}
-    y = torch.randn(T, 1 + 2 * 24, generator=g).to(device, dtype)  # [gate logit | gate|up] of a fused projection
+    Is = Is or (24 if shared == "expert" else 32)
+    y = torch.randn(T, 1 + 2 * Is, generator=g).to(device, dtype)  # [gate logit | gate|up] of a fused projection
     if shared == "output":
         return dict(shared=torch.randn(T, H, generator=g).to(device, dtype), shared_gate=y[:, :1])
-    down = (torch.randn(H, 24, generator=g) / 24**0.5).to(device, dtype)
-    return dict(shared_gate=y[:, :1], shared_gate_up=y[:, 1:], shared_down=down)
+    if shared == "expert":
+        down = (torch.randn(H, Is, generator=g) / Is**0.5).to(device, dtype)
+        return dict(shared_gate=y[:, :1], shared_gate_up=y[:, 1:], shared_down=down)
+    packed, scale, scale_2 = random_weight(H, Is, int(torch.randint(0, 1000, (), generator=g)), device=device)
+    if shared == "nvfp4_rows":
+        scale_2 = (scale_2 * (torch.rand(H, generator=g) + 0.5).to(device)).contiguous()
+    return dict(
+        shared_gate=y[:, :1], shared_gate_up=y[:, 1:], shared_down_nvfp4=nvfp4.Nvfp4Tensor(packed, scale, scale_2)
+    )
 
 
-def check_decode(T, S, k, H, I, dtype, device, shared=None, seed=0, strided_x=False, **routing):
+def _reference_kw(kw, dtype):
+    """``moe_decode_torch``'s arguments for ``kw``: an NVFP4 shared down weight dequantized to x's dtype
+    (``Nvfp4Linear``'s reference)."""
+    kw = dict(kw)
+    d = kw.pop("shared_down_nvfp4", None)
+    if d is not None:
+        kw["shared_down"] = nvfp4.dequantize(d.packed, d.scale, d.scale_2, dtype)
+    return kw
+
+
+def check_decode(T, S, k, H, I, dtype, device, shared=None, seed=0, strided_x=False, Is=None, **routing):
     from freetoken.kernels.moe_decode import moe_decode_torch
     from freetoken.kernels.nvfp4_moe import nvfp4_moe_decode_triton
 
@@ -63,9 +88,9 @@ def check_decode(T, S, k, H, I, dtype, device, shared=None, seed=0, strided_x=Fa
     x = torch.randn(T, H + 8 if strided_x else H, generator=g)[:, :H].to(device, dtype)
     ids, w = _routing(T, S, k, g, **routing)
     ids, w = ids.to(device), w.to(device)
-    kw = _shared_kw(shared, T, H, dtype, device, g)
+    kw = _shared_kw(shared, T, H, dtype, device, g, Is)
     out = nvfp4_moe_decode_triton(x, *bank, ids, w, **kw)
-    ref = moe_decode_torch(x, *dequantized_bank(bank, dtype), ids, w, **kw)
+    ref = moe_decode_torch(x, *dequantized_bank(bank, dtype), ids, w, **_reference_kw(kw, dtype))
     err = error(out, ref)
     assert err <= _TOL[dtype][device == "cuda"], ("decode", T, S, k, H, I, dtype, shared, err)
     return err
@@ -160,13 +185,78 @@ def check_module(T, dtype, device, shared="output", seed=0):
     kw = _shared_kw(shared, T, H, dtype, device, g)
     term = None
     if shared is not None:
-        term = SharedExpertTerm(kw["shared_gate"], kw.get("shared"), kw.get("shared_gate_up"), kw.get("shared_down"))
+        term = SharedExpertTerm(
+            kw["shared_gate"], kw.get("shared"), kw.get("shared_gate_up"), kw.get("shared_down"),
+            kw.get("shared_down_nvfp4"),
+        )  # fmt: skip
     ex.impl = "triton" if device == "cpu" else "auto"
     out = ex(x, ids, w, term)
     ex.impl = "torch"
     ref = ex(x, ids, w, term)
     err = error(out, ref)
     assert err <= 2 * _TOL[dtype][device == "cuda"], ("module", T, dtype, shared, err)
+    return err
+
+
+def _nvfp4_block(H, E, k, I, Is, dtype, device, seed=0):
+    """A Qwen3.5-MoE block as an NVFP4 checkpoint builds it: NVFP4 routed experts and shared expert projections
+    (``Nvfp4Linear``), the router and the shared expert's gate in x's dtype; projections fused."""
+    from freetoken.layers.moe import SparseMoeBlock
+    from freetoken.layers.nvfp4_experts import Nvfp4Experts
+    from freetoken.layers.quantized_linear import Nvfp4Linear
+    from freetoken.models.base import ModelConfig
+
+    cfg = dict(hidden_size=H, num_experts=E, num_experts_per_tok=k, moe_intermediate_size=I)
+    blk = SparseMoeBlock(
+        ModelConfig.from_dict(dict(cfg, model_type="qwen3_5_moe_text", shared_expert_intermediate_size=Is))
+    )
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in (blk.gate.weight, blk.shared_expert_gate.weight):
+            p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    blk.to(device, dtype)  # before the quantized parts join: ``.to(dtype)`` would cast their E4M3 scales
+    ex = Nvfp4Experts(E, H, I, device=device)
+    with torch.no_grad():
+        for p, t in zip(ex.bank(), random_bank(E, H, I, seed, device=device)):
+            p.copy_(t)
+    blk.experts = ex
+    se = blk.shared_expert
+    for i, (name, n, kk) in enumerate((("gate_proj", Is, H), ("up_proj", Is, H), ("down_proj", H, Is))):
+        lin = Nvfp4Linear(kk, n, dtype=dtype, device=device)
+        with torch.no_grad():
+            for p, t in zip((lin.weight, lin.weight_scale, lin.weight_scale_2), random_weight(n, kk, seed + 1 + i)):
+                p.copy_(t)
+        setattr(se, name, lin)
+    blk.fuse_projections()  # [router | shared gate | shared gate|up]: the fold needs the gate|up as one tensor
+    return blk
+
+
+def check_block(T, dtype, device, seed=0, H=64, E=10, k=4, I=32, Is=48):
+    """``SparseMoeBlock`` with NVFP4 experts and shared expert: the shared expert's SiLU-and-mul and NVFP4 down
+    projection folded into the experts' decode kernel (decode-sized steps) against the same block computing them
+    itself (``computes_nvfp4_shared_down`` off). Experts on the kernels (``impl`` triton on CPU, auto on CUDA) or,
+    with ``device == "torch"``, on the torch reference on the CPU, where the two must be equal bit for bit."""
+    on_torch = device == "torch"
+    device = "cpu" if on_torch else device
+    blk = _nvfp4_block(H, E, k, I, Is, dtype, device, seed)
+    blk.experts.impl = "torch" if on_torch else "triton" if device == "cpu" else "auto"
+    terms = []
+    forward = blk.experts.forward
+    blk.experts.forward = lambda x, ids, w, shared=None: terms.append(shared) or forward(x, ids, w, shared)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(seed + 1)).to(device, dtype)
+    with torch.no_grad():
+        out = blk(x)
+        blk.experts.computes_nvfp4_shared_down = False
+        ref = blk(x)
+    folded, unfolded = terms
+    fold = T * k <= 64  # DECODE_MAX_PAIRS: larger steps compute the shared expert as before
+    assert (folded.down_nvfp4 is not None) == fold and (folded.output is None) == fold, T
+    assert unfolded.down_nvfp4 is None and unfolded.output is not None
+    if on_torch:
+        assert torch.equal(out, ref), T
+        return 0.0
+    err = error(out, ref)
+    assert err <= _TOL[dtype][device == "cuda"], ("block", T, dtype, err)
     return err
 
 
@@ -189,6 +279,11 @@ _CPU_SCRIPT = textwrap.dedent(
         note("decode " + key, t.check_decode(3, 9, 4, 48, 32, dt, "cpu", "output", invalid=True, strided_x=True))
         note("decode " + key, t.check_decode(4, 8, 3, 64, 48, dt, "cpu", "expert", padding_row=True))
         note("decode " + key, t.check_decode(2, 5, 2, 512, 64, dt, "cpu"))  # several K steps, H even
+        # the shared expert's NVFP4 down projection in the epilogue: one global scale, masked (Is = 48: no power of
+        # two), several K steps (Is = 1024), a global per row with a strided x
+        note("decode nvfp4 shared " + key, t.check_decode(3, 9, 4, 48, 32, dt, "cpu", "nvfp4", Is=48, invalid=True))
+        note("decode nvfp4 shared " + key, t.check_decode(2, 6, 2, 64, 32, dt, "cpu", "nvfp4", Is=1024))
+        note("decode nvfp4 shared " + key, t.check_decode(4, 8, 3, 48, 48, dt, "cpu", "nvfp4_rows", strided_x=True))
     for dt in (f32, f16):
         key = str(dt).split(".")[-1]
         note("grouped " + key, t.check_grouped(9, 6, 2, 48, 32, dt, "cpu", invalid=True))
@@ -207,6 +302,10 @@ _CPU_SCRIPT = textwrap.dedent(
     t.check_slot_pool(3, 4, f32, "cpu")
     t.check_slot_pool(20, 4, f32, "cpu")
     note("module float32", t.check_module(2, f32, "cpu", "expert"))
+    note("module float32", t.check_module(2, f32, "cpu", "nvfp4"))
+    for dt in (f32, f16):  # the fold in a block: the decode kernel (T = 1, 3) and, past the cut, as before (T = 20)
+        for T in (1, 3, 20):
+            note("block " + str(dt).split(".")[-1], t.check_block(T, dt, "cpu"))
     note("module float32", t.check_module(20, f32, "cpu", "output"))  # 80 pairs: grouped, shared added after
     import freetoken.layers.nvfp4_experts as nx
     nx.DEQUANT_MIN_PAIRS = 80  # the same module step through the dequantized bank
@@ -220,6 +319,14 @@ _CPU_SCRIPT = textwrap.dedent(
 
 def test_nvfp4_moe_interpreter_cpu():
     run_under_interpreter(_CPU_SCRIPT, timeout=1200)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 3, 20])  # 20 x top-4 = 80 pairs: past the cut, no fold
+def test_block_folds_the_nvfp4_shared_down_on_the_reference(T, dtype):
+    """On the torch reference the folded block (``SharedExpertTerm.add_to`` with the NVFP4 down weight) equals the
+    block running its shared expert itself, bit for bit."""
+    check_block(T, dtype, "torch")
 
 
 def test_module_runs_the_reference_on_cpu(monkeypatch):
@@ -250,10 +357,29 @@ QWEN = dict(k=8, H=2048, I=512)
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("shared", [None, "output", "expert"])
+@pytest.mark.parametrize("shared", [None, "output", "expert", "nvfp4"])
 @pytest.mark.parametrize("T", [1, 2, 8])  # 8 x top-8 = DECODE_MAX_PAIRS
 def test_decode_cuda_qwen(T, shared):
-    check_decode(T, 256, dtype=torch.bfloat16, device="cuda", shared=shared, seed=T, **QWEN)
+    check_decode(T, 256, dtype=torch.bfloat16, device="cuda", shared=shared, seed=T, Is=512, **QWEN)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shared", ["nvfp4", "nvfp4_rows"])
+def test_decode_cuda_nvfp4_shared_shapes(shared, dtype):
+    """The shared expert's NVFP4 down GEMV in the epilogue off the Qwen shapes: masked rows and columns."""
+    check_decode(5, 64, 4, 208, 80, dtype, "cuda", shared=shared, Is=48, strided_x=True)
+    check_decode(3, 32, 8, 1024, 256, dtype, "cuda", shared=shared, Is=1024, invalid=True)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("T", [1, 4, 8, 16])  # 16 x top-8: past the cut, the shared expert as before
+def test_block_folds_the_nvfp4_shared_down_cuda(T):
+    """At Qwen3.6's shapes the folded block equals the block running its shared expert as its own launches (the
+    mixed GEMV / W4A16 kernel)."""
+    check_block(T, torch.bfloat16, "cuda", seed=T, H=2048, E=256, k=8, I=512, Is=512)
 
 
 @pytest.mark.gpu
@@ -342,8 +468,9 @@ def test_slot_pool_and_module_cuda():
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("shared", ["output", "nvfp4"])  # given, or its NVFP4 down projection in the epilogue
 @pytest.mark.parametrize("T", [2, 16])  # decode GEMVs (shared fused) and the grouped kernels (128 pairs)
-def test_nvfp4_moe_cuda_graph(T):
+def test_nvfp4_moe_cuda_graph(T, shared):
     """Captured once, replayed with new inputs and routing (ids outside the bank included)."""
     from freetoken.layers.moe import SharedExpertTerm
     from freetoken.layers.nvfp4_experts import run_nvfp4_experts
@@ -355,6 +482,9 @@ def test_nvfp4_moe_cuda_graph(T):
     ids = torch.zeros(T, k, dtype=torch.int64, device="cuda")
     w = torch.zeros(T, k, device="cuda")
     term = SharedExpertTerm(s_gate, output=s_out)
+    if shared == "nvfp4":  # s_out's first 2 * 512 columns stand for the shared gate|up
+        down = nvfp4.Nvfp4Tensor(*random_weight(H, 512, 3, plain_scales=True, device="cuda"))
+        term = SharedExpertTerm(s_gate, gate_up=s_out[:, : 2 * 512], down_nvfp4=down)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

@@ -20,7 +20,8 @@ The seam for expert placement
 -----------------------------
 ``SparseMoeBlock.experts`` is an ``ExpertsBackend``: a module with ``forward(x [T, H], topk_ids [T, k],
 topk_weights [T, k], shared=None) -> [T, H]`` (the weighted sum over the k routed experts, plus the block's shared
-expert when it hands one over as a ``SharedExpertTerm``) and ``load_expert_weight(name, tensor)``. ``FusedExperts``
+expert when it hands one over as a ``SharedExpertTerm``; an NVFP4 shared down projection only to a backend with
+``computes_nvfp4_shared_down``, at decode sizes) and ``load_expert_weight(name, tensor)``. ``FusedExperts``
 keeps every expert resident on the device and runs either the torch reference (loop over experts hit) or, picked
 automatically on CUDA, Triton: the decode GEMVs (``freetoken.kernels.moe_decode``, which also add the shared expert
 in their epilogue) for decode-sized steps, the grouped kernel (``freetoken.kernels.fused_moe``) above them.
@@ -43,9 +44,12 @@ from ..kernels.activation import silu_and_mul
 from ..kernels.fused_moe import fused_moe_torch
 from ..kernels.moe_decode import MAX_PAIRS as DECODE_MAX_PAIRS
 from ..kernels.moe_routing import topk_softmax
+from ..kernels.nvfp4_moe import DECODE_MAX_PAIRS as NVFP4_DECODE_MAX_PAIRS
 from ..loading.copy_weight import copy_weight
 from ..moe import bench_routing
+from ..quant import nvfp4
 from .fused_linear import FusedLinear, fuse_linears
+from .quantized_linear import Nvfp4Linear
 
 # "auto" = triton on CUDA, torch elsewhere; tests and benchmarks can pin one.
 _DEFAULT_IMPL = "auto"
@@ -62,23 +66,39 @@ def resolve_moe_impl(impl: str, x: torch.Tensor) -> str:
 class SharedExpertTerm:
     """A block's shared expert, handed to its experts backend so that the decode kernel can add it in its epilogue:
     ``sigmoid(gate_logit) * s``, ``s`` the shared expert's output, either given (``output [T, H]``) or still to be
-    computed from its gate|up projection (``gate_up [T, 2Is]``, ``down_weight [H, Is]``: ``s = down(silu_and_mul(
-    gate_up))``, which the kernel then does too). Tensors may be column views of the block's fused projection."""
+    computed from its gate|up projection (``gate_up [T, 2Is]`` and its down weight: ``s = down(silu_and_mul(
+    gate_up))``, which the kernel then does too). The down weight is ``down_weight [H, Is]`` in x's dtype, or
+    ``down_nvfp4`` (packed codes, block scales and global scale of an ``Nvfp4Linear``), which only NVFP4 experts
+    backends take (``computes_nvfp4_shared_down``). Tensors may be column views of the block's fused projection."""
 
     gate_logit: torch.Tensor  # [T, 1]
     output: Optional[torch.Tensor] = None
     gate_up: Optional[torch.Tensor] = None
     down_weight: Optional[torch.Tensor] = None
+    down_nvfp4: Optional[nvfp4.Nvfp4Tensor] = None
 
     def add_to(self, routed: torch.Tensor) -> torch.Tensor:
         """``routed + sigmoid(gate_logit) * s`` in torch ops (the block's own formula)."""
-        s = self.output if self.output is not None else F.linear(silu_and_mul(self.gate_up), self.down_weight)
-        return routed + torch.sigmoid(self.gate_logit) * s
+        return routed + torch.sigmoid(self.gate_logit) * self.shared_output()
+
+    def shared_output(self) -> torch.Tensor:
+        """``s``: given, or computed in torch ops (an NVFP4 down weight as ``Nvfp4Linear``'s reference: dequantized
+        to x's dtype, then one matmul)."""
+        if self.output is not None:
+            return self.output
+        down = self.down_weight
+        if self.down_nvfp4 is not None:
+            d = self.down_nvfp4
+            down = nvfp4.dequantize(d.packed, d.scale, d.scale_2, self.gate_up.dtype)
+        return F.linear(silu_and_mul(self.gate_up), down)
 
     def kernel_args(self) -> dict:
-        """The shared-expert arguments of ``moe_decode``."""
+        """The shared-expert arguments of ``moe_decode`` (and of ``nvfp4_moe_decode_triton``, which alone takes
+        ``shared_down_nvfp4``)."""
         if self.output is not None:
             return dict(shared=self.output, shared_gate=self.gate_logit)
+        if self.down_nvfp4 is not None:
+            return dict(shared_gate=self.gate_logit, shared_gate_up=self.gate_up, shared_down_nvfp4=self.down_nvfp4)
         return dict(shared_gate=self.gate_logit, shared_gate_up=self.gate_up, shared_down=self.down_weight)
 
 
@@ -140,6 +160,9 @@ class ExpertsBackend(nn.Module):
     """Where routed experts live and how they run. See the module docstring."""
 
     num_experts: int
+    # whether ``forward`` takes a ``SharedExpertTerm`` with ``down_nvfp4`` (the NVFP4 experts' decode kernel runs
+    # that down projection in its epilogue)
+    computes_nvfp4_shared_down: bool = False
 
     def forward(
         self,
@@ -327,12 +350,26 @@ class SparseMoeBlock(nn.Module):
         shared = None
         if self.shared_expert is not None:  # columns [E] the shared gate logit, [E+1:] its gate | up
             # the whole shared expert goes to the experts backend: the decode kernel runs its down projection too
-            down = self.shared_expert.down_proj
+            gate, gate_up, down = y[:, E : E + 1], y[:, E + 1 :], self.shared_expert.down_proj
             if isinstance(down, nn.Linear):
-                shared = SharedExpertTerm(y[:, E : E + 1], gate_up=y[:, E + 1 :], down_weight=down.weight)
-            else:  # a quantized down projection runs as its own layer
-                shared = SharedExpertTerm(y[:, E : E + 1], output=self.shared_expert.activate(y[:, E + 1 :]))
+                shared = SharedExpertTerm(gate, gate_up=gate_up, down_weight=down.weight)
+            elif self._folds_nvfp4_shared_down(down, ids):
+                pieces = nvfp4.Nvfp4Tensor(down.weight, down.weight_scale, down.weight_scale_2)
+                shared = SharedExpertTerm(gate, gate_up=gate_up, down_nvfp4=pieces)
+            else:  # another quantized down projection, or a larger step: it runs as its own layer
+                shared = SharedExpertTerm(gate, output=self.shared_expert.activate(gate_up))
         return self.experts(x, ids, w, shared)
+
+    def _folds_nvfp4_shared_down(self, down: nn.Module, ids: torch.Tensor) -> bool:
+        """Whether the experts backend runs the shared expert's NVFP4 down projection (and its SiLU-and-mul): NVFP4
+        experts on a decode-sized step (their decode kernel's epilogue; 2 launches fewer per layer). Shapes only:
+        the same choice on every replay of a CUDA graph."""
+        return (
+            self.experts.computes_nvfp4_shared_down
+            and isinstance(down, Nvfp4Linear)
+            and down.bias is None
+            and ids.shape[0] * ids.shape[1] <= NVFP4_DECODE_MAX_PAIRS
+        )
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -49,6 +49,7 @@ def _frozen(t: torch.Tensor) -> nn.Parameter:
 
 class Nvfp4Experts(ExpertsBackend):
     impl = "auto"  # auto (Triton on CUDA) | torch | triton (CPU only under TRITON_INTERPRET=1)
+    computes_nvfp4_shared_down = True  # the decode kernel's epilogue (the torch paths: ``SharedExpertTerm.add_to``)
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, device=None):
         super().__init__()
