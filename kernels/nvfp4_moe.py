@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from ..quant import nvfp4
+from ..tuning_env import int_from_env
 from .activation import silu_and_mul_torch
 from .device_sms import scaled
 from .fused_moe import _GATHER_PAIRS, _moe_gather_torch, fused_moe_torch
@@ -62,9 +63,16 @@ except Exception:  # pragma: no cover
     triton = None
     tl = None
 
-# Up to this many (token, expert) pairs a step takes the decode GEMVs: the same cut as the BF16 path
-# (``moe_decode.MAX_PAIRS``, which says why)
-DECODE_MAX_PAIRS = 64
+# Up to this many (token, expert) pairs a step takes the decode GEMVs (one program per pair): 32 decode streams of a
+# top-8 model, four times the BF16 path's cut (``moe_decode.MAX_PAIRS``). Measured on the H200 at Qwen3.6's expert
+# shapes (bench/nvfp4_kernel_bench.py --groups moe; bench/results/2026-12-02-h200-nvfp4-moe-decode-cut.txt): at 16
+# to 32 tokens the GEMVs ran 1.5-1.9x faster than the grouped tensor-core kernel under uniform routing (32 tokens:
+# 211 vs 314 us a layer; Zipf: even at 32), from 48-64 tokens the grouped kernel's weight reuse wins. A BF16 expert
+# costs bytes, so reading a repeated expert twice loses early; an NVFP4 expert costs decode work, which the grouped
+# kernel's tensor-core tiles do at about half the GEMV's rate. (Sorting the pairs by expert, so that each expert is
+# decoded once for its 1-4 tokens, ran slower still: the repeats come from L2.) ``FREETOKEN_NVFP4_DECODE_MAX_PAIRS``
+# moves the cut (A/B runs).
+DECODE_MAX_PAIRS = int_from_env("FREETOKEN_NVFP4_DECODE_MAX_PAIRS", 256)
 
 _TARGET_PROGRAMS = 528  # about four programs per SM on the H200's 132 (``device_sms.scaled`` for other GPUs)
 _NUM_STAGES = 3

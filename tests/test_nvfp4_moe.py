@@ -236,6 +236,8 @@ def check_block(T, dtype, device, seed=0, H=64, E=10, k=4, I=32, Is=48):
     projection folded into the experts' decode kernel (decode-sized steps) against the same block computing them
     itself (``computes_nvfp4_shared_down`` off). Experts on the kernels (``impl`` triton on CPU, auto on CUDA) or,
     with ``device == "torch"``, on the torch reference on the CPU, where the two must be equal bit for bit."""
+    from freetoken.kernels.nvfp4_moe import DECODE_MAX_PAIRS
+
     on_torch = device == "torch"
     device = "cpu" if on_torch else device
     blk = _nvfp4_block(H, E, k, I, Is, dtype, device, seed)
@@ -249,7 +251,7 @@ def check_block(T, dtype, device, seed=0, H=64, E=10, k=4, I=32, Is=48):
         blk.experts.computes_nvfp4_shared_down = False
         ref = blk(x)
     folded, unfolded = terms
-    fold = T * k <= 64  # DECODE_MAX_PAIRS: larger steps compute the shared expert as before
+    fold = T * k <= DECODE_MAX_PAIRS  # larger steps compute the shared expert as before
     assert (folded.down_nvfp4 is not None) == fold and (folded.output is None) == fold, T
     assert unfolded.down_nvfp4 is None and unfolded.output is not None
     if on_torch:
@@ -266,7 +268,9 @@ def check_block(T, dtype, device, seed=0, H=64, E=10, k=4, I=32, Is=48):
 
 _CPU_SCRIPT = textwrap.dedent(
     """
-    import sys, torch
+    import os, sys, torch
+    # the decode cut these tiny steps were written around (80 pairs: grouped); the default is read at import
+    os.environ["FREETOKEN_NVFP4_DECODE_MAX_PAIRS"] = "64"
     sys.path.insert(0, {tests!r})
     import test_nvfp4_moe as t
     f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
@@ -322,7 +326,7 @@ def test_nvfp4_moe_interpreter_cpu():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T", [1, 3, 20])  # 20 x top-4 = 80 pairs: past the cut, no fold
+@pytest.mark.parametrize("T", [1, 3, 70])  # 70 x top-4 = 280 pairs: past the cut, no fold
 def test_block_folds_the_nvfp4_shared_down_on_the_reference(T, dtype):
     """On the torch reference the folded block (``SharedExpertTerm.add_to`` with the NVFP4 down weight) equals the
     block running its shared expert itself, bit for bit."""
@@ -358,7 +362,7 @@ QWEN = dict(k=8, H=2048, I=512)
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("shared", [None, "output", "expert", "nvfp4"])
-@pytest.mark.parametrize("T", [1, 2, 8])  # 8 x top-8 = DECODE_MAX_PAIRS
+@pytest.mark.parametrize("T", [1, 2, 8, 32])  # 32 x top-8 = DECODE_MAX_PAIRS
 def test_decode_cuda_qwen(T, shared):
     check_decode(T, 256, dtype=torch.bfloat16, device="cuda", shared=shared, seed=T, Is=512, **QWEN)
 
@@ -375,7 +379,7 @@ def test_decode_cuda_nvfp4_shared_shapes(shared, dtype):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("T", [1, 4, 8, 16])  # 16 x top-8: past the cut, the shared expert as before
+@pytest.mark.parametrize("T", [1, 4, 8, 32, 40])  # 40 x top-8: past the cut, the shared expert as before
 def test_block_folds_the_nvfp4_shared_down_cuda(T):
     """At Qwen3.6's shapes the folded block equals the block running its shared expert as its own launches (the
     mixed GEMV / W4A16 kernel)."""
@@ -464,12 +468,13 @@ def test_slot_pool_and_module_cuda():
     check_slot_pool(40, 4, torch.bfloat16, "cuda")
     check_module(2, torch.bfloat16, "cuda", "expert")
     check_module(40, torch.bfloat16, "cuda", "output")
+    check_module(80, torch.bfloat16, "cuda", "output")  # 320 pairs: the grouped kernels, shared added after
 
 
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("shared", ["output", "nvfp4"])  # given, or its NVFP4 down projection in the epilogue
-@pytest.mark.parametrize("T", [2, 16])  # decode GEMVs (shared fused) and the grouped kernels (128 pairs)
+@pytest.mark.parametrize("T", [2, 32, 40])  # decode GEMVs (shared fused; 256 pairs: the cut) and the grouped kernels
 def test_nvfp4_moe_cuda_graph(T, shared):
     """Captured once, replayed with new inputs and routing (ids outside the bank included)."""
     from freetoken.layers.moe import SharedExpertTerm
@@ -516,3 +521,17 @@ def test_dequant_cut_from_the_environment(monkeypatch):
     monkeypatch.setenv("FREETOKEN_NVFP4_DEQUANT_MIN_PAIRS", "lots")
     with pytest.raises(ValueError, match="FREETOKEN_NVFP4_DEQUANT_MIN_PAIRS='lots'"):
         _dequant_min_pairs()
+
+
+def test_decode_cut_from_the_environment(monkeypatch):
+    """``FREETOKEN_NVFP4_DECODE_MAX_PAIRS`` (read at import) moves the decode GEMVs' cut, 256 pairs by default."""
+    from freetoken.kernels import nvfp4_moe
+    from freetoken.tuning_env import int_from_env
+
+    if "FREETOKEN_NVFP4_DECODE_MAX_PAIRS" not in os.environ:
+        assert nvfp4_moe.DECODE_MAX_PAIRS == 256  # 32 decode streams at top-8
+    monkeypatch.setenv("FREETOKEN_NVFP4_DECODE_MAX_PAIRS", "64")
+    assert int_from_env("FREETOKEN_NVFP4_DECODE_MAX_PAIRS", 256) == 64
+    monkeypatch.setenv("FREETOKEN_NVFP4_DECODE_MAX_PAIRS", "x")
+    with pytest.raises(ValueError, match="FREETOKEN_NVFP4_DECODE_MAX_PAIRS='x'"):
+        int_from_env("FREETOKEN_NVFP4_DECODE_MAX_PAIRS", 256)

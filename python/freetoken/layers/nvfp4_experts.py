@@ -29,7 +29,6 @@ layout (the offload cache) runs through them with slot ids.
 
 from __future__ import annotations
 
-import os
 import re
 
 import torch
@@ -37,6 +36,7 @@ from torch import nn
 
 from ..kernels.nvfp4_moe import DECODE_MAX_PAIRS, nvfp4_moe_torch
 from ..quant import nvfp4
+from ..tuning_env import int_from_env
 from .moe import ExpertsBackend, resolve_moe_impl
 
 _PIECE = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale|weight_scale_2)$")
@@ -149,13 +149,7 @@ def nvfp4_experts_forward(impl, x, bank, topk_ids, topk_weights, shared=None):
 # 8,192 tokens on the grouped kernel, and ``FREETOKEN_NVFP4_DEQUANT_MIN_PAIRS`` moves the cut for the A/B that
 # settles it.
 def _dequant_min_pairs(default: int = 8192 * 8 + 1) -> int:
-    raw = os.environ.get("FREETOKEN_NVFP4_DEQUANT_MIN_PAIRS")
-    if raw is None:
-        return default
-    try:
-        return int(raw)
-    except ValueError:  # read at import, i.e. start-up: one line naming the variable
-        raise ValueError(f"FREETOKEN_NVFP4_DEQUANT_MIN_PAIRS={raw!r}: expected a number of pairs") from None
+    return int_from_env("FREETOKEN_NVFP4_DEQUANT_MIN_PAIRS", default)
 
 
 DEQUANT_MIN_PAIRS = _dequant_min_pairs()
