@@ -246,7 +246,8 @@ def resident_run(label: str, args: list[str], env: dict, a, routing_file: str, w
             row["prefill_dummy_router"] = prefill(srv, a.prefill_words)
             set_routing(routing_file, "uniform")
             stream_completion(srv.url, "warm up", 4)  # the switch drops the graphs: not inside the timed prefill
-            row["prefill_uniform"] = prefill(srv, a.prefill_words)
+            # a prompt of its own: the dummy-router one is in the radix cache now (a hit would time the cache)
+            row["prefill_uniform"] = prefill(srv, a.prefill_words, lead="Uniform: ")
             set_routing(routing_file, "off")
             stream_completion(srv.url, "warm up", 4)  # the routing change recaptures the graphs
         one_stream(srv, 16)
