@@ -66,6 +66,9 @@ def parse_args(argv=None):
     env_routing = os.environ.get("FREETOKEN_BENCH_ROUTING", "")
     p.add_argument("--routing", default=env_routing if env_routing not in ("", "off") else "uniform,zipf")
     p.add_argument("--reps", type=int, default=20, help="calls per timed CUDA-graph replay")
+    p.add_argument(
+        "--mixed-block-k", type=int, default=None, help="the mixed GEMV's K step (weights) at every size, for A/B runs"
+    )
     a = p.parse_args(argv)
     a.groups = a.groups.split(",")
     a.routing = a.routing.split(",")
@@ -442,6 +445,11 @@ def mixed_projection(spec, k, device, dtype, seed):
 
 def bench_mixed(a, device, dtype, bw) -> list:
     import torch
+
+    if a.mixed_block_k:
+        from freetoken.kernels import mixed_gemv
+
+        mixed_gemv._block_k = lambda block_n: a.mixed_block_k
 
     bytes_per = {"d": 2.0, "f": 1.0, "n": 0.5625}
     rows = []

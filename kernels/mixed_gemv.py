@@ -14,7 +14,7 @@ activation quantization each). On the H200 that made ~1,100 kernels a token (the
 Here each program takes a block of rows of one format (the format is the program's, so there is no divergence), runs
 all of K and writes its columns of the one output.
 
-FP8 runs W8A16 here: the weight bytes are decoded to floats in registers (``e4m3_f16_bits``: placed into the fp16 bit
+FP8 runs W8A16 here: the weight bytes are decoded to floats in registers (``e4m3_word``: placed into the fp16 bit
 pattern, exact, subnormals included), the activations stay in x's dtype; that is the reference's arithmetic
 (``fp8_linear_torch`` dequantizes the weight) and closer to it than the W8A8 GEMM prefill takes. NVFP4 reuses the
 W4A16 GEMV's decode (``nvfp4_tiles.py``). All sums are fp32; the scales multiply once per row at the end (the NVFP4
@@ -37,7 +37,7 @@ try:  # keep the reference importable without triton
     import triton
     import triton.language as tl
 
-    from .nvfp4_tiles import block_scale, e2m1_word, gemv_row
+    from .nvfp4_tiles import block_scale, e2m1_word, f16_halves, gemv_row
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -49,9 +49,14 @@ MAX_M = 4
 # at one or two rows this kernel does (in_proj 12.5 vs 28.5 us, q|k|v 12.2 vs 19.0, o_proj 7.9 vs 9.3); without FP8
 # rows it wins up to four (the MoE block's router | shared expert: 5.7 vs 20.6 us)
 FP8_MAX_M = 2
-# weights of a row per step for the dense and FP8 rows (NVFP4: the same count, as BLOCK_K / 8 words). (H200,
-# 2026-12-02: 128 at three or four rows of x ran 2-4x slower than 256.)
+# weights of a row per step (NVFP4: the same count, as BLOCK_K / 8 words; FP8 as BLOCK_K / 4 words): 256 where a
+# program has 16-32 rows, 512 where the projection is small enough that the grid runs 4-8 rows a program, so that
+# each step still has a few KB of loads in flight. H200, 2026-12-02 (bench/nvfp4_kernel_bench.py --groups mixed
+# --mixed-block-k): at one row of x, 512 took o_proj 7.3 -> 5.9 us, the MoE router|shared 4.8 -> 3.9, the shared
+# expert's down 2.7 -> 2.3, but GDN in_proj 10.1 -> 11.5 (20.4 at two rows); 128 at three or four rows of x ran 2-4x
+# slower than 256.
 _BLOCK_K = 256
+_BLOCK_K_FEW_ROWS = 512
 # about two programs per SM (the H200's 132): these projections are 1-25 MB, a program streams a block of rows
 _TARGET_PROGRAMS = 264
 _NUM_STAGES = 3
@@ -124,11 +129,67 @@ def mixed_gemv_torch(x: torch.Tensor, rows: MixedRows) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def e4m3_f16_bits(b):
-        """E4M3 bytes (int32 0..255) -> ``e4m3 * 2^-8`` in fp32: the 7 magnitude bits placed at fp16 bits 7..13 are
-        that value exactly (subnormals too), the sign goes to bit 15 (``* 256`` is the caller's, once per row)."""
-        bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
-        return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    def e4m3_word(w):
+        """int32 words of four E4M3 bytes (weight 4j + p in bits 8p..8p+7) -> ``v0..v3``: weight 4j + p as
+        ``e4m3 * 2^-8`` in fp32, each shaped like ``w`` (``* 256`` is the caller's, once per row). A byte's 7
+        magnitude bits placed at fp16 bits 7..13 and its sign at bit 15 make an fp16 equal to that value exactly
+        (subnormals too); bytes 0 and 2 are placed as an fp16 pair in one register and bytes 1 and 3 in another, two
+        weights per 32-bit operation, which the half -> float conversions split."""
+        w = w.to(tl.uint32, bitcast=True)
+        v0, v2 = f16_halves(((w & 0x00800080) << 8) | ((w & 0x007F007F) << 7))
+        v1, v3 = f16_halves((w & 0x80008000) | ((w >> 1) & 0x3F803F80))
+        return v0, v1, v2, v3
+
+    @triton.jit
+    def split4(x, COLS: tl.constexpr):
+        """``x [4 * COLS]`` -> ``x0..x3 [COLS]`` with ``xp[c] = x[4c + p]`` (the activations of ``e4m3_word``'s
+        ``vp``), fp32: one contiguous load, split by register renaming."""
+        x = tl.reshape(x.to(tl.float32), (COLS, 2, 2))  # [c, p // 2, p % 2]
+        e, o = tl.split(x)
+        x0, x2 = tl.split(e)
+        x1, x3 = tl.split(o)
+        return x0, x1, x2, x3
+
+    @triton.jit
+    def _word_row_products(v0, v1, v2, v3, x_ptr, m, M, stride_xm, k0, offs_x, x_mask, WORDS: tl.constexpr):
+        """Row ``m`` of x against a decoded FP8 step (``e4m3_word``'s ``v0..v3 [BLOCK_N, WORDS]``): per word the sum
+        of its four products (summed over the words after the loop)."""
+        xm = tl.load(x_ptr + m * stride_xm + k0 + offs_x, mask=x_mask & (offs_x * 0 + m < M), other=0.0)
+        x0, x1, x2, x3 = split4(xm, WORDS)
+        d = v0 * x0[None, :]  # one chain: each line a fused multiply-add
+        d += v1 * x1[None, :]
+        d += v2 * x2[None, :]
+        d += v3 * x3[None, :]
+        return d
+
+    @triton.jit
+    def _fp8_rows(
+        w_ptrs, n_mask, x_ptr, M, stride_xm,
+        K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
+    ):  # fmt: skip
+        """FP8 rows (``w_ptrs [BLOCK_N, BLOCK_K / 4]`` int32 words of four bytes, at k = 0) times rows 0..3 of x:
+        four ``[BLOCK_N]`` sums of ``e4m3 * 2^-8 * x`` (zeros for rows past ``BLOCK_M``). Read as words (16-byte
+        loads, no per-byte unpacking) and decoded once for every row of x."""
+        WORDS: tl.constexpr = BLOCK_K // 4
+        offs_w = tl.arange(0, WORDS)
+        offs_x = tl.arange(0, BLOCK_K)
+        a0 = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+        a1 = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+        a2 = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+        a3 = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+            w_mask = n_mask[:, None] & ((k0 // 4 + offs_w) < K // 4)[None, :]
+            w = tl.load(w_ptrs + k0 // 4, mask=w_mask, other=0).to(tl.int32)  # (a no-op; see the dummies)
+            v0, v1, v2, v3 = e4m3_word(w)
+            x_mask = (k0 + offs_x) < K
+            a0 += _word_row_products(v0, v1, v2, v3, x_ptr, 0, M, stride_xm, k0, offs_x, x_mask, WORDS)
+            if BLOCK_M > 1:
+                a1 += _word_row_products(v0, v1, v2, v3, x_ptr, 1, M, stride_xm, k0, offs_x, x_mask, WORDS)
+            if BLOCK_M > 2:
+                a2 += _word_row_products(v0, v1, v2, v3, x_ptr, 2, M, stride_xm, k0, offs_x, x_mask, WORDS)
+                a3 += _word_row_products(v0, v1, v2, v3, x_ptr, 3, M, stride_xm, k0, offs_x, x_mask, WORDS)
+        return tl.sum(a0, 1), tl.sum(a1, 1), tl.sum(a2, 1), tl.sum(a3, 1)
 
     @triton.jit
     def _row_products(w, x_ptr, m, M, stride_xm, k0, offs_k, k_mask):
@@ -137,13 +198,13 @@ if triton is not None:
         return w * xm.to(tl.float32)[None, :]
 
     @triton.jit
-    def _wide_rows(
+    def _dense_rows(
         w_ptrs, n_mask, x_ptr, M, stride_xm,
-        K: tl.constexpr, IS_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         NUM_STAGES: tl.constexpr,
     ):  # fmt: skip
-        """Dense or FP8 rows (``w_ptrs [BLOCK_N, BLOCK_K]`` at k = 0) times rows 0..3 of x: four ``[BLOCK_N]`` sums
-        (FP8: of ``e4m3 * 2^-8``; zeros for rows past ``BLOCK_M``)."""
+        """Dense rows (``w_ptrs [BLOCK_N, BLOCK_K]`` at k = 0) times rows 0..3 of x: four ``[BLOCK_N]`` sums (zeros
+        for rows past ``BLOCK_M``)."""
         offs_k = tl.arange(0, BLOCK_K)
         a0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         a1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -151,10 +212,7 @@ if triton is not None:
         a3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             k_mask = (k0 + offs_k) < K
-            if IS_FP8:
-                w = e4m3_f16_bits(tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0).to(tl.int32))
-            else:
-                w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
             a0 += _row_products(w, x_ptr, 0, M, stride_xm, k0, offs_k, k_mask)
             if BLOCK_M > 1:
                 a1 += _row_products(w, x_ptr, 1, M, stride_xm, k0, offs_k, k_mask)
@@ -249,18 +307,14 @@ if triton is not None:
             offs_n = pid * BLOCK_N + offs_b
             n_mask = offs_n < Nd
             d_ptrs = d_ptr + offs_n[:, None].to(tl.int64) * stride_d + tl.arange(0, BLOCK_K)[None, :]
-            y0, y1, y2, y3 = _wide_rows(
-                d_ptrs, n_mask, x_ptr, M, stride_xm, K, False, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES
-            )
+            y0, y1, y2, y3 = _dense_rows(d_ptrs, n_mask, x_ptr, M, stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)
             row_scale = tl.full((BLOCK_N,), 1.0, tl.float32)
             col = d_col
         elif pid < d_progs + f_progs:
             offs_n = (pid - d_progs) * BLOCK_N + offs_b
             n_mask = offs_n < Nf
-            f_ptrs = f_ptr + offs_n[:, None].to(tl.int64) * stride_f + tl.arange(0, BLOCK_K)[None, :]
-            y0, y1, y2, y3 = _wide_rows(
-                f_ptrs, n_mask, x_ptr, M, stride_xm, K, True, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES
-            )
+            f_ptrs = f_ptr + offs_n[:, None].to(tl.int64) * stride_f + tl.arange(0, BLOCK_K // 4)[None, :]
+            y0, y1, y2, y3 = _fp8_rows(f_ptrs, n_mask, x_ptr, M, stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)
             row_scale = (
                 tl.load(fs_ptr + offs_n * stride_fs, mask=n_mask, other=0.0).to(tl.float32) * 256.0
             )  # undoes the 2^-8
@@ -290,6 +344,11 @@ def _block_n(rows: tuple[int, int, int]) -> int:
     while bn > 4 and sum(triton.cdiv(r, bn) for r in rows) < target:
         bn //= 2
     return bn
+
+
+def _block_k(block_n: int) -> int:
+    """Weights of a row per K step for programs of ``block_n`` rows (``_BLOCK_K_FEW_ROWS`` says why)."""
+    return _BLOCK_K_FEW_ROWS if block_n <= 8 else _BLOCK_K
 
 
 def supports(rows: MixedRows) -> bool:
@@ -332,7 +391,7 @@ def mixed_gemv_triton(x: torch.Tensor, rows: MixedRows) -> torch.Tensor:
     # every load to the type it decodes, so the stand-in's dtype compiles)
     dummy = out
     dense = rows.dense if nd else dummy
-    f_w = rows.fp8_weight.view(torch.uint8) if nf else dummy
+    f_w = rows.fp8_weight.view(torch.int32) if nf else dummy  # words of four bytes
     f_s = rows.fp8_scale if nf else dummy
     n_w = rows.nvfp4_weight.view(torch.int32) if nn_ else dummy
     n_s = rows.nvfp4_scale.view(torch.uint8) if nn_ else dummy
@@ -342,7 +401,7 @@ def mixed_gemv_triton(x: torch.Tensor, rows: MixedRows) -> torch.Tensor:
         rows.dense_col, rows.fp8_col, rows.nvfp4_col, x2.stride(0), out.stride(0),
         dense.stride(0) if nd else 0, f_w.stride(0) if nf else 0, f_s.stride(0) if nf and f_s.dim() else 0,
         n_w.stride(0) if nn_ else 0, n_s.stride(0) if nn_ else 0, n_g.stride(0) if nn_ and n_g.dim() else 0,
-        K=K, BLOCK_M=triton.next_power_of_2(max(M, 1)), BLOCK_N=bn, BLOCK_K=_BLOCK_K, NUM_STAGES=_NUM_STAGES,
+        K=K, BLOCK_M=triton.next_power_of_2(max(M, 1)), BLOCK_N=bn, BLOCK_K=_block_k(bn), NUM_STAGES=_NUM_STAGES,
         num_warps=4,
     )  # fmt: skip
     return out.view(*x.shape[:-1], rows.out_features)

@@ -46,7 +46,7 @@ if triton is not None:
         return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 4194304.0
 
     @triton.jit
-    def _f16_halves(r):
+    def f16_halves(r):
         """A uint32 holding two fp16 bit patterns -> (low, high) as fp32."""
         lo = r.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
         hi = (r >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
@@ -59,10 +59,10 @@ if triton is not None:
         and p+4 are placed as an fp16 pair in one register (two shifts, two logic ops), which two half -> float
         conversions split (the GPU reads either half of a register for free)."""
         w = w.to(tl.uint32, bitcast=True)
-        v0, v4 = _f16_halves(((w << 9) & 0x0E000E00) | ((w << 12) & 0x80008000))
-        v1, v5 = _f16_halves(((w << 5) & 0x0E000E00) | ((w << 8) & 0x80008000))
-        v2, v6 = _f16_halves(((w << 1) & 0x0E000E00) | ((w << 4) & 0x80008000))
-        v3, v7 = _f16_halves(((w >> 3) & 0x0E000E00) | (w & 0x80008000))
+        v0, v4 = f16_halves(((w << 9) & 0x0E000E00) | ((w << 12) & 0x80008000))
+        v1, v5 = f16_halves(((w << 5) & 0x0E000E00) | ((w << 8) & 0x80008000))
+        v2, v6 = f16_halves(((w << 1) & 0x0E000E00) | ((w << 4) & 0x80008000))
+        v3, v7 = f16_halves(((w >> 3) & 0x0E000E00) | (w & 0x80008000))
         return v0, v1, v2, v3, v4, v5, v6, v7
 
     @triton.jit

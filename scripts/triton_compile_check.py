@@ -54,9 +54,35 @@ def main(argv=None) -> int:
     except Exception as e:  # the compiler's message is the point of the tool
         print(f"{name} does not compile for sm_{a.arch}: {e}")
         return 1
-    regs = getattr(compiled, "n_regs", None)
-    print(f"{name}: sm_{a.arch} PTX {len(compiled.asm['ptx'])} bytes" + (f", {regs} registers" if regs else ""))
+    print(f"{name}: sm_{a.arch} PTX {len(compiled.asm['ptx'])} bytes" + _ptxas_usage(compiled.asm["ptx"], a.arch))
     return 0
+
+
+def _ptxas_usage(ptx: str, arch: int) -> str:
+    """Registers and spill bytes per thread, from the ptxas Triton compiled with (``get_ptxas``) run verbosely on the
+    PTX (the driver that would report them is not here); empty where that fails."""
+    import re
+    import subprocess
+    import tempfile
+
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        ptxas = get_ptxas(arch).path
+    except Exception:
+        return ""
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        arch_flag = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+        r = subprocess.run([ptxas, "-v", f"--gpu-name={arch_flag}", src, "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True)  # fmt: skip
+    regs = re.search(r"Used (\d+) registers", r.stderr)
+    spills = re.search(r"(\d+) bytes spill stores", r.stderr)
+    return (f", {regs.group(1)} registers" if regs else "") + (
+        f", {spills.group(1)} bytes of spill stores" if spills else ""
+    )
 
 
 if __name__ == "__main__":

@@ -144,6 +144,27 @@ def test_where_the_kernel_does_not_apply():
 # CPU: the kernel under the interpreter
 # ----------------------------------------------------------------------------------------------------------------------
 
+
+def check_every_e4m3_code(device):
+    """The FP8 rows' word decoding (``e4m3_word``: four bytes a word, two weights per 32-bit operation) on every
+    finite E4M3 code, signs and subnormals included, at each of the four byte positions of a word: row n of the
+    weight holds code ``(n + k) % 256`` at column k (the two NaN codes zeroed), and x's rows pick single columns, so
+    each output is one decoded weight, exact, equal to torch's E4M3 conversion bit for bit."""
+    from freetoken.kernels.mixed_gemv import MixedRows, mixed_gemv_torch, mixed_gemv_triton
+
+    K = N = 256
+    codes = torch.arange(256, dtype=torch.int32)
+    codes[(codes & 0x7F) == 0x7F] = 0  # 0x7F / 0xFF are NaN in E4M3FN
+    w = torch.stack([codes.roll(-n) for n in range(N)]).to(torch.uint8).view(torch.float8_e4m3fn)
+    rows = MixedRows(K=K, fp8_weight=w.to(device), fp8_scale=torch.ones(N, device=device))
+    for cols in ((0, 1), (2, 3), (254, 255)):  # every byte position of a word, and the last word
+        x = torch.zeros(2, K, device=device)
+        x[0, cols[0]] = x[1, cols[1]] = 1.0
+        out, ref = mixed_gemv_triton(x, rows), mixed_gemv_torch(x, rows)
+        assert torch.equal(out, ref), (cols, (out - ref).abs().max())
+    return 0.0
+
+
 _CPU_SCRIPT = textwrap.dedent(
     """
     import sys, torch
@@ -163,6 +184,7 @@ _CPU_SCRIPT = textwrap.dedent(
     for spec, k, M, dt in cases:
         key = str(dt).split(".")[-1]
         worst[key] = max(worst.get(key, 0.0), t.check_projection(spec, k, M, dt, "cpu", mode="on"))
+    worst["e4m3 codes exact"] = t.check_every_e4m3_code("cpu")
     for dt, err in sorted(worst.items()):
         print(f"mixed_gemv {{dt:9s}} max |out - ref| / (1 + |ref|) = {{err:.3g}}")
     print("OK")
@@ -275,3 +297,9 @@ def test_reference_is_the_parts_references():
     for a, b in zip(alone, got):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
     assert torch.equal(got[2], F.linear(x, parts[2].weight))
+
+
+@pytest.mark.gpu
+@cuda
+def test_every_e4m3_code_cuda():
+    check_every_e4m3_code("cuda")
