@@ -234,7 +234,7 @@ def _nvfp4_block(H, E, k, I, Is, dtype, device, seed=0):
 def check_block(T, dtype, device, seed=0, H=64, E=10, k=4, I=32, Is=48):
     """``SparseMoeBlock`` with NVFP4 experts and shared expert: the shared expert's SiLU-and-mul and NVFP4 down
     projection folded into the experts' decode kernel (decode-sized steps) against the same block computing them
-    itself (``computes_nvfp4_shared_down`` off). Experts on the kernels (``impl`` triton on CPU, auto on CUDA) or,
+    itself (``takes_nvfp4_shared_down`` off). Experts on the kernels (``impl`` triton on CPU, auto on CUDA) or,
     with ``device == "torch"``, on the torch reference on the CPU, where the two must be equal bit for bit."""
     from freetoken.kernels.nvfp4_moe import DECODE_MAX_PAIRS
 
@@ -248,7 +248,7 @@ def check_block(T, dtype, device, seed=0, H=64, E=10, k=4, I=32, Is=48):
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(seed + 1)).to(device, dtype)
     with torch.no_grad():
         out = blk(x)
-        blk.experts.computes_nvfp4_shared_down = False
+        blk.experts.takes_nvfp4_shared_down = lambda pairs: False
         ref = blk(x)
     folded, unfolded = terms
     fold = T * k <= DECODE_MAX_PAIRS  # larger steps compute the shared expert as before

@@ -20,8 +20,8 @@ The seam for expert placement
 -----------------------------
 ``SparseMoeBlock.experts`` is an ``ExpertsBackend``: a module with ``forward(x [T, H], topk_ids [T, k],
 topk_weights [T, k], shared=None) -> [T, H]`` (the weighted sum over the k routed experts, plus the block's shared
-expert when it hands one over as a ``SharedExpertTerm``; an NVFP4 shared down projection only to a backend with
-``computes_nvfp4_shared_down``, at decode sizes) and ``load_expert_weight(name, tensor)``. ``FusedExperts``
+expert when it hands one over as a ``SharedExpertTerm``; an NVFP4 shared down projection only for a step that
+``takes_nvfp4_shared_down``) and ``load_expert_weight(name, tensor)``. ``FusedExperts``
 keeps every expert resident on the device and runs either the torch reference (loop over experts hit) or, picked
 automatically on CUDA, Triton: the decode GEMVs (``freetoken.kernels.moe_decode``, which also add the shared expert
 in their epilogue) for decode-sized steps, the grouped kernel (``freetoken.kernels.fused_moe``) above them.
@@ -44,7 +44,6 @@ from ..kernels.activation import silu_and_mul
 from ..kernels.fused_moe import fused_moe_torch
 from ..kernels.moe_decode import MAX_PAIRS as DECODE_MAX_PAIRS
 from ..kernels.moe_routing import topk_softmax
-from ..kernels.nvfp4_moe import DECODE_MAX_PAIRS as NVFP4_DECODE_MAX_PAIRS
 from ..loading.copy_weight import copy_weight
 from ..moe import bench_routing
 from ..quant import nvfp4
@@ -69,7 +68,7 @@ class SharedExpertTerm:
     computed from its gate|up projection (``gate_up [T, 2Is]`` and its down weight: ``s = down(silu_and_mul(
     gate_up))``, which the kernel then does too). The down weight is ``down_weight [H, Is]`` in x's dtype, or
     ``down_nvfp4`` (packed codes, block scales and global scale of an ``Nvfp4Linear``), which only NVFP4 experts
-    backends take (``computes_nvfp4_shared_down``). Tensors may be column views of the block's fused projection."""
+    backends take (``takes_nvfp4_shared_down``). Tensors may be column views of the block's fused projection."""
 
     gate_logit: torch.Tensor  # [T, 1]
     output: Optional[torch.Tensor] = None
@@ -160,9 +159,11 @@ class ExpertsBackend(nn.Module):
     """Where routed experts live and how they run. See the module docstring."""
 
     num_experts: int
-    # whether ``forward`` takes a ``SharedExpertTerm`` with ``down_nvfp4`` (the NVFP4 experts' decode kernel runs
-    # that down projection in its epilogue)
-    computes_nvfp4_shared_down: bool = False
+
+    def takes_nvfp4_shared_down(self, pairs: int) -> bool:
+        """Whether ``forward`` takes a ``SharedExpertTerm`` with ``down_nvfp4`` for a step of ``pairs`` (token,
+        expert) pairs (the NVFP4 experts' decode kernel runs that down projection in its epilogue)."""
+        return False
 
     def forward(
         self,
@@ -365,10 +366,9 @@ class SparseMoeBlock(nn.Module):
         experts on a decode-sized step (their decode kernel's epilogue; 2 launches fewer per layer). Shapes only:
         the same choice on every replay of a CUDA graph."""
         return (
-            self.experts.computes_nvfp4_shared_down
-            and isinstance(down, Nvfp4Linear)
+            isinstance(down, Nvfp4Linear)
             and down.bias is None
-            and ids.shape[0] * ids.shape[1] <= NVFP4_DECODE_MAX_PAIRS
+            and self.experts.takes_nvfp4_shared_down(ids.shape[0] * ids.shape[1])
         )
 
     @torch.no_grad()

@@ -49,7 +49,6 @@ def _frozen(t: torch.Tensor) -> nn.Parameter:
 
 class Nvfp4Experts(ExpertsBackend):
     impl = "auto"  # auto (Triton on CUDA) | torch | triton (CPU only under TRITON_INTERPRET=1)
-    computes_nvfp4_shared_down = True  # the decode kernel's epilogue (the torch paths: ``SharedExpertTerm.add_to``)
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, device=None):
         super().__init__()
@@ -83,6 +82,11 @@ class Nvfp4Experts(ExpertsBackend):
 
     def forward(self, x, topk_ids, topk_weights, shared=None):
         return nvfp4_experts_forward(self.impl, x, self.bank(), topk_ids, topk_weights, shared)
+
+    def takes_nvfp4_shared_down(self, pairs: int) -> bool:
+        """The steps ``run_nvfp4_experts`` gives the decode kernel, whose epilogue runs it (the torch paths:
+        ``SharedExpertTerm.add_to``)."""
+        return pairs <= DECODE_MAX_PAIRS
 
     @torch.no_grad()
     def load_expert_weight(self, name: str, tensor: torch.Tensor) -> None:
