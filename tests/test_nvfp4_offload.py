@@ -285,3 +285,28 @@ def test_nvfp4_offload_on_cuda_equals_resident(nvfp4_dir):
     assert llm.worker.offload.pinned and llm.worker.loaded.nvfp4_backend == "triton"
     assert [o.token_ids for o in llm.generate([PROMPT, PROMPT[:9]], sp)] == want
     assert llm.worker.offload.counters()[1] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("slots", [5, 32])
+def test_decode_graphs_stop_at_the_batch_the_expert_cache_holds(nvfp4_dir, slots):
+    """A decode batch whose pairs may need more experts than the slot cache holds (or than the layer has) streams
+    each layer through copy-stream events, which a CUDA graph cannot capture (the CUDA start-up failed there on
+    the H200, 2026-12-02): the graphs stop at the largest batch on the cache, a larger one runs eagerly, and the
+    tokens equal an all-eager worker's."""
+    import numpy as np
+    from test_decode_graphs import _drive, _worker
+
+    extra = dict(moe_backend="offload", moe_cache_size=slots, dtype="auto")
+    w = _worker(nvfp4_dir, graphs=True, **extra)
+    off = w.offload
+    k, experts = off.top_k, off.layers[0].num_experts
+    fits = max(t for t in range(w.max_running_requests + 1) if t * k <= slots and t * k < experts)
+    assert 0 < fits < w.max_running_requests  # _drive's batch of 3 runs eagerly, its smaller ones from graphs
+    assert off.max_cached_batch() == fits and w.graphs.sizes[-1] == fits == w.graph_max_bs
+    assert all(off.uses_cache(b * k, experts) for b in w.graphs.sizes)
+    assert not off.uses_cache((fits + 1) * k, experts)
+    want = _drive(_worker(nvfp4_dir, graphs=False, **extra))
+    for (wt, wl), (gt, gl) in zip(want, _drive(w)):
+        assert gt == wt
+        np.testing.assert_allclose(gl, wl, atol=1e-4)

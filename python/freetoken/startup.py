@@ -79,6 +79,7 @@ def allocate_pools(w: "Worker") -> None:
         torch.cuda.empty_cache()
     if w.offload is not None:
         _allocate_expert_cache(w, plan, used_by_loading, bpt)
+        _cap_graphs_to_the_expert_cache(w)
     w.kv_capacity_tokens = _kv_tokens(w, bpt, plan, used_by_loading)
     w.kv = make_kv_pool(w, w.kv_capacity_tokens + w.scratch_tokens)
     plan.kv_tokens, plan.kv_bytes = w.kv_capacity_tokens, w.kv_capacity_tokens * bpt
@@ -159,6 +160,19 @@ def _allocate_expert_cache(w: "Worker", plan: MemoryPlan, used_by_loading: int, 
             f"The expert cache has {slots} slots, under 3 x top_k per MoE layer "
             f"({off.min_useful_slots}): expect almost every decode expert to miss"
         )
+
+
+def _cap_graphs_to_the_expert_cache(w: "Worker") -> None:
+    """Decode batches whose experts may not fit the slot cache stream each layer whole, which a CUDA graph cannot
+    capture (copy-stream events): those batches run eagerly."""
+    fits = w.offload.max_cached_batch()
+    if w.graph_max_bs > fits:
+        logger.info(
+            f"Decode CUDA graphs up to batch {fits} (asked {w.graph_max_bs}): a larger batch's {w.offload.top_k} "
+            f"experts a token may not fit the {w.offload.cache.num_slots}-slot expert cache and streams each MoE "
+            "layer, eagerly"
+        )
+        w.graph_max_bs = fits
 
 
 def _kv_tokens(w: "Worker", bytes_per_token: int, plan: MemoryPlan, used_by_loading: int) -> int:

@@ -142,6 +142,23 @@ class ExpertOffload:
             )
         return int(slots), "auto"
 
+    # ------------------------------------------------------------------ the cache or the stream
+
+    def uses_cache(self, pairs: int, num_experts: int) -> bool:
+        """Whether a step of ``pairs`` (token, expert) pairs on a layer of ``num_experts`` runs over the slot cache:
+        when even all-distinct experts fit the slots and are fewer than the layer (else streaming the whole layer
+        costs no more). Shapes only, so a CUDA graph's replays take the path its capture took."""
+        return self.cache is not None and pairs < num_experts and pairs <= self.cache.num_slots
+
+    def max_cached_batch(self) -> int:
+        """The largest decode batch (one token a sequence) whose every MoE layer runs over the slot cache. Decode
+        CUDA graphs stop there: the layer stream's copy-stream events cannot be captured, and its bytes per
+        step (every expert of every layer over PCIe) dwarf a launch overhead anyway."""
+        t = 0
+        while all(self.uses_cache((t + 1) * self.top_k, e.num_experts) for e in self.layers):
+            t += 1
+        return t
+
     # ------------------------------------------------------------------ counters
 
     def counters(self) -> tuple[int, int]:

@@ -44,11 +44,10 @@ class OffloadedExperts(FusedExperts):
 
 def device_weights(offload, index: int, banks, topk_ids: torch.Tensor):
     """``(gate_up, down, ids)`` on the device for MoE layer ``index``: the slot pool and slot ids when the step's
-    ``T * k`` pairs fit the cache (and are fewer than the layer's experts), else the layer streamed whole with the
-    expert ids. Decided by shapes only (see the module docstring); shared by the BF16 and NVFP4 banks."""
+    ``T * k`` pairs fit the cache (``ExpertOffload.uses_cache``), else the layer streamed whole with the expert ids.
+    Decided by shapes only (see the module docstring); shared by the BF16 and NVFP4 banks."""
     cache = offload.cache
-    pairs = topk_ids.shape[0] * topk_ids.shape[1]
-    if cache is not None and pairs < banks[0].shape[0] and pairs <= cache.num_slots:
+    if offload.uses_cache(topk_ids.shape[0] * topk_ids.shape[1], banks[0].shape[0]):
         slot_ids = cache.ensure(index, banks[0], banks[1], topk_ids, offload.num_valid_tokens)
         return cache.gate_up, cache.down, slot_ids
     gate_up, down = offload.stream.layer_weights(index)
