@@ -17,7 +17,7 @@ Importable as ``freetoken.kernels`` (``python/freetoken/kernels`` is a symlink t
 - ``activation``: ``silu_and_mul`` over a fused ``[gate | up]`` projection.
 - ``rope``: ``qk_norm_rope``, per-head q/k RMSNorm (optional) and partial or full rotate-half RoPE in one kernel.
 - ``moe_routing``: ``topk_softmax``, the router's softmax, top-k and renormalisation in one kernel.
-- ``expert_admission``: LRU admission of a layer's routed experts into the device expert cache
+- ``expert_admission``: LFU (or LRU) admission of a layer's routed experts into the device expert cache
   (``admit_experts_triton``, one program; ``admit_experts_torch`` reference; no host sync, CUDA-graph capturable).
 - ``expert_gather``: copies missed experts from a (pinned host) bank into the cache's slots
   (``gather_experts_triton`` reads host memory through its device address; ``gather_experts_torch`` reference).

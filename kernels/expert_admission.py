@@ -1,15 +1,19 @@
-"""LRU admission of one MoE layer's routed experts into the device expert cache (the bookkeeping half of
+"""Admission of one MoE layer's routed experts into the device expert cache (the bookkeeping half of
 ``DeviceExpertCache.ensure``), with no host sync and shapes that depend only on the routing's ``[T, k]``.
 
 State (device tensors, updated in place; see ``freetoken.moe.device_slot_cache``): ``slot_of [L*E + 1] int32``
 (flat id ``layer*E + expert`` -> slot, -1 = not resident), ``owner [S + 1] int32`` (slot -> flat id, -1 = empty),
-``stamp [S + 1] int64`` (LRU stamps, -1 = empty), ``clock [1] int64``, ``counts [2] int64`` (hits, misses). The last
-entries of ``slot_of``, ``owner`` and ``stamp`` are trash: the torch version sends masked-out updates there.
+``stamp [S + 1] int64`` (the call that last used the slot, -1 = empty), ``clock [1] int64``, ``counts [2] int64``
+(hits, misses), ``freq [L*E + 1] int32`` (how often each expert was routed to, resident or not, halved every
+``age_every`` calls). The last entries of ``slot_of``, ``owner``, ``stamp`` and ``freq`` are trash: the torch
+version sends masked-out updates there.
 
-One call, exactly like the host ``ExpertSlotCache.lookup``: the clock ticks; each distinct expert of the valid rows
-(rows before ``num_valid_tokens``) is a hit (its slot is stamped with the clock) or a miss; the missing experts, in
-ascending expert id, take the oldest slots in ascending (stamp, slot index) order, which never includes a slot
-this call uses (it carries the newest stamp). Returns ``(slot_ids [T, k] int64`` (0 on padding rows),
+One call, exactly like the host ``ExpertSlotCache.lookup``: the clock ticks (and every ``age_every``-th tick halves
+``freq``); each distinct expert of the valid rows (rows before ``num_valid_tokens``) counts once in ``freq`` and is
+a hit (its slot is stamped with the clock) or a miss; the missing experts, in ascending expert id, take the slots
+of smallest eviction key in ascending (key, slot index) order. The key (``eviction_key``) is the slot's stamp
+(``lru``) or its owner's ``freq`` (``lfu``; -1 for an empty slot), and a slot this call uses is never a victim
+(newest stamp; excluded under ``lfu``). Returns ``(slot_ids [T, k] int64`` (0 on padding rows),
 ``job_src [P]``, ``job_dst [P]``, ``num_jobs``): miss r copies bank row ``job_src[r]`` into slot ``job_dst[r]`` for
 ``r < num_jobs`` (``kernels/expert_gather.py``). Entries past ``num_jobs`` are unspecified.
 
@@ -33,6 +37,9 @@ except Exception:  # pragma: no cover
     tl = None
 
 
+# an eviction key no victim search takes (the current call's slots under lfu)
+NEVER_EVICT = 1 << 40
+
 # the pool's stamps are scanned in blocks of SLOT_BLOCK, the pairwise compares run in tiles of PAIR_TILE columns
 # (the interpreter test lowers both to cover several blocks and tiles)
 SLOT_BLOCK = 1024
@@ -44,22 +51,32 @@ def _empty_result(T: int, k: int, device):
     return empty.view(T, k), empty, empty, torch.zeros((), dtype=torch.int64, device=device)
 
 
+def age_frequencies_torch(freq, clock, age_every: int) -> None:
+    """Every ``age_every``-th call halves the routing counts (fixed shape: no sync), so the cache follows a
+    changing workload."""
+    freq.copy_(torch.where(clock % age_every == 0, freq // 2, freq))
+
+
 def admit_experts_torch(
     slot_of,
     owner,
     stamp,
     clock,
     counts,
+    freq,
     topk_ids: torch.Tensor,
     layer: int,
     num_experts: int,
     num_valid_tokens: Optional[torch.Tensor] = None,
+    lfu: bool = True,
+    age_every: int = 1 << 20,
 ):
     """Reference admission; see the module docstring."""
     T, k = topk_ids.shape
     P, S, E, dev = T * k, owner.numel() - 1, num_experts, slot_of.device
     trash_id = slot_of.numel() - 1
     clock += 1
+    age_frequencies_torch(freq, clock, age_every)
     if P == 0:
         return _empty_result(T, k, dev)
     expert = topk_ids.reshape(-1).to(device=dev, dtype=torch.int64)
@@ -77,12 +94,19 @@ def admit_experts_torch(
     hit = first & (current >= 0)
     miss = first & (current < 0)
     counts += torch.stack((hit.sum(), miss.sum()))
+    freq.index_add_(0, torch.where(first, flat, trash_id), torch.ones(P, dtype=freq.dtype, device=dev))
     stamp.index_put_((torch.where(hit, current, S),), clock)
 
-    # missing expert of rank r (ascending expert id) takes the r-th oldest slot (ascending stamp, then slot)
+    # missing expert of rank r (ascending expert id) takes the r-th slot in ascending (eviction key, slot) order
     rank = (miss[None, :] & (expert[None, :] < expert[:, None])).sum(1)
     candidates = min(P, S)
-    key = stamp[:S] * S + torch.arange(S, device=dev)
+    if lfu:
+        own = owner[:S].long()
+        score = torch.where(own >= 0, freq[own.clamp(min=0)].long(), -1)
+        score = torch.where(stamp[:S] == clock, NEVER_EVICT, score)
+    else:
+        score = stamp[:S]
+    key = (score + 1) * S + torch.arange(S, device=dev)
     oldest = torch.topk(key, candidates, largest=False, sorted=True).indices
     victim = oldest[rank.clamp(max=candidates - 1)]
     evicted = owner[victim].long()
@@ -100,6 +124,7 @@ def admit_experts_torch(
 
 
 if triton is not None:
+    _NEVER_EVICT = tl.constexpr(NEVER_EVICT)
 
     @triton.jit
     def _admit_kernel(
@@ -109,7 +134,8 @@ if triton is not None:
         owner_ptr,
         stamp_ptr,
         clock_ptr,
-        counts_ptr,  # cache state, updated in place
+        counts_ptr,
+        freq_ptr,  # cache state, updated in place
         slot_ids_ptr,
         job_src_ptr,
         job_dst_ptr,
@@ -118,7 +144,10 @@ if triton is not None:
         layer_base,
         P,
         S,
+        num_flat,
+        age_every,
         K: tl.constexpr,
+        LFU: tl.constexpr,
         HAS_VALID: tl.constexpr,
         PB: tl.constexpr,
         JB: tl.constexpr,
@@ -161,6 +190,14 @@ if triton is not None:
         tl.store(num_jobs_ptr, num_misses)
         tl.store(stamp_ptr + current, clock, mask=hit)  # before the search below: a hit is never a victim
         tl.store(miss_expert_ptr + offs, tl.where(miss, expert, -1), mask=in_range)
+        if clock % age_every == 0:
+            for f0 in range(0, num_flat, SB):
+                fo = f0 + tl.arange(0, SB)
+                tl.store(freq_ptr + fo, tl.load(freq_ptr + fo, mask=fo < num_flat) // 2, mask=fo < num_flat)
+            tl.debug_barrier()
+        routed = tl.load(freq_ptr + flat, mask=first, other=0)
+        tl.debug_barrier()  # every copy of a count is read before one is written (the first occurrences differ)
+        tl.store(freq_ptr + flat, routed + 1, mask=first)
         tl.debug_barrier()
 
         rank = tl.zeros([PB], dtype=tl.int32)
@@ -169,15 +206,22 @@ if triton is not None:
             mj = tl.load(miss_expert_ptr + oj, mask=oj < P, other=-1)
             rank += tl.sum(((mj[None, :] >= 0) & (mj[None, :] < expert[:, None])).to(tl.int32), axis=1)
 
-        # the r-th oldest slot for r < num_misses: the smallest key (stamp + 1) * S + slot above the previous one
-        # (keys are distinct). One pass over the pool per miss; a decode step misses a few experts per layer.
+        # the r-th victim for r < num_misses: the smallest key (score + 1) * S + slot above the previous one (keys
+        # are distinct). One pass over the pool per miss; a decode step misses a few experts per layer.
         never = 0x7FFFFFFFFFFFFFFF
         previous = tl.full([], -1, dtype=tl.int64)
         for r in range(num_misses.to(tl.int32)):
             best = tl.full([], never, dtype=tl.int64)
             for s0 in range(0, S, SB):
                 slots = s0 + tl.arange(0, SB)
-                key = (tl.load(stamp_ptr + slots, mask=slots < S, other=0) + 1) * S + slots
+                used = tl.load(stamp_ptr + slots, mask=slots < S, other=0)
+                if LFU:
+                    own = tl.load(owner_ptr + slots, mask=slots < S, other=-1)
+                    score = tl.load(freq_ptr + own, mask=own >= 0, other=-1).to(tl.int64)
+                    score = tl.where(used == clock, _NEVER_EVICT, score)
+                else:
+                    score = used
+                key = (score + 1) * S + slots
                 key = tl.where((slots < S) & (key > previous), key, never)
                 best = tl.minimum(best, tl.min(key, axis=0))
             tl.store(job_dst_ptr + r, best % S)
@@ -203,10 +247,13 @@ def admit_experts_triton(
     stamp,
     clock,
     counts,
+    freq,
     topk_ids: torch.Tensor,
     layer: int,
     num_experts: int,
     num_valid_tokens: Optional[torch.Tensor] = None,
+    lfu: bool = True,
+    age_every: int = 1 << 20,
 ):
     """Same contract as ``admit_experts_torch``, one kernel launch. Works on CUDA, or on CPU under
     TRITON_INTERPRET=1."""
@@ -215,6 +262,7 @@ def admit_experts_triton(
     P, S, dev = T * k, owner.numel() - 1, slot_of.device
     if P == 0:
         clock += 1
+        age_frequencies_torch(freq, clock, age_every)
         return _empty_result(T, k, dev)
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
@@ -233,6 +281,7 @@ def admit_experts_triton(
         stamp,
         clock,
         counts,
+        freq,
         slot_ids,
         job_src,
         job_dst,
@@ -241,7 +290,10 @@ def admit_experts_triton(
         layer * num_experts,
         P,
         S,
+        freq.numel() - 1,
+        age_every,
         K=k,
+        LFU=lfu,
         HAS_VALID=num_valid_tokens is not None,
         PB=pb,
         JB=min(pb, PAIR_TILE),

@@ -1,6 +1,6 @@
-"""``DeviceExpertCache`` (expert LRU bookkeeping on the device) against the host ``ExpertSlotCache``: the same
-decisions after every call of long random sequences (slot_of, owner, LRU stamps, hit and miss counts, slot
-contents), padding rows, the Triton admission and gather kernels (CPU under TRITON_INTERPRET=1 in a subprocess;
+"""``DeviceExpertCache`` (expert cache bookkeeping on the device) against the host ``ExpertSlotCache``: the same
+decisions after every call of long random sequences, under both eviction policies (slot_of, owner, stamps,
+routing counts with their ageing, hit and miss counts, slot contents), padding rows, the Triton admission and gather kernels (CPU under TRITON_INTERPRET=1 in a subprocess;
 CUDA, the gather reading a pinned host bank), an audit that ``ensure`` neither syncs nor takes data-dependent
 shapes, and a CUDA-graph capture of ``ensure`` + the grouped MoE kernel replayed with new routing."""
 
@@ -59,6 +59,7 @@ def assert_same_state(device_cache: DeviceExpertCache, host: ExpertSlotCache, ba
     assert device_cache.slot_of[:-1].tolist() == host.slot_of.reshape(-1).tolist()
     assert device_cache.owner[:-1].tolist() == host.owner.tolist()
     assert device_cache.stamp[:-1].tolist() == host.last_used.tolist()
+    assert device_cache.freq[:-1].tolist() == host.freq.tolist()
     assert (device_cache.hits, device_cache.misses) == (host.hits, host.misses)
     for slot, flat in enumerate(device_cache.owner[:-1].tolist()):
         if flat >= 0:
@@ -67,13 +68,17 @@ def assert_same_state(device_cache: DeviceExpertCache, host: ExpertSlotCache, ba
             assert torch.equal(device_cache.down[slot].cpu(), down[flat % host.num_experts])
 
 
-def replay_against_host(T, k, S, calls, seed=0, padded=False, impl="auto", device="cpu", banks=None):
-    """Runs one routing sequence through both caches, comparing after every call. Returns (hits, misses)."""
+def replay_against_host(
+    T, k, S, calls, seed=0, padded=False, impl="auto", device="cpu", banks=None, policy="lfu", age_every=7
+):
+    """Runs one routing sequence through both caches, comparing after every call. Returns (hits, misses).
+    ``age_every`` small by default: the counts are halved many times in a replay."""
     banks = banks or make_banks(seed)
     gate_up, down = tuple(banks[0][0].shape[1:]), tuple(banks[0][1].shape[1:])
     dtype = banks[0][0].dtype
-    host = ExpertSlotCache(S, L, E, gate_up, down, dtype, torch.device("cpu"))
-    cache = DeviceExpertCache(S, L, E, gate_up, down, dtype, torch.device(device), impl=impl)
+    policy_args = dict(policy=policy, age_every=age_every)
+    host = ExpertSlotCache(S, L, E, gate_up, down, dtype, torch.device("cpu"), **policy_args)
+    cache = DeviceExpertCache(S, L, E, gate_up, down, dtype, torch.device(device), impl=impl, **policy_args)
     for layer, ids, n in routing_sequence(T, k, S, calls, seed, padded):
         valid = torch.tensor(n, device=device) if padded else None
         got = cache.ensure(layer, *banks[layer], ids.to(device), valid)
@@ -103,9 +108,10 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("policy", ["lfu", "lru"])
 @pytest.mark.parametrize("T,k,S", CASES)
-def test_device_cache_makes_the_host_caches_decisions(T, k, S):
-    hits, misses = replay_against_host(T, k, S, calls=250, seed=T * 100 + k * 10 + S)
+def test_device_cache_makes_the_host_caches_decisions(T, k, S, policy):
+    hits, misses = replay_against_host(T, k, S, calls=250, seed=T * 100 + k * 10 + S, policy=policy)
     assert misses > 0 and (hits > 0 or S == k)
 
 
@@ -199,7 +205,9 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
     banks = make_banks(5, dtype=torch.float16)
     for T, k, S, padded in [(1, 4, 4, False), (1, 2, 5, True), (3, 2, 6, True), (8, 2, 5, False), (8, 4, 10, True),
                             (8, 4, 30, True)]:
-        replay_against_host(T, k, S, calls=40, seed=S, padded=padded, impl="triton", banks=banks)
+        for policy in ("lfu", "lru"):
+            replay_against_host(T, k, S, calls=40, seed=S, padded=padded, impl="triton", banks=banks, policy=policy,
+                                age_every=5)
     print("OK")
     """
 )
@@ -259,7 +267,10 @@ def test_device_cache_on_cuda_reads_the_pinned_bank(T, k, S, impl):
     """Both admissions on CUDA, the Triton gather reading host memory through its device address."""
     banks = _pinned(make_banks(T, dtype=torch.bfloat16, gate_up=(64, 96), down=(96, 32)))
     assert all(t.is_pinned() for bank in banks for t in bank)
-    replay_against_host(T, k, S, calls=150, seed=S, padded=True, impl=impl, device="cuda", banks=banks)
+    for policy in ("lfu", "lru"):
+        replay_against_host(
+            T, k, S, calls=150, seed=S, padded=True, impl=impl, device="cuda", banks=banks, policy=policy
+        )
 
 
 @pytest.mark.gpu

@@ -47,7 +47,7 @@ def test_slot_cache_maps_every_routed_expert_to_a_slot_holding_its_weights():
 
 def test_slot_cache_is_lru_and_counts_hits_and_misses():
     banks = _banks()
-    cache = ExpertSlotCache(3, L, E, (6, 4), (4, 3), torch.float32, torch.device("cpu"))
+    cache = ExpertSlotCache(3, L, E, (6, 4), (4, 3), torch.float32, torch.device("cpu"), policy="lru")
     _lookup(cache, banks, 0, [[0, 1]])  # misses 0, 1
     _lookup(cache, banks, 1, [[0]])  # miss (layer 1, 0): the cache is full now
     assert (cache.hits, cache.misses) == (0, 3)
@@ -59,6 +59,51 @@ def test_slot_cache_is_lru_and_counts_hits_and_misses():
     _lookup(cache, banks, 0, [[1, 2], [3, 1]])
     assert cache.resident(0) == [1, 2, 3] and cache.resident(1) == [] and cache.resident(2) == []
     cache.check_integrity()
+
+
+def test_slot_cache_lfu_keeps_the_often_routed_experts_and_forgets_with_age():
+    banks = _banks()
+    cache = ExpertSlotCache(3, L, E, (6, 4), (4, 3), torch.float32, torch.device("cpu"), age_every=8)
+    for _ in range(3):
+        _lookup(cache, banks, 0, [[0, 1]])  # (0, 0) and (0, 1) routed 3 times each
+    _lookup(cache, banks, 1, [[4]])  # the third slot
+    _lookup(cache, banks, 2, [[5]])  # evicts (1, 4), routed once: LRU would have evicted (0, 0)
+    assert cache.resident(0) == [0, 1] and cache.resident(1) == [] and cache.resident(2) == [5]
+    _lookup(cache, banks, 1, [[4]])  # back, now routed twice: evicts (2, 5), the one routed once
+    assert cache.resident(1) == [4] and cache.resident(2) == []
+    _lookup(cache, banks, 0, [[2]])  # a call never evicts its own: (1, 4) is the least routed left
+    assert cache.resident(0) == [0, 1, 2] and cache.resident(1) == []
+    assert cache.freq[0] == 3 and cache.freq[1 * E + 4] == 2
+    _lookup(cache, banks, 2, [[6]])  # the 8th lookup halves every count first (3 -> 1, 2 -> 1, 1 -> 0)
+    assert cache.freq[0] == 1 and cache.freq[1 * E + 4] == 1 and cache.freq[2 * E + 6] == 1
+    assert cache.resident(0) == [0, 1] and cache.resident(2) == [6]  # (0, 2), counted 0 after the halving, went
+    cache.check_integrity()
+
+
+def test_lfu_hits_more_than_lru_under_skewed_routing():
+    """The reason for the default: per-layer Zipf routing (as FREETOKEN_BENCH_ROUTING=zipf draws it) over a cache
+    of a few experts a layer. Counts, not timings."""
+    from freetoken.moe import bench_routing
+
+    layers, experts, k, slots = 6, 64, 4, 48
+    banks = [(torch.zeros(experts, 1, 1), torch.zeros(experts, 1, 1)) for _ in range(layers)]
+    rates = {}
+    for policy in ("lfu", "lru"):
+        torch.manual_seed(0)
+        cache = ExpertSlotCache(slots, layers, experts, (1, 1), (1, 1), torch.float32, torch.device("cpu"), policy)
+        bench_routing.set_mode("zipf")
+        try:
+            for _ in range(300):
+                for layer in range(layers):
+                    cache.lookup(
+                        layer,
+                        *banks[layer],
+                        bench_routing.override(torch.zeros(1, k, dtype=torch.long), layer, experts),
+                    )
+        finally:
+            bench_routing.set_mode("off")
+        rates[policy] = cache.hits / (cache.hits + cache.misses)
+    assert rates["lfu"] > rates["lru"] + 0.05, rates
 
 
 def test_slot_cache_refuses_a_step_needing_more_experts_than_slots():

@@ -73,7 +73,7 @@ def test_rows_hold_the_bank_and_are_nvfp4_sized():
 
 @pytest.mark.parametrize("slots", [2, 4, 6, E])
 def test_offloaded_layer_equals_resident(slots):
-    """Decode-sized steps through the cache (LRU churn with 2..6 slots: evictions), prefill-sized ones streamed;
+    """Decode-sized steps through the cache (churn with 2..6 slots: evictions), prefill-sized ones streamed;
     every output equals the resident layer's, repeats hit, the first sight of an expert misses."""
     resident, offloaded, off = layer_pair(slots)
     g = torch.Generator().manual_seed(1)
@@ -181,8 +181,9 @@ def resident(nvfp4_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("slots", [3, 6, 32])
 def test_quantized_model_offloaded_equals_resident(nvfp4_dir, resident, slots):
-    """3 slots: two rows x top-2 may need more than the cache: streamed; 6: each layer evicts the last one's
-    experts (every lookup misses); 32: every expert of the 4 layers, so the working set hits once loaded."""
+    """3 slots: two rows x top-2 may need more than the cache: streamed; 6: less than the 4 layers' working sets
+    (misses, and hits on the most-routed experts LFU keeps); 32: every expert of the 4 layers, so the working set
+    hits once loaded."""
     from freetoken import LLM, SamplingParams
 
     llm = LLM(nvfp4_dir, moe_backend="offload", moe_cache_size=slots, **LLM_ARGS)
@@ -192,7 +193,7 @@ def test_quantized_model_offloaded_equals_resident(nvfp4_dir, resident, slots):
     sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     assert [o.token_ids for o in llm.generate([PROMPT, PROMPT[:9]], sp)] == tokens
     hits, misses = llm.worker.offload.counters()
-    assert (misses > 0) == (slots >= 4) and (hits > 0) == (slots == 32)
+    assert (misses > 0) == (slots >= 4) and (hits > 0) == (slots >= 6)
     # hits after the cold run: the same request again gives the same tokens
     assert [o.token_ids for o in llm.generate([PROMPT, PROMPT[:9]], sp)] == tokens
     assert slots != 32 or llm.worker.offload.counters()[0] > hits

@@ -153,7 +153,8 @@ def _allocate_expert_cache(w: "Worker", plan: MemoryPlan, used_by_loading: int, 
     if how == "auto":
         logger.info(f"--moe-cache-auto resolved moe_cache_size={slots}")
     logger.info(
-        f"Expert cache: {slots} of {off.total_experts} experts on the device ({off.cache.nbytes / GiB:.2f} GiB, {how})"
+        f"Expert cache: {slots} of {off.total_experts} experts on the device ({off.cache.nbytes / GiB:.2f} GiB, {how}, "
+        f"evicting {off.cache.policy})"
     )
     if slots < min(off.min_useful_slots, off.total_experts):
         logger.warning(

@@ -1,5 +1,5 @@
-"""Kernel-dispatch cuts that an A/B benchmark run moves through the environment (``FREETOKEN_NVFP4_*``), read once
-at import, i.e. at start-up. The one place that parses them, so a bad value is refused the same way everywhere."""
+"""Kernel-dispatch cuts and policies that an A/B benchmark run moves through the environment (``FREETOKEN_NVFP4_*``,
+``FREETOKEN_MOE_CACHE_POLICY``), read at start-up. The one place that parses them, so a bad value is refused the same way everywhere."""
 
 from __future__ import annotations
 
@@ -16,3 +16,13 @@ def int_from_env(name: str, default: int, unit: str = "pairs") -> int:
         return int(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r}: expected a number of {unit}") from None
+
+
+def choice_from_env(name: str, default: str, choices: tuple) -> str:
+    """``$name`` if it is one of ``choices``, ``default`` when unset; anything else is refused in one line."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    if raw not in choices:
+        raise ValueError(f"{name}={raw!r}: expected one of {', '.join(choices)}")
+    return raw

@@ -1,21 +1,22 @@
-"""``DeviceExpertCache``: the expert LRU cache with its bookkeeping on the device, so that a decode step's MoE
-layers can be captured in a CUDA graph.
+"""``DeviceExpertCache``: the expert cache with its bookkeeping on the device, so that a decode step's MoE layers
+can be captured in a CUDA graph.
 
 Same cache as ``ExpertSlotCache`` (one pool of slots shared by every MoE layer, each slot one expert's
-``gate_up [2I, H]`` + ``down [H, I]``, exact LRU) and the same decisions, lookup for lookup: same victims, same
-``slot_of`` / ``owner`` after every call, same hit and miss counts. ``ExpertSlotCache`` stays as the host reference
+``gate_up [2I, H]`` + ``down [H, I]``, the same eviction policy: ``lfu`` or ``lru``, see ``slot_cache.py``) and
+the same decisions, lookup for lookup: same victims, same ``slot_of`` / ``owner`` / ``freq`` after every call,
+same hit and miss counts. ``ExpertSlotCache`` stays as the host reference
 the tests compare against. Here nothing reads device data on the host and every shape depends only on the
 routing's ``[T, k]``:
 
 - state, all device tensors: ``slot_of [L*E + 1] int32`` (flat id ``layer*E + expert`` -> slot, -1 = not
-  resident), ``owner [S + 1] int32`` (slot -> flat id, -1 = empty), ``stamp [S + 1] int64`` (LRU stamps, -1 =
-  empty, so empty slots go first), ``clock [1] int64`` (one tick per ``ensure``), ``counts [2] int64`` (hits,
-  misses). The last entry of ``slot_of``, ``owner`` and ``stamp`` is a trash entry: updates that are masked out are
-  redirected there instead of branching on the data.
+  resident), ``owner [S + 1] int32`` (slot -> flat id, -1 = empty), ``stamp [S + 1] int64`` (the call that last
+  used the slot, -1 = empty, so empty slots go first), ``clock [1] int64`` (one tick per ``ensure``),
+  ``counts [2] int64`` (hits, misses), ``freq [L*E + 1] int32`` (routing counts, aged). The last entry of
+  ``slot_of``, ``owner``, ``stamp`` and ``freq`` is a trash entry: updates that are masked out are redirected there
+  instead of branching on the data.
 - admission (``kernels/expert_admission.py``): one clock tick per call; hits are stamped with it; the missing
-  experts, in ascending expert id, take the oldest slots in ascending (stamp, slot index) order, the order of the
-  host's stable argsort. The current call's slots carry the newest stamp, so a call never evicts what it uses
-  itself. A slot used by an earlier layer of the same step can be evicted: that layer's kernel is already queued on
+  experts, in ascending expert id, take the slots of smallest eviction key in ascending (key, slot index) order,
+  the order of the host's stable argsort. A call never evicts what it uses itself. A slot used by an earlier layer of the same step can be evicted: that layer's kernel is already queued on
   the same stream, before the copy that overwrites it. On CUDA one single-program Triton kernel; the torch version
   (fixed-shape ops, about 45 small kernels) is its reference and the CPU path.
 - fetch (``kernels/expert_gather.py``): on CUDA a Triton kernel reading the pinned host bank directly through its
@@ -38,6 +39,7 @@ import torch
 from ..kernels.expert_admission import admit_experts_torch, admit_experts_triton
 from ..kernels.expert_gather import gather_experts_torch, gather_experts_triton
 from ..log import get_logger
+from .slot_cache import check_policy, default_age_every
 
 logger = get_logger(__name__)
 
@@ -53,14 +55,18 @@ class DeviceExpertCache:
         dtype: torch.dtype,
         device: torch.device,
         impl: str = "auto",
+        policy: str = "lfu",
+        age_every: Optional[int] = None,
     ):
         """``impl``: ``auto`` (Triton on CUDA, torch elsewhere), ``triton`` (also on CPU under TRITON_INTERPRET=1,
         in tests) or ``torch``: the admission, and on CPU the gather too (on CUDA the gather is always the Triton
-        kernel: nothing else reads a host bank without the host)."""
+        kernel: nothing else reads a host bank without the host). ``policy``, ``age_every``: ``ExpertSlotCache``."""
         if num_slots < 1:
             raise ValueError("the expert cache needs at least one slot")
         if impl not in ("auto", "triton", "torch"):
             raise ValueError(f"unknown expert cache implementation {impl!r}")
+        self.policy = check_policy(policy)
+        self.age_every = age_every or default_age_every(num_layers)
         self.num_slots, self.num_layers, self.num_experts = num_slots, num_layers, num_experts
         self.device = torch.device(device)
         self.impl = ("triton" if self.device.type == "cuda" else "torch") if impl == "auto" else impl
@@ -73,6 +79,7 @@ class DeviceExpertCache:
         self.stamp = torch.full((S + 1,), -1, dtype=torch.int64, device=dev)
         self.clock = torch.zeros(1, dtype=torch.int64, device=dev)
         self.counts = torch.zeros(2, dtype=torch.int64, device=dev)  # hits, misses
+        self.freq = torch.zeros(self.trash_id + 1, dtype=torch.int32, device=dev)
         self._pinned: dict[int, bool] = {}  # bank data_ptr -> readable by the gather kernel
 
     # ------------------------------------------------------------------ host-side reads (each one syncs)
@@ -138,10 +145,13 @@ class DeviceExpertCache:
             self.stamp,
             self.clock,
             self.counts,
+            self.freq,
             topk_ids,
             layer,
             self.num_experts,
             num_valid_tokens,
+            lfu=self.policy == "lfu",
+            age_every=self.age_every,
         )
 
     @torch.no_grad()

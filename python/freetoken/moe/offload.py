@@ -30,9 +30,11 @@ from typing import Optional
 import torch
 
 from ..log import get_logger
+from ..tuning_env import choice_from_env
 from .device_slot_cache import DeviceExpertCache
 from .offloaded_experts import OffloadedExperts
 from .prefill_stream import PrefillExpertStream
+from .slot_cache import POLICIES
 
 logger = get_logger(__name__)
 
@@ -94,6 +96,7 @@ class ExpertOffload:
             tuple(down.shape[1:]),
             gate_up.dtype,
             self.device,
+            policy=choice_from_env("FREETOKEN_MOE_CACHE_POLICY", "lfu", POLICIES),
         )
 
     @property
