@@ -15,7 +15,8 @@ Runs, one server at a time:
   N+1 while step N runs on the GPU gains (``overlapped_steps`` from ``/v1/stats`` says it happened).
 - ``offload`` (unless ``--skip-offload``): ``--moe-backend offload --moe-cache-size N``, 1 stream under Zipf,
   uniform and hot (all-hit) routing, switched while the server runs (``FREETOKEN_BENCH_ROUTING_FILE``), with the
-  measured hit rate and the PCIe floor (misses per token x expert bytes / measured PCIe bandwidth).
+  measured hit rate and the PCIe floor (misses per token x expert bytes / measured PCIe bandwidth); once per
+  expert cache policy of ``--offload-policies`` (``lfu,lru``: the eviction A/B on the same card, one server each).
 
 Against the hardware: the HBM roofline of a batch-1 step is the bytes a decode token must read (every dense
 weight, lm_head, top-k experts per MoE layer, the recurrent state read and written) over the measured
@@ -263,14 +264,16 @@ def resident_run(label: str, args: list[str], env: dict, a, routing_file: str, w
     return row
 
 
-def offload_run(args: list[str], env: dict, a, routing_file: str) -> dict:
-    srv, row = start("offload", args, env)
-    row["cache_size"] = a.cache_size
+def offload_run(args: list[str], env: dict, a, routing_file: str, policy: str, with_prefill: bool) -> dict:
+    srv, row = start(f"offload {policy}", args, {**env, "FREETOKEN_MOE_CACHE_POLICY": policy})
+    row["cache_size"], row["policy"] = a.cache_size, policy
     try:
         for mode in ("zipf", "uniform", "hot"):
             set_routing(routing_file, mode)
             stream_completion(srv.url, "warm up", 48)  # recapture, and fill the cache under this routing
             row[mode] = one_stream(srv, a.decode_tokens)
+        if not with_prefill:
+            return row
         set_routing(routing_file, "uniform")  # prefill streams every layer's experts whatever the routing
         stream_completion(srv.url, "warm up", 4)
         # twice, two prompts: the first pays any one-off cost of a chunk this long (a kernel configuration the
@@ -294,6 +297,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--skip-no-overlap", action="store_true", help="no run with DISABLE_OVERLAP_SCHEDULING=1")
     ap.add_argument("--skip-offload", action="store_true")
     ap.add_argument("--skip-resident", action="store_true", help="only the offload run")
+    ap.add_argument(
+        "--offload-policies",
+        default="lfu",
+        help="expert cache policies to run offload decode with, one server each (e.g. lfu,lru: the A/B)",
+    )
     ap.add_argument("--out", default="bench/out/decode.json")
     ap.add_argument("serve_args", nargs=argparse.REMAINDER)
     return ap.parse_args()
@@ -353,7 +361,9 @@ def main() -> int:
         attempt("no_overlap", resident_run, "no_overlap", common + resident, no_overlap_env, a, routing_file, False)
     if not a.skip_offload:
         off = ["--moe-backend", "offload", "--moe-cache-size", str(a.cache_size), "--max-running-requests", "4"]
-        attempt("offload", offload_run, common + off, env, a, routing_file)
+        for i, policy in enumerate(a.offload_policies.split(",")):
+            name = "offload" if i == 0 else f"offload_{policy}"
+            attempt(name, offload_run, common + off, env, a, routing_file, policy, with_prefill=i == 0)
     print_table(report)
     return 1 if report.get("errors") else 0
 
@@ -363,8 +373,9 @@ def print_table(report: dict) -> None:
     roof_ms = need["bytes"] / (hw["hbm_copy_gb_s"] * 1e9) * 1e3 if hw else None
     if "graphs" in runs:
         print_resident(runs, hw, need, roof_ms)
-    if "offload" in runs:
-        print_offload(runs["offload"], hw, need)
+    for name in runs:
+        if name.startswith("offload"):
+            print_offload(runs[name], hw, need)
 
 
 def print_resident(runs: dict, hw: dict, need: dict, roof_ms) -> None:
@@ -433,7 +444,7 @@ def print_offload(off: dict, hw: dict, need: dict) -> None:
     if True:
         pcie = hw.get("pcie_h2d_gb_s", 55.0) * 1e9
         print(
-            f"\n{'offload, cache ' + str(off['cache_size']):<34}{'tok/s':>10}{'hit rate':>10}{'miss/tok':>10}"
+            f"\n{'offload, cache ' + str(off['cache_size']) + ', ' + off.get('policy', 'lru'):<34}{'tok/s':>10}{'hit rate':>10}{'miss/tok':>10}"
             f"{'PCIe floor ms':>15}{'floor/ITL':>11}{'vs FT all-hit':>15}"
         )
         for mode in ("zipf", "uniform", "hot"):
