@@ -11,16 +11,16 @@ version sends masked-out updates there.
 One call, exactly like the host ``ExpertSlotCache.lookup``: the clock ticks (and every ``age_every``-th tick halves
 ``freq``); each distinct expert of the valid rows (rows before ``num_valid_tokens``) counts once in ``freq`` and is
 a hit (its slot is stamped with the clock) or a miss; the missing experts, in ascending expert id, take the slots
-of smallest eviction key in ascending (key, slot index) order. The key (``eviction_key``) is the slot's stamp
-(``lru``) or its owner's ``freq`` (``lfu``; -1 for an empty slot), and a slot this call uses is never a victim
-(newest stamp; excluded under ``lfu``). Returns ``(slot_ids [T, k] int64`` (0 on padding rows),
+of smallest eviction key in ascending (key, slot index) order. The key is the slot's stamp (``lru``) or its
+owner's ``freq`` (``lfu``; -1 for an empty slot), and a slot this call uses is never a victim (newest stamp;
+excluded under ``lfu``). Returns ``(slot_ids [T, k] int64`` (0 on padding rows),
 ``job_src [P]``, ``job_dst [P]``, ``num_jobs``): miss r copies bank row ``job_src[r]`` into slot ``job_dst[r]`` for
 ``r < num_jobs`` (``kernels/expert_gather.py``). Entries past ``num_jobs`` are unspecified.
 
 ``admit_experts_torch``: the reference, in plain torch ops (a pairwise P x P compare for first occurrences and
-miss ranks, ``topk`` over ``stamp * S + slot`` for the P oldest slots, scatters redirected to the trash entries).
-About 45 small kernels on CUDA. ``admit_experts_triton``: the same in one single-program kernel launch, for the
-decode step's CUDA graph.
+miss ranks, ``topk`` over ``(key + 1) * S + slot`` for the P first victims, scatters redirected to the trash
+entries). About 45 small kernels on CUDA. ``admit_experts_triton``: the same in one single-program kernel
+launch, for the decode step's CUDA graph.
 """
 
 from __future__ import annotations
@@ -107,8 +107,8 @@ def admit_experts_torch(
     else:
         score = stamp[:S]
     key = (score + 1) * S + torch.arange(S, device=dev)
-    oldest = torch.topk(key, candidates, largest=False, sorted=True).indices
-    victim = oldest[rank.clamp(max=candidates - 1)]
+    victims = torch.topk(key, candidates, largest=False, sorted=True).indices
+    victim = victims[rank.clamp(max=candidates - 1)]
     evicted = owner[victim].long()
     slot_of.index_fill_(0, torch.where(miss & (evicted >= 0), evicted, trash_id), -1)
     slot_of.index_put_((torch.where(miss, flat, trash_id),), victim.to(torch.int32))
@@ -118,7 +118,7 @@ def admit_experts_torch(
 
     job_src = torch.zeros(P + 1, dtype=torch.int64, device=dev)
     job_src.index_put_((torch.where(miss, rank, P),), expert)
-    job_dst = oldest[position.clamp(max=candidates - 1)]
+    job_dst = victims[position.clamp(max=candidates - 1)]
     slot_ids = torch.where(valid, slot_of[flat].long(), 0).view(T, k)
     return slot_ids, job_src[:P], job_dst, miss.sum()
 

@@ -4,9 +4,8 @@ can be captured in a CUDA graph.
 Same cache as ``ExpertSlotCache`` (one pool of slots shared by every MoE layer, each slot one expert's
 ``gate_up [2I, H]`` + ``down [H, I]``, the same eviction policy: ``lfu`` or ``lru``, see ``slot_cache.py``) and
 the same decisions, lookup for lookup: same victims, same ``slot_of`` / ``owner`` / ``freq`` after every call,
-same hit and miss counts. ``ExpertSlotCache`` stays as the host reference
-the tests compare against. Here nothing reads device data on the host and every shape depends only on the
-routing's ``[T, k]``:
+same hit and miss counts. ``ExpertSlotCache`` stays as the host reference the tests compare against. Here nothing
+reads device data on the host and every shape depends only on the routing's ``[T, k]``:
 
 - state, all device tensors: ``slot_of [L*E + 1] int32`` (flat id ``layer*E + expert`` -> slot, -1 = not
   resident), ``owner [S + 1] int32`` (slot -> flat id, -1 = empty), ``stamp [S + 1] int64`` (the call that last
@@ -16,8 +15,9 @@ routing's ``[T, k]``:
   instead of branching on the data.
 - admission (``kernels/expert_admission.py``): one clock tick per call; hits are stamped with it; the missing
   experts, in ascending expert id, take the slots of smallest eviction key in ascending (key, slot index) order,
-  the order of the host's stable argsort. A call never evicts what it uses itself. A slot used by an earlier layer of the same step can be evicted: that layer's kernel is already queued on
-  the same stream, before the copy that overwrites it. On CUDA one single-program Triton kernel; the torch version
+  the order of the host's stable argsort. A call never evicts what it uses itself. A slot used by an earlier layer
+  of the same step can be evicted: that layer's kernel is already queued on the same stream, before the copy that
+  overwrites it. On CUDA one single-program Triton kernel; the torch version
   (fixed-shape ops, about 45 small kernels) is its reference and the CPU path.
 - fetch (``kernels/expert_gather.py``): on CUDA a Triton kernel reading the pinned host bank directly through its
   device address, the job count read on the device; on CPU the torch version (fixed shapes too).
