@@ -34,12 +34,11 @@
 #   moesweep bench/nvfp4_kernel_bench.py --groups moesweep: the grouped NVFP4 MoE's launch settings at 1k-8k tokens
 #            (run it alone: a server starting on the same GPU disturbs the timings)
 #   shutdown bench/shutdown_check.py: a CUDA server keeps its SIGTERM handler, drains and exits 0
-#   offloadeq  the tiny NVFP4 model offloaded vs resident on CUDA (test_nvfp4_offload_on_cuda_equals_resident failed
-#            2026-12-02 afternoon, undiagnosed): the test alone with its message, then again with the old MoE
-#            decode cut (FREETOKEN_NVFP4_DECODE_MAX_PAIRS=64) to see whether the cut is involved
+#   policies the expert cache's eviction A/B (bench/decode_bench.py --offload-policies lfu,lru on the NVFP4 config,
+#            offload decode only) and the gather kernel's PCIe read rate (bench/expert_gather_bench.py)
 #   nvfp4b32 the NVFP4 config's batch-32 decode profile (bench/profile_decode.py --batch 32): where the 32-stream step
-#            goes now that its MoE runs the decode GEMVs; and the mixed GEMV at 1-4 rows of x (FP8_MAX_M was set when
-#            FP8 rows decoded byte by byte)
+#            goes now that its MoE runs the decode GEMVs (the server alone takes ~170 s to start: 230 s timed out on
+#            2026-12-02 evening); and the mixed GEMV at 1-4 rows of x
 #   stress   issue 12's stress run (bench/radix_stress.py): 16 concurrent 4-turn sessions with hang-ups on the
 #            hybrid radix server, all resident, then with NVFP4 experts offloaded; every request answered and every
 #            slot and snapshot accounted for
@@ -174,14 +173,15 @@ if [[ " $SECTIONS " == *" stress "* ]]; then
       --server-args "--max-running-requests 8 --max-prefill-length 8192 --max-seq-len-override 32768 --moe-backend offload --moe-cache-size 1024" \
       --out "$OUT/radix_stress_nvfp4_offload.json" 2>&1 | tee "$OUT/radix_stress_nvfp4_offload.log" | grep -vE "^\[" | tail -8
 fi
-if [[ " $SECTIONS " == *" offloadeq "* ]]; then
-  for cut in 256 64; do
-    FREETOKEN_NVFP4_DECODE_MAX_PAIRS=$cut timeout ${OFFLOADEQ_TIMEOUT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider \
-        -rf -x tests/test_nvfp4_offload.py 2>&1 | tee "$OUT/offloadeq_$cut.log" | tail -30 | sed "s/^/[cut $cut] /"
-  done
+if [[ " $SECTIONS " == *" policies "* ]]; then
+  timeout ${POLICIES_TIMEOUT:-320} python3 bench/decode_bench.py --model-path configs/qwen3.6-35b-a3b-nvfp4 --skip-resident \
+      --skip-eager --skip-no-overlap --offload-policies lfu,lru --out "$OUT/decode_offload_policies.json" \
+      > "$OUT/decode_offload_policies.txt" 2>&1
+  grep -v "^  \[" "$OUT/decode_offload_policies.txt" | tail -20
+  timeout 120 python3 bench/expert_gather_bench.py --out "$OUT/expert_gather.json" 2>&1 | tee "$OUT/expert_gather.txt" | tail -25
 fi
 if [[ " $SECTIONS " == *" nvfp4b32 "* ]]; then
-  timeout ${PROFILE_TIMEOUT:-300} python3 bench/profile_decode.py --batch 32 --steps 20 --profile-steps 2 \
+  timeout ${PROFILE_TIMEOUT:-450} python3 bench/profile_decode.py --batch 32 --steps 20 --profile-steps 2 \
       --out "$OUT/profile_decode_nvfp4_b32.json" -- --dummy-weight --model-path configs/qwen3.6-35b-a3b-nvfp4 \
       --max-running-requests 32 --max-seq-len-override 32768 --moe-backend fused 2>&1 \
       | tee "$OUT/profile_decode_nvfp4_b32.log" | grep -vE "^\[|^  " | tail -40
