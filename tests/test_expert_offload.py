@@ -169,7 +169,7 @@ def _run(model, prompts, steps, device="cpu"):
 @pytest.mark.parametrize("slots", [1, 3, 6, 8, 64])
 def test_offload_matches_resident_experts(hf, slots):
     """1 and 3 slots: a decode step's 3 tokens x top-2 pairs could need more experts than the cache holds, so
-    every layer is streamed; 6 (as many slots as pairs) and 8: LRU churn; 64: every expert of every layer fits.
+    every layer is streamed; 6 (as many slots as pairs) and 8: churn; 64: every expert of every layer fits.
     Logits and greedy tokens equal the all-resident model's."""
     prompts = [R.prompt(24, seed=1), R.prompt(9, seed=2), R.prompt(17, seed=3)]
     ref_model = R.build_ours(CONFIG, hf)
@@ -188,6 +188,30 @@ def test_offload_matches_resident_experts(hf, slots):
         assert (hits, misses) == (0, 0)  # nothing fit: every layer streamed
     assert off.stream.layers_copied > 0  # prefill chunks streamed whole layers
     off.cache.check_integrity()
+
+
+@pytest.mark.parametrize("slots,fits", [(5, 2), (6, 3), (8, 4), (64, 4)])
+def test_the_cache_takes_decode_batches_whose_pairs_fit_the_slots_and_the_layer(slots, fits):
+    """8 experts, top-2: a batch runs over the cache while its pairs (all possibly distinct) fit the slots and are
+    no more than the layer's experts (then the cache never fetches more than streaming copies); the decode CUDA
+    graphs stop at the largest such batch."""
+    from freetoken.moe.offload import ExpertOffload
+
+    off = ExpertOffload(torch.device("cpu"), torch.float32, top_k=2)
+    for layer in range(2):
+        off.make_experts(layer, 8, 4, 2)
+    off.finish_loading()
+    off.allocate_cache(slots)
+    assert off.max_cached_batch() == fits
+    assert off.uses_cache(2 * fits, 8) and not off.uses_cache(2 * fits + 2, 8)
+    # a graph capture (num_valid_tokens set) that would stream a layer is refused, not recorded
+    from freetoken.moe.offloaded_experts import device_weights
+
+    off.num_valid_tokens = torch.tensor(fits + 1)
+    with pytest.raises(RuntimeError, match="max_cached_batch"):
+        device_weights(off, 0, off.layers[0].host_banks(), torch.zeros(fits + 1, 2, dtype=torch.long))
+    off.num_valid_tokens = None
+    assert device_weights(off, 0, off.layers[0].host_banks(), torch.zeros(fits + 1, 2, dtype=torch.long))[2].shape
 
 
 def test_expert_offload_sizes(hf):

@@ -50,5 +50,10 @@ def device_weights(offload, index: int, banks, topk_ids: torch.Tensor):
     if offload.uses_cache(topk_ids.shape[0] * topk_ids.shape[1], banks[0].shape[0]):
         slot_ids = cache.ensure(index, banks[0], banks[1], topk_ids, offload.num_valid_tokens)
         return cache.gate_up, cache.down, slot_ids
+    if offload.num_valid_tokens is not None:  # set only while decode CUDA graphs are captured
+        raise RuntimeError(
+            f"a decode CUDA graph of {topk_ids.shape[0]} tokens would stream MoE layer {index} (copy-stream events "
+            "cannot be captured): the graphs must stop at ExpertOffload.max_cached_batch()"
+        )
     gate_up, down = offload.stream.layer_weights(index)
     return gate_up, down, topk_ids
