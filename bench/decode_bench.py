@@ -16,7 +16,8 @@ Runs, one server at a time:
 - ``offload`` (unless ``--skip-offload``): ``--moe-backend offload --moe-cache-size N``, 1 stream under Zipf,
   uniform and hot (all-hit) routing, switched while the server runs (``FREETOKEN_BENCH_ROUTING_FILE``), with the
   measured hit rate and the PCIe floor (misses per token x expert bytes / measured PCIe bandwidth); once per
-  expert cache policy of ``--offload-policies`` (``lfu,lru``: the eviction A/B on the same card, one server each).
+  expert cache policy of ``--offload-policies`` (``lfu,lru``: the eviction A/B on the same card, one server each);
+  ``--offload-streams N`` adds N concurrent streams under Zipf and uniform routing, with their hit rate.
 
 Against the hardware: the HBM roofline of a batch-1 step is the bytes a decode token must read (every dense
 weight, lm_head, top-k experts per MoE layer, the recurrent state read and written) over the measured
@@ -272,6 +273,15 @@ def offload_run(args: list[str], env: dict, a, routing_file: str, policy: str, w
             set_routing(routing_file, mode)
             stream_completion(srv.url, "warm up", 48)  # recapture, and fill the cache under this routing
             row[mode] = one_stream(srv, a.decode_tokens)
+        if a.offload_streams:  # many streams over the cache (decode graphs up to ExpertOffload.max_cached_batch)
+            for mode in ("zipf", "uniform"):
+                set_routing(routing_file, mode)
+                stream_completion(srv.url, "warm up", 48)
+                before = decode_stats(srv)
+                row[f"many_{mode}"] = many_streams(srv, a.offload_streams, a.decode_tokens)
+                d = {k: v - before[k] for k, v in decode_stats(srv).items()}
+                looked = d["expert_hits"] + d["expert_misses"]
+                row[f"many_{mode}"]["hit_rate"] = d["expert_hits"] / looked if looked else None
         if not with_prefill:
             return row
         set_routing(routing_file, "uniform")  # prefill streams every layer's experts whatever the routing
@@ -293,10 +303,18 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--prefill-words", type=int, default=7000, help="~8k tokens with the Qwen tokenizer")
     ap.add_argument("--cache-size", type=int, default=1024)
+    ap.add_argument("--max-seq-len", type=int, default=16384, help="--max-seq-len-override of every server")
+    ap.add_argument("--max-prefill-length", type=int, default=8192)
     ap.add_argument("--skip-eager", action="store_true")
     ap.add_argument("--skip-no-overlap", action="store_true", help="no run with DISABLE_OVERLAP_SCHEDULING=1")
     ap.add_argument("--skip-offload", action="store_true")
     ap.add_argument("--skip-resident", action="store_true", help="only the offload run")
+    ap.add_argument(
+        "--offload-streams",
+        type=int,
+        default=0,
+        help="also decode this many concurrent streams on each offload server (Zipf and uniform routing)",
+    )
     ap.add_argument(
         "--offload-policies",
         default="lfu",
@@ -321,9 +339,9 @@ def main() -> int:
         a.model_path,
         "--dummy-weight",
         "--max-seq-len-override",
-        "16384",
+        str(a.max_seq_len),
         "--max-prefill-length",
-        "8192",
+        str(a.max_prefill_length),
         *extra,
     ]
     resident = ["--moe-backend", "fused", "--max-running-requests", str(a.streams)]
@@ -360,7 +378,8 @@ def main() -> int:
         no_overlap_env = {**env, "DISABLE_OVERLAP_SCHEDULING": "1"}
         attempt("no_overlap", resident_run, "no_overlap", common + resident, no_overlap_env, a, routing_file, False)
     if not a.skip_offload:
-        off = ["--moe-backend", "offload", "--moe-cache-size", str(a.cache_size), "--max-running-requests", "4"]
+        running = str(max(4, a.offload_streams))
+        off = ["--moe-backend", "offload", "--moe-cache-size", str(a.cache_size), "--max-running-requests", running]
         for i, policy in enumerate(a.offload_policies.split(",")):
             name = "offload" if i == 0 else f"offload_{policy}"
             attempt(name, offload_run, common + off, env, a, routing_file, policy, with_prefill=i == 0)
@@ -460,6 +479,14 @@ def print_offload(off: dict, hw: dict, need: dict) -> None:
                 f"{r['tok_s'] / FREETOKEN_012['offload_all_hit_bs1']:.2f}x",
             ]
             print(f"{mode + ' routing':<34}" + "".join(f"{c:>{w}}" for c, w in zip(cells, (10, 10, 10, 15, 11, 15))))
+        for mode in ("zipf", "uniform"):
+            m = off.get(f"many_{mode}")
+            if m:
+                hr = "-" if m["hit_rate"] is None else f"{m['hit_rate']:.3f}"
+                print(
+                    f"{mode + ', ' + str(m['streams']) + ' streams':<34}{m['tok_s']:>10.1f}{hr:>10}"
+                    f"   (gap p50 {m['itl_ms_p50']:.1f} ms, p99 {m['itl_ms_p99']:.1f} ms)"
+                )
         best = zipf_best_hit_rate(need, off["cache_size"])
         floor = (1 - best) * need["top_k"] * need["moe_layers"] * need["expert_bytes"] / pcie * 1e3
         print(

@@ -35,7 +35,8 @@
 #            (run it alone: a server starting on the same GPU disturbs the timings)
 #   shutdown bench/shutdown_check.py: a CUDA server keeps its SIGTERM handler, drains and exits 0
 #   policies the expert cache's eviction A/B (bench/decode_bench.py --offload-policies lfu,lru on the NVFP4 config,
-#            offload decode only) and the gather kernel's PCIe read rate (bench/expert_gather_bench.py)
+#            offload decode only, 1 and 32 streams: 32 x top-8 now decodes from graphs over the cache, unmeasured) and
+#            the gather kernel's PCIe read rate (bench/expert_gather_bench.py)
 #   nvfp4b32 the NVFP4 config's batch-32 decode profile (bench/profile_decode.py --batch 32): where the 32-stream step
 #            goes now that its MoE runs the decode GEMVs (the server alone takes ~170 s to start: 230 s timed out on
 #            2026-12-02 evening); and the mixed GEMV at 1-4 rows of x
@@ -174,8 +175,9 @@ if [[ " $SECTIONS " == *" stress "* ]]; then
       --out "$OUT/radix_stress_nvfp4_offload.json" 2>&1 | tee "$OUT/radix_stress_nvfp4_offload.log" | grep -vE "^\[" | tail -8
 fi
 if [[ " $SECTIONS " == *" policies "* ]]; then
-  timeout ${POLICIES_TIMEOUT:-320} python3 bench/decode_bench.py --model-path configs/qwen3.6-35b-a3b-nvfp4 --skip-resident \
-      --skip-eager --skip-no-overlap --offload-policies lfu,lru --out "$OUT/decode_offload_policies.json" \
+  timeout ${POLICIES_TIMEOUT:-420} python3 bench/decode_bench.py --model-path configs/qwen3.6-35b-a3b-nvfp4 --skip-resident \
+      --skip-eager --skip-no-overlap --offload-policies lfu,lru --offload-streams 32 \
+      --out "$OUT/decode_offload_policies.json" \
       > "$OUT/decode_offload_policies.txt" 2>&1
   grep -v "^  \[" "$OUT/decode_offload_policies.txt" | tail -20
   timeout 120 python3 bench/expert_gather_bench.py --out "$OUT/expert_gather.json" 2>&1 | tee "$OUT/expert_gather.txt" | tail -25
