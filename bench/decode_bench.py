@@ -154,17 +154,23 @@ def decode_stats(srv) -> dict:
     }
 
 
+def stats_since(srv, before: dict) -> dict:
+    """``decode_stats`` counted since ``before``, with the expert cache's hit rate over them (None: no lookup)."""
+    d = {k: v - before[k] for k, v in decode_stats(srv).items()}
+    looked = d["expert_hits"] + d["expert_misses"]
+    d["hit_rate"] = d["expert_hits"] / looked if looked else None
+    return d
+
+
 def one_stream(srv, tokens: int) -> dict:
     before = decode_stats(srv)
     r = stream_completion(srv.url, "Count slowly:", tokens)
-    after = decode_stats(srv)
+    d = stats_since(srv, before)
     if "error" in r:
         raise RuntimeError(f"decode failed: {r}")
     n = r["usage"]["completion_tokens"]
     span = sum(r["gaps"])
-    d = {k: after[k] - before[k] for k in after}
     steps = max(1, d["decode_steps"])
-    hits, misses = d["expert_hits"], d["expert_misses"]
     return {
         "tokens": n,
         "tok_s": (n - 1) / span,
@@ -172,8 +178,8 @@ def one_stream(srv, tokens: int) -> dict:
         "http_ms_per_token": span / (n - 1) * 1e3,
         "engine_ms_per_step": d["decode_engine_ms_total"] / steps,
         "worker_ms_per_step": d["decode_forward_ms_total"] / steps,
-        "hit_rate": hits / (hits + misses) if hits + misses else None,
-        "misses_per_token": misses / steps,
+        "hit_rate": d["hit_rate"],
+        "misses_per_token": d["expert_misses"] / steps,
         "overlapped_steps": d["overlapped_steps"],
     }
 
@@ -279,9 +285,7 @@ def offload_run(args: list[str], env: dict, a, routing_file: str, policy: str, w
                 stream_completion(srv.url, "warm up", 48)
                 before = decode_stats(srv)
                 row[f"many_{mode}"] = many_streams(srv, a.offload_streams, a.decode_tokens)
-                d = {k: v - before[k] for k, v in decode_stats(srv).items()}
-                looked = d["expert_hits"] + d["expert_misses"]
-                row[f"many_{mode}"]["hit_rate"] = d["expert_hits"] / looked if looked else None
+                row[f"many_{mode}"]["hit_rate"] = stats_since(srv, before)["hit_rate"]
         if not with_prefill:
             return row
         set_routing(routing_file, "uniform")  # prefill streams every layer's experts whatever the routing
@@ -462,8 +466,9 @@ def print_resident(runs: dict, hw: dict, need: dict, roof_ms) -> None:
 def print_offload(off: dict, hw: dict, need: dict) -> None:
     if True:
         pcie = hw.get("pcie_h2d_gb_s", 55.0) * 1e9
+        title = f"offload, cache {off['cache_size']}, {off.get('policy', 'lru')}"
         print(
-            f"\n{'offload, cache ' + str(off['cache_size']) + ', ' + off.get('policy', 'lru'):<34}{'tok/s':>10}{'hit rate':>10}{'miss/tok':>10}"
+            f"\n{title:<34}{'tok/s':>10}{'hit rate':>10}{'miss/tok':>10}"
             f"{'PCIe floor ms':>15}{'floor/ITL':>11}{'vs FT all-hit':>15}"
         )
         for mode in ("zipf", "uniform", "hot"):

@@ -214,6 +214,20 @@ def test_the_cache_takes_decode_batches_whose_pairs_fit_the_slots_and_the_layer(
     assert device_weights(off, 0, off.layers[0].host_banks(), torch.zeros(fits + 1, 2, dtype=torch.long))[2].shape
 
 
+def test_cache_policy_from_the_environment_and_a_bad_one_refused_before_loading(monkeypatch):
+    from freetoken.moe.offload import ExpertOffload
+
+    monkeypatch.setenv("FREETOKEN_MOE_CACHE_POLICY", "lru")
+    off = ExpertOffload(torch.device("cpu"), torch.float32, top_k=2)
+    off.make_experts(0, 8, 4, 2)
+    off.finish_loading()
+    off.allocate_cache(4)
+    assert off.cache.policy == "lru"
+    monkeypatch.setenv("FREETOKEN_MOE_CACHE_POLICY", "fifo")
+    with pytest.raises(ValueError, match="FREETOKEN_MOE_CACHE_POLICY='fifo': expected one of lfu, lru"):
+        ExpertOffload(torch.device("cpu"), torch.float32, top_k=2)
+
+
 def test_expert_offload_sizes(hf):
     _, off = _offloaded(hf, 4)
     layers = CONFIG["text_config"]["num_hidden_layers"]

@@ -1,5 +1,6 @@
 """Kernel-dispatch cuts and policies that an A/B benchmark run moves through the environment (``FREETOKEN_NVFP4_*``,
-``FREETOKEN_MOE_CACHE_POLICY``), read at start-up. The one place that parses them, so a bad value is refused the same way everywhere."""
+``FREETOKEN_MOE_CACHE_POLICY``), read at start-up. The one place that parses them, so a bad value is refused the
+same way everywhere."""
 
 from __future__ import annotations
 

@@ -49,6 +49,8 @@ class ExpertOffload:
         self.num_valid_tokens: Optional[torch.Tensor] = None  # CUDA-graph padding: see the module docstring
         self.stream: Optional[PrefillExpertStream] = None
         self.pinned = False
+        # read before any weight loads, so a bad value is refused at once
+        self.cache_policy = choice_from_env("FREETOKEN_MOE_CACHE_POLICY", "lfu", POLICIES)
 
     # ------------------------------------------------------------------ construction
 
@@ -96,7 +98,7 @@ class ExpertOffload:
             tuple(down.shape[1:]),
             gate_up.dtype,
             self.device,
-            policy=choice_from_env("FREETOKEN_MOE_CACHE_POLICY", "lfu", POLICIES),
+            policy=self.cache_policy,
         )
 
     @property
