@@ -65,6 +65,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--profile-steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument(
+        "--hbm-gbs", type=float, default=4190.0, help="the measured device copy bandwidth, for the expert roofline"
+    )
     ap.add_argument("--out", default="bench/out/profile_decode.json")
     ap.add_argument("serve_args", nargs=argparse.REMAINDER)
     return ap.parse_args()
@@ -105,6 +108,7 @@ def main() -> int:
         eager = True
     step_ms = timed()
 
+    touched = experts_touched(w.model, step)
     by_cpu, by_dev, device_ms = profile_steps(step, sync, w.device, a.profile_steps, a.top)
     result = {
         "serve_args": a.serve_args,
@@ -113,6 +117,8 @@ def main() -> int:
         "step_ms": step_ms,
         "tok_s": a.batch * 1e3 / step_ms,
         "device_busy_ms_per_step": device_ms,
+        "experts_touched": touched,
+        "expert_roofline_ms": touched["expert_bytes_per_step"] / (a.hbm_gbs * 1e6) if touched else None,
         "by_self_cpu": by_cpu,
         "by_device": by_dev,
     }
@@ -121,6 +127,37 @@ def main() -> int:
         json.dump(result, f, indent=2)
     print_profile(result)
     return 0
+
+
+def experts_touched(model: torch.nn.Module, step) -> dict | None:
+    """One eager step with every MoE layer's routing recorded: the distinct experts each layer touched (the bytes
+    a step must read for its routed experts: once per distinct expert, whatever the batch) and their weight bytes.
+    None for a model without routed experts."""
+    from freetoken.layers.moe import ExpertsBackend
+
+    layers = [m for m in model.modules() if isinstance(m, ExpertsBackend)]
+    if not layers:
+        return None
+    distinct: list[int] = []
+    hooks = [
+        m.register_forward_pre_hook(lambda _m, args: distinct.append(int(torch.unique(args[1]).numel())))
+        for m in layers
+    ]
+    try:
+        step()
+    finally:
+        for h in hooks:
+            h.remove()
+    per_expert = [
+        sum(t.numel() * t.element_size() for t in m.parameters()) / m.num_experts for m in layers
+    ]  # the resident banks (an offloaded layer keeps its experts outside its parameters: 0)
+    return {
+        "layers": len(layers),
+        "distinct_per_layer_mean": sum(distinct) / max(1, len(distinct)),
+        "distinct_per_layer_min_max": [min(distinct, default=0), max(distinct, default=0)],
+        "bytes_per_expert": per_expert[0],
+        "expert_bytes_per_step": sum(d * b for d, b in zip(distinct, per_expert)),
+    }
 
 
 def profile_steps(step, sync, device, n: int, top: int) -> tuple[list[dict], list[dict], float]:
@@ -146,6 +183,14 @@ def print_profile(result: dict) -> None:
         f"device busy {device_ms:.2f} ms/step "
         f"(profiled eagerly: the same kernels the graph replays, plus the launches)"
     )
+    t = result.get("experts_touched")
+    if t:
+        print(
+            f"batch {b}: routed experts touched per layer {t['distinct_per_layer_mean']:.1f} "
+            f"(min {t['distinct_per_layer_min_max'][0]}, max {t['distinct_per_layer_min_max'][1]}) of "
+            f"{t['layers']} layers, {t['expert_bytes_per_step'] / 1e9:.2f} GB of expert weights a step: "
+            f"{result['expert_roofline_ms']:.2f} ms at the copy bandwidth"
+        )
     for title, table in (("self CPU", result["by_self_cpu"]), ("device", result["by_device"])):
         print(f"\ntop by {title} time (ms per step):")
         print(f"{'op':<60}{'calls':>8}{'cpu ms':>10}{'dev ms':>10}")
