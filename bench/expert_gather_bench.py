@@ -2,7 +2,12 @@
 kernel inside the decode CUDA graph, reading the bank through its device address) against ``cudaMemcpy`` of the
 same experts (one ``copy_`` per expert, what a host-driven fetch would do) and against the measured pinned
 host-to-device bandwidth (``hardware_bandwidth``), for 1-8 misses of one layer (a batch-1 decode step misses
-~5 experts a layer under Zipf routing) and at the chunk sizes the kernel can take.
+~4 experts a layer under Zipf routing) and at the launch settings the kernel can take (``--chunks``, ``--blocks``:
+elements one load instruction covers, ``--warps``).
+
+Each method is timed as the decode step runs it: captured ``--calls`` times in a CUDA graph and replayed, so the
+host's launch time is not counted (timed eagerly with events, one Triton launch's ~30 us of host time lands inside
+the measured span, which made a one-expert gather look half as fast as it is; the 2026-12-02 evening run did that).
 
     python3 bench/expert_gather_bench.py [--format nvfp4|bf16] [--out bench/out/expert_gather.json]
 
@@ -40,11 +45,28 @@ def banks(fmt: str):
     return (*host, *pool)
 
 
+def graph_us(fn, calls: int) -> float:
+    """Microseconds per call of ``fn`` replayed from a CUDA graph holding ``calls`` of them (median of 10
+    replays)."""
+    fn()  # compile / warm up outside the capture
+    torch.cuda.synchronize()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(calls):
+                fn()
+    torch.cuda.synchronize()
+    return median_device_ms(graph.replay, 10) * 1e3 / calls
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--format", choices=("nvfp4", "bf16"), default="nvfp4")
     ap.add_argument("--misses", default="1,2,4,5,8")
-    ap.add_argument("--chunks", default="16384,65536,262144")
+    ap.add_argument("--chunks", default="16384")
+    ap.add_argument("--blocks", default="2048,8192")
+    ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--calls", type=int, default=10, help="calls captured in one graph")
     ap.add_argument("--out", default="bench/out/expert_gather.json")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -54,7 +76,7 @@ def main() -> int:
     gu_host, d_host, gu_pool, d_pool = banks(a.format)
     per_expert = gu_host[0].numel() * gu_host.element_size() + d_host[0].numel() * d_host.element_size()
     print(f"{a.format} expert {per_expert / 2**20:.2f} MiB; pinned H2D copy {hw['pcie_h2d_gb_s']:.1f} GB/s")
-    print(f"{'misses':>6}{'method':>22}{'us':>10}{'GB/s':>8}{'of H2D':>8}")
+    print(f"{'misses':>6}{'method':>26}{'us':>10}{'GB/s':>8}{'of H2D':>8}")
     rows = []
     gen = torch.Generator().manual_seed(0)
     for n in (int(x) for x in a.misses.split(",")):
@@ -63,9 +85,13 @@ def main() -> int:
         jobs = torch.tensor(n, device="cuda")
         methods = {}
         for chunk in (int(x) for x in a.chunks.split(",")):
-            methods[f"gather chunk {chunk}"] = lambda chunk=chunk: gather_experts_triton(
-                gu_host, d_host, gu_pool, d_pool, src, dst, jobs, chunk=chunk
-            )
+            for block in (int(x) for x in a.blocks.split(",")):
+                for warps in (int(x) for x in a.warps.split(",")):
+                    methods[f"gather c{chunk} b{block} w{warps}"] = lambda chunk=chunk, block=block, warps=warps: (
+                        gather_experts_triton(
+                            gu_host, d_host, gu_pool, d_pool, src, dst, jobs, chunk=chunk, block=block, num_warps=warps
+                        )
+                    )
         src_h, dst_h = src.tolist()[:n], dst.tolist()[:n]
 
         def memcpy():
@@ -75,10 +101,10 @@ def main() -> int:
 
         methods["cudaMemcpy per expert"] = memcpy
         for name, fn in methods.items():
-            us = median_device_ms(fn, 20) * 1e3
+            us = graph_us(fn, a.calls)
             gbs = n * per_expert / us / 1e3
             rows.append({"misses": n, "method": name, "us": us, "gb_s": gbs})
-            print(f"{n:>6}{name:>22}{us:>10.1f}{gbs:>8.1f}{gbs / hw['pcie_h2d_gb_s']:>8.2f}")
+            print(f"{n:>6}{name:>26}{us:>10.1f}{gbs:>8.1f}{gbs / hw['pcie_h2d_gb_s']:>8.2f}")
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"hardware": hw, "format": a.format, "expert_bytes": per_expert, "rows": rows}, f, indent=2)

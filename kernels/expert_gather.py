@@ -96,10 +96,21 @@ if triton is not None:
 
 
 def gather_experts_triton(
-    bank_gate_up, bank_down, pool_gate_up, pool_down, job_src, job_dst, num_jobs, chunk: int = 16384, block: int = 2048
+    bank_gate_up,
+    bank_down,
+    pool_gate_up,
+    pool_down,
+    job_src,
+    job_dst,
+    num_jobs,
+    chunk: int = 16384,
+    block: int = 2048,
+    num_warps: int = 4,
 ) -> None:
     """Same contract as ``gather_experts_torch``; rows past ``num_jobs`` are left untouched. On CUDA the banks may be
-    pinned host tensors (Triton passes their device address). Works on CPU under TRITON_INTERPRET=1."""
+    pinned host tensors (Triton passes their device address). Works on CPU under TRITON_INTERPRET=1. ``chunk``,
+    ``block`` (elements one load covers) and ``num_warps``: launch settings (bench/expert_gather_bench.py sweeps
+    them)."""
     assert triton is not None, "triton is not installed"
     P = job_src.numel()
     if P == 0:
@@ -127,5 +138,5 @@ def gather_experts_triton(
         pool_down.stride(0),
         CHUNK=chunk,
         BLOCK=block,
-        num_warps=4,
+        num_warps=num_warps,
     )

@@ -212,6 +212,10 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
+    def _max_combine(a, b):
+        return tl.maximum(a, b)
+
+    @triton.jit
     def _moe_align_plan_kernel(
         ids_ptr,
         cursor_ptr,
@@ -237,14 +241,25 @@ if triton is not None:
         counts = tl.where(bins < num_experts, counts, 0)
         padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         pad_end = tl.cumsum(padded, 0)
-        tl.store(cursor_ptr + bins, pad_end - padded, mask=bins < num_experts)
+        start = pad_end - padded
+        tl.store(cursor_ptr + bins, start, mask=bins < num_experts)
         total = tl.sum(padded, 0)
+        # expert of every block: -1 everywhere, each non-empty expert's id at its first block (distinct blocks, ids
+        # rising with them), then a running max carries each id over the rest of its run. (Counting, per block, the
+        # experts that end before it took a [blocks, E_BINS] comparison: most of this kernel's time.)
         for b0 in range(0, max_blocks, BLOCK_B):
             ob = b0 + tl.arange(0, BLOCK_B)
-            start_b = ob * BLOCK_M
-            ex = tl.sum((pad_end[None, :] <= start_b[:, None]).to(tl.int32), 1)
-            ex = tl.where(start_b < total, ex, -1)
-            tl.store(block_expert_ptr + ob, ex, mask=ob < max_blocks)
+            tl.store(block_expert_ptr + ob, tl.full((BLOCK_B,), -1, tl.int32), mask=ob < max_blocks)
+        tl.debug_barrier()  # the stores above land before the scatter below (other threads of this program)
+        tl.store(block_expert_ptr + start // BLOCK_M, bins, mask=(bins < num_experts) & (padded > 0))
+        tl.debug_barrier()
+        carry = tl.full((), -1, tl.int32)
+        for b0 in range(0, max_blocks, BLOCK_B):
+            ob = b0 + tl.arange(0, BLOCK_B)
+            ex = tl.load(block_expert_ptr + ob, mask=ob < max_blocks, other=-1)
+            ex = tl.maximum(tl.associative_scan(ex, 0, _max_combine), carry)
+            carry = tl.max(ex, 0)
+            tl.store(block_expert_ptr + ob, tl.where(ob * BLOCK_M < total, ex, -1), mask=ob < max_blocks)
         for p0 in range(0, P, CHUNK):
             op = p0 + tl.arange(0, CHUNK)
             tl.store(sorted_ids_ptr + op, tl.zeros((CHUNK,), dtype=tl.int32) + n, mask=op < P)
@@ -289,7 +304,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
         BLOCK_M=block_m,
         E_BINS=e_bins,
         CHUNK=1024,
-        BLOCK_B=max(16, 8192 // e_bins),
+        BLOCK_B=1024,
         num_warps=4,
     )
     _moe_align_scatter_kernel[(triton.cdiv(n, 1024),)](flat, cursor, sorted_ids, n, CHUNK=1024, num_warps=4)

@@ -75,6 +75,8 @@ _CPU_SCRIPT = textwrap.dedent(
     check_align(torch.tensor([[2, 0], [2, 1], [2, 0]]), 4, 2)
     check_align(torch.randint(0, 6, (37, 3), generator=g), 6, 16)
     check_align(torch.randint(0, 300, (700, 2), generator=g), 300, 4)  # > CHUNK pairs, E not a power of 2
+    # > 1024 blocks (the running max carried across the kernel's block loop), experts 0-4 and 40-49 empty
+    check_align(torch.randint(5, 40, (2000, 2), generator=g), 50, 2)
     for args in {cases!r}:
         T, E, k, H, I, dt, skew = args
         _case(T, E, k, H, I, getattr(torch, dt), "cpu", seed=T, skew=skew)
