@@ -22,6 +22,11 @@ Groups, each per M (rows of x; tokens for the MoE) in 1, 2, 4, 8, 16, 64, 256, 1
 - ``moesweep`` (not in the default groups): the grouped kernel at prefill sizes (M >= 1024) under each launch
   setting of ``MOE_SWEEP`` (``nvfp4_fused_moe_triton(..., tune=...)``: rows per block, gate|up and down tiles, warps,
   stages, gate and up rows in one tile), uniform routing, beside the BF16 kernel: to retune ``grouped_config``.
+- ``decsweep`` (not in the default groups): the MoE decode GEMVs at decode sizes (M * k <= 256 pairs), with the
+  shared expert's NVFP4 down projection in the down kernel's epilogue as a Qwen3.6 layer runs them, under each launch
+  setting of ``DECODE_SWEEP`` (``nvfp4_moe_decode_triton(..., tune=...)``: rows per program, words per step, warps,
+  stages, the down kernel's pairs as a tile axis), uniform routing, beside the BF16 decode kernels: to retune
+  ``decode_config``.
 - ``mixed`` (decode sizes, M <= 4): the projections of nvidia/Qwen3.6-35B-A3B-NVFP4 whose parts mix BF16, FP8 and
   NVFP4 (the MoE block's router | shared gate | shared gate|up, the GDN in_proj qkv | z | b | a, attention q | k | v)
   and the lone FP8 / few-row NVFP4 Linears, through the layers (``layers/mixed_projection.py``): the layer's own
@@ -305,6 +310,74 @@ def bench_moe_sweep(a, device, dtype, bw) -> list:
     return rows
 
 
+# launch settings --groups decsweep times ({} = the default, nvfp4_moe.decode_config)
+DECODE_SWEEP = [
+    {},
+    {"tile_pairs": True},
+    {"tile_pairs": True, "down_block_n": 2},
+    {"tile_pairs": True, "down_block_n": 8},
+    {"tile_pairs": True, "down_block_n": 16},
+    {"tile_pairs": True, "down_block_w": 32},
+    {"tile_pairs": True, "down_warps": 2},
+    {"tile_pairs": True, "down_warps": 8},
+    {"down_block_n": 8},
+    {"down_block_n": 16},
+    {"down_warps": 2},
+    {"down_warps": 8},
+    {"gu_block_n": 4},
+    {"gu_block_n": 16},
+    {"gu_block_w": 32},
+    {"gu_warps": 2},
+    {"gu_warps": 8},
+    {"stages": 2},
+    {"stages": 4},
+]
+
+
+def bench_decode_sweep(a, device, dtype, bw) -> list:
+    """The NVFP4 MoE decode GEMVs (``nvfp4_moe_decode_triton``, with the shared expert's NVFP4 down projection in
+    the down kernel's epilogue, as an NVFP4 Qwen3.6 layer runs it) at decode sizes under each of ``DECODE_SWEEP``'s
+    launch settings, uniform routing; plus the default without the shared expert (what the epilogue costs). The
+    issue's target: >= 70 % of HBM."""
+    import torch
+
+    from freetoken.kernels.nvfp4_moe import DECODE_MAX_PAIRS, nvfp4_moe_decode_triton
+    from freetoken.layers.moe import run_experts
+    from freetoken.quant.nvfp4 import Nvfp4Tensor
+
+    s = shapes(a.smoke)["moe"]
+    E, k, H, I = s["E"], s["k"], s["H"], s["I"]
+    Is = I  # Qwen3.6's shared expert is one more expert's size
+    bank, (w13, w2) = moe_banks(s, device, dtype)
+    sd_w, sd_s, sd_s2 = nvfp4_weights(H, Is, 1, device)[0]
+    shared_down = Nvfp4Tensor(sd_w, sd_s, sd_s2)
+    expert_bytes = 3 * H * I // 2 + 3 * H * I // 16 + 4 * (2 * I + H)
+    rows = []
+    for T in [m for m in a.ms if m * k <= DECODE_MAX_PAIRS]:
+        x = torch.randn(T, H, device=device, dtype=dtype)
+        gu = torch.randn(T, 1 + 2 * Is, device=device, dtype=dtype)  # [gate logit | gate|up] of the fused projection
+        shared = dict(shared_gate=gu[:, :1], shared_gate_up=gu[:, 1:], shared_down_nvfp4=shared_down)
+        routes = [_routing("uniform", T, E, k, device) for _ in range(a.reps)]
+        distinct = statistics.mean(int(torch.unique(ids).numel()) for ids, _ in routes)
+        # the routed experts, the shared expert's down weight, activations in and out
+        nbytes = distinct * expert_bytes + H * Is * 9 // 16 + 4 + 2 * T * H * x.element_size()
+        flops = 6 * T * k * H * I + 2 * T * H * Is
+        t_bf16 = time_calls(cycled(lambda r: run_experts("triton", x, w13, w2, *r), routes, a.reps), device)
+        for tune in DECODE_SWEEP + [None]:
+            label = ",".join(f"{key}={v}" for key, v in (tune or {}).items()) or "default"
+            kw = shared if tune is not None else {}
+            if tune is None:
+                label = "default, no shared expert"
+            call = lambda r, c=tune, kw=kw: nvfp4_moe_decode_triton(x, *bank, *r, tune=c, **kw)  # noqa: E731
+            try:
+                t = time_calls(cycled(call, routes, a.reps), device)
+            except Exception as e:  # a setting that does not compile (registers, shared memory) is reported
+                print(f"decsweep M={T} {label}: {type(e).__name__}: {str(e)[:160]}")
+                continue
+            rows.append(row("decsweep", f"decode {label}", T, t, nbytes, flops, bw, t_bf16, distinct_experts=distinct))
+    return rows
+
+
 def _routing(mode, T, E, k, device):
     """Expert ids ``[T, k]`` drawn as ``moe/bench_routing.py`` draws them (``mode`` uniform or zipf) and weights."""
     import torch
@@ -514,6 +587,7 @@ def main(argv=None) -> dict:
         ("mixed", bench_mixed),
         ("sweep", bench_sweep),
         ("moesweep", bench_moe_sweep),
+        ("decsweep", bench_decode_sweep),
     ):
         if group in a.groups:
             rows += fn(a, device, dtype, bw)

@@ -17,8 +17,9 @@ in the same layout: ``topk_ids`` are then slot ids, as for the BF16 decode kerne
   GEMV kernels on the packed bytes (``nvfp4_tiles.py``: words of 8 codes decoded two weights per 32-bit operation).
   ``gate_up``: one program per (pair, block of I rows) reading its expert's gate and up rows, the per-row global
   scales and SiLU-and-mul in the epilogue -> ``inter [T*k, I]``. ``down``: one program per (token, block of H rows)
-  running the k pairs one after another (unrolled: their loads are all in flight together), weighting and summing
-  in fp32, the shared expert's gated output added in the epilogue -> ``out [T, H]``. A pair whose id is outside the
+  taking the k pairs as one more axis of its weight tile (``_routed_down_tiled``: one load, one reduction for all of
+  them), weighting and summing in fp32, the shared expert's gated output added in the epilogue -> ``out [T, H]``
+  (``tile_pairs=False`` runs the pairs one after another, ``_routed_down_serial``, measured slower: ``decode_config``). A pair whose id is outside the
   bank reads nothing (its loads are masked off): CUDA-graph padding rows and the offload slot cache's misses cost
   no bandwidth. The shared expert comes as its output, or (``shared_down_nvfp4``, an NVFP4 checkpoint's shared
   expert) as its gate|up projection ``[T, 2Is]`` and NVFP4 down weight ``[H, Is]``: the epilogue then runs its
@@ -48,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from ..quant import nvfp4
-from ..tuning_env import int_from_env
+from ..tuning_env import choice_from_env, int_from_env
 from .activation import silu_and_mul_torch
 from .device_sms import scaled
 from .fused_moe import _GATHER_PAIRS, _moe_gather_torch, fused_moe_torch
@@ -58,7 +59,7 @@ try:  # keep the reference importable without triton
     import triton.language as tl
 
     from .fused_moe import moe_align_block_size
-    from .nvfp4_tiles import gemv_step, gemv_step_split, tile_dot_step
+    from .nvfp4_tiles import block_scale, e2m1_word, gemv_step, gemv_step_split, tile_dot_step
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -73,6 +74,10 @@ except Exception:  # pragma: no cover
 # decoded once for its 1-4 tokens, ran slower still: the repeats come from L2.) ``FREETOKEN_NVFP4_DECODE_MAX_PAIRS``
 # moves the cut (A/B runs).
 DECODE_MAX_PAIRS = int_from_env("FREETOKEN_NVFP4_DECODE_MAX_PAIRS", 256)
+
+# The down kernel's pairs as a tile axis (``decode_config``); ``FREETOKEN_NVFP4_DECODE_DOWN=serial`` runs them one
+# after another (A/B runs of a whole model).
+DECODE_DOWN = choice_from_env("FREETOKEN_NVFP4_DECODE_DOWN", "tiled", ("tiled", "serial"))
 
 _TARGET_PROGRAMS = 528  # about four programs per SM on the H200's 132 (``device_sms.scaled`` for other GPUs)
 _NUM_STAGES = 3
@@ -228,48 +233,15 @@ if triton is not None:
         return (tl.sum(acc, 1) * glob).to(DT).to(tl.float32)
 
     @triton.jit
-    def _nvfp4_decode_down_kernel(
-        inter_ptr,  # fp32 [T*k, 8, I/8], from the gate_up kernel
-        w_ptr,  # int32 words [S, H, I/8]
-        s_ptr,  # uint8 e4m3 bits [S, H, I/16]
-        g_ptr,  # fp32 [S, H]
-        ids_ptr,  # [T*k]
-        wts_ptr,  # [T*k] routing weights, any float dtype
-        out_ptr,  # [T, H]
-        shared_ptr,  # SHARED 1: the shared expert's output [T, H]; SHARED 2: its gate|up [T, 2 * IS]
-        sd_w_ptr,  # SHARED 2: the shared expert's NVFP4 down projection, int32 words [H, IS/8]
-        sd_s_ptr,  # SHARED 2: its block scale bytes [H, IS/16]
-        sd_g_ptr,  # SHARED 2: its global scale, fp32 [H] (stride_sdg 0: one for all rows)
-        shared_gate_ptr,  # SHARED 1, 2: its gate logit, [T] strided
-        num_slots,
-        stride_we,
-        stride_wn,
-        stride_se,
-        stride_sn,
-        stride_ge,
-        stride_ot,
-        stride_st,
-        stride_sdw,
-        stride_sds,
-        stride_sdg,
-        stride_gt,
-        H: tl.constexpr,
-        I: tl.constexpr,
-        IS: tl.constexpr,
-        TOPK: tl.constexpr,
-        SHARED: tl.constexpr,  # 0: none, 1: output given, 2: computed from gate|up and the NVFP4 down weight
-        EVEN: tl.constexpr,  # H a multiple of BLOCK_N and I of 8 * BLOCK_W: no masks
-        EVEN_S: tl.constexpr,  # H a multiple of BLOCK_N and IS of 8 * BLOCK_WS: no masks in the shared GEMV
-        BLOCK_N: tl.constexpr,
-        BLOCK_W: tl.constexpr,
-        BLOCK_WS: tl.constexpr,  # words of a shared down row per step
+    def _routed_down_serial(
+        inter_ptr, w_ptr, s_ptr, g_ptr, ids_ptr, wts_ptr, t, offs_n, n_mask, num_slots,
+        stride_we, stride_wn, stride_se, stride_sn, stride_ge, DT: tl.constexpr,
+        I: tl.constexpr, TOPK: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
         NUM_STAGES: tl.constexpr,
-    ):
-        dt = out_ptr.dtype.element_ty
+    ):  # fmt: skip
+        """Token ``t``'s weighted sum of its k down projections for rows ``offs_n`` (fp32, the sum of the rounded
+        terms), the pairs one after another: a ``[BLOCK_N, BLOCK_W]`` tile and a reduction each."""
         NB: tl.constexpr = BLOCK_W // 2
-        t = tl.program_id(0).to(tl.int64)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < H
         offs_w = tl.arange(0, BLOCK_W)
         offs_s = tl.arange(0, NB)
         rows = offs_n[:, None].to(tl.int64)
@@ -299,9 +271,120 @@ if triton is not None:
                 acc += gemv_step_split(w, s, a_row + kw0, I // 8, a_mask, BLOCK_N, BLOCK_W)
             glob = tl.load(g_ptr + e64 * stride_ge + offs_n, mask=n_mask & valid, other=0.0)
             # rounded as the reference: the down projection, the weight (in x's dtype), their product
-            d = (tl.sum(acc, 1) * glob).to(dt).to(tl.float32)
-            rw = tl.load(wts_ptr + pair).to(dt).to(tl.float32)
-            out += tl.where(valid, (d * rw).to(dt).to(tl.float32), 0.0)
+            d = (tl.sum(acc, 1) * glob).to(DT).to(tl.float32)
+            rw = tl.load(wts_ptr + pair).to(DT).to(tl.float32)
+            out += tl.where(valid, (d * rw).to(DT).to(tl.float32), 0.0)
+        return out
+
+    @triton.jit
+    def _routed_down_tiled(
+        inter_ptr, w_ptr, s_ptr, g_ptr, ids_ptr, wts_ptr, t, offs_n, n_mask, num_slots,
+        stride_we, stride_wn, stride_se, stride_sn, stride_ge, DT: tl.constexpr,
+        I: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_W: tl.constexpr, NUM_STAGES: tl.constexpr,
+    ):  # fmt: skip
+        """``_routed_down_serial`` with the k pairs as one more tile axis (``KP``: k rounded up to a power of two):
+        a ``[KP, BLOCK_N, BLOCK_W]`` tile a step, one reduction over the words for all the pairs and one over the
+        pairs (summed as a tree, not in pair order: equal up to fp32 rounding)."""
+        NB: tl.constexpr = BLOCK_W // 2
+        offs_j = tl.arange(0, KP)
+        pairs = t * TOPK + offs_j
+        e = tl.load(ids_ptr + pairs, mask=offs_j < TOPK, other=-1)
+        valid = (offs_j < TOPK) & (e >= 0) & (e < num_slots)  # [KP]; an invalid pair's loads are predicated off
+        e64 = tl.where(valid, e, 0).to(tl.int64)
+        offs_w = tl.arange(0, BLOCK_W)
+        offs_s = tl.arange(0, NB)
+        rows = offs_n.to(tl.int64)
+        rmask = valid[:, None] & n_mask[None, :]  # [KP, BLOCK_N]
+        w_base = w_ptr + (e64 * stride_we)[:, None, None] + (rows * stride_wn)[None, :, None] + offs_w[None, None, :]
+        s_base = s_ptr + (e64 * stride_se)[:, None, None] + (rows * stride_sn)[None, :, None] + offs_s[None, None, :]
+        x_base = inter_ptr + pairs.to(tl.int64)[:, None] * I + offs_w[None, :]  # [KP, BLOCK_W]; position p: + p * I/8
+        acc = tl.zeros((KP, BLOCK_N, NB), dtype=tl.float32)
+        for kw0 in tl.range(0, I // 8, BLOCK_W, num_stages=NUM_STAGES):
+            if EVEN:
+                w_mask = rmask[:, :, None]
+                s_mask = rmask[:, :, None]
+                x_mask = valid[:, None]
+            else:
+                in_k = (kw0 + offs_w) < I // 8
+                w_mask = rmask[:, :, None] & in_k[None, None, :]
+                s_mask = rmask[:, :, None] & ((kw0 // 2 + offs_s) < I // 16)[None, None, :]
+                x_mask = valid[:, None] & in_k[None, :]
+            w = tl.load(w_base + kw0, mask=w_mask, other=0)
+            s = tl.load(s_base + kw0 // 2, mask=s_mask, other=0)
+            v0, v1, v2, v3, v4, v5, v6, v7 = e2m1_word(w)
+            xp = x_base + kw0
+            d = v0 * tl.load(xp, mask=x_mask, other=0.0)[:, None, :]  # one chain of multiply-adds
+            d += v1 * tl.load(xp + I // 8, mask=x_mask, other=0.0)[:, None, :]
+            d += v2 * tl.load(xp + 2 * (I // 8), mask=x_mask, other=0.0)[:, None, :]
+            d += v3 * tl.load(xp + 3 * (I // 8), mask=x_mask, other=0.0)[:, None, :]
+            d += v4 * tl.load(xp + 4 * (I // 8), mask=x_mask, other=0.0)[:, None, :]
+            d += v5 * tl.load(xp + 5 * (I // 8), mask=x_mask, other=0.0)[:, None, :]
+            d += v6 * tl.load(xp + 6 * (I // 8), mask=x_mask, other=0.0)[:, None, :]
+            d += v7 * tl.load(xp + 7 * (I // 8), mask=x_mask, other=0.0)[:, None, :]
+            acc += tl.sum(tl.reshape(d, (KP, BLOCK_N, NB, 2)), 3) * block_scale(s)
+        glob = tl.load(g_ptr + (e64 * stride_ge)[:, None] + rows[None, :], mask=rmask, other=0.0)
+        # rounded as the reference: the down projection, the weight (in x's dtype), their product
+        d = (tl.sum(acc, 2) * glob).to(DT).to(tl.float32)
+        rw = tl.load(wts_ptr + pairs, mask=valid, other=0.0).to(DT).to(tl.float32)
+        return tl.sum(tl.where(rmask, (d * rw[:, None]).to(DT).to(tl.float32), 0.0), 0)
+
+    @triton.jit
+    def _nvfp4_decode_down_kernel(
+        inter_ptr,  # fp32 [T*k, 8, I/8], from the gate_up kernel
+        w_ptr,  # int32 words [S, H, I/8]
+        s_ptr,  # uint8 e4m3 bits [S, H, I/16]
+        g_ptr,  # fp32 [S, H]
+        ids_ptr,  # [T*k]
+        wts_ptr,  # [T*k] routing weights, any float dtype
+        out_ptr,  # [T, H]
+        shared_ptr,  # SHARED 1: the shared expert's output [T, H]; SHARED 2: its gate|up [T, 2 * IS]
+        sd_w_ptr,  # SHARED 2: the shared expert's NVFP4 down projection, int32 words [H, IS/8]
+        sd_s_ptr,  # SHARED 2: its block scale bytes [H, IS/16]
+        sd_g_ptr,  # SHARED 2: its global scale, fp32 [H] (stride_sdg 0: one for all rows)
+        shared_gate_ptr,  # SHARED 1, 2: its gate logit, [T] strided
+        num_slots,
+        stride_we,
+        stride_wn,
+        stride_se,
+        stride_sn,
+        stride_ge,
+        stride_ot,
+        stride_st,
+        stride_sdw,
+        stride_sds,
+        stride_sdg,
+        stride_gt,
+        H: tl.constexpr,
+        I: tl.constexpr,
+        IS: tl.constexpr,
+        TOPK: tl.constexpr,
+        KP: tl.constexpr,  # TOPK rounded up to a power of two (TILE_PAIRS)
+        TILE_PAIRS: tl.constexpr,  # the pairs as one tile axis (_routed_down_tiled) or one after another
+        SHARED: tl.constexpr,  # 0: none, 1: output given, 2: computed from gate|up and the NVFP4 down weight
+        EVEN: tl.constexpr,  # H a multiple of BLOCK_N and I of 8 * BLOCK_W: no masks
+        EVEN_S: tl.constexpr,  # H a multiple of BLOCK_N and IS of 8 * BLOCK_WS: no masks in the shared GEMV
+        BLOCK_N: tl.constexpr,
+        BLOCK_W: tl.constexpr,
+        BLOCK_WS: tl.constexpr,  # words of a shared down row per step
+        NUM_STAGES: tl.constexpr,
+    ):
+        dt = out_ptr.dtype.element_ty
+        t = tl.program_id(0).to(tl.int64)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < H
+        if TILE_PAIRS:
+            out = _routed_down_tiled(
+                inter_ptr, w_ptr, s_ptr, g_ptr, ids_ptr, wts_ptr, t, offs_n, n_mask, num_slots,
+                stride_we, stride_wn, stride_se, stride_sn, stride_ge, dt, I, TOPK, KP, EVEN, BLOCK_N, BLOCK_W,
+                NUM_STAGES,
+            )  # fmt: skip
+        else:
+            out = _routed_down_serial(
+                inter_ptr, w_ptr, s_ptr, g_ptr, ids_ptr, wts_ptr, t, offs_n, n_mask, num_slots,
+                stride_we, stride_wn, stride_se, stride_sn, stride_ge, dt, I, TOPK, EVEN, BLOCK_N, BLOCK_W,
+                NUM_STAGES,
+            )  # fmt: skip
         out = out.to(dt).to(tl.float32)
         if SHARED != 0:  # as ``out + torch.sigmoid(g) * s``: each step rounded
             logit = tl.load(shared_gate_ptr + t * stride_gt).to(tl.float32)
@@ -325,6 +408,31 @@ def _decode_blocks(rows: int, items: int, k_len: int) -> tuple[int, int]:
     while bn > 4 and items * triton.cdiv(rows, bn) < target:
         bn //= 2
     return bn, bw
+
+
+def decode_config(T: int, k: int, H: int, I: int, tune: Optional[dict] = None) -> dict:
+    """Launch settings of the two decode GEMVs for ``T`` tokens at top-``k``: rows per program and words per step
+    of each (``_decode_blocks``), warps, pipeline stages, and whether the down kernel takes the pairs as a tile
+    axis (``tile_pairs``); ``tune`` overrides any of them (benchmarks, tests)."""
+    gu_bn, gu_bw = _decode_blocks(I, T * k, H)
+    _, down_bw = _decode_blocks(H, T, I)
+    # the down kernel takes the pairs as a tile axis, 64 tile rows a program (8 output rows at top-8): measured on
+    # the H200 at Qwen3.6's shapes with the shared expert in the epilogue (bench/nvfp4_kernel_bench.py --groups
+    # decsweep, bench/results/2026-12-03-h200-nvfp4-decode-sweep.txt) both kernels took 14.0 / 20.6 / 33.8 / 58.2 /
+    # 107.2 / 204.6 us at 1 / 2 / 4 / 8 / 16 / 32 tokens, against 19.5 / 25.6 / 43.3 / 74.3 / 119.7 / 227.0 with the
+    # pairs one after another (each a reduction of its own; 4-32 rows a program by _decode_blocks)
+    down_bn = max(2, 64 // triton.next_power_of_2(k))
+    cfg = dict(
+        gu_block_n=gu_bn, gu_block_w=gu_bw, gu_warps=4, down_block_n=down_bn, down_block_w=down_bw, down_warps=4,
+        stages=_NUM_STAGES, tile_pairs=DECODE_DOWN == "tiled",
+    )  # fmt: skip
+    if not dict(cfg, **(tune or {}))["tile_pairs"] and "down_block_n" not in (tune or {}):
+        cfg["down_block_n"] = _decode_blocks(H, T, I)[0]  # the serial kernel's own pick
+    unknown = set(tune or {}) - set(cfg)
+    if unknown:
+        raise ValueError(f"unknown decode launch settings {sorted(unknown)}")
+    cfg.update(tune or {})
+    return cfg
 
 
 def _words(packed: torch.Tensor) -> torch.Tensor:
@@ -372,13 +480,13 @@ def _shared_operands(out, shared, shared_gate, shared_gate_up, shared_down, shar
 
 def nvfp4_moe_decode_triton(
     x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_ids, topk_weights,
-    shared=None, shared_gate=None, shared_gate_up=None, shared_down=None, shared_down_nvfp4=None,
+    shared=None, shared_gate=None, shared_gate_up=None, shared_down=None, shared_down_nvfp4=None, tune=None,
 ) -> torch.Tensor:  # fmt: skip
     """Same contract as ``nvfp4_moe_torch`` plus ``moe_decode``'s shared-expert term (``out + sigmoid(shared_gate)
     * s``), ``s`` the shared expert's output: ``shared [T, H]``, or computed from its ``shared_gate_up [T, 2Is]`` and
     either a plain ``shared_down [H, Is]`` (here, in torch) or ``shared_down_nvfp4`` (an ``nvfp4.Nvfp4Tensor``:
     packed ``[H, Is/2]``, block scales ``[H, Is/16]``, global scale ``[]`` or ``[H]``; in the down kernel's
-    epilogue). For decode-sized steps. CUDA, or CPU under TRITON_INTERPRET=1."""
+    epilogue). For decode-sized steps; ``tune``: ``decode_config``'s overrides. CUDA, or CPU under TRITON_INTERPRET=1."""
     assert triton is not None, "triton is not installed"
     T, H = x.shape
     S, two_i, _ = w13.shape
@@ -390,22 +498,24 @@ def nvfp4_moe_decode_triton(
     ids, wts, n = topk_ids.reshape(-1).contiguous(), topk_weights.reshape(-1).contiguous(), T * k
     w13w, w13s, w2w, w2s = _words(w13), _scale_bytes(w13_scale), _words(w2), _scale_bytes(w2_scale)
     inter = torch.empty(n, I, dtype=torch.float32, device=x.device)
-    bn, bw = _decode_blocks(I, n, H)
+    cfg = decode_config(T, k, H, I, tune)
+    bn, bw = cfg["gu_block_n"], cfg["gu_block_w"]
     _nvfp4_decode_gate_up_kernel[(n, triton.cdiv(I, bn))](
         x, w13w, w13s, w13_global, ids, inter, S, x.stride(0), w13w.stride(0), w13w.stride(1), w13s.stride(0),
         w13s.stride(1), w13_global.stride(0), H=H, I=I, TOPK=k, EVEN=I % bn == 0 and H % (8 * bw) == 0,
-        BLOCK_N=bn, BLOCK_W=bw, NUM_STAGES=_NUM_STAGES, num_warps=4,
+        BLOCK_N=bn, BLOCK_W=bw, NUM_STAGES=cfg["stages"], num_warps=cfg["gu_warps"],
     )  # fmt: skip
     ops = _shared_operands(out, shared, shared_gate, shared_gate_up, shared_down, shared_down_nvfp4)
     Is = ops["Is"]
-    bn, bw = _decode_blocks(H, T, I)
+    bn, bw = cfg["down_block_n"], cfg["down_block_w"]
     bws = max(4, min(64, triton.next_power_of_2(Is // 8)))  # as ``_decode_blocks`` picks the routed step
     _nvfp4_decode_down_kernel[(T, triton.cdiv(H, bn))](
         inter, w2w, w2s, w2_global, ids, wts, out, ops["src"], ops["sd_w"], ops["sd_s"], ops["sd_g"], ops["gate"],
         S, w2w.stride(0), w2w.stride(1), w2s.stride(0), w2s.stride(1), w2_global.stride(0), out.stride(0),
-        *ops["strides"], H=H, I=I, IS=Is, TOPK=k, SHARED=ops["mode"], EVEN=H % bn == 0 and I % (8 * bw) == 0,
+        *ops["strides"], H=H, I=I, IS=Is, TOPK=k, KP=triton.next_power_of_2(k),
+        TILE_PAIRS=cfg["tile_pairs"], SHARED=ops["mode"], EVEN=H % bn == 0 and I % (8 * bw) == 0,
         EVEN_S=H % bn == 0 and Is % (8 * bws) == 0, BLOCK_N=bn, BLOCK_W=bw, BLOCK_WS=bws,
-        NUM_STAGES=_NUM_STAGES, num_warps=4,
+        NUM_STAGES=cfg["stages"], num_warps=cfg["down_warps"],
     )  # fmt: skip
     return out
 

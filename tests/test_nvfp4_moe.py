@@ -79,7 +79,7 @@ def _reference_kw(kw, dtype):
     return kw
 
 
-def check_decode(T, S, k, H, I, dtype, device, shared=None, seed=0, strided_x=False, Is=None, **routing):
+def check_decode(T, S, k, H, I, dtype, device, shared=None, seed=0, strided_x=False, Is=None, tune=None, **routing):
     from freetoken.kernels.moe_decode import moe_decode_torch
     from freetoken.kernels.nvfp4_moe import nvfp4_moe_decode_triton
 
@@ -89,10 +89,10 @@ def check_decode(T, S, k, H, I, dtype, device, shared=None, seed=0, strided_x=Fa
     ids, w = _routing(T, S, k, g, **routing)
     ids, w = ids.to(device), w.to(device)
     kw = _shared_kw(shared, T, H, dtype, device, g, Is)
-    out = nvfp4_moe_decode_triton(x, *bank, ids, w, **kw)
+    out = nvfp4_moe_decode_triton(x, *bank, ids, w, tune=tune, **kw)
     ref = moe_decode_torch(x, *dequantized_bank(bank, dtype), ids, w, **_reference_kw(kw, dtype))
     err = error(out, ref)
-    assert err <= _TOL[dtype][device == "cuda"], ("decode", T, S, k, H, I, dtype, shared, err)
+    assert err <= _TOL[dtype][device == "cuda"], ("decode", T, S, k, H, I, dtype, shared, tune, err)
     return err
 
 
@@ -288,6 +288,13 @@ _CPU_SCRIPT = textwrap.dedent(
         note("decode nvfp4 shared " + key, t.check_decode(3, 9, 4, 48, 32, dt, "cpu", "nvfp4", Is=48, invalid=True))
         note("decode nvfp4 shared " + key, t.check_decode(2, 6, 2, 64, 32, dt, "cpu", "nvfp4", Is=1024))
         note("decode nvfp4 shared " + key, t.check_decode(4, 8, 3, 48, 48, dt, "cpu", "nvfp4_rows", strided_x=True))
+        # k not a power of two (10: a 16-wide pair axis, 6 of it masked), a K loop of several steps in the down kernel
+        note("decode " + key, t.check_decode(2, 16, 10, 64, 48, dt, "cpu", "nvfp4", Is=48))
+        note("decode " + key, t.check_decode(2, 6, 4, 32, 1024, dt, "cpu", tune=dict(down_block_w=32)))
+        # the down kernel with the pairs one after another (tile_pairs=False)
+        serial = dict(tile_pairs=False)
+        note("decode serial " + key, t.check_decode(3, 9, 3, 48, 32, dt, "cpu", "output", tune=serial, invalid=True))
+        note("decode serial " + key, t.check_decode(2, 6, 2, 64, 32, dt, "cpu", "nvfp4", Is=1024, tune=serial))
     for dt in (f32, f16):
         key = str(dt).split(".")[-1]
         note("grouped " + key, t.check_grouped(9, 6, 2, 48, 32, dt, "cpu", invalid=True))
@@ -363,8 +370,10 @@ QWEN = dict(k=8, H=2048, I=512)
 @cuda
 @pytest.mark.parametrize("shared", [None, "output", "expert", "nvfp4"])
 @pytest.mark.parametrize("T", [1, 2, 8, 32])  # 32 x top-8 = DECODE_MAX_PAIRS
-def test_decode_cuda_qwen(T, shared):
-    check_decode(T, 256, dtype=torch.bfloat16, device="cuda", shared=shared, seed=T, Is=512, **QWEN)
+@pytest.mark.parametrize("tile_pairs", [False, True])
+def test_decode_cuda_qwen(T, shared, tile_pairs):
+    tune = dict(tile_pairs=tile_pairs)
+    check_decode(T, 256, dtype=torch.bfloat16, device="cuda", shared=shared, seed=T, Is=512, tune=tune, **QWEN)
 
 
 @pytest.mark.gpu
@@ -372,9 +381,13 @@ def test_decode_cuda_qwen(T, shared):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shared", ["nvfp4", "nvfp4_rows"])
 def test_decode_cuda_nvfp4_shared_shapes(shared, dtype):
-    """The shared expert's NVFP4 down GEMV in the epilogue off the Qwen shapes: masked rows and columns."""
-    check_decode(5, 64, 4, 208, 80, dtype, "cuda", shared=shared, Is=48, strided_x=True)
-    check_decode(3, 32, 8, 1024, 256, dtype, "cuda", shared=shared, Is=1024, invalid=True)
+    """The shared expert's NVFP4 down GEMV in the epilogue off the Qwen shapes: masked rows and columns; the down
+    kernel both ways (pairs as a tile axis, the default, and one after another; k = 10 not a power of two)."""
+    for tile_pairs in (False, True):
+        tune = dict(tile_pairs=tile_pairs)
+        check_decode(5, 64, 4, 208, 80, dtype, "cuda", shared=shared, Is=48, strided_x=True, tune=tune)
+        check_decode(3, 32, 8, 1024, 256, dtype, "cuda", shared=shared, Is=1024, invalid=True, tune=tune)
+        check_decode(2, 64, 10, 512, 128, dtype, "cuda", shared=shared, Is=96, tune=tune)
 
 
 @pytest.mark.gpu
