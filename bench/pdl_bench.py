@@ -96,12 +96,16 @@ def main() -> int:
         results[name] = {"ms": ms, "us_per_kernel": ms * 1e3 / kernels, "same_as_no_pdl": same}
         rows.append((name, ms, ms * 1e3 / kernels, same))
     w_bytes = a.layers * a.n * a.k * 2
-    print(f"{a.layers} layers x (GEMV {a.n}x{a.k} bf16 + elementwise), {2 * a.layers} kernels in one CUDA graph; "
-          f"weights {w_bytes / 1e9:.2f} GB")
+    print(
+        f"{a.layers} layers x (GEMV {a.n}x{a.k} bf16 + elementwise), {2 * a.layers} kernels in one CUDA graph; "
+        f"weights {w_bytes / 1e9:.2f} GB"
+    )
     print(f"{'launch':>28}{'ms':>9}{'us/kernel':>11}{'GB/s':>8}  same output")
     base = rows[0][1]
     for name, ms, per, same in rows:
-        print(f"{name:>28}{ms:9.3f}{per:11.2f}{w_bytes / ms / 1e6:8.0f}  {same}  ({(base - ms) * 1e3 / (2 * a.layers):+.2f} us/kernel saved)")
+        print(
+            f"{name:>28}{ms:9.3f}{per:11.2f}{w_bytes / ms / 1e6:8.0f}  {same}  ({(base - ms) * 1e3 / (2 * a.layers):+.2f} us/kernel saved)"
+        )
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"layers": a.layers, "n": a.n, "k": a.k, "results": results}, f, indent=2)
