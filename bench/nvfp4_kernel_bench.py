@@ -25,8 +25,8 @@ Groups, each per M (rows of x; tokens for the MoE) in 1, 2, 4, 8, 16, 64, 256, 1
 - ``decsweep`` (not in the default groups): the MoE decode GEMVs at decode sizes (M * k <= 256 pairs), with the
   shared expert's NVFP4 down projection in the down kernel's epilogue as a Qwen3.6 layer runs them, under each launch
   setting of ``DECODE_SWEEP`` (``nvfp4_moe_decode_triton(..., tune=...)``: rows per program, words per step, warps,
-  stages, the down kernel's pairs as a tile axis), uniform routing, beside the BF16 decode kernels: to retune
-  ``decode_config``.
+  stages, the down kernel's pairs as a tile axis or one after another), uniform routing, beside the BF16 decode
+  kernels: to retune ``decode_config``.
 - ``mixed`` (decode sizes, M <= 4): the projections of nvidia/Qwen3.6-35B-A3B-NVFP4 whose parts mix BF16, FP8 and
   NVFP4 (the MoE block's router | shared gate | shared gate|up, the GDN in_proj qkv | z | b | a, attention q | k | v)
   and the lone FP8 / few-row NVFP4 Linears, through the layers (``layers/mixed_projection.py``): the layer's own
@@ -313,23 +313,13 @@ def bench_moe_sweep(a, device, dtype, bw) -> list:
 # launch settings --groups decsweep times ({} = the default, nvfp4_moe.decode_config)
 DECODE_SWEEP = [
     {},
-    {"tile_pairs": True},
-    {"tile_pairs": True, "down_block_n": 2},
-    {"tile_pairs": True, "down_block_n": 8},
-    {"tile_pairs": True, "down_block_n": 16},
-    {"tile_pairs": True, "down_block_w": 32},
-    {"tile_pairs": True, "down_warps": 2},
-    {"tile_pairs": True, "down_warps": 8},
-    {"down_block_n": 8},
+    {"tile_pairs": False},  # the down kernel's pairs one after another (the default before 2026-12-03)
+    {"down_block_n": 4},
     {"down_block_n": 16},
-    {"down_warps": 2},
     {"down_warps": 8},
-    {"gu_block_n": 4},
-    {"gu_block_n": 16},
+    {"gu_block_n": 8},
     {"gu_block_w": 32},
     {"gu_warps": 2},
-    {"gu_warps": 8},
-    {"stages": 2},
     {"stages": 4},
 ]
 

@@ -59,7 +59,7 @@ try:  # keep the reference importable without triton
     import triton.language as tl
 
     from .fused_moe import moe_align_block_size
-    from .nvfp4_tiles import block_scale, e2m1_word, gemv_step, gemv_step_split, tile_dot_step
+    from .nvfp4_tiles import gemv_step, gemv_step_split, pair_tile_step, tile_dot_step
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -312,17 +312,19 @@ if triton is not None:
                 x_mask = valid[:, None] & in_k[None, :]
             w = tl.load(w_base + kw0, mask=w_mask, other=0)
             s = tl.load(s_base + kw0 // 2, mask=s_mask, other=0)
-            v0, v1, v2, v3, v4, v5, v6, v7 = e2m1_word(w)
             xp = x_base + kw0
-            d = v0 * tl.load(xp, mask=x_mask, other=0.0)[:, None, :]  # one chain of multiply-adds
-            d += v1 * tl.load(xp + I // 8, mask=x_mask, other=0.0)[:, None, :]
-            d += v2 * tl.load(xp + 2 * (I // 8), mask=x_mask, other=0.0)[:, None, :]
-            d += v3 * tl.load(xp + 3 * (I // 8), mask=x_mask, other=0.0)[:, None, :]
-            d += v4 * tl.load(xp + 4 * (I // 8), mask=x_mask, other=0.0)[:, None, :]
-            d += v5 * tl.load(xp + 5 * (I // 8), mask=x_mask, other=0.0)[:, None, :]
-            d += v6 * tl.load(xp + 6 * (I // 8), mask=x_mask, other=0.0)[:, None, :]
-            d += v7 * tl.load(xp + 7 * (I // 8), mask=x_mask, other=0.0)[:, None, :]
-            acc += tl.sum(tl.reshape(d, (KP, BLOCK_N, NB, 2)), 3) * block_scale(s)
+            acc += pair_tile_step(
+                w, s,
+                tl.load(xp, mask=x_mask, other=0.0)[:, None, :],
+                tl.load(xp + I // 8, mask=x_mask, other=0.0)[:, None, :],
+                tl.load(xp + 2 * (I // 8), mask=x_mask, other=0.0)[:, None, :],
+                tl.load(xp + 3 * (I // 8), mask=x_mask, other=0.0)[:, None, :],
+                tl.load(xp + 4 * (I // 8), mask=x_mask, other=0.0)[:, None, :],
+                tl.load(xp + 5 * (I // 8), mask=x_mask, other=0.0)[:, None, :],
+                tl.load(xp + 6 * (I // 8), mask=x_mask, other=0.0)[:, None, :],
+                tl.load(xp + 7 * (I // 8), mask=x_mask, other=0.0)[:, None, :],
+                KP, BLOCK_N, BLOCK_W,
+            )  # fmt: skip
         glob = tl.load(g_ptr + (e64 * stride_ge)[:, None] + rows[None, :], mask=rmask, other=0.0)
         # rounded as the reference: the down projection, the weight (in x's dtype), their product
         d = (tl.sum(acc, 2) * glob).to(DT).to(tl.float32)
@@ -420,7 +422,9 @@ def decode_config(T: int, k: int, H: int, I: int, tune: Optional[dict] = None) -
     # the H200 at Qwen3.6's shapes with the shared expert in the epilogue (bench/nvfp4_kernel_bench.py --groups
     # decsweep, bench/results/2026-12-03-h200-nvfp4-decode-sweep.txt) both kernels took 14.0 / 20.6 / 33.8 / 58.2 /
     # 107.2 / 204.6 us at 1 / 2 / 4 / 8 / 16 / 32 tokens, against 19.5 / 25.6 / 43.3 / 74.3 / 119.7 / 227.0 with the
-    # pairs one after another (each a reduction of its own; 4-32 rows a program by _decode_blocks)
+    # pairs one after another (each a reduction of its own; 4-32 rows a program by _decode_blocks). The same for the
+    # gate_up kernel (a program per token and block of rows, x split once for its k pairs) measured level at best
+    # (...-nvfp4-decode-sweep-gate-up.txt): it stays one program per pair
     down_bn = max(2, 64 // triton.next_power_of_2(k))
     cfg = dict(
         gu_block_n=gu_bn, gu_block_w=gu_bw, gu_warps=4, down_block_n=down_bn, down_block_w=down_bw, down_warps=4,

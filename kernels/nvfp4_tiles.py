@@ -132,6 +132,22 @@ if triton is not None:
         )
 
     @triton.jit
+    def pair_tile_step(w, s, x0, x1, x2, x3, x4, x5, x6, x7, KP: tl.constexpr, ROWS: tl.constexpr, WORDS: tl.constexpr):
+        """One step of several GEMVs at once (the MoE decode kernels' pairs): words ``w [KP, ROWS, WORDS]`` and scale
+        bytes ``s [KP, ROWS, WORDS // 2]``, activations ``x0..x7`` shaped ``[KP or 1, 1, WORDS]`` (``split8``'s
+        positions; one row of x for all, or one per pair) -> the ``[KP, ROWS, WORDS // 2]`` scaled block sums."""
+        v0, v1, v2, v3, v4, v5, v6, v7 = e2m1_word(w)
+        d = v0 * x0  # one chain: each line a fused multiply-add
+        d += v1 * x1
+        d += v2 * x2
+        d += v3 * x3
+        d += v4 * x4
+        d += v5 * x5
+        d += v6 * x6
+        d += v7 * x7
+        return tl.sum(tl.reshape(d, (KP, ROWS, WORDS // 2, 2)), 3) * block_scale(s)
+
+    @triton.jit
     def dequant_tile_words(w, s, ROWS: tl.constexpr, WORDS: tl.constexpr, DTYPE: tl.constexpr):
         """A weight tile for ``tl.dot``: words ``w [ROWS, WORDS]`` and scale bytes ``s [ROWS, WORDS // 2]`` ->
         ``e2m1 * float(scale)`` as ``[ROWS, 8 * WORDS]`` in ``DTYPE``, columns in K order (exact in every dtype)."""

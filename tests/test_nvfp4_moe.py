@@ -364,15 +364,17 @@ def test_module_runs_the_reference_on_cpu(monkeypatch):
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 QWEN = dict(k=8, H=2048, I=512)
+# the decode GEMVs' variants (``nvfp4_moe.decode_config``): the default, the down kernel's pairs one after another
+_DECODE_VARIANTS = {"default": None, "serial down": dict(tile_pairs=False)}
 
 
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("shared", [None, "output", "expert", "nvfp4"])
 @pytest.mark.parametrize("T", [1, 2, 8, 32])  # 32 x top-8 = DECODE_MAX_PAIRS
-@pytest.mark.parametrize("tile_pairs", [False, True])
-def test_decode_cuda_qwen(T, shared, tile_pairs):
-    tune = dict(tile_pairs=tile_pairs)
+@pytest.mark.parametrize("variant", list(_DECODE_VARIANTS))
+def test_decode_cuda_qwen(T, shared, variant):
+    tune = _DECODE_VARIANTS[variant]
     check_decode(T, 256, dtype=torch.bfloat16, device="cuda", shared=shared, seed=T, Is=512, tune=tune, **QWEN)
 
 
@@ -381,10 +383,9 @@ def test_decode_cuda_qwen(T, shared, tile_pairs):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shared", ["nvfp4", "nvfp4_rows"])
 def test_decode_cuda_nvfp4_shared_shapes(shared, dtype):
-    """The shared expert's NVFP4 down GEMV in the epilogue off the Qwen shapes: masked rows and columns; the down
-    kernel both ways (pairs as a tile axis, the default, and one after another; k = 10 not a power of two)."""
-    for tile_pairs in (False, True):
-        tune = dict(tile_pairs=tile_pairs)
+    """The shared expert's NVFP4 down GEMV in the epilogue off the Qwen shapes: masked rows and columns; each
+    variant of the kernels (k = 10 not a power of two)."""
+    for tune in _DECODE_VARIANTS.values():
         check_decode(5, 64, 4, 208, 80, dtype, "cuda", shared=shared, Is=48, strided_x=True, tune=tune)
         check_decode(3, 32, 8, 1024, 256, dtype, "cuda", shared=shared, Is=1024, invalid=True, tune=tune)
         check_decode(2, 64, 10, 512, 128, dtype, "cuda", shared=shared, Is=96, tune=tune)
