@@ -49,6 +49,14 @@ def test_kv_budget_subtracts_every_planned_pool():
     assert p.kv_budget(used_by_loading=40 * GiB) == int(44.5 * GiB)
     assert plan(workspace=None).kv_budget(40 * GiB) == int(47.5 * GiB)
     assert plan(token_count_bytes=GiB // 2).kv_budget(40 * GiB) == int(44.0 * GiB)
+    assert plan(sampling_workspace=GiB // 4, sampling_rows=32).kv_budget(40 * GiB) == int(44.25 * GiB)
+
+
+def test_step_workspace_adds_the_sampling_of_many_rows():
+    """What a step is checked against: the chunk's workspace plus the sampling workspace (None when unmeasured)."""
+    assert plan().step_workspace == 3 * GiB
+    assert plan(sampling_workspace=GiB // 4, sampling_rows=32).step_workspace == int(3.25 * GiB)
+    assert plan(workspace=None, sampling_workspace=GiB).step_workspace is None
 
 
 def test_table_lists_every_pool():
@@ -67,6 +75,8 @@ def test_table_lists_every_pool():
         assert label in text, text
     assert "3.00 GiB" in text and "40.00 GiB" in text
     assert "not measured" in plan(workspace=None).table()
+    assert "sampling workspace" not in text  # no rows planned (CPU)
+    assert "sampling workspace (32 rows)" in plan(sampling_workspace=GiB // 4, sampling_rows=32).table()
 
 
 def test_worker_logs_the_plan_on_cpu(tiny_llama_dir):
@@ -156,6 +166,49 @@ def test_cuda_workspace_covers_a_max_length_prefill(tmp_path):
         )
         assert r.stats["workspace_bytes"] == peak
         assert peak <= p.workspace * 1.1 + 2**20
+
+
+@pytest.mark.gpu
+def test_cuda_plan_covers_many_prompts_sampled_together(tmp_path):
+    """A step that ends --max-running-requests prompts at once, every row on the filtered draw with penalties, stays
+    within the planned step workspace (the chunk's plus the sampling of that many rows); the decode graphs' pool
+    within its plan (planned from the allocator's segments, which the pool holds)."""
+    from conftest import make_tiny_llama_dir
+
+    from freetoken.engine.step_plan import StepPlan
+    from freetoken.worker import Worker
+
+    rows = 8
+    w = Worker(
+        {
+            "model_path": make_tiny_llama_dir(tmp_path),
+            "device": "cuda",
+            "max_running_requests": rows,
+            "max_seq_len_override": 256,
+            "load_progress": False,
+            "memory_ratio": 0.5,
+        }
+    )
+    p = w.memory_plan
+    assert p.sampling_rows == rows and p.sampling_workspace is not None and p.sampling_workspace > 0
+    assert w.graphs is not None and w.graphs.pool_bytes <= p.graph_bytes, (w.graphs.pool_bytes, p.graph_bytes)
+    sample = {"temperature": 1.0, "top_p": 0.9, "top_k": 5, "min_p": 0.01, "seed": 1, "presence_penalty": 0.5}
+    step = StepPlan.build(
+        [
+            {
+                "tokens": [1 + r, 2, 3, 4],
+                "prefix_len": 0,
+                "row": r,
+                "table_from": 0,
+                "table_slots": list(range(4 * r, 4 * r + 4)),
+                "sample": sample,
+            }
+            for r in range(rows)
+        ]
+    )
+    r = w.execute_plan(step)
+    assert len(r.tokens) == rows
+    assert r.stats["workspace_bytes"] <= p.step_workspace, (r.stats["workspace_bytes"], p.step_workspace)
 
 
 @pytest.mark.parametrize(

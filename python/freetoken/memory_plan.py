@@ -28,6 +28,10 @@ class MemoryPlan:
     workspace: Optional[int]  # measured peak transient bytes of one prefill chunk (None: not measured)
     workspace_tokens: int
     reserve: int  # --vram-reserve-mb
+    # a step that ends many prompts at once samples a row for each: the filtered draw over the whole vocabulary at
+    # up to --max-running-requests rows, measured on top of the one-row chunk (None: not measured)
+    sampling_workspace: Optional[int] = None
+    sampling_rows: int = 0
     kv_tokens: int = 0
     kv_bytes: int = 0
     free_after: Optional[int] = None
@@ -55,6 +59,7 @@ class MemoryPlan:
             - self.token_count_bytes
             - self.scratch_kv_bytes
             - (self.workspace or 0)
+            - (self.sampling_workspace or 0)
             - self.reserve
             - self.expert_cache_bytes
             - (self.graph_bytes or 0)
@@ -90,6 +95,11 @@ class MemoryPlan:
             ("output token counts (penalties)", g(self.token_count_bytes)),
             (f"prefill workspace ({self.workspace_tokens}-token chunk)", g(self.workspace)),
             *(
+                [(f"sampling workspace ({self.sampling_rows} rows)", g(self.sampling_workspace))]
+                if self.sampling_rows
+                else []
+            ),
+            *(
                 [("decode CUDA graphs (planned / captured)", f"{g(self.graph_bytes)} / {g(self.graph_pool_bytes)}")]
                 if self.graph_bytes is not None or self.graph_pool_bytes is not None
                 else []
@@ -105,18 +115,29 @@ class MemoryPlan:
         lines = [f"Memory plan ({self.device}):"] + [f"  {k:<{width}}  {v:>14}" for k, v in rows]
         return "\n".join(lines)
 
+    @property
+    def step_workspace(self) -> Optional[int]:
+        """The transient bytes a step may use: the chunk's workspace plus the sampling of many rows."""
+        if self.workspace is None:
+            return None
+        return self.workspace + (self.sampling_workspace or 0)
+
     def as_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items()}
 
 
-def measure_peak_bytes(device: torch.device, run: Callable[[], None]) -> Optional[int]:
-    """Peak bytes allocated by ``run`` above what was allocated before it (CUDA only; None elsewhere)."""
+def measure_peak_bytes(device: torch.device, run: Callable[[], None], reserved: bool = False) -> Optional[int]:
+    """Peak bytes allocated by ``run`` above what was allocated before it (CUDA only; None elsewhere). With
+    ``reserved``, the peak of the allocator's segments above those it held before (cached ones released first):
+    what a private pool such as the CUDA graphs' grows to, where every allocation of 1-10 MB takes a 20 MiB
+    segment and small ones 2 MiB blocks (the graphs' pool measured ~2x the allocated peak on the H200)."""
     if device.type != "cuda":
         return None
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated(device)
+    base = torch.cuda.memory_reserved(device) if reserved else torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     run()
     torch.cuda.synchronize(device)
-    return max(0, torch.cuda.max_memory_allocated(device) - base)
+    peak = torch.cuda.max_memory_reserved(device) if reserved else torch.cuda.max_memory_allocated(device)
+    return max(0, peak - base)

@@ -14,7 +14,7 @@ sizes: [...]``, ``Free memory after initialization: X GiB``).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -73,6 +73,8 @@ def allocate_pools(w: "Worker") -> None:
         w.kv = make_kv_pool(w, w.scratch_tokens)
         phase(f"Dry run: a {plan.workspace_tokens}-token prefill chunk measures the workspace")
         plan.workspace = measure_peak_bytes(w.device, lambda: w.dry_run(plan.workspace_tokens))
+        plan.sampling_rows = w.max_running_requests
+        plan.sampling_workspace = measure_sampling_workspace(w, plan.sampling_rows)
         if w.graph_max_bs:
             plan.graph_bytes = plan_decode_graphs(w)
         w.kv = None
@@ -256,9 +258,31 @@ def plan_decode_graphs(w: "Worker") -> int:
             graphs._forward_fn(bs)()
             graphs._sampler_fn(bs)()
 
-    peak = measure_peak_bytes(w.device, dry) or 0
+    peak = measure_peak_bytes(w.device, dry, reserved=True) or 0  # segments, as the graphs' private pool holds them
     kept = sum(b * w.vocab_size * 4 for b in graphs.sizes[:-1])
     return int(1.25 * peak) + kept
+
+
+def measure_sampling_workspace(w: "Worker", rows: int) -> Optional[int]:
+    """Transient bytes of sampling ``rows`` rows at once, as a step that ends ``rows`` prompts does: the logits
+    (model dtype, then fp32), penalties, the filtered draw (softmax, sort, cumulative sums over the vocabulary) and
+    the logprobs; the most expensive path, whatever the requests ask. CUDA only (None elsewhere)."""
+    from .layers.sampler import apply_penalties, sample
+
+    dev, vocab = w.device, w.vocab_size
+    if dev.type != "cuda":
+        return None
+
+    def run() -> None:
+        with torch.inference_mode():
+            logits = torch.randn(rows, vocab, device=dev, dtype=w.dtype).float()
+            ones = torch.ones(rows, device=dev)
+            counts = w.token_counts.rows(torch.zeros(rows, dtype=torch.int64, device=dev))  # gathered, as a step does
+            logits = apply_penalties(logits, counts, ones * 0.5, ones * 0.5)
+            top_k = torch.full((rows,), 50, device=dev)
+            sample(logits, ones, ones * 0.9, top_k, ones * 0.05, torch.arange(rows, device=dev), all_greedy=False)
+
+    return measure_peak_bytes(dev, run)
 
 
 def capture_decode_graphs(w: "Worker") -> "DecodeGraphs":

@@ -346,13 +346,14 @@ class Worker:
 
     def _check_workspace(self, plan: StepPlan, workspace: int) -> None:
         """Warns (once per new high) when a step needed more transient memory than the plan set aside."""
-        planned = self.memory_plan.workspace
+        planned = self.memory_plan.step_workspace
         if planned is None or workspace <= max(planned, self._workspace_warned_at):
             return
         self._workspace_warned_at = workspace
         logger.warning(
             f"Step {plan.step_id} ({plan.num_tokens} tokens) used {workspace / GiB:.2f} GiB of transient memory, "
-            f"more than the planned prefill workspace of {planned / GiB:.2f} GiB; raise --vram-reserve-mb"
+            f"more than the planned workspace of {planned / GiB:.2f} GiB (prefill chunk and sampling); raise "
+            "--vram-reserve-mb"
         )
 
     def _release_cached_memory(self) -> None:
