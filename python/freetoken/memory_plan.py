@@ -128,16 +128,26 @@ class MemoryPlan:
 
 def measure_peak_bytes(device: torch.device, run: Callable[[], None], reserved: bool = False) -> Optional[int]:
     """Peak bytes allocated by ``run`` above what was allocated before it (CUDA only; None elsewhere). With
-    ``reserved``, the peak of the allocator's segments above those it held before (cached ones released first):
-    what a private pool such as the CUDA graphs' grows to, where every allocation of 1-10 MB takes a 20 MiB
-    segment and small ones 2 MiB blocks (the graphs' pool measured ~2x the allocated peak on the H200)."""
+    ``reserved``, the allocator segments ``run`` needs when it allocates from a fresh private pool (a
+    ``torch.cuda.MemPool``): what the CUDA graphs' private pool grows to, where every allocation of 1-10 MB takes a
+    20 MiB segment and small ones 2 MiB blocks, none shared with memory allocated before (the graphs' pool measured
+    ~2x the allocated peak on the H200)."""
     if device.type != "cuda":
         return None
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
-    base = torch.cuda.memory_reserved(device) if reserved else torch.cuda.memory_allocated(device)
+    if reserved and hasattr(torch.cuda, "use_mem_pool"):  # torch >= 2.6
+        before = torch.cuda.memory_reserved(device)
+        pool = torch.cuda.MemPool()
+        with torch.cuda.use_mem_pool(pool, device):
+            run()
+        torch.cuda.synchronize(device)
+        grown = torch.cuda.memory_reserved(device) - before  # a pool keeps its segments until it is released
+        del pool
+        torch.cuda.empty_cache()
+        return max(0, grown)
+    base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     run()
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_reserved(device) if reserved else torch.cuda.max_memory_allocated(device)
-    return max(0, peak - base)
+    return max(0, torch.cuda.max_memory_allocated(device) - base)
