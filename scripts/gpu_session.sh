@@ -31,6 +31,8 @@
 #   nvfp4ab  the 8k NVFP4 offload prefill (and offload decode) on the grouped kernel (default) and on the
 #            dequantized-bank path (FREETOKEN_NVFP4_DEQUANT_MIN_PAIRS=16384): which one DEQUANT_MIN_PAIRS keeps
 #   sweep    bench/nvfp4_kernel_bench.py --groups sweep: the NVFP4 linear's launch settings at M <= 16
+#   decsweep bench/nvfp4_kernel_bench.py --groups decsweep: the NVFP4 MoE decode GEMVs' launch settings at 1-32
+#            tokens (shared expert in the down kernel's epilogue, as the NVFP4 Qwen3.6 layer runs them)
 #   moesweep bench/nvfp4_kernel_bench.py --groups moesweep: the grouped NVFP4 MoE's launch settings at 1k-8k tokens
 #            (run it alone: a server starting on the same GPU disturbs the timings)
 #   shutdown bench/shutdown_check.py: a CUDA server keeps its SIGTERM handler, drains and exits 0
@@ -153,6 +155,10 @@ if [[ " $SECTIONS " == *" nvfp4ab "* ]]; then
         --skip-no-overlap --out "$OUT/decode_qwen36_nvfp4_offload_$cut.json" 2>&1 \
         | tee "$OUT/decode_bench_nvfp4_$cut.log" | grep -E "routing|prefill" | sed "s/^/[dequant cut $cut] /"
   done
+fi
+if [[ " $SECTIONS " == *" decsweep "* ]]; then
+  timeout ${SWEEP_TIMEOUT:-300} python3 bench/nvfp4_kernel_bench.py --groups decsweep --ms 1,2,4,8,16,32 \
+      --routing uniform --out "$OUT/nvfp4_decsweep.json" 2>&1 | tee "$OUT/nvfp4_decsweep.log" | grep -E "^decode|HBM copy"
 fi
 if [[ " $SECTIONS " == *" moesweep "* ]]; then
   timeout ${SWEEP_TIMEOUT:-300} python3 bench/nvfp4_kernel_bench.py --groups moesweep --ms 1024,2048,4096,8192 \
