@@ -470,10 +470,12 @@ def pick_num_kv_splits(batch_size: int, num_kv_heads: int, max_context: int) -> 
 
 
 def decode_attention_triton(
-    q, k_cache, v_cache, req_to_token, rows, context_lens, scale, num_kv_splits: int = 8, out=None, gate=None
-):
+    q, k_cache, v_cache, req_to_token, rows, context_lens, scale, num_kv_splits: int = 8, out=None, gate=None,
+    config: dict | None = None,
+):  # fmt: skip
     """Triton split-K ``decode``; same contract as ``decode_attention_torch``. ``gate`` may be a strided view (its
-    last dim contiguous), e.g. the gate half of a ``[B, nh, 2D]`` projection."""
+    last dim contiguous), e.g. the gate half of a ``[B, nh, 2D]`` projection. ``config`` overrides stage 1's launch
+    settings (``block_n``, ``warps``, ``stages``; benchmarks)."""
     B, nh, D = q.shape
     nkv, DV = k_cache.shape[1], v_cache.shape[2]
     if out is None:
@@ -486,7 +488,10 @@ def decode_attention_triton(
     mid_o = torch.empty(B, nh, S, DV, dtype=torch.float32, device=q.device)
     mid_l = torch.empty(B, nh, S, dtype=torch.float32, device=q.device)
     bd, bdv = triton.next_power_of_2(D), triton.next_power_of_2(DV)
-    block_n = 32 if max(bd, bdv) > 128 or k_cache.dtype == torch.float32 else 64
+    cfg = dict(block_n=32 if max(bd, bdv) > 128 or k_cache.dtype == torch.float32 else 64, warps=4, stages=2)
+    if set(config or {}) - set(cfg):
+        raise ValueError(f"unknown decode attention launch settings {sorted(set(config) - set(cfg))}")
+    cfg.update(config or {})
     _decode_stage1_kernel[(B, nkv, S)](
         q,
         k_cache,
@@ -508,12 +513,12 @@ def decode_attention_triton(
         S,
         GROUP=G,
         BLOCK_H=max(16, triton.next_power_of_2(G)),
-        BLOCK_N=block_n,
+        BLOCK_N=cfg["block_n"],
         BLOCK_D=bd,
         BLOCK_DV=bdv,
         PREC=_prec(k_cache.dtype),
-        num_warps=4,
-        num_stages=2,
+        num_warps=cfg["warps"],
+        num_stages=cfg["stages"],
     )
     _combine_splits(mid_o, mid_l, out, gate)
     return out

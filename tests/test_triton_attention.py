@@ -54,9 +54,9 @@ def extend_case(nh, nkv, D, DV, ext, pre, dtype, device, seed=0, config=None, nu
     torch.testing.assert_close(out.float(), ref.float(), atol=_tol(dtype), rtol=_tol(dtype))
 
 
-def decode_case(nh, nkv, D, DV, ctx, dtype, device, splits, seed=0, gated=False):
+def decode_case(nh, nkv, D, DV, ctx, dtype, device, splits, seed=0, gated=False, config=None):
     """``gated``: the output gate of gated attention, given as the strided gate half of a ``[B, nh, 2*DV]``
-    projection and applied by the merge kernel."""
+    projection and applied by the merge kernel; ``config``: stage 1's launch overrides (the benchmark's sweep)."""
     from freetoken.kernels.attention import decode_attention_torch, decode_attention_triton
 
     B = len(ctx)
@@ -79,6 +79,7 @@ def decode_case(nh, nkv, D, DV, ctx, dtype, device, splits, seed=0, gated=False)
         scale,
         num_kv_splits=splits,
         gate=gate,
+        config=config,
     )
     torch.testing.assert_close(out.float(), ref.float(), atol=_tol(dtype), rtol=_tol(dtype))
     if gated:  # the reference is the gated layer's own two ops
@@ -198,6 +199,7 @@ _CPU_SCRIPT = textwrap.dedent(
         t.decode_case(4, 1, 16, 16, [1, 9, 40], dt, "cpu", splits=1)
         t.decode_case(6, 2, 16, 32, [1, 9, 40, 3], dt, "cpu", splits=3)  # GQA group 3, empty splits
         t.decode_case(4, 2, 16, 24, [1, 9, 40], dt, "cpu", splits=2, gated=True)  # output gate in the merge
+        t.decode_case(4, 2, 16, 16, [1, 9, 40], dt, "cpu", splits=2, config=dict(block_n=16, warps=2, stages=1))
     # the 128 x 64 tiles sm_90 takes for head dims above 128, over chunks shorter and longer than a tile
     t.extend_case(4, 2, 16, 16, [150, 5], [100, 0], torch.float16, "cpu", seed=2, config=(128, 64, 8, 2))
     # the keys split over programs (a short chunk after a long prefix), merged after: splits of whole key tiles,
