@@ -20,8 +20,8 @@ in the same layout: ``topk_ids`` are then slot ids, as for the BF16 decode kerne
   taking the k pairs as one more axis of its weight tile (``_routed_down_tiled``: one load, one reduction for all of
   them), weighting and summing in fp32, the shared expert's gated output added in the epilogue -> ``out [T, H]``
   (``tile_pairs=False`` runs the pairs one after another, ``_routed_down_serial``, measured slower:
-  ``decode_config``). A pair whose id is outside the bank reads nothing (its loads are masked off): CUDA-graph padding rows and the offload slot cache's misses cost
-  no bandwidth. The shared expert comes as its output, or (``shared_down_nvfp4``, an NVFP4 checkpoint's shared
+  ``decode_config``). A pair whose id is outside the bank reads nothing (its loads are masked off): CUDA-graph
+  padding rows and the offload slot cache's misses cost no bandwidth. The shared expert comes as its output, or (``shared_down_nvfp4``, an NVFP4 checkpoint's shared
   expert) as its gate|up projection ``[T, 2Is]`` and NVFP4 down weight ``[H, Is]``: the epilogue then runs its
   SiLU-and-mul and down GEMV for the program's rows (the same word decoding), which saves the block the two
   launches per layer of a separate ``silu_and_mul`` and ``Nvfp4Linear``; it rounds where those two do (the SiLU,
