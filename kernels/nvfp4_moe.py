@@ -21,8 +21,8 @@ in the same layout: ``topk_ids`` are then slot ids, as for the BF16 decode kerne
   them), weighting and summing in fp32, the shared expert's gated output added in the epilogue -> ``out [T, H]``
   (``tile_pairs=False`` runs the pairs one after another, ``_routed_down_serial``, measured slower:
   ``decode_config``). A pair whose id is outside the bank reads nothing (its loads are masked off): CUDA-graph
-  padding rows and the offload slot cache's misses cost no bandwidth. The shared expert comes as its output, or (``shared_down_nvfp4``, an NVFP4 checkpoint's shared
-  expert) as its gate|up projection ``[T, 2Is]`` and NVFP4 down weight ``[H, Is]``: the epilogue then runs its
+  padding rows and the offload slot cache's misses cost no bandwidth. The shared expert comes as its output, or
+  (``shared_down_nvfp4``, an NVFP4 checkpoint's shared expert) as its gate|up projection ``[T, 2Is]`` and NVFP4 down weight ``[H, Is]``: the epilogue then runs its
   SiLU-and-mul and down GEMV for the program's rows (the same word decoding), which saves the block the two
   launches per layer of a separate ``silu_and_mul`` and ``Nvfp4Linear``; it rounds where those two do (the SiLU,
   its product with up, the GEMV's output after its global scale).
@@ -490,7 +490,8 @@ def nvfp4_moe_decode_triton(
     * s``), ``s`` the shared expert's output: ``shared [T, H]``, or computed from its ``shared_gate_up [T, 2Is]`` and
     either a plain ``shared_down [H, Is]`` (here, in torch) or ``shared_down_nvfp4`` (an ``nvfp4.Nvfp4Tensor``:
     packed ``[H, Is/2]``, block scales ``[H, Is/16]``, global scale ``[]`` or ``[H]``; in the down kernel's
-    epilogue). For decode-sized steps; ``tune``: ``decode_config``'s overrides. CUDA, or CPU under TRITON_INTERPRET=1."""
+    epilogue). For decode-sized steps; ``tune``: ``decode_config``'s overrides. CUDA, or CPU under
+    TRITON_INTERPRET=1."""
     assert triton is not None, "triton is not installed"
     T, H = x.shape
     S, two_i, _ = w13.shape
