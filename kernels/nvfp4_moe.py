@@ -13,19 +13,19 @@ in the same layout: ``topk_ids`` are then slot ids, as for the BF16 decode kerne
   dequantization) and runs ``fused_moe_torch`` on them, with the ids remapped into the gathered copy, so its result
   equals ``fused_moe_torch`` over the whole bank dequantized. A decode-sized step gathers one copy per (token,
   expert) pair (fixed shapes, no host sync); larger steps dequantize each expert hit once.
-- ``nvfp4_moe_decode_triton`` (steps of at most ``DECODE_MAX_PAIRS`` pairs; modelled on ``moe_decode.py``): two
-  GEMV kernels on the packed bytes (``nvfp4_tiles.py``: words of 8 codes decoded two weights per 32-bit operation).
+- ``nvfp4_moe_decode_triton`` (steps of at most ``DECODE_MAX_PAIRS`` pairs; modelled on ``moe_decode.py``): two GEMV
+  kernels on the packed bytes (``nvfp4_tiles.py``: words of 8 codes decoded two weights per 32-bit operation).
   ``gate_up``: one program per (pair, block of I rows) reading its expert's gate and up rows, the per-row global
   scales and SiLU-and-mul in the epilogue -> ``inter [T*k, I]``. ``down``: one program per (token, block of H rows)
   taking the k pairs as one more axis of its weight tile (``_routed_down_tiled``: one load, one reduction for all of
   them), weighting and summing in fp32, the shared expert's gated output added in the epilogue -> ``out [T, H]``
   (``tile_pairs=False`` runs the pairs one after another, ``_routed_down_serial``, measured slower:
-  ``decode_config``). A pair whose id is outside the bank reads nothing (its loads are masked off): CUDA-graph
-  padding rows and the offload slot cache's misses cost no bandwidth. The shared expert comes as its output, or
-  (``shared_down_nvfp4``, an NVFP4 checkpoint's shared expert) as its gate|up projection ``[T, 2Is]`` and NVFP4 down weight ``[H, Is]``: the epilogue then runs its
-  SiLU-and-mul and down GEMV for the program's rows (the same word decoding), which saves the block the two
-  launches per layer of a separate ``silu_and_mul`` and ``Nvfp4Linear``; it rounds where those two do (the SiLU,
-  its product with up, the GEMV's output after its global scale).
+  ``decode_config``). A pair whose id is outside the bank reads nothing (its loads are masked off): CUDA-graph padding
+  rows and the offload slot cache's misses cost no bandwidth. The shared expert comes as its output, or
+  (``shared_down_nvfp4``, an NVFP4 checkpoint's shared expert) as its gate|up projection ``[T, 2Is]`` and NVFP4 down
+  weight ``[H, Is]``: the epilogue then runs its SiLU-and-mul and down GEMV for the program's rows (the same word
+  decoding), which saves the block the two launches per layer of a separate ``silu_and_mul`` and ``Nvfp4Linear``; it
+  rounds where those two do (the SiLU, its product with up, the GEMV's output after its global scale).
 - ``nvfp4_fused_moe_triton`` (mid-sized steps; modelled on ``fused_moe.py``; from ``DEQUANT_MIN_PAIRS`` pairs
   ``layers/nvfp4_experts`` dequantizes the bank instead, ``nvfp4_dequant.py``): the pairs sorted by expert and padded
   to the block size (``moe_align_block_size``; ids outside the bank go to a dummy expert whose blocks write zeros),
