@@ -152,7 +152,7 @@ def test_cuda_workspace_covers_a_max_length_prefill(tmp_path):
     )
     p = w.memory_plan
     assert p.workspace is not None and p.workspace > 0 and p.workspace_tokens == chunk
-    assert w.info()["planned_workspace_bytes"] == p.workspace
+    assert w.info()["planned_workspace_bytes"] == p.step_workspace
     for start in range(0, context, chunk):
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()

@@ -136,7 +136,7 @@ class Worker:
             bos_token_id=t.bos_token_id,
             eos_token_ids=[int(x) for x in t.eos_token_ids],
             add_bos_token=bool(t.add_bos_token),
-            planned_workspace_bytes=self.memory_plan.workspace,
+            planned_workspace_bytes=self.memory_plan.step_workspace,
             cuda_graph_sizes=list(self.graphs.sizes) if self.graphs is not None else [],
             dtype=str(self.dtype).replace("torch.", ""),
             device=str(self.device),

@@ -32,7 +32,7 @@ pub struct EngineStats {
     /// Tokens per second of the last `Prefill batch` / `Decode batch` status line.
     pub prefill_throughput: f64,
     pub decode_throughput: f64,
-    /// The memory plan's prefill workspace and the largest any step allocated (CUDA).
+    /// The memory plan's step workspace (prefill chunk + sampling) and the largest any step allocated (CUDA).
     pub planned_workspace_bytes: Option<u64>,
     pub max_step_workspace_bytes: u64,
     /// Expert-cache lookups since start (`--moe-backend offload`): found resident / copied in.
