@@ -6,11 +6,11 @@ not of the step's context: a graph serves every context) beside other split coun
 (``--configs``). Why: the batch-1 profile of 2026-12-03 shows stage 1 at ~22 us a layer for a 512-token context
 (1 MB of KV; ``...-nvfp4-profile-decode-bs1-down-tiled.txt``), against ~10 us at batch 32 over 64 tokens.
 
-Per case and config: us per call (both stages, CUDA-graph replays of many calls, so no host launch time is
-counted), the KV bytes read over it as GB/s and as a fraction of the measured HBM copy bandwidth, and the largest
-difference from the torch reference. Beside them, torch's ``scaled_dot_product_attention`` (``--baselines``) over
-the same keys stored contiguously (no page table: a bound for what a library kernel gives, not a drop-in). Writes
-JSON.
+Per case and config: us per call (both stages, ``nvfp4_kernel_bench.time_calls``: CUDA-graph replays of many calls, so
+no host launch time is counted), the KV bytes read over it as GB/s and as a fraction of the measured HBM copy
+bandwidth, and the largest difference from the torch reference. Beside them, torch's ``scaled_dot_product_attention``
+(``--baselines``) over the same keys stored contiguously (no page table: a bound for what a library kernel gives, not
+a drop-in). Writes JSON.
 
     python bench/decode_attention_bench.py --out bench/out/decode_attention.json      # CUDA
     python bench/decode_attention_bench.py --smoke                                    # CPU, interpreter, tiny
@@ -38,7 +38,7 @@ def parse_args(argv=None):
         help="sN: N splits, graph: the graph's split count; :nB stage 1's BLOCK_N, :wW warps, :stS stages",
     )
     ap.add_argument("--baselines", default="sdpa-flash,sdpa-efficient,sdpa-cudnn")
-    ap.add_argument("--reps", type=int, default=50, help="calls per timed CUDA-graph replay")
+    ap.add_argument("--reps", type=int, default=50, help="calls per timed CUDA-graph replay (CUDA)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "out", "decode_attention.json"))
     return ap.parse_args(argv)
 
@@ -52,38 +52,6 @@ def parse_config(name: str, graph_splits: int, max_len_splits: int) -> tuple[int
         key = {"n": "block_n", "w": "warps", "st": "stages"}["st" if part.startswith("st") else part[0]]
         cfg[key] = int(part.removeprefix("st") if part.startswith("st") else part[1:])
     return max(1, min(splits, max_len_splits)), cfg
-
-
-def time_us(call, reps: int, device) -> float:
-    """Microseconds per call: ``reps`` calls captured in one CUDA graph, replayed (CPU: wall clock of one call)."""
-    import time
-
-    import torch
-
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        call()
-        return (time.perf_counter() - t0) * 1e6
-    call()
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            call()
-    best = float("inf")
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / reps)
-    return best
 
 
 def sdpa_decode(q, k, v, backend: str):
@@ -104,17 +72,15 @@ def main(argv=None) -> dict:
     sys.path.insert(0, os.path.join(ROOT, "python"))
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import torch
+    from nvfp4_kernel_bench import copy_bandwidth, time_calls
 
     from freetoken.kernels.attention import decode_attention_torch, decode_attention_triton, pick_num_kv_splits
 
     device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     dt = torch.bfloat16 if device.type == "cuda" else torch.float32
     nh, nkv, D = (16, 2, 256) if not a.smoke else (4, 2, 32)
-    bw = None
-    if device.type == "cuda":
-        from hardware_bandwidth import measure_bandwidth
-
-        bw = measure_bandwidth()["hbm_copy_gb_s"]
+    bw = copy_bandwidth(device) / 1e9 if device.type == "cuda" else None  # GB/s
+    reps = a.reps if device.type == "cuda" else 1  # the interpreter runs a call in seconds
     rows = []
     for B, ctx, max_len in SMOKE_CASES if a.smoke else CASES:
         g = torch.Generator(device="cpu").manual_seed(B * 100003 + ctx)
@@ -149,7 +115,7 @@ def main(argv=None) -> dict:
 
                 out = call()
                 row["max_abs_diff"] = (out.float() - ref).abs().max().item()
-                us = time_us(call, a.reps, device)
+                us = time_calls([call] * reps, device) * 1e6
                 row.update(us=us, gb_s=kv_bytes / us / 1e3, frac_hbm=(kv_bytes / us / 1e3 / bw) if bw else None)
             except Exception as exc:  # a config that does not fit (shared memory, registers), a backend torch lacks
                 row["error"] = str(exc).splitlines()[0][:100]

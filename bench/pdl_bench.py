@@ -103,9 +103,8 @@ def main() -> int:
     print(f"{'launch':>28}{'ms':>9}{'us/kernel':>11}{'GB/s':>8}  same output")
     base = rows[0][1]
     for name, ms, per, same in rows:
-        print(
-            f"{name:>28}{ms:9.3f}{per:11.2f}{w_bytes / ms / 1e6:8.0f}  {same}  ({(base - ms) * 1e3 / (2 * a.layers):+.2f} us/kernel saved)"
-        )
+        saved = (base - ms) * 1e3 / (2 * a.layers)
+        print(f"{name:>28}{ms:9.3f}{per:11.2f}{w_bytes / ms / 1e6:8.0f}  {same}  ({saved:+.2f} us/kernel saved)")
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"layers": a.layers, "n": a.n, "k": a.k, "results": results}, f, indent=2)

@@ -416,8 +416,9 @@ def decode_config(T: int, k: int, H: int, I: int, tune: Optional[dict] = None) -
     """Launch settings of the two decode GEMVs for ``T`` tokens at top-``k``: rows per program and words per step
     of each (``_decode_blocks``), warps, pipeline stages, and whether the down kernel takes the pairs as a tile
     axis (``tile_pairs``); ``tune`` overrides any of them (benchmarks, tests)."""
+    tune = tune or {}
     gu_bn, gu_bw = _decode_blocks(I, T * k, H)
-    _, down_bw = _decode_blocks(H, T, I)
+    serial_bn, down_bw = _decode_blocks(H, T, I)
     # the down kernel takes the pairs as a tile axis, 64 tile rows a program (8 output rows at top-8): measured on
     # the H200 at Qwen3.6's shapes with the shared expert in the epilogue (bench/nvfp4_kernel_bench.py --groups
     # decsweep, bench/results/2026-12-03-h200-nvfp4-decode-sweep.txt) both kernels took 14.0 / 20.6 / 33.8 / 58.2 /
@@ -430,12 +431,12 @@ def decode_config(T: int, k: int, H: int, I: int, tune: Optional[dict] = None) -
         gu_block_n=gu_bn, gu_block_w=gu_bw, gu_warps=4, down_block_n=down_bn, down_block_w=down_bw, down_warps=4,
         stages=_NUM_STAGES, tile_pairs=DECODE_DOWN == "tiled",
     )  # fmt: skip
-    if not dict(cfg, **(tune or {}))["tile_pairs"] and "down_block_n" not in (tune or {}):
-        cfg["down_block_n"] = _decode_blocks(H, T, I)[0]  # the serial kernel's own pick
-    unknown = set(tune or {}) - set(cfg)
+    unknown = set(tune) - set(cfg)
     if unknown:
         raise ValueError(f"unknown decode launch settings {sorted(unknown)}")
-    cfg.update(tune or {})
+    cfg.update(tune)
+    if not cfg["tile_pairs"] and "down_block_n" not in tune:
+        cfg["down_block_n"] = serial_bn  # the serial kernel's own pick
     return cfg
 
 

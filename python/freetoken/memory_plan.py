@@ -136,7 +136,7 @@ def measure_peak_bytes(device: torch.device, run: Callable[[], None], reserved: 
         return None
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
-    if reserved and hasattr(torch.cuda, "use_mem_pool"):  # torch >= 2.6
+    if reserved:
         before = torch.cuda.memory_reserved(device)
         pool = torch.cuda.MemPool()
         with torch.cuda.use_mem_pool(pool, device):
