@@ -139,7 +139,9 @@ def measure_peak_bytes(device: torch.device, run: Callable[[], None], reserved: 
     if reserved:
         before = torch.cuda.memory_reserved(device)
         pool = torch.cuda.MemPool()
-        with torch.cuda.use_mem_pool(pool, device):
+        # use_mem_pool wants an indexed device; "cuda" alone raises
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        with torch.cuda.use_mem_pool(pool, index):
             run()
         torch.cuda.synchronize(device)
         grown = torch.cuda.memory_reserved(device) - before  # a pool keeps its segments until it is released
