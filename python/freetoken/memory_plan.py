@@ -45,6 +45,9 @@ class MemoryPlan:
     # decode CUDA graphs: planned from a dry decode step (None: no graphs), and the pool measured after capture
     graph_bytes: Optional[int] = None
     graph_pool_bytes: Optional[int] = None
+    # hybrid models on CUDA: one sequence's GDN prefill from CUDA graphs (captured before the KV pool is sized)
+    gdn_graph_bytes: int = 0
+    gdn_graph_sizes: tuple = ()
     # hybrid models: live recurrent-state slots and snapshot slots; every model: output-token counts (penalties)
     live_state_slots: int = 0
     snapshot_slots: int = 0
@@ -63,6 +66,7 @@ class MemoryPlan:
             - self.reserve
             - self.expert_cache_bytes
             - (self.graph_bytes or 0)
+            - self.gdn_graph_bytes
         )
 
     def rows(self) -> list[tuple[str, str]]:
@@ -102,6 +106,11 @@ class MemoryPlan:
             *(
                 [("decode CUDA graphs (planned / captured)", f"{g(self.graph_bytes)} / {g(self.graph_pool_bytes)}")]
                 if self.graph_bytes is not None or self.graph_pool_bytes is not None
+                else []
+            ),
+            *(
+                [(f"GDN prefill CUDA graphs (up to {self.gdn_graph_sizes[-1]} tokens)", g(self.gdn_graph_bytes))]
+                if self.gdn_graph_sizes
                 else []
             ),
             ("reserve (--vram-reserve-mb)", g(self.reserve)),
@@ -145,6 +154,7 @@ def measure_peak_bytes(device: torch.device, run: Callable[[], None], reserved: 
             run()
         torch.cuda.synchronize(device)
         grown = torch.cuda.memory_reserved(device) - before  # a pool keeps its segments until it is released
+        torch._C._cuda_clearCublasWorkspaces()  # per-stream workspaces ``run`` made live in the pool: release them
         del pool
         torch.cuda.empty_cache()
         return max(0, grown)

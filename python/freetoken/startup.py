@@ -68,6 +68,7 @@ def allocate_pools(w: "Worker") -> None:
         reserve=int(a["vram_reserve_mb"] or 0) * 2**20,
     )
     if w.device.type == "cuda":
+        plan.gdn_graph_bytes, plan.gdn_graph_sizes = capture_gdn_prefill_graphs(w)
         # dry runs on the scratch slots alone, before the KV pool exists
         w.kv_capacity_tokens = 0
         w.kv = make_kv_pool(w, w.scratch_tokens)
@@ -212,6 +213,49 @@ def _kv_tokens(w: "Worker", bytes_per_token: int, plan: MemoryPlan, used_by_load
     return tokens
 
 
+# ------------------------------------------------------------------------------------------- GDN prefill graphs
+
+
+def capture_gdn_prefill_graphs(w: "Worker") -> tuple[int, tuple[int, ...]]:
+    """Hybrid models on CUDA with fla: one sequence's Gated DeltaNet prefill replays CUDA graphs by padded length
+    (``layers/gdn_prefill_graphs.py``) up to ``--gdn-prefill-graph-tokens`` (0 or ``--disable-cuda-graph``: none).
+    Captured before the KV pool is sized. Returns (device bytes they hold, bucket sizes)."""
+    from .layers.gated_deltanet import GatedDeltaNet, _fla_direct_ops, fla_direct_prefill, gdn_backend
+
+    layers = [m for m in w.model.modules() if isinstance(m, GatedDeltaNet)]
+    tokens = int(w.args.get("gdn_prefill_graph_tokens") or 0)
+    if not layers or tokens <= 0 or w.args["disable_cuda_graph"]:
+        return 0, ()
+    if gdn_backend(w.device) != "fla" or _fla_direct_ops() is None:
+        return 0, ()
+    from .layers.gdn_prefill_graphs import GdnPrefillGraphs
+
+    first = layers[0]
+    phase("Capturing the Gated DeltaNet prefill CUDA graphs")
+    torch.cuda.synchronize(w.device)
+    before = torch.cuda.memory_reserved(w.device)
+    graphs = GdnPrefillGraphs(
+        fla_direct_prefill,
+        first.num_k_heads,
+        first.num_v_heads,
+        first.head_k_dim,
+        first.head_v_dim,
+        w.dtype,
+        w.device,
+        tokens,
+    )
+    graphs.capture()
+    torch.cuda.empty_cache()  # the warm-up runs' blocks, outside the graphs' pool
+    held = torch.cuda.memory_reserved(w.device) - before
+    for layer in layers:
+        layer.prefill_graphs = graphs
+    logger.info(
+        f"Captured Gated DeltaNet prefill CUDA graphs for {len(graphs.sizes)} lengths up to {graphs.sizes[-1]} "
+        f"tokens ({held / GiB:.2f} GiB)"
+    )
+    return held, tuple(graphs.sizes)
+
+
 # ---------------------------------------------------------------------------------------------------- decode graphs
 
 
@@ -253,10 +297,15 @@ def plan_decode_graphs(w: "Worker") -> int:
     bs = graphs.max_bs
 
     def dry() -> None:
+        # Twice, each on a fresh stream, as capture runs: the warm-up stream, then the capture stream. cuBLAS keeps
+        # a workspace per stream (32 MiB on Hopper) that the graphs hold for good: on a tiny model it is the pool.
         graphs._stage_padding(0)
-        with torch.inference_mode():
-            graphs._forward_fn(bs)()
-            graphs._sampler_fn(bs)()
+        for stream in (torch.cuda.Stream(w.device), torch.cuda.Stream(w.device)):
+            stream.wait_stream(torch.cuda.current_stream(w.device))
+            with torch.cuda.stream(stream), torch.inference_mode():
+                graphs._forward_fn(bs)()
+                graphs._sampler_fn(bs)()
+            torch.cuda.current_stream(w.device).wait_stream(stream)
 
     peak = measure_peak_bytes(w.device, dry, reserved=True) or 0  # segments, as the graphs' private pool holds them
     kept = sum(b * w.vocab_size * 4 for b in graphs.sizes[:-1])

@@ -269,6 +269,12 @@ pub struct ServeArgs {
     #[arg(help_heading = MODEL, long)]
     pub disable_cuda_graph: bool,
 
+    /// Hybrid models on CUDA: one sequence's Gated DeltaNet prefill pieces up to this many tokens replay CUDA
+    /// graphs captured at start-up by padded length (the host cost of fla's launches, ~1 ms a layer, is most of a
+    /// short cached turn's step); 0 (or --disable-cuda-graph) runs them eagerly.
+    #[arg(help_heading = MODEL, long, default_value_t = 4096)]
+    pub gdn_prefill_graph_tokens: usize,
+
     /// Skip the start-up prefill warm-up: on CUDA a few prompt chunks of other shapes than the dry run's (short,
     /// medium, a chunk after a long prefix) run before the server answers, so that the first requests do not wait
     /// for Triton to compile their kernels (seconds on a cold cache).

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,9 @@ from ..kernels.gdn_decode import gdn_conv_decode, gdn_recurrent_decode
 from ..kernels.gdn_gates import gdn_gates
 from ..kernels.rms_norm import gated_rms_norm
 from .fused_linear import FusedLinear, fuse_linears
+
+if TYPE_CHECKING:
+    from .gdn_prefill_graphs import GdnPrefillGraphs
 
 CHUNK_SIZE = 64
 
@@ -198,8 +201,13 @@ def gdn_conv_impl() -> str:
     return impl
 
 
-def _fla_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, decode):
+def _fla_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, decode, graphs=None):
+    """``graphs`` (a ``GdnPrefillGraphs``): one sequence replays the graph of its padded length when one holds it."""
     chunk, recurrent, takes_cpu_cu = _fla_ops()
+    if not decode and len(cu_seqlens) <= 2 and _fla_direct_ops() is not None:
+        # one sequence runs as a batch of one (no varlen index tensors, no host syncs), below fla's entry point
+        out = graphs.run(q, k, v, g, beta, initial_state) if graphs is not None else None
+        return out if out is not None else fla_direct_prefill(q, k, v, g, beta, initial_state)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # split views of the conv output are strided
     initial_state = initial_state.contiguous()
     if decode:
@@ -208,9 +216,6 @@ def _fla_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, decode):
             recurrent, q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], initial_state
         )
         return o[:, 0], final
-    if len(cu_seqlens) <= 2 and _fla_direct_ops() is not None:
-        # one sequence runs as a batch of one (no varlen index tensors, no host syncs), below fla's entry point
-        return fla_direct_prefill(q, k, v, g, beta, initial_state)
     return _fla_public_chunk(chunk, takes_cpu_cu, q, k, v, g, beta, initial_state, cu_seqlens)
 
 
@@ -381,6 +386,7 @@ def gated_delta_rule(
     decode: bool,
     captures: Optional[dict[int, list[int]]] = None,
     backend: Optional[str] = None,
+    prefill_graphs=None,
 ):
     """The delta rule over a varlen batch.
 
@@ -389,14 +395,16 @@ def gated_delta_rule(
     sequences); ``cu_seqlens`` host list of N+1 offsets (None when ``decode``); ``decode`` = every sequence has exactly
     one token.
     ``captures`` maps a sequence index to offsets (relative to its first token this step) after which its state is
-    wanted (snapshots). Returns ``(o [T, Hv, dv] fp32, final [N, Hv, dk, dv] fp32, {(seq, offset): state})``."""
+    wanted (snapshots). ``prefill_graphs`` (``layers/gdn_prefill_graphs.py``, fla only): a single sequence's
+    pieces replay CUDA graphs. Returns ``(o [T, Hv, dv] fp32, final [N, Hv, dk, dv] fp32, {(seq, offset): state})``."""
     backend = backend or gdn_backend(q.device)
     if backend == "fla":
+        varlen = functools.partial(_fla_gated_delta_rule, graphs=prefill_graphs)
         if captures:
             return gated_delta_rule_in_rounds(
-                _fla_gated_delta_rule, q, k, v, g, beta, initial_state, cu_seqlens, captures, short=_fla_short_piece
+                varlen, q, k, v, g, beta, initial_state, cu_seqlens, captures, short=_fla_short_piece
             )
-        o, final = _fla_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, decode)
+        o, final = varlen(q, k, v, g, beta, initial_state, cu_seqlens, decode)
         return o, final.float(), {}
     return _torch_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, decode, captures)
 
@@ -461,6 +469,8 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, eps=config.get("rms_norm_eps", 1e-6))
         self.out_proj = nn.Linear(self.value_dim, H, bias=False)
         self._in_proj: Optional[FusedLinear] = None
+        # set at start-up on CUDA (``startup.capture_gdn_prefill_graphs``): one sequence's delta rule from graphs
+        self.prefill_graphs: Optional["GdnPrefillGraphs"] = None
 
     # shapes of this layer's state slot, for the pool
     @property
@@ -598,7 +608,9 @@ class GatedDeltaNet(nn.Module):
 
         q, k, v = self._split_heads(y)
         g, beta = self._gates(b, a)
-        o, final, captured = gated_delta_rule(q, k, v, g, beta, init, cu_list, False, captures or None)
+        o, final, captured = gated_delta_rule(
+            q, k, v, g, beta, init, cu_list, False, captures or None, prefill_graphs=self.prefill_graphs
+        )
         ssm_pool[slots] = final.to(ssm_pool.dtype)
 
         # snapshots: state after `upto` tokens into the snapshot slot (conv window = the Kc-1 inputs before upto)

@@ -1,0 +1,134 @@
+"""CUDA graphs of one sequence's Gated DeltaNet prefill (fla's chunked forward), by padded length.
+
+A cached agent turn (issue 12: ~2,200 new tokens after ~28,000 cached) is host-bound: fla's chunked forward costs
+~0.95 ms of Python and Triton launch work per GDN layer against ~0.16 ms on the device (bench/fla_host_cost.py on
+the H200), 30 layers a step. Replaying a graph costs a few microseconds of host time.
+
+A graph fixes its shapes, so a sequence of T tokens runs in the graph of the smallest bucket ``Tb >= T``
+(``bucket_sizes``: multiples of fla's 64-token chunk, at most ~25 % padding). The padding tokens get ``g = 0`` and
+``beta = 0``: in the delta rule ``S <- exp(g)·S + beta·k ⊗ (v - kᵀS)`` they leave the state as it was (no decay, no
+write), and no real token reads a later one, so the first T outputs and the final state are those of the unpadded
+call (fla's launch configurations do not depend on T: same kernels, same tiles). Inputs are copied into static
+buffers sized for the largest bucket, shared by every bucket and layer (GDN layers of a model share one shape);
+every graph allocates from one private pool, and replays never overlap (one stream), so the pool holds one
+bucket's intermediates. Outputs are copied out of the graph, so a caller may keep them across replays.
+
+Captured at start-up before the KV pool is sized (``startup.capture_gdn_prefill_graphs``): what they hold is in
+the memory plan. ``--gdn-prefill-graph-tokens`` is the largest bucket (0: none); a longer piece, several
+sequences in one step, or a snapshot round runs eagerly where it does not fit a bucket.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from .gated_deltanet import CHUNK_SIZE
+
+# fn(q, k, v, g, beta, initial_state) -> (o [T, Hv, dv], final [1, Hv, dk, dv]): one sequence, eagerly
+PrefillFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def bucket_sizes(max_tokens: int) -> list[int]:
+    """Padded lengths up to ``max_tokens`` (rounded down to the chunk): every chunk multiple up to 512, then four
+    steps per doubling (640, 768, 896, 1024, 1280, ...), so a piece is padded by at most a quarter."""
+    top = max_tokens // CHUNK_SIZE * CHUNK_SIZE
+    sizes, s = [], CHUNK_SIZE
+    while s <= top:
+        sizes.append(s)
+        s += max(CHUNK_SIZE, (1 << (s.bit_length() - 1)) // 4)
+    if sizes and sizes[-1] != top:
+        sizes.append(top)
+    return sizes
+
+
+class GdnPrefillGraphs:
+    """The graphs of one GDN shape (``Hk`` key heads, ``Hv`` value heads, ``dk x dv`` state) on one device.
+    ``emulate`` replays by calling the function again (CPU tests of the buffer and padding logic)."""
+
+    def __init__(
+        self,
+        fn: PrefillFn,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_tokens: int,
+        emulate: bool = False,
+    ):
+        self.fn = fn
+        self.device = device
+        self.emulate = emulate
+        self.sizes = bucket_sizes(max_tokens)
+        top = self.sizes[-1] if self.sizes else 0
+        hk, hv, dk, dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
+        self.q = torch.zeros(top, hk, dk, dtype=dtype, device=device)
+        self.k = torch.zeros(top, hk, dk, dtype=dtype, device=device)
+        self.v = torch.zeros(top, hv, dv, dtype=dtype, device=device)
+        self.gates = torch.zeros(2, top, hv, dtype=torch.float32, device=device)  # g | beta: one fill clears both
+        self.state = torch.zeros(1, hv, dk, dv, dtype=torch.float32, device=device)
+        self.o = torch.zeros(top, hv, dv, dtype=dtype, device=device)
+        self.final = torch.zeros(1, hv, dk, dv, dtype=torch.float32, device=device)
+        self.replay_fns: dict[int, Callable[[], None]] = {}  # bucket -> its graph's replay
+        self.pool = None
+        self.replays = 0
+
+    def bucket(self, tokens: int) -> Optional[int]:
+        """The smallest bucket holding ``tokens`` (None: longer than the largest, or nothing captured)."""
+        for s in self.sizes:
+            if s >= tokens:
+                return s if s in self.replay_fns else None
+        return None
+
+    def _body(self, T: int) -> Callable[[], None]:
+        def body() -> None:
+            o, final = self.fn(self.q[:T], self.k[:T], self.v[:T], self.gates[0, :T], self.gates[1, :T], self.state)
+            self.o[:T].copy_(o)
+            self.final.copy_(final)
+
+        return body
+
+    def capture(self) -> None:
+        """Record every bucket, largest first (the pool grows once, to the largest's intermediates)."""
+        side = torch.cuda.Stream(self.device) if not self.emulate else None
+        for T in reversed(self.sizes):
+            body = self._body(T)
+            if self.emulate:
+                self.replay_fns[T] = body
+                continue
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side), torch.inference_mode():
+                for _ in range(2):  # compile and autotune outside the capture
+                    body()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
+                body()
+            self.replay_fns[T] = graph.replay  # the bound method keeps the graph alive
+        if not self.emulate:
+            torch.cuda.synchronize(self.device)
+
+    def run(self, q, k, v, g, beta, initial_state) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """One sequence's ``(o [T, Hv, dv], final [1, Hv, dk, dv] fp32)``, as ``fn`` gives them, from the graph of
+        its bucket; None when no bucket holds it (the caller runs ``fn`` eagerly). Inputs as ``fn`` takes them
+        (``[T, H, *]``, possibly strided views; ``initial_state [1, Hv, dk, dv]``)."""
+        T = q.shape[0]
+        Tb = self.bucket(T)
+        if Tb is None or initial_state.shape[0] != 1:
+            return None
+        self.q[:T].copy_(q)
+        self.k[:T].copy_(k)
+        self.v[:T].copy_(v)
+        self.gates[0, :T].copy_(g)
+        self.gates[1, :T].copy_(beta)
+        if Tb > T:
+            self.gates[:, T:Tb].zero_()  # padding tokens: no decay, no write
+        self.state.copy_(initial_state)
+        self.replay_fns[Tb]()
+        self.replays += 1
+        return self.o[:T].clone(), self.final.clone()

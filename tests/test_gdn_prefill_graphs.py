@@ -1,0 +1,168 @@
+"""One sequence's Gated DeltaNet prefill from CUDA graphs by padded length (``layers/gdn_prefill_graphs.py``):
+the buckets, the padding (g = 0, beta = 0 tokens leave the state alone) and the static buffers against the same
+function called eagerly: on the CPU with the torch delta rule and emulated graphs, on CUDA with fla's kernels in
+real graphs, through the layer dispatch and a whole hybrid model (greedy tokens with graphs = without)."""
+
+from __future__ import annotations
+
+import hf_reference as R  # noqa: F401  (blocks fla before transformers is imported)
+import pytest
+import torch
+from test_gated_deltanet import rand_inputs
+
+from freetoken.layers.gated_deltanet import CHUNK_SIZE, _torch_gated_delta_rule
+from freetoken.layers.gdn_prefill_graphs import GdnPrefillGraphs, bucket_sizes
+
+torch.set_num_threads(1)
+
+
+def torch_prefill(q, k, v, g, beta, init):
+    """The torch delta rule in the graphs' function signature: one sequence, ``(o, final [1, ...])``."""
+    o, final, _ = _torch_gated_delta_rule(q, k, v, g, beta, init, [0, q.shape[0]], False, None)
+    return o, final
+
+
+@pytest.mark.parametrize("top", [64, 100, 512, 4096, 8192])
+def test_buckets_are_chunk_multiples_padding_at_most_a_quarter(top):
+    sizes = bucket_sizes(top)
+    assert sizes == sorted(set(sizes)) and sizes[0] == CHUNK_SIZE and sizes[-1] == top // CHUNK_SIZE * CHUNK_SIZE
+    assert all(s % CHUNK_SIZE == 0 for s in sizes)
+    for n in range(1, sizes[-1] + 1):
+        b = next(s for s in sizes if s >= n)
+        assert b - n < CHUNK_SIZE or (b - n) / n <= 0.25, (n, b)
+    assert bucket_sizes(63) == []
+
+
+def test_emulated_graphs_equal_the_eager_call_across_buckets_and_stale_padding():
+    """Each length runs in its bucket (padded), in an order that leaves longer inputs' values in the padding
+    region, from a non-zero initial state: outputs and final state equal the unpadded eager call."""
+    Hk, Hv, dk, dv = 2, 4, 8, 6
+    graphs = GdnPrefillGraphs(torch_prefill, Hk, Hv, dk, dv, torch.float32, torch.device("cpu"), 320, emulate=True)
+    graphs.capture()
+    assert graphs.sizes == [64, 128, 192, 256, 320]
+    for i, n in enumerate([300, 5, 64, 130, 1, 257]):
+        q, k, v, g, beta, state = rand_inputs(n, Hk, Hv, dk, dv, seed=i)
+        want_o, want_f = torch_prefill(q, k, v, g, beta, state[None])
+        got = graphs.run(q, k, v, g, beta, state[None])
+        assert got is not None
+        o, final = got
+        assert o.shape == want_o.shape and final.shape == want_f.shape
+        torch.testing.assert_close(o, want_o, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(final, want_f, atol=1e-5, rtol=1e-5)
+    assert graphs.replays == 6
+
+
+def test_outputs_outlive_the_next_replay_and_misfits_fall_back():
+    """What run returns is the caller's (a later replay does not change it); longer pieces and batches of several
+    initial states are declined (None: the caller runs eagerly)."""
+    graphs = GdnPrefillGraphs(torch_prefill, 2, 4, 8, 6, torch.float32, torch.device("cpu"), 128, emulate=True)
+    graphs.capture()
+    a = rand_inputs(70, seed=1)
+    o1, f1 = graphs.run(*a[:5], a[5][None])
+    keep = o1.clone(), f1.clone()
+    b = rand_inputs(90, seed=2)
+    graphs.run(*b[:5], b[5][None])
+    assert torch.equal(o1, keep[0]) and torch.equal(f1, keep[1])
+    c = rand_inputs(129, seed=3)
+    assert graphs.run(*c[:5], c[5][None]) is None
+    d = rand_inputs(10, seed=4)
+    assert graphs.run(*d[:5], torch.stack([d[5], d[5]])) is None
+
+
+def test_strided_inputs_as_the_layer_passes_them():
+    """The layer hands q, k, v as split views of the conv output and the initial state as a view of its slot."""
+    Hk, Hv, dk, dv, n = 2, 4, 8, 6, 100
+    q, k, v, g, beta, state = rand_inputs(n, Hk, Hv, dk, dv, seed=5)
+    y = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
+    qs, ks, vs = torch.split(y, [Hk * dk, Hk * dk, Hv * dv], dim=-1)
+    views = qs.reshape(n, Hk, dk), ks.reshape(n, Hk, dk), vs.reshape(n, Hv, dv)
+    pool = torch.stack([torch.zeros_like(state), state])
+    graphs = GdnPrefillGraphs(torch_prefill, Hk, Hv, dk, dv, torch.float32, torch.device("cpu"), 128, emulate=True)
+    graphs.capture()
+    o, final = graphs.run(*views, g, beta, pool[1:2])
+    want_o, want_f = torch_prefill(q, k, v, g, beta, state[None])
+    torch.testing.assert_close(o, want_o, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final, want_f, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CUDA: fla in real graphs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _fla_or_skip():
+    from freetoken.layers import gated_deltanet as gdn
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if gdn._fla_ops() is None or gdn._fla_direct_ops() is None:
+        pytest.skip("fla not importable, or internals this fla version does not have")
+    return gdn
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_equal_fla_direct_at_qwen_shape():
+    """Qwen3.6's GDN shape (16 key heads, 32 value heads, 128 x 128 state), bf16: every length in its bucket,
+    longer lengths first so the padding holds stale values, against ``fla_direct_prefill`` eagerly."""
+    gdn = _fla_or_skip()
+    Hk, Hv, d = 16, 32, 128
+    graphs = GdnPrefillGraphs(gdn.fla_direct_prefill, Hk, Hv, d, d, torch.bfloat16, torch.device("cuda"), 4096)
+    graphs.capture()
+    for i, n in enumerate([4096, 2184, 1, 63, 64, 700, 3000]):
+        q, k, v, g, beta, state = (x.cuda() for x in rand_inputs(n, Hk, Hv, d, d, seed=90 + i))
+        q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
+        want_o, want_f = gdn.fla_direct_prefill(q, k, v, g, beta, state[None].clone())
+        o, final = graphs.run(q, k, v, g, beta, state[None].clone())
+        assert o.dtype == want_o.dtype and final.shape == want_f.shape
+        # same kernels and tiles; fla's configurations do not depend on the length
+        assert (o.float() - want_o.float()).abs().max().item() <= 1e-2, n
+        assert (final.float() - want_f.float()).abs().max().item() <= 1e-3, n
+    assert graphs.replays == 7
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n, captures", [(600, [576, 600]), (150, [64, 150]), (2184, [2176, 2184])])
+def test_cuda_graphs_through_the_dispatch_with_snapshot_rounds(n, captures):
+    """``gated_delta_rule(..., prefill_graphs=)``: a cached turn's chunk with its snapshot rounds (the tail after
+    the grid point on fla's recurrent kernel) against the torch reference, graphs replayed."""
+    gdn = _fla_or_skip()
+    graphs = GdnPrefillGraphs(gdn.fla_direct_prefill, 2, 4, 64, 64, torch.float32, torch.device("cuda"), 2560)
+    graphs.capture()
+    q, k, v, g, beta, init = (x.cuda() for x in rand_inputs(n, Hk=2, Hv=4, dk=64, dv=64, seed=71))
+    cu, caps = [0, n], {0: captures}
+    o_t, f_t, c_t = gdn.gated_delta_rule(q, k, v, g, beta, init[None].clone(), cu, False, caps, backend="torch")
+    o_f, f_f, c_f = gdn.gated_delta_rule(
+        q, k, v, g, beta, init[None].clone(), cu, False, caps, backend="fla", prefill_graphs=graphs
+    )
+    assert graphs.replays >= 1
+    assert (o_f - o_t).abs().max() < 2e-3 and (f_f - f_t).abs().max() < 2e-3
+    for key, state in c_t.items():
+        assert (c_f[key] - state).abs().max() < 2e-3, key
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_model_greedy_tokens_equal_with_and_without_graphs(tmp_path):
+    """A tiny hybrid model on CUDA (fla): prompts of several lengths, one at a time and with a cached prefix,
+    greedy, with the GDN prefill graphs (start-up captures them) and with ``gdn_prefill_graph_tokens=0``: the same
+    tokens and logprobs (fp32: both runs use the same fla kernels, so only the padding could differ)."""
+    _fla_or_skip()
+    from freetoken import LLM, SamplingParams
+
+    d = str(tmp_path / "tiny-qwen3_5_moe")
+    R.write_released_qwen3_5_moe(d, seed=12, max_position_embeddings=4096)
+    prompts = [list(range(3, 3 + n)) for n in (5, 70, 300, 900)]
+    prompts.append(prompts[-1] + list(range(7, 7 + 150)))  # the last one again, longer: a cached prefix
+    args = dict(device="cuda", dtype="float32", max_seq_len_override=4096, load_progress=False)
+    outs = {}
+    for tokens in (4096, 0):
+        llm = LLM(d, gdn_prefill_graph_tokens=tokens, **args)
+        assert bool(llm.worker.memory_plan.gdn_graph_sizes) == bool(tokens)
+        outs[tokens] = [llm.generate(p, SamplingParams(max_tokens=8, ignore_eos=True))[0] for p in prompts]
+        del llm
+        torch.cuda.empty_cache()
+    for with_graphs, without in zip(outs[4096], outs[0]):
+        assert with_graphs.token_ids == without.token_ids
+        assert max(abs(a - b) for a, b in zip(with_graphs.logprobs, without.logprobs)) < 1e-4
