@@ -82,6 +82,61 @@ _LOG2E = 1.4426950408889634
 if triton is not None:
 
     @triton.jit
+    def _extend_tile(
+        q,
+        K,
+        V,
+        slot_row,
+        key_head_k,
+        key_head_v,
+        stride_kt,
+        stride_vt,
+        offs_d,
+        offs_dv,
+        d_mask,
+        dv_mask,
+        qpos,
+        start,
+        hi,
+        m_i,
+        l_i,
+        acc,
+        qk_scale,
+        BLOCK_N: tl.constexpr,
+        PREC: tl.constexpr,
+        MASKED: tl.constexpr,
+    ):
+        """One BLOCK_N tile of keys into the running softmax. ``MASKED=False``: every query of the block sees every
+        key of the tile (all below the block's first query, all before ``hi``), so no causal or bounds mask and no
+        guard for rows without a visible key; most tiles of a chunk after a long prefix are such."""
+        offs_n = start + tl.arange(0, BLOCK_N)
+        if MASKED:
+            n_mask = offs_n < hi
+            slot = tl.load(slot_row + offs_n, mask=n_mask, other=0).to(tl.int64)
+            k_mask = n_mask[None, :] & d_mask[:, None]
+            v_mask = n_mask[:, None] & dv_mask[None, :]
+        else:
+            slot = tl.load(slot_row + offs_n).to(tl.int64)
+            k_mask = d_mask[:, None]
+            v_mask = dv_mask[None, :]
+        k = tl.load(K + slot[None, :] * stride_kt + key_head_k + offs_d[:, None], mask=k_mask, other=0.0)
+        s = tl.dot(q, k, input_precision=PREC) * qk_scale
+        if MASKED:
+            visible = (offs_n[None, :] <= qpos[:, None]) & n_mask[None, :]
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = m_new
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + slot[:, None] * stride_vt + key_head_v + offs_dv[None, :], mask=v_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _extend_kernel(
         Q,
         K,
@@ -147,30 +202,19 @@ if triton is not None:
             per_split = tl.cdiv(tl.cdiv(end, NUM_SPLITS), BLOCK_N) * BLOCK_N
             lo = split * per_split
             hi = tl.minimum(lo + per_split, end)
-            for start in range(lo, hi, BLOCK_N):
-                offs_n = start + tl.arange(0, BLOCK_N)
-                n_mask = offs_n < hi
-                slot = tl.load(req_to_token + row * stride_rt + offs_n, mask=n_mask, other=0).to(tl.int64)
-                k = tl.load(
-                    K + slot[None, :] * stride_kt + kvh * stride_kh + offs_d[:, None],
-                    mask=n_mask[None, :] & d_mask[:, None],
-                    other=0.0,
-                )
-                s = tl.dot(q, k, input_precision=PREC) * qk_scale
-                visible = (offs_n[None, :] <= qpos[:, None]) & n_mask[None, :]
-                s = tl.where(visible, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                p = tl.exp2(s - m_safe[:, None])
-                alpha = tl.exp2(m_i - m_safe)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(
-                    V + slot[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :],
-                    mask=n_mask[:, None] & dv_mask[None, :],
-                    other=0.0,
-                )
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-                m_i = m_new
+            slot_row = req_to_token + row * stride_rt
+            # tiles every query of the block sees (keys up to its first query's position) skip the masks
+            full = tl.maximum(tl.minimum(hi, prefix + pid_m * BLOCK_M + 1) - lo, 0) // BLOCK_N * BLOCK_N
+            for start in range(lo, lo + full, BLOCK_N):
+                m_i, l_i, acc = _extend_tile(
+                    q, K, V, slot_row, kvh * stride_kh, kvh * stride_vh, stride_kt, stride_vt, offs_d, offs_dv,
+                    d_mask, dv_mask, qpos, start, hi, m_i, l_i, acc, qk_scale, BLOCK_N, PREC, False,
+                )  # fmt: skip
+            for start in range(lo + full, hi, BLOCK_N):
+                m_i, l_i, acc = _extend_tile(
+                    q, K, V, slot_row, kvh * stride_kh, kvh * stride_vh, stride_kt, stride_vt, offs_d, offs_dv,
+                    d_mask, dv_mask, qpos, start, hi, m_i, l_i, acc, qk_scale, BLOCK_N, PREC, True,
+                )  # fmt: skip
             l_safe = tl.where(l_i == 0.0, 1.0, l_i)
             out = acc / l_safe[:, None]
             tok = (q_start + offs_m).to(tl.int64)

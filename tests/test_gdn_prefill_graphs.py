@@ -5,6 +5,8 @@ real graphs, through the layer dispatch and a whole hybrid model (greedy tokens 
 
 from __future__ import annotations
 
+import os
+
 import hf_reference as R  # noqa: F401  (blocks fla before transformers is imported)
 import pytest
 import torch
@@ -152,6 +154,7 @@ def test_cuda_model_greedy_tokens_equal_with_and_without_graphs(tmp_path):
     from freetoken import LLM, SamplingParams
 
     d = str(tmp_path / "tiny-qwen3_5_moe")
+    os.makedirs(d)
     R.write_released_qwen3_5_moe(d, seed=12, max_position_embeddings=4096)
     prompts = [list(range(3, 3 + n)) for n in (5, 70, 300, 900)]
     prompts.append(prompts[-1] + list(range(7, 7 + 150)))  # the last one again, longer: a cached prefix

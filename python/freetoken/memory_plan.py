@@ -154,7 +154,6 @@ def measure_peak_bytes(device: torch.device, run: Callable[[], None], reserved: 
             run()
         torch.cuda.synchronize(device)
         grown = torch.cuda.memory_reserved(device) - before  # a pool keeps its segments until it is released
-        torch._C._cuda_clearCublasWorkspaces()  # per-stream workspaces ``run`` made live in the pool: release them
         del pool
         torch.cuda.empty_cache()
         return max(0, grown)

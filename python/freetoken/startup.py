@@ -233,6 +233,7 @@ def capture_gdn_prefill_graphs(w: "Worker") -> tuple[int, tuple[int, ...]]:
     first = layers[0]
     phase("Capturing the Gated DeltaNet prefill CUDA graphs")
     torch.cuda.synchronize(w.device)
+    torch.cuda.empty_cache()  # loading's cached blocks: not the graphs'
     before = torch.cuda.memory_reserved(w.device)
     graphs = GdnPrefillGraphs(
         fla_direct_prefill,
@@ -297,19 +298,30 @@ def plan_decode_graphs(w: "Worker") -> int:
     bs = graphs.max_bs
 
     def dry() -> None:
-        # Twice, each on a fresh stream, as capture runs: the warm-up stream, then the capture stream. cuBLAS keeps
-        # a workspace per stream (32 MiB on Hopper) that the graphs hold for good: on a tiny model it is the pool.
         graphs._stage_padding(0)
-        for stream in (torch.cuda.Stream(w.device), torch.cuda.Stream(w.device)):
-            stream.wait_stream(torch.cuda.current_stream(w.device))
-            with torch.cuda.stream(stream), torch.inference_mode():
-                graphs._forward_fn(bs)()
-                graphs._sampler_fn(bs)()
-            torch.cuda.current_stream(w.device).wait_stream(stream)
+        with torch.inference_mode():
+            graphs._forward_fn(bs)()
+            graphs._sampler_fn(bs)()
 
     peak = measure_peak_bytes(w.device, dry, reserved=True) or 0  # segments, as the graphs' private pool holds them
     kept = sum(b * w.vocab_size * 4 for b in graphs.sizes[:-1])
-    return int(1.25 * peak) + kept
+    # capture runs on two streams of its own (the warm-up stream, the capture stream), and cuBLAS keeps a workspace
+    # for each for good: on a tiny model they are the whole pool (2 x 32 MiB on the H200 against 2 MiB planned)
+    return int(1.25 * peak) + kept + 2 * cublas_workspace_bytes(w.device)
+
+
+def cublas_workspace_bytes(device: torch.device) -> int:
+    """The workspace cuBLAS takes per stream, by torch's rule: ``CUBLAS_WORKSPACE_CONFIG`` (``:SIZE_KiB:COUNT``
+    pairs) when set, else 32 MiB on sm_90 and 8 MiB + 128 KiB elsewhere."""
+    import os
+    import re
+
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG", "")
+    pairs = re.findall(r":(\d+):(\d+)", config)
+    if pairs:
+        return sum(int(size) * 1024 * int(count) for size, count in pairs)
+    major, minor = torch.cuda.get_device_capability(device)
+    return 4096 * 8 * 1024 if (major, minor) == (9, 0) else 4096 * 1024 * 2 + 16 * 1024 * 8
 
 
 def measure_sampling_workspace(w: "Worker", rows: int) -> Optional[int]:
