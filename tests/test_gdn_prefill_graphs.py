@@ -138,7 +138,7 @@ def test_cuda_graphs_through_the_dispatch_with_snapshot_rounds(n, captures):
     o_f, f_f, c_f = gdn.gated_delta_rule(
         q, k, v, g, beta, init[None].clone(), cu, False, caps, backend="fla", prefill_graphs=graphs
     )
-    assert graphs.replays >= 1
+    assert graphs.replays == len(captures)  # every piece, the short tail after the grid point too
     assert (o_f - o_t).abs().max() < 2e-3 and (f_f - f_t).abs().max() < 2e-3
     for key, state in c_t.items():
         assert (c_f[key] - state).abs().max() < 2e-3, key

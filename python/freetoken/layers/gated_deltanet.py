@@ -401,8 +401,10 @@ def gated_delta_rule(
     if backend == "fla":
         varlen = functools.partial(_fla_gated_delta_rule, graphs=prefill_graphs)
         if captures:
+            # with graphs a short tail replays the 64-token graph: cheaper on the host than the recurrent kernel
+            short = _fla_short_piece if prefill_graphs is None else None
             return gated_delta_rule_in_rounds(
-                varlen, q, k, v, g, beta, initial_state, cu_seqlens, captures, short=_fla_short_piece
+                varlen, q, k, v, g, beta, initial_state, cu_seqlens, captures, short=short
             )
         o, final = varlen(q, k, v, g, beta, initial_state, cu_seqlens, decode)
         return o, final.float(), {}
