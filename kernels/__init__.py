@@ -3,6 +3,7 @@
 Importable as ``freetoken.kernels`` (``python/freetoken/kernels`` is a symlink to this directory).
 
 - ``fused_moe``: grouped MoE over all-resident fused experts (``fused_moe_torch`` reference, ``fused_moe_triton``).
+- ``moe_combine``: the grouped MoE's sum over each token's k expert rows plus the gated shared expert, one launch.
 - ``moe_decode``: routed experts of decode-sized steps as two GEMVs (gate_up with SiLU-and-mul; down with the k
   pairs weighted and summed, the shared expert optionally added), ``moe_decode_torch`` reference.
 - ``attention``: paged attention over the KV pool (``extend_attention_*``, ``decode_attention_*``, the latter with

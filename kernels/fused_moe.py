@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .device_sms import scaled
+from .moe_combine import moe_combine_triton
 
 try:  # triton is a hard dependency on GPU machines; keep the reference importable without it
     import triton
@@ -334,8 +335,12 @@ def fused_moe_triton(
     block_m: int | None = None,
     block_n: int = 64,
     block_k: int = 64,
+    shared: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Grouped Triton MoE; same contract as ``fused_moe_torch``. Works on CUDA, or on CPU under TRITON_INTERPRET=1."""
+    """Grouped Triton MoE; same contract as ``fused_moe_torch``, plus ``sigmoid(shared_gate) * shared`` when given
+    (``moe_combine.py``: the sum over k and the shared term in one launch). Works on CUDA, or on CPU under
+    TRITON_INTERPRET=1."""
     assert triton is not None, "triton is not installed"
     T, H = x.shape
     E = w13.shape[0]
@@ -351,7 +356,7 @@ def fused_moe_triton(
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 must not silently drop to tf32
     inter = _launch_gate_up(x, w13, sorted_ids, block_expert, k, bm, block_n, block_k, prec)
     partial = _launch_down(inter, w2, topk_weights, sorted_ids, block_expert, H, bm, block_n, block_k, prec)
-    return partial.view(T, k, H).sum(dim=1).to(x.dtype)
+    return moe_combine_triton(partial, k, x.dtype, shared, shared_gate)
 
 
 def _launch_gate_up(x, w13, sorted_ids, block_expert, k, bm, block_n, block_k, prec) -> torch.Tensor:

@@ -53,6 +53,7 @@ from ..tuning_env import choice_from_env, int_from_env
 from .activation import silu_and_mul_torch
 from .device_sms import scaled
 from .fused_moe import _GATHER_PAIRS, _moe_gather_torch, fused_moe_torch
+from .moe_combine import moe_combine_triton
 
 try:  # keep the reference importable without triton
     import triton
@@ -725,9 +726,11 @@ def nvfp4_fused_moe_triton(
     topk_weights,
     block_m: int | None = None,
     tune: Optional[dict] = None,
+    shared: Optional[torch.Tensor] = None,
+    shared_gate: Optional[torch.Tensor] = None,
 ):
     """Grouped NVFP4 MoE; same contract as ``nvfp4_moe_torch`` (``topk_weights`` in x's dtype, as
-    ``fused_moe_triton`` takes them). ``block_m`` overrides ``pick_nvfp4_block_m`` (tests, benchmarks); ``tune``
+    ``fused_moe_triton`` takes them), plus ``sigmoid(shared_gate) * shared`` when given (``moe_combine.py``). ``block_m`` overrides ``pick_nvfp4_block_m`` (tests, benchmarks); ``tune``
     overrides the launch settings (``grouped_config``'s keys; bench/nvfp4_kernel_bench.py --groups moesweep). CUDA,
     or CPU under TRITON_INTERPRET=1."""
     assert triton is not None, "triton is not installed"
@@ -762,4 +765,4 @@ def nvfp4_fused_moe_triton(
         w2b.stride(0), w2b.stride(1), w2s.stride(0), w2s.stride(1), w2_global.stride(0), partial.stride(0),
         BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, NUM_STAGES=cfg["stages"], DOT_PREC=prec, num_warps=cfg["warps"],
     )  # fmt: skip
-    return partial.view(T, k, H).sum(dim=1).to(x.dtype)
+    return moe_combine_triton(partial, k, x.dtype, shared, shared_gate)

@@ -101,6 +101,12 @@ class SharedExpertTerm:
         return dict(shared_gate=self.gate_logit, shared_gate_up=self.gate_up, shared_down=self.down_weight)
 
 
+def grouped_shared_args(shared: Optional[SharedExpertTerm]) -> dict:
+    """The grouped kernels' shared-expert arguments: its output (computed here) and gate logit, which they add
+    while summing each token's expert rows (``kernels/moe_combine.py``)."""
+    return {} if shared is None else dict(shared=shared.shared_output(), shared_gate=shared.gate_logit)
+
+
 def run_experts(impl: str, x, w13, w2, topk_ids, topk_weights, shared: Optional[SharedExpertTerm] = None):
     """The weighted sum over the routed experts, ``topk_ids`` indexing the first dimension of ``w13``/``w2``
     (expert ids for resident weights, slot ids for an expert cache), plus ``shared`` when given. ``topk_weights``
@@ -115,7 +121,7 @@ def run_experts(impl: str, x, w13, w2, topk_ids, topk_weights, shared: Optional[
             return moe_decode_triton(x, w13, w2, topk_ids, topk_weights, **(shared.kernel_args() if shared else {}))
         from ..kernels.fused_moe import fused_moe_triton
 
-        out = fused_moe_triton(x, w13, w2, topk_ids, topk_weights.to(x.dtype))
+        return fused_moe_triton(x, w13, w2, topk_ids, topk_weights.to(x.dtype), **grouped_shared_args(shared))
     else:
         out = fused_moe_torch(x, w13, w2, topk_ids, topk_weights.to(x.dtype))
     return out if shared is None else shared.add_to(out)

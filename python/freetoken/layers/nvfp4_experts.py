@@ -37,7 +37,7 @@ from torch import nn
 from ..kernels.nvfp4_moe import DECODE_MAX_PAIRS, nvfp4_moe_torch
 from ..quant import nvfp4
 from ..tuning_env import int_from_env
-from .moe import ExpertsBackend, resolve_moe_impl
+from .moe import ExpertsBackend, grouped_shared_args, resolve_moe_impl
 
 _PIECE = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale|weight_scale_2)$")
 _SUFFIX = {"weight": "", "weight_scale": "_scale", "weight_scale_2": "_global"}
@@ -171,5 +171,4 @@ def run_nvfp4_experts(x, bank, topk_ids, topk_weights, shared=None):
     if T * k <= DECODE_MAX_PAIRS:
         return nvfp4_moe_decode_triton(x, *bank, topk_ids, topk_weights, **(shared.kernel_args() if shared else {}))
     grouped = nvfp4_dequant_moe if T * k >= DEQUANT_MIN_PAIRS else nvfp4_fused_moe_triton
-    out = grouped(x, *bank, topk_ids, topk_weights.to(x.dtype))
-    return out if shared is None else shared.add_to(out)
+    return grouped(x, *bank, topk_ids, topk_weights.to(x.dtype), **grouped_shared_args(shared))

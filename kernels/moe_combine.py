@@ -1,0 +1,112 @@
+"""The last step of a grouped MoE: each token's k weighted expert rows summed, plus the gated shared expert.
+
+The grouped kernels (``fused_moe.py``, ``nvfp4_moe.py``) write one fp32 row per (token, expert) pair, already
+times its routing weight. The block's output is then
+
+    out = cast(Σ_j partial[t·k + j]) + cast(sigmoid(gate[t])) · shared[t]
+
+with every step rounded to the activation dtype as the torch ops round it (``moe_combine_torch``: the sum, the cast,
+``SharedExpertTerm.add_to``'s sigmoid, product and sum). In torch that is five kernels a layer (sum, cast, sigmoid,
+multiply, add) and two full passes more over ``[T, H]``; here it is one launch that reads the partials once. A
+prefill step of Qwen3.6 runs it in each of its 40 MoE layers.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover
+    triton = None
+    tl = None
+
+
+def moe_combine_torch(
+    partial: torch.Tensor,
+    k: int,
+    dtype: torch.dtype,
+    shared: Optional[torch.Tensor] = None,
+    shared_gate: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``partial [T*k, H]`` fp32 → ``[T, H]`` in ``dtype``; plus ``sigmoid(shared_gate [T, 1]) * shared [T, H]``
+    in ``dtype`` ops when given."""
+    T = partial.shape[0] // k
+    out = partial.view(T, k, -1).sum(dim=1).to(dtype)
+    if shared is None:
+        return out
+    return out + torch.sigmoid(shared_gate) * shared
+
+
+if triton is not None:
+
+    @triton.jit
+    def _moe_combine_kernel(
+        partial_ptr,
+        shared_ptr,
+        gate_ptr,
+        out_ptr,
+        H,
+        stride_p,
+        stride_s,
+        stride_g,
+        stride_o,
+        K: tl.constexpr,
+        HAS_SHARED: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
+        t = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = cols < H
+        dt = out_ptr.dtype.element_ty
+        rows = partial_ptr + (t * K).to(tl.int64) * stride_p + cols
+        acc = tl.load(rows, mask=mask, other=0.0)
+        for j in tl.static_range(1, K):  # in pair order, as torch's sum over k adds them
+            acc += tl.load(rows + j * stride_p, mask=mask, other=0.0)
+        out = acc.to(dt)
+        if HAS_SHARED:
+            g = tl.load(gate_ptr + t.to(tl.int64) * stride_g).to(tl.float32)
+            g = (1.0 / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+            s = tl.load(shared_ptr + t.to(tl.int64) * stride_s + cols, mask=mask, other=0.0).to(tl.float32)
+            out = (out.to(tl.float32) + (g * s).to(dt).to(tl.float32)).to(dt)
+        tl.store(out_ptr + t.to(tl.int64) * stride_o + cols, out, mask=mask)
+
+
+def moe_combine_triton(
+    partial: torch.Tensor,
+    k: int,
+    dtype: torch.dtype,
+    shared: Optional[torch.Tensor] = None,
+    shared_gate: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Same contract as ``moe_combine_torch`` (``shared`` and ``shared_gate`` may be strided views with unit last
+    stride: the column views of a fused projection). CUDA, or CPU under TRITON_INTERPRET=1."""
+    n, H = partial.shape
+    T = n // k
+    out = torch.empty(T, H, dtype=dtype, device=partial.device)
+    if T == 0:
+        return out
+    assert partial.stride(-1) == 1
+    has_shared = shared is not None
+    if has_shared:
+        assert shared.stride(-1) == 1 and shared_gate is not None
+    block_h = min(1024, triton.next_power_of_2(H))
+    _moe_combine_kernel[(T, triton.cdiv(H, block_h))](
+        partial,
+        shared if has_shared else partial,
+        shared_gate if has_shared else partial,
+        out,
+        H,
+        partial.stride(0),
+        shared.stride(0) if has_shared else 0,
+        shared_gate.stride(0) if has_shared else 0,
+        out.stride(0),
+        K=k,
+        HAS_SHARED=has_shared,
+        BLOCK_H=block_h,
+        num_warps=4,
+    )
+    return out
