@@ -37,10 +37,10 @@ def combine_case(T, k, H, dtype, device, shared=True, seed=0):
 
 def grouped_case(T, E, k, H, I, dtype, device, nvfp4=False, seed=0):
     """A grouped kernel with the shared term passed in equals its torch reference plus ``add_to``."""
-    from freetoken.kernels.fused_moe import fused_moe_torch, fused_moe_triton
-    from freetoken.kernels.nvfp4_moe import nvfp4_fused_moe_triton, nvfp4_moe_torch
     from nvfp4_cases import random_bank
 
+    from freetoken.kernels.fused_moe import fused_moe_torch, fused_moe_triton
+    from freetoken.kernels.nvfp4_moe import nvfp4_fused_moe_triton, nvfp4_moe_torch
     from freetoken.layers.moe import SharedExpertTerm
 
     g = torch.Generator().manual_seed(seed)
