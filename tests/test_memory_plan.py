@@ -235,3 +235,13 @@ def test_snapshot_pool_default_has_a_floor(running, ratio, count, want):
     _allocate_state_pool(w)
     assert w.num_snapshot_slots == want and w.num_state_slots == running + want
     assert w.state.num_slots == running + want + 1  # the scratch slot past Rust's
+
+
+def test_cublas_workspace_follows_the_config_variable(monkeypatch):
+    """The decode graph plan counts cuBLAS's per-stream workspace as torch sizes it from CUBLAS_WORKSPACE_CONFIG."""
+    from freetoken.startup import cublas_workspace_bytes
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    assert cublas_workspace_bytes(torch.device("cpu")) == 32 * 2**20
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8")
+    assert cublas_workspace_bytes(torch.device("cpu")) == 8 * 2**20 + 128 * 2**10

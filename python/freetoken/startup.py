@@ -1,7 +1,8 @@
 """The worker's pools, planned at start-up (``memory_plan.py``), after the model is loaded
 (``loading/model_loader.py``):
 
-    recurrent-state pool (hybrid models) ─▶ memory plan ─▶ dry runs on CUDA: the largest prefill chunk and the
+    recurrent-state pool (hybrid models) ─▶ memory plan ─▶ GDN prefill CUDA graphs (hybrid models on CUDA,
+    ``layers/gdn_prefill_graphs.py``) ─▶ dry runs on CUDA: the largest prefill chunk and the
     largest decode graph bucket measure their transient memory ─▶ expert cache (offload) ─▶ KV pool (the rest) ─▶
     decode CUDA graphs captured ─▶ the plan logged as a table
 
@@ -14,6 +15,8 @@ sizes: [...]``, ``Free memory after initialization: X GiB``).
 from __future__ import annotations
 
 import math
+import os
+import re
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -313,9 +316,6 @@ def plan_decode_graphs(w: "Worker") -> int:
 def cublas_workspace_bytes(device: torch.device) -> int:
     """The workspace cuBLAS takes per stream, by torch's rule: ``CUBLAS_WORKSPACE_CONFIG`` (``:SIZE_KiB:COUNT``
     pairs) when set, else 32 MiB on sm_90 and 8 MiB + 128 KiB elsewhere."""
-    import os
-    import re
-
     config = os.environ.get("CUBLAS_WORKSPACE_CONFIG", "")
     pairs = re.findall(r":(\d+):(\d+)", config)
     if pairs:
