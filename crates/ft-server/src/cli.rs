@@ -825,6 +825,8 @@ mod tests {
         assert_eq!(a.shutdown_grace, 30.0);
         assert_eq!(a.max_request_body_bytes, 8 * 1024 * 1024);
         assert_eq!(a.kv_reserve_tokens, 8192);
+        assert_eq!(a.gdn_prefill_graph_tokens, 4096);
+        assert_eq!(serve(&["--gdn-prefill-graph-tokens", "0"]).unwrap().gdn_prefill_graph_tokens, 0);
         assert_eq!(a.moe_hybrid_max_fetch, -1);
         assert_eq!(a.cache_type, CacheType::Radix);
         assert_eq!(a.sampling_defaults, SamplingDefaults::Model);
