@@ -33,6 +33,8 @@ def main(argv=None) -> int:
     p.add_argument("--ptr", default="", help="name=type pairs for pointer arguments (*bf16, *fp32, *i32, *u8, ...)")
     p.add_argument("--const", default="", help="name=value pairs for constexpr arguments")
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80, 89, 90")
+    p.add_argument("--warps", type=int, default=4, help="num_warps, as the launcher passes it")
+    p.add_argument("--stages", type=int, default=3, help="num_stages, as the launcher passes it")
     a = p.parse_args(argv)
     sys.path.insert(0, os.path.join(ROOT, "python"))
     import triton
@@ -50,7 +52,8 @@ def main(argv=None) -> int:
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
     try:
-        compiled = triton.compile(src, target=GPUTarget("cuda", a.arch, 32))
+        options = {"num_warps": a.warps, "num_stages": a.stages}
+        compiled = triton.compile(src, target=GPUTarget("cuda", a.arch, 32), options=options)
     except Exception as e:  # the compiler's message is the point of the tool
         print(f"{name} does not compile for sm_{a.arch}: {e}")
         return 1
