@@ -33,6 +33,13 @@ def main(argv=None) -> int:
     p.add_argument("--ptr", default="", help="name=type pairs for pointer arguments (*bf16, *fp32, *i32, *u8, ...)")
     p.add_argument("--const", default="", help="name=value pairs for constexpr arguments")
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80, 89, 90")
+    p.add_argument(
+        "--div16",
+        default="",
+        help="integer arguments that are multiples of 16 at launch (comma-separated, or 'all'): Triton's JIT marks "
+        "them, and pointers (torch allocations are 16-byte aligned), as divisible by 16, which vectorized loads and "
+        "the loop pipeliner need; without the marks the kernel compiles unpipelined",
+    )
     p.add_argument("--warps", type=int, default=4, help="num_warps, as the launcher passes it")
     p.add_argument("--stages", type=int, default=3, help="num_stages, as the launcher passes it")
     a = p.parse_args(argv)
@@ -50,7 +57,10 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"{name} has no argument(s) {sorted(unknown)}")
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in names}
-    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+    div16 = set(names) if a.div16 == "all" else set(filter(None, a.div16.split(",")))
+    aligned = [i for i, n in enumerate(names) if sig[n].startswith("*") or (n in div16 and sig[n] == "i32")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     try:
         options = {"num_warps": a.warps, "num_stages": a.stages}
         compiled = triton.compile(src, target=GPUTarget("cuda", a.arch, 32), options=options)
