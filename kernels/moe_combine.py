@@ -25,6 +25,12 @@ except Exception:  # pragma: no cover
     tl = None
 
 
+def add_gated_shared(routed: torch.Tensor, shared_gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """``routed + sigmoid(shared_gate) * shared`` in the tensors' dtype: the MoE block's formula (Qwen's shared
+    expert), whose roundings the kernel below reproduces."""
+    return routed + torch.sigmoid(shared_gate) * shared
+
+
 def moe_combine_torch(
     partial: torch.Tensor,
     k: int,
@@ -36,9 +42,7 @@ def moe_combine_torch(
     in ``dtype`` ops when given."""
     T = partial.shape[0] // k
     out = partial.view(T, k, -1).sum(dim=1).to(dtype)
-    if shared is None:
-        return out
-    return out + torch.sigmoid(shared_gate) * shared
+    return out if shared is None else add_gated_shared(out, shared_gate, shared)
 
 
 if triton is not None:

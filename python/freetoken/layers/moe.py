@@ -42,6 +42,7 @@ from torch import nn
 
 from ..kernels.activation import silu_and_mul
 from ..kernels.fused_moe import fused_moe_torch
+from ..kernels.moe_combine import add_gated_shared
 from ..kernels.moe_decode import MAX_PAIRS as DECODE_MAX_PAIRS
 from ..kernels.moe_routing import topk_softmax
 from ..loading.copy_weight import copy_weight
@@ -78,7 +79,7 @@ class SharedExpertTerm:
 
     def add_to(self, routed: torch.Tensor) -> torch.Tensor:
         """``routed + sigmoid(gate_logit) * s`` in torch ops (the block's own formula)."""
-        return routed + torch.sigmoid(self.gate_logit) * self.shared_output()
+        return add_gated_shared(routed, self.gate_logit, self.shared_output())
 
     def shared_output(self) -> torch.Tensor:
         """``s``: given, or computed in torch ops (an NVFP4 down weight as ``Nvfp4Linear``'s reference: dequantized
