@@ -88,3 +88,26 @@ def test_offline_llm_refuses_the_same_settings(tiny_llama_dir):
 
     with pytest.raises(ValueError, match="--moe-cpu-threads 4 is not supported yet"):
         LLM(tiny_llama_dir, device="cpu", num_tokens=256, load_progress=False, moe_cpu_threads=4)
+
+
+def test_gdn_prefill_graph_tokens_without_gdn_layers_is_logged(tiny_llama_dir, caplog):
+    """``--gdn-prefill-graph-tokens`` set on a model without Gated DeltaNet layers is accepted and said to do nothing;
+    left at its default it is not mentioned."""
+    from freetoken.worker import Worker
+
+    logging.getLogger("freetoken").addHandler(caplog.handler)
+    try:
+        for tokens in (2048, None):
+            Worker(
+                {
+                    "model_path": tiny_llama_dir,
+                    "device": "cpu",
+                    "num_tokens": 256,
+                    "load_progress": False,
+                    "gdn_prefill_graph_tokens": tokens,
+                }
+            )
+    finally:
+        logging.getLogger("freetoken").removeHandler(caplog.handler)
+    notes = [m for m in caplog.messages if "--gdn-prefill-graph-tokens" in m]
+    assert notes == ["--gdn-prefill-graph-tokens 2048: no effect, the model has no Gated DeltaNet layers"], notes

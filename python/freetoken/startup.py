@@ -70,8 +70,8 @@ def allocate_pools(w: "Worker") -> None:
         workspace_tokens=min(w.max_prefill_length, w.scratch_tokens),
         reserve=int(a["vram_reserve_mb"] or 0) * 2**20,
     )
+    plan.gdn_graph_bytes, plan.gdn_graph_sizes = capture_gdn_prefill_graphs(w)
     if w.device.type == "cuda":
-        plan.gdn_graph_bytes, plan.gdn_graph_sizes = capture_gdn_prefill_graphs(w)
         # dry runs on the scratch slots alone, before the KV pool exists
         w.kv_capacity_tokens = 0
         w.kv = make_kv_pool(w, w.scratch_tokens)
@@ -222,14 +222,25 @@ def _kv_tokens(w: "Worker", bytes_per_token: int, plan: MemoryPlan, used_by_load
 def capture_gdn_prefill_graphs(w: "Worker") -> tuple[int, tuple[int, ...]]:
     """Hybrid models on CUDA with fla: one sequence's Gated DeltaNet prefill replays CUDA graphs by padded length
     (``layers/gdn_prefill_graphs.py``) up to ``--gdn-prefill-graph-tokens`` (0 or ``--disable-cuda-graph``: none).
-    Captured before the KV pool is sized. Returns (device bytes they hold, bucket sizes)."""
+    Captured before the KV pool is sized. Returns (device bytes they hold, bucket sizes). A value other than the
+    default with nothing to act on (no GDN layers, no CUDA, no fla) is said once in the log, as other such flags."""
     from .layers.gated_deltanet import GatedDeltaNet, _fla_direct_ops, fla_direct_prefill, gdn_backend
+    from .serve_defaults import serve_defaults
 
     layers = [m for m in w.model.modules() if isinstance(m, GatedDeltaNet)]
     tokens = int(w.args.get("gdn_prefill_graph_tokens") or 0)
-    if not layers or tokens <= 0 or w.args["disable_cuda_graph"]:
+    if tokens <= 0 or w.args["disable_cuda_graph"]:
         return 0, ()
-    if gdn_backend(w.device) != "fla" or _fla_direct_ops() is None:
+    why = (
+        "the model has no Gated DeltaNet layers"
+        if not layers
+        else f"not on {w.device} (CUDA with fla only)"
+        if w.device.type != "cuda" or gdn_backend(w.device) != "fla" or _fla_direct_ops() is None
+        else None
+    )
+    if why is not None:
+        if tokens != serve_defaults()["gdn_prefill_graph_tokens"]:
+            logger.warning(f"--gdn-prefill-graph-tokens {tokens}: no effect, {why}")
         return 0, ()
     from .layers.gdn_prefill_graphs import GdnPrefillGraphs
 
