@@ -8,7 +8,7 @@ calls against ~0.16 ms of device time. This times, per call and with no sync ins
 - ``direct``: ``layers/gated_deltanet.fla_direct_prefill`` (fla's forward pieces called directly), as the layer
   calls it for one;
 
-then lists the top functions of one ``public`` call under cProfile (``profile_prefill.host_profile``), and checks
+then lists the top functions of one ``public`` call under cProfile (``engine/step_profiler.host_profile``), and checks
 that both give the same output.
 
     python3 bench/fla_host_cost.py --tokens 2184 --out bench/out/fla_host_cost.json      # CUDA + fla
@@ -26,8 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from profile_prefill import host_profile  # noqa: E402
-
+from freetoken.engine.step_profiler import host_profile  # noqa: E402
 from freetoken.layers import gated_deltanet as gdn  # noqa: E402
 
 

@@ -27,6 +27,10 @@ Groups, each per M (rows of x; tokens for the MoE) in 1, 2, 4, 8, 16, 64, 256, 1
   setting of ``DECODE_SWEEP`` (``nvfp4_moe_decode_triton(..., tune=...)``: rows per program, words per step, warps,
   stages, the down kernel's pairs as a tile axis or one after another), uniform routing, beside the BF16 decode
   kernels: to retune ``decode_config``.
+- ``bf16sweep`` (not in the default groups): the BF16 grouped kernels (``fused_moe_triton``, ``--moe-backend
+  fused`` at prefill) at prefill sizes under each launch setting of ``BF16_MOE_SWEEP`` (rows per block, tiles, warps,
+  stages), per routing; ``vs bf16`` is the default setting's time over this one's: to retune
+  ``fused_moe.grouped_bf16_config``.
 - ``mixed`` (decode sizes, M <= 4): the projections of nvidia/Qwen3.6-35B-A3B-NVFP4 whose parts mix BF16, FP8 and
   NVFP4 (the MoE block's router | shared gate | shared gate|up, the GDN in_proj qkv | z | b | a, attention q | k | v)
   and the lone FP8 / few-row NVFP4 Linears, through the layers (``layers/mixed_projection.py``): the layer's own
@@ -310,6 +314,56 @@ def bench_moe_sweep(a, device, dtype, bw) -> list:
     return rows
 
 
+# launch settings --groups bf16sweep times ({} = the default, fused_moe.grouped_bf16_config)
+BF16_MOE_SWEEP = [
+    {},
+    {"block_m": 128, "warps": 8},
+    {"block_m": 32},
+    {"warps": 8},
+    {"stages": 4},
+    {"stages": 3, "warps": 8},
+    {"gu_block_n": 128, "down_block_n": 128, "warps": 8},
+    {"gu_block_k": 128, "down_block_k": 128, "stages": 3},
+    {"down_block_n": 128, "down_block_k": 128, "warps": 8, "stages": 3},
+    {"block_m": 128, "gu_block_n": 128, "down_block_n": 128, "warps": 8, "stages": 3},
+]
+
+
+def bench_bf16_moe_sweep(a, device, dtype, bw) -> list:
+    """The BF16 grouped kernels (``fused_moe_triton``, what ``--moe-backend fused`` runs at prefill) at prefill
+    sizes under each of ``BF16_MOE_SWEEP``'s launch settings, per routing: where the default leaves the HBM
+    bandwidth behind (bytes: the distinct experts' BF16 weights once, activations in and out)."""
+    import torch
+
+    from freetoken.kernels.fused_moe import fused_moe_triton
+
+    s = shapes(a.smoke)["moe"]
+    E, k, H, I = s["E"], s["k"], s["H"], s["I"]
+    _, (w13, w2) = moe_banks(s, device, dtype)
+    rows = []
+    for mode in a.routing:
+        for T in [m for m in a.ms if m * k > 64] or a.ms[-1:]:
+            x = torch.randn(T, H, device=device, dtype=dtype)
+            reps = max(1, a.reps // 4)
+            routes = [_routing(mode, T, E, k, device) for _ in range(reps)]
+            distinct = statistics.mean(int(torch.unique(ids).numel()) for ids, _ in routes)
+            nbytes = distinct * 3 * H * I * x.element_size() + 2 * T * H * x.element_size()
+            flops = 6 * T * k * H * I
+            t_default = None
+            for tune in BF16_MOE_SWEEP:
+                label = ",".join(f"{key}={v}" for key, v in tune.items()) or "default"
+                call = lambda r, c=tune: fused_moe_triton(x, w13, w2, *r, tune=c)  # noqa: E731
+                try:
+                    t = time_calls(cycled(call, routes, reps), device)
+                except Exception as e:  # a setting that does not compile (registers, shared memory) is reported
+                    print(f"bf16sweep M={T} {label}: {type(e).__name__}: {str(e)[:160]}")
+                    continue
+                t_default = t_default or t  # "vs bf16" here: the default setting's time over this one's
+                rows.append(row("bf16sweep", f"bf16 {mode} {label}", T, t, nbytes, flops, bw, t_default,
+                                distinct_experts=distinct))  # fmt: skip
+    return rows
+
+
 # launch settings --groups decsweep times ({} = the default, nvfp4_moe.decode_config)
 DECODE_SWEEP = [
     {},
@@ -578,6 +632,7 @@ def main(argv=None) -> dict:
         ("sweep", bench_sweep),
         ("moesweep", bench_moe_sweep),
         ("decsweep", bench_decode_sweep),
+        ("bf16sweep", bench_bf16_moe_sweep),
     ):
         if group in a.groups:
             rows += fn(a, device, dtype, bw)

@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 from profile_decode import batch_plan, print_profile, profile_steps, worker_args  # noqa: E402
 
+from freetoken.engine.step_profiler import host_profile  # noqa: E402
 from freetoken.moe import bench_routing  # noqa: E402
 from freetoken.worker import Worker  # noqa: E402
 
@@ -80,33 +81,6 @@ def host_sync_sites(step) -> dict[str, int]:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     return dict(sites)
-
-
-def host_profile(step, sync, top: int, repeats: int = 1) -> list[dict]:
-    """``step()`` run ``repeats`` times under cProfile: the ``top`` functions by own (exclusive) host time, per run,
-    with their calls per run: where a host-bound step's launch-side time goes (Python of ours, fla's, Triton's
-    launcher, torch's wrappers). A function is named by its file's last two path parts, line and name."""
-    import cProfile
-    import pstats
-
-    prof = cProfile.Profile()
-    sync()
-    prof.enable()
-    for _ in range(repeats):
-        step()
-    prof.disable()
-    sync()
-    stats = pstats.Stats(prof).stats  # {(file, line, name): (prim calls, calls, own s, cumulative s, callers)}
-    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
-    return [
-        {
-            "function": f"{'/'.join(f.split('/')[-2:])}:{line} {name}",
-            "calls": c / repeats,
-            "own_ms": own * 1e3 / repeats,
-            "cum_ms": cum * 1e3 / repeats,
-        }
-        for (f, line, name), (_, c, own, cum, _) in rows
-    ]
 
 
 def main() -> int:
@@ -184,6 +158,8 @@ def main() -> int:
             print(f"host time by function, one step under cProfile (own ms, cumulative ms, calls; top {len(host)}):")
             for r in host:
                 print(f"  {r['own_ms']:8.2f} {r['cum_ms']:9.2f} {r['calls']:6.0f}  {r['function']}")
+                for c in r["callers"]:
+                    print(f"{'':30}from {c}")
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(results, f, indent=2)

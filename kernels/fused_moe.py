@@ -326,6 +326,26 @@ def _pick_block_m(num_pairs: int, num_experts: int) -> int:
     return 64
 
 
+def grouped_bf16_config(num_pairs: int, E: int, H: int, I: int, block_m: int | None = None, tune=None) -> dict:
+    """Launch settings of the grouped kernels: rows per block (``_pick_block_m``), the gate|up and down tiles
+    (gate|up's BLOCK_N narrows in ``_launch_gate_up`` until the grid fills the machine), warps and pipeline stages
+    (None: Triton's defaults); ``tune`` overrides any of them (benchmarks, tests)."""
+    cfg = {
+        "block_m": block_m or _pick_block_m(num_pairs, E),
+        "gu_block_n": 64,
+        "gu_block_k": 64,
+        "down_block_n": 64,
+        "down_block_k": 64,
+        "warps": None,
+        "stages": None,
+    }
+    unknown = set(tune or {}) - set(cfg)
+    if unknown:
+        raise ValueError(f"unknown grouped BF16 launch settings {sorted(unknown)}; known: {sorted(cfg)}")
+    cfg.update(tune or {})
+    return cfg
+
+
 def fused_moe_triton(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -337,9 +357,11 @@ def fused_moe_triton(
     block_k: int = 64,
     shared: torch.Tensor | None = None,
     shared_gate: torch.Tensor | None = None,
+    tune: dict | None = None,
 ) -> torch.Tensor:
     """Grouped Triton MoE; same contract as ``fused_moe_torch``, plus ``sigmoid(shared_gate) * shared`` when given
-    (``moe_combine.py``: the sum over k and the shared term in one launch). Works on CUDA, or on CPU under
+    (``moe_combine.py``: the sum over k and the shared term in one launch). ``block_m``/``block_n``/``block_k`` pin
+    the tiles (tests), ``tune`` any of ``grouped_bf16_config``'s settings. Works on CUDA, or on CPU under
     TRITON_INTERPRET=1."""
     assert triton is not None, "triton is not installed"
     T, H = x.shape
@@ -351,21 +373,27 @@ def fused_moe_triton(
     w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
     w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
     n = T * k
-    bm = block_m or _pick_block_m(n, E)
-    sorted_ids, block_expert = moe_align_block_size(topk_ids, E, bm)
+    tiles = {"gu_block_n": block_n, "gu_block_k": block_k, "down_block_n": block_n, "down_block_k": block_k}
+    cfg = grouped_bf16_config(n, E, H, w2.shape[2], block_m, {**tiles, **(tune or {})})
+    sorted_ids, block_expert = moe_align_block_size(topk_ids, E, cfg["block_m"])
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 must not silently drop to tf32
-    inter = _launch_gate_up(x, w13, sorted_ids, block_expert, k, bm, block_n, block_k, prec)
-    partial = _launch_down(inter, w2, topk_weights, sorted_ids, block_expert, H, bm, block_n, block_k, prec)
+    inter = _launch_gate_up(x, w13, sorted_ids, block_expert, k, cfg, prec)
+    partial = _launch_down(inter, w2, topk_weights, sorted_ids, block_expert, H, cfg, prec)
     return moe_combine_triton(partial, k, x.dtype, shared, shared_gate)
 
 
-def _launch_gate_up(x, w13, sorted_ids, block_expert, k, bm, block_n, block_k, prec) -> torch.Tensor:
+def _launch_options(cfg: dict) -> dict:
+    """``num_warps``/``num_stages`` for a launch, only where ``cfg`` sets them (else Triton's defaults)."""
+    return {key: cfg[name] for key, name in (("num_warps", "warps"), ("num_stages", "stages")) if cfg[name]}
+
+
+def _launch_gate_up(x, w13, sorted_ids, block_expert, k, cfg: dict, prec) -> torch.Tensor:
     """SiLU(gate) * up of every sorted (token, expert) row, block by expert block: ``[T * k, I]``."""
     n, H, I = x.shape[0] * k, x.shape[1], w13.shape[1] // 2
     nblocks = block_expert.numel()
     inter = torch.empty(n, I, dtype=x.dtype, device=x.device)
-    bk1 = min(block_k, max(16, triton.next_power_of_2(H)))
-    bn1, target = min(block_n, max(16, triton.next_power_of_2(I))), scaled(_MIN_PROGRAMS)
+    bk1 = min(cfg["gu_block_k"], max(16, triton.next_power_of_2(H)))
+    bn1, target = min(cfg["gu_block_n"], max(16, triton.next_power_of_2(I))), scaled(_MIN_PROGRAMS)
     while bn1 > 16 and nblocks * triton.cdiv(I, bn1) < target:  # decode: few blocks, spread over N
         bn1 //= 2
     _moe_gate_up_kernel[(nblocks, triton.cdiv(I, bn1))](
@@ -382,22 +410,23 @@ def _launch_gate_up(x, w13, sorted_ids, block_expert, k, bm, block_n, block_k, p
         w13.stride(1),
         inter.stride(0),
         TOPK=k,
-        BLOCK_M=bm,
+        BLOCK_M=cfg["block_m"],
         BLOCK_N=bn1,
         BLOCK_K=bk1,
         DOT_PREC=prec,
+        **_launch_options(cfg),
     )
     return inter
 
 
-def _launch_down(inter, w2, topk_weights, sorted_ids, block_expert, H, bm, block_n, block_k, prec) -> torch.Tensor:
+def _launch_down(inter, w2, topk_weights, sorted_ids, block_expert, H, cfg: dict, prec) -> torch.Tensor:
     """Each row's down projection times its routing weight, in fp32: ``[T * k, H]`` (summed over k by the caller)."""
     n, I = inter.shape
     nblocks = block_expert.numel()
     partial = torch.empty(n, H, dtype=torch.float32, device=inter.device)
     wts = topk_weights.reshape(-1).contiguous()
-    bk2 = min(block_k, max(16, triton.next_power_of_2(I)))
-    bn2 = min(block_n, max(16, triton.next_power_of_2(H)))
+    bk2 = min(cfg["down_block_k"], max(16, triton.next_power_of_2(I)))
+    bn2 = min(cfg["down_block_n"], max(16, triton.next_power_of_2(H)))
     _moe_down_kernel[(nblocks, triton.cdiv(H, bn2))](
         inter,
         w2,
@@ -412,9 +441,10 @@ def _launch_down(inter, w2, topk_weights, sorted_ids, block_expert, H, bm, block
         w2.stride(0),
         w2.stride(1),
         partial.stride(0),
-        BLOCK_M=bm,
+        BLOCK_M=cfg["block_m"],
         BLOCK_N=bn2,
         BLOCK_K=bk2,
         DOT_PREC=prec,
+        **_launch_options(cfg),
     )
     return partial

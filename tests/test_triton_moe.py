@@ -14,7 +14,7 @@ from triton_interpreter import run_under_interpreter
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _case(T, E, k, H, I, dtype, device, seed=0, skew=False):
+def _case(T, E, k, H, I, dtype, device, seed=0, skew=False, tune=None):
     from freetoken.kernels.fused_moe import fused_moe_torch, fused_moe_triton
 
     g = torch.Generator().manual_seed(seed)
@@ -29,7 +29,7 @@ def _case(T, E, k, H, I, dtype, device, seed=0, skew=False):
     w = (w / w.sum(-1, keepdim=True)).to(device, dtype)
     ids = ids.to(device)
     ref = fused_moe_torch(x, w13, w2, ids, w)
-    out = fused_moe_triton(x, w13, w2, ids, w)
+    out = fused_moe_triton(x, w13, w2, ids, w, tune=tune)
     tol = {torch.float32: 2e-5, torch.float16: 2e-2, torch.bfloat16: 3e-2}[dtype]
     assert out.dtype == dtype and out.shape == (T, H)
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
@@ -78,8 +78,8 @@ _CPU_SCRIPT = textwrap.dedent(
     # > 1024 blocks (the running max carried across the kernel's block loop), experts 0-4 and 40-49 empty
     check_align(torch.randint(5, 40, (2000, 2), generator=g), 50, 2)
     for args in {cases!r}:
-        T, E, k, H, I, dt, skew = args
-        _case(T, E, k, H, I, getattr(torch, dt), "cpu", seed=T, skew=skew)
+        T, E, k, H, I, dt, skew, *tune = args
+        _case(T, E, k, H, I, getattr(torch, dt), "cpu", seed=T, skew=skew, tune=tune[0] if tune else None)
     print("OK")
     """
 )
@@ -91,8 +91,19 @@ def test_triton_moe_interpreter_cpu():
         (5, 6, 2, 24, 20, "float32", False),
         (19, 8, 3, 32, 48, "float32", True),
         (7, 4, 2, 16, 32, "float16", False),
+        # launch settings of grouped_bf16_config: rows per block, both kernels' tiles (I = 48: a partial N tile)
+        (19, 8, 3, 32, 48, "float32", True, {"block_m": 32, "gu_block_n": 32, "down_block_k": 16, "warps": 2}),
     ]
     run_under_interpreter(_CPU_SCRIPT, cases=cases)
+
+
+def test_grouped_bf16_config_refuses_unknown_settings():
+    from freetoken.kernels.fused_moe import grouped_bf16_config
+
+    assert grouped_bf16_config(17472, 256, 2048, 512)["block_m"] == 64  # Qwen3.6's 2,184-token chunk
+    assert grouped_bf16_config(17472, 256, 2048, 512, tune={"block_m": 128})["block_m"] == 128
+    with pytest.raises(ValueError, match="block_mm"):
+        grouped_bf16_config(8, 4, 16, 16, tune={"block_mm": 16})
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -114,6 +125,21 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 )
 def test_triton_moe_cuda(T, E, k, H, I, skew, dtype):
     _case(T, E, k, H, I, dtype, "cuda", seed=T, skew=skew)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize(
+    "tune",
+    [
+        {"block_m": 128, "warps": 8},
+        {"block_m": 64, "gu_block_n": 128, "down_block_n": 128, "warps": 8, "stages": 3},
+        {"block_m": 32, "gu_block_k": 128, "down_block_k": 128, "stages": 4},
+    ],
+)
+def test_triton_moe_cuda_launch_settings(tune):
+    """``tune`` at Qwen3.6's prefill shape (a 2,184-token chunk): every launch setting the sweep times matches torch."""
+    _case(2184, 256, 8, 2048, 512, torch.bfloat16, "cuda", seed=1, tune=tune)
 
 
 @pytest.mark.gpu

@@ -414,3 +414,26 @@ def test_step_profiler_profiles_only_steps_over_its_threshold(worker, tmp_path):
     assert ranged.wrap(0, 9, len) is len and ranged.wrap(0, 4, len) is len and ranged.wrap(0, 8, len) is not len
     with pytest.raises(ValueError, match="FREETOKEN_PROFILE_STEPS='5-x'"):
         StepProfiler(worker.device, {"FREETOKEN_PROFILE_STEPS": "5-x"})
+
+
+def test_step_profiler_host_mode_lists_the_steps_python_functions(worker, tmp_path):
+    """``FREETOKEN_PROFILE_MODE=host``: the step runs under cProfile (same tokens) and its block names the model's
+    step and the model's forward among the functions by own time; an unknown mode is refused naming the variable."""
+    from freetoken.engine.step_profiler import StepProfiler
+
+    out = tmp_path / "steps.txt"
+    tokens = [5, 9, 13, 200, 7, 7, 1]
+    plain, _, _, _ = worker.execute(encode_plan([Seq(0, tokens, slot_base=0).item(sample=GREEDY)], 0))
+    saved = worker.step_profiler
+    env = {"FREETOKEN_PROFILE_STEPS": "5", "FREETOKEN_PROFILE_OUT": str(out), "FREETOKEN_PROFILE_MODE": "host"}
+    try:
+        worker.step_profiler = StepProfiler(worker.device, env)
+        profiled, _, _, _ = worker.execute(encode_plan([Seq(0, tokens, slot_base=0).item(sample=GREEDY)], 43))
+    finally:
+        worker.step_profiler = saved
+    assert profiled == plain
+    text = out.read_text()
+    assert text.startswith("step 43: 7 new tokens, wall ") and "top by own host time" in text, text[:300]
+    assert len(text.splitlines()) > 10 and "worker.py" in text and "forward" in text, text
+    with pytest.raises(ValueError, match="FREETOKEN_PROFILE_MODE='cuda'"):
+        StepProfiler(worker.device, {"FREETOKEN_PROFILE_MODE": "cuda"})

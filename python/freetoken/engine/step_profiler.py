@@ -7,8 +7,11 @@ chunk run alone (the plan the scheduler builds, snapshot captures and restores, 
 profiles every eager step of at least ``FREETOKEN_PROFILE_STEPS`` new tokens (``MIN-MAX``: between the two, so that a
 session's long uncached chunks are left out) under ``torch.profiler`` and appends
 one block per step to ``FREETOKEN_PROFILE_OUT`` (default ``freetoken_steps_profile.txt``): the step's wall time
-(profiler overhead included), the device's busy time, and the top ops by device time and by self CPU time. Off
-(no cost beyond one comparison a step) when the variable is unset. Decode graph replays are never profiled.
+(profiler overhead included), the device's busy time, and the top ops by device time and by self CPU time. With
+``FREETOKEN_PROFILE_MODE=host`` the step runs under cProfile instead: the top Python functions by own time, which
+say where a host-bound served step's launch time goes (the wait for the device shows as the step's final
+``tolist``). Off (no cost beyond one comparison a step) when the variable is unset. Decode graph replays are never
+profiled.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ class StepProfiler:
         env = os.environ if env is None else env
         self.min_tokens, self.max_tokens = parse_token_range(env.get("FREETOKEN_PROFILE_STEPS", ""))
         self.out = env.get("FREETOKEN_PROFILE_OUT", "freetoken_steps_profile.txt")
+        self.mode = env.get("FREETOKEN_PROFILE_MODE", "device")
+        if self.mode not in ("device", "host"):
+            raise ValueError(f"FREETOKEN_PROFILE_MODE={self.mode!r}: expected device or host")
         self.device = device
         self.profiled = 0
 
@@ -39,6 +45,8 @@ class StepProfiler:
         return lambda: self._profiled(step_id, num_tokens, run)
 
     def _profiled(self, step_id: int, num_tokens: int, run: Callable):
+        if self.mode == "host":
+            return self._host_profiled(step_id, num_tokens, run)
         from torch.profiler import ProfilerActivity, profile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
@@ -54,6 +62,16 @@ class StepProfiler:
         with open(self.out, "a") as f:
             f.write(format_profile(prof.key_averages(), step_id, num_tokens, wall_ms, clock.summary()) + "\n")
         return out
+
+    def _host_profiled(self, step_id: int, num_tokens: int, run: Callable):
+        box = []
+        t0 = time.perf_counter()
+        rows = host_profile(lambda: box.append(run()), lambda: None, TOP * 2)
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        self.profiled += 1
+        with open(self.out, "a") as f:
+            f.write(format_host_profile(rows, step_id, num_tokens, wall_ms) + "\n")
+        return box[0]
 
 
 def parse_token_range(raw: str) -> tuple[Optional[int], Optional[int]]:
@@ -106,4 +124,50 @@ def format_profile(averages, step_id: int, num_tokens: int, wall_ms: float, gc_s
                 f"    {r['op'][:56]:<56}{r['calls_per_step']:>8.0f}{r['self_cpu_ms_per_step']:>10.3f}"
                 f"{r['self_device_ms_per_step']:>10.3f}"
             )
+    return "\n".join(lines)
+
+
+def host_profile(step: Callable, sync: Callable, top: int, repeats: int = 1) -> list[dict]:
+    """``step()`` run ``repeats`` times under cProfile: the ``top`` functions by own (exclusive) host time, per run,
+    with their calls per run: where a host-bound step's launch-side time goes (Python of ours, fla's, Triton's
+    launcher, torch's wrappers). A function is named by its file's last two path parts, line and name."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    sync()
+    prof.enable()
+    for _ in range(repeats):
+        step()
+    prof.disable()
+    sync()
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (prim calls, calls, own s, cumulative s, callers)}
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+
+    def named(f: str, line: int, name: str) -> str:
+        return f"{'/'.join(f.split('/')[-2:])}:{line} {name}"
+
+    def top_callers(callers: dict) -> list[str]:  # a builtin is only placed by who calls it
+        ranked = sorted(callers.items(), key=lambda kv: -kv[1][2])[:3]
+        return [f"{named(*k)} ({v[2] * 1e3 / repeats:.2f} ms)" for k, v in ranked]
+
+    return [
+        {
+            "function": named(f, line, name),
+            "calls": c / repeats,
+            "own_ms": own * 1e3 / repeats,
+            "cum_ms": cum * 1e3 / repeats,
+            "callers": top_callers(callers) if f == "~" else [],
+        }
+        for (f, line, name), (_, c, own, cum, callers) in rows
+    ]
+
+
+def format_host_profile(rows: list[dict], step_id: int, num_tokens: int, wall_ms: float) -> str:
+    """One step's block for ``FREETOKEN_PROFILE_MODE=host``: header line, then the functions by own time."""
+    lines = [f"step {step_id}: {num_tokens} new tokens, wall {wall_ms:.1f} ms (under cProfile)"]
+    lines.append(f"  top by own host time:{'own ms':>12}{'cum ms':>10}{'calls':>8}")
+    for r in rows:
+        lines.append(f"    {r['function'][:64]:<64}{r['own_ms']:>9.2f}{r['cum_ms']:>10.2f}{r['calls']:>8.0f}")
+        lines.extend(f"        from {c}" for c in r.get("callers", []))
     return "\n".join(lines)
