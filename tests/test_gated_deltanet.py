@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hf_reference as R  # noqa: F401  (blocks fla before transformers is imported)
 import pytest
+import numpy as np
 import torch
 
 from freetoken.cache.state_pool import RecurrentStatePool, default_ssm_dtype
@@ -368,6 +369,12 @@ def test_state_pool_copy_and_sizes(monkeypatch):
         assert torch.equal(pool.conv[layer][1], c[0]) and torch.equal(pool.conv[layer][4], c[1])
         assert torch.equal(pool.ssm[layer][1], s[0]) and torch.equal(pool.ssm[layer][4], s[1])
         assert torch.equal(pool.ssm[layer][2], s[2])
+    before = [(c.clone(), s.clone()) for c, s in zip(pool.conv, pool.ssm)]
+    pool.copy(np.array([2, 0]), torch.tensor([3, 4]))  # disjoint (a restore, a capture): the multi-tensor copy
+    for layer, (c, s) in enumerate(before):
+        assert torch.equal(pool.conv[layer][3], c[2]) and torch.equal(pool.conv[layer][4], c[0])
+        assert torch.equal(pool.ssm[layer][3], s[2]) and torch.equal(pool.ssm[layer][4], s[0])
+        assert all(torch.equal(pool.ssm[layer][j], s[j]) and torch.equal(pool.conv[layer][j], c[j]) for j in (0, 1, 2))
     from freetoken.errors import InvalidPlan
 
     with pytest.raises(InvalidPlan):

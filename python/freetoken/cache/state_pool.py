@@ -102,24 +102,29 @@ class RecurrentStatePool:
             layout.num_layers, num_slots, layout.conv_shape, layout.ssm_shape, conv_dtype, layout.ssm_dtype, device
         )
 
-    def _index(self, idx) -> torch.Tensor:
+    def _index(self, idx, device: bool = True) -> torch.Tensor:
         t = torch.as_tensor(idx, dtype=torch.int64).reshape(-1)
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.num_slots):
             from ..errors import InvalidPlan
 
             raise InvalidPlan(f"state slot out of range 0..{self.num_slots - 1}: {t.tolist()}")
-        return t.to(self.device)
+        return t.to(self.device) if device else t
 
     def copy(self, src, dst) -> None:
         """``slot dst[j] <- slot src[j]`` in every layer (snapshot restore / capture). Sources are read before any
         destination is written, so overlapping lists behave like a simultaneous copy."""
-        s, d = self._index(src), self._index(dst)
-        if s.numel() != d.numel():
+        s, d = self._index(src, device=False).tolist(), self._index(dst, device=False).tolist()
+        if len(s) != len(d):
             from ..errors import InvalidPlan
 
-            raise InvalidPlan(f"state copy with {s.numel()} sources and {d.numel()} destinations")
-        if s.numel() == 0:
+            raise InvalidPlan(f"state copy with {len(s)} sources and {len(d)} destinations")
+        if not s:
             return
+        if not set(s) & set(d):  # the usual case (a snapshot and a live slot): one multi-tensor copy, where
+            pools = self.conv + self.ssm  # per-layer gathers cost ~4 launches a layer (30 GDN layers)
+            torch._foreach_copy_([p[j] for p in pools for j in d], [p[i] for p in pools for i in s])
+            return
+        s, d = torch.tensor(s, device=self.device), torch.tensor(d, device=self.device)
         for layer in range(self.num_layers):
             self.conv[layer][d] = self.conv[layer][s]
             self.ssm[layer][d] = self.ssm[layer][s]
