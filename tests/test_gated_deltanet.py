@@ -6,8 +6,8 @@ fp32 on CPU, tiny shapes."""
 from __future__ import annotations
 
 import hf_reference as R  # noqa: F401  (blocks fla before transformers is imported)
-import pytest
 import numpy as np
+import pytest
 import torch
 
 from freetoken.cache.state_pool import RecurrentStatePool, default_ssm_dtype
