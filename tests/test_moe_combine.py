@@ -27,9 +27,13 @@ def combine_case(T, k, H, dtype, device, shared=True, seed=0):
     ref = moe_combine_torch(partial, k, dtype, s, gate)
     out = moe_combine_triton(partial, k, dtype, s, gate)
     assert out.dtype == dtype and out.shape == (T, H)
-    # the same roundings: equal up to the order of the k-term fp32 sum (one unit of the last place where it tips)
-    ulp = {torch.float32: 1e-6, torch.float16: 2**-10, torch.bfloat16: 2**-7}[dtype]
-    torch.testing.assert_close(out.float(), ref.float(), atol=1e-6, rtol=ulp)
+    # the same roundings in the same order, but Triton's exponential is not torch's (on CUDA it differs in the last
+    # bits, which tips the sigmoid's rounding in ~20 % of rows): within a unit in the last place of the operands
+    # (the result can be far smaller than they are: routed + gated shared cancel)
+    ulp = {torch.float32: 2**-23, torch.float16: 2**-10, torch.bfloat16: 2**-7}[dtype]
+    diff = (out.float() - ref.float()).abs()
+    bound = moe_combine_torch(partial, k, dtype).float().abs() + (s.float().abs() if shared else 0)
+    assert bool((diff <= ulp * bound + 1e-6).all()), diff.max()
     if shared:  # the shared term is really in there
         assert (out.float() - moe_combine_torch(partial, k, dtype).float()).abs().max() > 0.1
     return (out.float() - ref.float()).abs().max().item()
