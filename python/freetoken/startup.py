@@ -266,7 +266,7 @@ def capture_gdn_prefill_graphs(w: "Worker") -> tuple[int, tuple[int, ...]]:
         layer.prefill_graphs = graphs
     logger.info(
         f"Captured Gated DeltaNet prefill CUDA graphs for {len(graphs.sizes)} lengths up to {graphs.sizes[-1]} "
-        f"tokens, each also split for a snapshot ({held / GiB:.2f} GiB)"
+        f"tokens ({held / GiB:.2f} GiB)"
     )
     return held, tuple(graphs.sizes)
 

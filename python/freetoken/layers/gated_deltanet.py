@@ -400,10 +400,6 @@ def gated_delta_rule(
     backend = backend or gdn_backend(q.device)
     if backend == "fla":
         varlen = functools.partial(_fla_gated_delta_rule, graphs=prefill_graphs)
-        if captures and prefill_graphs is not None:  # a cached turn's grid snapshot: one split replay
-            out = prefill_graphs.run_captured(q, k, v, g, beta, initial_state, cu_seqlens, captures)
-            if out is not None:
-                return out
         if captures:
             # with graphs a short tail replays the 64-token graph: cheaper on the host than the recurrent kernel
             short = _fla_short_piece if prefill_graphs is None else None

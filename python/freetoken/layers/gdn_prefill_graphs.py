@@ -13,12 +13,6 @@ buffers sized for the largest bucket, shared by every bucket and layer (GDN laye
 every graph allocates from one private pool, and replays never overlap (one stream), so the pool holds one
 bucket's intermediates. Outputs are copied out of the graph, so a caller may keep them across replays.
 
-A chunk with a snapshot inside it (a cached turn: the state at its last 64-token grid point, then a tail of at
-most 64 tokens) replays a *split* graph of the bucket holding the piece before the cut: that piece runs padded
-as above, its state is kept, and the tail runs from it as a padded 64-token piece after the bucket: one replay
-gives the output, the snapshot and the final state that two rounds (two replays, each with its copies and
-clones) gave, computed as those rounds compute them.
-
 Captured at start-up before the KV pool is sized (``startup.capture_gdn_prefill_graphs``): what they hold is in
 the memory plan. ``--gdn-prefill-graph-tokens`` is the largest bucket (0: none); a longer piece, several
 sequences in one step, or a snapshot round runs eagerly where it does not fit a bucket.
@@ -69,7 +63,7 @@ class GdnPrefillGraphs:
         self.device = device
         self.emulate = emulate
         self.sizes = bucket_sizes(max_tokens)
-        top = self.sizes[-1] + CHUNK_SIZE if self.sizes else 0  # a split graph's tail piece after the largest
+        top = self.sizes[-1] if self.sizes else 0
         hk, hv, dk, dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
         self.q = torch.zeros(top, hk, dk, dtype=dtype, device=device)
         self.k = torch.zeros(top, hk, dk, dtype=dtype, device=device)
@@ -78,9 +72,7 @@ class GdnPrefillGraphs:
         self.state = torch.zeros(1, hv, dk, dv, dtype=torch.float32, device=device)
         self.o = torch.zeros(top, hv, dv, dtype=dtype, device=device)
         self.final = torch.zeros(1, hv, dk, dv, dtype=torch.float32, device=device)
-        self.mid = torch.zeros(1, hv, dk, dv, dtype=torch.float32, device=device)  # a split graph's snapshot
         self.replay_fns: dict[int, Callable[[], None]] = {}  # bucket -> its graph's replay
-        self.split_fns: dict[int, Callable[[], None]] = {}  # bucket of the piece before the cut -> split replay
         self.pool = None
         self.replays = 0
 
@@ -99,46 +91,27 @@ class GdnPrefillGraphs:
 
         return body
 
-    def _split_body(self, T: int) -> Callable[[], None]:
-        """Tokens ``[0, T)`` (the piece before the cut, padded), their state into ``mid``, then ``[T, T + 64)`` (the
-        tail, padded) from that state."""
-        tail = slice(T, T + CHUNK_SIZE)
-
-        def body() -> None:
-            o, mid = self.fn(self.q[:T], self.k[:T], self.v[:T], self.gates[0, :T], self.gates[1, :T], self.state)
-            self.o[:T].copy_(o)
-            self.mid.copy_(mid)
-            o, final = self.fn(
-                self.q[tail], self.k[tail], self.v[tail], self.gates[0, tail], self.gates[1, tail], self.mid
-            )
-            self.o[tail].copy_(o)
-            self.final.copy_(final)
-
-        return body
-
     def capture(self) -> None:
-        """Record every bucket, plain and split, largest first (the pool grows once, to the largest's
-        intermediates)."""
+        """Record every bucket, largest first (the pool grows once, to the largest's intermediates)."""
         side = torch.cuda.Stream(self.device) if not self.emulate else None
         for T in reversed(self.sizes):
-            for body, replays in ((self._body(T), self.replay_fns), (self._split_body(T), self.split_fns)):
-                replays[T] = self._record(body, side)
-
-    def _record(self, body: Callable[[], None], side) -> Callable[[], None]:
-        if self.emulate:
-            return body
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side), torch.inference_mode():
-            for _ in range(2):  # compile and autotune outside the capture
+            body = self._body(T)
+            if self.emulate:
+                self.replay_fns[T] = body
+                continue
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side), torch.inference_mode():
+                for _ in range(2):  # compile and autotune outside the capture
+                    body()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
                 body()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
-            body()
-        torch.cuda.synchronize(self.device)
-        return graph.replay  # the bound method keeps the graph alive
+            self.replay_fns[T] = graph.replay  # the bound method keeps the graph alive
+        if not self.emulate:
+            torch.cuda.synchronize(self.device)
 
     def run(self, q, k, v, g, beta, initial_state) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """One sequence's ``(o [T, Hv, dv], final [1, Hv, dk, dv] fp32)``, as ``fn`` gives them, from the graph of
@@ -159,40 +132,3 @@ class GdnPrefillGraphs:
         self.replay_fns[Tb]()
         self.replays += 1
         return self.o[:T].clone(), self.final.clone()
-
-    def run_split(self, q, k, v, g, beta, initial_state, cut: int):
-        """One sequence cut after ``cut`` tokens with at most 64 after the cut: ``(o [T, Hv, dv], mid, final)``, the
-        states ``[1, Hv, dk, dv]`` fp32 after ``cut`` and after all T tokens, from one split replay; None when no
-        split graph holds it (the caller runs the pieces one by one)."""
-        T = q.shape[0]
-        tail = T - cut
-        Tb = next((s for s in self.sizes if s >= cut), None) if 0 < cut and 0 < tail <= CHUNK_SIZE else None
-        if Tb is None or Tb not in self.split_fns or initial_state.shape[0] != 1:
-            return None
-        for buf, x in ((self.q, q), (self.k, k), (self.v, v), (self.gates[0], g), (self.gates[1], beta)):
-            buf[:cut].copy_(x[:cut])
-            buf[Tb : Tb + tail].copy_(x[cut:])
-        if Tb > cut:
-            self.gates[:, cut:Tb].zero_()  # padding tokens: no decay, no write
-        if tail < CHUNK_SIZE:
-            self.gates[:, Tb + tail : Tb + CHUNK_SIZE].zero_()
-        self.state.copy_(initial_state)
-        self.split_fns[Tb]()
-        self.replays += 1
-        return torch.cat([self.o[:cut], self.o[Tb : Tb + tail]]), self.mid.clone(), self.final.clone()
-
-    def run_captured(self, q, k, v, g, beta, initial_state, cu_seqlens, captures):
-        """``gated_delta_rule``'s capture contract for the case a split graph serves: one sequence whose captures
-        cut it once, at most 64 tokens before its end. ``(o, final, {(0, offset): state})`` or None."""
-        n = q.shape[0]
-        if len(cu_seqlens) != 2 or set(captures) != {0}:
-            return None
-        cuts = {c for c in captures[0] if 0 < c < n}
-        if len(cuts) != 1:
-            return None
-        (cut,) = cuts
-        out = self.run_split(q, k, v, g, beta, initial_state, cut)
-        if out is None:
-            return None
-        o, mid, final = out
-        return o, final, {(0, cut): mid[0], (0, n): final[0]}
