@@ -326,7 +326,7 @@ def _pick_block_m(num_pairs: int, num_experts: int) -> int:
     return 64
 
 
-def grouped_bf16_config(num_pairs: int, E: int, H: int, I: int, block_m: int | None = None, tune=None) -> dict:
+def grouped_bf16_config(num_pairs: int, E: int, block_m: int | None = None, tune=None) -> dict:
     """Launch settings of the grouped kernels: rows per block (``_pick_block_m``), the gate|up and down tiles
     (gate|up's BLOCK_N narrows in ``_launch_gate_up`` until the grid fills the machine), warps and pipeline stages
     (None: Triton's defaults); ``tune`` overrides any of them (benchmarks, tests)."""
@@ -374,7 +374,7 @@ def fused_moe_triton(
     w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
     n = T * k
     tiles = {"gu_block_n": block_n, "gu_block_k": block_k, "down_block_n": block_n, "down_block_k": block_k}
-    cfg = grouped_bf16_config(n, E, H, w2.shape[2], block_m, {**tiles, **(tune or {})})
+    cfg = grouped_bf16_config(n, E, block_m, {**tiles, **(tune or {})})
     sorted_ids, block_expert = moe_align_block_size(topk_ids, E, cfg["block_m"])
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 must not silently drop to tf32
     inter = _launch_gate_up(x, w13, sorted_ids, block_expert, k, cfg, prec)

@@ -100,10 +100,10 @@ def test_triton_moe_interpreter_cpu():
 def test_grouped_bf16_config_refuses_unknown_settings():
     from freetoken.kernels.fused_moe import grouped_bf16_config
 
-    assert grouped_bf16_config(17472, 256, 2048, 512)["block_m"] == 64  # Qwen3.6's 2,184-token chunk
-    assert grouped_bf16_config(17472, 256, 2048, 512, tune={"block_m": 128})["block_m"] == 128
+    assert grouped_bf16_config(17472, 256)["block_m"] == 64  # Qwen3.6's 2,184-token chunk
+    assert grouped_bf16_config(17472, 256, tune={"block_m": 128})["block_m"] == 128
     with pytest.raises(ValueError, match="block_mm"):
-        grouped_bf16_config(8, 4, 16, 16, tune={"block_mm": 16})
+        grouped_bf16_config(8, 4, tune={"block_mm": 16})
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
