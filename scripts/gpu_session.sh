@@ -42,6 +42,11 @@
 #   nvfp4b32 the NVFP4 config's batch-32 decode profile (bench/profile_decode.py --batch 32): where the 32-stream step
 #            goes now that its MoE runs the decode GEMVs (the server alone takes ~170 s to start: 230 s timed out on
 #            2026-12-02 evening); and the mixed GEMV at 1-4 rows of x
+#   hostprofile  where a served cached turn's host time goes: the session through the offline engine with its cached
+#            turns' steps under cProfile (FREETOKEN_PROFILE_MODE=host, engine/step_profiler.py), then
+#            bench/linear_host_cost.py (one cuBLAS linear's host time at the step's shapes, per BLAS library)
+#   bf16sweep bench/nvfp4_kernel_bench.py --groups bf16sweep: the BF16 grouped MoE's launch settings at 2,184 and
+#            8,192 tokens, uniform and Zipf routing (run it alone, as moesweep)
 #   stress   issue 12's stress run (bench/radix_stress.py): 16 concurrent 4-turn sessions with hang-ups on the
 #            hybrid radix server, all resident, then with NVFP4 experts offloaded; every request answered and every
 #            slot and snapshot accounted for
@@ -66,7 +71,8 @@ if [[ " $SECTIONS " == *" tests "* ]]; then
       tests/test_gdn_gates.py tests/test_nvfp4_linear.py \
       tests/test_expert_offload.py \
       tests/test_device_slot_cache.py tests/test_triton_moe.py tests/test_memory_plan.py tests/test_worker_steps.py \
-      tests/test_sampler.py tests/test_gated_deltanet.py tests/test_qwen3_5_moe_vs_hf.py} 2>&1 | tee "$OUT/gpu_tests.log" \
+      tests/test_sampler.py tests/test_gated_deltanet.py tests/test_qwen3_5_moe_vs_hf.py tests/test_moe_combine.py \
+      tests/test_gdn_prefill_graphs.py} 2>&1 | tee "$OUT/gpu_tests.log" \
       | grep -E "PASSED|FAILED|ERROR|passed|failed" | grep -vE " PASSED " | tail -25
   grep -cE " PASSED" "$OUT/gpu_tests.log" | sed 's/^/tests passed: /'; grep -E "^tests/.*(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
 fi
@@ -147,6 +153,21 @@ if [[ " $SECTIONS " == *" serverprofile "* ]]; then
       | tee "$OUT/agent_session_profiled.log" | grep -vE "^\[" | tail -14
   grep -E "^step " "$OUT/server_steps_profile.txt" | tail -12  # one line per profiled step; the blocks follow each
   awk '/^step /{b=""} {b=b $0 "\n"} END{printf "%s", b}' "$OUT/server_steps_profile.txt"  # the last turn's block
+fi
+if [[ " $SECTIONS " == *" hostprofile "* ]]; then
+  FREETOKEN_PROFILE_STEPS=1000-4000 FREETOKEN_PROFILE_MODE=host FREETOKEN_PROFILE_OUT="$OUT/host_steps_profile.txt" \
+      timeout ${AGENT_TIMEOUT:-240} python3 bench/agent_steps_offline.py --out "$OUT/agent_steps_offline_host.json" -- \
+      --moe-backend fused --max-prefill-length 8192 --max-running-requests 4 > "$OUT/agent_steps_offline_host.log" 2>&1
+  grep -vE "^\[" "$OUT/agent_steps_offline_host.log" | tail -13
+  awk '/^step /{b=""} {b=b $0 "\n"} END{printf "%s", b}' "$OUT/host_steps_profile.txt"  # the last turn's block
+  timeout ${LINEAR_TIMEOUT:-120} python3 bench/linear_host_cost.py --out "$OUT/linear_host_cost.json" \
+      > "$OUT/linear_host_cost.log" 2>&1
+  tail -17 "$OUT/linear_host_cost.log"
+fi
+if [[ " $SECTIONS " == *" bf16sweep "* ]]; then
+  timeout ${SWEEP_TIMEOUT:-300} python3 bench/nvfp4_kernel_bench.py --groups bf16sweep --ms 2184,8192 \
+      --routing uniform,zipf --out "$OUT/bf16_moe_sweep.json" > "$OUT/bf16_moe_sweep.log" 2>&1
+  grep -E "^bf16 |HBM copy" "$OUT/bf16_moe_sweep.log"
 fi
 if [[ " $SECTIONS " == *" nvfp4ab "* ]]; then
   for cut in default 16384; do
