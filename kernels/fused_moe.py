@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..tuning_env import with_overrides
 from .device_sms import scaled
 from .moe_combine import moe_combine_triton
 
@@ -339,11 +340,7 @@ def grouped_bf16_config(num_pairs: int, E: int, block_m: int | None = None, tune
         "warps": None,
         "stages": None,
     }
-    unknown = set(tune or {}) - set(cfg)
-    if unknown:
-        raise ValueError(f"unknown grouped BF16 launch settings {sorted(unknown)}; known: {sorted(cfg)}")
-    cfg.update(tune or {})
-    return cfg
+    return with_overrides(cfg, tune, "grouped BF16")
 
 
 def fused_moe_triton(

@@ -73,7 +73,7 @@ if triton is not None:
         dt = out_ptr.dtype.element_ty
         rows = partial_ptr + (t * K).to(tl.int64) * stride_p + cols
         acc = tl.load(rows, mask=mask, other=0.0)
-        for j in tl.static_range(1, K):  # in pair order, as torch's sum over k adds them
+        for j in tl.static_range(1, K):  # in pair order, as moe_combine_torch adds them
             acc += tl.load(rows + j * stride_p, mask=mask, other=0.0)
         out = acc.to(dt)
         if HAS_SHARED:

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from ..quant import nvfp4
-from ..tuning_env import choice_from_env, int_from_env
+from ..tuning_env import choice_from_env, int_from_env, with_overrides
 from .activation import silu_and_mul_torch
 from .device_sms import scaled
 from .fused_moe import _GATHER_PAIRS, _moe_gather_torch, fused_moe_torch
@@ -432,10 +432,7 @@ def decode_config(T: int, k: int, H: int, I: int, tune: Optional[dict] = None) -
         gu_block_n=gu_bn, gu_block_w=gu_bw, gu_warps=4, down_block_n=down_bn, down_block_w=down_bw, down_warps=4,
         stages=_NUM_STAGES, tile_pairs=DECODE_DOWN == "tiled",
     )  # fmt: skip
-    unknown = set(tune) - set(cfg)
-    if unknown:
-        raise ValueError(f"unknown decode launch settings {sorted(unknown)}")
-    cfg.update(tune)
+    cfg = with_overrides(cfg, tune, "decode")
     if not cfg["tile_pairs"] and "down_block_n" not in tune:
         cfg["down_block_n"] = serial_bn  # the serial kernel's own pick
     return cfg
@@ -707,11 +704,7 @@ def grouped_config(num_pairs: int, E: int, H: int, I: int, block_m: int | None =
         "stages": _NUM_STAGES,
         "fuse_gate_up": large,
     }
-    unknown = set(tune or {}) - set(cfg)
-    if unknown:
-        raise ValueError(f"unknown grouped NVFP4 launch settings {sorted(unknown)}; known: {sorted(cfg)}")
-    cfg.update(tune or {})
-    return cfg
+    return with_overrides(cfg, tune, "grouped NVFP4")
 
 
 def nvfp4_fused_moe_triton(

@@ -1,10 +1,11 @@
 """Kernel-dispatch cuts and policies that an A/B benchmark run moves through the environment (``FREETOKEN_NVFP4_*``,
 ``FREETOKEN_MOE_CACHE_POLICY``), read at start-up. The one place that parses them, so a bad value is refused the
-same way everywhere."""
+same way everywhere; also the one check of a launcher's ``tune`` overrides (benchmark sweeps, tests)."""
 
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 
 def int_from_env(name: str, default: int, unit: str = "pairs") -> int:
@@ -27,3 +28,12 @@ def choice_from_env(name: str, default: str, choices: tuple) -> str:
     if raw not in choices:
         raise ValueError(f"{name}={raw!r}: expected one of {', '.join(choices)}")
     return raw
+
+
+def with_overrides(defaults: dict, tune: Optional[dict], what: str) -> dict:
+    """``defaults`` with ``tune``'s settings over them (a launcher's ``tune=``); a setting it does not have is
+    refused, naming the known ones."""
+    unknown = set(tune or {}) - set(defaults)
+    if unknown:
+        raise ValueError(f"unknown {what} launch settings {sorted(unknown)}; known: {sorted(defaults)}")
+    return {**defaults, **(tune or {})}
