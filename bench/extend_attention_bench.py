@@ -8,7 +8,8 @@ unsplit big tiles. Beside them, torch's scaled-dot-product attention backends (`
 default; memory-efficient and flash with the KV heads expanded on request) on the same chunk with a lower-right
 causal mask, the paged KV gathered into contiguous tensors inside the timed call: what a library kernel would give
 if the extend path used it, each checked against our output (max |diff|; a backend this torch cannot run at the
-shape is printed as failed). Writes JSON.
+shape is printed as failed). ``sdpa-cudnn-split`` / ``sdpa-flash-split`` (``-expanded``: KV heads repeated): the
+prefix and the chunk's own keys in two calls merged by log-sum-exp (``sdpa_split``). Writes JSON.
 
     python bench/extend_attention_bench.py --out bench/out/extend_attention.json
 """
@@ -66,6 +67,39 @@ def sdpa_extend(q, kc, vc, slots, backend: str):
     return out[0].transpose(0, 1)
 
 
+def sdpa_split(q, kc, vc, slots, pre: int, backend: str):
+    """The chunk's attention in two library calls merged by their log-sum-exps, as an extend path built on a library
+    kernel without lower-right masks would run it: the new tokens against the cached prefix (every query sees every
+    key: no mask) and against themselves (square, so top-left causal is the right mask), through torch's internal
+    cuDNN or flash SDPA ops (the public one returns no log-sum-exp). KV heads repeated where the op wants equal
+    heads (``-expanded``)."""
+    name = backend.removeprefix("sdpa-").removesuffix("-expanded").removesuffix("-split")
+    k, v = kc[slots].transpose(0, 1)[None], vc[slots].transpose(0, 1)[None]  # [1, nkv, ctx, D]
+    qh = q.transpose(0, 1)[None]  # [1, nh, ext, D]
+    if backend.endswith("-expanded"):
+        r = qh.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)
+    scale = q.shape[-1] ** -0.5
+
+    def attend(kk, vv, causal: bool):
+        if name == "cudnn":
+            res = torch.ops.aten._scaled_dot_product_cudnn_attention(
+                qh, kk, vv, None, True, 0.0, causal, False, scale=scale
+            )
+        else:
+            res = torch.ops.aten._scaled_dot_product_flash_attention(qh, kk, vv, 0.0, causal, False, scale=scale)
+        return res[0].float(), res[1].reshape(qh.shape[:3]).float()  # [1, nh, ext, D], natural-log lse [1, nh, ext]
+
+    if pre == 0:
+        return attend(k, v, True)[0][0].transpose(0, 1).to(q.dtype)
+    o1, l1 = attend(k[:, :, :pre], v[:, :, :pre], False)
+    o2, l2 = attend(k[:, :, pre:], v[:, :, pre:], True)
+    m = torch.maximum(l1, l2)
+    w1, w2 = torch.exp(l1 - m)[..., None], torch.exp(l2 - m)[..., None]
+    out = (o1 * w1 + o2 * w2) / (w1 + w2)
+    return out[0].transpose(0, 1).to(q.dtype)
+
+
 def main() -> int:
     a = parse_args()
     sys.path.insert(0, os.path.join(ROOT, "python"))
@@ -98,6 +132,8 @@ def main() -> int:
                 label = name
 
                 def call(name=name):
+                    if "-split" in name:
+                        return sdpa_split(q, kc, vc, slots, pre, name)
                     return sdpa_extend(q, kc, vc, slots, name)
 
             else:
