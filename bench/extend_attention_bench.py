@@ -73,6 +73,8 @@ def sdpa_split(q, kc, vc, slots, pre: int, backend: str):
     key: no mask) and against themselves (square, so top-left causal is the right mask), through torch's internal
     cuDNN or flash SDPA ops (the public one returns no log-sum-exp). KV heads repeated where the op wants equal
     heads (``-expanded``)."""
+    import torch
+
     name = backend.removeprefix("sdpa-").removesuffix("-expanded").removesuffix("-split")
     k, v = kc[slots].transpose(0, 1)[None], vc[slots].transpose(0, 1)[None]  # [1, nkv, ctx, D]
     qh = q.transpose(0, 1)[None]  # [1, nh, ext, D]
