@@ -7,7 +7,7 @@ chunk re-run over the same KV slots) and profiles it. The gap between this worke
 concentrates tokens on few experts; uniform routing gives every expert its share, as a trained router does).
 ``--snapshots none,end,grid`` times the chunk with the recurrent-state snapshots the hybrid radix scheduler asks of
 a prompt's last chunk: none, one at the chunk's end, or also one at the last 64-token grid point inside it (the
-tokens after it are a second delta-rule pass per GDN layer, token by token on fla's recurrent kernel).
+tokens after it are a second delta-rule pass per GDN layer, token by token: ``kernels/gdn_recurrent_piece.py``).
 On CUDA each timed chunk is also run once under ``torch.cuda.set_sync_debug_mode("warn")``: the host syncs of one
 step, counted by the innermost call site in our code or fla's (a sync mid-step lets the GPU drain while the host
 launches the rest, so a host-bound step pays CPU and GPU time in series). The model forward's host time is also taken with the device held back

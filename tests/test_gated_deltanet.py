@@ -437,7 +437,8 @@ def test_fla_captures_match_torch():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("n, captures", [(600, [576, 600]), (150, [64, 150]), (40, [13, 40])])
 def test_fla_single_sequence_captures_match_torch(n, captures):
-    """A cached turn's chunk: pieces on views, the tail after the grid snapshot on fla's recurrent kernel."""
+    """A cached turn's chunk: pieces on views, the tail after the grid snapshot token by token
+    (``kernels/gdn_recurrent_piece.py``)."""
     from freetoken.layers.gated_deltanet import _fla_ops
 
     if _fla_ops() is None:

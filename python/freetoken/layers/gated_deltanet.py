@@ -30,6 +30,7 @@ from torch import nn
 from ..kernels.gdn_conv_prefill import gdn_conv_prefill
 from ..kernels.gdn_decode import gdn_conv_decode, gdn_recurrent_decode
 from ..kernels.gdn_gates import gdn_gates
+from ..kernels.gdn_recurrent_piece import gdn_recurrent_piece
 from ..kernels.rms_norm import gated_rms_norm
 from .fused_linear import FusedLinear, fuse_linears
 
@@ -297,15 +298,6 @@ def _fla_recurrent(recurrent, q, k, v, g, beta, initial_state):
     )
 
 
-def _fla_short_piece(q, k, v, g, beta, initial_state):
-    """One sequence's few tokens (``[T, H, *]``, T < SHORT_PIECE) through fla's recurrent kernel: one launch where
-    the chunked path takes ~10 and ~1 ms of Python (the tail after a cached turn's grid snapshot)."""
-    _, recurrent, _ = _fla_ops()
-    q, k, v = (x[None].contiguous() for x in (q, k, v))
-    o, final = _fla_recurrent(recurrent, q, k, v, g[None], beta[None], initial_state.contiguous())
-    return o[0], final
-
-
 # a piece shorter than this (fla's chunk length) runs token by token when the caller gives a ``short`` kernel
 SHORT_PIECE = 64
 
@@ -328,8 +320,8 @@ def gated_delta_rule_in_rounds(varlen, q, k, v, g, beta, initial_state, cu_seqle
     ``varlen(q, k, v, g, beta, init, cu_seqlens, decode) -> (o, final)`` is the capture-free kernel;
     ``short(q, k, v, g, beta, init) -> (o, final)``, when given, runs a single sequence's pieces shorter than
     ``SHORT_PIECE`` tokens (the tail after a grid-point snapshot) in one cheap launch.
-    Returns ``(o [T, Hv, dv] fp32 (the kernel's dtype when no sequence is cut), final [N, Hv, dk, dv] fp32,
-    {(seq, offset): state})``."""
+    Returns ``(o [T, Hv, dv] fp32 (the kernels' dtype when no sequence is cut or there is one sequence),
+    final [N, Hv, dk, dv] fp32, {(seq, offset): state})``."""
     N = len(cu_seqlens) - 1
     pieces = []  # per sequence: [(start, end)] token ranges, relative to the sequence
     for b in range(N):
@@ -351,7 +343,7 @@ def gated_delta_rule_in_rounds(varlen, q, k, v, g, beta, initial_state, cu_seqle
             outs.append(o_r)
             state = final_r
             captured[(0, z)] = final_r[0].float()
-        return torch.cat(outs).float(), state.float(), captured
+        return torch.cat(outs), state.float(), captured  # the pieces' dtype: no fp32 round trip of [T, Hv, dv]
     state = [initial_state[b].float() for b in range(N)]
     o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     for r in range(max(len(p) for p in pieces)):
@@ -401,10 +393,10 @@ def gated_delta_rule(
     if backend == "fla":
         varlen = functools.partial(_fla_gated_delta_rule, graphs=prefill_graphs)
         if captures:
-            # with graphs a short tail replays the 64-token graph: cheaper on the host than the recurrent kernel
-            short = _fla_short_piece if prefill_graphs is None else None
+            # a tail shorter than fla's chunk (after a grid-point snapshot) runs token by token in one launch, with
+            # or without graphs: both then compute it alike, and it costs the host less than a padded replay
             return gated_delta_rule_in_rounds(
-                varlen, q, k, v, g, beta, initial_state, cu_seqlens, captures, short=short
+                varlen, q, k, v, g, beta, initial_state, cu_seqlens, captures, short=gdn_recurrent_piece
             )
         o, final = varlen(q, k, v, g, beta, initial_state, cu_seqlens, decode)
         return o, final.float(), {}
