@@ -9,7 +9,8 @@ default; memory-efficient and flash with the KV heads expanded on request) on th
 causal mask, the paged KV gathered into contiguous tensors inside the timed call: what a library kernel would give
 if the extend path used it, each checked against our output (max |diff|; a backend this torch cannot run at the
 shape is printed as failed). ``sdpa-cudnn-split`` / ``sdpa-flash-split`` (``-expanded``: KV heads repeated): the
-prefix and the chunk's own keys in two calls merged by log-sum-exp (``sdpa_split``). Writes JSON.
+prefix and the chunk's own keys in two calls merged by log-sum-exp (``sdpa_split``); ``cudnn``: the serving route
+(``kernels/attention_cudnn.py``: the same split, its Triton merge). Writes JSON.
 
     python bench/extend_attention_bench.py --out bench/out/extend_attention.json
 """
@@ -33,7 +34,7 @@ def parse_args():
         default="auto,128x64x8x2,128x64x8x2s2,128x64x8x2s3,128x64x8x2s4,128x64x8x2s6,32x32x4x2",
         help="BLOCK_MxBLOCK_Nxwarpsxstages, sN: N key splits (unsuffixed: one); auto: the launcher's pick",
     )
-    ap.add_argument("--baselines", default="sdpa-flash,sdpa-cudnn")
+    ap.add_argument("--baselines", default="cudnn,sdpa-flash,sdpa-cudnn,sdpa-cudnn-split")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "out", "extend_attention.json"))
     return ap.parse_args()
@@ -109,6 +110,7 @@ def main() -> int:
     from hardware_bandwidth import median_device_ms
 
     from freetoken.kernels.attention import extend_attention_triton, extend_launch
+    from freetoken.kernels.attention_cudnn import extend_attention_cudnn
 
     dev = torch.device("cuda")
     nh, nkv, D = 16, 2, 256
@@ -129,8 +131,14 @@ def main() -> int:
         tiles_picked, splits_picked = extend_launch(q, kc, vc, ext, 1, ctx)
         auto = "x".join(map(str, tiles_picked)) + f"s{splits_picked}"
         for name in a.configs.split(",") + [b for b in a.baselines.split(",") if b]:
-            baseline = name.startswith("sdpa-")
-            if baseline:
+            baseline = name.startswith("sdpa-") or name == "cudnn"
+            if name == "cudnn":  # the serving route (kernels/attention_cudnn.py): gather, two calls, the merge kernel
+                label = name
+
+                def call():
+                    return extend_attention_cudnn(q, kc, vc, r2t[0], pre, D**-0.5)
+
+            elif baseline:
                 label = name
 
                 def call(name=name):

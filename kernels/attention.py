@@ -28,6 +28,7 @@ import torch
 
 from freetoken.layers.attention import AttentionBackend, gate_output, register_attention_backend
 
+from .attention_cudnn import extend_attention_cudnn, use_cudnn_extend
 from .device_sms import sm_count
 
 try:
@@ -598,7 +599,8 @@ def _combine_splits(mid_o, mid_l, out, gate) -> None:
 
 class TritonAttention(AttentionBackend):
     """Paged attention with the Triton kernels: ``decode`` when every sequence has one new token over a cached
-    prefix, ``extend`` otherwise (prefill, chunked prefill, mixed batches)."""
+    prefix, ``extend`` otherwise (prefill, chunked prefill, mixed batches); one long 16-bit chunk's ``extend`` on
+    sm_90 goes through cuDNN instead (``attention_cudnn.py``)."""
 
     name = "triton"
 
@@ -620,6 +622,10 @@ class TritonAttention(AttentionBackend):
             return decode_attention_triton(
                 q, kc, vc, batch.kv.req_to_token, batch.rows, batch.context_lens, scale, num_kv_splits=S, gate=gate
             )
+        if use_cudnn_extend(q, kc, batch.num_seqs, batch.extend_lens_cpu[0]):
+            ctx, prefix = batch.context_lens_cpu[0], batch.prefix_lens_cpu[0]
+            slots = batch.kv.req_to_token.index_select(0, batch.rows[:1])[0, :ctx]  # device row index: no sync
+            return gate_output(extend_attention_cudnn(q, kc, vc, slots, prefix, scale), gate)
         out = extend_attention_triton(
             q,
             kc,

@@ -33,6 +33,7 @@ from .engine.step_plan import StepPlan
 from .engine.step_profiler import StepProfiler
 from .errors import InvalidPlan, UnsupportedModel, WorkerOutOfMemory
 from .fault_injection import FaultInjector
+from .kernels.attention_cudnn import extend_attention_choice
 from .layers.attention import make_attention_backend
 from .layers.sampler import apply_penalties, sample, token_logprobs
 from .loading.model_loader import load_model
@@ -93,6 +94,7 @@ class Worker:
     def _log_resolved_config(self) -> None:
         a, gdn = self.args, ""
         cache_type = "naive" if a["cache_type"] == "naive" else self.cache_types[0]
+        extend_attention_choice()  # a bad FREETOKEN_EXTEND_ATTENTION stops start-up here, not the first prefill
         if self.model.state_layout:
             from .layers.gated_deltanet import gdn_backend, gdn_conv_impl
 
