@@ -10,8 +10,7 @@ a prompt's last chunk: none, one at the chunk's end, or also one at the last 64-
 tokens after it are a second delta-rule pass per GDN layer, token by token: ``kernels/gdn_recurrent_piece.py``).
 On CUDA each timed chunk is also run once under ``torch.cuda.set_sync_debug_mode("warn")``: the host syncs of one
 step, counted by the innermost call site in our code or fla's (a sync mid-step lets the GPU drain while the host
-launches the rest, so a host-bound step pays CPU and GPU time in series). The model forward's host time is also taken with the device held back
-(``host_enqueue_ms``): the host cost without any wait on the GPU. ``--host-profile N`` then runs one step
+launches the rest, so a host-bound step pays CPU and GPU time in series). ``--host-profile N`` then runs one step
 under cProfile and lists the N functions with the most host time of their own (a step whose device is idle part of
 the time is bound by these).
 
@@ -84,33 +83,6 @@ def host_sync_sites(step) -> dict[str, int]:
     return dict(sites)
 
 
-def host_enqueue_ms(w, step, reps: int = 3) -> float:
-    """The model forward's host time with the GPU held back: a ~0.3 s spin kernel queued as the forward starts keeps
-    the device busy while the host enqueues the whole forward, so the forward returns after its own host work only
-    (no waits on the device). Compared with the step's wall time it says which side bounds the step: at ~equal, the
-    host does; well below, the device does. (CUDA's launch queue holds ~1,000 launches; a forward with more would
-    block on it: then this reads near 300 ms.)"""
-    times: list[float] = []
-    marks: dict[str, float] = {}
-
-    def pre(_module, _args):
-        torch.cuda._sleep(600_000_000)  # ~0.3 s at the H200's ~1.98 GHz
-        marks["t0"] = time.perf_counter()
-
-    def post(_module, _args, _out):
-        times.append((time.perf_counter() - marks["t0"]) * 1e3)
-
-    handles = [w.model.register_forward_pre_hook(pre), w.model.register_forward_hook(post)]
-    try:
-        for _ in range(reps):
-            step()
-            torch.cuda.synchronize()
-    finally:
-        for h in handles:
-            h.remove()
-    return sorted(times)[len(times) // 2]
-
-
 def main() -> int:
     a = parse_args()
     w = Worker(worker_args([x for x in a.serve_args if x != "--"]))
@@ -152,7 +124,6 @@ def main() -> int:
             step()
         sync()
         step_ms = (time.perf_counter() - t0) / a.reps * 1e3
-        enqueue_ms = host_enqueue_ms(w, step) if w.device.type == "cuda" else None
         by_cpu, by_dev, device_ms = profile_steps(step, sync, w.device, a.profile_steps, a.top)
         syncs = host_sync_sites(step) if w.device.type == "cuda" else {}
         host = host_profile(step, sync, a.host_profile) if a.host_profile else []
@@ -169,7 +140,6 @@ def main() -> int:
             "step_ms": step_ms,
             "tok_s": a.new * 1e3 / step_ms,
             "device_busy_ms_per_step": device_ms,
-            "forward_host_enqueue_ms": enqueue_ms,
             "by_self_cpu": by_cpu,
             "by_device": by_dev,
             "host_sync_sites": syncs,
@@ -180,8 +150,6 @@ def main() -> int:
             f"\ncontext {a.context} tokens prefilled in {context_s:.2f} s; chunk of {a.new} new tokens after it, "
             f"routing {mode}, snapshots {snapshots}: {step_ms:.1f} ms ({a.new * 1e3 / step_ms:.0f} tok/s), device busy {device_ms:.1f} ms"
         )
-        if enqueue_ms is not None:
-            print(f"model forward's host time with the GPU held back: {enqueue_ms:.1f} ms (step wall {step_ms:.1f})")
         print_profile(result)
         print(f"host syncs in one step: {sum(syncs.values())}")
         for site, n in sorted(syncs.items(), key=lambda kv: -kv[1]):

@@ -45,9 +45,8 @@
 #   hostprofile  where a served cached turn's host time goes: the session through the offline engine with its cached
 #            turns' steps under cProfile (FREETOKEN_PROFILE_MODE=host, engine/step_profiler.py), then
 #            bench/linear_host_cost.py (one cuBLAS linear's host time at the step's shapes, per BLAS library)
-#   turnprobe issue 12's turn-10 chunk: bench/extend_attention_bench.py with the library kernels split at the
-#            prefix (sdpa_split), bench/linear_host_cost.py, bench/profile_prefill.py (end and grid snapshots) with
-#            the forward's host time measured with the GPU held back
+#   turnprobe issue 12's turn-10 chunk: bench/extend_attention_bench.py (the cuDNN extend route, the library split,
+#            our Triton kernel), bench/profile_prefill.py with end and grid snapshots (EXTEND_ATTENTION=triton|cudnn)
 #   bf16sweep bench/nvfp4_kernel_bench.py --groups bf16sweep: the BF16 grouped MoE's launch settings at 2,184 and
 #            8,192 tokens, uniform and Zipf routing (run it alone, as moesweep)
 #   stress   issue 12's stress run (bench/radix_stress.py): 16 concurrent 4-turn sessions with hang-ups on the
@@ -168,20 +167,16 @@ if [[ " $SECTIONS " == *" hostprofile "* ]]; then
   tail -17 "$OUT/linear_host_cost.log"
 fi
 if [[ " $SECTIONS " == *" turnprobe "* ]]; then
-  # issue 12's turn-10 chunk: library attention split at the prefix (cuDNN / flash, merged by log-sum-exp) beside
-  # ours, one linear's host cost per BLAS library, and the step's host time with the GPU held back (end, grid)
+  # issue 12's turn-10 chunk: the cuDNN extend route and the library split beside our Triton kernel, then the chunk
+  # in-process with its end and grid snapshots (FREETOKEN_EXTEND_ATTENTION from EXTEND_ATTENTION, default auto)
   timeout ${EXTEND_TIMEOUT:-150} python3 bench/extend_attention_bench.py --configs auto \
-      --baselines sdpa-cudnn,sdpa-cudnn-split,sdpa-cudnn-split-expanded,sdpa-flash-split \
-      --out "$OUT/extend_attention_split.json" > "$OUT/extend_attention_split.log" 2>&1
-  grep -vE "^\[|scaled_dot_product|warn" "$OUT/extend_attention_split.log" | tail -16
-  timeout ${LINEAR_TIMEOUT:-120} python3 bench/linear_host_cost.py --out "$OUT/linear_host_cost.json" \
-      > "$OUT/linear_host_cost.log" 2>&1
-  tail -17 "$OUT/linear_host_cost.log"
-  timeout ${PREFILL_TIMEOUT:-200} python3 bench/profile_prefill.py --context 27816 --new 2184 --snapshots end,grid \
-      --host-profile 40 --profile-steps 1 --top 30 --out "$OUT/profile_prefill_turn.json" -- --dummy-weight \
-      --model-path configs/qwen3.6-35b-a3b --max-seq-len-override 32768 --moe-backend fused --max-prefill-length 8192 \
-      > "$OUT/profile_prefill_turn.log" 2>&1
-  grep -E "^context|held back" "$OUT/profile_prefill_turn.log"
+      --baselines cudnn,sdpa-cudnn-split --out "$OUT/extend_attention_split.json" > "$OUT/extend_attention_split.log" 2>&1
+  grep -vE "^\[|scaled_dot_product|warn" "$OUT/extend_attention_split.log" | tail -12
+  FREETOKEN_EXTEND_ATTENTION=${EXTEND_ATTENTION:-auto} timeout ${PREFILL_TIMEOUT:-200} python3 bench/profile_prefill.py \
+      --context 27816 --new 2184 --snapshots end,grid --host-profile ${HOST_PROFILE:-0} --profile-steps 1 --top 30 \
+      --out "$OUT/profile_prefill_turn.json" -- --dummy-weight --model-path configs/qwen3.6-35b-a3b \
+      --max-seq-len-override 32768 --moe-backend fused --max-prefill-length 8192 > "$OUT/profile_prefill_turn.log" 2>&1
+  grep -E "^context" "$OUT/profile_prefill_turn.log"
 fi
 if [[ " $SECTIONS " == *" bf16sweep "* ]]; then
   timeout ${SWEEP_TIMEOUT:-300} python3 bench/nvfp4_kernel_bench.py --groups bf16sweep --ms 2184,8192 \
