@@ -1,9 +1,11 @@
 """The last step of a grouped MoE: each token's k weighted expert rows summed, plus the gated shared expert.
 
-The grouped kernels (``fused_moe.py``, ``nvfp4_moe.py``) write one fp32 row per (token, expert) pair, already
-times its routing weight. The block's output is then
+The grouped kernels write one row per (token, expert) pair: ``nvfp4_moe.py`` in fp32, already times its routing
+weight; ``fused_moe.py`` its down projection rounded to the activation dtype (as the reference rounds it), which the
+combine scales by the routing weight ``w`` in fp32 (half the bytes written and read of fp32 rows, same result). The
+block's output is then
 
-    out = cast(Σ_j partial[t·k + j]) + cast(sigmoid(gate[t])) · shared[t]
+    out = cast(Σ_j w[t·k + j] · partial[t·k + j]) + cast(sigmoid(gate[t])) · shared[t]      (w = 1 when not given)
 
 with every step rounded to the activation dtype as the torch ops round it (``moe_combine_torch``: the sum, the cast,
 ``SharedExpertTerm.add_to``'s sigmoid, product and sum). In torch that is five kernels a layer (sum, cast, sigmoid,
@@ -37,11 +39,15 @@ def moe_combine_torch(
     dtype: torch.dtype,
     shared: Optional[torch.Tensor] = None,
     shared_gate: Optional[torch.Tensor] = None,
+    weights: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """``partial [T*k, H]`` fp32 → ``[T, H]`` in ``dtype``; plus ``sigmoid(shared_gate [T, 1]) * shared [T, H]``
-    in ``dtype`` ops when given. The k rows are added in pair order, as the kernel adds them (torch's CUDA ``sum``
-    reduces in another order, which tips ~3 % of bf16 outputs by a unit in the last place)."""
+    """``partial [T*k, H]`` (fp32, or any dtype with ``weights [T, k]``: each row times its weight in fp32 first)
+    → ``[T, H]`` in ``dtype``; plus ``sigmoid(shared_gate [T, 1]) * shared [T, H]`` in ``dtype`` ops when given.
+    The k rows are added in pair order, as the kernel adds them (torch's CUDA ``sum`` reduces in another order,
+    which tips ~3 % of bf16 outputs by a unit in the last place)."""
     T = partial.shape[0] // k
+    if weights is not None:
+        partial = partial.float() * weights.reshape(-1, 1).float()
     rows = partial.view(T, k, -1)
     acc = rows[:, 0].clone()
     for j in range(1, k):
@@ -55,6 +61,7 @@ if triton is not None:
     @triton.jit
     def _moe_combine_kernel(
         partial_ptr,
+        weights_ptr,
         shared_ptr,
         gate_ptr,
         out_ptr,
@@ -64,6 +71,7 @@ if triton is not None:
         stride_g,
         stride_o,
         K: tl.constexpr,
+        HAS_WEIGHTS: tl.constexpr,
         HAS_SHARED: tl.constexpr,
         BLOCK_H: tl.constexpr,
     ):
@@ -72,9 +80,12 @@ if triton is not None:
         mask = cols < H
         dt = out_ptr.dtype.element_ty
         rows = partial_ptr + (t * K).to(tl.int64) * stride_p + cols
-        acc = tl.load(rows, mask=mask, other=0.0)
-        for j in tl.static_range(1, K):  # in pair order, as moe_combine_torch adds them
-            acc += tl.load(rows + j * stride_p, mask=mask, other=0.0)
+        acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        for j in tl.static_range(K):  # in pair order, as moe_combine_torch adds them
+            row = tl.load(rows + j * stride_p, mask=mask, other=0.0).to(tl.float32)
+            if HAS_WEIGHTS:
+                row = row * tl.load(weights_ptr + t.to(tl.int64) * K + j).to(tl.float32)
+            acc = row if j == 0 else acc + row
         out = acc.to(dt)
         if HAS_SHARED:
             g = tl.load(gate_ptr + t.to(tl.int64) * stride_g).to(tl.float32)
@@ -90,6 +101,7 @@ def moe_combine_triton(
     dtype: torch.dtype,
     shared: Optional[torch.Tensor] = None,
     shared_gate: Optional[torch.Tensor] = None,
+    weights: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Same contract as ``moe_combine_torch`` (``shared`` and ``shared_gate`` may be strided views with unit last
     stride: the column views of a fused projection). CUDA, or CPU under TRITON_INTERPRET=1."""
@@ -103,8 +115,12 @@ def moe_combine_triton(
     if has_shared:
         assert shared.stride(-1) == 1 and shared_gate is not None
     block_h = min(1024, triton.next_power_of_2(H))
+    if weights is not None:
+        weights = weights.reshape(-1).contiguous()
+        assert weights.numel() == n
     _moe_combine_kernel[(T, triton.cdiv(H, block_h))](
         partial,
+        weights if weights is not None else partial,
         shared if has_shared else partial,
         shared_gate if has_shared else partial,
         out,
@@ -114,6 +130,7 @@ def moe_combine_triton(
         shared_gate.stride(0) if has_shared else 0,
         out.stride(0),
         K=k,
+        HAS_WEIGHTS=weights is not None,
         HAS_SHARED=has_shared,
         BLOCK_H=block_h,
         num_warps=4,

@@ -15,27 +15,38 @@ from triton_interpreter import run_under_interpreter
 from freetoken.kernels.moe_combine import moe_combine_torch
 
 
-def combine_case(T, k, H, dtype, device, shared=True, seed=0):
+def combine_case(T, k, H, dtype, device, shared=True, seed=0, weighted=False):
     """``moe_combine_triton`` against ``moe_combine_torch``, the shared term as the column views of one fused
-    projection output (as the MoE block hands them over); returns the largest difference."""
+    projection output (as the MoE block hands them over); ``weighted``: rows in ``dtype`` scaled by routing weights
+    in the combine (the BF16 grouped kernel's form), else fp32 rows already scaled. Returns the largest
+    difference."""
     from freetoken.kernels.moe_combine import moe_combine_triton
 
     g = torch.Generator().manual_seed(seed)
     partial = torch.randn(T * k, H, generator=g).to(device)
+    weights = None
+    if weighted:
+        partial = partial.to(dtype)
+        weights = torch.softmax(torch.randn(T, k, generator=g), -1).to(device, dtype)
     fused = (2 * torch.randn(T, 1 + H + 3, generator=g)).to(device, dtype)
     gate, s = (fused[:, :1], fused[:, 1 : 1 + H]) if shared else (None, None)
-    ref = moe_combine_torch(partial, k, dtype, s, gate)
-    out = moe_combine_triton(partial, k, dtype, s, gate)
+    ref = moe_combine_torch(partial, k, dtype, s, gate, weights=weights)
+    out = moe_combine_triton(partial, k, dtype, s, gate, weights=weights)
     assert out.dtype == dtype and out.shape == (T, H)
     # the same roundings in the same order, but Triton's exponential is not torch's (on CUDA it differs in the last
     # bits, which tips the sigmoid's rounding in ~20 % of rows): within a unit in the last place of the operands
     # (the result can be far smaller than they are: routed + gated shared cancel)
     ulp = {torch.float32: 2**-23, torch.float16: 2**-10, torch.bfloat16: 2**-7}[dtype]
     diff = (out.float() - ref.float()).abs()
-    bound = moe_combine_torch(partial, k, dtype).float().abs() + (s.float().abs() if shared else 0)
+    routed = moe_combine_torch(partial, k, dtype, weights=weights)
+    bound = routed.float().abs() + (s.float().abs() if shared else 0)
     assert bool((diff <= ulp * bound + 1e-6).all()), diff.max()
+    if not shared:  # no exponential involved: the same bits
+        assert torch.equal(out, ref)
     if shared:  # the shared term is really in there
-        assert (out.float() - moe_combine_torch(partial, k, dtype).float()).abs().max() > 0.1
+        assert (out.float() - routed.float()).abs().max() > 0.1
+    if weighted:  # and so are the weights
+        assert (out.float() - moe_combine_torch(partial.float(), k, dtype, s, gate).float()).abs().max() > 0.1
     return (out.float() - ref.float()).abs().max().item()
 
 
@@ -75,6 +86,9 @@ def test_torch_reference_is_the_ops_it_replaces():
     routed = partial.view(4, 3, 5).sum(dim=1)
     assert torch.equal(moe_combine_torch(partial, 3, torch.float32), routed)
     assert torch.equal(moe_combine_torch(partial, 3, torch.float32, s, gate), SharedExpertTerm(gate, s).add_to(routed))
+    w = torch.rand(4, 3)
+    weighted = (partial.view(4, 3, 5) * w[..., None]).sum(dim=1)
+    assert torch.allclose(moe_combine_torch(partial, 3, torch.float32, weights=w), weighted, atol=1e-6)
 
 
 _CPU_SCRIPT = textwrap.dedent(
@@ -87,6 +101,8 @@ _CPU_SCRIPT = textwrap.dedent(
         combine_case(2, 3, 1500, dt, "cpu", seed=1)  # two column blocks
         combine_case(4, 1, 64, dt, "cpu", seed=2)  # top-1
         combine_case(3, 2, 40, dt, "cpu", shared=False, seed=3)
+        combine_case(3, 8, 100, dt, "cpu", seed=4, weighted=True)
+        combine_case(2, 3, 40, dt, "cpu", shared=False, seed=5, weighted=True)
     grouped_case(9, 6, 2, 32, 16, torch.float32, "cpu")
     grouped_case(9, 6, 2, 32, 16, torch.float16, "cpu", nvfp4=True, seed=1)
     print("OK")
@@ -104,5 +120,6 @@ def test_moe_combine_interpreter_cpu():
 def test_moe_combine_cuda(dtype):
     for seed, (T, k, H, shared) in enumerate([(2184, 8, 2048, True), (7, 8, 2048, False), (33, 3, 1000, True)]):
         combine_case(T, k, H, dtype, "cuda", shared=shared, seed=seed)
+        combine_case(T, k, H, dtype, "cuda", shared=shared, seed=seed, weighted=True)
     grouped_case(300, 16, 8, 256, 128, dtype, "cuda")
     grouped_case(300, 16, 8, 256, 128, dtype, "cuda", nvfp4=True)
