@@ -104,4 +104,6 @@ def test_piece_cuda_at_qwen_shape(T, dtype):
     q, k, v, g, beta, state = piece_inputs(T, 16, 32, 128, 128, dtype, "cuda", seed=T + 1)
     o, final = gdn_recurrent_piece_triton(q, k, v, g, beta, state)
     o_f, final_f = gdn._fla_gated_delta_rule(q, k, v, g, beta, state.clone(), [0, T], False)
-    assert (o.float() - o_f.float()).abs().max() < 2e-2 and (final - final_f.float()).abs().max() < 2e-3
+    # fla rounds its normalised q / k and intermediates to the input dtype: bf16 inputs give bf16-sized differences
+    o_tol, s_tol = (2e-3, 2e-3) if dtype == torch.float32 else (5e-2, 2e-2)
+    assert (o.float() - o_f.float()).abs().max() < o_tol and (final - final_f.float()).abs().max() < s_tol
