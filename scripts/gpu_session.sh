@@ -176,7 +176,7 @@ if [[ " $SECTIONS " == *" turnprobe "* ]]; then
       --context 27816 --new 2184 --snapshots end,grid --host-profile ${HOST_PROFILE:-0} --profile-steps 1 --top 30 \
       --out "$OUT/profile_prefill_turn.json" -- --dummy-weight --model-path configs/qwen3.6-35b-a3b \
       --max-seq-len-override 32768 --moe-backend fused --max-prefill-length 8192 > "$OUT/profile_prefill_turn.log" 2>&1
-  grep -E "^context" "$OUT/profile_prefill_turn.log"
+  grep -E "^context|^step ms|^  routing" "$OUT/profile_prefill_turn.log"
 fi
 if [[ " $SECTIONS " == *" bf16sweep "* ]]; then
   timeout ${SWEEP_TIMEOUT:-300} python3 bench/nvfp4_kernel_bench.py --groups bf16sweep --ms 2184,8192 \
