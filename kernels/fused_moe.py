@@ -305,7 +305,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
         E_BINS=e_bins,
         CHUNK=1024,
         BLOCK_B=1024,
-        num_warps=4,
+        num_warps=16,  # one program: the more threads share its histogram and scans, the sooner it ends
     )
     _moe_align_scatter_kernel[(triton.cdiv(n, 1024),)](flat, cursor, sorted_ids, n, CHUNK=1024, num_warps=4)
     return sorted_ids, block_expert
