@@ -36,6 +36,7 @@ def parse_args():
     )
     ap.add_argument("--baselines", default="cudnn,sdpa-flash,sdpa-cudnn,sdpa-cudnn-split")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--cold-shapes", type=int, default=3, help="new chunk shapes whose first call is timed")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "out", "extend_attention.json"))
     return ap.parse_args()
 
@@ -101,6 +102,44 @@ def sdpa_split(q, kc, vc, slots, pre: int, backend: str):
     w1, w2 = torch.exp(l1 - m)[..., None], torch.exp(l2 - m)[..., None]
     out = (o1 * w1 + o2 * w2) / (w1 + w2)
     return out[0].transpose(0, 1).to(q.dtype)
+
+
+def first_call_ms(n: int, nh: int, nkv: int, D: int, dt, dev) -> list[dict]:
+    """What a chunk length never seen before costs each route on its first call (a server meets a new length with
+    almost every request): ``n`` new (new tokens, prefix) shapes near the agent turn's, each timed on its first call
+    and again, after every kernel involved has run at other shapes."""
+    import time
+
+    import torch
+
+    from freetoken.kernels.attention import extend_attention_triton
+    from freetoken.kernels.attention_cudnn import extend_attention_cudnn
+
+    out = []
+    for i in range(n):
+        ext, pre = 2184 + 40 * (i + 1) + 3, 27816 + 70 * (i + 1) + 5
+        ctx = ext + pre
+        kc = torch.randn(ctx, nkv, D, device=dev, dtype=dt)
+        vc = torch.randn(ctx, nkv, D, device=dev, dtype=dt)
+        slots = torch.arange(ctx, device=dev, dtype=torch.int32)
+        q = torch.randn(ext, nh, D, device=dev, dtype=dt)
+        cu = torch.tensor([0, ext], dtype=torch.int32, device=dev)
+        pl = torch.tensor([pre], dtype=torch.int32, device=dev)
+        r = torch.zeros(1, dtype=torch.int32, device=dev)
+        routes = {
+            "triton": lambda: extend_attention_triton(q, kc, vc, slots[None], r, cu, pl, D**-0.5, ext, max_context=ctx),
+            "cudnn": lambda: extend_attention_cudnn(q, kc, vc, slots, pre, D**-0.5),
+        }
+        for route, call in routes.items():
+            ms = []
+            for _ in range(2):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                call()
+                torch.cuda.synchronize()
+                ms.append((time.perf_counter() - t0) * 1e3)
+            out.append({"route": route, "new": ext, "prefix": pre, "first_ms": ms[0], "again_ms": ms[1]})
+    return out
 
 
 def main() -> int:
@@ -170,6 +209,7 @@ def main() -> int:
                 rows.append({**row, "ms": ms, "tflops": flops / ms / 1e9})
             except Exception as exc:  # a config that does not fit (shared memory, registers), a backend torch lacks
                 rows.append({"new": ext, "prefix": pre, "config": label, "error": str(exc).splitlines()[0][:80]})
+    cold = first_call_ms(a.cold_shapes, nh, nkv, D, dt, dev) if a.cold_shapes else []
     print(f"{'chunk':<24}{'config':<22}{'ms':>9}{'TFLOP/s':>10}{'of peak':>9}")
     for row in rows:
         chunk = f"{row['new']} after {row['prefix']}"
@@ -184,9 +224,13 @@ def main() -> int:
         if "auto" in got and "128x64x8x2" in got:
             speedup = got["128x64x8x2"]["ms"] / got["auto"]["ms"]
             print(f"{ext} after {pre}: the launcher's pick ({got['auto']['config']}) {speedup:.2f}x unsplit 128x64")
+    if cold:
+        print("first call at a chunk shape not seen before (wall ms, synchronized), then the same shape again:")
+        for c in cold:
+            print(f"  {c['route']:<8} {c['new']} after {c['prefix']}: first {c['first_ms']:.1f} ms, again {c['again_ms']:.1f} ms")
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
-        json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
+        json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows, "first_calls": cold}, f, indent=2)
     return 0
 
 
