@@ -227,7 +227,9 @@ def main() -> int:
     if cold:
         print("first call at a chunk shape not seen before (wall ms, synchronized), then the same shape again:")
         for c in cold:
-            print(f"  {c['route']:<8} {c['new']} after {c['prefix']}: first {c['first_ms']:.1f} ms, again {c['again_ms']:.1f} ms")
+            print(
+                f"  {c['route']:<8} {c['new']} after {c['prefix']}: first {c['first_ms']:.1f} ms, again {c['again_ms']:.1f} ms"
+            )
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows, "first_calls": cold}, f, indent=2)
