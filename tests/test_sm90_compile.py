@@ -39,9 +39,12 @@ def compile_check(kernel: str, ptr: dict, const: dict, div16: str = "", warps: i
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("shared", [True, False])
-def test_moe_combine_compiles_for_sm90(dtype, shared):
-    ptr = {"partial_ptr": "*fp32", "shared_ptr": f"*{dtype}", "gate_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"}
-    const = {"K": 8, "HAS_SHARED": shared, "BLOCK_H": 1024}
+@pytest.mark.parametrize("weighted", [True, False])
+def test_moe_combine_compiles_for_sm90(dtype, shared, weighted):
+    """Weighted: the BF16 grouped kernel's rows in the activation dtype, weights applied here; else NVFP4's fp32."""
+    ptr = {"partial_ptr": f"*{dtype}" if weighted else "*fp32", "weights_ptr": f"*{dtype}"}
+    ptr.update({"shared_ptr": f"*{dtype}", "gate_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"})
+    const = {"K": 8, "HAS_WEIGHTS": weighted, "HAS_SHARED": shared, "BLOCK_H": 1024}
     div16 = "H,stride_p,stride_s,stride_o"
     assert compile_check("freetoken.kernels.moe_combine:_moe_combine_kernel", ptr, const, div16) == 0
 
@@ -56,3 +59,20 @@ def test_extend_attention_compiles_for_sm90(split):
     strides = ",".join(f"stride_{s}" for s in ("qt", "qh", "kt", "kh", "vt", "vh", "ot", "oh", "rt", "mot", "moh"))
     div16 = f"{strides},D,DV"
     assert compile_check("freetoken.kernels.attention:_extend_kernel", ptr, const, div16, warps=8, stages=2) == 0
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_gdn_recurrent_piece_compiles_for_sm90(dtype):
+    """The token-by-token tail kernel at Qwen3.6's GDN shape (32 value heads over 16 key heads, 128 x 128 state)."""
+    ptr = {p: f"*{dtype}" for p in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}
+    ptr.update(g_ptr="*fp32", beta_ptr="*fp32", s0_ptr="*fp32", s1_ptr="*fp32", scale="fp32")
+    const = dict(R=2, DK=128, DV=128, BK=128, BV=16, EPS=1e-6)
+    div16 = "stride_qt,stride_qh,stride_kt,stride_kh,stride_vt,stride_vh,stride_gt,stride_bt,stride_ot,stride_oh"
+    assert compile_check("freetoken.kernels.gdn_recurrent_piece:_gdn_recurrent_piece_kernel", ptr, const, div16) == 0
+
+
+def test_cudnn_merge_compiles_for_sm90():
+    """The merge of the cuDNN route's two attention partials (bf16 outputs, fp32 log-sum-exps) at head dim 256."""
+    ptr = {"o1_ptr": "*bf16", "o2_ptr": "*bf16", "out_ptr": "*bf16", "l1_ptr": "*fp32", "l2_ptr": "*fp32"}
+    div16 = "stride_o1h,stride_o1t,stride_l1h,stride_o2h,stride_o2t,stride_l2h,stride_ot,stride_oh,DV"
+    assert compile_check("freetoken.kernels.attention_cudnn:_merge_two_kernel", ptr, dict(BLOCK_DV=256), div16) == 0
