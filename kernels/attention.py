@@ -599,8 +599,8 @@ def _combine_splits(mid_o, mid_l, out, gate) -> None:
 
 class TritonAttention(AttentionBackend):
     """Paged attention with the Triton kernels: ``decode`` when every sequence has one new token over a cached
-    prefix, ``extend`` otherwise (prefill, chunked prefill, mixed batches); one long 16-bit chunk's ``extend`` on
-    sm_90 goes through cuDNN instead (``attention_cudnn.py``)."""
+    prefix, ``extend`` otherwise (prefill, chunked prefill, mixed batches); with ``FREETOKEN_EXTEND_ATTENTION=cudnn``
+    one long 16-bit chunk's ``extend`` on sm_90 goes through cuDNN instead (``attention_cudnn.py``)."""
 
     name = "triton"
 

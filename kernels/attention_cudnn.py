@@ -9,10 +9,13 @@ mask) and against themselves (a square, where top-left causal is the right mask)
 log-sum-exp, so this calls its internal cuDNN op (``aten::_scaled_dot_product_cudnn_attention``); a probe at first
 use checks that the op exists and runs at the shape, else the Triton kernel keeps the work.
 
-Used for one sequence of at least ``MIN_TOKENS`` new tokens in 16-bit on sm_90 (measured there), where the KV of
-its context is gathered from the paged pool into contiguous tensors first (~30 MB a layer at 30k tokens: tens of
-microseconds). ``FREETOKEN_EXTEND_ATTENTION=auto|triton|cudnn`` picks (auto: the rule above; cudnn: any one
-16-bit sequence when the probe passes).
+Opt-in (``FREETOKEN_EXTEND_ATTENTION=cudnn``; the default ``triton`` keeps every chunk on our kernel): cuDNN builds
+an execution plan for every new (chunk, prefix) shape, and on the H200 the first call at a shape costs 150-170 ms
+(``extend_attention_bench.py --cold-shapes``, 2026-12-03) where our kernel compiles a handful of specializations
+once. A server meets a new chunk length with almost every request, so the route pays only where shapes repeat
+(fixed-length batch jobs, benchmarks). When chosen, it takes one sequence of at least ``MIN_TOKENS`` new tokens in
+16-bit on sm_90 (measured there), the KV of its context gathered from the paged pool into contiguous tensors first
+(~30 MB a layer at 30k tokens: tens of microseconds).
 """
 
 from __future__ import annotations
@@ -30,26 +33,25 @@ except Exception:  # pragma: no cover
     tl = None
 
 MIN_TOKENS = 1024  # shorter chunks stay on the Triton kernel (unmeasured below 2,184 new tokens)
-CHOICES = ("auto", "triton", "cudnn")
+CHOICES = ("triton", "cudnn")
 
 
 def extend_attention_choice() -> str:
-    """``FREETOKEN_EXTEND_ATTENTION`` (auto, triton or cudnn); any other value is refused at start-up."""
-    choice = os.environ.get("FREETOKEN_EXTEND_ATTENTION", "auto").lower()
+    """``FREETOKEN_EXTEND_ATTENTION`` (triton, the default, or cudnn); any other value is refused at start-up."""
+    choice = os.environ.get("FREETOKEN_EXTEND_ATTENTION", "triton").lower()
     if choice not in CHOICES:
         raise ValueError(f"FREETOKEN_EXTEND_ATTENTION={choice!r}: expected one of {', '.join(CHOICES)}")
     return choice
 
 
 def use_cudnn_extend(q: torch.Tensor, k_cache: torch.Tensor, num_seqs: int, new_tokens: int) -> bool:
-    """Whether this extend step runs through cuDNN: one sequence, 16-bit, a head dim cuDNN takes, the choice and the
-    chunk size allowing, and the probe passing on this device."""
-    choice = extend_attention_choice()
-    if choice == "triton" or num_seqs != 1 or not q.is_cuda or q.dtype not in (torch.bfloat16, torch.float16):
+    """Whether this extend step runs through cuDNN: chosen, one sequence of at least ``MIN_TOKENS`` on sm_90,
+    16-bit, a head dim cuDNN takes, and the probe passing on this device."""
+    if extend_attention_choice() != "cudnn" or num_seqs != 1 or new_tokens < MIN_TOKENS or not q.is_cuda:
         return False
-    if k_cache.dtype != q.dtype or q.shape[-1] % 8 or q.shape[-1] > 256:
+    if q.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype != q.dtype:
         return False
-    if choice == "auto" and (new_tokens < MIN_TOKENS or torch.cuda.get_device_capability(q.device) != (9, 0)):
+    if q.shape[-1] % 8 or q.shape[-1] > 256 or torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
     return cudnn_attention_works(q.device, q.shape[1], k_cache.shape[1], q.shape[-1], q.dtype)
 

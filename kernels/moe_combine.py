@@ -134,5 +134,6 @@ def moe_combine_triton(
         HAS_SHARED=has_shared,
         BLOCK_H=block_h,
         num_warps=4,
+        enable_fp_fusion=False,  # weight times row, then the add, each rounded: no fused multiply-add
     )
     return out

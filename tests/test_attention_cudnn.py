@@ -127,6 +127,6 @@ def test_cuda_model_prefill_through_cudnn_matches_triton(tmp_path, monkeypatch):
         calls.clear()
         outs[choice] = llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))[0]
         taken[choice] = sorted(set(calls))
-    assert taken == {"cudnn": [0, 1024, 2048], "triton": []}
+    assert taken == {"cudnn": [0, 1024], "triton": []}  # the last chunk (552 tokens) is under MIN_TOKENS
     assert outs["cudnn"].token_ids == outs["triton"].token_ids
     assert abs(outs["cudnn"].logprobs[0] - outs["triton"].logprobs[0]) < 0.05
