@@ -305,7 +305,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
         E_BINS=e_bins,
         CHUNK=1024,
         BLOCK_B=1024,
-        num_warps=16,  # one program: the more threads share its histogram and scans, the sooner it ends
+        num_warps=4,  # 16 measured slower on the H200 (2.0 vs 1.5 ms for the agent turn's 40 layers, 2026-12-03)
     )
     _moe_align_scatter_kernel[(triton.cdiv(n, 1024),)](flat, cursor, sorted_ids, n, CHUNK=1024, num_warps=4)
     return sorted_ids, block_expert
