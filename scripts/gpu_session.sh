@@ -74,7 +74,7 @@ if [[ " $SECTIONS " == *" tests "* ]]; then
       tests/test_expert_offload.py \
       tests/test_device_slot_cache.py tests/test_triton_moe.py tests/test_memory_plan.py tests/test_worker_steps.py \
       tests/test_sampler.py tests/test_gated_deltanet.py tests/test_qwen3_5_moe_vs_hf.py tests/test_moe_combine.py \
-      tests/test_gdn_prefill_graphs.py} 2>&1 | tee "$OUT/gpu_tests.log" \
+      tests/test_gdn_prefill_graphs.py tests/test_gdn_recurrent_piece.py tests/test_attention_cudnn.py} 2>&1 | tee "$OUT/gpu_tests.log" \
       | grep -E "PASSED|FAILED|ERROR|passed|failed" | grep -vE " PASSED " | tail -25
   grep -cE " PASSED" "$OUT/gpu_tests.log" | sed 's/^/tests passed: /'; grep -E "^tests/.*(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
 fi
@@ -168,11 +168,11 @@ if [[ " $SECTIONS " == *" hostprofile "* ]]; then
 fi
 if [[ " $SECTIONS " == *" turnprobe "* ]]; then
   # issue 12's turn-10 chunk: the cuDNN extend route and the library split beside our Triton kernel, then the chunk
-  # in-process with its end and grid snapshots (FREETOKEN_EXTEND_ATTENTION from EXTEND_ATTENTION, default auto)
+  # in-process with its end and grid snapshots (FREETOKEN_EXTEND_ATTENTION from EXTEND_ATTENTION, default triton)
   timeout ${EXTEND_TIMEOUT:-150} python3 bench/extend_attention_bench.py --configs auto \
       --baselines cudnn,sdpa-cudnn-split --out "$OUT/extend_attention_split.json" > "$OUT/extend_attention_split.log" 2>&1
   grep -vE "^\[|scaled_dot_product|warn" "$OUT/extend_attention_split.log" | tail -12
-  FREETOKEN_EXTEND_ATTENTION=${EXTEND_ATTENTION:-auto} timeout ${PREFILL_TIMEOUT:-200} python3 bench/profile_prefill.py \
+  FREETOKEN_EXTEND_ATTENTION=${EXTEND_ATTENTION:-triton} timeout ${PREFILL_TIMEOUT:-200} python3 bench/profile_prefill.py \
       --context 27816 --new 2184 --snapshots end,grid --host-profile ${HOST_PROFILE:-0} --profile-steps 1 --top 30 \
       --out "$OUT/profile_prefill_turn.json" -- --dummy-weight --model-path configs/qwen3.6-35b-a3b \
       --max-seq-len-override 32768 --moe-backend fused --max-prefill-length 8192 > "$OUT/profile_prefill_turn.log" 2>&1
