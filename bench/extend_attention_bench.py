@@ -121,13 +121,16 @@ def first_call_ms(n: int, nh: int, nkv: int, D: int, dt, dev) -> list[dict]:
         ctx = ext + pre
         kc = torch.randn(ctx, nkv, D, device=dev, dtype=dt)
         vc = torch.randn(ctx, nkv, D, device=dev, dtype=dt)
-        slots = torch.arange(ctx, device=dev, dtype=torch.int32)
+        # a page-table row as wide as a server's (its stride fixed, so no new Triton specialization by divisibility)
+        table = torch.zeros(1, 32768, device=dev, dtype=torch.int32)
+        table[0, :ctx] = torch.arange(ctx, device=dev, dtype=torch.int32)
+        slots = table[0, :ctx]
         q = torch.randn(ext, nh, D, device=dev, dtype=dt)
         cu = torch.tensor([0, ext], dtype=torch.int32, device=dev)
         pl = torch.tensor([pre], dtype=torch.int32, device=dev)
         r = torch.zeros(1, dtype=torch.int32, device=dev)
         routes = {
-            "triton": lambda: extend_attention_triton(q, kc, vc, slots[None], r, cu, pl, D**-0.5, ext, max_context=ctx),
+            "triton": lambda: extend_attention_triton(q, kc, vc, table, r, cu, pl, D**-0.5, ext, max_context=ctx),
             "cudnn": lambda: extend_attention_cudnn(q, kc, vc, slots, pre, D**-0.5),
         }
         for route, call in routes.items():
