@@ -34,7 +34,10 @@ def test_choice_rule(monkeypatch):
     import freetoken.kernels.attention_cudnn as m
 
     q, kc = torch.zeros(2048, 4, 256, dtype=torch.bfloat16), torch.zeros(10, 2, 256, dtype=torch.bfloat16)
-    assert not m.use_cudnn_extend(q, kc, 1, 2048)  # CPU tensors: never
+    monkeypatch.delenv("FREETOKEN_EXTEND_ATTENTION", raising=False)
+    assert m.extend_attention_choice() == "triton"  # the default
+    monkeypatch.setenv("FREETOKEN_EXTEND_ATTENTION", "cudnn")
+    assert not m.use_cudnn_extend(q, kc, 1, 2048)  # chosen, but CPU tensors: never
     monkeypatch.setenv("FREETOKEN_EXTEND_ATTENTION", "fast")
     with pytest.raises(ValueError, match="FREETOKEN_EXTEND_ATTENTION"):
         m.extend_attention_choice()
