@@ -106,6 +106,18 @@ def gdn_recurrent_decode_torch(
 if triton is not None:
 
     @triton.jit
+    def delta_rule_token(S, q, k, v, g, beta, scale, EPS: tl.constexpr):
+        """One token of the delta rule on a ``[BK, BV]`` fp32 state block: ``q, k [BK]`` fp32 as projected
+        (l2-normalised here, q scaled), ``v [BV]`` fp32, ``g, beta`` the token's gates. Returns ``(S, o [BV])``.
+        The decode step and the token-by-token piece kernel (``gdn_recurrent_piece.py``) both run a token through it."""
+        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + EPS) * scale
+        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + EPS)
+        S = S * tl.exp(g)
+        kv_mem = tl.sum(S * k[:, None], axis=0)
+        S = S + k[:, None] * ((v - kv_mem) * beta)[None, :]
+        return S, tl.sum(S * q[:, None], axis=0)
+
+    @triton.jit
     def _gdn_conv_decode_kernel(
         x_ptr,  # [B, C] (row stride free)
         state_ptr,  # [S, C, KC-1]
@@ -199,12 +211,7 @@ if triton is not None:
 
         q = tl.load(q_ptr + i_b * stride_qb + i_hk * stride_qh + offs_k * stride_qk, mask=k_mask, other=0.0)
         k = tl.load(k_ptr + i_b * stride_kb + i_hk * stride_kh + offs_k * stride_kk, mask=k_mask, other=0.0)
-        q = q.to(tl.float32)
-        k = k.to(tl.float32)
-        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + EPS) * scale
-        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + EPS)
         v = tl.load(v_ptr + i_b * stride_vb + i_h * stride_vh + offs_v * stride_vv, mask=v_mask, other=0.0)
-        v = v.to(tl.float32)
 
         g, beta = gate_values(
             tl.load(a_ptr + i_b * stride_ab + i_h * stride_ah).to(tl.float32),
@@ -218,11 +225,8 @@ if triton is not None:
             state_ptr + slot * stride_ss + i_h * stride_sh + offs_k[:, None] * stride_sk + offs_v[None, :] * stride_sv
         )
         s_mask = k_mask[:, None] & v_mask[None, :]
-        S = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32) * tl.exp(g)
-        kv_mem = tl.sum(S * k[:, None], axis=0)
-        delta = (v - kv_mem) * beta
-        S = S + k[:, None] * delta[None, :]
-        o = tl.sum(S * q[:, None], axis=0)
+        S = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
+        S, o = delta_rule_token(S, q.to(tl.float32), k.to(tl.float32), v.to(tl.float32), g, beta, scale, EPS)
         tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=s_mask)
         tl.store(
             o_ptr + i_b * stride_ob + i_h * stride_oh + offs_v * stride_ov, o.to(o_ptr.dtype.element_ty), mask=v_mask

@@ -22,6 +22,8 @@ import torch
 try:  # keep the reference importable without triton
     import triton
     import triton.language as tl
+
+    from .gdn_decode import delta_rule_token
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -89,15 +91,10 @@ if triton is not None:
         for t in range(T):
             q = tl.load(q_ptr + t * stride_qt + i_hk * stride_qh + offs_k, mask=k_mask, other=0.0).to(tl.float32)
             k = tl.load(k_ptr + t * stride_kt + i_hk * stride_kh + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            q = q * tl.rsqrt(tl.sum(q * q, axis=0) + EPS) * scale
-            k = k * tl.rsqrt(tl.sum(k * k, axis=0) + EPS)
             v = tl.load(v_ptr + t * stride_vt + i_h * stride_vh + offs_v, mask=v_mask, other=0.0).to(tl.float32)
             g = tl.load(g_ptr + t * stride_gt + i_h)
             beta = tl.load(beta_ptr + t * stride_bt + i_h)
-            S = S * tl.exp(g)
-            kv_mem = tl.sum(S * k[:, None], axis=0)
-            S = S + k[:, None] * ((v - kv_mem) * beta)[None, :]
-            o = tl.sum(S * q[:, None], axis=0)
+            S, o = delta_rule_token(S, q, k, v, g, beta, scale, EPS)
             tl.store(o_ptr + t * stride_ot + i_h * stride_oh + offs_v, o.to(o_ptr.dtype.element_ty), mask=v_mask)
         tl.store(s1_ptr + s_off, S, mask=s_mask)
 
