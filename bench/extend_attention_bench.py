@@ -9,7 +9,7 @@ default; memory-efficient and flash with the KV heads expanded on request) on th
 causal mask, the paged KV gathered into contiguous tensors inside the timed call: what a library kernel would give
 if the extend path used it, each checked against our output (max |diff|; a backend this torch cannot run at the
 shape is printed as failed). ``sdpa-cudnn-split`` / ``sdpa-flash-split`` (``-expanded``: KV heads repeated): the
-prefix and the chunk's own keys in two calls merged by log-sum-exp (``sdpa_split``); ``cudnn``: the serving route
+prefix and the chunk's own keys in two calls merged by log-sum-exp (``sdpa_split``, the merge ``merge_two_torch``); ``cudnn``: the serving route
 (``kernels/attention_cudnn.py``: the same split, its Triton merge). Writes JSON.
 
     python bench/extend_attention_bench.py --out bench/out/extend_attention.json
@@ -77,6 +77,8 @@ def sdpa_split(q, kc, vc, slots, pre: int, backend: str):
     heads (``-expanded``)."""
     import torch
 
+    from freetoken.kernels.attention_cudnn import merge_two_torch
+
     name = backend.removeprefix("sdpa-").removesuffix("-expanded").removesuffix("-split")
     k, v = kc[slots].transpose(0, 1)[None], vc[slots].transpose(0, 1)[None]  # [1, nkv, ctx, D]
     qh = q.transpose(0, 1)[None]  # [1, nh, ext, D]
@@ -98,10 +100,7 @@ def sdpa_split(q, kc, vc, slots, pre: int, backend: str):
         return attend(k, v, True)[0][0].transpose(0, 1).to(q.dtype)
     o1, l1 = attend(k[:, :, :pre], v[:, :, :pre], False)
     o2, l2 = attend(k[:, :, pre:], v[:, :, pre:], True)
-    m = torch.maximum(l1, l2)
-    w1, w2 = torch.exp(l1 - m)[..., None], torch.exp(l2 - m)[..., None]
-    out = (o1 * w1 + o2 * w2) / (w1 + w2)
-    return out[0].transpose(0, 1).to(q.dtype)
+    return merge_two_torch(o1[0], l1[0], o2[0], l2[0]).to(q.dtype)
 
 
 def first_call_ms(n: int, nh: int, nkv: int, D: int, dt, dev) -> list[dict]:
