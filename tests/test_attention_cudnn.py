@@ -46,6 +46,31 @@ def test_choice_rule(monkeypatch):
         assert m.extend_attention_choice() == choice
 
 
+def test_a_failing_cudnn_op_keeps_the_triton_kernel(monkeypatch):
+    """The probe: an op that raises (missing in this torch, refusing the shape) or answers wrong says no, so the
+    extend step stays on the Triton kernel instead of failing."""
+    import freetoken.kernels.attention_cudnn as m
+
+    def boom(*a, **k):
+        raise RuntimeError("no cuDNN attention here")
+
+    def wrong(q, k, v, causal, scale):
+        return torch.zeros_like(q), torch.zeros(q.shape[:3])
+
+    def right(q, k, v, causal, scale):  # plain attention with its log-sum-exp, as the op answers
+        kf, vf = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+        s = q @ kf.transpose(-1, -2) * scale
+        if causal:
+            s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+        return torch.softmax(s, -1) @ vf, torch.logsumexp(s, -1)
+
+    for fake, works in ((boom, False), (wrong, False), (right, True)):
+        monkeypatch.setattr(m, "_cudnn_attend", fake)
+        m.cudnn_attention_works.cache_clear()
+        assert m.cudnn_attention_works(torch.device("cpu"), 4, 2, 16, torch.float32) is works, fake.__name__
+    m.cudnn_attention_works.cache_clear()
+
+
 def test_bad_choice_stops_start_up(monkeypatch, tmp_path):
     """``FREETOKEN_EXTEND_ATTENTION`` with an unknown value is refused when the worker starts, in one line naming the
     variable, not at its first prefill."""
