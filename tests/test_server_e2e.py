@@ -239,3 +239,14 @@ def test_client_disconnect_aborts_within_a_step(server):
     t0 = time.time()
     server.wait_idle(timeout=20)
     assert time.time() - t0 < 20
+
+
+def test_idle_integrity_check_runs_once_the_server_is_quiet(server, client):
+    """The bookkeeping check waits for a quiet moment after the last answer (not on the next request's path), and
+    then runs: `/v1/stats` counts it, and the fixture's teardown finds no failure in the log."""
+    before = server.wait_idle()["integrity_checks"]
+    client.chat.completions.create(model="demo", messages=QUESTION, temperature=0, max_tokens=4)
+    deadline = time.time() + 20
+    while server.get("/v1/stats").json()["integrity_checks"] <= before:
+        assert time.time() < deadline, "no integrity check ran within 20 s of going idle"
+        time.sleep(0.1)

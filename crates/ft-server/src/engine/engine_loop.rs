@@ -52,7 +52,15 @@ pub(super) struct EngineLoop {
     /// When the last step was committed: with overlap a step's engine time runs from there, not from when it
     /// was planned (its planning overlapped the step before).
     last_commit: Option<Instant>,
+    /// The engine went idle and has not checked its cache bookkeeping since: the check waits for a quiet moment
+    /// (`INTEGRITY_CHECK_QUIET`), because an agent's next turn usually arrives within milliseconds of the last
+    /// answer and the allocator's walk over every free KV page (millions on a large card) would delay it.
+    integrity_check_due: bool,
+    integrity_checks: u64,
 }
+
+/// How long the engine must stay idle before it checks the cache bookkeeping.
+const INTEGRITY_CHECK_QUIET: Duration = Duration::from_millis(250);
 
 impl EngineLoop {
     pub(super) fn new(worker: Box<dyn Worker>, config: EngineConfig, shared: Arc<Shared>) -> Self {
@@ -73,6 +81,8 @@ impl EngineLoop {
             overlapped_steps: 0,
             in_flight: None,
             last_commit: None,
+            integrity_check_due: false,
+            integrity_checks: 0,
         }
     }
 
@@ -81,14 +91,19 @@ impl EngineLoop {
             // Block while idle; otherwise take whatever arrived since the last step.
             if self.is_idle() {
                 self.publish_stats();
-                match commands.recv_timeout(Duration::from_secs(60)) {
+                let wait = if self.integrity_check_due { INTEGRITY_CHECK_QUIET } else { Duration::from_secs(60) };
+                match commands.recv_timeout(wait) {
                     Ok(cmd) => {
                         if !self.handle(cmd) {
                             return self.stop("the server is shutting down");
                         }
                     }
                     Err(std_mpsc::RecvTimeoutError::Timeout) => {
-                        tracing::debug!("Scheduler is idle, waiting for new reqs...");
+                        if self.integrity_check_due {
+                            self.check_integrity();
+                        } else {
+                            tracing::debug!("Scheduler is idle, waiting for new reqs...");
+                        }
                         continue;
                     }
                     Err(std_mpsc::RecvTimeoutError::Disconnected) => return self.stop("the server is shutting down"),
@@ -104,11 +119,18 @@ impl EngineLoop {
                 return self.stop(&fatal.to_string());
             }
             if self.is_idle() {
-                if let Err(e) = self.scheduler.check_integrity() {
-                    tracing::error!("cache integrity check failed while idle: {e}");
-                }
+                self.integrity_check_due = true;
                 tracing::info!("Scheduler is idle, waiting for new reqs...");
             }
+        }
+    }
+
+    /// Checks the cache bookkeeping (allocator, state slots, tree) of an idle engine; a failure is logged, not fatal.
+    fn check_integrity(&mut self) {
+        self.integrity_check_due = false;
+        self.integrity_checks += 1;
+        if let Err(e) = self.scheduler.check_integrity() {
+            tracing::error!("cache integrity check failed while idle: {e}");
         }
     }
 
@@ -267,6 +289,7 @@ impl EngineLoop {
             decode_forward_ms_total: self.decode_forward_ms,
             decode_engine_ms_total: self.decode_engine_ms,
             overlapped_steps: self.overlapped_steps,
+            integrity_checks: self.integrity_checks,
             ..EngineStats::from_scheduler(&self.scheduler.stats())
         };
         self.metrics.set_gauges(EngineGauges {
@@ -283,6 +306,10 @@ impl EngineLoop {
 
     /// Fails everything still pending so no client waits forever.
     fn stop(mut self, why: &str) {
+        if self.integrity_check_due && self.is_idle() {
+            // (a server stopped right after its last answer still checks what that answer left behind)
+            self.check_integrity();
+        }
         self.scheduler.fail_all(why);
         self.dispatch_events();
         self.shared.fail_every_client(why);

@@ -45,6 +45,8 @@ pub struct EngineStats {
     pub decode_engine_ms_total: f64,
     /// Steps launched while the step before them was still running (overlap scheduling), since start.
     pub overlapped_steps: u64,
+    /// Checks of the cache bookkeeping run while idle (each after `INTEGRITY_CHECK_QUIET` without a request).
+    pub integrity_checks: u64,
     /// The tokenizer's segment cache (`text::segment_cache`; the HTTP side fills these in): pieces of prompt text
     /// whose ids were found, pieces encoded and kept, bytes kept. Zero where the cache is off.
     pub tokenizer_cache_hits: u64,
