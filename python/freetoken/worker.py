@@ -28,6 +28,7 @@ from .engine.description import EngineDescription
 from .engine.forward_batch import ForwardBatch
 from .engine.gc_control import freeze_startup_objects
 from .engine.logprobs import MAX_TOP_LOGPROBS, logit_rows, step_logprobs
+from .engine.kernel_compiles import process_compile_watch, report_step_compiles
 from .engine.prefill_warmup import run_prefill_warmup, scratch_chunk_plan, warmup_enabled
 from .engine.step_plan import StepPlan
 from .engine.step_profiler import StepProfiler
@@ -75,6 +76,7 @@ class Worker:
         self.loaded = m = load_model(a)
         self.device, self.dtype, self.model, self.offload = m.device, m.dtype, m.model, m.offload
         self.step_profiler = StepProfiler(self.device)  # FREETOKEN_PROFILE_STEPS (off by default)
+        self.compiles = process_compile_watch()  # kernels a served step had to compile, logged
         self.max_context, self.vocab_size = m.max_context, int(m.config.vocab_size)
         # fails fast on fi / fa / trtllm and unknown names
         self.attn = make_attention_backend(a["attention_backend"], self.device)
@@ -277,6 +279,7 @@ class Worker:
             torch.cuda.reset_peak_memory_stats(self.device)
         if count:
             self.steps_executed += 1
+        compiles_mark = self.compiles.mark()
         try:
             if count:
                 self.faults.maybe_inject(self.steps_executed)  # tests only: FREETOKEN_FAULT
@@ -294,8 +297,11 @@ class Worker:
         workspace = max(0, torch.cuda.max_memory_allocated(self.device) - allocated_before) if on_cuda else 0
         count_experts = count_experts and self.offload is not None
         hits, misses = self._new_expert_counts() if count_experts else (0, 0)
+        step_ms = (time.perf_counter() - t0) * 1e3
+        if count:
+            report_step_compiles(self.compiles, compiles_mark, step_id, num_tokens, step_ms)
         stats = {
-            "forward_ms": (time.perf_counter() - t0) * 1e3,
+            "forward_ms": step_ms,
             "num_tokens": num_tokens,
             "expert_hits": hits,
             "expert_misses": misses,

@@ -1,0 +1,50 @@
+"""The watch over Triton compiles on the request path (``engine/kernel_compiles.py``): it chains into Triton's
+post-compile hook, describes a kernel by its integer specializations, and the worker's report names what a served
+step compiled. On the CPU nothing compiles, so the hook is called as Triton 3.6+ calls it."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from freetoken.engine.kernel_compiles import KernelCompileWatch, process_compile_watch, report_step_compiles
+
+knobs = pytest.importorskip("triton.knobs")
+
+
+def _fake_compile(name: str, specs: list):
+    params = [SimpleNamespace(name=n) for n, _ in specs]
+    fn = SimpleNamespace(name=name, jit_function=SimpleNamespace(params=params))
+    key = ("sig", tuple(ty for _, ty in specs))
+    knobs.runtime.jit_post_compile_hook(
+        key=key, repr=name, fn=fn, compile={}, is_manual_warmup=False, already_compiled=False
+    )
+
+
+def test_watch_records_compiles_and_chains_the_previous_hook(monkeypatch):
+    seen = []
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: seen.append(kw["fn"].name))
+    watch = KernelCompileWatch().install()
+    assert watch.installed and knobs.runtime.jit_post_compile_hook == watch._hook
+    mark = watch.mark()
+    _fake_compile("piece_kernel", [("q_ptr", ("*bf16", "D")), ("T", ("i32", "D")), ("scale", ("fp32", "")), ("BV", 16)])
+    assert watch.since(mark) == ["piece_kernel(q_ptr:D, T:D)"]
+    assert seen == ["piece_kernel"], "a hook installed before the watch still runs"
+    assert watch.install() is watch and knobs.runtime.jit_post_compile_hook == watch._hook  # idempotent
+
+
+def test_process_watch_is_one_per_process():
+    assert process_compile_watch() is process_compile_watch()
+
+
+def test_report_names_the_kernels_a_step_compiled(caplog):
+    watch = KernelCompileWatch()
+    mark = watch.mark()
+    assert report_step_compiles(watch, mark, 7, 2184, 12.0) == 0
+    watch.compiled += [f"k{i}" for i in range(8)]
+    with caplog.at_level(logging.WARNING):
+        assert report_step_compiles(watch, mark, 8, 2184, 310.0) == 8
+    assert "Step 8 (2184 tokens, 310 ms) compiled 8 Triton kernel(s)" in caplog.text
+    assert "k0, k1, k2, k3, k4, k5 and 2 more" in caplog.text
