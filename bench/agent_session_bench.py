@@ -334,7 +334,12 @@ def run_server(label: str, serve_args: list[str], session: Session, tok, warmup_
             )
             history = prompt + r["ids"]
         out["stats_end"] = end_stats(srv)
-        out["log_tail"] = srv.log()[-3000:]
+        log = srv.log()
+        out["log_tail"] = log[-3000:]
+        # steps that compiled Triton kernels on the request path (engine/kernel_compiles.py): what the warm-up missed
+        out["request_path_compiles"] = [
+            l[l.find("Step ") :] for l in log.splitlines() if "Triton kernel(s) on the" in l
+        ]
     finally:
         out["exit_code"] = srv.stop()
     return out
@@ -457,6 +462,8 @@ def main() -> int:
             print(
                 f"    start-up {run['startup_s']:.1f} s, {run['resolved_config']}, exit {run['exit_code']}", flush=True
             )
+            for line in run.get("request_path_compiles", []):
+                print(f"    {line}", flush=True)
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -27,7 +27,9 @@ def _describe(fn, key) -> str:
     name = getattr(fn, "name", "?")
     try:
         params = fn.jit_function.params
-        specs = [f"{p.name}:{ty[1]}" for p, ty in zip(params, key[1]) if isinstance(ty, tuple) and len(ty) == 2 and ty[1]]
+        specs = [
+            f"{p.name}:{ty[1]}" for p, ty in zip(params, key[1]) if isinstance(ty, tuple) and len(ty) == 2 and ty[1]
+        ]
     except Exception:  # the hook's arguments are Triton's internals: keep the name if their shape changed
         return name
     return f"{name}({', '.join(specs)})"
