@@ -49,7 +49,6 @@ def gdn_recurrent_piece_torch(q, k, v, g, beta, initial_state, scale: Optional[f
 
 
 if triton is not None:
-
     # T (1..63 tokens) is not specialized: a tail of 16, 32 or 48 tokens would otherwise compile its own kernel on
     # the request path (~200 ms; an agent turn's tail is whatever its length leaves after the grid point)
     @triton.jit(do_not_specialize=["T"])
