@@ -27,8 +27,8 @@ from .engine.decode_graphs import LaunchedDecode, decode_inputs
 from .engine.description import EngineDescription
 from .engine.forward_batch import ForwardBatch
 from .engine.gc_control import freeze_startup_objects
-from .engine.logprobs import MAX_TOP_LOGPROBS, logit_rows, step_logprobs
 from .engine.kernel_compiles import process_compile_watch, report_step_compiles
+from .engine.logprobs import MAX_TOP_LOGPROBS, logit_rows, step_logprobs
 from .engine.prefill_warmup import run_prefill_warmup, scratch_chunk_plan, warmup_enabled
 from .engine.step_plan import StepPlan
 from .engine.step_profiler import StepProfiler
