@@ -315,7 +315,7 @@ if triton is not None:
         tl.store(mo_ptrs, acc / l_safe[:, None], mask=g_mask[:, None] & dv_mask[None, :])
         tl.store(MidL + b * stride_mlb + heads * stride_mlh + split, lse, mask=g_mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_mlb", "stride_mlh", "NUM_SPLITS"])  # one kernel for 2-8 splits
     def _decode_stage2_kernel(
         MidO,
         MidL,
@@ -586,7 +586,7 @@ def _combine_splits(mid_o, mid_l, out, gate) -> None:
         *g.stride()[:2],
         DV,
         S,
-        BLOCK_S=triton.next_power_of_2(S),
+        BLOCK_S=max(8, triton.next_power_of_2(S)),  # the extend's 2-8 key splits share one specialization
         BLOCK_DV=triton.next_power_of_2(DV),
         HAS_GATE=gate is not None,
     )

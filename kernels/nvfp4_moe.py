@@ -530,7 +530,7 @@ def nvfp4_moe_decode_triton(
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_pairs"])  # (a pair count, as in fused_moe.py)
     def _nvfp4_moe_gate_up_kernel(
         x_ptr,  # [T, H]
         w_ptr,  # int32 words [E, 2I, H/8]
@@ -612,7 +612,7 @@ if triton is not None:
             o_ptrs = out_ptr + pair[None, :].to(tl.int64) * stride_ot + offs_n[:, None]
             tl.store(o_ptrs, h.to(dt), mask=n_mask[:, None] & m_mask[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_pairs"])
     def _nvfp4_moe_down_kernel(
         h_ptr,  # [T*k, I]
         w_ptr,  # int32 words [E, H, I/8]

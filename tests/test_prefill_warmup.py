@@ -114,3 +114,27 @@ def test_warmup_on_cuda(hybrid_checkpoint):
         _chunk(w, ids[:50], 0)
     run_prefill_warmup(warmed)
     assert torch.equal(_chunk(warmed, ids[50:], 50), _chunk(plain, ids[50:], 50))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_chunks_after_the_warmup_compile_nothing(hybrid_checkpoint):
+    """After the warm-up, chunks of the lengths requests bring (even and odd counts, multiples of 16, a cached turn
+    with snapshots at its grid point and end, tails of 16/48 tokens after the grid point) compile no Triton kernel:
+    each such compile is paid on a request's path (on the H200 a 2,048-token chunk waited 0.9 s for the MoE's
+    kernels specialized on an even pair count, 2026-12-03)."""
+    from freetoken.engine.kernel_compiles import process_compile_watch
+    from freetoken.engine.prefill_warmup import scratch_chunk_plan
+
+    w = _worker(hybrid_checkpoint, device="cuda", dtype="bfloat16", max_prefill_length=4096, num_tokens=16384)
+    run_prefill_warmup(w)
+    watch = process_compile_watch()
+    assert watch.installed
+    mark = watch.mark()
+    assert w.scratch_tokens == w.max_context == 2048
+    shapes = [(0, n) for n in (2, 16, 48, 64, 100, 256, 1090, 2000)]
+    # (tails after the grid point: 48, 16, 9, 59 tokens)
+    shapes += [(1090, 302), (1392, 160), (1552, 97), (1649, 330)]
+    for prefix, new in shapes:
+        w.execute_plan(scratch_chunk_plan(w, prefix, new), _allow_scratch=True)
+    assert watch.since(mark) == [], f"compiled after the warm-up: {watch.since(mark)}"
