@@ -109,7 +109,6 @@ def moe_align_block_size_torch(topk_ids: torch.Tensor, num_experts: int, block_m
 
 
 if triton is not None:
-
     # Pair and block counts are not specialized: Triton would compile another kernel for a count divisible by 16
     # (any chunk of an even number of tokens, top-8), on the request path of the first such chunk (~0.9 s on the H200
     # at 2,048 tokens, 2026-12-03); the counts only bound loops and masks.
