@@ -17,7 +17,7 @@ snapshot, on the 64-token grid).
 Per turn it reports: prompt tokens, new tokens, cached tokens (``usage.prompt_tokens_details.cached_tokens``; both
 servers run with ``--enable-cache-report``; the ``/v1/stats`` ``snapshot_hit_tokens`` delta beside it), TTFT with
 the cache and without (from the request's send to the first streamed token; the client encodes the JSON body
-before the clock starts, since 30k ids are ~4 ms of Python JSON; until 2026-12-03 afternoon that was inside), their ratio, and whether both servers gave the same greedy answer. The last turn's ratio is
+before the clock starts, since 30k ids are ~4 ms of Python JSON; until 2026-12-03 afternoon that was inside), their ratio, the cached turn's prefill step (from ``/v1/stats`` ``last_prefill_*``: the engine's time for it, the worker's, and its span on the device's timeline), and whether both servers gave the same greedy answer. The last turn's ratio is
 checked against the issue's target (TTFT cached / uncached <= 10 %), beside the fraction of its prompt the cached
 server computed (the floor of that ratio if prefill cost were linear in the tokens computed; at the defaults the
 last message is 2,183 new tokens, 7.3 % of 30,000). Prints a table and writes JSON (command line, date, GPU
@@ -329,6 +329,11 @@ def run_server(label: str, serve_args: list[str], session: Session, tok, warmup_
                     # the last prefill step's own throughput (tokens / its forward): the whole turn's prefill when
                     # the computed tokens fit one chunk, so TTFT minus (computed / this) is the time outside it
                     "prefill_step_tok_s": after.get("prefill_throughput"),
+                    # that step's engine time (planning to commit), the worker's and the span on the device's
+                    # timeline (CUDA events), from /v1/stats: where a TTFT goes
+                    "last_prefill": {
+                        k: after.get(f"last_prefill_{k}") for k in ("tokens", "engine_ms", "forward_ms", "device_ms")
+                    },
                     "answer": r["text"],
                 }
             )
@@ -497,6 +502,10 @@ def summarize(report: dict) -> list[dict]:
         tps = t_on and t_on.get("prefill_step_tok_s")
         computed = t_on and t_on["prompt_tokens"] - t_on["cached_tokens"]
         row["prefill_step_cached_s"] = computed / tps if tps and computed and computed <= report["chunk"] else None
+        step = (t_on or {}).get("last_prefill") or {}
+        one_step = computed and step.get("tokens") == computed  # the turn's prefill was that one step
+        for k in ("engine_ms", "forward_ms", "device_ms"):
+            row[f"step_{k}"] = step.get(k) if one_step else None
         row["ratio"] = row["ttft_cached_s"] / row["ttft_uncached_s"] if t_on and t_off else None
         row["same_answer"] = t_on["answer"] == t_off["answer"] if t_on and t_off else None
         rows.append(row)
@@ -523,15 +532,17 @@ def print_table(report: dict, rows: list[dict]) -> None:
     )
     print(
         f"{'turn':>4}{'prompt':>8}{'new':>7}{'cached':>8}{'snap hit':>9}{'TTFT on ms':>12}{'TTFT off ms':>13}"
-        f"{'on/off':>8}{'step on ms':>11}{'same ans':>9}{'ids exact':>10}"
+        f"{'on/off':>8}{'step on ms':>11}{'worker':>8}{'device':>8}{'same ans':>9}{'ids exact':>10}"
     )
+    f1 = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     for r in rows:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.1%}"
         same = "-" if r["same_answer"] is None else ("yes" if r["same_answer"] else "NO")
         print(
             f"{r['turn']:>4}{r['prompt_tokens']:>8}{r['new_tokens']:>7}{str(r['cached_tokens']):>8}"
             f"{str(r['snapshot_hit_tokens']):>9}{ms(r['ttft_cached_s']):>12}{ms(r['ttft_uncached_s']):>13}"
-            f"{ratio:>8}{ms(r.get('prefill_step_cached_s')):>11}{same:>9}{'yes' if r['ids_exact'] else 'no':>10}"
+            f"{ratio:>8}{f1(r.get('step_engine_ms')):>11}{f1(r.get('step_forward_ms')):>8}"
+            f"{f1(r.get('step_device_ms')):>8}{same:>9}{'yes' if r['ids_exact'] else 'no':>10}"
         )
     last = report["last_turn"]
     if last["ratio"] is not None:

@@ -250,3 +250,16 @@ def test_idle_integrity_check_runs_once_the_server_is_quiet(server, client):
     while server.get("/v1/stats").json()["integrity_checks"] <= before:
         assert time.time() < deadline, "no integrity check ran within 20 s of going idle"
         time.sleep(0.1)
+
+
+def test_stats_split_the_last_prefill_step(server, client):
+    """`/v1/stats` `last_prefill_*`: the last prompt-computing step's new tokens, the engine's time for it (at least
+    the worker's), and its span on the device (0 on the CPU: not measured)."""
+    content = "Tell me a story about a lighthouse keeper, " + "and then another one " * 20
+    client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": content}], temperature=0, max_tokens=2
+    )
+    stats = server.wait_idle()
+    assert stats["last_prefill_tokens"] > 40
+    assert stats["last_prefill_engine_ms"] >= stats["last_prefill_forward_ms"] > 0
+    assert stats["last_prefill_device_ms"] == 0

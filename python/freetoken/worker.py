@@ -249,7 +249,7 @@ class Worker:
 
     def _guarded_step(self, step_id: int, num_tokens: int, run, count: bool = True) -> StepResult:
         """``_guarded`` for a step whose ``run`` returns ``(tokens, logprobs, logits, extra)``."""
-        (tokens, logprobs, logits, extra), stats = self._guarded(step_id, num_tokens, run, count)
+        (tokens, logprobs, logits, extra), stats = self._guarded(step_id, num_tokens, run, count, time_device=True)
         return StepResult(tokens, logprobs, stats, logits, extra)
 
     def _skip_expert_counts(self) -> None:
@@ -266,10 +266,17 @@ class Worker:
         return max(0, hits - h0), max(0, misses - m0)
 
     def _guarded(
-        self, step_id: int, num_tokens: int, run, count: bool = True, count_experts: bool = True
+        self,
+        step_id: int,
+        num_tokens: int,
+        run,
+        count: bool = True,
+        count_experts: bool = True,
+        time_device: bool = False,
     ) -> tuple[object, dict]:
         """Runs one step: fault injection (tests), out-of-memory turned into ``WorkerOutOfMemory`` with the cached
-        memory released, and the step's statistics (time, expert hits and misses, transient memory peak).
+        memory released, and the step's statistics (time, expert hits and misses, transient memory peak, and with
+        ``time_device``, for a ``run`` that waits for its results, the device's time between CUDA events around it).
         Returns what ``run`` returned and the statistics."""
         t0 = time.perf_counter()
         oom = None
@@ -277,6 +284,10 @@ class Worker:
         if on_cuda:  # the step's transient peak, checked against the memory plan (host-side counters, no sync)
             allocated_before = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+        events = None
+        if on_cuda and time_device:
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
         if count:
             self.steps_executed += 1
         compiles_mark = self.compiles.mark()
@@ -285,6 +296,8 @@ class Worker:
                 self.faults.maybe_inject(self.steps_executed)  # tests only: FREETOKEN_FAULT
             with torch.inference_mode():
                 value = run()
+            if events is not None:
+                events[1].record()
         except torch.OutOfMemoryError as e:
             oom = str(e).splitlines()[0]
         except RuntimeError as e:  # the CPU allocator's spelling of OOM
@@ -307,6 +320,9 @@ class Worker:
             "expert_misses": misses,
             "workspace_bytes": workspace,
         }
+        if events is not None:  # (run waited for its tokens: the end event is done, or nearly)
+            events[1].synchronize()
+            stats["device_ms"] = events[0].elapsed_time(events[1])
         return value, stats
 
     def _check_decode_inputs(self, d: dict) -> None:

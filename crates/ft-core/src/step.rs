@@ -166,6 +166,10 @@ pub struct StepStats {
     /// Peak transient device bytes the step allocated above what was allocated before it (CUDA; 0 where not
     /// measured). The engine reports the largest beside the memory plan's workspace in `/v1/stats`.
     pub workspace_bytes: u64,
+    /// The span of the step on the device's timeline, from CUDA events recorded before its first kernel and after
+    /// its last (eager steps; 0 where not measured). It includes gaps where the device waited for the host's next
+    /// launch; `forward_ms` minus it is host time before the first kernel and after the last.
+    pub device_ms: f64,
 }
 
 /// The most likely tokens at a number of positions: `k` per position, most likely first, row-major.

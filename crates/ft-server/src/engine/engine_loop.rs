@@ -57,6 +57,8 @@ pub(super) struct EngineLoop {
     /// answer and the allocator's walk over every free KV page (millions on a large card) would delay it.
     integrity_check_due: bool,
     integrity_checks: u64,
+    /// `(new tokens, engine ms, worker ms, device ms)` of the last step that computed prompt tokens.
+    last_prefill: (u64, f64, f64, f64),
 }
 
 /// How long the engine must stay idle before it checks the cache bookkeeping.
@@ -83,6 +85,7 @@ impl EngineLoop {
             last_commit: None,
             integrity_check_due: false,
             integrity_checks: 0,
+            last_prefill: (0, 0.0, 0.0, 0.0),
         }
     }
 
@@ -204,8 +207,14 @@ impl EngineLoop {
             return Err(WorkerError::Fatal("step overran --step-timeout".into()));
         }
         let from = self.last_commit.map_or(began, |t| t.max(began));
+        let mut prefill_times = None;
         match result {
-            Ok(out) => self.commit(plan, summary, &out, from.elapsed()),
+            Ok(out) => {
+                self.commit(plan, summary, &out, from.elapsed());
+                if plan.kind != StepKind::Decode {
+                    prefill_times = Some((out.stats.forward_ms, out.stats.device_ms));
+                }
+            }
             Err(WorkerError::Fatal(msg)) => {
                 tracing::error!("Engine stopped: {msg}");
                 // Clients and /health get the first line; the traceback is in the log.
@@ -226,6 +235,10 @@ impl EngineLoop {
         self.last_commit = Some(Instant::now());
         if plan.kind == StepKind::Decode {
             self.decode_engine_ms += step_time * 1e3;
+        }
+        if let Some((forward_ms, device_ms)) = prefill_times {
+            let new_tokens = summary.new_tokens as u64;
+            self.last_prefill = (new_tokens, step_time * 1e3, forward_ms, device_ms);
         }
         self.metrics.observe_step(plan.kind, step_time);
         self.publish_stats();
@@ -290,6 +303,10 @@ impl EngineLoop {
             decode_engine_ms_total: self.decode_engine_ms,
             overlapped_steps: self.overlapped_steps,
             integrity_checks: self.integrity_checks,
+            last_prefill_tokens: self.last_prefill.0,
+            last_prefill_engine_ms: self.last_prefill.1,
+            last_prefill_forward_ms: self.last_prefill.2,
+            last_prefill_device_ms: self.last_prefill.3,
             ..EngineStats::from_scheduler(&self.scheduler.stats())
         };
         self.metrics.set_gauges(EngineGauges {

@@ -47,6 +47,13 @@ pub struct EngineStats {
     pub overlapped_steps: u64,
     /// Checks of the cache bookkeeping run while idle (each after `INTEGRITY_CHECK_QUIET` without a request).
     pub integrity_checks: u64,
+    /// The last step that computed prompt tokens (prefill or mixed): its new tokens, the engine's whole time for
+    /// it (planning, the worker call, commit, handing tokens to HTTP), the worker's own time and the device's
+    /// (0 where not measured). Benchmarks split a time to first token with these.
+    pub last_prefill_tokens: u64,
+    pub last_prefill_engine_ms: f64,
+    pub last_prefill_forward_ms: f64,
+    pub last_prefill_device_ms: f64,
     /// The tokenizer's segment cache (`text::segment_cache`; the HTTP side fills these in): pieces of prompt text
     /// whose ids were found, pieces encoded and kept, bytes kept. Zero where the cache is off.
     pub tokenizer_cache_hits: u64,
