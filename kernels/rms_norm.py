@@ -69,8 +69,8 @@ def gated_rms_norm_torch(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
 # ----------------------------------------------------------------------------------------------------------------------
 
 if triton is not None:
-
-    @triton.jit
+    # the row count is not specialized (a count divisible by 16 would compile another kernel on a request's path)
+    @triton.jit(do_not_specialize=["R"])
     def _rms_norm_kernel(
         x_ptr,
         res_ptr,
@@ -128,7 +128,7 @@ def _launch(x2, res2, z2, weight, out2, sum2, eps, one_plus):
         return
     assert N <= 65536, "rms_norm keeps a whole row in registers"
     block_n = triton.next_power_of_2(N)
-    block_r = min(triton.next_power_of_2(R), max(1, 2048 // block_n))  # ~2k elements per program
+    block_r = max(1, 2048 // block_n)  # ~2k elements per program (not from R: one kernel for every row count)
     elems = block_r * block_n
     num_warps = 4 if elems <= 2048 else 8 if elems <= 8192 else 16
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()

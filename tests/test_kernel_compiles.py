@@ -14,12 +14,16 @@ from freetoken.engine.kernel_compiles import KernelCompileWatch, process_compile
 knobs = pytest.importorskip("triton.knobs")
 
 
-def _fake_compile(name: str, specs: list):
-    params = [SimpleNamespace(name=n) for n, _ in specs]
-    fn = SimpleNamespace(name=name, jit_function=SimpleNamespace(params=params))
-    key = ("sig", tuple(ty for _, ty in specs))
+def _fake_compile(name: str, params: list[str], constants: dict, div16: list[int]):
+    fn = SimpleNamespace(name=name, jit_function=SimpleNamespace(params=[SimpleNamespace(name=n) for n in params]))
+    compile = {
+        "constants": {(i,): v for i, v in constants.items()},
+        "configs": [{(i,): [["tt.divisibility", 16]] for i in div16}],
+        "num_warps": 4,
+        "num_stages": 3,
+    }
     knobs.runtime.jit_post_compile_hook(
-        key=key, repr=name, fn=fn, compile={}, is_manual_warmup=False, already_compiled=False
+        key="spec", repr=name, fn=fn, compile=compile, is_manual_warmup=False, already_compiled=False
     )
 
 
@@ -29,8 +33,8 @@ def test_watch_records_compiles_and_chains_the_previous_hook(monkeypatch):
     watch = KernelCompileWatch().install()
     assert watch.installed and knobs.runtime.jit_post_compile_hook == watch._hook
     mark = watch.mark()
-    _fake_compile("piece_kernel", [("q_ptr", ("*bf16", "D")), ("T", ("i32", "D")), ("scale", ("fp32", "")), ("BV", 16)])
-    assert watch.since(mark) == ["piece_kernel(q_ptr:D, T:D)"]
+    _fake_compile("piece_kernel", ["q_ptr", "T", "scale", "BV"], {3: 16}, [0, 1])
+    assert watch.since(mark) == ["piece_kernel(BV=16; D16: q_ptr,T; warps=4, stages=3)"]
     assert seen == ["piece_kernel"], "a hook installed before the watch still runs"
     assert watch.install() is watch and knobs.runtime.jit_post_compile_hook == watch._hook  # idempotent
 

@@ -4,7 +4,7 @@ The prefill warm-up (``prefill_warmup.py``) compiles the specializations request
 still compiles one waits ~0.1-1 s for it (an agent turn's TTFT of ~100 ms read 280-330 ms on the H200 at 3 of 10
 turns, 2026-12-03). Triton calls ``knobs.runtime.jit_post_compile_hook`` after each compile (or load from its
 disk cache) of a kernel new to this process; the watch records them and the worker logs the ones a served step
-caused, with the integer arguments' specialization (``D``: divisible by 16), so that the warm-up (or a
+caused, with their constexpr values and the arguments specialized as divisible by 16, so that the warm-up (or a
 ``do_not_specialize``) can cover them.
 """
 
@@ -22,17 +22,18 @@ except ImportError:  # no Triton, or one too old for knobs: nothing to watch
 logger = get_logger(__name__)
 
 
-def _describe(fn, key) -> str:
-    """``name(arg:spec, ...)`` with the non-empty specializations of the kernel's arguments."""
+def _describe(fn, compile: dict) -> str:
+    """``name(constexpr values; D16: arguments marked divisible by 16; warps, stages)`` from what the hook gets."""
     name = getattr(fn, "name", "?")
     try:
-        params = fn.jit_function.params
-        specs = [
-            f"{p.name}:{ty[1]}" for p, ty in zip(params, key[1]) if isinstance(ty, tuple) and len(ty) == 2 and ty[1]
-        ]
+        params = [p.name for p in fn.jit_function.params]
+        consts = [f"{params[k[0]]}={v}" for k, v in compile.get("constants", {}).items() if len(k) == 1]
+        attrs = (compile.get("configs") or [{}])[0]
+        div16 = [params[k[0]] for k, marks in attrs.items() if len(k) == 1 and ["tt.divisibility", 16] in marks]
     except Exception:  # the hook's arguments are Triton's internals: keep the name if their shape changed
         return name
-    return f"{name}({', '.join(specs)})"
+    opts = f"warps={compile.get('num_warps')}, stages={compile.get('num_stages')}"
+    return f"{name}({', '.join(consts)}; D16: {','.join(div16)}; {opts})"
 
 
 class KernelCompileWatch:
@@ -52,7 +53,7 @@ class KernelCompileWatch:
         return self
 
     def _hook(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled, **kw) -> Optional[bool]:
-        self.compiled.append(_describe(fn, key))
+        self.compiled.append(_describe(fn, compile))
         if self._previous is not None:
             return self._previous(
                 key=key,
