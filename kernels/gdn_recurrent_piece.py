@@ -89,12 +89,21 @@ if triton is not None:
         s_off = i_h * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
         s_mask = k_mask[:, None] & v_mask[None, :]
         S = tl.load(s0_ptr + s_off, mask=s_mask, other=0.0)
+        # token t+1's inputs are loaded before token t is computed: the loads do not depend on the state, so their
+        # latency hides behind the token's reductions instead of stalling every step of this sequential loop
+        q_n = tl.load(q_ptr + i_hk * stride_qh + offs_k, mask=k_mask, other=0.0)
+        k_n = tl.load(k_ptr + i_hk * stride_kh + offs_k, mask=k_mask, other=0.0)
+        v_n = tl.load(v_ptr + i_h * stride_vh + offs_v, mask=v_mask, other=0.0)
+        g_n = tl.load(g_ptr + i_h)
+        beta_n = tl.load(beta_ptr + i_h)
         for t in range(T):
-            q = tl.load(q_ptr + t * stride_qt + i_hk * stride_qh + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            k = tl.load(k_ptr + t * stride_kt + i_hk * stride_kh + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + t * stride_vt + i_h * stride_vh + offs_v, mask=v_mask, other=0.0).to(tl.float32)
-            g = tl.load(g_ptr + t * stride_gt + i_h)
-            beta = tl.load(beta_ptr + t * stride_bt + i_h)
+            q, k, v, g, beta = q_n.to(tl.float32), k_n.to(tl.float32), v_n.to(tl.float32), g_n, beta_n
+            tn = tl.minimum(t + 1, T - 1)  # (the last token loads itself again, unused: no scalar masks)
+            q_n = tl.load(q_ptr + tn * stride_qt + i_hk * stride_qh + offs_k, mask=k_mask, other=0.0)
+            k_n = tl.load(k_ptr + tn * stride_kt + i_hk * stride_kh + offs_k, mask=k_mask, other=0.0)
+            v_n = tl.load(v_ptr + tn * stride_vt + i_h * stride_vh + offs_v, mask=v_mask, other=0.0)
+            g_n = tl.load(g_ptr + tn * stride_gt + i_h)
+            beta_n = tl.load(beta_ptr + tn * stride_bt + i_h)
             S, o = delta_rule_token(S, q, k, v, g, beta, scale, EPS)
             tl.store(o_ptr + t * stride_ot + i_h * stride_oh + offs_v, o.to(o_ptr.dtype.element_ty), mask=v_mask)
         tl.store(s1_ptr + s_off, S, mask=s_mask)
