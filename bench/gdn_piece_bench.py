@@ -5,8 +5,9 @@ heads, 32 value heads, 128 x 128 fp32 state), beside fla's ``fused_recurrent_gat
 matters; the table also gives the bytes they must move (state in and out, the tokens' q/k/v/gates) as a fraction of
 the H200's HBM peak, to show how far from bandwidth-bound a latency-bound kernel is.
 
-Each figure is the mean over ``--reps`` launches between CUDA events (launches queued back to back: device time, as
-long as a launch's device time exceeds its host time, which the table's host column shows).
+Device time is the mean over ``--reps`` launches captured in one CUDA graph and replayed between CUDA events (no host
+time in it); the host column is a launch's host time queued eagerly (what a step's Python pays per GDN layer). On the
+H200 (2026-12-03) the eager launch is host-bound: ~55-65 us of host per call, about the device time.
 
     python3 bench/gdn_piece_bench.py --out bench/out/gdn_piece.json
     python3 bench/gdn_piece_bench.py --module some.module   # another build of the kernel (A/B), same contract
@@ -41,15 +42,24 @@ def inputs(T: int, hk: int, hv: int, d: int):
 
 
 def timed(fn, reps: int) -> tuple[float, float]:
-    """(device us per call between CUDA events around ``reps`` queued calls, host us per call)."""
+    """(device us per call: ``reps`` calls captured in one CUDA graph and replayed, so no host time is in it; host
+    us per call queued eagerly, what a step's Python pays)."""
     fn()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
     t0 = time.perf_counter()
     for _ in range(reps):
         fn()
     host = (time.perf_counter() - t0) / reps * 1e6
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / reps * 1e3, host
