@@ -51,16 +51,24 @@ def timed(fn, reps: int) -> tuple[float, float]:
         fn()
     host = (time.perf_counter() - t0) / reps * 1e6
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(reps):
+                fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        start.record()
+        graph.replay()
+        end.record()
+    except RuntimeError as e:  # not capturable (a baseline's wrapper may sync): queued eagerly, host time included
+        print(f"  (not capturable, timed eagerly: {str(e).splitlines()[0][:100]})")
+        torch.cuda.synchronize()
+        start.record()
         for _ in range(reps):
             fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
+        end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / reps * 1e3, host
 
