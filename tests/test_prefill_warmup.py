@@ -20,14 +20,15 @@ from freetoken.engine.prefill_warmup import (
 
 
 def test_chunks_fit_the_scratch_region_and_the_chunk_length():
-    prefix, new = CACHED_TURN
+    prefix, turns = CACHED_TURN
     full = warmup_chunks(8192, 8192, 32768)
-    assert full == [(0, n) for n in FRESH_LENGTHS] + [(0, prefix), (prefix, new)]
+    assert full == [(0, n) for n in FRESH_LENGTHS] + [(0, prefix)] + [(prefix, n) for n in turns]
     # a prefix longer than a chunk is built chunk by chunk; no chunk exceeds the chunk length
     small = warmup_chunks(1024, 8192, 32768)
-    assert all(n <= 1024 for _, n in small) and small[-1] == (prefix, new)
-    assert [p for p, _ in small[len(FRESH_LENGTHS) - 1 : -1]] == list(range(0, prefix, 1024))
-    # a short context: the fresh lengths that fit, and a prefix clipped to leave room for the chunk after it
+    assert all(n <= 1024 for _, n in small) and small[-2:] == [(prefix, turns[0]), (prefix, 1024)]
+    assert [p for p, _ in small[len(FRESH_LENGTHS) - 1 : -2]] == list(range(0, prefix, 1024))
+    # a short context: the fresh lengths that fit, a prefix clipped to leave room for the short turn after it, and
+    # no turn that would not fit
     short = warmup_chunks(8192, 8192, 1024)
     assert (0, 1999) not in short and max(p + n for p, n in short) < 1024 and short[-1][0] > 0
     assert warmup_chunks(8192, 8192, 40) == [(0, 5), (0, 37)]  # too short for a cached turn
