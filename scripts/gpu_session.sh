@@ -47,6 +47,8 @@
 #            bench/linear_host_cost.py (one cuBLAS linear's host time at the step's shapes, per BLAS library)
 #   turnprobe issue 12's turn-10 chunk: bench/extend_attention_bench.py (the cuDNN extend route, the library split,
 #            our Triton kernel), bench/profile_prefill.py with end and grid snapshots (EXTEND_ATTENTION=triton|cudnn)
+#   piece    bench/gdn_piece_bench.py: the GDN tail kernel (a cached turn's < 64 tokens after its grid point) at
+#            Qwen3.6's shape, graph-captured launches, beside fla's recurrent kernel
 #   bf16sweep bench/nvfp4_kernel_bench.py --groups bf16sweep: the BF16 grouped MoE's launch settings at 2,184 and
 #            8,192 tokens, uniform and Zipf routing (run it alone, as moesweep)
 #   stress   issue 12's stress run (bench/radix_stress.py): 16 concurrent 4-turn sessions with hang-ups on the
@@ -177,6 +179,10 @@ if [[ " $SECTIONS " == *" turnprobe "* ]]; then
       --out "$OUT/profile_prefill_turn.json" -- --dummy-weight --model-path configs/qwen3.6-35b-a3b \
       --max-seq-len-override 32768 --moe-backend fused --max-prefill-length 8192 > "$OUT/profile_prefill_turn.log" 2>&1
   grep -E "^context|^step ms|^  routing" "$OUT/profile_prefill_turn.log"
+fi
+if [[ " $SECTIONS " == *" piece "* ]]; then
+  timeout ${PIECE_TIMEOUT:-60} python3 bench/gdn_piece_bench.py --out "$OUT/gdn_piece.json" > "$OUT/gdn_piece.log" 2>&1
+  grep -v -i warn "$OUT/gdn_piece.log"
 fi
 if [[ " $SECTIONS " == *" bf16sweep "* ]]; then
   timeout ${SWEEP_TIMEOUT:-300} python3 bench/nvfp4_kernel_bench.py --groups bf16sweep --ms 2184,8192 \
