@@ -341,9 +341,11 @@ def run_server(label: str, serve_args: list[str], session: Session, tok, warmup_
         out["stats_end"] = end_stats(srv)
         log = srv.log()
         out["log_tail"] = log[-3000:]
-        # steps that compiled Triton kernels on the request path (engine/kernel_compiles.py): what the warm-up missed
-        out["request_path_compiles"] = [
-            l[l.find("Step ") :] for l in log.splitlines() if "Triton kernel(s) on the" in l
+        # served steps that compiled Triton kernels (engine/kernel_compiles.py: what the warm-up missed) or grew or
+        # flushed the CUDA caching allocator (engine/allocator_events.py)
+        marks = ("Triton kernel(s) on the", "new CUDA segment", "caching allocator freed")
+        out["request_path_events"] = [
+            l[l.find("Step ") :] for l in log.splitlines() if "Step " in l and any(m in l for m in marks)
         ]
     finally:
         out["exit_code"] = srv.stop()
@@ -467,7 +469,7 @@ def main() -> int:
             print(
                 f"    start-up {run['startup_s']:.1f} s, {run['resolved_config']}, exit {run['exit_code']}", flush=True
             )
-            for line in run.get("request_path_compiles", []):
+            for line in run.get("request_path_events", []):
                 print(f"    {line}", flush=True)
     finally:
         if tmp:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from . import startup
+from .engine.allocator_events import read_counters, report_step_allocations
 from .engine.decode_graphs import LaunchedDecode, decode_inputs
 from .engine.description import EngineDescription
 from .engine.forward_batch import ForwardBatch
@@ -284,10 +285,11 @@ class Worker:
         if on_cuda:  # the step's transient peak, checked against the memory plan (host-side counters, no sync)
             allocated_before = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        events = None
+        events = allocator_before = None
         if on_cuda and time_device:
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
+            allocator_before = read_counters(self.device) if count else None
         if count:
             self.steps_executed += 1
         compiles_mark = self.compiles.mark()
@@ -313,6 +315,8 @@ class Worker:
         step_ms = (time.perf_counter() - t0) * 1e3
         if count:
             report_step_compiles(self.compiles, compiles_mark, step_id, num_tokens, step_ms)
+            if allocator_before is not None:
+                report_step_allocations(allocator_before, read_counters(self.device), step_id, num_tokens, step_ms)
         stats = {
             "forward_ms": step_ms,
             "num_tokens": num_tokens,
