@@ -52,19 +52,10 @@ class KernelCompileWatch:
         self.installed = True
         return self
 
-    def _hook(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled, **kw) -> Optional[bool]:
-        self.compiled.append(_describe(fn, compile))
-        if self._previous is not None:
-            return self._previous(
-                key=key,
-                repr=repr,
-                fn=fn,
-                compile=compile,
-                is_manual_warmup=is_manual_warmup,
-                already_compiled=already_compiled,
-                **kw,
-            )
-        return None
+    def _hook(self, **kw) -> Optional[bool]:
+        # (Triton passes key, repr, fn, compile, is_manual_warmup, already_compiled by keyword; all go on unchanged)
+        self.compiled.append(_describe(kw["fn"], kw["compile"]))
+        return self._previous(**kw) if self._previous is not None else None
 
     def mark(self) -> int:
         """A position to ask ``since`` about later."""
