@@ -17,7 +17,8 @@ snapshot, on the 64-token grid).
 Per turn it reports: prompt tokens, new tokens, cached tokens (``usage.prompt_tokens_details.cached_tokens``; both
 servers run with ``--enable-cache-report``; the ``/v1/stats`` ``snapshot_hit_tokens`` delta beside it), TTFT with
 the cache and without (from the request's send to the first streamed token; the client encodes the JSON body
-before the clock starts, since 30k ids are ~4 ms of Python JSON; until 2026-12-03 afternoon that was inside), their ratio, the cached turn's prefill step (from ``/v1/stats`` ``last_prefill_*``: the engine's time for it, the worker's, and its span on the device's timeline), and whether both servers gave the same greedy answer. The last turn's ratio is
+before the clock starts, since 30k ids are ~4 ms of Python JSON; until 2026-12-03 afternoon that was inside), their ratio, the cached turn's prefill step (from ``/v1/stats`` ``last_prefill_*``: the engine's time for it, the worker's, and its span on the device's timeline), whether both servers gave the same greedy answer, and the lowest SM clock ``nvidia-smi`` sampled during each
+server's TTFT (``bench/gpu_clocks.py``; the JSON has mean clocks, power, temperature and throttle reasons). The last turn's ratio is
 checked against the issue's target (TTFT cached / uncached <= 10 %), beside the fraction of its prompt the cached
 server computed (the floor of that ratio if prefill cost were linear in the tokens computed; at the defaults the
 last message is 2,183 new tokens, 7.3 % of 30,000). Prints a table and writes JSON (command line, date, GPU
@@ -58,6 +59,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
 sys.path.insert(0, os.path.join(_ROOT, "tests"))
 sys.path.insert(0, os.path.join(_ROOT, "python"))
+from gpu_clocks import ClockSampler  # noqa: E402  (bench/, this script's directory)
 from server_harness import ServerProcess  # noqa: E402
 
 TARGET_RATIO = 0.10  # issue 12: TTFT of the 10th turn with the cache <= 10 % of it without
@@ -233,6 +235,7 @@ def stream_ids(url: str, prompt: list[int], max_tokens: int, tok, timeout: float
     pieces, usage, error, first, finish = [], None, None, None, None
     # the body is encoded before the clock starts: a 30k-id prompt takes this client ~4 ms of JSON, not the server's
     data, headers = json.dumps(body).encode(), {"Content-Type": "application/json"}
+    wall0 = time.time()  # host wall clock, for the GPU clock samples (bench/gpu_clocks.py)
     t0 = time.perf_counter()
     with requests.post(url + "/v1/completions", data=data, headers=headers, stream=True, timeout=timeout) as r:
         if r.status_code != 200:
@@ -262,6 +265,7 @@ def stream_ids(url: str, prompt: list[int], max_tokens: int, tok, timeout: float
     ids = [i for p in pieces for i in tok.encode(p, add_special_tokens=False).ids]
     return {
         "ttft_s": (first or end) - t0,
+        "ttft_wall": (wall0, wall0 + (first or end) - t0),
         "e2e_s": end - t0,
         "text": text,
         "ids": ids,
@@ -287,7 +291,9 @@ def end_stats(srv: ServerProcess) -> dict:
     return {k: stats.get(k) for k in keys}
 
 
-def run_server(label: str, serve_args: list[str], session: Session, tok, warmup_tokens: int) -> dict:
+def run_server(
+    label: str, serve_args: list[str], session: Session, tok, warmup_tokens: int, clocks: ClockSampler
+) -> dict:
     t0 = time.perf_counter()
     srv = ServerProcess(serve_args, ready_timeout=1200)
     startup_s = time.perf_counter() - t0
@@ -334,6 +340,8 @@ def run_server(label: str, serve_args: list[str], session: Session, tok, warmup_
                     "last_prefill": {
                         k: after.get(f"last_prefill_{k}") for k in ("tokens", "engine_ms", "forward_ms", "device_ms")
                     },
+                    # the GPU's clocks and power while this turn's TTFT ran (nvidia-smi samples)
+                    "clocks": clocks.window(*r["ttft_wall"]),
                     "answer": r["text"],
                 }
             )
@@ -464,7 +472,8 @@ def main() -> int:
     try:
         for cache in [c.strip() for c in a.caches.split(",") if c.strip()]:
             print(f"--- {cache}: ft serve {' '.join(base)} --cache-type {cache}", flush=True)
-            run = run_server(cache, base + ["--cache-type", cache], session, tok, warmup)
+            with ClockSampler() as clocks:
+                run = run_server(cache, base + ["--cache-type", cache], session, tok, warmup, clocks)
             report["runs"][cache] = run
             print(
                 f"    start-up {run['startup_s']:.1f} s, {run['resolved_config']}, exit {run['exit_code']}", flush=True
@@ -510,6 +519,9 @@ def summarize(report: dict) -> list[dict]:
             row[f"step_{k}"] = step.get(k) if one_step else None
         row["ratio"] = row["ttft_cached_s"] / row["ttft_uncached_s"] if t_on and t_off else None
         row["same_answer"] = t_on["answer"] == t_off["answer"] if t_on and t_off else None
+        # the lowest SM clock sampled during each server's TTFT (bench/gpu_clocks.py): a slow turn at low clocks
+        # is the card, not the code
+        row["sm_mhz_min"] = [(t or {}).get("clocks", {}).get("sm_mhz_min") for t in (t_on, t_off)]
         rows.append(row)
     report["summary"] = rows
     last = rows[-1]
@@ -535,6 +547,7 @@ def print_table(report: dict, rows: list[dict]) -> None:
     print(
         f"{'turn':>4}{'prompt':>8}{'new':>7}{'cached':>8}{'snap hit':>9}{'TTFT on ms':>12}{'TTFT off ms':>13}"
         f"{'on/off':>8}{'step on ms':>11}{'worker':>8}{'device':>8}{'same ans':>9}{'ids exact':>10}"
+        f"{'SM MHz on/off':>15}"
     )
     f1 = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     for r in rows:
@@ -545,6 +558,7 @@ def print_table(report: dict, rows: list[dict]) -> None:
             f"{str(r['snapshot_hit_tokens']):>9}{ms(r['ttft_cached_s']):>12}{ms(r['ttft_uncached_s']):>13}"
             f"{ratio:>8}{f1(r.get('step_engine_ms')):>11}{f1(r.get('step_forward_ms')):>8}"
             f"{f1(r.get('step_device_ms')):>8}{same:>9}{'yes' if r['ids_exact'] else 'no':>10}"
+            f"{'/'.join('-' if v is None else f'{v:.0f}' for v in r['sm_mhz_min']):>15}"
         )
     last = report["last_turn"]
     if last["ratio"] is not None:

@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+from gpu_clocks import ClockSampler  # noqa: E402
 from profile_decode import batch_plan, print_profile, profile_steps, worker_args  # noqa: E402
 
 from freetoken.engine.step_profiler import host_profile  # noqa: E402
@@ -45,6 +46,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--routing", default="off", help="comma-separated FREETOKEN_BENCH_ROUTING modes, each timed")
     ap.add_argument("--snapshots", default="none", help="comma-separated: none, end, grid (grid point + end)")
+    ap.add_argument("--rounds", type=int, default=2, help="timing rounds over the modes, alternating their order")
     ap.add_argument("--profile-steps", type=int, default=2)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument(
@@ -123,14 +125,21 @@ def main() -> int:
         sync()
         return (time.perf_counter() - t0) / a.reps * 1e3
 
-    # every mode is timed before any is profiled (a profiler session can leave launches slower after it), twice,
-    # in both orders: the spread says how far one figure can be trusted
+    # every mode is timed before any is profiled (a profiler session can leave launches slower after it), in
+    # rounds of alternating order: the spread says how far one figure can be trusted, and the SM clock sampled
+    # during each timing (bench/gpu_clocks.py) whether the card, not the code, moved it
     times: dict[tuple[str, str], list[float]] = {}
-    for m in modes + modes[::-1]:
-        times.setdefault(m, []).append(timed(*m))
-    print("step ms by mode (timed twice, in both orders, before any profiling):")
+    clocks_during: dict[tuple[str, str], list[dict]] = {}
+    with ClockSampler() as clocks:
+        for r in range(a.rounds):
+            for m in modes if r % 2 == 0 else modes[::-1]:
+                wall0 = time.time()
+                times.setdefault(m, []).append(timed(*m))
+                clocks_during.setdefault(m, []).append(clocks.window(wall0, time.time()))
+    print(f"step ms by mode ({a.rounds} rounds, alternating order, before any profiling; [min/mean SM MHz]):")
     for m, ts in times.items():
-        print(f"  routing {m[0]}, snapshots {m[1]}: " + ", ".join(f"{t:.1f}" for t in ts))
+        mhz = [f"[{c.get('sm_mhz_min', '-')}/{c.get('sm_mhz_mean', '-')}]" for c in clocks_during[m]]
+        print(f"  routing {m[0]}, snapshots {m[1]}: " + ", ".join(f"{t:.1f} {c}" for t, c in zip(ts, mhz)))
 
     results = []
     for mode, snapshots in modes:
@@ -156,6 +165,7 @@ def main() -> int:
             "graph_step_ms": None,
             "step_ms": step_ms,
             "step_ms_runs": times[(mode, snapshots)],
+            "clocks_during_runs": clocks_during[(mode, snapshots)],
             "tok_s": a.new * 1e3 / step_ms,
             "device_busy_ms_per_step": device_ms,
             "by_self_cpu": by_cpu,
