@@ -326,6 +326,16 @@ BF16_MOE_SWEEP = [
     {"gu_block_k": 128, "down_block_k": 128, "stages": 3},
     {"down_block_n": 128, "down_block_k": 128, "warps": 8, "stages": 3},
     {"block_m": 128, "gu_block_n": 128, "down_block_n": 128, "warps": 8, "stages": 3},
+    # the down kernel alone (gate|up as the default): it streamed its weights at ~55 % of HBM where gate|up
+    # reached ~80 % (agent turn, 2026-12-03 night profile)
+    {"down_block_n": 128},
+    {"down_block_n": 128, "down_warps": 8},
+    {"down_block_n": 256, "down_warps": 8},
+    {"down_block_k": 128},
+    {"down_block_k": 32},
+    {"down_stages": 4},
+    {"down_stages": 2},
+    {"down_block_n": 128, "down_block_k": 128, "down_warps": 8, "down_stages": 2},
 ]
 
 

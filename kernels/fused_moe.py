@@ -339,6 +339,10 @@ def grouped_bf16_config(num_pairs: int, E: int, block_m: int | None = None, tune
         "down_block_k": 64,
         "warps": None,
         "stages": None,
+        # the down kernel's own warps and stages (None: ``warps`` / ``stages``): its K (the expert's intermediate
+        # size, 512 for Qwen3.6) is a quarter of gate|up's, so its programs are short
+        "down_warps": None,
+        "down_stages": None,
     }
     return with_overrides(cfg, tune, "grouped BF16")
 
@@ -379,9 +383,15 @@ def fused_moe_triton(
     return moe_combine_triton(partial, k, x.dtype, shared, shared_gate, weights=topk_weights)
 
 
-def _launch_options(cfg: dict) -> dict:
-    """``num_warps``/``num_stages`` for a launch, only where ``cfg`` sets them (else Triton's defaults)."""
-    return {key: cfg[name] for key, name in (("num_warps", "warps"), ("num_stages", "stages")) if cfg[name]}
+def _launch_options(cfg: dict, kernel: str = "") -> dict:
+    """``num_warps``/``num_stages`` for a launch, only where ``cfg`` sets them (else Triton's defaults);
+    ``kernel="down_"`` prefers the down kernel's own settings."""
+    opts = {}
+    for key, name in (("num_warps", "warps"), ("num_stages", "stages")):
+        value = cfg.get(kernel + name) or cfg[name]
+        if value:
+            opts[key] = value
+    return opts
 
 
 def _launch_gate_up(x, w13, sorted_ids, block_expert, k, cfg: dict, prec) -> torch.Tensor:
@@ -441,6 +451,6 @@ def _launch_down(inter, w2, sorted_ids, block_expert, H, cfg: dict, prec) -> tor
         BLOCK_N=bn2,
         BLOCK_K=bk2,
         DOT_PREC=prec,
-        **_launch_options(cfg),
+        **_launch_options(cfg, "down_"),
     )
     return partial

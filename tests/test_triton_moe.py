@@ -93,6 +93,8 @@ def test_triton_moe_interpreter_cpu():
         (7, 4, 2, 16, 32, "float16", False),
         # launch settings of grouped_bf16_config: rows per block, both kernels' tiles (I = 48: a partial N tile)
         (19, 8, 3, 32, 48, "float32", True, {"block_m": 32, "gu_block_n": 32, "down_block_k": 16, "warps": 2}),
+        # the down kernel's own warps and stages
+        (19, 8, 3, 32, 48, "float32", True, {"down_block_n": 32, "down_warps": 2, "down_stages": 2}),
     ]
     run_under_interpreter(_CPU_SCRIPT, cases=cases)
 
