@@ -23,6 +23,7 @@ the dots in IEEE precision, never TF32). Accumulation is fp32; outputs are in q'
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -138,6 +139,48 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
+    def _extend_tile_lazy(
+        q,
+        K,
+        V,
+        slot_row,
+        key_head_k,
+        key_head_v,
+        stride_kt,
+        stride_vt,
+        offs_d,
+        offs_dv,
+        d_mask,
+        dv_mask,
+        start,
+        m_i,
+        l_i,
+        acc,
+        qk_scale,
+        BLOCK_N: tl.constexpr,
+        PREC: tl.constexpr,
+    ):
+        """``_extend_tile(MASKED=False)`` with FlashAttention-4's lazy rescaling: the running max ``m_i`` moves only
+        when some row's max grows by more than 8 (in log2 units), so ``exp2(s - m_i)`` stays <= 256 and most tiles
+        of a long prefix skip rescaling the ``[BLOCK_M, Dv]`` accumulator. ``acc / l_i`` and the log-sum-exp
+        ``m_i + log2(l_i)`` are unchanged: both carry the same max."""
+        slot = tl.load(slot_row + start + tl.arange(0, BLOCK_N)).to(tl.int64)
+        k = tl.load(K + slot[None, :] * stride_kt + key_head_k + offs_d[:, None], mask=d_mask[:, None], other=0.0)
+        s = tl.dot(q, k, input_precision=PREC) * qk_scale
+        m_tile = tl.max(s, 1)
+        if tl.max(m_tile - m_i, 0) > 8.0:  # also the first tile (m_i = -inf): alpha = 0 on a zero accumulator
+            m_new = tl.maximum(m_i, m_tile)
+            alpha = tl.exp2(m_i - m_new)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha
+            m_i = m_new
+        p = tl.exp2(s - m_i[:, None])
+        l_i += tl.sum(p, 1)
+        v = tl.load(V + slot[:, None] * stride_vt + key_head_v + offs_dv[None, :], mask=dv_mask[None, :], other=0.0)
+        acc += tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        return m_i, l_i, acc
+
+    @triton.jit
     def _extend_kernel(
         Q,
         K,
@@ -174,6 +217,7 @@ if triton is not None:
         BLOCK_DV: tl.constexpr,
         PREC: tl.constexpr,
         SPLIT: tl.constexpr,  # NUM_SPLITS > 1: partial outputs and log-sum-exps into MidO / MidL, merged after
+        LAZY: tl.constexpr,  # the unmasked tiles rescale lazily (``_extend_tile_lazy``)
     ):
         pid_m = tl.program_id(0) // NUM_SPLITS
         split = tl.program_id(0) % NUM_SPLITS
@@ -207,10 +251,16 @@ if triton is not None:
             # tiles every query of the block sees (keys up to its first query's position) skip the masks
             full = tl.maximum(tl.minimum(hi, prefix + pid_m * BLOCK_M + 1) - lo, 0) // BLOCK_N * BLOCK_N
             for start in range(lo, lo + full, BLOCK_N):
-                m_i, l_i, acc = _extend_tile(
-                    q, K, V, slot_row, kvh * stride_kh, kvh * stride_vh, stride_kt, stride_vt, offs_d, offs_dv,
-                    d_mask, dv_mask, qpos, start, hi, m_i, l_i, acc, qk_scale, BLOCK_N, PREC, False,
-                )  # fmt: skip
+                if LAZY:
+                    m_i, l_i, acc = _extend_tile_lazy(
+                        q, K, V, slot_row, kvh * stride_kh, kvh * stride_vh, stride_kt, stride_vt, offs_d, offs_dv,
+                        d_mask, dv_mask, start, m_i, l_i, acc, qk_scale, BLOCK_N, PREC,
+                    )  # fmt: skip
+                else:
+                    m_i, l_i, acc = _extend_tile(
+                        q, K, V, slot_row, kvh * stride_kh, kvh * stride_vh, stride_kt, stride_vt, offs_d, offs_dv,
+                        d_mask, dv_mask, qpos, start, hi, m_i, l_i, acc, qk_scale, BLOCK_N, PREC, False,
+                    )  # fmt: skip
             for start in range(lo + full, hi, BLOCK_N):
                 m_i, l_i, acc = _extend_tile(
                     q, K, V, slot_row, kvh * stride_kh, kvh * stride_vh, stride_kt, stride_vt, offs_d, offs_dv,
@@ -361,6 +411,12 @@ if triton is not None:
         tl.store(O + b * stride_ob + h * stride_oh + offs_dv, out.to(O.dtype.element_ty), mask=dv_mask)
 
 
+def lazy_rescale() -> bool:
+    """The extend kernel's unmasked tiles rescale lazily (``_extend_tile_lazy``) unless
+    ``FREETOKEN_EXTEND_LAZY_RESCALE=0`` (A/B runs)."""
+    return os.environ.get("FREETOKEN_EXTEND_LAZY_RESCALE", "1") != "0"
+
+
 def _prec(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # fp32 must not silently drop to tf32
 
@@ -497,6 +553,7 @@ def extend_attention_triton(
         BLOCK_DV=bdv,
         PREC=_prec(k_cache.dtype),
         SPLIT=S > 1,
+        LAZY=lazy_rescale(),
         num_warps=warps,
         num_stages=stages,
     )

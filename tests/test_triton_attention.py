@@ -26,12 +26,19 @@ def _tol(dtype):
     return {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
 
 
-def extend_case(nh, nkv, D, DV, ext, pre, dtype, device, seed=0, config=None, num_splits=0):
+def extend_case(nh, nkv, D, DV, ext, pre, dtype, device, seed=0, config=None, num_splits=0, key_ramp=0.0):
+    """``key_ramp``: keys scaled by ``1 + key_ramp * position / context`` (each row's own positions), so the scores'
+    running max keeps growing along the keys: the lazy rescale of ``_extend_tile_lazy`` then fires mid-row."""
     from freetoken.kernels.attention import extend_attention_torch, extend_attention_triton
 
     B = len(ext)
     max_ctx = max(e + p for e, p in zip(ext, pre)) + 3
     kc, vc, r2t = _pool(nkv, D, DV, dtype, device, B + 1, max_ctx, seed)
+    if key_ramp:
+        ramp = 1.0 + key_ramp * torch.arange(max_ctx, dtype=torch.float32) / max_ctx
+        for r in range(B + 1):
+            slots = r2t[r].long().cpu()
+            kc[slots] = (kc[slots].float().cpu() * ramp[:, None, None]).to(device, dtype)
     rows = torch.randperm(B + 1, generator=torch.Generator().manual_seed(seed))[:B]
     cu = torch.tensor([0] + list(torch.tensor(ext).cumsum(0).tolist()), dtype=torch.int32)
     T = int(cu[-1])
@@ -189,7 +196,7 @@ def gated_backend_case(device, dtype):
 
 _CPU_SCRIPT = textwrap.dedent(
     """
-    import sys, torch
+    import os, sys, torch
     sys.path.insert(0, {tests!r})
     import test_triton_attention as t
     for dt in ("float32", "float16"):
@@ -207,6 +214,12 @@ _CPU_SCRIPT = textwrap.dedent(
     t.extend_case(4, 2, 16, 16, [150, 5], [300, 0], torch.float16, "cpu", seed=3, config=(128, 64, 8, 2), num_splits=3)
     t.extend_case(4, 2, 16, 16, [3, 1, 20], [0, 5, 70], torch.float32, "cpu", seed=4, num_splits=5)
     t.extend_case(2, 2, 24, 8, [17], [33], torch.float32, "cpu", seed=5, config=(16, 32, 4, 2), num_splits=2)
+    # the running max grows by more than 2^8 between unmasked tiles (lazy rescale fires mid-row), then the same
+    # with every tile rescaled (FREETOKEN_EXTEND_LAZY_RESCALE=0)
+    for lazy in ("1", "0"):
+        os.environ["FREETOKEN_EXTEND_LAZY_RESCALE"] = lazy
+        t.extend_case(4, 2, 16, 16, [40, 5], [300, 90], torch.float32, "cpu", seed=6, config=(16, 32, 4, 2),
+                      num_splits=2, key_ramp=12.0)
     t.backend_case("cpu", torch.float32)
     t.gated_backend_case("cpu", torch.float32)
     print("OK")
