@@ -65,7 +65,9 @@ def main(argv=None) -> int:
         options = {"num_warps": a.warps, "num_stages": a.stages}
         compiled = triton.compile(src, target=GPUTarget("cuda", a.arch, 32), options=options)
     except Exception as e:  # the compiler's message is the point of the tool
-        print(f"{name} does not compile for sm_{a.arch}: {e}" + (f"\ncaused by: {e.__cause__!r}" if e.__cause__ else ""))
+        print(
+            f"{name} does not compile for sm_{a.arch}: {e}" + (f"\ncaused by: {e.__cause__!r}" if e.__cause__ else "")
+        )
         return 1
     print(f"{name}: sm_{a.arch} PTX {len(compiled.asm['ptx'])} bytes" + _ptxas_usage(compiled.asm["ptx"], a.arch))
     return 0
