@@ -17,7 +17,8 @@ snapshot, on the 64-token grid).
 Per turn it reports: prompt tokens, new tokens, cached tokens (``usage.prompt_tokens_details.cached_tokens``; both
 servers run with ``--enable-cache-report``; the ``/v1/stats`` ``snapshot_hit_tokens`` delta beside it), TTFT with
 the cache and without (from the request's send to the first streamed token; the client encodes the JSON body
-before the clock starts, since 30k ids are ~4 ms of Python JSON; until 2026-12-03 afternoon that was inside), their ratio, the cached turn's prefill step (from ``/v1/stats`` ``last_prefill_*``: the engine's time for it, the worker's, and its span on the device's timeline), whether both servers gave the same greedy answer, and the lowest SM clock ``nvidia-smi`` sampled during each
+before the clock starts, since 30k ids are ~4 ms of Python JSON; until 2026-12-03 afternoon that was inside), their ratio, the cached turn's prefill step (from ``/v1/stats`` ``last_prefill_*``: the engine's time for it, the worker's, its span on the device's timeline and the host's time to enqueue its
+forward, ``launch``: near ``device``, the host's launches set the pace), whether both servers gave the same greedy answer, and the lowest SM clock ``nvidia-smi`` sampled during each
 server's TTFT (``bench/gpu_clocks.py``; the JSON has mean clocks, power, temperature and throttle reasons). The last turn's ratio is
 checked against the issue's target (TTFT cached / uncached <= 10 %), beside the fraction of its prompt the cached
 server computed (the floor of that ratio if prefill cost were linear in the tokens computed; at the defaults the
@@ -338,7 +339,8 @@ def run_server(
                     # that step's engine time (planning to commit), the worker's and the span on the device's
                     # timeline (CUDA events), from /v1/stats: where a TTFT goes
                     "last_prefill": {
-                        k: after.get(f"last_prefill_{k}") for k in ("tokens", "engine_ms", "forward_ms", "device_ms")
+                        k: after.get(f"last_prefill_{k}")
+                        for k in ("tokens", "engine_ms", "forward_ms", "device_ms", "launch_ms")
                     },
                     # the GPU's clocks and power while this turn's TTFT ran (nvidia-smi samples)
                     "clocks": clocks.window(*r["ttft_wall"]),
@@ -515,7 +517,7 @@ def summarize(report: dict) -> list[dict]:
         row["prefill_step_cached_s"] = computed / tps if tps and computed and computed <= report["chunk"] else None
         step = (t_on or {}).get("last_prefill") or {}
         one_step = computed and step.get("tokens") == computed  # the turn's prefill was that one step
-        for k in ("engine_ms", "forward_ms", "device_ms"):
+        for k in ("engine_ms", "forward_ms", "device_ms", "launch_ms"):
             row[f"step_{k}"] = step.get(k) if one_step else None
         row["ratio"] = row["ttft_cached_s"] / row["ttft_uncached_s"] if t_on and t_off else None
         row["same_answer"] = t_on["answer"] == t_off["answer"] if t_on and t_off else None
@@ -546,7 +548,7 @@ def print_table(report: dict, rows: list[dict]) -> None:
     )
     print(
         f"{'turn':>4}{'prompt':>8}{'new':>7}{'cached':>8}{'snap hit':>9}{'TTFT on ms':>12}{'TTFT off ms':>13}"
-        f"{'on/off':>8}{'step on ms':>11}{'worker':>8}{'device':>8}{'same ans':>9}{'ids exact':>10}"
+        f"{'on/off':>8}{'step on ms':>11}{'worker':>8}{'device':>8}{'launch':>8}{'same ans':>9}{'ids exact':>10}"
         f"{'SM MHz on/off':>15}"
     )
     f1 = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
@@ -557,7 +559,8 @@ def print_table(report: dict, rows: list[dict]) -> None:
             f"{r['turn']:>4}{r['prompt_tokens']:>8}{r['new_tokens']:>7}{str(r['cached_tokens']):>8}"
             f"{str(r['snapshot_hit_tokens']):>9}{ms(r['ttft_cached_s']):>12}{ms(r['ttft_uncached_s']):>13}"
             f"{ratio:>8}{f1(r.get('step_engine_ms')):>11}{f1(r.get('step_forward_ms')):>8}"
-            f"{f1(r.get('step_device_ms')):>8}{same:>9}{'yes' if r['ids_exact'] else 'no':>10}"
+            f"{f1(r.get('step_device_ms')):>8}{f1(r.get('step_launch_ms')):>8}{same:>9}"
+            f"{'yes' if r['ids_exact'] else 'no':>10}"
             f"{'/'.join('-' if v is None else f'{v:.0f}' for v in r['sm_mhz_min']):>15}"
         )
     last = report["last_turn"]

@@ -113,17 +113,23 @@ def main() -> int:
 
     modes = [(m, s) for m in a.routing.split(",") for s in a.snapshots.split(",")]
 
+    launch_device: dict[tuple[str, str], list[tuple[float, float]]] = {}
+
     def timed(mode: str, snapshots: str) -> float:
-        """ms a step, over ``--reps`` steps after a warm-up one (JIT for this chunk's shapes)."""
+        """ms a step, over ``--reps`` steps after a warm-up one (JIT for this chunk's shapes); each step's host
+        time to enqueue its forward and its span on the device are kept (``launch_device``)."""
         bench_routing.set_mode(mode)
         plan = plan_with(snapshots)
         w.execute_plan(plan)
         sync()
         t0 = time.perf_counter()
-        for _ in range(a.reps):
-            w.execute_plan(plan)
+        stats = [w.execute_plan(plan).stats for _ in range(a.reps)]
         sync()
-        return (time.perf_counter() - t0) / a.reps * 1e3
+        ms = (time.perf_counter() - t0) / a.reps * 1e3
+        launch_device.setdefault((mode, snapshots), []).append(
+            (sum(s["launch_ms"] for s in stats) / a.reps, sum(s.get("device_ms", 0.0) for s in stats) / a.reps)
+        )
+        return ms
 
     # every mode is timed before any is profiled (a profiler session can leave launches slower after it), in
     # rounds of alternating order: the spread says how far one figure can be trusted, and the SM clock sampled
@@ -136,10 +142,16 @@ def main() -> int:
                 wall0 = time.time()
                 times.setdefault(m, []).append(timed(*m))
                 clocks_during.setdefault(m, []).append(clocks.window(wall0, time.time()))
-    print(f"step ms by mode ({a.rounds} rounds, alternating order, before any profiling; [min/mean SM MHz]):")
+    print(
+        f"step ms by mode ({a.rounds} rounds, alternating order, before any profiling; "
+        "[host launch ms / device span ms, min/mean SM MHz]):"
+    )
     for m, ts in times.items():
-        mhz = [f"[{c.get('sm_mhz_min', '-')}/{c.get('sm_mhz_mean', '-')}]" for c in clocks_during[m]]
-        print(f"  routing {m[0]}, snapshots {m[1]}: " + ", ".join(f"{t:.1f} {c}" for t, c in zip(ts, mhz)))
+        notes = [
+            f"[{lm:.1f}/{dm:.1f}, {c.get('sm_mhz_min', '-')}/{c.get('sm_mhz_mean', '-')}]"
+            for (lm, dm), c in zip(launch_device[m], clocks_during[m])
+        ]
+        print(f"  routing {m[0]}, snapshots {m[1]}: " + ", ".join(f"{t:.1f} {n}" for t, n in zip(ts, notes)))
 
     results = []
     for mode, snapshots in modes:
@@ -166,6 +178,7 @@ def main() -> int:
             "step_ms": step_ms,
             "step_ms_runs": times[(mode, snapshots)],
             "clocks_during_runs": clocks_during[(mode, snapshots)],
+            "launch_device_ms_runs": launch_device[(mode, snapshots)],
             "tok_s": a.new * 1e3 / step_ms,
             "device_busy_ms_per_step": device_ms,
             "by_self_cpu": by_cpu,

@@ -144,4 +144,5 @@ def test_chunk_counts_divisible_by_16_compile_nothing_new(hybrid_checkpoint):
     for prefix, new in even:
         stats = w.execute_plan(scratch_chunk_plan(w, prefix, new), _allow_scratch=True).stats
         assert 0 < stats["device_ms"] <= stats["forward_ms"], stats  # the step's span on the device's timeline
+        assert 0 < stats["launch_ms"] <= stats["forward_ms"], stats  # the host's enqueueing of the forward
     assert watch.since(mark) == [], f"compiled for the even counts: {watch.since(mark)}"

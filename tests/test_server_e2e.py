@@ -254,7 +254,8 @@ def test_idle_integrity_check_runs_once_the_server_is_quiet(server, client):
 
 def test_stats_split_the_last_prefill_step(server, client):
     """`/v1/stats` `last_prefill_*`: the last prompt-computing step's new tokens, the engine's time for it (at least
-    the worker's), and its span on the device (0 on the CPU: not measured)."""
+    the worker's), its span on the device (0 on the CPU: not measured) and the host's time to enqueue its forward
+    (on the CPU the forward itself, within the worker's time)."""
     content = "Tell me a story about a lighthouse keeper, " + "and then another one " * 20
     client.chat.completions.create(
         model="demo", messages=[{"role": "user", "content": content}], temperature=0, max_tokens=2
@@ -263,3 +264,4 @@ def test_stats_split_the_last_prefill_step(server, client):
     assert stats["last_prefill_tokens"] > 40
     assert stats["last_prefill_engine_ms"] >= stats["last_prefill_forward_ms"] > 0
     assert stats["last_prefill_device_ms"] == 0
+    assert 0 < stats["last_prefill_launch_ms"] <= stats["last_prefill_forward_ms"]

@@ -211,13 +211,17 @@ class Worker:
             self._feed_previous(plan)
         self._check_plan(plan, _allow_scratch)
 
+        launch = {}
+
         def run():
+            t_run = time.perf_counter()
             if self.state is not None and plan.copy_src.numel():
                 self.state.copy(plan.copy_src, plan.copy_dst)  # restore snapshots before the forward
             self.token_counts.reset(plan.rows[plan.table_from == 0])  # requests starting this step
             rows = logit_rows(plan, all_logits)
             batch = ForwardBatch.from_plan(plan, self.kv, self.attn, state=self.state, logits_indices=rows.indices)
             logits = self.model(batch)
+            launch["ms"] = (time.perf_counter() - t_run) * 1e3
             sampled = logits if rows.sampled is None else logits[rows.sampled.to(logits.device)]
             tokens, logprobs = self._sample(sampled, plan.sampling, plan.rows[plan.sampling.seq_index])
             self._prev_sampled = tokens
@@ -226,6 +230,9 @@ class Worker:
 
         run = self.step_profiler.wrap(plan.step_id, plan.num_tokens, run)
         result = self._guarded_step(plan.step_id, plan.num_tokens, run, count=not _allow_scratch)
+        # the host's time to enqueue the forward (every layer's launches; on CUDA it returns before the device is
+        # done): near device_ms, the step is bound by the host's launches, not by the device
+        result.stats["launch_ms"] = launch.get("ms", 0.0)
         if not _allow_scratch:
             self._check_workspace(plan, result.stats["workspace_bytes"])
         return result

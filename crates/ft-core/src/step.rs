@@ -170,6 +170,9 @@ pub struct StepStats {
     /// its last (eager steps; 0 where not measured). It includes gaps where the device waited for the host's next
     /// launch; `forward_ms` minus it is host time before the first kernel and after the last.
     pub device_ms: f64,
+    /// The host's time to enqueue the forward (every layer's launches; eager steps, 0 where not measured). On
+    /// CUDA the launches run ahead of the device, so a value near `device_ms` says the host set the step's pace.
+    pub launch_ms: f64,
 }
 
 /// The most likely tokens at a number of positions: `k` per position, most likely first, row-major.

@@ -57,8 +57,8 @@ pub(super) struct EngineLoop {
     /// answer and the allocator's walk over every free KV page (millions on a large card) would delay it.
     integrity_check_due: bool,
     integrity_checks: u64,
-    /// `(new tokens, engine ms, worker ms, device ms)` of the last step that computed prompt tokens.
-    last_prefill: (u64, f64, f64, f64),
+    /// `(new tokens, engine ms, worker ms, device ms, host launch ms)` of the last step that computed prompt tokens.
+    last_prefill: (u64, f64, f64, f64, f64),
 }
 
 /// How long the engine must stay idle before it checks the cache bookkeeping.
@@ -85,7 +85,7 @@ impl EngineLoop {
             last_commit: None,
             integrity_check_due: false,
             integrity_checks: 0,
-            last_prefill: (0, 0.0, 0.0, 0.0),
+            last_prefill: (0, 0.0, 0.0, 0.0, 0.0),
         }
     }
 
@@ -212,7 +212,7 @@ impl EngineLoop {
             Ok(out) => {
                 self.commit(plan, summary, &out, from.elapsed());
                 if plan.kind != StepKind::Decode {
-                    prefill_times = Some((out.stats.forward_ms, out.stats.device_ms));
+                    prefill_times = Some((out.stats.forward_ms, out.stats.device_ms, out.stats.launch_ms));
                 }
             }
             Err(WorkerError::Fatal(msg)) => {
@@ -236,9 +236,9 @@ impl EngineLoop {
         if plan.kind == StepKind::Decode {
             self.decode_engine_ms += step_time * 1e3;
         }
-        if let Some((forward_ms, device_ms)) = prefill_times {
+        if let Some((forward_ms, device_ms, launch_ms)) = prefill_times {
             let new_tokens = summary.new_tokens as u64;
-            self.last_prefill = (new_tokens, step_time * 1e3, forward_ms, device_ms);
+            self.last_prefill = (new_tokens, step_time * 1e3, forward_ms, device_ms, launch_ms);
         }
         self.metrics.observe_step(plan.kind, step_time);
         self.publish_stats();
@@ -307,6 +307,7 @@ impl EngineLoop {
             last_prefill_engine_ms: self.last_prefill.1,
             last_prefill_forward_ms: self.last_prefill.2,
             last_prefill_device_ms: self.last_prefill.3,
+            last_prefill_launch_ms: self.last_prefill.4,
             ..EngineStats::from_scheduler(&self.scheduler.stats())
         };
         self.metrics.set_gauges(EngineGauges {

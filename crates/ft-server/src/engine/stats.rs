@@ -54,6 +54,9 @@ pub struct EngineStats {
     pub last_prefill_engine_ms: f64,
     pub last_prefill_forward_ms: f64,
     pub last_prefill_device_ms: f64,
+    /// The host's time to enqueue that step's forward (`StepStats::launch_ms`): near the device's, the host set
+    /// the pace.
+    pub last_prefill_launch_ms: f64,
     /// The tokenizer's segment cache (`text::segment_cache`; the HTTP side fills these in): pieces of prompt text
     /// whose ids were found, pieces encoded and kept, bytes kept. Zero where the cache is off.
     pub tokenizer_cache_hits: u64,
