@@ -336,6 +336,11 @@ BF16_MOE_SWEEP = [
     {"down_stages": 4},
     {"down_stages": 2},
     {"down_block_n": 128, "down_block_k": 128, "down_warps": 8, "down_stages": 2},
+    # large tiles for long chunks (8k tokens: ~256 rows an expert), where 64 x 64 tiles ran ~210 TFLOP/s
+    {"block_m": 128, "gu_block_n": 128, "down_block_n": 128, "warps": 8, "stages": 4},
+    {"block_m": 64, "gu_block_n": 128, "down_block_n": 128, "warps": 4, "stages": 4},
+    {"block_m": 128, "gu_block_n": 64, "down_block_n": 128, "warps": 4, "stages": 3},
+    {"block_m": 128, "gu_block_n": 128, "down_block_n": 256, "warps": 8, "down_stages": 3, "stages": 3},
 ]
 
 
