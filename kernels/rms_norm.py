@@ -84,6 +84,8 @@ if triton is not None:
         stride_x,
         stride_res,
         stride_z,
+        z_heads,  # the gate's rows come in groups of z_heads heads: row r reads (r // z_heads, r % z_heads)
+        stride_zh,
         stride_out,
         stride_sum,
         ONE_PLUS: tl.constexpr,
@@ -111,7 +113,8 @@ if triton is not None:
         else:
             y = n.to(dt).to(tl.float32) * w  # Llama casts before the weight multiply
             if HAS_GATE:
-                z = tl.load(z_ptr + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                z_row = (rows // z_heads) * stride_z + (rows % z_heads) * stride_zh
+                z = tl.load(z_ptr + z_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
                 y = y.to(dt).to(tl.float32) * (z / (1.0 + tl.exp(-z)))
         tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y.to(dt), mask=mask)
 
@@ -122,7 +125,9 @@ def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[0] == 0 else t.contiguous()
 
 
-def _launch(x2, res2, z2, weight, out2, sum2, eps, one_plus):
+def _launch(x2, res2, z2, weight, out2, sum2, eps, one_plus, z_heads: int = 1):
+    """``z2``: the gate as ``[R, N]`` rows, or (``z_heads`` > 1) as ``[R // z_heads, z_heads, N]`` with any strides
+    but a unit last one."""
     R, N = x2.shape
     if R == 0:
         return
@@ -145,6 +150,8 @@ def _launch(x2, res2, z2, weight, out2, sum2, eps, one_plus):
         x2.stride(0),
         res2.stride(0) if res2 is not None else 0,
         z2.stride(0) if z2 is not None else 0,
+        z_heads,
+        z2.stride(1) if z_heads > 1 else 0,
         out2.stride(0),
         sum2.stride(0) if sum2 is not None else 0,
         ONE_PLUS=one_plus,
@@ -183,11 +190,16 @@ def add_rms_norm_triton(
 
 
 def gated_rms_norm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Same contract as ``gated_rms_norm_torch``."""
+    """Same contract as ``gated_rms_norm_torch``. A ``[T, heads, N]`` gate whose rows do not collapse into one
+    stride (the Gated DeltaNet's z: a column slice of the fused input projection) is read where it lies."""
     assert x.shape == z.shape
     N = x.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _launch(_rows(x, N), None, _rows(z, N), weight, out.view(-1, N), None, eps, False)
+    z_heads = 1
+    if z.dim() == 3 and z.stride(-1) == 1 and z.shape[0] > 1 and z.stride(0) != z.shape[1] * z.stride(1):
+        z_heads = z.shape[1]  # no [T * heads, N] view exists (a reshape would copy): index (token, head) instead
+    z2 = z if z_heads > 1 else _rows(z, N)
+    _launch(_rows(x, N), None, z2, weight, out.view(-1, N), None, eps, False, z_heads)
     return out
 
 

@@ -64,12 +64,20 @@ def check_rms_norm(T, N, dtype, device, one_plus, strided=False, seed=0):
     return max(err, _close(n, ref_n, dtype, device), _close(s, ref_s, dtype, device))
 
 
-def check_gated_rms_norm(R, D, dtype, device, strided=False, seed=0):
+def check_gated_rms_norm(R, D, dtype, device, strided=False, seed=0, heads=0):
+    """``heads``: x and the gate as ``[R, heads, D]``, the gate a column slice of a wider projection output (the
+    Gated DeltaNet's z), which no ``[R * heads, D]`` view covers."""
     from freetoken.kernels.rms_norm import gated_rms_norm_torch, gated_rms_norm_triton
 
     g = torch.Generator().manual_seed(seed)
-    x = _rows(R, D, dtype, device, g, strided)
-    z = _rows(R, D, dtype, device, g, strided)
+    if heads:
+        x = _rows(R * heads, D, dtype, device, g, False).view(R, heads, D)
+        wide = _rows(R, (heads + 3) * D, dtype, device, g, False)
+        z = wide[:, 2 * D : (heads + 2) * D].view(R, heads, D)
+        assert R < 2 or z.stride(0) != heads * z.stride(1)
+    else:
+        x = _rows(R, D, dtype, device, g, strided)
+        z = _rows(R, D, dtype, device, g, strided)
     w = _weight(D, dtype, device, g, one_plus=False)
     return _close(gated_rms_norm_triton(x, z, w, 1e-6), gated_rms_norm_torch(x, z, w, 1e-6), dtype, device)
 
@@ -256,6 +264,7 @@ _CPU_SCRIPT = textwrap.dedent(
             ("rms_norm", lambda: t.check_rms_norm(37, 64, dt, "cpu", one_plus=True, strided=True, seed=2)),
             ("gated_rms_norm", lambda: t.check_gated_rms_norm(37 * 3, 40, dt, "cpu", strided=True)),
             ("gated_rms_norm", lambda: t.check_gated_rms_norm(1, 24, dt, "cpu", seed=1)),
+            ("gated_rms_norm", lambda: t.check_gated_rms_norm(9, 32, dt, "cpu", seed=2, heads=3)),
             ("silu_and_mul", lambda: t.check_silu_and_mul(37, 50, dt, "cpu", strided=True)),
             ("silu_and_mul", lambda: t.check_silu_and_mul(1, 1100, dt, "cpu", seed=1)),  # two column blocks
             ("qk_norm_rope", lambda: t.check_qk_norm_rope(37, 4, 2, 40, 16, dt, "cpu", "one_plus")),
@@ -306,6 +315,7 @@ def test_rms_norm_cuda(T, one_plus, dtype):
 @pytest.mark.parametrize("T", [1, 37, 1000])
 def test_gated_rms_norm_cuda(T, dtype):
     check_gated_rms_norm(T * 32, 128, dtype, "cuda", strided=T == 37, seed=T)
+    check_gated_rms_norm(T, 128, dtype, "cuda", seed=T, heads=32)  # the GDN's z, read in place
 
 
 @pytest.mark.gpu

@@ -512,7 +512,8 @@ class GatedDeltaNet(nn.Module):
             o = self._decode(qkv, b, a, batch)
         else:
             o = self._extend(qkv, b, a, batch)
-        o = self.norm(o.reshape(T * self.num_v_heads, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        # [T, Hv, dv] both: z is a column slice of the fused projection, which the Triton norm reads in place
+        o = self.norm(o.reshape(T, self.num_v_heads, self.head_v_dim), z)
         return self.out_proj(o.reshape(T, self.value_dim))
 
     def _gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
