@@ -41,13 +41,13 @@ def moe_combine_torch(
     shared_gate: Optional[torch.Tensor] = None,
     weights: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """``partial [T*k, H]`` (fp32, or any dtype with ``weights [T, k]``: each row times its weight in fp32 first)
-    → ``[T, H]`` in ``dtype``; plus ``sigmoid(shared_gate [T, 1]) * shared [T, H]`` in ``dtype`` ops when given.
+    """``partial [T*k, H]`` (fp32, or any dtype with ``weights [T, k]``: each row times its weight, the weight
+    rounded to ``dtype`` as the model's reference applies it, in fp32 first) → ``[T, H]`` in ``dtype``; plus ``sigmoid(shared_gate [T, 1]) * shared [T, H]`` in ``dtype`` ops when given.
     The k rows are added in pair order, as the kernel adds them (torch's CUDA ``sum`` reduces in another order,
     which tips ~3 % of bf16 outputs by a unit in the last place)."""
     T = partial.shape[0] // k
     if weights is not None:
-        partial = partial.float() * weights.reshape(-1, 1).float()
+        partial = partial.float() * weights.reshape(-1, 1).to(dtype).float()
     rows = partial.view(T, k, -1)
     acc = rows[:, 0].clone()
     for j in range(1, k):
@@ -84,7 +84,7 @@ if triton is not None:
         for j in tl.static_range(K):  # in pair order, as moe_combine_torch adds them
             row = tl.load(rows + j * stride_p, mask=mask, other=0.0).to(tl.float32)
             if HAS_WEIGHTS:
-                row = row * tl.load(weights_ptr + t.to(tl.int64) * K + j).to(tl.float32)
+                row = row * tl.load(weights_ptr + t.to(tl.int64) * K + j).to(dt).to(tl.float32)
             acc = row if j == 0 else acc + row
         out = acc.to(dt)
         if HAS_SHARED:

@@ -122,7 +122,8 @@ def run_experts(impl: str, x, w13, w2, topk_ids, topk_weights, shared: Optional[
             return moe_decode_triton(x, w13, w2, topk_ids, topk_weights, **(shared.kernel_args() if shared else {}))
         from ..kernels.fused_moe import fused_moe_triton
 
-        return fused_moe_triton(x, w13, w2, topk_ids, topk_weights.to(x.dtype), **grouped_shared_args(shared))
+        # fp32 weights as they are: the combine rounds each to x's dtype where it reads it (one launch fewer)
+        return fused_moe_triton(x, w13, w2, topk_ids, topk_weights, **grouped_shared_args(shared))
     else:
         out = fused_moe_torch(x, w13, w2, topk_ids, topk_weights.to(x.dtype))
     return out if shared is None else shared.add_to(out)
