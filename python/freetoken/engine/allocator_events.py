@@ -30,8 +30,11 @@ def read_counters(device: torch.device) -> Optional[AllocatorCounters]:
     """The allocator's counters on a CUDA ``device``; None elsewhere."""
     if device.type != "cuda":
         return None
-    stats = torch.cuda.memory_stats(device)
-    return AllocatorCounters(int(stats.get("segment.all.allocated", 0)), int(stats.get("num_alloc_retries", 0)))
+    # the nested form: torch.cuda.memory_stats flattens and sorts ~300 entries in Python (~0.5 ms of host time a
+    # read, twice a prefill step, on a step the host already paces)
+    stats = torch.cuda.memory_stats_as_nested_dict(device)
+    segments = stats.get("segment", {}).get("all", {}).get("allocated", 0)
+    return AllocatorCounters(int(segments), int(stats.get("num_alloc_retries", 0)))
 
 
 def report_step_allocations(
