@@ -16,14 +16,17 @@ snapshot, on the 64-token grid).
 
 Per turn it reports: prompt tokens, new tokens, cached tokens (``usage.prompt_tokens_details.cached_tokens``; both
 servers run with ``--enable-cache-report``; the ``/v1/stats`` ``snapshot_hit_tokens`` delta beside it), TTFT with
-the cache and without (from the request's send to the first streamed token; the client encodes the JSON body
-before the clock starts, since 30k ids are ~4 ms of Python JSON; until 2026-12-03 afternoon that was inside), their ratio, the cached turn's prefill step (from ``/v1/stats`` ``last_prefill_*``: the engine's time for it, the worker's, its span on the device's timeline and the host's time to enqueue its
-forward, ``launch``: near ``device``, the host's launches set the pace), whether both servers gave the same greedy answer, and the lowest SM clock ``nvidia-smi`` sampled during each
-server's TTFT (``bench/gpu_clocks.py``; the JSON has mean clocks, power, temperature and throttle reasons). The last turn's ratio is
-checked against the issue's target (TTFT cached / uncached <= 10 %), beside the fraction of its prompt the cached
-server computed (the floor of that ratio if prefill cost were linear in the tokens computed; at the defaults the
-last message is 2,183 new tokens, 7.3 % of 30,000). Prints a table and writes JSON (command line, date, GPU
-name, server args, per-turn rows, the resolved config lines) to ``--out`` (``bench/out/``).
+the cache and without (from the request's send to the first streamed token; the client encodes the JSON body before
+the clock starts, since 30k ids are ~4 ms of Python JSON; until 2026-12-03 afternoon that was inside), their ratio,
+the cached turn's prefill step (from ``/v1/stats`` ``last_prefill_*``: the engine's time for it, the worker's, its
+span on the device's timeline and the host's time to enqueue its forward, ``launch``: near ``device``, the host's
+launches set the pace), whether both servers gave the same greedy answer, and the lowest SM clock ``nvidia-smi``
+sampled during each server's TTFT (``bench/gpu_clocks.py``; the JSON has mean clocks, power, temperature and
+throttle reasons). The last turn's ratio is checked against the issue's target (TTFT cached / uncached <= 10 %),
+beside the fraction of its prompt the cached server computed (the floor of that ratio if prefill cost were linear in
+the tokens computed; at the defaults the last message is 2,183 new tokens, 7.3 % of 30,000). Prints a table and
+writes JSON (command line, date, GPU name, server args, per-turn rows, the resolved config lines) to ``--out``
+(``bench/out/``).
 
 On the H200 (Qwen3.6-35B-A3B shape, dummy BF16 weights; the model path defaults to ``configs/qwen3.6-35b-a3b``,
 which has no weights, so ``--dummy-weight`` is added; the built-in Qwen3.5/3.6 tokenizer is used, from
