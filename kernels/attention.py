@@ -107,15 +107,10 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         PREC: tl.constexpr,
         MASKED: tl.constexpr,
-        LAZY: tl.constexpr,
     ):
         """One BLOCK_N tile of keys into the running softmax. ``MASKED=False``: every query of the block sees every
         key of the tile (all below the block's first query, all before ``hi``), so no causal or bounds mask and no
-        guard for rows without a visible key; most tiles of a chunk after a long prefix are such. ``LAZY`` (with
-        ``MASKED=False`` only): FlashAttention-4's lazy rescaling, the running max ``m_i`` moves only when some row's
-        max grows by more than 8 (in log2 units), so ``exp2(s - m_i)`` stays <= 256 and most tiles of a long prefix
-        skip rescaling the ``[BLOCK_M, Dv]`` accumulator; ``acc / l_i`` and the log-sum-exp ``m_i + log2(l_i)`` are
-        unchanged, both carrying the same max."""
+        guard for rows without a visible key; most tiles of a chunk after a long prefix are such."""
         offs_n = start + tl.arange(0, BLOCK_N)
         if MASKED:
             n_mask = offs_n < hi
@@ -133,31 +128,57 @@ if triton is not None:
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        elif LAZY:
-            m_tile = tl.max(s, 1)
-            if tl.max(m_tile - m_i, 0) > 8.0:  # also the first tile (m_i = -inf): alpha = 0 on a zero accumulator
-                m_up = tl.maximum(m_i, m_tile)
-                alpha = tl.exp2(m_i - m_up)
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_up
-            m_new = m_i
-            m_safe = m_i
         else:
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = m_new
         p = tl.exp2(s - m_safe[:, None])
-        if LAZY:  # l_i and acc already carry m_i
-            l_i += tl.sum(p, 1)
-        else:
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + slot[:, None] * stride_vt + key_head_v + offs_dv[None, :], mask=v_mask, other=0.0)
-        if LAZY:
-            acc += tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         return m_new, l_i, acc
+
+    @triton.jit
+    def _extend_tile_lazy(
+        q,
+        K,
+        V,
+        slot_row,
+        key_head_k,
+        key_head_v,
+        stride_kt,
+        stride_vt,
+        offs_d,
+        offs_dv,
+        d_mask,
+        dv_mask,
+        start,
+        m_i,
+        l_i,
+        acc,
+        qk_scale,
+        BLOCK_N: tl.constexpr,
+        PREC: tl.constexpr,
+    ):
+        """``_extend_tile(MASKED=False)`` with FlashAttention-4's lazy rescaling: the running max ``m_i`` moves only
+        when some row's max grows by more than 8 (in log2 units), so ``exp2(s - m_i)`` stays <= 256 and most tiles
+        of a long prefix skip rescaling the ``[BLOCK_M, Dv]`` accumulator. ``acc / l_i`` and the log-sum-exp
+        ``m_i + log2(l_i)`` are unchanged: both carry the same max."""
+        slot = tl.load(slot_row + start + tl.arange(0, BLOCK_N)).to(tl.int64)
+        k = tl.load(K + slot[None, :] * stride_kt + key_head_k + offs_d[:, None], mask=d_mask[:, None], other=0.0)
+        s = tl.dot(q, k, input_precision=PREC) * qk_scale
+        m_tile = tl.max(s, 1)
+        if tl.max(m_tile - m_i, 0) > 8.0:  # also the first tile (m_i = -inf): alpha = 0 on a zero accumulator
+            m_new = tl.maximum(m_i, m_tile)
+            alpha = tl.exp2(m_i - m_new)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha
+            m_i = m_new
+        p = tl.exp2(s - m_i[:, None])
+        l_i += tl.sum(p, 1)
+        v = tl.load(V + slot[:, None] * stride_vt + key_head_v + offs_dv[None, :], mask=dv_mask[None, :], other=0.0)
+        acc += tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        return m_i, l_i, acc
 
     @triton.jit
     def _extend_kernel(
@@ -196,7 +217,7 @@ if triton is not None:
         BLOCK_DV: tl.constexpr,
         PREC: tl.constexpr,
         SPLIT: tl.constexpr,  # NUM_SPLITS > 1: partial outputs and log-sum-exps into MidO / MidL, merged after
-        LAZY: tl.constexpr,  # the unmasked tiles rescale lazily (``_extend_tile``)
+        LAZY: tl.constexpr,  # the unmasked tiles rescale lazily (``_extend_tile_lazy``)
     ):
         pid_m = tl.program_id(0) // NUM_SPLITS
         split = tl.program_id(0) % NUM_SPLITS
@@ -230,14 +251,20 @@ if triton is not None:
             # tiles every query of the block sees (keys up to its first query's position) skip the masks
             full = tl.maximum(tl.minimum(hi, prefix + pid_m * BLOCK_M + 1) - lo, 0) // BLOCK_N * BLOCK_N
             for start in range(lo, lo + full, BLOCK_N):
-                m_i, l_i, acc = _extend_tile(
-                    q, K, V, slot_row, kvh * stride_kh, kvh * stride_vh, stride_kt, stride_vt, offs_d, offs_dv,
-                    d_mask, dv_mask, qpos, start, hi, m_i, l_i, acc, qk_scale, BLOCK_N, PREC, False, LAZY,
-                )  # fmt: skip
+                if LAZY:
+                    m_i, l_i, acc = _extend_tile_lazy(
+                        q, K, V, slot_row, kvh * stride_kh, kvh * stride_vh, stride_kt, stride_vt, offs_d, offs_dv,
+                        d_mask, dv_mask, start, m_i, l_i, acc, qk_scale, BLOCK_N, PREC,
+                    )  # fmt: skip
+                else:
+                    m_i, l_i, acc = _extend_tile(
+                        q, K, V, slot_row, kvh * stride_kh, kvh * stride_vh, stride_kt, stride_vt, offs_d, offs_dv,
+                        d_mask, dv_mask, qpos, start, hi, m_i, l_i, acc, qk_scale, BLOCK_N, PREC, False,
+                    )  # fmt: skip
             for start in range(lo + full, hi, BLOCK_N):
                 m_i, l_i, acc = _extend_tile(
                     q, K, V, slot_row, kvh * stride_kh, kvh * stride_vh, stride_kt, stride_vt, offs_d, offs_dv,
-                    d_mask, dv_mask, qpos, start, hi, m_i, l_i, acc, qk_scale, BLOCK_N, PREC, True, False,
+                    d_mask, dv_mask, qpos, start, hi, m_i, l_i, acc, qk_scale, BLOCK_N, PREC, True,
                 )  # fmt: skip
             l_safe = tl.where(l_i == 0.0, 1.0, l_i)
             out = acc / l_safe[:, None]
@@ -385,7 +412,7 @@ if triton is not None:
 
 
 def lazy_rescale() -> bool:
-    """The extend kernel's unmasked tiles rescale lazily (``_extend_tile``'s ``LAZY``) unless
+    """The extend kernel's unmasked tiles rescale lazily (``_extend_tile_lazy``) unless
     ``FREETOKEN_EXTEND_LAZY_RESCALE=0`` (A/B runs)."""
     return os.environ.get("FREETOKEN_EXTEND_LAZY_RESCALE", "1") != "0"
 

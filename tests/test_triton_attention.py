@@ -28,7 +28,7 @@ def _tol(dtype):
 
 def extend_case(nh, nkv, D, DV, ext, pre, dtype, device, seed=0, config=None, num_splits=0, key_ramp=0.0):
     """``key_ramp``: keys scaled by ``1 + key_ramp * position / context`` (each row's own positions), so the scores'
-    running max keeps growing along the keys: the lazy rescale of ``_extend_tile`` then fires mid-row."""
+    running max keeps growing along the keys: the lazy rescale of ``_extend_tile_lazy`` then fires mid-row."""
     from freetoken.kernels.attention import extend_attention_torch, extend_attention_triton
 
     B = len(ext)
