@@ -47,6 +47,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--routing", default="off", help="comma-separated FREETOKEN_BENCH_ROUTING modes, each timed")
     ap.add_argument("--snapshots", default="none", help="comma-separated: none, end, grid (grid point + end)")
     ap.add_argument("--rounds", type=int, default=2, help="timing rounds over the modes, alternating their order")
+    ap.add_argument(
+        "--env-ab",
+        default="",
+        help="VAR=VALUE: every mode is also timed with this environment variable set (an A/B switch such as "
+        "FREETOKEN_GDN_STAGE_INPUTS=0), interleaved with the default; only the default is profiled",
+    )
     ap.add_argument("--profile-steps", type=int, default=2)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument(
@@ -112,21 +118,35 @@ def main() -> int:
         return plan
 
     modes = [(m, s) for m in a.routing.split(",") for s in a.snapshots.split(",")]
+    # timed variants: the modes as they are, and with --env-ab's variable set (a third element)
+    variants = modes + [(m, s, a.env_ab) for m, s in modes if a.env_ab]
 
-    launch_device: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    launch_device: dict[tuple, list[tuple[float, float]]] = {}
 
-    def timed(mode: str, snapshots: str) -> float:
-        """ms a step, over ``--reps`` steps after a warm-up one (JIT for this chunk's shapes); each step's host
-        time to enqueue its forward and its span on the device are kept (``launch_device``)."""
-        bench_routing.set_mode(mode)
-        plan = plan_with(snapshots)
-        w.execute_plan(plan)
-        sync()
-        t0 = time.perf_counter()
-        stats = [w.execute_plan(plan).stats for _ in range(a.reps)]
-        sync()
+    def timed(variant: tuple) -> float:
+        """ms a step of ``variant`` (routing, snapshots[, VAR=VALUE set for these steps only]), over ``--reps``
+        steps after a warm-up one (JIT for this chunk's shapes); each step's host time to enqueue its forward and
+        its span on the device are kept (``launch_device``)."""
+        mode, snapshots = variant[:2]
+        var, _, value = (variant[2] if len(variant) > 2 else "").partition("=")
+        before = os.environ.get(var) if var else None
+        if var:
+            os.environ[var] = value
+        try:
+            bench_routing.set_mode(mode)
+            plan = plan_with(snapshots)
+            w.execute_plan(plan)
+            sync()
+            t0 = time.perf_counter()
+            stats = [w.execute_plan(plan).stats for _ in range(a.reps)]
+            sync()
+        finally:
+            if var and before is None:
+                os.environ.pop(var)
+            elif var:
+                os.environ[var] = before
         ms = (time.perf_counter() - t0) / a.reps * 1e3
-        launch_device.setdefault((mode, snapshots), []).append(
+        launch_device.setdefault(variant, []).append(
             (sum(s["launch_ms"] for s in stats) / a.reps, sum(s.get("device_ms", 0.0) for s in stats) / a.reps)
         )
         return ms
@@ -138,9 +158,9 @@ def main() -> int:
     clocks_during: dict[tuple[str, str], list[dict]] = {}
     with ClockSampler() as clocks:
         for r in range(a.rounds):
-            for m in modes if r % 2 == 0 else modes[::-1]:
+            for m in variants if r % 2 == 0 else variants[::-1]:
                 wall0 = time.time()
-                times.setdefault(m, []).append(timed(*m))
+                times.setdefault(m, []).append(timed(m))
                 clocks_during.setdefault(m, []).append(clocks.window(wall0, time.time()))
     print(
         f"step ms by mode ({a.rounds} rounds, alternating order, before any profiling; "
@@ -151,7 +171,8 @@ def main() -> int:
             f"[{lm:.1f}/{dm:.1f}, {c.get('sm_mhz_min', '-')}/{c.get('sm_mhz_mean', '-')}]"
             for (lm, dm), c in zip(launch_device[m], clocks_during[m])
         ]
-        print(f"  routing {m[0]}, snapshots {m[1]}: " + ", ".join(f"{t:.1f} {n}" for t, n in zip(ts, notes)))
+        env = f", {m[2]}" if len(m) > 2 else ""
+        print(f"  routing {m[0]}, snapshots {m[1]}{env}: " + ", ".join(f"{t:.1f} {n}" for t, n in zip(ts, notes)))
 
     results = []
     for mode, snapshots in modes:
@@ -177,6 +198,9 @@ def main() -> int:
             "graph_step_ms": None,
             "step_ms": step_ms,
             "step_ms_runs": times[(mode, snapshots)],
+            "env_ab": a.env_ab or None,
+            "env_ab_step_ms_runs": times.get((mode, snapshots, a.env_ab)),
+            "env_ab_launch_device_ms_runs": launch_device.get((mode, snapshots, a.env_ab)),
             "clocks_during_runs": clocks_during[(mode, snapshots)],
             "launch_device_ms_runs": launch_device[(mode, snapshots)],
             "tok_s": a.new * 1e3 / step_ms,

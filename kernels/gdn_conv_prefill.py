@@ -16,7 +16,12 @@ rounded to qkv's dtype first (as the layer's eager path does).
   and returns when the tile starts past its sequence's end. No host sync: only ``max_len`` comes from the host.
 
 Both only read the pool: the caller writes the new states (the last Kc−1 inputs) afterwards, so every sequence
-reads its previous state before any slot changes. ``gdn_conv_prefill`` dispatches: Triton on CUDA tensors, torch
+reads its previous state before any slot changes.
+
+``parts`` (column widths summing to C, e.g. the GDN's q | k | v) writes y as one contiguous ``[rows, width]``
+block per part, one block after another (``parts_layout``): each part's first T rows are then a contiguous tensor,
+which fla's kernels take without the copy a column view of ``[T, C]`` costs (~3 strided copies a GDN layer), and
+``out`` lets the caller give the buffer (the GDN prefill graphs' static inputs: no copy into them either). ``gdn_conv_prefill`` dispatches: Triton on CUDA tensors, torch
 elsewhere (``impl`` forces one; Triton on CPU needs ``TRITON_INTERPRET=1``).
 """
 
@@ -34,6 +39,7 @@ except Exception:  # pragma: no cover
 
 BLOCK_T = 32
 BLOCK_C = 128
+NUM_WARPS = 4
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -79,8 +85,15 @@ if triton is not None:
         cu_ptr,  # [N+1]
         slots_ptr,  # [N]
         init_ptr,  # [N], nonzero = continue from the slot
-        y_ptr,  # [T, C] contiguous
+        y_ptr,  # parts of [rows, width] one after another (a single part: [T, C])
         C,
+        split1,  # first column of part 1 (C: no part 1)
+        split2,  # first column of part 2 (C: no part 2)
+        base1,  # element offset of part 1 in y
+        base2,
+        stride_y0,  # row stride of part 0 (its width)
+        stride_y1,
+        stride_y2,
         stride_xt,
         stride_wc,
         stride_wk,
@@ -122,8 +135,37 @@ if triton is not None:
             w = tl.load(w_ptr + offs_c * stride_wc + j * stride_wk, mask=c_mask, other=0.0)
             acc += v * w.to(xdt).to(tl.float32)[None, :]
         y = acc * tl.sigmoid(acc)
-        y_ptrs = y_ptr + (start + offs_t).to(tl.int64)[:, None] * C + offs_c[None, :]
+        # the tile's part (tiles never straddle parts: the launcher's BLOCK_C divides the split columns)
+        c0 = tl.program_id(2) * BLOCK_C
+        in1 = c0 >= split1
+        in2 = c0 >= split2
+        base = tl.where(in2, base2, tl.where(in1, base1, 0)).to(tl.int64)
+        col0 = tl.where(in2, split2, tl.where(in1, split1, 0))
+        stride_y = tl.where(in2, stride_y2, tl.where(in1, stride_y1, stride_y0)).to(tl.int64)
+        rows = (start + offs_t).to(tl.int64)
+        y_ptrs = y_ptr + base + rows[:, None] * stride_y + (offs_c - col0)[None, :]
         tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def parts_views(y: torch.Tensor, rows: int, T: int, parts) -> tuple[torch.Tensor, ...]:
+    """The ``[T, width]`` views of a flat buffer holding ``[rows, width]`` blocks part after part: each contiguous."""
+    views, at = [], 0
+    for width in parts:
+        views.append(y[at : at + T * width].view(T, width))
+        at += rows * width
+    return tuple(views)
+
+
+def _parts_buffer(qkv: torch.Tensor, parts, out) -> tuple[torch.Tensor, int]:
+    """``(flat buffer, rows)`` for ``parts``: ``out`` (contiguous, qkv's dtype, a whole number of ``[rows, C]``) or a
+    new ``[T * C]`` one."""
+    T, C = qkv.shape
+    assert sum(parts) == C and 1 <= len(parts) <= 3 and min(parts) > 0, (parts, C)
+    if out is None:
+        return torch.empty(T * C, dtype=qkv.dtype, device=qkv.device), T
+    assert out.is_contiguous() and out.dtype == qkv.dtype and out.device == qkv.device, "bad conv output buffer"
+    assert out.numel() % C == 0 and out.numel() // C >= T, (out.numel(), T, C)
+    return out.view(-1), out.numel() // C
 
 
 def gdn_conv_prefill_triton(
@@ -136,7 +178,10 @@ def gdn_conv_prefill_triton(
     max_len: int,
     block_t: int = BLOCK_T,
     block_c: int = BLOCK_C,
-) -> torch.Tensor:
+    parts=None,
+    out: torch.Tensor | None = None,
+    num_warps: int = NUM_WARPS,
+):
     """Triton form of ``gdn_conv_prefill``; grid ``(N, cdiv(max_len, block_t), cdiv(C, block_c))``."""
     assert triton is not None, "triton is not installed"
     T, C = qkv.shape
@@ -150,10 +195,17 @@ def gdn_conv_prefill_triton(
     assert qkv.stride(1) == 1, "qkv needs a unit column stride"
     assert cu_seqlens.shape == (N + 1,) and has_init.shape == (N,)
     assert qkv.device == weight.device == conv_pool.device == cu_seqlens.device == slots.device == has_init.device
-    y = torch.empty(T, C, dtype=qkv.dtype, device=qkv.device)
+    widths = tuple(parts) if parts is not None else (C,)
+    y, rows = _parts_buffer(qkv, widths, out)
+    result = parts_views(y, rows, T, widths) if parts is not None else y[: T * C].view(T, C)
     if N == 0 or T == 0 or max_len <= 0:
-        return y
+        return result
+    splits = [sum(widths[: i + 1]) for i in range(len(widths) - 1)]
     block_c = min(block_c, triton.next_power_of_2(C))
+    while any(sp % block_c for sp in splits):  # a tile never straddles two parts
+        block_c //= 2
+    split1, split2 = (splits + [C, C])[:2]
+    strides = (list(widths) + [C, C])[:3]
     _gdn_conv_prefill_kernel[(N, triton.cdiv(max_len, block_t), triton.cdiv(C, block_c))](
         qkv,
         weight,
@@ -163,6 +215,11 @@ def gdn_conv_prefill_triton(
         has_init,
         y,
         C,
+        split1,
+        split2,
+        rows * split1 if split1 < C else 0,
+        rows * split2 if split2 < C else 0,
+        *strides,
         qkv.stride(0),
         weight.stride(0),
         weight.stride(1),
@@ -172,9 +229,9 @@ def gdn_conv_prefill_triton(
         KC=Kc,
         BLOCK_T=block_t,
         BLOCK_C=block_c,
-        num_warps=4,
+        num_warps=num_warps,
     )
-    return y
+    return result
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -191,16 +248,29 @@ def gdn_conv_prefill(
     has_init: torch.Tensor,
     max_len: int,
     impl: str = "auto",
-) -> torch.Tensor:
+    parts=None,
+    out: torch.Tensor | None = None,
+):
     """Causal depthwise conv + SiLU over a varlen batch, continuing from the pool's slots (read only).
 
     ``qkv [T, C]`` (unit column stride, row stride free: may be columns of a fused projection output),
     ``weight [C, Kc]``, ``conv_pool [S, C, Kc-1]`` (any dtype: its values are rounded to qkv's), ``cu_seqlens [N+1]``
     int32, ``slots [N]`` int, ``has_init [N]`` bool or int (nonzero: continue from the slot, else from zeros), all
     on qkv's device; ``max_len`` the longest sequence (host int, sizes the Triton grid). Returns ``y [T, C]``
-    contiguous in qkv's dtype. ``impl``: ``auto`` (Triton on CUDA, torch elsewhere) | ``triton`` | ``torch``."""
+    contiguous in qkv's dtype, or with ``parts`` (column widths summing to C, at most 3) a tuple of contiguous
+    ``[T, width]`` tensors, the blocks of ``out`` (flat, ``rows * C`` elements, ``rows >= T``: ``parts_views``) when
+    given. ``impl``: ``auto`` (Triton on CUDA, torch elsewhere) | ``triton`` | ``torch``."""
     if impl not in ("auto", "triton", "torch"):
         raise ValueError(f"unknown GDN conv prefill implementation {impl!r}")
     if impl == "triton" or (impl == "auto" and qkv.is_cuda and triton is not None):
-        return gdn_conv_prefill_triton(qkv, weight, conv_pool, cu_seqlens, slots, has_init, max_len)
-    return gdn_conv_prefill_torch(qkv, weight, conv_pool, cu_seqlens, slots, has_init, max_len)
+        return gdn_conv_prefill_triton(
+            qkv, weight, conv_pool, cu_seqlens, slots, has_init, max_len, parts=parts, out=out
+        )
+    y = gdn_conv_prefill_torch(qkv, weight, conv_pool, cu_seqlens, slots, has_init, max_len)
+    if parts is None:
+        return y
+    buf, rows = _parts_buffer(qkv, tuple(parts), out)
+    views = parts_views(buf, rows, y.shape[0], tuple(parts))
+    for view, part in zip(views, torch.split(y, list(parts), dim=-1)):
+        view.copy_(part)
+    return views

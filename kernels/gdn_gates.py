@@ -8,7 +8,8 @@ are about eight launches per GDN layer (two casts, an add, softplus, exp, negate
 prefill step that the H200 profile of the agent turn showed host-bound (bench/profile_prefill.py --host-profile).
 
 ``gate_values`` is the per-element math, shared with the decode kernel (``gdn_decode.py``) so both paths compute
-the gates the same way. softplus as torch's default (``x`` above 20, else ``log(1 + exp(x))``).
+the gates the same way. softplus as torch's default (``x`` above 20, else ``log(1 + exp(x))``). ``out=(g, beta)``
+writes into given ``[T, Hv]`` fp32 tensors (the GDN prefill graphs' static inputs: no copy into them).
 """
 
 from __future__ import annotations
@@ -71,15 +72,23 @@ if triton is not None:
         tl.store(beta_ptr + out, beta, mask=mask)
 
 
-def gdn_gates_triton(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
+def _outputs(a: torch.Tensor, out):
+    """``(g, beta)`` to write: ``out``'s (checked: fp32 ``[T, Hv]`` contiguous) or new ones."""
+    if out is None:
+        return tuple(torch.empty(a.shape, dtype=torch.float32, device=a.device) for _ in range(2))
+    for t in out:
+        assert t.shape == a.shape and t.dtype == torch.float32 and t.is_contiguous() and t.device == a.device
+    return out
+
+
+def gdn_gates_triton(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, out=None):
     """Same contract as ``gdn_gates_torch``; CUDA, or CPU under TRITON_INTERPRET=1. ``a, b`` need a unit stride
     over heads (column views of a projection are fine)."""
     T, HV = a.shape
     assert b.shape == (T, HV) and A_log.shape == (HV,) and dt_bias.shape == (HV,)
     a = a if a.stride(-1) == 1 else a.contiguous()
     b = b if b.stride(-1) == 1 else b.contiguous()
-    g = torch.empty(T, HV, dtype=torch.float32, device=a.device)
-    beta = torch.empty(T, HV, dtype=torch.float32, device=a.device)
+    g, beta = _outputs(a, out)
     if T == 0:
         return g, beta
     block_h = triton.next_power_of_2(HV)
@@ -90,9 +99,18 @@ def gdn_gates_triton(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_b
     return g, beta
 
 
-def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, impl: str = "auto"):
-    """Triton on CUDA tensors, the torch reference elsewhere (``impl``: auto | triton | torch)."""
+def gdn_gates(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, impl: str = "auto", out=None
+):
+    """Triton on CUDA tensors, the torch reference elsewhere (``impl``: auto | triton | torch); ``out=(g, beta)``
+    writes into those."""
     if impl not in ("auto", "triton", "torch"):
         raise ValueError(f"unknown GDN gates implementation {impl!r}")
-    use_triton = impl == "triton" or (impl == "auto" and a.is_cuda and triton is not None)
-    return (gdn_gates_triton if use_triton else gdn_gates_torch)(a, b, A_log, dt_bias)
+    if impl == "triton" or (impl == "auto" and a.is_cuda and triton is not None):
+        return gdn_gates_triton(a, b, A_log, dt_bias, out=out)
+    g, beta = gdn_gates_torch(a, b, A_log, dt_bias)
+    if out is None:
+        return g, beta
+    for dst, src in zip(_outputs(a, out), (g, beta)):
+        dst.copy_(src)
+    return out

@@ -59,10 +59,11 @@ def conv_exact(qkv, weight, pool, cu, slots, has_init):
 
 
 def check_conv_prefill(
-    lens, init, C, Kc, S, x_dtype, pool_dtype, device, seed=0, w_dtype=None, init_dtype=torch.bool, block_t=None
-):
-    """Triton vs the reference and vs the formula; the pool is left untouched. Returns the max |Δy| vs the
-    reference."""
+    lens, init, C, Kc, S, x_dtype, pool_dtype, device, seed=0, w_dtype=None, init_dtype=torch.bool, block_t=None,
+    parts=False,
+):  # fmt: skip
+    """Triton vs the reference and vs the formula; the pool is left untouched; ``parts``: also ``check_parts``.
+    Returns the max |Δy| vs the reference."""
     from freetoken.kernels.gdn_conv_prefill import gdn_conv_prefill_torch, gdn_conv_prefill_triton
 
     qkv, weight, pool, cu, slots, has_init = _inputs(
@@ -84,7 +85,39 @@ def check_conv_prefill(
     # the reference does the conv in qkv's dtype and rounds twice (conv output, then SiLU)
     tol = TOL[x_dtype]
     torch.testing.assert_close(y.float(), y_ref.float(), atol=4 * tol, rtol=2 * tol)
+    if parts:
+        check_parts(gdn_conv_prefill_triton, (qkv, weight, pool, cu, slots, has_init, max(lens)), y, kw)
     return (y.float() - y_ref.float()).abs().max().item()
+
+
+def split_widths(C: int, odd: bool = False) -> list[tuple[int, ...]]:
+    """Column splits as the GDN's q | k | v (key, key, value widths; multiples of 8 where C allows, as real widths
+    are) and two parts; ``odd``: also one-column parts (the Triton launcher then narrows its tiles to one column)."""
+    key = (C // 4) // 8 * 8 or max(1, C // 4)
+    half = (C // 2) // 8 * 8 or C // 2
+    splits = [(key, key, C - 2 * key), (half, C - half)]
+    return splits + [(C - 3, 1, 2)] if odd else splits
+
+
+def check_parts(conv, args, y, kw=None, odd=False):
+    """``parts`` (q | k | v as contiguous blocks) and ``out`` (a caller's buffer with more rows than tokens, its
+    other rows untouched) give exactly ``y``'s columns."""
+    from freetoken.kernels.gdn_conv_prefill import parts_views
+
+    T, C = y.shape
+    for parts in split_widths(C, odd):
+        got = conv(*args, parts=parts, **(kw or {}))
+        rows = T + 5
+        buf = torch.full((rows * C,), 7.0, dtype=y.dtype, device=y.device)
+        into = conv(*args, parts=parts, out=buf, **(kw or {}))
+        want = torch.split(y, list(parts), dim=-1)
+        for a, b, view, w in zip(got, into, parts_views(buf, rows, T, parts), want):
+            assert a.is_contiguous() and b.is_contiguous() and torch.equal(a, w) and torch.equal(b, w)
+            assert b.data_ptr() == view.data_ptr()
+        written = torch.zeros(rows * C, dtype=torch.bool, device=y.device)
+        for view in parts_views(written, rows, T, parts):
+            view.fill_(True)
+        assert (buf[~written] == 7.0).all()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -165,6 +198,16 @@ def test_reference_matches_formula(x_dtype, pool_dtype):
     assert ((y.double() - exact).abs() <= 1e-6 * (1 + mag)).all()
 
 
+def test_reference_parts_and_out_buffer():
+    """The torch path's ``parts`` / ``out`` (what the CPU layer runs) against its own ``[T, C]`` output."""
+    from freetoken.kernels.gdn_conv_prefill import gdn_conv_prefill, gdn_conv_prefill_torch
+
+    lens = [1, 2, 70, 5]
+    args = _inputs(lens, [1, 0, 1, 0], 40, 4, 9, torch.bfloat16, torch.float32, "cpu", 3, None, torch.bool)
+    y = gdn_conv_prefill_torch(*args, max(lens))
+    check_parts(lambda *a, **kw: gdn_conv_prefill(*a, impl="torch", **kw), (*args, max(lens)), y, odd=True)
+
+
 def test_dispatch_picks_torch_on_cpu(monkeypatch):
     import freetoken.kernels.gdn_conv_prefill as m
 
@@ -202,7 +245,7 @@ _CPU_SCRIPT = textwrap.dedent(
     f32, bf16, i32 = torch.float32, torch.bfloat16, torch.int32
     mixed = [1, 2, 70, 5, 33, 2]  # 70 and 33 are over the default 32-token block
     # lens, has_init, C, Kc, pool slots, x dtype, pool dtype, weight dtype, has_init dtype, token block
-    for i, (lens, init, C, Kc, S, xd, pd, wd, hd, bt) in enumerate([
+    configs = [
         (mixed, [1, 0, 1, 0, 1, 1], 40, 4, 9, f32, f32, None, torch.bool, None),
         (mixed, [1, 0, 1, 0, 1, 1], 300, 4, 9, bf16, f32, None, i32, None),   # C over two channel blocks
         (mixed, [0, 1, 1, 1, 0, 0], 40, 4, 9, bf16, bf16, f32, torch.bool, None),  # fp32 weight, bf16 activations
@@ -210,8 +253,12 @@ _CPU_SCRIPT = textwrap.dedent(
         ([70], [1], 40, 4, 3, f32, bf16, None, torch.bool, None),
         ([3, 1, 20], [1, 1, 0], 16, 2, 5, f32, f32, None, torch.bool, 8),    # Kc = 2: a one-column state
         ([1, 4, 20], [1, 0, 1], 16, 3, 5, bf16, f32, None, torch.bool, 8),
-    ]):
-        err = check_conv_prefill(lens, init, C, Kc, S, xd, pd, "cpu", seed=i, w_dtype=wd, init_dtype=hd, block_t=bt)
+    ]
+    for i, (lens, init, C, Kc, S, xd, pd, wd, hd, bt) in enumerate(configs):
+        # parts (q | k | v blocks) on two configs: the interpreter runs each split twice more
+        err = check_conv_prefill(
+            lens, init, C, Kc, S, xd, pd, "cpu", seed=i, w_dtype=wd, init_dtype=hd, block_t=bt, parts=i in (1, 3)
+        )
         print("conv", lens, C, Kc, xd, pd, "max|dy|=%.3g" % err)
     for xd, cd in ((f32, f32), (f32, bf16), (bf16, f32)):
         print("layer", xd, cd, "max|dout|=%.3g" % check_layer("cpu", xd, cd))
@@ -242,7 +289,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float32])
 def test_conv_prefill_cuda_real_shape(lens, init, pool_dtype):
     """Qwen3.6-35B-A3B: conv_dim 8192, Kc = 4, the profiled 2,184-token chunk."""
-    check_conv_prefill(lens, init, 8192, 4, 64, torch.bfloat16, pool_dtype, "cuda", seed=len(lens))
+    check_conv_prefill(lens, init, 8192, 4, 64, torch.bfloat16, pool_dtype, "cuda", seed=len(lens), parts=True)
 
 
 @pytest.mark.gpu

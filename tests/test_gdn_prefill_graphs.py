@@ -12,7 +12,8 @@ import pytest
 import torch
 from test_gated_deltanet import rand_inputs
 
-from freetoken.layers.gated_deltanet import CHUNK_SIZE, _torch_gated_delta_rule
+from freetoken.kernels.gdn_conv_prefill import parts_views
+from freetoken.layers.gated_deltanet import CHUNK_SIZE, _torch_gated_delta_rule, gated_delta_rule_in_rounds
 from freetoken.layers.gdn_prefill_graphs import GdnPrefillGraphs, bucket_sizes
 
 torch.set_num_threads(1)
@@ -85,6 +86,67 @@ def test_strided_inputs_as_the_layer_passes_them():
     want_o, want_f = torch_prefill(q, k, v, g, beta, state[None])
     torch.testing.assert_close(o, want_o, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(final, want_f, atol=1e-5, rtol=1e-5)
+
+
+def _stage(graphs, q, k, v, g, beta):
+    """What the layer does: the conv writes q | k | v into the staged buffer, the gates kernel g and beta."""
+    T = q.shape[0]
+    qkv, g_buf, beta_buf = graphs.staging(T)
+    views = parts_views(qkv, graphs.top, T, graphs.parts)
+    for view, x in zip(views, (q, k, v)):
+        view.copy_(x.reshape(T, -1))
+    g_buf.copy_(g)
+    beta_buf.copy_(beta)
+    Hk, Hv = q.shape[1], v.shape[1]
+    qs, ks = (x.view(T, Hk, -1) for x in views[:2])
+    return qs, ks, views[2].view(T, Hv, -1), g_buf, beta_buf
+
+
+def test_staged_chunk_runs_in_place_and_its_tail_keeps_its_gates():
+    """A staged chunk's first piece replays from the buffers themselves (no copy in: the static inputs keep their
+    addresses, a borrowed output is the graph's buffer); the padding zeroed for its bucket is the next piece's
+    gates, which come back after the replay; a later piece (a view inside the buffers) is declined."""
+    Hk, Hv, dk, dv, n, cut = 2, 4, 8, 6, 150, 100
+    graphs = GdnPrefillGraphs(torch_prefill, Hk, Hv, dk, dv, torch.float32, torch.device("cpu"), 320, emulate=True)
+    graphs.capture()
+    q, k, v, g, beta, state = rand_inputs(n, Hk, Hv, dk, dv, seed=8)
+    qs, ks, vs, gs, bs = _stage(graphs, q, k, v, g, beta)
+    copies = []
+    for buf in (graphs.q, graphs.k, graphs.v):
+        buf.copy_ = lambda *a, _c=copies: _c.append(a)  # a copy into a static input would land here
+    o1, f1 = graphs.run(qs[:cut], ks[:cut], vs[:cut], gs[:cut], bs[:cut], state[None], borrow=True)
+    assert not copies and o1.data_ptr() == graphs.o.data_ptr() and f1.data_ptr() == graphs.final.data_ptr()
+    assert torch.equal(gs[cut:], g[cut:]) and torch.equal(bs[cut:], beta[cut:])  # bucket 128 zeroed 100..127
+    assert graphs.run(qs[cut:], ks[cut:], vs[cut:], gs[cut:], bs[cut:], f1) is None
+    o2, f2 = torch_prefill(qs[cut:], ks[cut:], vs[cut:], gs[cut:], bs[cut:], f1)
+    want_o, want_f = torch_prefill(q, k, v, g, beta, state[None])
+    torch.testing.assert_close(torch.cat([o1, o2]), want_o, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(f2, want_f, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("captures", [[128, 150], [100, 150], [30, 100, 150], [64, 140, 150]])
+def test_staged_chunk_through_the_snapshot_rounds(captures):
+    """``gated_delta_rule_in_rounds`` over a staged chunk with borrowed graph outputs (as the fla dispatch runs it):
+    outputs, final state and every captured state equal the torch delta rule's, although each replay overwrites
+    the previous piece's borrowed buffers, and a later long piece (a view inside the buffers) runs eagerly."""
+    Hk, Hv, dk, dv, n = 2, 4, 8, 6, 150
+    graphs = GdnPrefillGraphs(torch_prefill, Hk, Hv, dk, dv, torch.float32, torch.device("cpu"), 320, emulate=True)
+    graphs.capture()
+    q, k, v, g, beta, state = rand_inputs(n, Hk, Hv, dk, dv, seed=9)
+    staged = _stage(graphs, q, k, v, g, beta)
+
+    def varlen(q, k, v, g, beta, init, cu, decode):  # _fla_gated_delta_rule's single-sequence path
+        out = graphs.run(q, k, v, g, beta, init, borrow=True)
+        return out if out is not None else torch_prefill(q, k, v, g, beta, init)
+
+    o, final, cap = gated_delta_rule_in_rounds(varlen, *staged, state[None], [0, n], {0: captures}, short=torch_prefill)
+    o_t, f_t, c_t = _torch_gated_delta_rule(q, k, v, g, beta, state[None], [0, n], False, {0: captures})
+    torch.testing.assert_close(o, o_t, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final, f_t, atol=1e-5, rtol=1e-5)
+    assert set(cap) == set(c_t)
+    for key, s in c_t.items():
+        torch.testing.assert_close(cap[key], s, atol=1e-5, rtol=1e-5)
+    assert graphs.replays == int(captures[0] >= 64)  # the first piece from the buffers; a later long one eagerly
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -76,3 +76,13 @@ def test_cudnn_merge_compiles_for_sm90():
     ptr = {"o1_ptr": "*bf16", "o2_ptr": "*bf16", "out_ptr": "*bf16", "l1_ptr": "*fp32", "l2_ptr": "*fp32"}
     div16 = "stride_o1h,stride_o1t,stride_l1h,stride_o2h,stride_o2t,stride_l2h,stride_ot,stride_oh,DV"
     assert compile_check("freetoken.kernels.attention_cudnn:_merge_two_kernel", ptr, dict(BLOCK_DV=256), div16) == 0
+
+
+@pytest.mark.parametrize("pool", ["bf16", "fp32"])
+def test_gdn_conv_prefill_compiles_for_sm90(pool):
+    """The GDN prefill conv writing q | k | v as three blocks (its part picked per tile) at Qwen3.6's 8,192 channels."""
+    ptr = {"x_ptr": "*bf16", "w_ptr": "*bf16", "pool_ptr": f"*{pool}", "y_ptr": "*bf16"}
+    ptr.update(cu_ptr="*i32", slots_ptr="*i64", init_ptr="*i1")
+    const = dict(KC=4, BLOCK_T=32, BLOCK_C=128)
+    div16 = "C,split1,split2,base1,base2,stride_y0,stride_y1,stride_y2,stride_xt,stride_ps,stride_pc"
+    assert compile_check("freetoken.kernels.gdn_conv_prefill:_gdn_conv_prefill_kernel", ptr, const, div16) == 0

@@ -202,12 +202,20 @@ def gdn_conv_impl() -> str:
     return impl
 
 
-def _fla_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, decode, graphs=None):
-    """``graphs`` (a ``GdnPrefillGraphs``): one sequence replays the graph of its padded length when one holds it."""
+def stage_inputs() -> bool:
+    """Whether the prefill conv writes q | k | v as contiguous blocks, into the GDN prefill graphs' buffers when a
+    chunk fits them (the gates too); ``FREETOKEN_GDN_STAGE_INPUTS=0`` keeps the former ``[T, C]`` output and the
+    copies into the graphs (A/B runs)."""
+    return os.environ.get("FREETOKEN_GDN_STAGE_INPUTS", "1") != "0"
+
+
+def _fla_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, decode, graphs=None, borrow=False):
+    """``graphs`` (a ``GdnPrefillGraphs``): one sequence replays the graph of its padded length when one holds it;
+    ``borrow``: its outputs may be the graph's buffers (valid until the next replay)."""
     chunk, recurrent, takes_cpu_cu = _fla_ops()
     if not decode and len(cu_seqlens) <= 2 and _fla_direct_ops() is not None:
         # one sequence runs as a batch of one (no varlen index tensors, no host syncs), below fla's entry point
-        out = graphs.run(q, k, v, g, beta, initial_state) if graphs is not None else None
+        out = graphs.run(q, k, v, g, beta, initial_state, borrow=borrow) if graphs is not None else None
         return out if out is not None else fla_direct_prefill(q, k, v, g, beta, initial_state)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # split views of the conv output are strided
     initial_state = initial_state.contiguous()
@@ -317,9 +325,10 @@ def gated_delta_rule_in_rounds(varlen, q, k, v, g, beta, initial_state, cu_seqle
     starting from the state the previous round ended with. Pieces of one sequence depend on each other, so a
     step with at most two snapshots per sequence costs at most three calls.
 
-    ``varlen(q, k, v, g, beta, init, cu_seqlens, decode) -> (o, final)`` is the capture-free kernel;
-    ``short(q, k, v, g, beta, init) -> (o, final)``, when given, runs a single sequence's pieces shorter than
-    ``SHORT_PIECE`` tokens (the tail after a grid-point snapshot) in one cheap launch.
+    ``varlen(q, k, v, g, beta, init, cu_seqlens, decode) -> (o, final)`` is the capture-free kernel (its outputs
+    may be buffers its next call overwrites: the GDN prefill graphs' ``borrow``; every output is copied out or used
+    before the next call); ``short(q, k, v, g, beta, init) -> (o, final)``, when given, runs a single sequence's
+    pieces shorter than ``SHORT_PIECE`` tokens (the tail after a grid-point snapshot) in one cheap launch.
     Returns ``(o [T, Hv, dv] fp32 (the kernels' dtype when no sequence is cut or there is one sequence),
     final [N, Hv, dk, dv] fp32, {(seq, offset): state})``."""
     N = len(cu_seqlens) - 1
@@ -334,16 +343,18 @@ def gated_delta_rule_in_rounds(varlen, q, k, v, g, beta, initial_state, cu_seqle
         return o, final, {(b, cu_seqlens[b + 1] - cu_seqlens[b]): final[b] for b in range(N)}
     captured: dict[tuple[int, int], torch.Tensor] = {}
     if N == 1:  # one sequence (a cached turn's chunk): its pieces are views, no index tensors, gathers or scatters
-        outs, state = [], initial_state
+        o, state = None, initial_state
         for a, z in pieces[0]:
             if short is not None and z - a < SHORT_PIECE:
                 o_r, final_r = short(q[a:z], k[a:z], v[a:z], g[a:z], beta[a:z], state)
             else:
                 o_r, final_r = varlen(q[a:z], k[a:z], v[a:z], g[a:z], beta[a:z], state, [0, z - a], False)
-            outs.append(o_r)
-            state = final_r
-            captured[(0, z)] = final_r[0].float()
-        return torch.cat(outs), state.float(), captured  # the pieces' dtype: no fp32 round trip of [T, Hv, dv]
+            if o is None:  # the pieces' dtype: no fp32 round trip of [T, Hv, dv]
+                o = o_r.new_empty((q.shape[0], *o_r.shape[1:]))
+            o[a:z] = o_r
+            state = final_r  # the next piece reads it before varlen runs again
+            captured[(0, z)] = final_r[0].to(torch.float32, copy=True)
+        return o, state.float(), captured
     state = [initial_state[b].float() for b in range(N)]
     o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     for r in range(max(len(p) for p in pieces)):
@@ -357,7 +368,7 @@ def gated_delta_rule_in_rounds(varlen, q, k, v, g, beta, initial_state, cu_seqle
         o_r, final_r = varlen(q[idx], k[idx], v[idx], g[idx], beta[idx], init, cu, False)
         o[idx] = o_r.float()
         for i, b in enumerate(seqs):
-            state[b] = final_r[i].float()
+            state[b] = final_r[i].to(torch.float32, copy=True)
             captured[(b, pieces[b][r][1])] = state[b]
     return o, torch.stack(state), captured
 
@@ -391,7 +402,7 @@ def gated_delta_rule(
     pieces replay CUDA graphs. Returns ``(o [T, Hv, dv] fp32, final [N, Hv, dk, dv] fp32, {(seq, offset): state})``."""
     backend = backend or gdn_backend(q.device)
     if backend == "fla":
-        varlen = functools.partial(_fla_gated_delta_rule, graphs=prefill_graphs)
+        varlen = functools.partial(_fla_gated_delta_rule, graphs=prefill_graphs, borrow=True)
         if captures:
             # a tail shorter than fla's chunk (after a grid-point snapshot) runs token by token in one launch, with
             # or without graphs: both then compute it alike, and it costs the host less than a padded replay
@@ -516,9 +527,9 @@ class GatedDeltaNet(nn.Module):
         o = self.norm(o.reshape(T, self.num_v_heads, self.head_v_dim), z)
         return self.out_proj(o.reshape(T, self.value_dim))
 
-    def _gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(g, beta)`` fp32 ``[T, Hv]``: log-decay and write strength (one launch on CUDA)."""
-        return gdn_gates(a, b, self.A_log, self.dt_bias)
+    def _gates(self, b: torch.Tensor, a: torch.Tensor, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(g, beta)`` fp32 ``[T, Hv]``: log-decay and write strength (one launch on CUDA), into ``out`` if given."""
+        return gdn_gates(a, b, self.A_log, self.dt_bias, out=out)
 
     def _initial_states(self, ssm_pool, slots: list[int], has_init: list[bool], device) -> torch.Tensor:
         """``[N, Hv, dk, dv]`` fp32: each sequence's state before this step (its slot, or zeros when fresh). One
@@ -530,9 +541,10 @@ class GatedDeltaNet(nn.Module):
         zeros = torch.zeros(self.ssm_state_shape, dtype=torch.float32, device=device)
         return torch.stack([ssm_pool[s].float() if h else zeros for s, h in zip(slots, has_init)])
 
-    def _split_heads(self, y: torch.Tensor):
-        T = y.shape[0]
-        q, k, v = torch.split(y, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+    def _split_heads(self, y):
+        """``[T, H, d]`` q, k, v from the conv output: ``[T, C]`` (views of its columns) or its three parts."""
+        q, k, v = torch.split(y, [self.key_dim, self.key_dim, self.value_dim], dim=-1) if torch.is_tensor(y) else y
+        T = q.shape[0]
         return (
             q.reshape(T, self.num_k_heads, self.head_k_dim),
             k.reshape(T, self.num_k_heads, self.head_k_dim),
@@ -576,10 +588,17 @@ class GatedDeltaNet(nn.Module):
         cu_list = [0]
         for n in lens:
             cu_list.append(cu_list[-1] + n)
-        # device offsets from the ForwardBatch: no copies; prefix_lens > 0 is what has_initial_state means
+        T = qkv.shape[0]
+        stage = stage_inputs()
+        # one sequence that fits the prefill graphs: the conv and the gates write their inputs in place
+        graphs = self.prefill_graphs if len(lens) == 1 and stage else None
+        staged = graphs.staging(T) if graphs is not None else None
+        # device offsets from the ForwardBatch: no copies; prefix_lens > 0 is what has_initial_state means. q | k | v
+        # come out as three contiguous blocks (what fla's kernels read without a copy)
         y = gdn_conv_prefill(
-            qkv, w, conv_pool, batch.cu_seqlens, slots, batch.prefix_lens, max(lens), impl=gdn_conv_impl()
-        )
+            qkv, w, conv_pool, batch.cu_seqlens, slots, batch.prefix_lens, max(lens), impl=gdn_conv_impl(),
+            parts=(self.key_dim, self.key_dim, self.value_dim) if stage else None, out=staged[0] if staged else None,
+        )  # fmt: skip
 
         def conv_window(s: int, end: int) -> torch.Tensor:
             """``[C, Kc-1]``: the inputs of sequence s before offset ``end``, in qkv's dtype as the conv read
@@ -602,7 +621,7 @@ class GatedDeltaNet(nn.Module):
             conv_pool[batch.state_slots_cpu[s]] = window.to(conv_pool.dtype)
 
         q, k, v = self._split_heads(y)
-        g, beta = self._gates(b, a)
+        g, beta = self._gates(b, a, out=staged[1:] if staged else None)
         o, final, captured = gated_delta_rule(
             q, k, v, g, beta, init, cu_list, False, captures or None, prefill_graphs=self.prefill_graphs
         )

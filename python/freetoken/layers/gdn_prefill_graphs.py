@@ -8,10 +8,16 @@ A graph fixes its shapes, so a sequence of T tokens runs in the graph of the sma
 (``bucket_sizes``: multiples of fla's 64-token chunk, at most ~25 % padding). The padding tokens get ``g = 0`` and
 ``beta = 0``: in the delta rule ``S <- exp(g)·S + beta·k ⊗ (v - kᵀS)`` they leave the state as it was (no decay, no
 write), and no real token reads a later one, so the first T outputs and the final state are those of the unpadded
-call (fla's launch configurations do not depend on T: same kernels, same tiles). Inputs are copied into static
-buffers sized for the largest bucket, shared by every bucket and layer (GDN layers of a model share one shape);
-every graph allocates from one private pool, and replays never overlap (one stream), so the pool holds one
-bucket's intermediates. Outputs are copied out of the graph, so a caller may keep them across replays.
+call (fla's launch configurations do not depend on T: same kernels, same tiles). The inputs live in static buffers
+sized for the largest bucket, shared by every bucket and layer (GDN layers of a model share one shape); every graph
+allocates from one private pool, and replays never overlap (one stream), so the pool holds one bucket's
+intermediates.
+
+The layer stages a chunk's inputs in those buffers itself (``staging``: the conv writes q | k | v there as three
+contiguous blocks, the gates kernel g and beta), so a replay copies nothing in; inputs given elsewhere are copied.
+A snapshot round runs the chunk's first piece from the staged buffers while later pieces (the tail after a grid
+point) still need theirs: the padding a replay zeroes is saved and put back around it. ``run(borrow=True)``
+returns views of the graph's outputs, valid until the next replay (the layer reads them first); else copies.
 
 Captured at start-up before the KV pool is sized (``startup.capture_gdn_prefill_graphs``): what they hold is in
 the memory plan. ``--gdn-prefill-graph-tokens`` is the largest bucket (0: none); a longer piece, several
@@ -65,10 +71,16 @@ class GdnPrefillGraphs:
         self.sizes = bucket_sizes(max_tokens)
         top = self.sizes[-1] if self.sizes else 0
         hk, hv, dk, dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
-        self.q = torch.zeros(top, hk, dk, dtype=dtype, device=device)
-        self.k = torch.zeros(top, hk, dk, dtype=dtype, device=device)
-        self.v = torch.zeros(top, hv, dv, dtype=dtype, device=device)
+        self.top = top
+        self.parts = (hk * dk, hk * dk, hv * dv)  # the conv output's q | k | v columns
+        # q, k and v as three [top, width] blocks, one after another (the conv's ``parts`` layout)
+        self.qkv = torch.zeros(top * sum(self.parts), dtype=dtype, device=device)
+        nq = top * hk * dk
+        self.q = self.qkv[:nq].view(top, hk, dk)
+        self.k = self.qkv[nq : 2 * nq].view(top, hk, dk)
+        self.v = self.qkv[2 * nq :].view(top, hv, dv)
         self.gates = torch.zeros(2, top, hv, dtype=torch.float32, device=device)  # g | beta: one fill clears both
+        self.staged = 0  # tokens the layer last staged in the buffers (rows past a piece that a replay must keep)
         self.state = torch.zeros(1, hv, dk, dv, dtype=torch.float32, device=device)
         self.o = torch.zeros(top, hv, dv, dtype=dtype, device=device)
         self.final = torch.zeros(1, hv, dk, dv, dtype=torch.float32, device=device)
@@ -113,22 +125,51 @@ class GdnPrefillGraphs:
         if not self.emulate:
             torch.cuda.synchronize(self.device)
 
-    def run(self, q, k, v, g, beta, initial_state) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    def staging(self, tokens: int) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``(qkv, g, beta)`` for a chunk of ``tokens`` to be written in place (``qkv``: the conv's flat ``parts``
+        buffer of ``top`` rows; ``g, beta [tokens, Hv]``), or None when no bucket holds the chunk."""
+        if self.bucket(tokens) is None:
+            return None
+        self.staged = tokens
+        return self.qkv, self.gates[0, :tokens], self.gates[1, :tokens]
+
+    def _place(self, src: torch.Tensor, buf: torch.Tensor) -> Optional[bool]:
+        """Whether ``src`` is already ``buf[:T]`` (True) or must be copied there (False); None when it lies
+        elsewhere in the static buffers (a later piece of a staged chunk: the caller runs it eagerly)."""
+        if src.data_ptr() == buf.data_ptr() and src.stride() == buf[: src.shape[0]].stride():
+            return True
+        for owner in (self.qkv, self.gates):
+            lo = owner.data_ptr()
+            if lo <= src.data_ptr() < lo + owner.numel() * owner.element_size():
+                return None
+        return False
+
+    def run(self, q, k, v, g, beta, initial_state, borrow: bool = False):
         """One sequence's ``(o [T, Hv, dv], final [1, Hv, dk, dv] fp32)``, as ``fn`` gives them, from the graph of
         its bucket; None when no bucket holds it (the caller runs ``fn`` eagerly). Inputs as ``fn`` takes them
-        (``[T, H, *]``, possibly strided views; ``initial_state [1, Hv, dk, dv]``)."""
+        (``[T, H, *]``, possibly strided views, or the staged buffers; ``initial_state [1, Hv, dk, dv]``).
+        ``borrow``: the outputs are the graph's buffers, overwritten by the next replay."""
         T = q.shape[0]
         Tb = self.bucket(T)
         if Tb is None or initial_state.shape[0] != 1:
             return None
-        self.q[:T].copy_(q)
-        self.k[:T].copy_(k)
-        self.v[:T].copy_(v)
-        self.gates[0, :T].copy_(g)
-        self.gates[1, :T].copy_(beta)
+        pairs = ((q, self.q), (k, self.k), (v, self.v), (g, self.gates[0]), (beta, self.gates[1]))
+        placed = [self._place(src, buf) for src, buf in pairs]
+        if None in placed:
+            return None
+        for (src, buf), in_place in zip(pairs, placed):
+            if not in_place:
+                buf[:T].copy_(src)
+        # rows of a staged chunk past this piece: its later pieces' gates, which the padding below overwrites
+        keep = min(Tb, self.staged) if placed[3] else T
+        saved = self.gates[:, T:keep].clone() if keep > T else None
         if Tb > T:
             self.gates[:, T:Tb].zero_()  # padding tokens: no decay, no write
         self.state.copy_(initial_state)
         self.replay_fns[Tb]()
         self.replays += 1
+        if saved is not None:
+            self.gates[:, T:keep].copy_(saved)
+        if borrow:
+            return self.o[:T], self.final
         return self.o[:T].clone(), self.final.clone()
