@@ -78,7 +78,7 @@ def _outputs(a: torch.Tensor, out):
         return tuple(torch.empty(a.shape, dtype=torch.float32, device=a.device) for _ in range(2))
     for t in out:
         assert t.shape == a.shape and t.dtype == torch.float32 and t.is_contiguous() and t.device == a.device
-    return out
+    return tuple(out)
 
 
 def gdn_gates_triton(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, out=None):
@@ -111,6 +111,7 @@ def gdn_gates(
     g, beta = gdn_gates_torch(a, b, A_log, dt_bias)
     if out is None:
         return g, beta
-    for dst, src in zip(_outputs(a, out), (g, beta)):
+    out = _outputs(a, out)
+    for dst, src in zip(out, (g, beta)):
         dst.copy_(src)
-    return out
+    return tuple(out)

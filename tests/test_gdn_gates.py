@@ -28,6 +28,11 @@ def check_gates(T, HV, dtype, device, seed=0):
     torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(beta, beta_ref, rtol=1e-5, atol=1e-6)
     assert (a.float() + dt_bias > 20).any() and (a.float() + dt_bias < 20).any()  # both sides of the threshold
+    # out=: into the rows of a wider buffer (the prefill graphs' static gates), bit-for-bit the same values
+    buf = torch.full((2, T + 3, HV), 5.0, device=device)
+    got = gdn_gates_triton(a, b, A_log, dt_bias, out=(buf[0, :T], buf[1, :T]))
+    assert got[0].data_ptr() == buf.data_ptr() and torch.equal(got[0], g) and torch.equal(got[1], beta)
+    assert (buf[:, T:] == 5.0).all()
 
 
 _CPU_SCRIPT = textwrap.dedent(
@@ -54,6 +59,10 @@ def test_dispatch():
     A_log, dt_bias = torch.randn(4), torch.randn(4)
     for x, y in zip(gdn_gates(a, b, A_log, dt_bias), gdn_gates_torch(a, b, A_log, dt_bias)):
         assert torch.equal(x, y)
+    out = torch.zeros(2, 5, 4)
+    for x, y in zip(gdn_gates(a, b, A_log, dt_bias, out=tuple(out)), gdn_gates_torch(a, b, A_log, dt_bias)):
+        assert torch.equal(x, y)
+    assert torch.equal(out[0], gdn_gates_torch(a, b, A_log, dt_bias)[0])
     with pytest.raises(ValueError, match="unknown GDN gates implementation"):
         gdn_gates(a, b, A_log, dt_bias, impl="bogus")
 
