@@ -496,8 +496,11 @@ def extend_attention_triton(
     config=None,
     max_context: int = 0,
     num_splits: int = 0,
+    gate=None,
 ):
-    """Triton ``extend``; same contract as ``extend_attention_torch``. ``cu_seqlens``/``prefix_lens``/``rows`` are
+    """Triton ``extend``; same contract as ``extend_attention_torch``, times ``sigmoid(gate [T, nh, Dv])`` when a
+    gate is given (gated attention: in the key splits' merge when the keys are split, saving two elementwise
+    launches, else as ``out * sigmoid(gate)`` in out's dtype). ``cu_seqlens``/``prefix_lens``/``rows`` are
     device int tensors; ``max_extend_len`` is a host int (sizes the grid without a sync). ``config``: pins
     ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` (tests and benchmarks), else ``_extend_config``. ``max_context``
     (host int, the longest sequence's prefix + new tokens) lets the big tiles split each program's keys
@@ -558,7 +561,11 @@ def extend_attention_triton(
         num_stages=stages,
     )
     if S > 1:
-        _combine_splits(mid_o, mid_l, out, None)  # the decode merge: tokens as its batch rows
+        if gate is not None and gate.stride(-1) != 1:
+            gate = gate.contiguous()
+        _combine_splits(mid_o, mid_l, out, gate)  # the decode merge: tokens as its batch rows
+    elif gate is not None:
+        out.mul_(torch.sigmoid(gate))
     return out
 
 
@@ -683,7 +690,7 @@ class TritonAttention(AttentionBackend):
             ctx, prefix = batch.context_lens_cpu[0], batch.prefix_lens_cpu[0]
             slots = batch.kv.req_to_token.index_select(0, batch.rows[:1])[0, :ctx]  # device row index: no sync
             return gate_output(extend_attention_cudnn(q, kc, vc, slots, prefix, scale), gate)
-        out = extend_attention_triton(
+        return extend_attention_triton(
             q,
             kc,
             vc,
@@ -694,8 +701,8 @@ class TritonAttention(AttentionBackend):
             scale,
             max_extend_len=max(batch.extend_lens_cpu, default=1),
             max_context=max(batch.context_lens_cpu, default=1),
+            gate=gate,
         )
-        return gate_output(out, gate)
 
 
 register_attention_backend("triton", TritonAttention)

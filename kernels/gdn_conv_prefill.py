@@ -121,19 +121,28 @@ if triton is not None:
         x_base = x_ptr + start.to(tl.int64) * stride_xt + offs_c[None, :]
         p_base = pool_ptr + slot * stride_ps + offs_c[None, :].to(tl.int64) * stride_pc
         acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-        # tap j reads the tile shifted by j-(KC-1) rows: reloaded per tap (L1/L2 hits), registers cannot shift
-        for j in tl.static_range(KC):
-            pos = offs_t[:, None] + (j - (KC - 1))
-            in_x = pos >= 0
-            # addresses clamped into range: the masked-off lanes still form them
-            xv = tl.load(x_base + tl.maximum(pos, 0).to(tl.int64) * stride_xt, mask=mask & in_x, other=0.0)
-            # positions before the sequence (only the first tile has any)
-            pcol = tl.minimum(pos + (KC - 1), KC - 2)
-            pv = tl.load(p_base + pcol * stride_pk, mask=mask & (pos < 0) & (pos >= -n_prev), other=0.0)
-            v = tl.where(in_x, xv, pv.to(xdt)).to(tl.float32)
-            # the reference rounds the weight to qkv's dtype too
-            w = tl.load(w_ptr + offs_c * stride_wc + j * stride_wk, mask=c_mask, other=0.0)
-            acc += v * w.to(xdt).to(tl.float32)[None, :]
+        if t0 >= KC - 1:
+            # every tap of the tile reads x (all tiles but a sequence's first): one pointer add, a load and an FMA an
+            # element a tap; the general path below costs ~5x the instructions, which bound the kernel (2026-12-04)
+            row_ptrs = x_base + offs_t[:, None].to(tl.int64) * stride_xt
+            for j in tl.static_range(KC):
+                xv = tl.load(row_ptrs + (j - (KC - 1)) * stride_xt, mask=mask, other=0.0)
+                # the reference rounds the weight to qkv's dtype too
+                w = tl.load(w_ptr + offs_c * stride_wc + j * stride_wk, mask=c_mask, other=0.0)
+                acc += xv.to(tl.float32) * w.to(xdt).to(tl.float32)[None, :]
+        else:
+            # tap j reads the tile shifted by j-(KC-1) rows: reloaded per tap (L1/L2 hits), registers cannot shift
+            for j in tl.static_range(KC):
+                pos = offs_t[:, None] + (j - (KC - 1))
+                in_x = pos >= 0
+                # addresses clamped into range: the masked-off lanes still form them
+                xv = tl.load(x_base + tl.maximum(pos, 0).to(tl.int64) * stride_xt, mask=mask & in_x, other=0.0)
+                # positions before the sequence, from the slot
+                pcol = tl.minimum(pos + (KC - 1), KC - 2)
+                pv = tl.load(p_base + pcol * stride_pk, mask=mask & (pos < 0) & (pos >= -n_prev), other=0.0)
+                v = tl.where(in_x, xv, pv.to(xdt)).to(tl.float32)
+                w = tl.load(w_ptr + offs_c * stride_wc + j * stride_wk, mask=c_mask, other=0.0)
+                acc += v * w.to(xdt).to(tl.float32)[None, :]
         y = acc * tl.sigmoid(acc)
         # the tile's part (tiles never straddle parts: the launcher's BLOCK_C divides the split columns)
         c0 = tl.program_id(2) * BLOCK_C

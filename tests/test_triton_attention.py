@@ -26,9 +26,13 @@ def _tol(dtype):
     return {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
 
 
-def extend_case(nh, nkv, D, DV, ext, pre, dtype, device, seed=0, config=None, num_splits=0, key_ramp=0.0):
+def extend_case(
+    nh, nkv, D, DV, ext, pre, dtype, device, seed=0, config=None, num_splits=0, key_ramp=0.0, gated=False
+):  # fmt: skip
     """``key_ramp``: keys scaled by ``1 + key_ramp * position / context`` (each row's own positions), so the scores'
-    running max keeps growing along the keys: the lazy rescale of ``_extend_tile_lazy`` then fires mid-row."""
+    running max keeps growing along the keys: the lazy rescale of ``_extend_tile_lazy`` then fires mid-row.
+    ``gated``: also with an output gate (the strided gate half of a ``[T, nh, 2*DV]`` projection), which the key
+    splits' merge applies: the same as the ungated output times ``sigmoid(gate)``."""
     from freetoken.kernels.attention import extend_attention_torch, extend_attention_triton
 
     B = len(ext)
@@ -59,6 +63,17 @@ def extend_case(nh, nkv, D, DV, ext, pre, dtype, device, seed=0, config=None, nu
         num_splits=num_splits,
     )
     torch.testing.assert_close(out.float(), ref.float(), atol=_tol(dtype), rtol=_tol(dtype))
+    if gated:
+        gate = (3 * torch.randn(T, nh, 2 * DV, generator=torch.Generator().manual_seed(seed + 2)))[..., DV:]
+        gate = gate.to(device, dtype)
+        gated_out = extend_attention_triton(
+            q, kc, vc, r2t, rows.to(device), cu.to(device), torch.tensor(pre, dtype=torch.int32, device=device),
+            scale, max_extend_len=max(ext), config=config, num_splits=num_splits, gate=gate,
+        )  # fmt: skip
+        expected = out * torch.sigmoid(gate)  # the gated layer's own op on the ungated output
+        torch.testing.assert_close(gated_out.float(), expected.float(), atol=_tol(dtype), rtol=_tol(dtype))
+        torch.testing.assert_close(gated_out.float(), (ref * torch.sigmoid(gate)).float(), atol=2 * _tol(dtype),
+                                   rtol=2 * _tol(dtype))  # fmt: skip
 
 
 def decode_case(nh, nkv, D, DV, ctx, dtype, device, splits, seed=0, gated=False, config=None):
@@ -214,6 +229,10 @@ _CPU_SCRIPT = textwrap.dedent(
     t.extend_case(4, 2, 16, 16, [150, 5], [300, 0], torch.float16, "cpu", seed=3, config=(128, 64, 8, 2), num_splits=3)
     t.extend_case(4, 2, 16, 16, [3, 1, 20], [0, 5, 70], torch.float32, "cpu", seed=4, num_splits=5)
     t.extend_case(2, 2, 24, 8, [17], [33], torch.float32, "cpu", seed=5, config=(16, 32, 4, 2), num_splits=2)
+    # the output gate: in the split merge, and after the kernel when unsplit
+    for splits in (2, 1):
+        t.extend_case(4, 2, 16, 16, [17, 3], [40, 0], torch.float16, "cpu", seed=7, config=(16, 32, 4, 2),
+                      num_splits=splits, gated=True)
     # the running max grows by more than 2^8 between unmasked tiles (lazy rescale fires mid-row), then the same
     # with every tile rescaled (FREETOKEN_EXTEND_LAZY_RESCALE=0)
     for lazy in ("1", "0"):
@@ -275,7 +294,7 @@ def test_extend_cuda(nh, nkv, D, DV, ext, pre, dtype):
 @pytest.mark.parametrize("num_splits", [0, 2, 3, 8])
 def test_extend_split_cuda(num_splits, dtype):
     """Qwen3.6's shape, a chunk after a long prefix, with the keys split over programs (0: the launcher's pick)."""
-    extend_case(16, 2, 256, 256, [300, 1, 129], [5000, 64, 2100], dtype, "cuda", num_splits=num_splits)
+    extend_case(16, 2, 256, 256, [300, 1, 129], [5000, 64, 2100], dtype, "cuda", num_splits=num_splits, gated=True)
 
 
 @pytest.mark.gpu
