@@ -232,7 +232,13 @@ if triton is not None:
         CHUNK: tl.constexpr,
         BLOCK_B: tl.constexpr,
     ):
-        # one program: per-expert counts -> padded offsets (cursor), expert of every block, sorted_ids filled with n
+        # program 0: per-expert counts -> padded offsets (cursor), expert of every block; the others fill sorted_ids
+        # with n, CHUNK entries each, beside it (in program 0 that fill was a third of the kernel's serial loop)
+        pid = tl.program_id(0)
+        if pid > 0:
+            op = (pid - 1) * CHUNK + tl.arange(0, CHUNK)
+            tl.store(sorted_ids_ptr + op, tl.zeros((CHUNK,), dtype=tl.int32) + n, mask=op < P)
+            return
         counts = tl.zeros((E_BINS,), dtype=tl.int32)
         for start in range(0, n, CHUNK):
             offs = start + tl.arange(0, CHUNK)
@@ -262,9 +268,6 @@ if triton is not None:
             ex = tl.maximum(tl.associative_scan(ex, 0, _max_combine), carry)
             carry = tl.max(ex, 0)
             tl.store(block_expert_ptr + ob, tl.where(ob * BLOCK_M < total, ex, -1), mask=ob < max_blocks)
-        for p0 in range(0, P, CHUNK):
-            op = p0 + tl.arange(0, CHUNK)
-            tl.store(sorted_ids_ptr + op, tl.zeros((CHUNK,), dtype=tl.int32) + n, mask=op < P)
 
     @triton.jit(do_not_specialize=["n"])
     def _moe_align_scatter_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, n, CHUNK: tl.constexpr):
@@ -281,7 +284,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
 
     Returns ``sorted_ids [P]`` int32 (flat pair index ``t*k + j``; padding = T*k) and ``block_expert [P // block_m]``
     int32 (-1 for blocks past the last real one). ``P`` is an upper bound from shapes only: no host sync, CUDA-graph
-    capturable. Two Triton launches (a one-program plan, then an atomic scatter); pairs inside one expert's run come in
+    capturable. Two Triton launches (a one-program plan with the padding fill beside it, then an atomic scatter); pairs inside one expert's run come in
     arbitrary order. ``moe_align_block_size_torch`` is the (stable) reference."""
     dev = topk_ids.device
     flat = topk_ids.reshape(-1)
@@ -294,7 +297,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     sorted_ids = torch.empty(P, dtype=torch.int32, device=dev)
     e_bins = triton.next_power_of_2(num_experts + 1)
-    _moe_align_plan_kernel[(1,)](
+    _moe_align_plan_kernel[(1 + triton.cdiv(P, 1024),)](
         flat,
         cursor,
         block_expert,
