@@ -1,8 +1,9 @@
 """Device time of the Gated DeltaNet prefill conv (``kernels/gdn_conv_prefill.py``) at Qwen3.6-35B-A3B's shape
 (8,192 channels, kernel 4, qkv a column view of the fused 12,352-column input projection) under tile configs, as
-the layer runs it (q | k | v written as three contiguous blocks). A memory-bound kernel: the table gives the bytes
-it must move (qkv read once, y written once) against the HBM copy bandwidth measured beside it. On the H200
-(2026-12-03 profile) the default 32 x 128 tiles took ~74 us a layer at 2,184 tokens, ~0.5 TB/s.
+the layer runs it (q | k | v written as three contiguous blocks into a buffer given once). A memory-bound kernel:
+the table gives the bytes it must move (qkv read once, y written once) against the HBM copy bandwidth measured
+beside it. Device time from CUDA-graph replays (``graph_device_ms``: timed eagerly, a call reads its host launch,
+~200 us). On the H200 (2026-12-04 profile) the default 32 x 128 tiles took ~75 us a layer at 2,184 tokens, ~1 TB/s.
 
     python3 bench/gdn_conv_bench.py --out bench/out/gdn_conv.json
 """
@@ -43,7 +44,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs CUDA")
         return 1
-    from hardware_bandwidth import measure_bandwidth, median_device_ms
+    from hardware_bandwidth import graph_device_ms, measure_bandwidth
 
     from freetoken.kernels.gdn_conv_prefill import gdn_conv_prefill_torch, gdn_conv_prefill_triton
 
@@ -61,16 +62,17 @@ def main() -> int:
         init = torch.tensor([True], device="cuda")
         ref = gdn_conv_prefill_torch(qkv, weight, pool, cu, slots, init, T)
         moved = 2 * T * C * 2  # bf16 read once + written once
+        out = torch.empty(T * C, device="cuda", dtype=torch.bfloat16)
         for cfg in args.configs.split(","):
             bt, bc, warps = (int(x) for x in cfg.split("x"))
 
             def run(bt=bt, bc=bc, warps=warps):
                 return gdn_conv_prefill_triton(
-                    qkv, weight, pool, cu, slots, init, T, block_t=bt, block_c=bc, num_warps=warps, parts=PARTS
+                    qkv, weight, pool, cu, slots, init, T, block_t=bt, block_c=bc, num_warps=warps, parts=PARTS, out=out
                 )
 
             diff = (torch.cat([p for p in run()], dim=-1).float() - ref.float()).abs().max().item()
-            ms = median_device_ms(run, args.reps)
+            ms = graph_device_ms(run, args.reps)
             rows.append(
                 {
                     "tokens": T,

@@ -107,6 +107,7 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         PREC: tl.constexpr,
         MASKED: tl.constexpr,
+        SLOT32: tl.constexpr,
     ):
         """One BLOCK_N tile of keys into the running softmax. ``MASKED=False``: every query of the block sees every
         key of the tile (all below the block's first query, all before ``hi``), so no causal or bounds mask and no
@@ -114,13 +115,15 @@ if triton is not None:
         offs_n = start + tl.arange(0, BLOCK_N)
         if MASKED:
             n_mask = offs_n < hi
-            slot = tl.load(slot_row + offs_n, mask=n_mask, other=0).to(tl.int64)
+            slot = tl.load(slot_row + offs_n, mask=n_mask, other=0)
             k_mask = n_mask[None, :] & d_mask[:, None]
             v_mask = n_mask[:, None] & dv_mask[None, :]
         else:
-            slot = tl.load(slot_row + offs_n).to(tl.int64)
+            slot = tl.load(slot_row + offs_n)
             k_mask = d_mask[:, None]
             v_mask = dv_mask[None, :]
+        if not SLOT32:
+            slot = slot.to(tl.int64)
         k = tl.load(K + slot[None, :] * stride_kt + key_head_k + offs_d[:, None], mask=k_mask, other=0.0)
         s = tl.dot(q, k, input_precision=PREC) * qk_scale
         if MASKED:
@@ -159,12 +162,15 @@ if triton is not None:
         qk_scale,
         BLOCK_N: tl.constexpr,
         PREC: tl.constexpr,
+        SLOT32: tl.constexpr,
     ):
         """``_extend_tile(MASKED=False)`` with FlashAttention-4's lazy rescaling: the running max ``m_i`` moves only
         when some row's max grows by more than 8 (in log2 units), so ``exp2(s - m_i)`` stays <= 256 and most tiles
         of a long prefix skip rescaling the ``[BLOCK_M, Dv]`` accumulator. ``acc / l_i`` and the log-sum-exp
         ``m_i + log2(l_i)`` are unchanged: both carry the same max."""
-        slot = tl.load(slot_row + start + tl.arange(0, BLOCK_N)).to(tl.int64)
+        slot = tl.load(slot_row + start + tl.arange(0, BLOCK_N))
+        if not SLOT32:
+            slot = slot.to(tl.int64)
         k = tl.load(K + slot[None, :] * stride_kt + key_head_k + offs_d[:, None], mask=d_mask[:, None], other=0.0)
         s = tl.dot(q, k, input_precision=PREC) * qk_scale
         m_tile = tl.max(s, 1)
@@ -218,6 +224,7 @@ if triton is not None:
         PREC: tl.constexpr,
         SPLIT: tl.constexpr,  # NUM_SPLITS > 1: partial outputs and log-sum-exps into MidO / MidL, merged after
         LAZY: tl.constexpr,  # the unmasked tiles rescale lazily (``_extend_tile_lazy``)
+        SLOT32: tl.constexpr,  # key offsets in int32: every K/V element offset fits (fewer address operations)
     ):
         pid_m = tl.program_id(0) // NUM_SPLITS
         split = tl.program_id(0) % NUM_SPLITS
@@ -254,17 +261,17 @@ if triton is not None:
                 if LAZY:
                     m_i, l_i, acc = _extend_tile_lazy(
                         q, K, V, slot_row, kvh * stride_kh, kvh * stride_vh, stride_kt, stride_vt, offs_d, offs_dv,
-                        d_mask, dv_mask, start, m_i, l_i, acc, qk_scale, BLOCK_N, PREC,
+                        d_mask, dv_mask, start, m_i, l_i, acc, qk_scale, BLOCK_N, PREC, SLOT32,
                     )  # fmt: skip
                 else:
                     m_i, l_i, acc = _extend_tile(
                         q, K, V, slot_row, kvh * stride_kh, kvh * stride_vh, stride_kt, stride_vt, offs_d, offs_dv,
-                        d_mask, dv_mask, qpos, start, hi, m_i, l_i, acc, qk_scale, BLOCK_N, PREC, False,
+                        d_mask, dv_mask, qpos, start, hi, m_i, l_i, acc, qk_scale, BLOCK_N, PREC, False, SLOT32,
                     )  # fmt: skip
             for start in range(lo + full, hi, BLOCK_N):
                 m_i, l_i, acc = _extend_tile(
                     q, K, V, slot_row, kvh * stride_kh, kvh * stride_vh, stride_kt, stride_vt, offs_d, offs_dv,
-                    d_mask, dv_mask, qpos, start, hi, m_i, l_i, acc, qk_scale, BLOCK_N, PREC, True,
+                    d_mask, dv_mask, qpos, start, hi, m_i, l_i, acc, qk_scale, BLOCK_N, PREC, True, SLOT32,
                 )  # fmt: skip
             l_safe = tl.where(l_i == 0.0, 1.0, l_i)
             out = acc / l_safe[:, None]
@@ -417,6 +424,19 @@ def lazy_rescale() -> bool:
     return os.environ.get("FREETOKEN_EXTEND_LAZY_RESCALE", "1") != "0"
 
 
+def int32_key_offsets(k_cache, v_cache) -> bool:
+    """Every element offset of the K and V pools fits int32, so the extend kernel forms its gathered key addresses
+    from int32 offsets (one wide multiply-add an element instead of 64-bit arithmetic), unless
+    ``FREETOKEN_EXTEND_SLOT_INT32=0`` (A/B runs)."""
+    if os.environ.get("FREETOKEN_EXTEND_SLOT_INT32", "1") == "0":
+        return False
+
+    def last_offset(t) -> int:
+        return sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+
+    return max(last_offset(k_cache), last_offset(v_cache)) < 2**31 - 1
+
+
 def _prec(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # fp32 must not silently drop to tf32
 
@@ -557,6 +577,7 @@ def extend_attention_triton(
         PREC=_prec(k_cache.dtype),
         SPLIT=S > 1,
         LAZY=lazy_rescale(),
+        SLOT32=int32_key_offsets(k_cache, v_cache),
         num_warps=warps,
         num_stages=stages,
     )

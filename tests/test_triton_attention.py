@@ -239,6 +239,10 @@ _CPU_SCRIPT = textwrap.dedent(
         os.environ["FREETOKEN_EXTEND_LAZY_RESCALE"] = lazy
         t.extend_case(4, 2, 16, 16, [40, 5], [300, 90], torch.float32, "cpu", seed=6, config=(16, 32, 4, 2),
                       num_splits=2, key_ramp=12.0)
+    # the key offsets in int64, as for pools past 2^31 elements
+    os.environ["FREETOKEN_EXTEND_SLOT_INT32"] = "0"
+    t.extend_case(4, 2, 16, 16, [40, 5], [300, 90], torch.float32, "cpu", seed=8, config=(16, 32, 4, 2), num_splits=2)
+    del os.environ["FREETOKEN_EXTEND_SLOT_INT32"]
     t.backend_case("cpu", torch.float32)
     t.gated_backend_case("cpu", torch.float32)
     print("OK")
@@ -248,6 +252,17 @@ _CPU_SCRIPT = textwrap.dedent(
 
 def test_triton_attention_interpreter_cpu():
     run_under_interpreter(_CPU_SCRIPT, timeout=800)
+
+
+def test_int32_key_offsets_only_where_every_offset_fits(monkeypatch):
+    from freetoken.kernels.attention import int32_key_offsets
+
+    small = torch.empty(1000, 2, 256, device="meta")
+    big = torch.empty(2**22, 2, 256, device="meta")  # 2^31 elements: the last offset does not fit
+    assert int32_key_offsets(small, small)
+    assert not int32_key_offsets(small, big) and not int32_key_offsets(big, small)
+    monkeypatch.setenv("FREETOKEN_EXTEND_SLOT_INT32", "0")
+    assert not int32_key_offsets(small, small)
 
 
 def test_pick_extend_splits():
