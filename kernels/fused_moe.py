@@ -284,8 +284,9 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
 
     Returns ``sorted_ids [P]`` int32 (flat pair index ``t*k + j``; padding = T*k) and ``block_expert [P // block_m]``
     int32 (-1 for blocks past the last real one). ``P`` is an upper bound from shapes only: no host sync, CUDA-graph
-    capturable. Two Triton launches (a one-program plan with the padding fill beside it, then an atomic scatter); pairs inside one expert's run come in
-    arbitrary order. ``moe_align_block_size_torch`` is the (stable) reference."""
+    capturable. Two Triton launches (the plan, one program, with the padding fill in programs beside it; then an
+    atomic scatter); pairs inside one expert's run come in arbitrary order. ``moe_align_block_size_torch`` is the
+    (stable) reference."""
     dev = topk_ids.device
     flat = topk_ids.reshape(-1)
     if not flat.is_contiguous():

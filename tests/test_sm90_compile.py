@@ -49,15 +49,15 @@ def test_moe_combine_compiles_for_sm90(dtype, shared, weighted):
     assert compile_check("freetoken.kernels.moe_combine:_moe_combine_kernel", ptr, const, div16) == 0
 
 
-@pytest.mark.parametrize("split,slot32", [(True, True), (False, True), (True, False)])
-def test_extend_attention_compiles_for_sm90(split, slot32):
-    """The extend kernel with its unmasked (lazily rescaled, as served) and masked key tiles at Qwen3.6's head dim
-    (256) and sm_90's tiles, key offsets in int32 and int64."""
+@pytest.mark.parametrize("split,slot32,lazy", [(True, False, True), (False, True, True), (True, True, False)])
+def test_extend_attention_compiles_for_sm90(split, slot32, lazy):
+    """The extend kernel with its unmasked (lazily rescaled, as served, or not) and masked key tiles at Qwen3.6's
+    head dim (256) and sm_90's tiles, key offsets in int32 and int64."""
     ptr = {p: "*bf16" for p in ("Q", "K", "V", "O")}
     ptr.update(MidO="*fp32", MidL="*fp32", req_to_token="*i32", rows_ptr="*i32", cu_ptr="*i32", prefix_ptr="*i32")
     ptr.update(sm_scale="fp32")
     const = dict(GROUP=8, BLOCK_M=128, BLOCK_N=64, BLOCK_D=256, BLOCK_DV=256, PREC="'tf32'", SPLIT=split)
-    const.update(LAZY=True, SLOT32=slot32)
+    const.update(LAZY=lazy, SLOT32=slot32)
     strides = ",".join(f"stride_{s}" for s in ("qt", "qh", "kt", "kh", "vt", "vh", "ot", "oh", "rt", "mot", "moh"))
     div16 = f"{strides},D,DV"
     assert compile_check("freetoken.kernels.attention:_extend_kernel", ptr, const, div16, warps=8, stages=2) == 0
