@@ -431,6 +431,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--warmup-tokens", type=int, default=0, help="warm-up prompt (default min(2048, final/4))")
     ap.add_argument("--server-args", default="", help="more ft serve args, one string (not --cache-type)")
     ap.add_argument("--caches", default="radix,naive", help="servers to run, in order")
+    ap.add_argument(
+        "--clock-interval-ms", type=int, default=20, help="nvidia-smi sampling interval during the session; 0: off"
+    )
     ap.add_argument("--out", default=os.path.join(_ROOT, "bench", "out", "agent_session.json"))
     a = ap.parse_args()
     if a.turns < 1:
@@ -477,7 +480,7 @@ def main() -> int:
     try:
         for cache in [c.strip() for c in a.caches.split(",") if c.strip()]:
             print(f"--- {cache}: ft serve {' '.join(base)} --cache-type {cache}", flush=True)
-            with ClockSampler() as clocks:
+            with ClockSampler(a.clock_interval_ms) as clocks:
                 run = run_server(cache, base + ["--cache-type", cache], session, tok, warmup, clocks)
             report["runs"][cache] = run
             print(

@@ -22,6 +22,7 @@ _FIELDS = "clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_event_reasons.
 
 class ClockSampler:
     def __init__(self, interval_ms: int = 20, gpu: int = 0):
+        self.interval_ms = interval_ms
         self.samples: list[tuple[float, float, float, float, float, str]] = []  # (t, sm, mem, power, temp, reasons)
         self._cmd = [
             "nvidia-smi",
@@ -34,7 +35,7 @@ class ClockSampler:
         self._thread = None
 
     def __enter__(self) -> "ClockSampler":
-        if shutil.which("nvidia-smi") is None:
+        if shutil.which("nvidia-smi") is None or self.interval_ms <= 0:  # interval 0: off (A/B of the sampler itself)
             return self
         self._proc = subprocess.Popen(self._cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self._thread = threading.Thread(target=self._read, daemon=True)
