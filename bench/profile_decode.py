@@ -18,6 +18,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+from freetoken.engine.device_timeline import device_intervals, timeline  # noqa: E402
 from freetoken.engine.step_plan import StepPlan  # noqa: E402
 from freetoken.engine.step_profiler import top_ops  # noqa: E402
 from freetoken.worker import Worker  # noqa: E402
@@ -160,9 +161,10 @@ def experts_touched(model: torch.nn.Module, step) -> dict | None:
     }
 
 
-def profile_steps(step, sync, device, n: int, top: int) -> tuple[list[dict], list[dict], float]:
+def profile_steps(step, sync, device, n: int, top: int, timeline_out: dict | None = None):
     """Runs ``n`` eager steps under the torch profiler: the ``top`` ops by self CPU time and by device time (per
-    step), and the device's busy time per step."""
+    step), and the device's busy time per step. ``timeline_out`` (a dict) receives the device's timeline over the
+    profiled steps (``device_timeline.timeline``: span, busy, idle, longest gaps; meant for ``n`` = 1)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -170,6 +172,8 @@ def profile_steps(step, sync, device, n: int, top: int) -> tuple[list[dict], lis
         for _ in range(n):
             step()
         sync()
+    if timeline_out is not None:
+        timeline_out.update(timeline(device_intervals(prof.events())) or {})
     return top_ops(prof.key_averages(), n, top)
 
 

@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from gpu_clocks import ClockSampler  # noqa: E402
 from profile_decode import batch_plan, print_profile, profile_steps, worker_args  # noqa: E402
 
+from freetoken.engine.device_timeline import format_timeline  # noqa: E402
 from freetoken.engine.step_profiler import host_profile  # noqa: E402
 from freetoken.moe import bench_routing  # noqa: E402
 from freetoken.worker import Worker  # noqa: E402
@@ -183,7 +184,8 @@ def main() -> int:
             w.execute_plan(plan)
 
         step_ms = min(times[(mode, snapshots)])
-        by_cpu, by_dev, device_ms = profile_steps(step, sync, w.device, a.profile_steps, a.top)
+        device_line: dict = {}  # the profiled steps' device timeline (span, busy, idle, longest gaps)
+        by_cpu, by_dev, device_ms = profile_steps(step, sync, w.device, a.profile_steps, a.top, device_line)
         syncs = host_sync_sites(step) if w.device.type == "cuda" else {}
         host = host_profile(step, sync, a.host_profile) if a.host_profile else []
         result = {
@@ -205,6 +207,7 @@ def main() -> int:
             "launch_device_ms_runs": launch_device[(mode, snapshots)],
             "tok_s": a.new * 1e3 / step_ms,
             "device_busy_ms_per_step": device_ms,
+            "device_timeline_profiled": device_line or None,
             "by_self_cpu": by_cpu,
             "by_device": by_dev,
             "host_sync_sites": syncs,
@@ -216,6 +219,8 @@ def main() -> int:
             f"routing {mode}, snapshots {snapshots}: {step_ms:.1f} ms ({a.new * 1e3 / step_ms:.0f} tok/s), device busy {device_ms:.1f} ms"
         )
         print_profile(result)
+        if device_line:
+            print(format_timeline(device_line).strip())
         print(f"host syncs in one step: {sum(syncs.values())}")
         for site, n in sorted(syncs.items(), key=lambda kv: -kv[1]):
             print(f"  {n:>4} x {site}")

@@ -7,7 +7,8 @@ chunk run alone (the plan the scheduler builds, snapshot captures and restores, 
 profiles every eager step of at least ``FREETOKEN_PROFILE_STEPS`` new tokens (``MIN-MAX``: between the two, so that a
 session's long uncached chunks are left out) under ``torch.profiler`` and appends
 one block per step to ``FREETOKEN_PROFILE_OUT`` (default ``freetoken_steps_profile.txt``): the step's wall time
-(profiler overhead included), the device's busy time, and the top ops by device time and by self CPU time. With
+(profiler overhead included), the device's busy time, the top ops by device time and by self CPU time, and the
+device's timeline over the step (``device_timeline.py``: span, busy, idle and the longest gaps). With
 ``FREETOKEN_PROFILE_MODE=host`` the step runs under cProfile instead: the top Python functions by own time, which
 say where a host-bound served step's launch time goes (the wait for the device shows as the step's final
 ``tolist``). Off (no cost beyond one comparison a step) when the variable is unset. Decode graph replays are never
@@ -22,6 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .device_timeline import device_intervals, format_timeline, timeline
 from .gc_control import GcClock
 
 TOP = 14
@@ -60,7 +62,9 @@ class StepProfiler:
         clock.stop()
         self.profiled += 1
         with open(self.out, "a") as f:
-            f.write(format_profile(prof.key_averages(), step_id, num_tokens, wall_ms, clock.summary()) + "\n")
+            block = format_profile(prof.key_averages(), step_id, num_tokens, wall_ms, clock.summary())
+            gaps = format_timeline(timeline(device_intervals(prof.events())))
+            f.write(block + ("\n" + gaps if gaps else "") + "\n")
         return out
 
     def _host_profiled(self, step_id: int, num_tokens: int, run: Callable):
