@@ -416,6 +416,30 @@ def test_step_profiler_profiles_only_steps_over_its_threshold(worker, tmp_path):
         StepProfiler(worker.device, {"FREETOKEN_PROFILE_STEPS": "5-x"})
 
 
+def test_step_profiler_a_failing_device_timeline_does_not_fail_the_step(worker, tmp_path, monkeypatch):
+    """The device timeline is a diagnostic: if reading it fails, the block says so and the step's tokens stand."""
+    from freetoken.engine import step_profiler
+    from freetoken.engine.step_profiler import StepProfiler
+
+    def broken(events):
+        raise KeyError("no time_range")
+
+    monkeypatch.setattr(step_profiler, "device_intervals", broken)
+    out = tmp_path / "steps.txt"
+    tokens = [5, 9, 13, 200, 7, 7, 1]
+    plain, _, _, _ = worker.execute(encode_plan([Seq(0, tokens, slot_base=0).item(sample=GREEDY)], 0))
+    saved = worker.step_profiler
+    try:
+        worker.step_profiler = StepProfiler(
+            worker.device, {"FREETOKEN_PROFILE_STEPS": "5", "FREETOKEN_PROFILE_OUT": str(out)}
+        )
+        profiled, _, _, _ = worker.execute(encode_plan([Seq(0, tokens, slot_base=0).item(sample=GREEDY)], 43))
+    finally:
+        worker.step_profiler = saved
+    assert profiled == plain
+    assert "device timeline unavailable: KeyError" in out.read_text()
+
+
 def test_step_profiler_host_mode_lists_the_steps_python_functions(worker, tmp_path):
     """``FREETOKEN_PROFILE_MODE=host``: the step runs under cProfile (same tokens) and its block names the model's
     step and the model's forward among the functions by own time; an unknown mode is refused naming the variable."""

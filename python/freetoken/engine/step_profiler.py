@@ -63,7 +63,10 @@ class StepProfiler:
         self.profiled += 1
         with open(self.out, "a") as f:
             block = format_profile(prof.key_averages(), step_id, num_tokens, wall_ms, clock.summary())
-            gaps = format_timeline(timeline(device_intervals(prof.events())))
+            try:  # a diagnostic: never the step's failure
+                gaps = format_timeline(timeline(device_intervals(prof.events())))
+            except Exception as e:  # noqa: BLE001
+                gaps = f"  device timeline unavailable: {type(e).__name__}: {e}"
             f.write(block + ("\n" + gaps if gaps else "") + "\n")
         return out
 
