@@ -26,6 +26,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hardware_bandwidth import graph_device_ms  # noqa: E402  (bench/, this script's directory)
 
 HBM_PEAK_GBS = 4800.0  # H200 datasheet
 
@@ -51,24 +53,16 @@ def timed(fn, reps: int) -> tuple[float, float]:
         fn()
     host = (time.perf_counter() - t0) / reps * 1e6
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(reps):
-                fn()
-        graph.replay()
-        torch.cuda.synchronize()
-        start.record()
-        graph.replay()
-        end.record()
+        return graph_device_ms(fn, reps) * 1e3, host
     except RuntimeError as e:  # not capturable (a baseline's wrapper may sync): queued eagerly, host time included
         print(f"  (not capturable, timed eagerly: {str(e).splitlines()[0][:100]})")
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / reps * 1e3, host
 

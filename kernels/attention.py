@@ -520,7 +520,7 @@ def extend_attention_triton(
 ):
     """Triton ``extend``; same contract as ``extend_attention_torch``, times ``sigmoid(gate [T, nh, Dv])`` when a
     gate is given (gated attention: in the key splits' merge when the keys are split, saving two elementwise
-    launches, else as ``out * sigmoid(gate)`` in out's dtype). ``cu_seqlens``/``prefix_lens``/``rows`` are
+    launches, else by the layer's ``gate_output``). ``cu_seqlens``/``prefix_lens``/``rows`` are
     device int tensors; ``max_extend_len`` is a host int (sizes the grid without a sync). ``config``: pins
     ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` (tests and benchmarks), else ``_extend_config``. ``max_context``
     (host int, the longest sequence's prefix + new tokens) lets the big tiles split each program's keys
@@ -587,9 +587,8 @@ def extend_attention_triton(
         if gate is not None and gate.stride(-1) != 1:
             gate = gate.contiguous()
         _combine_splits(mid_o, mid_l, out, gate)  # the decode merge: tokens as its batch rows
-    elif gate is not None:
-        out.mul_(torch.sigmoid(gate))
-    return out
+        return out
+    return gate_output(out, gate)
 
 
 def pick_num_kv_splits(batch_size: int, num_kv_heads: int, max_context: int) -> int:

@@ -388,12 +388,11 @@ def test_frequency_penalty_forbids_repeats_and_counts_start_fresh_with_each_requ
     assert toks == [want] and abs(lps[0] - want_lp) < 1e-4  # logprobs stay the model's own
 
 
-def test_step_profiler_profiles_only_steps_over_its_threshold(worker, tmp_path):
-    """``FREETOKEN_PROFILE_STEPS``: an eager step of at least that many new tokens is run under the profiler and
-    written out (same tokens as unprofiled); a smaller step, or no variable, profiles nothing."""
+def _profiled_step(worker, out, step_id: int, then_short: int | None = None):
+    """(tokens of a 7-token step unprofiled, the same step as ``step_id`` under ``FREETOKEN_PROFILE_STEPS=5`` writing
+    to ``out``); ``then_short``: also a 3-token step with that id, below the threshold."""
     from freetoken.engine.step_profiler import StepProfiler
 
-    out = tmp_path / "steps.txt"
     tokens = [5, 9, 13, 200, 7, 7, 1]
     plain, _, _, _ = worker.execute(encode_plan([Seq(0, tokens, slot_base=0).item(sample=GREEDY)], 0))
     saved = worker.step_profiler
@@ -401,10 +400,21 @@ def test_step_profiler_profiles_only_steps_over_its_threshold(worker, tmp_path):
         worker.step_profiler = StepProfiler(
             worker.device, {"FREETOKEN_PROFILE_STEPS": "5", "FREETOKEN_PROFILE_OUT": str(out)}
         )
-        profiled, _, _, _ = worker.execute(encode_plan([Seq(0, tokens, slot_base=0).item(sample=GREEDY)], 41))
-        worker.execute(encode_plan([Seq(0, tokens[:3], slot_base=0).item(sample=GREEDY)], 42))  # 3 < 5 tokens
+        profiled, _, _, _ = worker.execute(encode_plan([Seq(0, tokens, slot_base=0).item(sample=GREEDY)], step_id))
+        if then_short is not None:
+            worker.execute(encode_plan([Seq(0, tokens[:3], slot_base=0).item(sample=GREEDY)], then_short))
     finally:
         worker.step_profiler = saved
+    return plain, profiled
+
+
+def test_step_profiler_profiles_only_steps_over_its_threshold(worker, tmp_path):
+    """``FREETOKEN_PROFILE_STEPS``: an eager step of at least that many new tokens is run under the profiler and
+    written out (same tokens as unprofiled); a smaller step, or no variable, profiles nothing."""
+    from freetoken.engine.step_profiler import StepProfiler
+
+    out = tmp_path / "steps.txt"
+    plain, profiled = _profiled_step(worker, out, 41, then_short=42)  # 3 < 5 tokens
     assert profiled == plain
     text = out.read_text()
     assert text.startswith("step 41: 7 new tokens, wall ") and "top by self CPU time" in text, text[:300]
@@ -419,23 +429,13 @@ def test_step_profiler_profiles_only_steps_over_its_threshold(worker, tmp_path):
 def test_step_profiler_a_failing_device_timeline_does_not_fail_the_step(worker, tmp_path, monkeypatch):
     """The device timeline is a diagnostic: if reading it fails, the block says so and the step's tokens stand."""
     from freetoken.engine import step_profiler
-    from freetoken.engine.step_profiler import StepProfiler
 
     def broken(events):
         raise KeyError("no time_range")
 
     monkeypatch.setattr(step_profiler, "device_intervals", broken)
     out = tmp_path / "steps.txt"
-    tokens = [5, 9, 13, 200, 7, 7, 1]
-    plain, _, _, _ = worker.execute(encode_plan([Seq(0, tokens, slot_base=0).item(sample=GREEDY)], 0))
-    saved = worker.step_profiler
-    try:
-        worker.step_profiler = StepProfiler(
-            worker.device, {"FREETOKEN_PROFILE_STEPS": "5", "FREETOKEN_PROFILE_OUT": str(out)}
-        )
-        profiled, _, _, _ = worker.execute(encode_plan([Seq(0, tokens, slot_base=0).item(sample=GREEDY)], 43))
-    finally:
-        worker.step_profiler = saved
+    plain, profiled = _profiled_step(worker, out, 43)
     assert profiled == plain
     assert "device timeline unavailable: KeyError" in out.read_text()
 
