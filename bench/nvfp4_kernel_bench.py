@@ -7,7 +7,8 @@ the same card. Prints a table per group and writes JSON.
 Groups, each per M (rows of x; tokens for the MoE) in 1, 2, 4, 8, 16, 64, 256, 1024, 4096, 8192:
 - ``linear``: the W4A16 NVFP4 Linears (``kernels/nvfp4_linear.py``): the shared expert's gate (512 x 2048) and
   down (2048 x 512), lm_head (248320 x 2048); beside each, ``torch.mm`` in BF16 (cuBLAS) over the same shape. At
-  M <= 8 both paths (CUDA-core GEMV and tensor cores) are timed: where they cross is ``nvfp4_linear.pick_path``.
+  M <= 8 every path is timed (the CUDA-core GEMV in fp32, up to 4 rows its packed-half form, and tensor cores):
+  where they cross is ``nvfp4_linear.pick_path``.
 - ``moe``: the routed experts of one layer, 256 experts of gate|up 2 x 512 x 2048 and down 2048 x 512, top-8
   (``layers/nvfp4_experts.run_nvfp4_experts``: decode GEMVs up to 64 pairs, grouped kernels above), under uniform
   and Zipf routing (``--routing``, default ``FREETOKEN_BENCH_ROUTING`` or both; the draws of
@@ -221,14 +222,27 @@ def linear_cases(a, device, dtype, max_m: int):
             yield name, M, x, weights, nbytes, 2 * M * n * k, t_bf16
 
 
+def linear_paths(M: int, dtype) -> list:
+    """The ``nvfp4_linear_triton`` paths that take ``M`` rows of x in ``dtype``."""
+    import torch
+
+    from freetoken.kernels.nvfp4_half_gemv import HALF_MAX_M
+
+    paths = ["gemv"] if M <= 8 else []
+    if M <= HALF_MAX_M and dtype in (torch.bfloat16, torch.float16):
+        paths.append("half")
+    return paths + ["dot"]
+
+
 def bench_linear(a, device, dtype, bw) -> list:
     from freetoken.kernels.nvfp4_linear import nvfp4_linear_triton, pick_path
 
     rows = []
     for name, M, x, weights, nbytes, flops, t_bf16 in linear_cases(a, device, dtype, max(a.ms)):
-        for path in ["gemv", "dot"] if M <= 8 else ["dot"]:
+        for path in linear_paths(M, dtype):
             t = time_calls(cycled(lambda w, p=path: nvfp4_linear_triton(x, *w, path=p), weights, a.reps), device)
-            auto = path == pick_path(M, weights[0][0].shape[0])
+            w0 = weights[0][0]
+            auto = path == pick_path(M, w0.shape[0], 2 * w0.shape[1], x.dtype)
             rows.append(row("linear", name, M, t, nbytes, flops, bw, t_bf16, path=path, auto=auto))
     return rows
 
@@ -238,6 +252,16 @@ def bench_linear(a, device, dtype, bw) -> list:
 # neighbours)
 SWEEP = {
     "gemv": [{}, {"tile": 16384}, {"stages": 4}, {"tile": 4096}],
+    # the half GEMV's times are bimodal in the tile's shape (2026-12-04): rows x words neighbours of the defaults
+    "half": [
+        {},
+        {"tile": 8192, "words": 32},
+        {"tile": 16384, "words": 64},
+        {"tile": 8192, "words": 64},
+        {"tile": 16384, "words": 32},
+        {"stages": 4},
+        {"warps": 8},
+    ],
     "dot": [
         {},
         {"block_n": 16, "warps": 1},
@@ -257,7 +281,7 @@ def bench_sweep(a, device, dtype, bw) -> list:
 
     rows = []
     for name, M, x, weights, nbytes, flops, t_bf16 in linear_cases(a, device, dtype, 16):
-        for path in ["gemv", "dot"] if M <= 8 else ["dot"]:
+        for path in linear_paths(M, dtype):
             for tune in SWEEP[path]:
                 label = ",".join(f"{key}{v}" for key, v in tune.items()) or "default"
                 call = lambda w, p=path, c=tune: nvfp4_linear_triton(x, *w, path=p, tune=c)  # noqa: E731

@@ -50,6 +50,7 @@ try:  # keep the reference importable without triton
     import triton
     import triton.language as tl
 
+    from .nvfp4_half_gemv import HALF_MAX_M, launch_half_gemv
     from .nvfp4_tiles import block_scale, dequant_tile_words, e2m1_word, gemv_row
 except Exception:  # pragma: no cover
     triton = None
@@ -63,6 +64,10 @@ GEMV_MAX_M = 2
 # the tensor-core path does not): on the H200 the shared expert's gate (512 x 2048) took 4.8 / 6.4 us at M = 4 / 8
 # on the GEMV against 16.5 on tensor cores
 GEMV_MAX_M_FEW_ROWS = 8
+# the packed-half GEMV (``nvfp4_half_gemv``) up to this M, for 16-bit x and weights of at least this many weights
+# (below, its extra launch, which scales and packs x, costs more than it saves)
+HALF_AUTO_MAX_M = 2
+HALF_MIN_WEIGHTS = 1 << 26
 # up to this many rows the tensor-core path uses tiles narrow in M (16..64 rows) and wide in N
 SMALL_M_MAX = 64
 
@@ -73,6 +78,12 @@ _TARGET_PROGRAMS = 528
 # 134.1 with 4096 (63 % vs 54 % of HBM), M=2 184 vs 210; the small shared-expert shapes equal.
 _GEMV_TILE = 8192
 _NUM_STAGES = 3
+# the packed-half GEMV's (tile bytes, words a row per step) for M > 1 and M = 1. H200, lm_head (2026-12-04,
+# bench/results/2026-12-04-h200-nvfp4-half-gemv.txt): 64 rows of 32 words a program at M = 1 took 89 us against 177
+# with the fp32 GEMV's 32 x 64; at M = 2 64 x 64 took 128 us against 140. The times are bimodal in the tile shape
+# (89 / ~170 / ~300 us at M = 1): the activation pairs each program broadcasts over its rows cost layout
+# conversions that some thread arrangements avoid.
+_HALF_TILES = {False: (16384, 64), True: (8192, 32)}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -285,13 +296,13 @@ if triton is not None:
         tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
 
 
-def _gemv_config(M: int, N: int, K: int, tile: int = _GEMV_TILE) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_W, SPLIT_K)`` for the GEMV: tiles of ``tile`` bytes, 4..64 words (32..512
-    weights) of a row per step; K split (each split at least one step long), then fewer rows per program, until the
-    grid has about ``_TARGET_PROGRAMS`` programs."""
+def _gemv_config(M: int, N: int, K: int, tile: int = _GEMV_TILE, max_words: int = 64) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_W, SPLIT_K)`` for the GEMV: tiles of ``tile`` bytes, 4..``max_words`` words (8
+    weights each) of a row per step; K split (each split at least one step long), then fewer rows per program,
+    until the grid has about ``_TARGET_PROGRAMS`` programs."""
     bm = triton.next_power_of_2(M)
     kw = K // 8
-    bw = max(4, min(64, triton.next_power_of_2(kw)))
+    bw = max(4, min(max_words, triton.next_power_of_2(kw)))
     bn = max(4, min(64, tile // (4 * bw)))
     bn = min(bn, max(4, triton.next_power_of_2(N)))
     split, target = 1, scaled(_TARGET_PROGRAMS)
@@ -317,27 +328,40 @@ def _dot_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
 
 
 # Launch settings a benchmark may override per call (``nvfp4_linear_triton(..., tune=...)``; bench/nvfp4_kernel_bench.py
-# --groups sweep times them): GEMV ``tile`` (weight bytes a program loads per step), ``warps``, ``stages``; tensor cores
+# --groups sweep times them): GEMV ``tile`` (weight bytes a program loads per step), ``words`` (at most this many
+# words of a row per step), ``warps``, ``stages``; tensor cores
 # ``block_n``, ``block_k``, ``warps``, ``stages``. Anything not given keeps the default pick above.
-TUNE_KEYS = {"gemv": ("tile", "warps", "stages"), "dot": ("block_n", "block_k", "warps", "stages")}
+TUNE_KEYS = {
+    "gemv": ("tile", "words", "warps", "stages"),
+    "half": ("tile", "words", "warps", "stages"),
+    "dot": ("block_n", "block_k", "warps", "stages"),
+}
 
 
-def _launch_gemv(x2, weight, weight_scale, weight_scale_2, bias, out, tune: Optional[dict] = None) -> None:
+def _launch_gemv(
+    x2, weight, weight_scale, weight_scale_2, bias, out, tune: Optional[dict] = None, half: bool = False
+) -> None:
+    """The fp32 GEMV, or with ``half`` the packed-half one (``nvfp4_half_gemv``) on the same tiling."""
     M, K = x2.shape
     N = weight.shape[0]
     tune = tune or {}
-    bm, bn, bw, split = _gemv_config(M, N, K, tune.get("tile", _GEMV_TILE))
+    tile, max_words = _HALF_TILES[M == 1] if half else (_GEMV_TILE, 64)
+    bm, bn, bw, split = _gemv_config(M, N, K, tune.get("tile", tile), tune.get("words", max_words))
     kw_per_split = triton.cdiv(triton.cdiv(K // 8, split), bw) * bw
     split = triton.cdiv(K // 8, kw_per_split)  # no empty splits
     dst = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x2.device)
     b = bias if bias is not None else out  # never read without HAS_BIAS
     words = weight.view(torch.int32)  # [N, K/8]: 16-byte loads of 4 words, 8 weights decoded per word
-    _nvfp4_gemv_kernel[(triton.cdiv(N, bn), split)](
-        x2, words, weight_scale, weight_scale_2, b, dst, M, N, K,
-        x2.stride(0), words.stride(0), weight_scale.stride(0), dst.stride(-2), dst.stride(0) if split > 1 else 0,
-        kw_per_split, HAS_BIAS=bias is not None, EVEN=N % bn == 0 and (K // 8) % kw_per_split == 0, SPLIT_K=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=bw,
-        NUM_STAGES=tune.get("stages", _NUM_STAGES), num_warps=tune.get("warps", 4),
-    )  # fmt: skip
+    stages, warps = tune.get("stages", _NUM_STAGES), tune.get("warps", 4)
+    if half:
+        launch_half_gemv(x2, words, weight_scale, weight_scale_2, bias, dst, bn, bw, split, kw_per_split, stages, warps)
+    else:
+        _nvfp4_gemv_kernel[(triton.cdiv(N, bn), split)](
+            x2, words, weight_scale, weight_scale_2, b, dst, M, N, K,
+            x2.stride(0), words.stride(0), weight_scale.stride(0), dst.stride(-2), dst.stride(0) if split > 1 else 0,
+            kw_per_split, HAS_BIAS=bias is not None, EVEN=N % bn == 0 and (K // 8) % kw_per_split == 0, SPLIT_K=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=bw,
+            NUM_STAGES=stages, num_warps=warps,
+        )  # fmt: skip
     if split > 1:
         block = min(1024, triton.next_power_of_2(N))
         _splitk_reduce_kernel[(M, triton.cdiv(N, block))](
@@ -362,8 +386,11 @@ def _launch_dot(x2, weight, weight_scale, weight_scale_2, bias, out, tune: Optio
     )  # fmt: skip
 
 
-def pick_path(M: int, N: int) -> str:
-    """``gemv`` (CUDA cores) or ``dot`` (tensor cores) for ``M`` rows of x against ``N`` output rows."""
+def pick_path(M: int, N: int, K: int = 0, dtype: Optional[torch.dtype] = None) -> str:
+    """``gemv`` (CUDA cores, fp32), ``half`` (CUDA cores, packed half) or ``dot`` (tensor cores) for ``M`` rows of
+    x (``dtype``) against an ``N x K`` weight."""
+    if M <= HALF_AUTO_MAX_M and dtype in (torch.bfloat16, torch.float16) and N * K >= HALF_MIN_WEIGHTS:
+        return "half"
     if M <= GEMV_MAX_M or (M <= GEMV_MAX_M_FEW_ROWS and triton.cdiv(N, _dot_config(M, N, 16)[1]) < sm_count()):
         return "gemv"
     return "dot"
@@ -392,14 +419,21 @@ def nvfp4_linear_triton(
     M = x2.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if path == "auto":
-        path = pick_path(M, N)
-    assert path == "dot" or (path == "gemv" and M <= 8), f"unknown path {path!r} for M={M}"
+        path = pick_path(M, N, K, x.dtype)
+    assert (
+        path == "dot"
+        or (path == "gemv" and M <= 8)
+        or (path == "half" and M <= HALF_MAX_M and x.dtype in (torch.bfloat16, torch.float16))
+    ), f"unknown path {path!r} for M={M}, {x.dtype}"
     if M > 0 and N > 0:
         scale_bytes = weight_scale.view(torch.uint8)  # E4M3 bits, decoded in the kernel
         if tune and set(tune) - set(TUNE_KEYS[path]):
             raise ValueError(f"unknown {path} settings {sorted(set(tune) - set(TUNE_KEYS[path]))}")
-        launch = _launch_gemv if path == "gemv" else _launch_dot
-        launch(x2, weight, scale_bytes, weight_scale_2.reshape(()), bias, out, tune)
+        g = weight_scale_2.reshape(())
+        if path == "dot":
+            _launch_dot(x2, weight, scale_bytes, g, bias, out, tune)
+        else:
+            _launch_gemv(x2, weight, scale_bytes, g, bias, out, tune, half=path == "half")
     return out.view(*x.shape[:-1], N)
 
 

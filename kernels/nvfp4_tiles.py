@@ -53,16 +53,27 @@ if triton is not None:
         return lo, hi
 
     @triton.jit
-    def e2m1_word(w):
-        """int32 words of packed codes (word j = weights 8j..8j+7, weight 8j+p in bits 4p..4p+3) -> the 8 weights
-        ``v0..v7`` (fp32, times 2^-14), each a tensor shaped like ``w``. Two weights per 32-bit operation: weights p
-        and p+4 are placed as an fp16 pair in one register (two shifts, two logic ops), which two half -> float
-        conversions split (the GPU reads either half of a register for free)."""
+    def e2m1_pairs(w):
+        """int32 words of packed codes (word j = weights 8j..8j+7, weight 8j+p in bits 4p..4p+3) -> four uint32
+        tensors shaped like ``w``, the fp16 pairs (weight p low, weight p+4 high) for p = 0..3, each weight as
+        ``e2m1 * 2^-14``. Two shifts and two logic operations a pair."""
         w = w.to(tl.uint32, bitcast=True)
-        v0, v4 = f16_halves(((w << 9) & 0x0E000E00) | ((w << 12) & 0x80008000))
-        v1, v5 = f16_halves(((w << 5) & 0x0E000E00) | ((w << 8) & 0x80008000))
-        v2, v6 = f16_halves(((w << 1) & 0x0E000E00) | ((w << 4) & 0x80008000))
-        v3, v7 = f16_halves(((w >> 3) & 0x0E000E00) | (w & 0x80008000))
+        p0 = ((w << 9) & 0x0E000E00) | ((w << 12) & 0x80008000)
+        p1 = ((w << 5) & 0x0E000E00) | ((w << 8) & 0x80008000)
+        p2 = ((w << 1) & 0x0E000E00) | ((w << 4) & 0x80008000)
+        p3 = ((w >> 3) & 0x0E000E00) | (w & 0x80008000)
+        return p0, p1, p2, p3
+
+    @triton.jit
+    def e2m1_word(w):
+        """int32 words of packed codes -> the 8 weights ``v0..v7`` (fp32, times 2^-14), each a tensor shaped like
+        ``w``: ``e2m1_pairs``, whose fp16 pairs two half -> float conversions split (the GPU reads either half of a
+        register for free)."""
+        p0, p1, p2, p3 = e2m1_pairs(w)
+        v0, v4 = f16_halves(p0)
+        v1, v5 = f16_halves(p1)
+        v2, v6 = f16_halves(p2)
+        v3, v7 = f16_halves(p3)
         return v0, v1, v2, v3, v4, v5, v6, v7
 
     @triton.jit

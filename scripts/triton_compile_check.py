@@ -65,9 +65,11 @@ def main(argv=None) -> int:
         options = {"num_warps": a.warps, "num_stages": a.stages}
         compiled = triton.compile(src, target=GPUTarget("cuda", a.arch, 32), options=options)
     except Exception as e:  # the compiler's message is the point of the tool
-        print(
-            f"{name} does not compile for sm_{a.arch}: {e}" + (f"\ncaused by: {e.__cause__!r}" if e.__cause__ else "")
-        )
+        causes, inner = [], e.__cause__
+        while inner is not None:  # a nested @jit call's error names only its caller: print down to the root
+            causes.append(f"\ncaused by: {inner!r}")
+            inner = inner.__cause__
+        print(f"{name} does not compile for sm_{a.arch}: {e}" + "".join(causes))
         return 1
     print(f"{name}: sm_{a.arch} PTX {len(compiled.asm['ptx'])} bytes" + _ptxas_usage(compiled.asm["ptx"], a.arch))
     return 0

@@ -77,6 +77,11 @@ def test_configs():
     # the path: the GEMV for one or two rows; up to 8 only where tensor-core programs would not fill the SMs
     assert [nl.pick_path(m, 248320) for m in (1, 2, 3, 8)] == ["gemv", "gemv", "dot", "dot"]
     assert [nl.pick_path(m, 512) for m in (1, 4, 8, 9, 16)] == ["gemv", "gemv", "gemv", "dot", "dot"]
+    # the packed-half GEMV for 16-bit x and weights large enough to pay for its extra launch (lm_head)
+    half = [nl.pick_path(m, 248320, 2048, torch.bfloat16) for m in range(1, nl.HALF_AUTO_MAX_M + 2)]
+    assert half == ["half"] * nl.HALF_AUTO_MAX_M + [nl.pick_path(nl.HALF_AUTO_MAX_M + 1, 248320)]
+    assert nl.pick_path(1, 248320, 2048, torch.float32) == "gemv"  # fp32 x: the fp32 GEMV's exact sums
+    assert nl.pick_path(1, 512, 2048, torch.float16) == "gemv"  # a small weight: not worth the packing launch
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -111,11 +116,20 @@ _CPU_SCRIPT = textwrap.dedent(
         # launch settings a benchmark sweep overrides (bench/nvfp4_kernel_bench.py --groups sweep)
         (2, 40, 1024, f32, dict(path="gemv", tune=dict(tile=8192, warps=8, stages=4))),
         (5, 40, 256, f16, dict(path="dot", tune=dict(block_n=64, block_k=64, warps=8, stages=2))),
+        # the packed-half GEMV: bias, K split, odd N and masked tails with strided x, 3-D x of 4 rows, its settings
+        (1, 24, 96, bf16, dict(path="half", bias=True)),
+        (2, 40, 4096, f16, dict(path="half")),
+        (3, 13, 48, bf16, dict(path="half", strided=True)),
+        (2, 16, 256, f16, dict(path="half", lead=(2,))),
+        (1, 40, 1024, bf16, dict(path="half", tune=dict(tile=4096, words=16, warps=8, stages=2))),
     ]
     for M, N, K, dt, kw in cases:
         key = str(dt).split(".")[-1]
         worst[key] = max(worst.get(key, 0.0), t.check_linear(M, N, K, dt, "cpu", seed=M + N, **kw))
     t.check_layer_dispatch("cpu", f32)
+    t.check_half_pairs("cpu")
+    for dt in (bf16, f16):
+        worst["half rows"] = max(worst.get("half rows", 0.0), t.check_half_magnitudes("cpu", dt))
     for dt, err in sorted(worst.items()):
         print(f"nvfp4_linear {{dt:9s}} max |out - ref| / (1 + |ref|) = {{err:.3g}}")
     print("OK")
@@ -136,6 +150,46 @@ def check_layer_dispatch(device, dtype):
     for M in (1, 5):
         x = torch.randn(M, 64, device=device).to(dtype)
         assert torch.equal(lin(x), nvfp4_linear_triton(x, lin.weight, lin.weight_scale, lin.weight_scale_2, lin.bias))
+
+
+def check_half_pairs(device):
+    """``half_pairs``: each row scaled by a power of two that puts its largest |x| in [2^12, 2^13), packed as fp16
+    pairs in the GEMV's order, exactly (bf16 -> fp16 is exact in range); ``2^-s`` undoes the scale; a zero row gives
+    zeros and a finite factor."""
+    from freetoken.kernels.nvfp4_half_gemv import half_pairs
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(4, 96, generator=g) * torch.tensor([[3e4], [1e-6], [1.0], [0.0]])
+    x = x.to(device, torch.bfloat16)
+    xp, xf = half_pairs(x)
+    xp, xf = xp.cpu(), xf.cpu()
+    assert xp.shape == (4, 6, 8) and xf.shape == (4,)
+    lo = (xp & 0xFFFF).to(torch.int16).view(torch.float16).float()
+    hi = (xp >> 16).to(torch.int16).view(torch.float16).float()
+    blocks = x.cpu().float().reshape(4, 6, 2, 2, 4)  # [m, block, word, half, p]
+    scale = (1.0 / xf)[:, None, None]
+    assert torch.equal(lo, blocks[:, :, :, 0, :].reshape(4, 6, 8) * scale)
+    assert torch.equal(hi, blocks[:, :, :, 1, :].reshape(4, 6, 8) * scale)
+    top = (x.cpu().float().abs().amax(1) / xf)[:3]
+    assert bool(((top >= 2**12) & (top < 2**13)).all()), top
+    assert bool(torch.isfinite(xf).all()) and bool((lo[3] == 0).all())
+
+
+def check_half_magnitudes(device, dtype):
+    """The packed-half GEMV on rows of very different sizes (one near bf16's top for fp16's range, one tiny, one
+    zero): each row as exact, relative to its own size, as a row of O(1) (its scale travels with it)."""
+    from freetoken.kernels.nvfp4_linear import nvfp4_linear_torch, nvfp4_linear_triton
+
+    w, s, s2 = random_weight(24, 256, 11, device=device)
+    g = torch.Generator().manual_seed(12)
+    sizes = torch.tensor([[1.0], [2e4 if dtype == torch.bfloat16 else 100.0], [1e-5], [0.0]])
+    x = (torch.randn(4, 256, generator=g) * sizes).to(device, dtype)
+    out = nvfp4_linear_triton(x, w, s, s2, path="half").float()
+    ref = nvfp4_linear_torch(x.float(), w, s, s2)
+    err = ((out - ref).abs().amax(1) / ref.abs().amax(1).clamp(min=1e-30))[:3]
+    assert bool((err <= _TOL[dtype][device == "cuda"]).all()), err
+    assert bool((out[3] == 0).all())
+    return float(err.max())
 
 
 def test_nvfp4_linear_interpreter_cpu():
@@ -175,10 +229,44 @@ def test_nvfp4_linear_cuda_dtypes(M, dtype):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("M, path", [(m, "gemv") for m in (1, 2, 4, 8)] + [(m, "dot") for m in (1, 2, 4, 8, 16)])
+@pytest.mark.parametrize(
+    "M, path",
+    [(m, "gemv") for m in (1, 2, 4, 8)] + [(m, "half") for m in (1, 2, 3, 4)] + [(m, "dot") for m in (1, 2, 4, 8, 16)],
+)
 def test_nvfp4_linear_cuda_both_paths(M, path):
-    """Each path over the M it takes (the GEMV up to 8 rows: ``nvfp4_linear_triton`` refuses more)."""
+    """Each path over the M it takes (the GEMV up to 8 rows, its packed-half form up to 4: ``nvfp4_linear_triton``
+    refuses more)."""
     check_linear(M, 512, 2048, torch.bfloat16, "cuda", path=path, seed=M)
+    if path == "half":
+        check_linear(M, 2048, 512, torch.float16, "cuda", path=path, bias=True, strided=True, seed=M)
+
+
+@pytest.mark.gpu
+@cuda
+def test_nvfp4_half_gemv_cuda_magnitudes():
+    check_half_pairs("cuda")
+    for dtype in (torch.bfloat16, torch.float16):
+        check_half_magnitudes("cuda", dtype)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("M", [1, 4])
+def test_nvfp4_half_gemv_asm_matches_its_emulation(M):
+    """The inline-PTX ``fma.rn.f16x2`` chain against the lane-by-lane emulation the interpreter runs, both compiled
+    for the GPU, on lm_head's rows: the same fp16 roundings (the emulation rounds the add in fp32 first; a tie can
+    differ in the last bit of a block's fp16 sum, nowhere near bf16's output rounding)."""
+    from freetoken.kernels import nvfp4_half_gemv as hg
+
+    w, s, s2 = random_weight(4096, 2048, M, device="cuda")
+    x = torch.randn(M, 2048, device="cuda", dtype=torch.bfloat16)
+    outs = []
+    for asm in (True, False):
+        out = torch.empty(M, 4096, device="cuda", dtype=torch.bfloat16)
+        hg.launch_half_gemv(x, w.view(torch.int32), s.view(torch.uint8), s2, None, out, 32, 64, 1, 256, 3, 4, asm=asm)
+        outs.append(out.float())
+    assert (outs[0] - outs[1]).abs().max().item() <= 1e-2 * (1 + outs[1].abs().max().item()), M
+    assert (outs[0] != outs[1]).float().mean().item() < 0.01
 
 
 @pytest.mark.gpu
@@ -189,10 +277,16 @@ def test_nvfp4_layer_dispatch_cuda():
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("M", [1, 16])  # the GEMV with split-K (two launches), the tensor-core path
-def test_nvfp4_linear_cuda_graph(M):
+# the GEMV with split-K (two launches), the tensor-core path, the packed-half GEMV (x packed, split-K: three)
+@pytest.mark.parametrize("M,path", [(1, "auto"), (16, "auto"), (2, "half")])
+def test_nvfp4_linear_cuda_graph(M, path):
     """Captured once, replayed with new activations: no host reads, nothing sized from data."""
-    from freetoken.kernels.nvfp4_linear import nvfp4_linear_torch, nvfp4_linear_triton
+    from functools import partial
+
+    from freetoken.kernels.nvfp4_linear import nvfp4_linear_torch
+    from freetoken.kernels.nvfp4_linear import nvfp4_linear_triton as linear
+
+    nvfp4_linear_triton = partial(linear, path=path)
 
     w, s, s2 = random_weight(512, 2048, 3, device="cuda")
     x = torch.zeros(M, 2048, device="cuda", dtype=torch.bfloat16)

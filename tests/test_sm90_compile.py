@@ -88,3 +88,16 @@ def test_gdn_conv_prefill_compiles_for_sm90(pool):
     const = dict(KC=4, BLOCK_T=32, BLOCK_C=128)
     div16 = "C,split1,split2,base1,base2,stride_y0,stride_y1,stride_y2,stride_xt,stride_ps,stride_pc"
     assert compile_check("freetoken.kernels.gdn_conv_prefill:_gdn_conv_prefill_kernel", ptr, const, div16) == 0
+
+
+@pytest.mark.parametrize("block_m,even", [(1, True), (2, True), (4, False)])
+def test_nvfp4_half_gemv_compiles_for_sm90(block_m, even):
+    """The packed-half NVFP4 GEMV (its inline PTX ``fma.rn.f16x2`` chain) at lm_head's tiling, and its x packing."""
+    ptr = {"xp_ptr": "*i32", "xf_ptr": "*fp32", "w_ptr": "*i32", "s_ptr": "*u8", "g_ptr": "*fp32"}
+    ptr.update(bias_ptr="*bf16", out_ptr="*bf16")
+    const = dict(HAS_BIAS=False, EVEN=even, SPLIT_K=1, BLOCK_M=block_m, BLOCK_N=32, BLOCK_W=64, NUM_STAGES=3, ASM=True)
+    div16 = "N,K,stride_pm,stride_wn,stride_sn,stride_om,KW_PER_SPLIT"
+    assert compile_check("freetoken.kernels.nvfp4_half_gemv:_nvfp4_half_gemv_kernel", ptr, const, div16) == 0
+    ptr = {"x_ptr": "*bf16", "xp_ptr": "*i32", "xf_ptr": "*fp32"}
+    const = dict(TOP=12, BLOCK_B=64)
+    assert compile_check("freetoken.kernels.nvfp4_half_gemv:_half_pairs_kernel", ptr, const, "K,stride_xm") == 0

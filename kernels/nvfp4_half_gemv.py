@@ -1,0 +1,305 @@
+"""The NVFP4 GEMV in packed half precision: ``nvfp4_linear``'s decode-sized path for large 16-bit weights (the
+lm_head), at about half the instructions a weight of the fp32 GEMV.
+
+Why: the fp32 GEMV (``nvfp4_linear._nvfp4_gemv_kernel``) is bound by its instructions, not by HBM (~6 a weight:
+two bit operations to place a pair of codes as fp16 bit patterns, then per weight a half -> float conversion and an
+fp32 multiply-add). Here the placed pair is used as it is, as the left operand of one ``fma.rn.f16x2`` (two
+multiply-adds in one instruction) whose right operand holds the two matching activations in fp16: per weight one
+bit operation and half a multiply-add, and per 16-weight block (one E4M3 scale) one conversion of the two running
+half sums to fp32, where the scale and the block's sum into the row's fp32 accumulator are applied.
+
+Numbers, exact where they can be:
+- Codes placed as fp16 are ``e2m1 * 2^-14`` exactly (``nvfp4_tiles.e2m1_pairs``).
+- Activations: each row of x is scaled by a power of two ``2^s`` chosen from its largest magnitude (``2^12 <=
+  max|x| * 2^s < 2^13``; ``_half_pairs_kernel``, one small launch before the GEMV), so the fp16 copy of a bf16
+  activation is exact (bf16's 8 significant bits fit fp16's 11 wherever the value stays in fp16's normal range,
+  i.e. above ``2^-26`` of the row's largest) and no product or block sum can overflow: a product is at most
+  ``6 * 2^-14 * 2^13 = 3``, a lane's block sum of 8 products at most 24.
+- What is not exact: each of the two fp16 lanes sums 8 products with fp16 rounding (2^-11 relative a step) before
+  the block leaves for fp32. That is below bf16's own rounding of x (2^-9), so the path is used for bf16 and fp16
+  activations only; fp32 activations keep the fp32 GEMV.
+
+``half2_dot8`` is the instruction sequence (inline PTX on CUDA); under the CPU interpreter, which runs no PTX, it
+is emulated with the same fp16 roundings (``ASM=False``), so the interpreter tests check the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # keep the package importable without triton
+    import triton
+    import triton.language as tl
+
+    from .nvfp4_tiles import block_scale, e2m1_pairs
+except Exception:  # pragma: no cover
+    triton = None
+    tl = None
+
+# A row's scale puts its largest |x| in [2^12, 2^13) (see the module docstring's bounds)
+_TOP_EXPONENT = 12
+
+if triton is not None:
+    # eight f16x2 multiply-adds (the first a multiply), then the two lanes added in fp32: $0 = out, $1..$8 the weight
+    # pairs, $9..$16 the activation pairs
+    _HALF2_DOT8 = tl.constexpr(
+        """
+        {
+        .reg .b32 acc;
+        .reg .b16 lo, hi;
+        .reg .f32 flo, fhi;
+        mul.rn.f16x2 acc, $1, $9;
+        fma.rn.f16x2 acc, $2, $10, acc;
+        fma.rn.f16x2 acc, $3, $11, acc;
+        fma.rn.f16x2 acc, $4, $12, acc;
+        fma.rn.f16x2 acc, $5, $13, acc;
+        fma.rn.f16x2 acc, $6, $14, acc;
+        fma.rn.f16x2 acc, $7, $15, acc;
+        fma.rn.f16x2 acc, $8, $16, acc;
+        mov.b32 {lo, hi}, acc;
+        cvt.f32.f16 flo, lo;
+        cvt.f32.f16 fhi, hi;
+        add.f32 $0, flo, fhi;
+        }
+        """
+    )
+    _HALF2_DOT8_REGS = tl.constexpr("=f," + ",".join(["r"] * 16))  # out: an fp32 register; in: 16 x 32 bits
+
+    @triton.jit
+    def _lane(r, HIGH: tl.constexpr):
+        """One fp16 lane of uint32 pairs, as fp32 (the interpreter's emulation)."""
+        bits = (r >> 16) if HIGH else (r & 0xFFFF)
+        return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _fma_lane(a, b, acc, HIGH: tl.constexpr):
+        """``fma.rn.f16`` on one lane: the product of two fp16 is exact in fp32, one rounding to fp16 after the add
+        (a second, fp32 rounding of the add first: equal to the fused result but for rare ties)."""
+        return (_lane(a, HIGH) * _lane(b, HIGH) + acc.to(tl.float32)).to(tl.float16)
+
+    @triton.jit
+    def half2_dot8(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, ASM: tl.constexpr):
+        """``sum_q a_q . b_q`` over eight uint32 tensors of fp16 pairs each side (broadcast to one shape): both lanes
+        accumulate in fp16 (``fma.rn.f16x2``), then the two lane sums are added in fp32. ``ASM``: inline PTX (CUDA);
+        otherwise the same roundings emulated lane by lane (the CPU interpreter)."""
+        if ASM:
+            return tl.inline_asm_elementwise(
+                _HALF2_DOT8,
+                _HALF2_DOT8_REGS,
+                [a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7],
+                dtype=tl.float32,
+                is_pure=True,
+                pack=1,
+            )
+        else:
+            a0 = a0.to(tl.uint32, bitcast=True)
+            b0 = b0.to(tl.uint32, bitcast=True)
+            lo = (_lane(a0, False) * _lane(b0, False)).to(tl.float16)
+            hi = (_lane(a0, True) * _lane(b0, True)).to(tl.float16)
+            lo = _fma_lane(a1.to(tl.uint32, bitcast=True), b1.to(tl.uint32, bitcast=True), lo, False)
+            hi = _fma_lane(a1.to(tl.uint32, bitcast=True), b1.to(tl.uint32, bitcast=True), hi, True)
+            lo = _fma_lane(a2.to(tl.uint32, bitcast=True), b2.to(tl.uint32, bitcast=True), lo, False)
+            hi = _fma_lane(a2.to(tl.uint32, bitcast=True), b2.to(tl.uint32, bitcast=True), hi, True)
+            lo = _fma_lane(a3.to(tl.uint32, bitcast=True), b3.to(tl.uint32, bitcast=True), lo, False)
+            hi = _fma_lane(a3.to(tl.uint32, bitcast=True), b3.to(tl.uint32, bitcast=True), hi, True)
+            lo = _fma_lane(a4.to(tl.uint32, bitcast=True), b4.to(tl.uint32, bitcast=True), lo, False)
+            hi = _fma_lane(a4.to(tl.uint32, bitcast=True), b4.to(tl.uint32, bitcast=True), hi, True)
+            lo = _fma_lane(a5.to(tl.uint32, bitcast=True), b5.to(tl.uint32, bitcast=True), lo, False)
+            hi = _fma_lane(a5.to(tl.uint32, bitcast=True), b5.to(tl.uint32, bitcast=True), hi, True)
+            lo = _fma_lane(a6.to(tl.uint32, bitcast=True), b6.to(tl.uint32, bitcast=True), lo, False)
+            hi = _fma_lane(a6.to(tl.uint32, bitcast=True), b6.to(tl.uint32, bitcast=True), hi, True)
+            lo = _fma_lane(a7.to(tl.uint32, bitcast=True), b7.to(tl.uint32, bitcast=True), lo, False)
+            hi = _fma_lane(a7.to(tl.uint32, bitcast=True), b7.to(tl.uint32, bitcast=True), hi, True)
+            return lo.to(tl.float32) + hi.to(tl.float32)
+
+    @triton.jit
+    def _pow2(e):
+        """``2.0 ** e`` for int32 ``e`` in [-126, 127], exactly (the fp32 exponent field)."""
+        return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _half_pairs_kernel(
+        x_ptr,  # [M, K]
+        xp_ptr,  # int32 [M, K/16, 8]: block b's fp16 pairs, q < 4: (x[16b + q], x[16b + q + 4]), q >= 4: +8
+        xf_ptr,  # fp32 [M]: 2^-s, undoing the row's scale
+        K,
+        stride_xm,
+        stride_pm,
+        TOP: tl.constexpr,
+        BLOCK_B: tl.constexpr,  # scale blocks (16 activations) a step
+    ):
+        m = tl.program_id(0).to(tl.int64)
+        row = x_ptr + m * stride_xm
+        offs = tl.arange(0, 16 * BLOCK_B)
+        amax = tl.zeros((16 * BLOCK_B,), dtype=tl.float32)
+        for k0 in range(0, K, 16 * BLOCK_B):
+            amax = tl.maximum(amax, tl.abs(tl.load(row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)))
+        top = tl.max(amax, 0)
+        e = ((top.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # top in [2^e, 2^(e+1)) (e = -127: zero row)
+        s = tl.minimum(tl.maximum(TOP - e, -100), 100)
+        up = _pow2(s)
+        tl.store(xf_ptr + m, _pow2(-s))
+        q = tl.arange(0, 8)
+        col = (q // 4) * 8 + q % 4  # the pair's low activation within its block
+        offs_b = tl.arange(0, BLOCK_B)
+        for b0 in range(0, K // 16, BLOCK_B):
+            b = b0 + offs_b
+            mask = (b < K // 16)[:, None]
+            src = row + b[:, None] * 16 + col[None, :]
+            lo = (tl.load(src, mask=mask, other=0.0).to(tl.float32) * up).to(tl.float16)
+            hi = (tl.load(src + 4, mask=mask, other=0.0).to(tl.float32) * up).to(tl.float16)
+            lo = lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            hi = hi.to(tl.int16, bitcast=True).to(tl.int32) << 16
+            tl.store(xp_ptr + m * stride_pm + b[:, None] * 8 + q[None, :], lo | hi, mask=mask)
+
+    @triton.jit
+    def _split_pairs(t, NB: tl.constexpr):
+        """``[NB, 8]`` activation pairs -> the eight ``[NB]`` columns (register renaming)."""
+        t = tl.reshape(t, (NB, 2, 2, 2))  # [b, q // 4, q // 2 % 2, q % 2]
+        e, o = tl.split(t)
+        e0, e1 = tl.split(e)
+        o0, o1 = tl.split(o)
+        x0, x4 = tl.split(e0)
+        x2, x6 = tl.split(e1)
+        x1, x5 = tl.split(o0)
+        x3, x7 = tl.split(o1)
+        return x0, x1, x2, x3, x4, x5, x6, x7
+
+    @triton.jit
+    def _half_row(d0, d1, d2, d3, d4, d5, d6, d7, scale, xp_ptr, m, M, stride_pm, kb0, b_mask, NB, ASM):
+        """Row ``m`` of x (its pairs at block ``kb0``; zeros past ``b_mask`` or for ``m >= M``) against a decoded
+        step: the ``[rows, NB]`` scaled block sums."""
+        q = tl.arange(0, 8)
+        ptrs = xp_ptr + m * stride_pm + (kb0 + tl.arange(0, NB))[:, None] * 8 + q[None, :]
+        xq = tl.load(ptrs, mask=b_mask[:, None] & (q[None, :] * 0 + m < M), other=0)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _split_pairs(xq, NB)
+        d = half2_dot8(
+            d0, d1, d2, d3, d4, d5, d6, d7,
+            x0[None, :], x1[None, :], x2[None, :], x3[None, :], x4[None, :], x5[None, :], x6[None, :], x7[None, :],
+            ASM,
+        )  # fmt: skip
+        return d * scale
+
+    @triton.jit
+    def _half_store(acc, m, M, xf_ptr, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL):
+        """Row ``m``: the sum over the step's blocks times the row's ``2^-s``, then (unless a split-K partial) the
+        global scale and bias."""
+        valid = n_mask & (offs_n * 0 + m < M)
+        y = tl.sum(acc, 1) * tl.load(xf_ptr + m + offs_n * 0, mask=valid, other=0.0)
+        if not PARTIAL:
+            y = y * g
+            if HAS_BIAS:
+                y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + m * stride_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=valid)
+
+    @triton.jit
+    def _nvfp4_half_gemv_kernel(
+        xp_ptr,  # int32 [M, K/16, 8] (``_half_pairs_kernel``)
+        xf_ptr,  # fp32 [M]
+        w_ptr,  # int32 words of the packed weight [N, K/8]
+        s_ptr,  # uint8 (e4m3 bits) [N, K/16]
+        g_ptr,  # fp32 [] global scale
+        bias_ptr,  # [N] (HAS_BIAS)
+        out_ptr,  # SPLIT_K == 1: [M, N] in x's dtype; else fp32 partials [SPLIT_K, M, N]
+        M,
+        N,
+        K,
+        stride_pm,
+        stride_wn,
+        stride_sn,
+        stride_om,
+        stride_os,  # between the split-K partials
+        KW_PER_SPLIT,  # words of K per split, a multiple of BLOCK_W
+        HAS_BIAS: tl.constexpr,
+        EVEN: tl.constexpr,  # N a multiple of BLOCK_N and every split whole steps: no masks in the loop
+        SPLIT_K: tl.constexpr,
+        BLOCK_M: tl.constexpr,  # 1, 2 or 4 rows of x, each with its own accumulator
+        BLOCK_N: tl.constexpr,
+        BLOCK_W: tl.constexpr,  # words of a row per step (8 weights each; even: whole scale blocks)
+        NUM_STAGES: tl.constexpr,
+        ASM: tl.constexpr,
+    ):
+        NB: tl.constexpr = BLOCK_W // 2  # scale blocks per step
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        offs_w = tl.arange(0, BLOCK_W)
+        offs_s = tl.arange(0, NB)
+        KW = K // 8
+        kw_start = pid_k * KW_PER_SPLIT
+        kw_end = tl.minimum(kw_start + KW_PER_SPLIT, KW)
+        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_w[None, :]
+        s_ptrs = s_ptr + offs_n[:, None].to(tl.int64) * stride_sn + offs_s[None, :]
+        a0 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+        a1 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+        a2 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+        a3 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+        for kw0 in tl.range(kw_start, kw_end, BLOCK_W, num_stages=NUM_STAGES):
+            if EVEN:  # no masks: full-width loads, no predicates
+                w = tl.load(w_ptrs + kw0)
+                scale = block_scale(tl.load(s_ptrs + kw0 // 2))
+                b_mask = offs_s >= 0
+            else:
+                w_mask = n_mask[:, None] & ((kw0 + offs_w) < kw_end)[None, :]
+                b_mask = (kw0 // 2 + offs_s) < kw_end // 2
+                w = tl.load(w_ptrs + kw0, mask=w_mask, other=0)
+                scale = block_scale(tl.load(s_ptrs + kw0 // 2, mask=n_mask[:, None] & b_mask[None, :], other=0))
+            w_even, w_odd = tl.split(tl.reshape(w, (BLOCK_N, NB, 2)))  # a block's two words
+            d0, d1, d2, d3 = e2m1_pairs(w_even)
+            d4, d5, d6, d7 = e2m1_pairs(w_odd)
+            kb0 = kw0 // 2
+            a0 += _half_row(d0, d1, d2, d3, d4, d5, d6, d7, scale, xp_ptr, 0, M, stride_pm, kb0, b_mask, NB, ASM)
+            if BLOCK_M > 1:
+                a1 += _half_row(d0, d1, d2, d3, d4, d5, d6, d7, scale, xp_ptr, 1, M, stride_pm, kb0, b_mask, NB, ASM)
+            if BLOCK_M > 2:
+                a2 += _half_row(d0, d1, d2, d3, d4, d5, d6, d7, scale, xp_ptr, 2, M, stride_pm, kb0, b_mask, NB, ASM)
+                a3 += _half_row(d0, d1, d2, d3, d4, d5, d6, d7, scale, xp_ptr, 3, M, stride_pm, kb0, b_mask, NB, ASM)
+        g = tl.load(g_ptr)
+        out_ptr += pid_k * stride_os
+        PARTIAL: tl.constexpr = SPLIT_K > 1
+        _half_store(a0, 0, M, xf_ptr, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL)
+        if BLOCK_M > 1:
+            _half_store(a1, 1, M, xf_ptr, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL)
+        if BLOCK_M > 2:
+            _half_store(a2, 2, M, xf_ptr, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL)
+            _half_store(a3, 3, M, xf_ptr, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL)
+
+
+HALF_MAX_M = 4  # rows of x one program carries (accumulators a0..a3)
+
+
+def half_pairs(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x2 [M, K]`` (16-bit, K a multiple of 16) -> its fp16 pairs ``int32 [M, K/16, 8]`` scaled by a power of
+    two per row, and ``2^-s [M]`` (fp32) that undoes it: the GEMV's right operands, one launch."""
+    M, K = x2.shape
+    xp = torch.empty(M, K // 16, 8, dtype=torch.int32, device=x2.device)
+    xf = torch.empty(M, dtype=torch.float32, device=x2.device)
+    if M > 0:
+        block_b = max(1, min(64, triton.next_power_of_2(K // 16)))
+        _half_pairs_kernel[(M,)](
+            x2, xp, xf, K, x2.stride(0), xp.stride(0), TOP=_TOP_EXPONENT, BLOCK_B=block_b, num_warps=4
+        )
+    return xp, xf
+
+
+def launch_half_gemv(
+    x2, words, scale_bytes, weight_scale_2, bias, dst, bn, bw, split, kw_per_split, stages, warps, asm=None, pairs=None
+):
+    """``dst`` = the GEMV of ``x2 [M <= 4, K]`` against the packed weight (``words``: its int32 view), with the
+    fp32 GEMV's tiling (``nvfp4_linear._gemv_config``); ``dst`` is ``[M, N]`` or, split over K, fp32 partials
+    ``[split, M, N]`` (the caller reduces them and applies the global scale and bias). ``asm``: the inline PTX
+    (default: on CUDA) or its emulation (a GPU test compares them); ``pairs``: ``half_pairs(x2)`` when the caller
+    has it already (a benchmark timing the GEMV alone)."""
+    M, K = x2.shape
+    N = words.shape[0]
+    assert M <= HALF_MAX_M and bw % 2 == 0, (M, bw)
+    xp, xf = half_pairs(x2) if pairs is None else pairs
+    b = bias if bias is not None else dst  # never read without HAS_BIAS
+    _nvfp4_half_gemv_kernel[(triton.cdiv(N, bn), split)](
+        xp, xf, words, scale_bytes, weight_scale_2, b, dst, M, N, K,
+        xp.stride(0), words.stride(0), scale_bytes.stride(0), dst.stride(-2), dst.stride(0) if split > 1 else 0,
+        kw_per_split, HAS_BIAS=bias is not None, EVEN=N % bn == 0 and (K // 8) % kw_per_split == 0, SPLIT_K=split,
+        BLOCK_M=triton.next_power_of_2(M), BLOCK_N=bn, BLOCK_W=bw, NUM_STAGES=stages, ASM=x2.is_cuda if asm is None else asm,
+        num_warps=warps,
+    )  # fmt: skip
