@@ -120,7 +120,7 @@ if triton is not None:
     @triton.jit
     def _half_pairs_kernel(
         x_ptr,  # [M, K]
-        xp_ptr,  # int32 [M, K/16, 8]: block b's fp16 pairs, q < 4: (x[16b + q], x[16b + q + 4]), q >= 4: +8
+        xp_ptr,  # int32 [M, 8, K/16]: block b's fp16 pairs, q < 4: (x[16b + q], x[16b + q + 4]), q >= 4: +8
         xf_ptr,  # fp32 [M]: 2^-s, undoing the row's scale
         K,
         stride_xm,
@@ -150,29 +150,24 @@ if triton is not None:
             hi = (tl.load(src + 4, mask=mask, other=0.0).to(tl.float32) * up).to(tl.float16)
             lo = lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
             hi = hi.to(tl.int16, bitcast=True).to(tl.int32) << 16
-            tl.store(xp_ptr + m * stride_pm + b[:, None] * 8 + q[None, :], lo | hi, mask=mask)
+            tl.store(xp_ptr + m * stride_pm + q[None, :] * (K // 16) + b[:, None], lo | hi, mask=mask)
 
     @triton.jit
-    def _split_pairs(t, NB: tl.constexpr):
-        """``[NB, 8]`` activation pairs -> the eight ``[NB]`` columns (register renaming)."""
-        t = tl.reshape(t, (NB, 2, 2, 2))  # [b, q // 4, q // 2 % 2, q % 2]
-        e, o = tl.split(t)
-        e0, e1 = tl.split(e)
-        o0, o1 = tl.split(o)
-        x0, x4 = tl.split(e0)
-        x2, x6 = tl.split(e1)
-        x1, x5 = tl.split(o0)
-        x3, x7 = tl.split(o1)
-        return x0, x1, x2, x3, x4, x5, x6, x7
-
-    @triton.jit
-    def _half_row(d0, d1, d2, d3, d4, d5, d6, d7, scale, xp_ptr, m, M, stride_pm, kb0, b_mask, NB, ASM):
+    def _half_row(d0, d1, d2, d3, d4, d5, d6, d7, scale, xp_ptr, m, M, stride_pm, KB, kb0, b_mask, NB, ASM):
         """Row ``m`` of x (its pairs at block ``kb0``; zeros past ``b_mask`` or for ``m >= M``) against a decoded
-        step: the ``[rows, NB]`` scaled block sums."""
-        q = tl.arange(0, 8)
-        ptrs = xp_ptr + m * stride_pm + (kb0 + tl.arange(0, NB))[:, None] * 8 + q[None, :]
-        xq = tl.load(ptrs, mask=b_mask[:, None] & (q[None, :] * 0 + m < M), other=0)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _split_pairs(xq, NB)
+        step: the ``[rows, NB]`` scaled block sums. Each pair position is its own load of ``[NB]`` contiguous
+        words, so it is loaded straight into the layout the broadcast over the rows wants: one ``[NB, 8]`` load
+        split eight ways cost a layout conversion through shared memory per position, row and step."""
+        ptrs = xp_ptr + m * stride_pm + kb0 + tl.arange(0, NB)
+        mask = b_mask & (tl.arange(0, NB) * 0 + m < M)
+        x0 = tl.load(ptrs, mask=mask, other=0)
+        x1 = tl.load(ptrs + KB, mask=mask, other=0)
+        x2 = tl.load(ptrs + 2 * KB, mask=mask, other=0)
+        x3 = tl.load(ptrs + 3 * KB, mask=mask, other=0)
+        x4 = tl.load(ptrs + 4 * KB, mask=mask, other=0)
+        x5 = tl.load(ptrs + 5 * KB, mask=mask, other=0)
+        x6 = tl.load(ptrs + 6 * KB, mask=mask, other=0)
+        x7 = tl.load(ptrs + 7 * KB, mask=mask, other=0)
         d = half2_dot8(
             d0, d1, d2, d3, d4, d5, d6, d7,
             x0[None, :], x1[None, :], x2[None, :], x3[None, :], x4[None, :], x5[None, :], x6[None, :], x7[None, :],
@@ -194,7 +189,7 @@ if triton is not None:
 
     @triton.jit
     def _nvfp4_half_gemv_kernel(
-        xp_ptr,  # int32 [M, K/16, 8] (``_half_pairs_kernel``)
+        xp_ptr,  # int32 [M, 8, K/16] (``_half_pairs_kernel``)
         xf_ptr,  # fp32 [M]
         w_ptr,  # int32 words of the packed weight [N, K/8]
         s_ptr,  # uint8 (e4m3 bits) [N, K/16]
@@ -220,6 +215,7 @@ if triton is not None:
         ASM: tl.constexpr,
     ):
         NB: tl.constexpr = BLOCK_W // 2  # scale blocks per step
+        KB = K // 16  # between the pair positions of a row of x
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -249,12 +245,18 @@ if triton is not None:
             d0, d1, d2, d3 = e2m1_pairs(w_even)
             d4, d5, d6, d7 = e2m1_pairs(w_odd)
             kb0 = kw0 // 2
-            a0 += _half_row(d0, d1, d2, d3, d4, d5, d6, d7, scale, xp_ptr, 0, M, stride_pm, kb0, b_mask, NB, ASM)
+            a0 += _half_row(d0, d1, d2, d3, d4, d5, d6, d7, scale, xp_ptr, 0, M, stride_pm, KB, kb0, b_mask, NB, ASM)
             if BLOCK_M > 1:
-                a1 += _half_row(d0, d1, d2, d3, d4, d5, d6, d7, scale, xp_ptr, 1, M, stride_pm, kb0, b_mask, NB, ASM)
+                a1 += _half_row(
+                    d0, d1, d2, d3, d4, d5, d6, d7, scale, xp_ptr, 1, M, stride_pm, KB, kb0, b_mask, NB, ASM
+                )
             if BLOCK_M > 2:
-                a2 += _half_row(d0, d1, d2, d3, d4, d5, d6, d7, scale, xp_ptr, 2, M, stride_pm, kb0, b_mask, NB, ASM)
-                a3 += _half_row(d0, d1, d2, d3, d4, d5, d6, d7, scale, xp_ptr, 3, M, stride_pm, kb0, b_mask, NB, ASM)
+                a2 += _half_row(
+                    d0, d1, d2, d3, d4, d5, d6, d7, scale, xp_ptr, 2, M, stride_pm, KB, kb0, b_mask, NB, ASM
+                )
+                a3 += _half_row(
+                    d0, d1, d2, d3, d4, d5, d6, d7, scale, xp_ptr, 3, M, stride_pm, KB, kb0, b_mask, NB, ASM
+                )
         g = tl.load(g_ptr)
         out_ptr += pid_k * stride_os
         PARTIAL: tl.constexpr = SPLIT_K > 1
@@ -270,10 +272,10 @@ HALF_MAX_M = 4  # rows of x one program carries (accumulators a0..a3)
 
 
 def half_pairs(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x2 [M, K]`` (16-bit, K a multiple of 16) -> its fp16 pairs ``int32 [M, K/16, 8]`` scaled by a power of
+    """``x2 [M, K]`` (16-bit, K a multiple of 16) -> its fp16 pairs ``int32 [M, 8, K/16]`` scaled by a power of
     two per row, and ``2^-s [M]`` (fp32) that undoes it: the GEMV's right operands, one launch."""
     M, K = x2.shape
-    xp = torch.empty(M, K // 16, 8, dtype=torch.int32, device=x2.device)
+    xp = torch.empty(M, 8, K // 16, dtype=torch.int32, device=x2.device)
     xf = torch.empty(M, dtype=torch.float32, device=x2.device)
     if M > 0:
         block_b = max(1, min(64, triton.next_power_of_2(K // 16)))

@@ -66,7 +66,7 @@ GEMV_MAX_M = 2
 GEMV_MAX_M_FEW_ROWS = 8
 # the packed-half GEMV (``nvfp4_half_gemv``) up to this M, for 16-bit x and weights of at least this many weights
 # (below, its extra launch, which scales and packs x, costs more than it saves)
-HALF_AUTO_MAX_M = 2
+HALF_AUTO_MAX_M = 4
 HALF_MIN_WEIGHTS = 1 << 26
 # up to this many rows the tensor-core path uses tiles narrow in M (16..64 rows) and wide in N
 SMALL_M_MAX = 64
@@ -79,11 +79,10 @@ _TARGET_PROGRAMS = 528
 _GEMV_TILE = 8192
 _NUM_STAGES = 3
 # the packed-half GEMV's (tile bytes, words a row per step) for M > 1 and M = 1. H200, lm_head (2026-12-04,
-# bench/results/2026-12-04-h200-nvfp4-half-gemv.txt): 64 rows of 32 words a program at M = 1 took 89 us against 177
-# with the fp32 GEMV's 32 x 64; at M = 2 64 x 64 took 128 us against 140. The times are bimodal in the tile shape
-# (89 / ~170 / ~300 us at M = 1): the activation pairs each program broadcasts over its rows cost layout
-# conversions that some thread arrangements avoid.
-_HALF_TILES = {False: (16384, 64), True: (8192, 32)}
+# bench/results/2026-12-04-h200-nvfp4-half-gemv.txt): 32 words of 128 rows a program at M = 1 took 83.9 us, of 64
+# rows 88.3, and 64 words of 32 rows (the fp32 GEMV's tile) 101.5; at M = 2..4 32 words of 64 rows were best
+# (119.4 / 203.6 / 204.3 us)
+_HALF_TILES = {False: (8192, 32), True: (16384, 32)}
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -163,7 +163,8 @@ def check_half_pairs(device):
     x = x.to(device, torch.bfloat16)
     xp, xf = half_pairs(x)
     xp, xf = xp.cpu(), xf.cpu()
-    assert xp.shape == (4, 6, 8) and xf.shape == (4,)
+    assert xp.shape == (4, 8, 6) and xf.shape == (4,)
+    xp = xp.transpose(1, 2)  # [m, block, pair]
     lo = (xp & 0xFFFF).to(torch.int16).view(torch.float16).float()
     hi = (xp >> 16).to(torch.int16).view(torch.float16).float()
     blocks = x.cpu().float().reshape(4, 6, 2, 2, 4)  # [m, block, word, half, p]
