@@ -6,7 +6,8 @@ reference it is tested against.
 
 ``nvfp4_linear_torch`` is the reference (``Nvfp4Linear``'s: dequantize to x's dtype, then one matmul). The Triton
 paths never materialize ``W``: each tile is decoded in registers (``nvfp4_tiles.py``) right where it is used, so a
-step reads 0.5625 bytes per weight instead of 2. Three paths, by the number of rows ``M`` of x:
+step reads 0.5625 bytes per weight instead of 2. Three paths (the first in two forms), by the number of rows ``M``
+of x:
 
 - ``M <= GEMV_MAX_M``, or ``M <= GEMV_MAX_M_FEW_ROWS`` for weights with few rows (``pick_path``): a GEMV on the
   CUDA cores. One program per block of output rows (and, when there are too few rows to fill the GPU, per slice of
@@ -17,6 +18,9 @@ step reads 0.5625 bytes per weight instead of 2. Three paths, by the number of r
   software-pipelined (loads run ahead through shared memory): a weight-streaming kernel needs that many bytes in
   flight to reach HBM bandwidth. Every row of x costs a multiply-add per weight on the CUDA cores, so past a couple
   of rows the ALUs, not HBM, set the pace: hence the tensor-core path above.
+- ``half``: the same GEMV in packed half precision (``nvfp4_half_gemv.py``: ``fma.rn.f16x2`` on the placed code
+  pairs, x packed as fp16 pairs by one extra launch), ~40 % fewer instructions a weight; for 16-bit x at up to
+  ``HALF_AUTO_MAX_M`` rows on weights of at least ``HALF_MIN_WEIGHTS`` (lm_head: 75 % of HBM at M=1 on the H200).
 - Otherwise tensor cores. Each K step decodes a ``[BLOCK_N, BLOCK_K]`` tile to x's dtype in registers
   (exact: ``e2m1 * scale`` fits bf16) and runs ``tl.dot(W_tile, xᵀ_tile)``: the weights are the left operand, which
   Hopper's wgmma takes from registers, x the right one (read through shared memory). The decode costs the same
