@@ -406,6 +406,9 @@ def bench_bf16_moe_sweep(a, device, dtype, bw) -> list:
 # launch settings --groups decsweep times ({} = the default, nvfp4_moe.decode_config)
 DECODE_SWEEP = [
     {},
+    {"gu_half": True},  # the gate|up GEMV in packed half precision (the default from 64 pairs)
+    {"gu_half": False},
+    {"gu_half": True, "gu_block_w": 32},
     {"tile_pairs": False},  # the down kernel's pairs one after another (the default before 2026-12-03)
     {"down_block_n": 4},
     {"down_block_n": 16},

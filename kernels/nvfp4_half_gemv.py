@@ -153,7 +153,16 @@ if triton is not None:
             tl.store(xp_ptr + m * stride_pm + q[None, :] * (K // 16) + b[:, None], lo | hi, mask=mask)
 
     @triton.jit
-    def _half_row(d0, d1, d2, d3, d4, d5, d6, d7, scale, xp_ptr, m, M, stride_pm, KB, kb0, b_mask, NB, ASM):
+    def half_decode(w, BLOCK_N: tl.constexpr, NB: tl.constexpr):
+        """``[BLOCK_N, 2 * NB]`` int32 words -> ``d0..d7``, each block's eight code pairs (``e2m1_pairs`` of its two
+        words), ``[BLOCK_N, NB]`` uint32: ``half_row``'s left operands."""
+        w_even, w_odd = tl.split(tl.reshape(w, (BLOCK_N, NB, 2)))  # a block's two words
+        d0, d1, d2, d3 = e2m1_pairs(w_even)
+        d4, d5, d6, d7 = e2m1_pairs(w_odd)
+        return d0, d1, d2, d3, d4, d5, d6, d7
+
+    @triton.jit
+    def half_row(d0, d1, d2, d3, d4, d5, d6, d7, scale, xp_ptr, m, M, stride_pm, KB, kb0, b_mask, NB, ASM):
         """Row ``m`` of x (its pairs at block ``kb0``; zeros past ``b_mask`` or for ``m >= M``) against a decoded
         step: the ``[rows, NB]`` scaled block sums. Each pair position is its own load of ``[NB]`` contiguous
         words, so it is loaded straight into the layout the broadcast over the rows wants: one ``[NB, 8]`` load
@@ -241,22 +250,14 @@ if triton is not None:
                 b_mask = (kw0 // 2 + offs_s) < kw_end // 2
                 w = tl.load(w_ptrs + kw0, mask=w_mask, other=0)
                 scale = block_scale(tl.load(s_ptrs + kw0 // 2, mask=n_mask[:, None] & b_mask[None, :], other=0))
-            w_even, w_odd = tl.split(tl.reshape(w, (BLOCK_N, NB, 2)))  # a block's two words
-            d0, d1, d2, d3 = e2m1_pairs(w_even)
-            d4, d5, d6, d7 = e2m1_pairs(w_odd)
+            d0, d1, d2, d3, d4, d5, d6, d7 = half_decode(w, BLOCK_N, NB)
             kb0 = kw0 // 2
-            a0 += _half_row(d0, d1, d2, d3, d4, d5, d6, d7, scale, xp_ptr, 0, M, stride_pm, KB, kb0, b_mask, NB, ASM)
+            a0 += half_row(d0, d1, d2, d3, d4, d5, d6, d7, scale, xp_ptr, 0, M, stride_pm, KB, kb0, b_mask, NB, ASM)
             if BLOCK_M > 1:
-                a1 += _half_row(
-                    d0, d1, d2, d3, d4, d5, d6, d7, scale, xp_ptr, 1, M, stride_pm, KB, kb0, b_mask, NB, ASM
-                )
+                a1 += half_row(d0, d1, d2, d3, d4, d5, d6, d7, scale, xp_ptr, 1, M, stride_pm, KB, kb0, b_mask, NB, ASM)
             if BLOCK_M > 2:
-                a2 += _half_row(
-                    d0, d1, d2, d3, d4, d5, d6, d7, scale, xp_ptr, 2, M, stride_pm, KB, kb0, b_mask, NB, ASM
-                )
-                a3 += _half_row(
-                    d0, d1, d2, d3, d4, d5, d6, d7, scale, xp_ptr, 3, M, stride_pm, KB, kb0, b_mask, NB, ASM
-                )
+                a2 += half_row(d0, d1, d2, d3, d4, d5, d6, d7, scale, xp_ptr, 2, M, stride_pm, KB, kb0, b_mask, NB, ASM)
+                a3 += half_row(d0, d1, d2, d3, d4, d5, d6, d7, scale, xp_ptr, 3, M, stride_pm, KB, kb0, b_mask, NB, ASM)
         g = tl.load(g_ptr)
         out_ptr += pid_k * stride_os
         PARTIAL: tl.constexpr = SPLIT_K > 1

@@ -60,7 +60,8 @@ try:  # keep the reference importable without triton
     import triton.language as tl
 
     from .fused_moe import moe_align_block_size
-    from .nvfp4_tiles import gemv_step, gemv_step_split, pair_tile_step, tile_dot_step
+    from .nvfp4_half_gemv import half_decode, half_pairs, half_row
+    from .nvfp4_tiles import block_scale, gemv_step, gemv_step_split, pair_tile_step, tile_dot_step
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -79,6 +80,11 @@ DECODE_MAX_PAIRS = int_from_env("FREETOKEN_NVFP4_DECODE_MAX_PAIRS", 256)
 # The down kernel's pairs as a tile axis (``decode_config``); ``FREETOKEN_NVFP4_DECODE_DOWN=serial`` runs them one
 # after another (A/B runs of a whole model).
 DECODE_DOWN = choice_from_env("FREETOKEN_NVFP4_DECODE_DOWN", "tiled", ("tiled", "serial"))
+
+# From this many pairs (16-bit x) the gate|up decode GEMV runs in packed half precision (``nvfp4_half_gemv``: about
+# 40 % fewer instructions a weight, one extra launch packing x): the batched steps, where the kernel is bound by its
+# instructions. ``FREETOKEN_NVFP4_HALF_GATE_UP_MIN_PAIRS`` moves the cut (A/B runs).
+HALF_GATE_UP_MIN_PAIRS = int_from_env("FREETOKEN_NVFP4_HALF_GATE_UP_MIN_PAIRS", 64)
 
 _TARGET_PROGRAMS = 528  # about four programs per SM on the H200's 132 (``device_sms.scaled`` for other GPUs)
 _NUM_STAGES = 3
@@ -131,8 +137,11 @@ if triton is not None:
         g_ptr,  # fp32 [S, 2I]
         ids_ptr,  # [T*k]
         inter_ptr,  # fp32 [T*k, 8, I/8]: column n at [n % 8, n // 8] (the down kernel's split activations)
+        xp_ptr,  # HALF: x's fp16 pairs, int32 [T, 8, H/16] (``nvfp4_half_gemv.half_pairs``)
+        xf_ptr,  # HALF: fp32 [T], 2^-s of each token's scale
         num_slots,
         stride_xt,
+        stride_pt,
         stride_we,
         stride_wn,
         stride_se,
@@ -145,6 +154,8 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_W: tl.constexpr,
         NUM_STAGES: tl.constexpr,
+        HALF: tl.constexpr,  # the packed-half GEMV (``nvfp4_half_gemv``): x as fp16 pairs, f16x2 multiply-adds
+        ASM: tl.constexpr,  # HALF: its inline PTX (CUDA) or the interpreter's emulation
     ):
         dt = x_ptr.dtype.element_ty
         NB: tl.constexpr = BLOCK_W // 2
@@ -164,22 +175,43 @@ if triton is not None:
             gs = s_ptr + e64 * stride_se + rows * stride_sn + offs_s[None, :]
             acc_g = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
             acc_u = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+            token = pair // TOPK
             for kw0 in tl.range(0, H // 8, BLOCK_W, num_stages=NUM_STAGES):
                 if EVEN:
-                    xk = tl.load(x_row + 8 * kw0 + offs_x)
+                    if not HALF:
+                        xk = tl.load(x_row + 8 * kw0 + offs_x)
                     wg, sg = tl.load(gw + kw0), tl.load(gs + kw0 // 2)
                     wu, su = tl.load(gw + I * stride_wn + kw0), tl.load(gs + I * stride_sn + kw0 // 2)
+                    b_mask = offs_s >= 0
                 else:
-                    xk = tl.load(x_row + 8 * kw0 + offs_x, mask=(8 * kw0 + offs_x) < H, other=0.0)
+                    if not HALF:
+                        xk = tl.load(x_row + 8 * kw0 + offs_x, mask=(8 * kw0 + offs_x) < H, other=0.0)
                     w_mask = n_mask[:, None] & ((kw0 + offs_w) < H // 8)[None, :]
-                    s_mask = n_mask[:, None] & ((kw0 // 2 + offs_s) < H // 16)[None, :]
+                    b_mask = (kw0 // 2 + offs_s) < H // 16
+                    s_mask = n_mask[:, None] & b_mask[None, :]
                     wg = tl.load(gw + kw0, mask=w_mask, other=0)
                     sg = tl.load(gs + kw0 // 2, mask=s_mask, other=0)
                     wu = tl.load(gw + I * stride_wn + kw0, mask=w_mask, other=0)
                     su = tl.load(gs + I * stride_sn + kw0 // 2, mask=s_mask, other=0)
-                acc_g += gemv_step(wg, sg, xk, BLOCK_N, BLOCK_W)
-                acc_u += gemv_step(wu, su, xk, BLOCK_N, BLOCK_W)
+                if HALF:  # gate and up read the same pairs of x
+                    g0, g1, g2, g3, g4, g5, g6, g7 = half_decode(wg, BLOCK_N, NB)
+                    acc_g += half_row(
+                        g0, g1, g2, g3, g4, g5, g6, g7, block_scale(sg), xp_ptr, token, token + 1, stride_pt,
+                        H // 16, kw0 // 2, b_mask, NB, ASM,
+                    )  # fmt: skip
+                    u0, u1, u2, u3, u4, u5, u6, u7 = half_decode(wu, BLOCK_N, NB)
+                    acc_u += half_row(
+                        u0, u1, u2, u3, u4, u5, u6, u7, block_scale(su), xp_ptr, token, token + 1, stride_pt,
+                        H // 16, kw0 // 2, b_mask, NB, ASM,
+                    )  # fmt: skip
+                else:
+                    acc_g += gemv_step(wg, sg, xk, BLOCK_N, BLOCK_W)
+                    acc_u += gemv_step(wu, su, xk, BLOCK_N, BLOCK_W)
             glob = g_ptr + e64 * stride_ge + offs_n
+            if HALF:  # undo the token's power-of-two scale
+                xf = tl.load(xf_ptr + token + offs_n * 0)
+                acc_g = acc_g * xf[:, None]
+                acc_u = acc_u * xf[:, None]
             # the reference's rounding: gate, up, F.silu(gate), and the product each in x's dtype
             gate = (tl.sum(acc_g, 1) * tl.load(glob, mask=n_mask, other=0.0)).to(dt).to(tl.float32)
             up = (tl.sum(acc_u, 1) * tl.load(glob + I, mask=n_mask, other=0.0)).to(dt).to(tl.float32)
@@ -430,7 +462,7 @@ def decode_config(T: int, k: int, H: int, I: int, tune: Optional[dict] = None) -
     down_bn = max(2, 64 // triton.next_power_of_2(k))
     cfg = dict(
         gu_block_n=gu_bn, gu_block_w=gu_bw, gu_warps=4, down_block_n=down_bn, down_block_w=down_bw, down_warps=4,
-        stages=_NUM_STAGES, tile_pairs=DECODE_DOWN == "tiled",
+        stages=_NUM_STAGES, tile_pairs=DECODE_DOWN == "tiled", gu_half=T * k >= HALF_GATE_UP_MIN_PAIRS,
     )  # fmt: skip
     cfg = with_overrides(cfg, tune, "decode")
     if not cfg["tile_pairs"] and "down_block_n" not in tune:
@@ -504,10 +536,13 @@ def nvfp4_moe_decode_triton(
     inter = torch.empty(n, I, dtype=torch.float32, device=x.device)
     cfg = decode_config(T, k, H, I, tune)
     bn, bw = cfg["gu_block_n"], cfg["gu_block_w"]
+    half = cfg["gu_half"] and x.dtype in (torch.bfloat16, torch.float16)
+    xp, xf = half_pairs(x) if half else (inter, inter)  # (never read without HALF)
     _nvfp4_decode_gate_up_kernel[(n, triton.cdiv(I, bn))](
-        x, w13w, w13s, w13_global, ids, inter, S, x.stride(0), w13w.stride(0), w13w.stride(1), w13s.stride(0),
-        w13s.stride(1), w13_global.stride(0), H=H, I=I, TOPK=k, EVEN=I % bn == 0 and H % (8 * bw) == 0,
-        BLOCK_N=bn, BLOCK_W=bw, NUM_STAGES=cfg["stages"], num_warps=cfg["gu_warps"],
+        x, w13w, w13s, w13_global, ids, inter, xp, xf, S, x.stride(0), xp.stride(0), w13w.stride(0), w13w.stride(1),
+        w13s.stride(0), w13s.stride(1), w13_global.stride(0), H=H, I=I, TOPK=k,
+        EVEN=I % bn == 0 and H % (8 * bw) == 0, BLOCK_N=bn, BLOCK_W=bw, NUM_STAGES=cfg["stages"], HALF=half,
+        ASM=x.is_cuda, num_warps=cfg["gu_warps"],
     )  # fmt: skip
     ops = _shared_operands(out, shared, shared_gate, shared_gate_up, shared_down, shared_down_nvfp4)
     Is = ops["Is"]

@@ -295,6 +295,12 @@ _CPU_SCRIPT = textwrap.dedent(
         serial = dict(tile_pairs=False)
         note("decode serial " + key, t.check_decode(3, 9, 3, 48, 32, dt, "cpu", "output", tune=serial, invalid=True))
         note("decode serial " + key, t.check_decode(2, 6, 2, 64, 32, dt, "cpu", "nvfp4", Is=1024, tune=serial))
+        # the gate|up GEMV in packed half precision (16-bit x; fp32 x keeps the fp32 kernel): masked, invalid pairs,
+        # strided x; several K steps
+        half = dict(gu_half=True)
+        masked = t.check_decode(3, 9, 4, 48, 32, dt, "cpu", "output", invalid=True, strided_x=True, tune=half)
+        note("decode half " + key, masked)
+        note("decode half " + key, t.check_decode(2, 5, 2, 512, 64, dt, "cpu", tune=half))
     for dt in (f32, f16):
         key = str(dt).split(".")[-1]
         note("grouped " + key, t.check_grouped(9, 6, 2, 48, 32, dt, "cpu", invalid=True))
@@ -365,7 +371,12 @@ def test_module_runs_the_reference_on_cpu(monkeypatch):
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 QWEN = dict(k=8, H=2048, I=512)
 # the decode GEMVs' variants (``nvfp4_moe.decode_config``): the default, the down kernel's pairs one after another
-_DECODE_VARIANTS = {"default": None, "serial down": dict(tile_pairs=False)}
+_DECODE_VARIANTS = {
+    "default": None,
+    "serial down": dict(tile_pairs=False),
+    "fp32 gate_up": dict(gu_half=False),  # the default from 8 tokens is the packed-half gate|up GEMV
+    "half gate_up": dict(gu_half=True),
+}
 
 
 @pytest.mark.gpu

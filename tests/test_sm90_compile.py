@@ -101,3 +101,13 @@ def test_nvfp4_half_gemv_compiles_for_sm90(block_m, even):
     ptr = {"x_ptr": "*bf16", "xp_ptr": "*i32", "xf_ptr": "*fp32"}
     const = dict(TOP=12, BLOCK_B=64)
     assert compile_check("freetoken.kernels.nvfp4_half_gemv:_half_pairs_kernel", ptr, const, "K,stride_xm") == 0
+
+
+@pytest.mark.parametrize("half", [True, False])
+def test_nvfp4_decode_gate_up_compiles_for_sm90(half):
+    """The MoE decode gate|up GEMV at Qwen3.6's expert shapes, in packed half precision (its PTX) and in fp32."""
+    ptr = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "g_ptr": "*fp32", "ids_ptr": "*i32"}
+    ptr.update(inter_ptr="*fp32", xp_ptr="*i32" if half else "*fp32", xf_ptr="*fp32")
+    const = dict(H=2048, I=512, TOPK=8, EVEN=True, BLOCK_N=32, BLOCK_W=64, NUM_STAGES=3, HALF=half, ASM=True)
+    div16 = "stride_xt,stride_pt,stride_we,stride_wn,stride_se,stride_sn,stride_ge"
+    assert compile_check("freetoken.kernels.nvfp4_moe:_nvfp4_decode_gate_up_kernel", ptr, const, div16) == 0
