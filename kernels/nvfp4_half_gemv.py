@@ -1,12 +1,14 @@
-"""The NVFP4 GEMV in packed half precision: ``nvfp4_linear``'s decode-sized path for large 16-bit weights (the
-lm_head), at about half the instructions a weight of the fp32 GEMV.
+"""The NVFP4 GEMV in packed half precision, ~40 % fewer instructions a weight than the fp32 GEMV: ``nvfp4_linear``'s
+decode-sized path for large weights (the lm_head) with 16-bit x, and (its building blocks ``half_decode``,
+``half_row``, ``half_pairs``) the MoE decode gate|up GEMV of batched steps (``nvfp4_moe``).
 
-Why: the fp32 GEMV (``nvfp4_linear._nvfp4_gemv_kernel``) is bound by its instructions, not by HBM (~6 a weight:
-two bit operations to place a pair of codes as fp16 bit patterns, then per weight a half -> float conversion and an
-fp32 multiply-add). Here the placed pair is used as it is, as the left operand of one ``fma.rn.f16x2`` (two
-multiply-adds in one instruction) whose right operand holds the two matching activations in fp16: per weight one
-bit operation and half a multiply-add, and per 16-weight block (one E4M3 scale) one conversion of the two running
-half sums to fp32, where the scale and the block's sum into the row's fp32 accumulator are applied.
+Why: the fp32 GEMV (``nvfp4_linear._nvfp4_gemv_kernel``) is bound by its instructions, not by HBM (~5.8 a weight at
+one row of x, sm_90 SASS: four bit operations place a pair of codes as two fp16 bit patterns, then per weight a
+half -> float conversion and an fp32 multiply-add). Here the placed pair is used as it is, as the left operand of
+one ``fma.rn.f16x2`` (two multiply-adds in one instruction) whose right operand holds the two matching activations
+in fp16: per weight the placement's two operations and half a multiply-add a row of x, and per 16-weight block (one
+E4M3 scale) one conversion of the two running half sums to fp32, where the scale and the block's sum into the row's
+fp32 accumulator are applied (~3.6 a weight at one row).
 
 Numbers, exact where they can be:
 - Codes placed as fp16 are ``e2m1 * 2^-14`` exactly (``nvfp4_tiles.e2m1_pairs``).
@@ -72,10 +74,15 @@ if triton is not None:
         return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
-    def _fma_lane(a, b, acc, HIGH: tl.constexpr):
-        """``fma.rn.f16`` on one lane: the product of two fp16 is exact in fp32, one rounding to fp16 after the add
-        (a second, fp32 rounding of the add first: equal to the fused result but for rare ties)."""
-        return (_lane(a, HIGH) * _lane(b, HIGH) + acc.to(tl.float32)).to(tl.float16)
+    def _fma2(a, b, lo, hi):
+        """``fma.rn.f16x2`` emulated lane by lane: uint32 fp16 pairs ``a``, ``b`` and the running lane sums ``lo``,
+        ``hi`` (fp32 holding fp16 values) -> the new sums, each rounded to fp16. The product of two fp16 is exact in
+        fp32; the add rounds in fp32 before the fp16 rounding, equal to the fused result but for rare ties."""
+        a = a.to(tl.uint32, bitcast=True)
+        b = b.to(tl.uint32, bitcast=True)
+        lo = (_lane(a, False) * _lane(b, False) + lo).to(tl.float16).to(tl.float32)
+        hi = (_lane(a, True) * _lane(b, True) + hi).to(tl.float16).to(tl.float32)
+        return lo, hi
 
     @triton.jit
     def half2_dot8(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, ASM: tl.constexpr):
@@ -92,25 +99,15 @@ if triton is not None:
                 pack=1,
             )
         else:
-            a0 = a0.to(tl.uint32, bitcast=True)
-            b0 = b0.to(tl.uint32, bitcast=True)
-            lo = (_lane(a0, False) * _lane(b0, False)).to(tl.float16)
-            hi = (_lane(a0, True) * _lane(b0, True)).to(tl.float16)
-            lo = _fma_lane(a1.to(tl.uint32, bitcast=True), b1.to(tl.uint32, bitcast=True), lo, False)
-            hi = _fma_lane(a1.to(tl.uint32, bitcast=True), b1.to(tl.uint32, bitcast=True), hi, True)
-            lo = _fma_lane(a2.to(tl.uint32, bitcast=True), b2.to(tl.uint32, bitcast=True), lo, False)
-            hi = _fma_lane(a2.to(tl.uint32, bitcast=True), b2.to(tl.uint32, bitcast=True), hi, True)
-            lo = _fma_lane(a3.to(tl.uint32, bitcast=True), b3.to(tl.uint32, bitcast=True), lo, False)
-            hi = _fma_lane(a3.to(tl.uint32, bitcast=True), b3.to(tl.uint32, bitcast=True), hi, True)
-            lo = _fma_lane(a4.to(tl.uint32, bitcast=True), b4.to(tl.uint32, bitcast=True), lo, False)
-            hi = _fma_lane(a4.to(tl.uint32, bitcast=True), b4.to(tl.uint32, bitcast=True), hi, True)
-            lo = _fma_lane(a5.to(tl.uint32, bitcast=True), b5.to(tl.uint32, bitcast=True), lo, False)
-            hi = _fma_lane(a5.to(tl.uint32, bitcast=True), b5.to(tl.uint32, bitcast=True), hi, True)
-            lo = _fma_lane(a6.to(tl.uint32, bitcast=True), b6.to(tl.uint32, bitcast=True), lo, False)
-            hi = _fma_lane(a6.to(tl.uint32, bitcast=True), b6.to(tl.uint32, bitcast=True), hi, True)
-            lo = _fma_lane(a7.to(tl.uint32, bitcast=True), b7.to(tl.uint32, bitcast=True), lo, False)
-            hi = _fma_lane(a7.to(tl.uint32, bitcast=True), b7.to(tl.uint32, bitcast=True), hi, True)
-            return lo.to(tl.float32) + hi.to(tl.float32)
+            lo, hi = _fma2(a0, b0, 0.0, 0.0)
+            lo, hi = _fma2(a1, b1, lo, hi)
+            lo, hi = _fma2(a2, b2, lo, hi)
+            lo, hi = _fma2(a3, b3, lo, hi)
+            lo, hi = _fma2(a4, b4, lo, hi)
+            lo, hi = _fma2(a5, b5, lo, hi)
+            lo, hi = _fma2(a6, b6, lo, hi)
+            lo, hi = _fma2(a7, b7, lo, hi)
+            return lo + hi
 
     @triton.jit
     def _pow2(e):
@@ -289,8 +286,8 @@ def half_pairs(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def launch_half_gemv(
     x2, words, scale_bytes, weight_scale_2, bias, dst, bn, bw, split, kw_per_split, stages, warps, asm=None, pairs=None
 ):
-    """``dst`` = the GEMV of ``x2 [M <= 4, K]`` against the packed weight (``words``: its int32 view), with the
-    fp32 GEMV's tiling (``nvfp4_linear._gemv_config``); ``dst`` is ``[M, N]`` or, split over K, fp32 partials
+    """``dst`` = the GEMV of ``x2 [M <= 4, K]`` against the packed weight (``words``: its int32 view), ``bn`` rows
+    of ``bw`` words a program a step (``nvfp4_linear`` picks them); ``dst`` is ``[M, N]`` or, split over K, fp32 partials
     ``[split, M, N]`` (the caller reduces them and applies the global scale and bias). ``asm``: the inline PTX
     (default: on CUDA) or its emulation (a GPU test compares them); ``pairs``: ``half_pairs(x2)`` when the caller
     has it already (a benchmark timing the GEMV alone)."""
