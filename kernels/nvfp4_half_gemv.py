@@ -1,6 +1,7 @@
-"""The NVFP4 GEMV in packed half precision, ~40 % fewer instructions a weight than the fp32 GEMV: ``nvfp4_linear``'s
-decode-sized path for large weights (the lm_head) with 16-bit x, and (its building blocks ``half_decode``,
-``half_row``, ``half_pairs``) the MoE decode gate|up GEMV of batched steps (``nvfp4_moe``).
+"""The building blocks of the NVFP4 GEMV in packed half precision, ~40 % fewer instructions a weight than the fp32
+GEMV: ``half_pairs`` (x packed), ``half_decode`` and ``half_row`` (a step), used under a ``HALF`` constexpr by
+``nvfp4_linear``'s GEMV (decode-sized steps on large weights, the lm_head, with 16-bit x) and by the MoE decode
+gate|up GEMV of batched steps (``nvfp4_moe``).
 
 Why: the fp32 GEMV (``nvfp4_linear._nvfp4_gemv_kernel``) is bound by its instructions, not by HBM (~5.8 a weight at
 one row of x, sm_90 SASS: four bit operations place a pair of codes as two fp16 bit patterns, then per weight a
@@ -33,7 +34,7 @@ try:  # keep the package importable without triton
     import triton
     import triton.language as tl
 
-    from .nvfp4_tiles import block_scale, e2m1_pairs
+    from .nvfp4_tiles import e2m1_pairs, load8
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -165,15 +166,7 @@ if triton is not None:
         words, so it is loaded straight into the layout the broadcast over the rows wants: one ``[NB, 8]`` load
         split eight ways cost a layout conversion through shared memory per position, row and step."""
         ptrs = xp_ptr + m * stride_pm + kb0 + tl.arange(0, NB)
-        mask = b_mask & (tl.arange(0, NB) * 0 + m < M)
-        x0 = tl.load(ptrs, mask=mask, other=0)
-        x1 = tl.load(ptrs + KB, mask=mask, other=0)
-        x2 = tl.load(ptrs + 2 * KB, mask=mask, other=0)
-        x3 = tl.load(ptrs + 3 * KB, mask=mask, other=0)
-        x4 = tl.load(ptrs + 4 * KB, mask=mask, other=0)
-        x5 = tl.load(ptrs + 5 * KB, mask=mask, other=0)
-        x6 = tl.load(ptrs + 6 * KB, mask=mask, other=0)
-        x7 = tl.load(ptrs + 7 * KB, mask=mask, other=0)
+        x0, x1, x2, x3, x4, x5, x6, x7 = load8(ptrs, KB, b_mask & (tl.arange(0, NB) * 0 + m < M))
         d = half2_dot8(
             d0, d1, d2, d3, d4, d5, d6, d7,
             x0[None, :], x1[None, :], x2[None, :], x3[None, :], x4[None, :], x5[None, :], x6[None, :], x7[None, :],
@@ -181,92 +174,8 @@ if triton is not None:
         )  # fmt: skip
         return d * scale
 
-    @triton.jit
-    def _half_store(acc, m, M, xf_ptr, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL):
-        """Row ``m``: the sum over the step's blocks times the row's ``2^-s``, then (unless a split-K partial) the
-        global scale and bias."""
-        valid = n_mask & (offs_n * 0 + m < M)
-        y = tl.sum(acc, 1) * tl.load(xf_ptr + m + offs_n * 0, mask=valid, other=0.0)
-        if not PARTIAL:
-            y = y * g
-            if HAS_BIAS:
-                y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + m * stride_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=valid)
 
-    @triton.jit
-    def _nvfp4_half_gemv_kernel(
-        xp_ptr,  # int32 [M, 8, K/16] (``_half_pairs_kernel``)
-        xf_ptr,  # fp32 [M]
-        w_ptr,  # int32 words of the packed weight [N, K/8]
-        s_ptr,  # uint8 (e4m3 bits) [N, K/16]
-        g_ptr,  # fp32 [] global scale
-        bias_ptr,  # [N] (HAS_BIAS)
-        out_ptr,  # SPLIT_K == 1: [M, N] in x's dtype; else fp32 partials [SPLIT_K, M, N]
-        M,
-        N,
-        K,
-        stride_pm,
-        stride_wn,
-        stride_sn,
-        stride_om,
-        stride_os,  # between the split-K partials
-        KW_PER_SPLIT,  # words of K per split, a multiple of BLOCK_W
-        HAS_BIAS: tl.constexpr,
-        EVEN: tl.constexpr,  # N a multiple of BLOCK_N and every split whole steps: no masks in the loop
-        SPLIT_K: tl.constexpr,
-        BLOCK_M: tl.constexpr,  # 1, 2 or 4 rows of x, each with its own accumulator
-        BLOCK_N: tl.constexpr,
-        BLOCK_W: tl.constexpr,  # words of a row per step (8 weights each; even: whole scale blocks)
-        NUM_STAGES: tl.constexpr,
-        ASM: tl.constexpr,
-    ):
-        NB: tl.constexpr = BLOCK_W // 2  # scale blocks per step
-        KB = K // 16  # between the pair positions of a row of x
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
-        offs_w = tl.arange(0, BLOCK_W)
-        offs_s = tl.arange(0, NB)
-        KW = K // 8
-        kw_start = pid_k * KW_PER_SPLIT
-        kw_end = tl.minimum(kw_start + KW_PER_SPLIT, KW)
-        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_w[None, :]
-        s_ptrs = s_ptr + offs_n[:, None].to(tl.int64) * stride_sn + offs_s[None, :]
-        a0 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
-        a1 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
-        a2 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
-        a3 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
-        for kw0 in tl.range(kw_start, kw_end, BLOCK_W, num_stages=NUM_STAGES):
-            if EVEN:  # no masks: full-width loads, no predicates
-                w = tl.load(w_ptrs + kw0)
-                scale = block_scale(tl.load(s_ptrs + kw0 // 2))
-                b_mask = offs_s >= 0
-            else:
-                w_mask = n_mask[:, None] & ((kw0 + offs_w) < kw_end)[None, :]
-                b_mask = (kw0 // 2 + offs_s) < kw_end // 2
-                w = tl.load(w_ptrs + kw0, mask=w_mask, other=0)
-                scale = block_scale(tl.load(s_ptrs + kw0 // 2, mask=n_mask[:, None] & b_mask[None, :], other=0))
-            d0, d1, d2, d3, d4, d5, d6, d7 = half_decode(w, BLOCK_N, NB)
-            kb0 = kw0 // 2
-            a0 += half_row(d0, d1, d2, d3, d4, d5, d6, d7, scale, xp_ptr, 0, M, stride_pm, KB, kb0, b_mask, NB, ASM)
-            if BLOCK_M > 1:
-                a1 += half_row(d0, d1, d2, d3, d4, d5, d6, d7, scale, xp_ptr, 1, M, stride_pm, KB, kb0, b_mask, NB, ASM)
-            if BLOCK_M > 2:
-                a2 += half_row(d0, d1, d2, d3, d4, d5, d6, d7, scale, xp_ptr, 2, M, stride_pm, KB, kb0, b_mask, NB, ASM)
-                a3 += half_row(d0, d1, d2, d3, d4, d5, d6, d7, scale, xp_ptr, 3, M, stride_pm, KB, kb0, b_mask, NB, ASM)
-        g = tl.load(g_ptr)
-        out_ptr += pid_k * stride_os
-        PARTIAL: tl.constexpr = SPLIT_K > 1
-        _half_store(a0, 0, M, xf_ptr, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL)
-        if BLOCK_M > 1:
-            _half_store(a1, 1, M, xf_ptr, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL)
-        if BLOCK_M > 2:
-            _half_store(a2, 2, M, xf_ptr, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL)
-            _half_store(a3, 3, M, xf_ptr, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL)
-
-
-HALF_MAX_M = 4  # rows of x one program carries (accumulators a0..a3)
+HALF_MAX_M = 4  # rows of x a program of the GEMV carries (``nvfp4_linear._nvfp4_gemv_kernel`` with HALF: a0..a3)
 
 
 def half_pairs(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -281,25 +190,3 @@ def half_pairs(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             x2, xp, xf, K, x2.stride(0), xp.stride(0), TOP=_TOP_EXPONENT, BLOCK_B=block_b, num_warps=4
         )
     return xp, xf
-
-
-def launch_half_gemv(
-    x2, words, scale_bytes, weight_scale_2, bias, dst, bn, bw, split, kw_per_split, stages, warps, asm=None, pairs=None
-):
-    """``dst`` = the GEMV of ``x2 [M <= 4, K]`` against the packed weight (``words``: its int32 view), ``bn`` rows
-    of ``bw`` words a program a step (``nvfp4_linear`` picks them); ``dst`` is ``[M, N]`` or, split over K, fp32 partials
-    ``[split, M, N]`` (the caller reduces them and applies the global scale and bias). ``asm``: the inline PTX
-    (default: on CUDA) or its emulation (a GPU test compares them); ``pairs``: ``half_pairs(x2)`` when the caller
-    has it already (a benchmark timing the GEMV alone)."""
-    M, K = x2.shape
-    N = words.shape[0]
-    assert M <= HALF_MAX_M and bw % 2 == 0, (M, bw)
-    xp, xf = half_pairs(x2) if pairs is None else pairs
-    b = bias if bias is not None else dst  # never read without HAS_BIAS
-    _nvfp4_half_gemv_kernel[(triton.cdiv(N, bn), split)](
-        xp, xf, words, scale_bytes, weight_scale_2, b, dst, M, N, K,
-        xp.stride(0), words.stride(0), scale_bytes.stride(0), dst.stride(-2), dst.stride(0) if split > 1 else 0,
-        kw_per_split, HAS_BIAS=bias is not None, EVEN=N % bn == 0 and (K // 8) % kw_per_split == 0, SPLIT_K=split,
-        BLOCK_M=triton.next_power_of_2(M), BLOCK_N=bn, BLOCK_W=bw, NUM_STAGES=stages, ASM=x2.is_cuda if asm is None else asm,
-        num_warps=warps,
-    )  # fmt: skip

@@ -54,7 +54,7 @@ try:  # keep the reference importable without triton
     import triton
     import triton.language as tl
 
-    from .nvfp4_half_gemv import HALF_MAX_M, launch_half_gemv
+    from .nvfp4_half_gemv import HALF_MAX_M, half_decode, half_pairs, half_row
     from .nvfp4_tiles import block_scale, dequant_tile_words, e2m1_word, gemv_row
 except Exception:  # pragma: no cover
     triton = None
@@ -112,9 +112,30 @@ def nvfp4_linear_torch(
 if triton is not None:
 
     @triton.jit
-    def _gemv_store(acc, m, M, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL):
-        """Row ``m``: the sum over the step's blocks, then (unless a split-K partial) the global scale and bias."""
+    def _gemv_row_step(
+        v0, v1, v2, v3, v4, v5, v6, v7, scale, m, M, x_ptr, stride_xm, xp_ptr, stride_pm, K, kw0, k_mask, b_mask,
+        offs_x, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr,
+    ):  # fmt: skip
+        """Row ``m`` of x against a decoded step (``e2m1_word``'s weights, or with ``HALF`` ``half_decode``'s code
+        pairs): the ``[BLOCK_N, BLOCK_W // 2]`` scaled block sums."""
+        if HALF:
+            return half_row(
+                v0, v1, v2, v3, v4, v5, v6, v7, scale, xp_ptr, m, M, stride_pm, K // 16, kw0 // 2, b_mask,
+                BLOCK_W // 2, ASM,
+            )  # fmt: skip
+        else:
+            return gemv_row(
+                v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, m, M, stride_xm, 8 * kw0, k_mask, offs_x, BLOCK_N,
+                BLOCK_W,
+            )  # fmt: skip
+
+    @triton.jit
+    def _gemv_store(acc, m, M, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL, xf_ptr, HALF):
+        """Row ``m``: the sum over the step's blocks (``HALF``: times the row's ``2^-s`` from ``xf_ptr``, undoing
+        ``half_pairs``' scale), then (unless a split-K partial) the global scale and bias."""
         y = tl.sum(acc, 1)
+        if HALF:
+            y = y * tl.load(xf_ptr + m + offs_n * 0, mask=n_mask & (offs_n * 0 + m < M), other=0.0)
         if not PARTIAL:
             y = y * g
             if HAS_BIAS:
@@ -124,6 +145,8 @@ if triton is not None:
     @triton.jit
     def _nvfp4_gemv_kernel(
         x_ptr,  # [M, K]
+        xp_ptr,  # HALF: x's fp16 pairs, int32 [M, 8, K/16] (``nvfp4_half_gemv.half_pairs``)
+        xf_ptr,  # HALF: fp32 [M], 2^-s of each row's scale
         w_ptr,  # int32 words of the packed weight [N, K/8]
         s_ptr,  # uint8 (e4m3 bits) [N, K/16]
         g_ptr,  # fp32 [] global scale
@@ -133,6 +156,7 @@ if triton is not None:
         N,
         K,
         stride_xm,
+        stride_pm,
         stride_wn,
         stride_sn,
         stride_om,
@@ -141,10 +165,12 @@ if triton is not None:
         HAS_BIAS: tl.constexpr,
         EVEN: tl.constexpr,  # N a multiple of BLOCK_N and every split whole steps: no masks in the loop
         SPLIT_K: tl.constexpr,
-        BLOCK_M: tl.constexpr,  # 1..8: rows of x, each with its own accumulator
+        BLOCK_M: tl.constexpr,  # 1..8 (HALF: 1..4): rows of x, each with its own accumulator
         BLOCK_N: tl.constexpr,
         BLOCK_W: tl.constexpr,  # words of a row per step (8 weights each)
         NUM_STAGES: tl.constexpr,
+        HALF: tl.constexpr,  # the packed-half GEMV (``nvfp4_half_gemv``): x as fp16 pairs, f16x2 multiply-adds
+        ASM: tl.constexpr,  # HALF: its inline PTX (CUDA) or the interpreter's emulation
     ):
         NB: tl.constexpr = BLOCK_W // 2  # scale blocks per step
         pid_n = tl.program_id(0)
@@ -173,55 +199,66 @@ if triton is not None:
             if EVEN:  # no masks: full-width loads, no predicates
                 w = tl.load(w_ptrs + kw0)
                 scale = block_scale(tl.load(s_ptrs + kw0 // 2))
+                b_mask = offs_s >= 0
             else:
                 w_mask = n_mask[:, None] & ((kw0 + offs_w) < kw_end)[None, :]
-                s_mask = n_mask[:, None] & ((kw0 // 2 + offs_s) < kw_end // 2)[None, :]
+                b_mask = (kw0 // 2 + offs_s) < kw_end // 2  # the step's scale blocks inside the split
                 w = tl.load(w_ptrs + kw0, mask=w_mask, other=0)
-                scale = block_scale(tl.load(s_ptrs + kw0 // 2, mask=s_mask, other=0))
+                scale = block_scale(tl.load(s_ptrs + kw0 // 2, mask=n_mask[:, None] & b_mask[None, :], other=0))
             k_mask = (8 * kw0 + offs_x) < 8 * kw_end if not EVEN else offs_x >= 0
-            v0, v1, v2, v3, v4, v5, v6, v7 = e2m1_word(w)
-            k0 = 8 * kw0
-            a0 += gemv_row(
-                v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 0, M, stride_xm, k0, k_mask, offs_x, BLOCK_N, BLOCK_W
-            )
+            if HALF:  # code pairs as fp16, for f16x2 multiply-adds
+                v0, v1, v2, v3, v4, v5, v6, v7 = half_decode(w, BLOCK_N, NB)
+            else:
+                v0, v1, v2, v3, v4, v5, v6, v7 = e2m1_word(w)
+            a0 += _gemv_row_step(
+                v0, v1, v2, v3, v4, v5, v6, v7, scale, 0, M, x_ptr, stride_xm, xp_ptr, stride_pm, K, kw0,
+                k_mask, b_mask, offs_x, BLOCK_N, BLOCK_W, HALF, ASM,
+            )  # fmt: skip
             if BLOCK_M > 1:
-                a1 += gemv_row(
-                    v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 1, M, stride_xm, k0, k_mask, offs_x, BLOCK_N, BLOCK_W
-                )
+                a1 += _gemv_row_step(
+                    v0, v1, v2, v3, v4, v5, v6, v7, scale, 1, M, x_ptr, stride_xm, xp_ptr, stride_pm, K, kw0,
+                    k_mask, b_mask, offs_x, BLOCK_N, BLOCK_W, HALF, ASM,
+                )  # fmt: skip
             if BLOCK_M > 2:
-                a2 += gemv_row(
-                    v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 2, M, stride_xm, k0, k_mask, offs_x, BLOCK_N, BLOCK_W
-                )
-                a3 += gemv_row(
-                    v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 3, M, stride_xm, k0, k_mask, offs_x, BLOCK_N, BLOCK_W
-                )
+                a2 += _gemv_row_step(
+                    v0, v1, v2, v3, v4, v5, v6, v7, scale, 2, M, x_ptr, stride_xm, xp_ptr, stride_pm, K, kw0,
+                    k_mask, b_mask, offs_x, BLOCK_N, BLOCK_W, HALF, ASM,
+                )  # fmt: skip
+                a3 += _gemv_row_step(
+                    v0, v1, v2, v3, v4, v5, v6, v7, scale, 3, M, x_ptr, stride_xm, xp_ptr, stride_pm, K, kw0,
+                    k_mask, b_mask, offs_x, BLOCK_N, BLOCK_W, HALF, ASM,
+                )  # fmt: skip
             if BLOCK_M > 4:
-                a4 += gemv_row(
-                    v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 4, M, stride_xm, k0, k_mask, offs_x, BLOCK_N, BLOCK_W
-                )
-                a5 += gemv_row(
-                    v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 5, M, stride_xm, k0, k_mask, offs_x, BLOCK_N, BLOCK_W
-                )
-                a6 += gemv_row(
-                    v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 6, M, stride_xm, k0, k_mask, offs_x, BLOCK_N, BLOCK_W
-                )
-                a7 += gemv_row(
-                    v0, v1, v2, v3, v4, v5, v6, v7, scale, x_ptr, 7, M, stride_xm, k0, k_mask, offs_x, BLOCK_N, BLOCK_W
-                )
+                a4 += _gemv_row_step(
+                    v0, v1, v2, v3, v4, v5, v6, v7, scale, 4, M, x_ptr, stride_xm, xp_ptr, stride_pm, K, kw0,
+                    k_mask, b_mask, offs_x, BLOCK_N, BLOCK_W, HALF, ASM,
+                )  # fmt: skip
+                a5 += _gemv_row_step(
+                    v0, v1, v2, v3, v4, v5, v6, v7, scale, 5, M, x_ptr, stride_xm, xp_ptr, stride_pm, K, kw0,
+                    k_mask, b_mask, offs_x, BLOCK_N, BLOCK_W, HALF, ASM,
+                )  # fmt: skip
+                a6 += _gemv_row_step(
+                    v0, v1, v2, v3, v4, v5, v6, v7, scale, 6, M, x_ptr, stride_xm, xp_ptr, stride_pm, K, kw0,
+                    k_mask, b_mask, offs_x, BLOCK_N, BLOCK_W, HALF, ASM,
+                )  # fmt: skip
+                a7 += _gemv_row_step(
+                    v0, v1, v2, v3, v4, v5, v6, v7, scale, 7, M, x_ptr, stride_xm, xp_ptr, stride_pm, K, kw0,
+                    k_mask, b_mask, offs_x, BLOCK_N, BLOCK_W, HALF, ASM,
+                )  # fmt: skip
         g = tl.load(g_ptr)
         out_ptr += pid_k * stride_os
         PARTIAL: tl.constexpr = SPLIT_K > 1
-        _gemv_store(a0, 0, M, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL)
+        _gemv_store(a0, 0, M, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL, xf_ptr, HALF)
         if BLOCK_M > 1:
-            _gemv_store(a1, 1, M, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL)
+            _gemv_store(a1, 1, M, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL, xf_ptr, HALF)
         if BLOCK_M > 2:
-            _gemv_store(a2, 2, M, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL)
-            _gemv_store(a3, 3, M, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL)
+            _gemv_store(a2, 2, M, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL, xf_ptr, HALF)
+            _gemv_store(a3, 3, M, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL, xf_ptr, HALF)
         if BLOCK_M > 4:
-            _gemv_store(a4, 4, M, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL)
-            _gemv_store(a5, 5, M, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL)
-            _gemv_store(a6, 6, M, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL)
-            _gemv_store(a7, 7, M, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL)
+            _gemv_store(a4, 4, M, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL, xf_ptr, HALF)
+            _gemv_store(a5, 5, M, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL, xf_ptr, HALF)
+            _gemv_store(a6, 6, M, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL, xf_ptr, HALF)
+            _gemv_store(a7, 7, M, g, bias_ptr, out_ptr, stride_om, offs_n, n_mask, HAS_BIAS, PARTIAL, xf_ptr, HALF)
 
     @triton.jit
     def _splitk_reduce_kernel(
@@ -342,12 +379,14 @@ TUNE_KEYS = {
 
 
 def _launch_gemv(
-    x2, weight, weight_scale, weight_scale_2, bias, out, tune: Optional[dict] = None, half: bool = False
+    x2, weight, weight_scale, weight_scale_2, bias, out, tune: Optional[dict] = None, half: bool = False, asm=None
 ) -> None:
-    """The fp32 GEMV, or with ``half`` the packed-half one (``nvfp4_half_gemv``) on the same tiling."""
+    """The fp32 GEMV, or with ``half`` the packed-half one (``nvfp4_half_gemv``; ``asm``: its inline PTX, the
+    default on CUDA, or the interpreter's emulation, which a GPU test compares against it)."""
     M, K = x2.shape
     N = weight.shape[0]
     tune = tune or {}
+    assert not half or M <= HALF_MAX_M, f"the packed-half GEMV carries at most {HALF_MAX_M} rows of x, not {M}"
     tile, max_words = _HALF_TILES[M == 1] if half else (_GEMV_TILE, 64)
     bm, bn, bw, split = _gemv_config(M, N, K, tune.get("tile", tile), tune.get("words", max_words))
     kw_per_split = triton.cdiv(triton.cdiv(K // 8, split), bw) * bw
@@ -355,16 +394,16 @@ def _launch_gemv(
     dst = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x2.device)
     b = bias if bias is not None else out  # never read without HAS_BIAS
     words = weight.view(torch.int32)  # [N, K/8]: 16-byte loads of 4 words, 8 weights decoded per word
-    stages, warps = tune.get("stages", _NUM_STAGES), tune.get("warps", 4)
-    if half:
-        launch_half_gemv(x2, words, weight_scale, weight_scale_2, bias, dst, bn, bw, split, kw_per_split, stages, warps)
-    else:
-        _nvfp4_gemv_kernel[(triton.cdiv(N, bn), split)](
-            x2, words, weight_scale, weight_scale_2, b, dst, M, N, K,
-            x2.stride(0), words.stride(0), weight_scale.stride(0), dst.stride(-2), dst.stride(0) if split > 1 else 0,
-            kw_per_split, HAS_BIAS=bias is not None, EVEN=N % bn == 0 and (K // 8) % kw_per_split == 0, SPLIT_K=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=bw,
-            NUM_STAGES=stages, num_warps=warps,
-        )  # fmt: skip
+    # the packed-half GEMV reads x as fp16 pairs (one small launch packs them), the fp32 GEMV x itself
+    xp, xf = half_pairs(x2) if half else (x2, x2)
+    _nvfp4_gemv_kernel[(triton.cdiv(N, bn), split)](
+        x2, xp, xf, words, weight_scale, weight_scale_2, b, dst, M, N, K,
+        x2.stride(0), xp.stride(0), words.stride(0), weight_scale.stride(0), dst.stride(-2),
+        dst.stride(0) if split > 1 else 0, kw_per_split, HAS_BIAS=bias is not None,
+        EVEN=N % bn == 0 and (K // 8) % kw_per_split == 0, SPLIT_K=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=bw,
+        NUM_STAGES=tune.get("stages", _NUM_STAGES), HALF=half, ASM=x2.is_cuda if asm is None else asm,
+        num_warps=tune.get("warps", 4),
+    )  # fmt: skip
     if split > 1:
         block = min(1024, triton.next_power_of_2(N))
         _splitk_reduce_kernel[(M, triton.cdiv(N, block))](

@@ -126,18 +126,25 @@ if triton is not None:
         )
 
     @triton.jit
+    def load8(ptrs, stride, mask):
+        """Eight loads ``ptrs + p * stride`` (p = 0..7) under ``mask``, zeros outside: activations stored split by
+        their position in a word (or pair), each loaded straight into the layout its use wants."""
+        x0 = tl.load(ptrs, mask=mask, other=0)
+        x1 = tl.load(ptrs + stride, mask=mask, other=0)
+        x2 = tl.load(ptrs + 2 * stride, mask=mask, other=0)
+        x3 = tl.load(ptrs + 3 * stride, mask=mask, other=0)
+        x4 = tl.load(ptrs + 4 * stride, mask=mask, other=0)
+        x5 = tl.load(ptrs + 5 * stride, mask=mask, other=0)
+        x6 = tl.load(ptrs + 6 * stride, mask=mask, other=0)
+        x7 = tl.load(ptrs + 7 * stride, mask=mask, other=0)
+        return x0, x1, x2, x3, x4, x5, x6, x7
+
+    @triton.jit
     def gemv_step_split(w, s, xs_ptr, stride_p, mask, ROWS: tl.constexpr, WORDS: tl.constexpr):
         """``gemv_step`` with the activations already split (``xs_ptr + p * stride_p`` -> ``xp [WORDS]``, fp32:
         loaded straight into the layout they are used in, with no conversion)."""
         v0, v1, v2, v3, v4, v5, v6, v7 = e2m1_word(w)
-        x0 = tl.load(xs_ptr, mask=mask, other=0.0)
-        x1 = tl.load(xs_ptr + stride_p, mask=mask, other=0.0)
-        x2 = tl.load(xs_ptr + 2 * stride_p, mask=mask, other=0.0)
-        x3 = tl.load(xs_ptr + 3 * stride_p, mask=mask, other=0.0)
-        x4 = tl.load(xs_ptr + 4 * stride_p, mask=mask, other=0.0)
-        x5 = tl.load(xs_ptr + 5 * stride_p, mask=mask, other=0.0)
-        x6 = tl.load(xs_ptr + 6 * stride_p, mask=mask, other=0.0)
-        x7 = tl.load(xs_ptr + 7 * stride_p, mask=mask, other=0.0)
+        x0, x1, x2, x3, x4, x5, x6, x7 = load8(xs_ptr, stride_p, mask)
         return word_block_dot(
             v0, v1, v2, v3, v4, v5, v6, v7, x0, x1, x2, x3, x4, x5, x6, x7, block_scale(s), ROWS, WORDS
         )

@@ -257,14 +257,14 @@ def test_nvfp4_half_gemv_asm_matches_its_emulation(M):
     """The inline-PTX ``fma.rn.f16x2`` chain against the lane-by-lane emulation the interpreter runs, both compiled
     for the GPU, on lm_head's rows: the same fp16 roundings (the emulation rounds the add in fp32 first; a tie can
     differ in the last bit of a block's fp16 sum, nowhere near bf16's output rounding)."""
-    from freetoken.kernels import nvfp4_half_gemv as hg
+    from freetoken.kernels import nvfp4_linear as nl
 
     w, s, s2 = random_weight(4096, 2048, M, device="cuda")
     x = torch.randn(M, 2048, device="cuda", dtype=torch.bfloat16)
     outs = []
     for asm in (True, False):
         out = torch.empty(M, 4096, device="cuda", dtype=torch.bfloat16)
-        hg.launch_half_gemv(x, w.view(torch.int32), s.view(torch.uint8), s2, None, out, 32, 64, 1, 256, 3, 4, asm=asm)
+        nl._launch_gemv(x, w, s.view(torch.uint8), s2.reshape(()), None, out, half=True, asm=asm)
         outs.append(out.float())
     assert (outs[0] - outs[1]).abs().max().item() <= 1e-2 * (1 + outs[1].abs().max().item()), M
     assert (outs[0] != outs[1]).float().mean().item() < 0.01

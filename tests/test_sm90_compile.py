@@ -90,14 +90,20 @@ def test_gdn_conv_prefill_compiles_for_sm90(pool):
     assert compile_check("freetoken.kernels.gdn_conv_prefill:_gdn_conv_prefill_kernel", ptr, const, div16) == 0
 
 
-@pytest.mark.parametrize("block_m,even", [(1, True), (2, True), (4, False)])
-def test_nvfp4_half_gemv_compiles_for_sm90(block_m, even):
-    """The packed-half NVFP4 GEMV (its inline PTX ``fma.rn.f16x2`` chain) at lm_head's tiling, and its x packing."""
-    ptr = {"xp_ptr": "*i32", "xf_ptr": "*fp32", "w_ptr": "*i32", "s_ptr": "*u8", "g_ptr": "*fp32"}
-    ptr.update(bias_ptr="*bf16", out_ptr="*bf16")
-    const = dict(HAS_BIAS=False, EVEN=even, SPLIT_K=1, BLOCK_M=block_m, BLOCK_N=32, BLOCK_W=64, NUM_STAGES=3, ASM=True)
-    div16 = "N,K,stride_pm,stride_wn,stride_sn,stride_om,KW_PER_SPLIT"
-    assert compile_check("freetoken.kernels.nvfp4_half_gemv:_nvfp4_half_gemv_kernel", ptr, const, div16) == 0
+# (rows of x, rows a program, words a step, no masks, packed half): the launch settings nvfp4_linear picks for lm_head
+@pytest.mark.parametrize(
+    "block_m,block_n,block_w,even,half",
+    [(1, 128, 32, True, True), (2, 64, 32, True, True), (4, 64, 32, False, True), (2, 32, 64, True, False)],
+)
+def test_nvfp4_gemv_compiles_for_sm90(block_m, block_n, block_w, even, half):
+    """The NVFP4 GEMV at lm_head's tiling, in packed half precision (its inline PTX ``fma.rn.f16x2`` chain) and in
+    fp32, and the half GEMV's x packing."""
+    ptr = {"x_ptr": "*bf16", "xp_ptr": "*i32" if half else "*bf16", "xf_ptr": "*fp32" if half else "*bf16"}
+    ptr.update(w_ptr="*i32", s_ptr="*u8", g_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16")
+    const = dict(HAS_BIAS=False, EVEN=even, SPLIT_K=1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_W=block_w, NUM_STAGES=3)
+    const.update(HALF=half, ASM=True)
+    div16 = "N,K,stride_xm,stride_pm,stride_wn,stride_sn,stride_om,KW_PER_SPLIT"
+    assert compile_check("freetoken.kernels.nvfp4_linear:_nvfp4_gemv_kernel", ptr, const, div16) == 0
     ptr = {"x_ptr": "*bf16", "xp_ptr": "*i32", "xf_ptr": "*fp32"}
     const = dict(TOP=12, BLOCK_B=64)
     assert compile_check("freetoken.kernels.nvfp4_half_gemv:_half_pairs_kernel", ptr, const, "K,stride_xm") == 0
