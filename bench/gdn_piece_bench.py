@@ -71,6 +71,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="1,9,21,48,63", help="tail lengths")
     p.add_argument("--reps", type=int, default=200)
+    p.add_argument("--warps", default=None, help="warps a program, comma-separated (default: the kernel's own)")
     p.add_argument("--module", default="freetoken.kernels.gdn_recurrent_piece", help="module with the kernel")
     p.add_argument("--out", default="bench/out/gdn_piece.json")
     a = p.parse_args(argv)
@@ -82,10 +83,12 @@ def main(argv=None) -> int:
         fused_recurrent_gated_delta_rule = None
     hk, hv, d = 16, 32, 128
     rows = []
-    for T in [int(t) for t in a.tokens.split(",")]:
+    launches = [{}] if a.warps is None else [{"warps": int(w)} for w in a.warps.split(",")]
+    for T, launch in [(int(t), w) for t in a.tokens.split(",") for w in launches]:
         q, k, v, gate, beta, state = inputs(T, hk, hv, d)
-        ours, ours_host = timed(lambda: piece.gdn_recurrent_piece_triton(q, k, v, gate, beta, state), a.reps)
-        o, final = piece.gdn_recurrent_piece_triton(q, k, v, gate, beta, state)
+        run = lambda: piece.gdn_recurrent_piece_triton(q, k, v, gate, beta, state, **launch)  # noqa: E731
+        ours, ours_host = timed(run, a.reps)
+        o, final = run()
         fla_us = err = None
         if fused_recurrent_gated_delta_rule is not None:
 
@@ -109,6 +112,7 @@ def main(argv=None) -> int:
         rows.append(
             {
                 "tokens": T,
+                "warps": launch.get("warps", getattr(piece, "PIECE_WARPS", 4)),
                 "us": ours,
                 "us_per_token": ours / T,
                 "host_us": ours_host,
@@ -121,11 +125,11 @@ def main(argv=None) -> int:
     f = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
     print(f"GDN tail kernel ({a.module}), Qwen3.6 GDN shape, {torch.cuda.get_device_name()}, {a.reps} reps")
     print(
-        f"{'tokens':>6}{'us':>9}{'us/token':>10}{'host us':>9}{'of HBM':>8}{'fla us':>9}{'ours/fla':>9}{'max diff':>10}"
+        f"{'tokens':>6}{'warps':>6}{'us':>9}{'us/token':>10}{'host us':>9}{'of HBM':>8}{'fla us':>9}{'ours/fla':>9}{'max diff':>10}"
     )
     for r in rows:
         print(
-            f"{r['tokens']:>6}{r['us']:>9.1f}{r['us_per_token']:>10.2f}{r['host_us']:>9.1f}{r['hbm_fraction']:>8.1%}"
+            f"{r['tokens']:>6}{r['warps']:>6}{r['us']:>9.1f}{r['us_per_token']:>10.2f}{r['host_us']:>9.1f}{r['hbm_fraction']:>8.1%}"
             f"{f(r['fla_recurrent_us'], '.1f'):>9}{f(r['ratio_to_fla'], '.2f'):>9}{f(r['max_abs_diff_vs_fla'], '.1e'):>10}"
         )
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)

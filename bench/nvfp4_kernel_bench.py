@@ -77,6 +77,9 @@ def parse_args(argv=None):
     p.add_argument("--routing", default=env_routing if env_routing not in ("", "off") else "uniform,zipf")
     p.add_argument("--reps", type=int, default=20, help="calls per timed CUDA-graph replay")
     p.add_argument(
+        "--sweep-only", default="", help="bf16sweep: only the settings whose label contains this (and the default)"
+    )
+    p.add_argument(
         "--mixed-block-k", type=int, default=None, help="the mixed GEMV's K step (weights) at every size, for A/B runs"
     )
     a = p.parse_args(argv)
@@ -365,6 +368,16 @@ BF16_MOE_SWEEP = [
     {"block_m": 64, "gu_block_n": 128, "down_block_n": 128, "warps": 4, "stages": 4},
     {"block_m": 128, "gu_block_n": 64, "down_block_n": 128, "warps": 4, "stages": 3},
     {"block_m": 128, "gu_block_n": 128, "down_block_n": 256, "warps": 8, "down_stages": 3, "stages": 3},
+    # weight tiles through TMA descriptors (the pointer loads' address math and masks gone; Hopper)
+    {"tma": True},
+    {"tma": True, "stages": 4},
+    {"tma": True, "warps": 8},
+    {"tma": True, "down_block_n": 64},
+    {"tma": True, "down_block_n": 256, "down_warps": 8},
+    {"tma": True, "gu_block_n": 128, "warps": 8},
+    {"tma": True, "gu_block_k": 128, "down_block_k": 128},
+    {"tma": True, "block_m": 128, "warps": 8},
+    {"tma": True, "block_m": 128, "gu_block_n": 128, "down_block_n": 256, "warps": 8},
 ]
 
 
@@ -391,6 +404,8 @@ def bench_bf16_moe_sweep(a, device, dtype, bw) -> list:
             t_default = None
             for tune in BF16_MOE_SWEEP:
                 label = ",".join(f"{key}={v}" for key, v in tune.items()) or "default"
+                if tune and a.sweep_only not in label:
+                    continue
                 call = lambda r, c=tune: fused_moe_triton(x, w13, w2, *r, tune=c)  # noqa: E731
                 try:
                     t = time_calls(cycled(call, routes, reps), device)

@@ -23,7 +23,6 @@ try:  # keep the reference importable without triton
     import triton
     import triton.language as tl
 
-    from .gdn_decode import delta_rule_token
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -104,13 +103,33 @@ if triton is not None:
             v_n = tl.load(v_ptr + tn * stride_vt + i_h * stride_vh + offs_v, mask=v_mask, other=0.0)
             g_n = tl.load(g_ptr + tn * stride_gt + i_h)
             beta_n = tl.load(beta_ptr + tn * stride_bt + i_h)
-            S, o = delta_rule_token(S, q, k, v, g, beta, scale, EPS)
+            # with q̂ = rq·q, k̂ = rk·k (l2norm) and S' = exp(g)·S:  d = β(v - k̂ᵀS'),  S <- S' + k̂ ⊗ d  and
+            # o = q̂ᵀS = q̂ᵀS' + (q̂·k̂)·d. Every reduction of a token (|q|², |k|², q·k, kᵀS', qᵀS') reads only the
+            # token's raw inputs and S', so all five run side by side: one dependent reduction a token, not three
+            S = S * tl.exp(g)
+            rq = tl.rsqrt(tl.sum(q * q, axis=0) + EPS) * scale
+            rk = tl.rsqrt(tl.sum(k * k, axis=0) + EPS)
+            qk = tl.sum(q * k, axis=0)
+            kS = tl.sum(S * k[:, None], axis=0)
+            qS = tl.sum(S * q[:, None], axis=0)
+            d = (v - kS * rk) * beta
+            S = S + (k * rk)[:, None] * d[None, :]
+            o = (qS + qk * rk * d) * rq
             tl.store(o_ptr + t * stride_ot + i_h * stride_oh + offs_v, o.to(o_ptr.dtype.element_ty), mask=v_mask)
         tl.store(s1_ptr + s_off, S, mask=s_mask)
 
 
-def gdn_recurrent_piece_triton(q, k, v, g, beta, initial_state, scale: Optional[float] = None):
-    """Triton form of ``gdn_recurrent_piece_torch`` (same contract); grid ``(Hv, dv / BV)``."""
+# a program's warps and value columns: one warp reduces over the key rows with shuffles alone (no shared-memory
+# round trip and barrier a reduction), and Qwen3.6's 32 heads x 8 blocks of 16 columns still make 256 programs
+PIECE_WARPS = 1
+PIECE_BLOCK_V = 16
+
+
+def gdn_recurrent_piece_triton(
+    q, k, v, g, beta, initial_state, scale: Optional[float] = None, warps: int = PIECE_WARPS, block_v: int = PIECE_BLOCK_V
+):
+    """Triton form of ``gdn_recurrent_piece_torch`` (same contract); grid ``(Hv, dv / block_v)``, ``warps`` a
+    program (A/B runs: ``bench/gdn_piece_bench.py --warps``)."""
     assert triton is not None, "triton is not installed"
     T, Hk, dk = q.shape
     Hv, dv = v.shape[1], v.shape[2]
@@ -121,7 +140,7 @@ def gdn_recurrent_piece_triton(q, k, v, g, beta, initial_state, scale: Optional[
     s0 = initial_state.float().contiguous()
     o = torch.empty(T, Hv, dv, dtype=v.dtype, device=v.device)
     final = torch.empty_like(s0)
-    bv = min(16, triton.next_power_of_2(dv))  # Qwen3.6: 32 heads x 8 blocks = 256 programs
+    bv = min(block_v, triton.next_power_of_2(dv))
     _gdn_recurrent_piece_kernel[(Hv, triton.cdiv(dv, bv))](
         q,
         k,
@@ -149,7 +168,7 @@ def gdn_recurrent_piece_triton(q, k, v, g, beta, initial_state, scale: Optional[
         BK=triton.next_power_of_2(dk),
         BV=bv,
         EPS=L2NORM_EPS,
-        num_warps=4,
+        num_warps=warps,
     )
     return o, final
 

@@ -23,13 +23,13 @@ def piece_inputs(T, Hk, Hv, dk, dv, dtype, device="cpu", seed=0):
     return q.reshape(T, Hk, dk), k.reshape(T, Hk, dk), v.reshape(T, Hv, dv), g, beta, state
 
 
-def check_piece(T, Hk, Hv, dk, dv, dtype, device="cpu", seed=0, scale=None):
-    """Triton vs the torch reference; returns (max |do|, max |dS|)."""
+def check_piece(T, Hk, Hv, dk, dv, dtype, device="cpu", seed=0, scale=None, **launch):
+    """Triton (``launch``: its warps / block_v) vs the torch reference; returns (max |do|, max |dS|)."""
     from freetoken.kernels.gdn_recurrent_piece import gdn_recurrent_piece_torch, gdn_recurrent_piece_triton
 
     q, k, v, g, beta, state = piece_inputs(T, Hk, Hv, dk, dv, dtype, device, seed)
     before = state.clone()
-    o, final = gdn_recurrent_piece_triton(q, k, v, g, beta, state, scale)
+    o, final = gdn_recurrent_piece_triton(q, k, v, g, beta, state, scale, **launch)
     o_ref, final_ref = gdn_recurrent_piece_torch(q, k, v, g, beta, state, scale)
     assert torch.equal(state, before)  # the state before the piece is only read (it may be a pool slot)
     assert o.dtype == v.dtype and o.shape == (T, Hv, dv) and final.dtype == torch.float32
@@ -92,13 +92,14 @@ def test_piece_interpreter_cpu():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("T", [1, 8, 63])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_piece_cuda_at_qwen_shape(T, dtype):
+@pytest.mark.parametrize("warps", [1, 4])
+def test_piece_cuda_at_qwen_shape(T, dtype, warps):
     """Qwen3.6-35B-A3B's GDN shape (16 key heads, 32 value heads, 128 x 128 state) against the reference, and against
     fla's chunked kernels over the same tokens (the path a piece of >= 64 tokens takes)."""
     from freetoken.kernels.gdn_recurrent_piece import gdn_recurrent_piece_triton
     from freetoken.layers import gated_deltanet as gdn
 
-    check_piece(T, 16, 32, 128, 128, dtype, "cuda", seed=T)
+    check_piece(T, 16, 32, 128, 128, dtype, "cuda", seed=T, warps=warps)
     if gdn._fla_ops() is None:
         pytest.skip("fla not importable")
     q, k, v, g, beta, state = piece_inputs(T, 16, 32, 128, 128, dtype, "cuda", seed=T + 1)

@@ -64,13 +64,15 @@ def test_extend_attention_compiles_for_sm90(split, slot32, lazy):
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_gdn_recurrent_piece_compiles_for_sm90(dtype):
+@pytest.mark.parametrize("warps", [1, 4])
+def test_gdn_recurrent_piece_compiles_for_sm90(dtype, warps):
     """The token-by-token tail kernel at Qwen3.6's GDN shape (32 value heads over 16 key heads, 128 x 128 state)."""
     ptr = {p: f"*{dtype}" for p in ("q_ptr", "k_ptr", "v_ptr", "o_ptr")}
     ptr.update(g_ptr="*fp32", beta_ptr="*fp32", s0_ptr="*fp32", s1_ptr="*fp32", scale="fp32")
     const = dict(R=2, DK=128, DV=128, BK=128, BV=16, EPS=1e-6)
     div16 = "stride_qt,stride_qh,stride_kt,stride_kh,stride_vt,stride_vh,stride_gt,stride_bt,stride_ot,stride_oh"
-    assert compile_check("freetoken.kernels.gdn_recurrent_piece:_gdn_recurrent_piece_kernel", ptr, const, div16) == 0
+    kernel = "freetoken.kernels.gdn_recurrent_piece:_gdn_recurrent_piece_kernel"
+    assert compile_check(kernel, ptr, const, div16, warps=warps) == 0
 
 
 def test_cudnn_merge_compiles_for_sm90():
@@ -117,3 +119,17 @@ def test_nvfp4_decode_gate_up_compiles_for_sm90(half):
     const = dict(H=2048, I=512, TOPK=8, EVEN=True, BLOCK_N=32, BLOCK_W=64, NUM_STAGES=3, HALF=half, ASM=True)
     div16 = "stride_xt,stride_pt,stride_we,stride_wn,stride_se,stride_sn,stride_ge"
     assert compile_check("freetoken.kernels.nvfp4_moe:_nvfp4_decode_gate_up_kernel", ptr, const, div16) == 0
+
+
+@pytest.mark.parametrize("tma", [True, False])
+def test_grouped_bf16_moe_compiles_for_sm90(tma):
+    """The grouped BF16 MoE kernels at Qwen3.6's prefill tiles, weight tiles through TMA descriptors or pointers."""
+    ids = {"sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32"}
+    ptr = {"x_ptr": "*bf16", "w_ptr": "*bf16", "w_desc": "tensordesc<bf16[64, 64]>", "out_ptr": "*bf16", **ids}
+    const = dict(TOPK=8, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, DOT_PREC="'tf32'", TMA=tma)
+    div16 = "H,I,stride_xt,stride_we,stride_wn,stride_ot"
+    assert compile_check("freetoken.kernels.fused_moe:_moe_gate_up_kernel", ptr, const, div16) == 0
+    ptr = {"h_ptr": "*bf16", "w_ptr": "*bf16", "w_desc": "tensordesc<bf16[128, 64]>", "out_ptr": "*bf16", **ids}
+    const = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, DOT_PREC="'tf32'", TMA=tma)
+    div16 = "H,I,stride_ht,stride_we,stride_wn,stride_ot"
+    assert compile_check("freetoken.kernels.fused_moe:_moe_down_kernel", ptr, const, div16) == 0
