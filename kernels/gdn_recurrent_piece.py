@@ -126,7 +126,15 @@ PIECE_BLOCK_V = 16
 
 
 def gdn_recurrent_piece_triton(
-    q, k, v, g, beta, initial_state, scale: Optional[float] = None, warps: int = PIECE_WARPS, block_v: int = PIECE_BLOCK_V
+    q,
+    k,
+    v,
+    g,
+    beta,
+    initial_state,
+    scale: Optional[float] = None,
+    warps: int = PIECE_WARPS,
+    block_v: int = PIECE_BLOCK_V,
 ):
     """Triton form of ``gdn_recurrent_piece_torch`` (same contract); grid ``(Hv, dv / block_v)``, ``warps`` a
     program (A/B runs: ``bench/gdn_piece_bench.py --warps``)."""
