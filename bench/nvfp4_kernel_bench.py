@@ -368,16 +368,6 @@ BF16_MOE_SWEEP = [
     {"block_m": 64, "gu_block_n": 128, "down_block_n": 128, "warps": 4, "stages": 4},
     {"block_m": 128, "gu_block_n": 64, "down_block_n": 128, "warps": 4, "stages": 3},
     {"block_m": 128, "gu_block_n": 128, "down_block_n": 256, "warps": 8, "down_stages": 3, "stages": 3},
-    # weight tiles through TMA descriptors (the pointer loads' address math and masks gone; Hopper)
-    {"tma": True},
-    {"tma": True, "stages": 4},
-    {"tma": True, "warps": 8},
-    {"tma": True, "down_block_n": 64},
-    {"tma": True, "down_block_n": 256, "down_warps": 8},
-    {"tma": True, "gu_block_n": 128, "warps": 8},
-    {"tma": True, "gu_block_k": 128, "down_block_k": 128},
-    {"tma": True, "block_m": 128, "warps": 8},
-    {"tma": True, "block_m": 128, "gu_block_n": 128, "down_block_n": 256, "warps": 8},
 ]
 
 

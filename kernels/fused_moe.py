@@ -116,7 +116,6 @@ if triton is not None:
     def _moe_gate_up_kernel(
         x_ptr,  # [T, H]
         w_ptr,  # [E, 2I, H]
-        w_desc,  # TMA descriptor of w as [E * 2I, H] with [BLOCK_N, BLOCK_K] blocks (TMA), else None
         out_ptr,  # [T*k, I]
         sorted_ids_ptr,
         block_expert_ptr,
@@ -132,7 +131,6 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         DOT_PREC: tl.constexpr,
-        TMA: tl.constexpr,  # weight tiles through the tensor memory accelerator (Hopper+), else pointer loads
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -151,16 +149,11 @@ if triton is not None:
             u_ptrs = w_base + (offs_n[None, :] + I).to(tl.int64) * stride_wn + offs_k[:, None]
             acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            row_g = e * (2 * I) + pid_n * BLOCK_N  # the tiles' first rows in the [E * 2I, H] view (TMA)
             for k0 in range(0, H, BLOCK_K):
                 k_mask = (offs_k + k0) < H
                 a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                if TMA:  # rows past I read the up half or zeros: their columns are never stored
-                    g = w_desc.load([row_g, k0]).T
-                    u = w_desc.load([row_g + I, k0]).T
-                else:
-                    g = tl.load(g_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-                    u = tl.load(u_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                g = tl.load(g_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
                 acc_g = tl.dot(a, g, acc_g, input_precision=DOT_PREC)
                 acc_u = tl.dot(a, u, acc_u, input_precision=DOT_PREC)
                 a_ptrs += BLOCK_K
@@ -177,7 +170,6 @@ if triton is not None:
     def _moe_down_kernel(
         h_ptr,  # [T*k, I]
         w_ptr,  # [E, H, I]
-        w_desc,  # TMA descriptor of w as [E * H, I] with [BLOCK_N, BLOCK_K] blocks (TMA), else None
         out_ptr,  # [T*k, H] in h's dtype
         sorted_ids_ptr,
         block_expert_ptr,
@@ -192,7 +184,6 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         DOT_PREC: tl.constexpr,
-        TMA: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -207,14 +198,10 @@ if triton is not None:
             a_ptrs = h_ptr + pair[:, None].to(tl.int64) * stride_ht + offs_k[None, :]
             w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            row_w = e * H + pid_n * BLOCK_N  # the tile's first row in the [E * H, I] view (TMA)
             for k0 in range(0, I, BLOCK_K):
                 k_mask = (offs_k + k0) < I
                 a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                if TMA:  # rows past H read the next expert or zeros: their columns are never stored
-                    w = w_desc.load([row_w, k0]).T
-                else:
-                    w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
                 acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
                 a_ptrs += BLOCK_K
                 w_ptrs += BLOCK_K
@@ -362,30 +349,8 @@ def grouped_bf16_config(num_pairs: int, E: int, block_m: int | None = None, tune
         # size, 512 for Qwen3.6) is a quarter of gate|up's, so its programs are short
         "down_warps": None,
         "down_stages": None,
-        # weight tiles through TMA descriptors (``_weight_descriptor``; Hopper and later, else pointer loads)
-        "tma": False,
     }
     return with_overrides(cfg, tune, "grouped BF16")
-
-
-def _weight_descriptor(w: torch.Tensor, block_n: int, block_k: int, enabled: bool):
-    """A TMA descriptor of an expert bank ``w [E, N, K]`` seen as ``[E * N, K]``, with ``[block_n, block_k]``
-    blocks; None (pointer loads) unless ``enabled`` and the hardware and layout allow it: a GPU of compute
-    capability 9 or later (the CPU interpreter also runs them), K contiguous, experts back to back, 16-byte
-    aligned base and rows (TMA's rules)."""
-    if not enabled:
-        return None
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-    except ImportError:  # pragma: no cover - older triton
-        return None
-    if w.is_cuda and torch.cuda.get_device_capability(w.device)[0] < 9:
-        return None
-    E, N, K = w.shape
-    row_bytes = K * w.element_size()
-    if w.stride() != (N * K, K, 1) or row_bytes % 16 or w.data_ptr() % 16 or block_k * w.element_size() < 16:
-        return None
-    return TensorDescriptor.from_tensor(w.view(E * N, K), [block_n, block_k])
 
 
 def fused_moe_triton(
@@ -448,11 +413,9 @@ def _launch_gate_up(x, w13, sorted_ids, block_expert, k, cfg: dict, prec) -> tor
     bn1, target = min(cfg["gu_block_n"], max(16, triton.next_power_of_2(I))), scaled(_MIN_PROGRAMS)
     while bn1 > 16 and nblocks * triton.cdiv(I, bn1) < target:  # decode: few blocks, spread over N
         bn1 //= 2
-    desc = _weight_descriptor(w13, bn1, bk1, cfg["tma"])
     _moe_gate_up_kernel[(nblocks, triton.cdiv(I, bn1))](
         x,
         w13,
-        desc,
         inter,
         sorted_ids,
         block_expert,
@@ -468,7 +431,6 @@ def _launch_gate_up(x, w13, sorted_ids, block_expert, k, cfg: dict, prec) -> tor
         BLOCK_N=bn1,
         BLOCK_K=bk1,
         DOT_PREC=prec,
-        TMA=desc is not None,
         **_launch_options(cfg),
     )
     return inter
@@ -482,11 +444,9 @@ def _launch_down(inter, w2, sorted_ids, block_expert, H, cfg: dict, prec) -> tor
     partial = torch.empty(n, H, dtype=inter.dtype, device=inter.device)
     bk2 = min(cfg["down_block_k"], max(16, triton.next_power_of_2(I)))
     bn2 = min(cfg["down_block_n"], max(16, triton.next_power_of_2(H)))
-    desc = _weight_descriptor(w2, bn2, bk2, cfg["tma"])
     _moe_down_kernel[(nblocks, triton.cdiv(H, bn2))](
         inter,
         w2,
-        desc,
         partial,
         sorted_ids,
         block_expert,
@@ -501,7 +461,6 @@ def _launch_down(inter, w2, sorted_ids, block_expert, H, cfg: dict, prec) -> tor
         BLOCK_N=bn2,
         BLOCK_K=bk2,
         DOT_PREC=prec,
-        TMA=desc is not None,
         **_launch_options(cfg, "down_"),
     )
     return partial

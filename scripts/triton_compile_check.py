@@ -24,25 +24,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _pairs(text: str) -> dict:
-    """``a=1,b=*bf16,d=tensordesc<bf16[64, 64]>`` -> a dict (commas inside brackets belong to the value)."""
-    items, depth, start = [], 0, 0
-    for i, ch in enumerate(text + ","):
-        depth += ch in "[<" and 1 or ch in "]>" and -1 or 0
-        if ch == "," and depth == 0:
-            items.append(text[start:i])
-            start = i + 1
-    return dict(item.split("=", 1) for item in items if item)
+    return dict(item.split("=", 1) for item in text.split(",") if item) if text else {}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("kernel", help="module:function, e.g. freetoken.kernels.mixed_gemv:_mixed_gemv_kernel")
-    p.add_argument(
-        "--ptr",
-        default="",
-        help="name=type pairs for pointer arguments (*bf16, *fp32, *i32, *u8, ...) and TMA descriptors "
-        "(tensordesc<bf16[64, 64]>)",
-    )
+    p.add_argument("--ptr", default="", help="name=type pairs for pointer arguments (*bf16, *fp32, *i32, *u8, ...)")
     p.add_argument("--const", default="", help="name=value pairs for constexpr arguments")
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80, 89, 90")
     p.add_argument(

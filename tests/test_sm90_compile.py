@@ -120,16 +120,3 @@ def test_nvfp4_decode_gate_up_compiles_for_sm90(half):
     div16 = "stride_xt,stride_pt,stride_we,stride_wn,stride_se,stride_sn,stride_ge"
     assert compile_check("freetoken.kernels.nvfp4_moe:_nvfp4_decode_gate_up_kernel", ptr, const, div16) == 0
 
-
-@pytest.mark.parametrize("tma", [True, False])
-def test_grouped_bf16_moe_compiles_for_sm90(tma):
-    """The grouped BF16 MoE kernels at Qwen3.6's prefill tiles, weight tiles through TMA descriptors or pointers."""
-    ids = {"sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32"}
-    ptr = {"x_ptr": "*bf16", "w_ptr": "*bf16", "w_desc": "tensordesc<bf16[64, 64]>", "out_ptr": "*bf16", **ids}
-    const = dict(TOPK=8, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, DOT_PREC="'tf32'", TMA=tma)
-    div16 = "H,I,stride_xt,stride_we,stride_wn,stride_ot"
-    assert compile_check("freetoken.kernels.fused_moe:_moe_gate_up_kernel", ptr, const, div16) == 0
-    ptr = {"h_ptr": "*bf16", "w_ptr": "*bf16", "w_desc": "tensordesc<bf16[128, 64]>", "out_ptr": "*bf16", **ids}
-    const = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, DOT_PREC="'tf32'", TMA=tma)
-    div16 = "H,I,stride_ht,stride_we,stride_wn,stride_ot"
-    assert compile_check("freetoken.kernels.fused_moe:_moe_down_kernel", ptr, const, div16) == 0

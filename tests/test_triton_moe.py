@@ -95,10 +95,6 @@ def test_triton_moe_interpreter_cpu():
         (19, 8, 3, 32, 48, "float32", True, {"block_m": 32, "gu_block_n": 32, "down_block_k": 16, "warps": 2}),
         # the down kernel's own warps and stages
         (19, 8, 3, 32, 48, "float32", True, {"down_block_n": 32, "down_warps": 2, "down_stages": 2}),
-        # weight tiles through TMA descriptors: gate tiles past I read up rows, down tiles past H (40) the next
-        # expert's rows, the last expert's past the bank's end zeros; none of those columns may reach the output
-        (19, 8, 3, 40, 48, "float32", True, {"tma": True, "gu_block_n": 32, "down_block_n": 32}),
-        (7, 4, 2, 16, 32, "float16", False, {"tma": True}),
     ]
     run_under_interpreter(_CPU_SCRIPT, cases=cases)
 
@@ -141,8 +137,6 @@ def test_triton_moe_cuda(T, E, k, H, I, skew, dtype):
         {"block_m": 128, "warps": 8},
         {"block_m": 64, "gu_block_n": 128, "down_block_n": 128, "warps": 8, "stages": 3},
         {"block_m": 32, "gu_block_k": 128, "down_block_k": 128, "stages": 4},
-        {"tma": True},
-        {"tma": True, "block_m": 128, "gu_block_n": 128, "down_block_n": 256, "warps": 8},
     ],
 )
 def test_triton_moe_cuda_launch_settings(tune):
