@@ -135,9 +135,11 @@ def gdn_recurrent_piece_triton(
     scale: Optional[float] = None,
     warps: int = PIECE_WARPS,
     block_v: int = PIECE_BLOCK_V,
+    out: Optional[torch.Tensor] = None,
 ):
     """Triton form of ``gdn_recurrent_piece_torch`` (same contract); grid ``(Hv, dv / block_v)``, ``warps`` a
-    program (A/B runs: ``bench/gdn_piece_bench.py --warps``)."""
+    program (A/B runs: ``bench/gdn_piece_bench.py --warps``); ``out`` (``[T, Hv, dv]`` in v's dtype, last dim
+    contiguous: rows of the caller's whole output) receives o instead of a new tensor."""
     assert triton is not None, "triton is not installed"
     T, Hk, dk = q.shape
     Hv, dv = v.shape[1], v.shape[2]
@@ -146,7 +148,10 @@ def gdn_recurrent_piece_triton(
     assert initial_state.shape == (1, Hv, dk, dv), (initial_state.shape, (1, Hv, dk, dv))
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and g.stride(1) == 1 and beta.stride(1) == 1
     s0 = initial_state.float().contiguous()
-    o = torch.empty(T, Hv, dv, dtype=v.dtype, device=v.device)
+    if out is None:
+        out = torch.empty(T, Hv, dv, dtype=v.dtype, device=v.device)
+    assert out.shape == (T, Hv, dv) and out.dtype == v.dtype and out.stride(-1) == 1, (out.shape, out.dtype)
+    o = out
     final = torch.empty_like(s0)
     bv = min(block_v, triton.next_power_of_2(dv))
     _gdn_recurrent_piece_kernel[(Hv, triton.cdiv(dv, bv))](
@@ -181,9 +186,13 @@ def gdn_recurrent_piece_triton(
     return o, final
 
 
-def gdn_recurrent_piece(q, k, v, g, beta, initial_state, scale: Optional[float] = None):
+def gdn_recurrent_piece(q, k, v, g, beta, initial_state, scale: Optional[float] = None, out=None):
     """One sequence's few tokens (``[T, H, *]``) -> ``(o [T, Hv, dv] in v's dtype, final [1, Hv, dk, dv] fp32)``:
-    Triton on CUDA, the torch reference elsewhere."""
+    Triton on CUDA, the torch reference elsewhere; o written into ``out`` when given (rows of the caller's output)."""
     if q.is_cuda and triton is not None:
-        return gdn_recurrent_piece_triton(q, k, v, g, beta, initial_state, scale)
-    return gdn_recurrent_piece_torch(q, k, v, g, beta, initial_state, scale)
+        return gdn_recurrent_piece_triton(q, k, v, g, beta, initial_state, scale, out=out)
+    o, final = gdn_recurrent_piece_torch(q, k, v, g, beta, initial_state, scale)
+    if out is None:
+        return o, final
+    out.copy_(o)
+    return out, final

@@ -23,13 +23,20 @@ def piece_inputs(T, Hk, Hv, dk, dv, dtype, device="cpu", seed=0):
     return q.reshape(T, Hk, dk), k.reshape(T, Hk, dk), v.reshape(T, Hv, dv), g, beta, state
 
 
-def check_piece(T, Hk, Hv, dk, dv, dtype, device="cpu", seed=0, scale=None, **launch):
-    """Triton (``launch``: its warps / block_v) vs the torch reference; returns (max |do|, max |dS|)."""
+def check_piece(T, Hk, Hv, dk, dv, dtype, device="cpu", seed=0, scale=None, into_rows=False, **launch):
+    """Triton (``launch``: its warps / block_v) vs the torch reference; returns (max |do|, max |dS|).
+    ``into_rows``: o goes into rows of a larger output (``out=``), whose other rows must stay as they were."""
     from freetoken.kernels.gdn_recurrent_piece import gdn_recurrent_piece_torch, gdn_recurrent_piece_triton
 
     q, k, v, g, beta, state = piece_inputs(T, Hk, Hv, dk, dv, dtype, device, seed)
     before = state.clone()
+    whole = torch.full((T + 3, Hv, dv), 7.0, dtype=v.dtype, device=device) if into_rows else None
+    if into_rows:
+        launch["out"] = whole[2 : 2 + T]
     o, final = gdn_recurrent_piece_triton(q, k, v, g, beta, state, scale, **launch)
+    if into_rows:
+        assert o.data_ptr() == whole[2].data_ptr()
+        assert (whole[:2] == 7.0).all() and (whole[2 + T :] == 7.0).all()
     o_ref, final_ref = gdn_recurrent_piece_torch(q, k, v, g, beta, state, scale)
     assert torch.equal(state, before)  # the state before the piece is only read (it may be a pool slot)
     assert o.dtype == v.dtype and o.shape == (T, Hv, dv) and final.dtype == torch.float32
@@ -60,6 +67,9 @@ def test_dispatch_runs_the_reference_on_cpu(monkeypatch):
     monkeypatch.setattr(m, "gdn_recurrent_piece_triton", boom)
     q, k, v, g, beta, state = piece_inputs(3, 1, 2, 8, 8, torch.float32)
     o, final = m.gdn_recurrent_piece(q, k, v, g, beta, state)
+    whole = torch.zeros(5, 2, 8)
+    o2, final2 = m.gdn_recurrent_piece(q, k, v, g, beta, state, out=whole[1:4])
+    assert o2.data_ptr() == whole[1].data_ptr() and torch.equal(whole[1:4], o) and torch.equal(final2, final)
     assert o.shape == (3, 2, 8) and final.shape == (1, 2, 8, 8)
 
 
@@ -71,14 +81,14 @@ _CPU_SCRIPT = textwrap.dedent(
     from test_gdn_recurrent_piece import check_piece
     f32, bf16 = torch.float32, torch.bfloat16
     # T, Hk, Hv, dk, dv, dtype, scale
-    for i, (T, Hk, Hv, dk, dv, dt, scale) in enumerate([
-        (1, 2, 4, 16, 8, f32, None),      # one token, GVA r = 2, dk != dv
-        (7, 3, 3, 8, 16, f32, 0.3),       # r = 1, explicit scale
-        (5, 1, 3, 12, 20, bf16, None),    # r = 3, dims not powers of 2, bf16 activations
-        (9, 2, 2, 32, 40, f32, None),     # several value blocks, the last one partial
+    for i, (T, Hk, Hv, dk, dv, dt, scale, rows) in enumerate([
+        (1, 2, 4, 16, 8, f32, None, False),     # one token, GVA r = 2, dk != dv
+        (7, 3, 3, 8, 16, f32, 0.3, False),      # r = 1, explicit scale
+        (5, 1, 3, 12, 20, bf16, None, True),    # r = 3, dims not powers of 2, bf16, o into a larger output's rows
+        (9, 2, 2, 32, 40, f32, None, False),    # several value blocks, the last one partial
     ]):
-        print("piece", T, Hk, Hv, dk, dv, dt, "max|do|=%.3g max|dS|=%.3g" % check_piece(T, Hk, Hv, dk, dv, dt, seed=i,
-                                                                                       scale=scale))
+        diffs = check_piece(T, Hk, Hv, dk, dv, dt, seed=i, scale=scale, into_rows=rows)
+        print("piece", T, Hk, Hv, dk, dv, dt, "max|do|=%.3g max|dS|=%.3g" % diffs)
     print("OK")
     """
 )
@@ -99,7 +109,7 @@ def test_piece_cuda_at_qwen_shape(T, dtype, warps):
     from freetoken.kernels.gdn_recurrent_piece import gdn_recurrent_piece_triton
     from freetoken.layers import gated_deltanet as gdn
 
-    check_piece(T, 16, 32, 128, 128, dtype, "cuda", seed=T, warps=warps)
+    check_piece(T, 16, 32, 128, 128, dtype, "cuda", seed=T, warps=warps, into_rows=T == 8)
     if gdn._fla_ops() is None:
         pytest.skip("fla not importable")
     q, k, v, g, beta, state = piece_inputs(T, 16, 32, 128, 128, dtype, "cuda", seed=T + 1)

@@ -327,8 +327,9 @@ def gated_delta_rule_in_rounds(varlen, q, k, v, g, beta, initial_state, cu_seqle
 
     ``varlen(q, k, v, g, beta, init, cu_seqlens, decode) -> (o, final)`` is the capture-free kernel (its outputs
     may be buffers its next call overwrites: the GDN prefill graphs' ``borrow``; every output is copied out or used
-    before the next call); ``short(q, k, v, g, beta, init) -> (o, final)``, when given, runs a single sequence's
-    pieces shorter than ``SHORT_PIECE`` tokens (the tail after a grid-point snapshot) in one cheap launch.
+    before the next call); ``short(q, k, v, g, beta, init, out) -> (o, final)``, when given, runs a single
+    sequence's pieces shorter than ``SHORT_PIECE`` tokens (the tail after a grid-point snapshot) in one cheap
+    launch, writing o into ``out`` (its rows of the whole output).
     Returns ``(o [T, Hv, dv] fp32 (the kernels' dtype when no sequence is cut or there is one sequence),
     final [N, Hv, dk, dv] fp32, {(seq, offset): state})``."""
     N = len(cu_seqlens) - 1
@@ -343,15 +344,14 @@ def gated_delta_rule_in_rounds(varlen, q, k, v, g, beta, initial_state, cu_seqle
         return o, final, {(b, cu_seqlens[b + 1] - cu_seqlens[b]): final[b] for b in range(N)}
     captured: dict[tuple[int, int], torch.Tensor] = {}
     if N == 1:  # one sequence (a cached turn's chunk): its pieces are views, no index tensors, gathers or scatters
-        o, state = None, initial_state
+        o = v.new_empty(v.shape)  # the pieces' dtype: no fp32 round trip of [T, Hv, dv]
+        state = initial_state
         for a, z in pieces[0]:
-            if short is not None and z - a < SHORT_PIECE:
-                o_r, final_r = short(q[a:z], k[a:z], v[a:z], g[a:z], beta[a:z], state)
+            if short is not None and z - a < SHORT_PIECE:  # writes its rows of o itself: no copy
+                _, final_r = short(q[a:z], k[a:z], v[a:z], g[a:z], beta[a:z], state, out=o[a:z])
             else:
                 o_r, final_r = varlen(q[a:z], k[a:z], v[a:z], g[a:z], beta[a:z], state, [0, z - a], False)
-            if o is None:  # the pieces' dtype: no fp32 round trip of [T, Hv, dv]
-                o = o_r.new_empty((q.shape[0], *o_r.shape[1:]))
-            o[a:z] = o_r
+                o[a:z] = o_r
             state = final_r  # the next piece reads it before varlen runs again
             captured[(0, z)] = final_r[0].to(torch.float32, copy=True)
         return o, state.float(), captured
