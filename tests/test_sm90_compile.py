@@ -119,4 +119,3 @@ def test_nvfp4_decode_gate_up_compiles_for_sm90(half):
     const = dict(H=2048, I=512, TOPK=8, EVEN=True, BLOCK_N=32, BLOCK_W=64, NUM_STAGES=3, HALF=half, ASM=True)
     div16 = "stride_xt,stride_pt,stride_we,stride_wn,stride_se,stride_sn,stride_ge"
     assert compile_check("freetoken.kernels.nvfp4_moe:_nvfp4_decode_gate_up_kernel", ptr, const, div16) == 0
-
