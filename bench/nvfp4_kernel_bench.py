@@ -414,6 +414,9 @@ DECODE_SWEEP = [
     {"gu_half": True},  # the gate|up GEMV in packed half precision (the default from 64 pairs)
     {"gu_half": False},
     {"gu_half": True, "gu_block_w": 32},
+    {"down_half": True},  # the down GEMV in packed half precision (the default from 64 pairs)
+    {"down_half": False},
+    {"down_half": True, "down_block_w": 32},
     {"tile_pairs": False},  # the down kernel's pairs one after another (the default before 2026-12-03)
     {"down_block_n": 4},
     {"down_block_n": 16},

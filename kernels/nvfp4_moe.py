@@ -60,8 +60,8 @@ try:  # keep the reference importable without triton
     import triton.language as tl
 
     from .fused_moe import moe_align_block_size
-    from .nvfp4_half_gemv import half_decode, half_pairs, half_row
-    from .nvfp4_tiles import block_scale, gemv_step, gemv_step_split, pair_tile_step, tile_dot_step
+    from .nvfp4_half_gemv import half2_dot8, half_decode, half_pairs, half_row
+    from .nvfp4_tiles import block_scale, gemv_step, gemv_step_split, load8, pair_tile_step, tile_dot_step
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -85,6 +85,10 @@ DECODE_DOWN = choice_from_env("FREETOKEN_NVFP4_DECODE_DOWN", "tiled", ("tiled", 
 # 40 % fewer instructions a weight, one extra launch packing x): the batched steps, where the kernel is bound by its
 # instructions. ``FREETOKEN_NVFP4_HALF_GATE_UP_MIN_PAIRS`` moves the cut (A/B runs).
 HALF_GATE_UP_MIN_PAIRS = int_from_env("FREETOKEN_NVFP4_HALF_GATE_UP_MIN_PAIRS", 64)
+
+# The same for the down decode GEMV (its activations: the pairs' SiLU(gate)·up rows, packed by one more launch);
+# ``FREETOKEN_NVFP4_HALF_DOWN_MIN_PAIRS`` moves the cut (A/B runs).
+HALF_DOWN_MIN_PAIRS = int_from_env("FREETOKEN_NVFP4_HALF_DOWN_MIN_PAIRS", 64)
 
 _TARGET_PROGRAMS = 528  # about four programs per SM on the H200's 132 (``device_sms.scaled`` for other GPUs)
 _NUM_STAGES = 3
@@ -136,7 +140,8 @@ if triton is not None:
         s_ptr,  # uint8 e4m3 bits [S, 2I, H/16]
         g_ptr,  # fp32 [S, 2I]
         ids_ptr,  # [T*k]
-        inter_ptr,  # fp32 [T*k, 8, I/8]: column n at [n % 8, n // 8] (the down kernel's split activations)
+        inter_ptr,  # fp32 [T*k, 8, I/8]: column n at [n % 8, n // 8] (the down kernel's split activations); [T*k, I]
+        # in column order with INTER_ROWS (what ``half_pairs`` packs for the down kernel's HALF)
         xp_ptr,  # HALF: x's fp16 pairs, int32 [T, 8, H/16] (``nvfp4_half_gemv.half_pairs``)
         xf_ptr,  # HALF: fp32 [T], 2^-s of each token's scale
         num_slots,
@@ -156,6 +161,7 @@ if triton is not None:
         NUM_STAGES: tl.constexpr,
         HALF: tl.constexpr,  # the packed-half GEMV (``nvfp4_half_gemv``): x as fp16 pairs, f16x2 multiply-adds
         ASM: tl.constexpr,  # HALF: its inline PTX (CUDA) or the interpreter's emulation
+        INTER_ROWS: tl.constexpr,  # the intermediate in column order (the down kernel's HALF packs it)
     ):
         dt = x_ptr.dtype.element_ty
         NB: tl.constexpr = BLOCK_W // 2
@@ -218,7 +224,10 @@ if triton is not None:
             act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
             h = (act * up).to(dt).to(tl.float32)
         # fp32 (the value rounded to x's dtype) in the order the down kernel's words need: no conversion there
-        tl.store(inter_ptr + pair.to(tl.int64) * I + (offs_n % 8) * (I // 8) + offs_n // 8, h, mask=n_mask)
+        if INTER_ROWS:
+            tl.store(inter_ptr + pair.to(tl.int64) * I + offs_n, h, mask=n_mask)
+        else:
+            tl.store(inter_ptr + pair.to(tl.int64) * I + (offs_n % 8) * (I // 8) + offs_n // 8, h, mask=n_mask)
 
     @triton.jit
     def _in_bank(offs, e, num_slots):
@@ -310,15 +319,39 @@ if triton is not None:
         return out
 
     @triton.jit
+    def _half_pair_tile_step(w, s, xq, valid, kb0, KB, EVEN: tl.constexpr, KP: tl.constexpr, ROWS: tl.constexpr,
+                             NB: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+        """``pair_tile_step`` in packed half precision: words ``w [KP, ROWS, 2 * NB]``, scale bytes ``s [KP, ROWS,
+        NB]``, each pair's fp16 activation pairs at ``xq [KP, NB]`` (position q ``KB`` words further; blocks from
+        ``kb0``, zeros for invalid pairs or past ``KB``) -> the ``[KP, ROWS, NB]`` scaled block sums."""
+        d0, d1, d2, d3, d4, d5, d6, d7 = half_decode(tl.reshape(w, (KP * ROWS, 2 * NB)), KP * ROWS, NB)
+        if EVEN:
+            x_mask = valid[:, None]
+        else:
+            x_mask = valid[:, None] & ((kb0 + tl.arange(0, NB)) < KB)[None, :]
+        x0, x1, x2, x3, x4, x5, x6, x7 = load8(xq, KB, x_mask)
+        d = half2_dot8(
+            tl.reshape(d0, (KP, ROWS, NB)), tl.reshape(d1, (KP, ROWS, NB)), tl.reshape(d2, (KP, ROWS, NB)),
+            tl.reshape(d3, (KP, ROWS, NB)), tl.reshape(d4, (KP, ROWS, NB)), tl.reshape(d5, (KP, ROWS, NB)),
+            tl.reshape(d6, (KP, ROWS, NB)), tl.reshape(d7, (KP, ROWS, NB)),
+            x0[:, None, :], x1[:, None, :], x2[:, None, :], x3[:, None, :],
+            x4[:, None, :], x5[:, None, :], x6[:, None, :], x7[:, None, :],
+            ASM,
+        )  # fmt: skip
+        return d * block_scale(s)
+
+    @triton.jit
     def _routed_down_tiled(
-        inter_ptr, w_ptr, s_ptr, g_ptr, ids_ptr, wts_ptr, t, offs_n, n_mask, num_slots,
-        stride_we, stride_wn, stride_se, stride_sn, stride_ge, DT: tl.constexpr,
+        inter_ptr, w_ptr, s_ptr, g_ptr, ids_ptr, wts_ptr, xp_ptr, xf_ptr, t, offs_n, n_mask, num_slots,
+        stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_pt, DT: tl.constexpr,
         I: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_W: tl.constexpr, NUM_STAGES: tl.constexpr,
+        BLOCK_W: tl.constexpr, NUM_STAGES: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr,
     ):  # fmt: skip
         """``_routed_down_serial`` with the k pairs as one more tile axis (``KP``: k rounded up to a power of two):
         a ``[KP, BLOCK_N, BLOCK_W]`` tile a step, one reduction over the words for all the pairs and one over the
-        pairs (summed as a tree, not in pair order: equal up to fp32 rounding)."""
+        pairs (summed as a tree, not in pair order: equal up to fp32 rounding). ``HALF``: in packed half precision
+        (``nvfp4_half_gemv``), each pair's activations as fp16 pairs (``xp_ptr``, ``half_pairs`` of the
+        intermediate) scaled by a power of two that ``xf_ptr`` undoes."""
         NB: tl.constexpr = BLOCK_W // 2
         offs_j = tl.arange(0, KP)
         pairs = t * TOPK + offs_j
@@ -332,6 +365,7 @@ if triton is not None:
         w_base = w_ptr + (e64 * stride_we)[:, None, None] + (rows * stride_wn)[None, :, None] + offs_w[None, None, :]
         s_base = s_ptr + (e64 * stride_se)[:, None, None] + (rows * stride_sn)[None, :, None] + offs_s[None, None, :]
         x_base = inter_ptr + pairs.to(tl.int64)[:, None] * I + offs_w[None, :]  # [KP, BLOCK_W]; position p: + p * I/8
+        xp_base = xp_ptr + pairs.to(tl.int64)[:, None] * stride_pt + offs_s[None, :]  # HALF: [KP, NB]; + q * I/16
         acc = tl.zeros((KP, BLOCK_N, NB), dtype=tl.float32)
         for kw0 in tl.range(0, I // 8, BLOCK_W, num_stages=NUM_STAGES):
             if EVEN:
@@ -345,20 +379,27 @@ if triton is not None:
                 x_mask = valid[:, None] & in_k[None, :]
             w = tl.load(w_base + kw0, mask=w_mask, other=0)
             s = tl.load(s_base + kw0 // 2, mask=s_mask, other=0)
-            xp = x_base + kw0
-            acc += pair_tile_step(
+            if HALF:
+                acc += _half_pair_tile_step(
+                    w, s, xp_base + kw0 // 2, valid, kw0 // 2, I // 16, EVEN, KP, BLOCK_N, NB, ASM
+                )
+            else:
+                xp = x_base + kw0
+                acc += pair_tile_step(
                 w, s,
-                tl.load(xp, mask=x_mask, other=0.0)[:, None, :],
-                tl.load(xp + I // 8, mask=x_mask, other=0.0)[:, None, :],
-                tl.load(xp + 2 * (I // 8), mask=x_mask, other=0.0)[:, None, :],
-                tl.load(xp + 3 * (I // 8), mask=x_mask, other=0.0)[:, None, :],
-                tl.load(xp + 4 * (I // 8), mask=x_mask, other=0.0)[:, None, :],
-                tl.load(xp + 5 * (I // 8), mask=x_mask, other=0.0)[:, None, :],
-                tl.load(xp + 6 * (I // 8), mask=x_mask, other=0.0)[:, None, :],
-                tl.load(xp + 7 * (I // 8), mask=x_mask, other=0.0)[:, None, :],
-                KP, BLOCK_N, BLOCK_W,
-            )  # fmt: skip
+                    tl.load(xp, mask=x_mask, other=0.0)[:, None, :],
+                    tl.load(xp + I // 8, mask=x_mask, other=0.0)[:, None, :],
+                    tl.load(xp + 2 * (I // 8), mask=x_mask, other=0.0)[:, None, :],
+                    tl.load(xp + 3 * (I // 8), mask=x_mask, other=0.0)[:, None, :],
+                    tl.load(xp + 4 * (I // 8), mask=x_mask, other=0.0)[:, None, :],
+                    tl.load(xp + 5 * (I // 8), mask=x_mask, other=0.0)[:, None, :],
+                    tl.load(xp + 6 * (I // 8), mask=x_mask, other=0.0)[:, None, :],
+                    tl.load(xp + 7 * (I // 8), mask=x_mask, other=0.0)[:, None, :],
+                    KP, BLOCK_N, BLOCK_W,
+                )  # fmt: skip
         glob = tl.load(g_ptr + (e64 * stride_ge)[:, None] + rows[None, :], mask=rmask, other=0.0)
+        if HALF:  # undo each pair's power-of-two scale
+            glob = glob * tl.load(xf_ptr + pairs, mask=valid, other=0.0)[:, None]
         # rounded as the reference: the down projection, the weight (in x's dtype), their product
         d = (tl.sum(acc, 2) * glob).to(DT).to(tl.float32)
         rw = tl.load(wts_ptr + pairs, mask=valid, other=0.0).to(DT).to(tl.float32)
@@ -378,6 +419,8 @@ if triton is not None:
         sd_s_ptr,  # SHARED 2: its block scale bytes [H, IS/16]
         sd_g_ptr,  # SHARED 2: its global scale, fp32 [H] (stride_sdg 0: one for all rows)
         shared_gate_ptr,  # SHARED 1, 2: its gate logit, [T] strided
+        xp_ptr,  # HALF: the intermediate's fp16 pairs, int32 [T*k, 8, I/16] (``half_pairs``)
+        xf_ptr,  # HALF: fp32 [T*k], 2^-s of each pair's scale
         num_slots,
         stride_we,
         stride_wn,
@@ -390,6 +433,7 @@ if triton is not None:
         stride_sds,
         stride_sdg,
         stride_gt,
+        stride_pt,
         H: tl.constexpr,
         I: tl.constexpr,
         IS: tl.constexpr,
@@ -403,6 +447,8 @@ if triton is not None:
         BLOCK_W: tl.constexpr,
         BLOCK_WS: tl.constexpr,  # words of a shared down row per step
         NUM_STAGES: tl.constexpr,
+        HALF: tl.constexpr,  # TILE_PAIRS in packed half precision (``_half_pair_tile_step``)
+        ASM: tl.constexpr,  # HALF: its inline PTX (CUDA) or the interpreter's emulation
     ):
         dt = out_ptr.dtype.element_ty
         t = tl.program_id(0).to(tl.int64)
@@ -410,9 +456,9 @@ if triton is not None:
         n_mask = offs_n < H
         if TILE_PAIRS:
             out = _routed_down_tiled(
-                inter_ptr, w_ptr, s_ptr, g_ptr, ids_ptr, wts_ptr, t, offs_n, n_mask, num_slots,
-                stride_we, stride_wn, stride_se, stride_sn, stride_ge, dt, I, TOPK, KP, EVEN, BLOCK_N, BLOCK_W,
-                NUM_STAGES,
+                inter_ptr, w_ptr, s_ptr, g_ptr, ids_ptr, wts_ptr, xp_ptr, xf_ptr, t, offs_n, n_mask, num_slots,
+                stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_pt, dt, I, TOPK, KP, EVEN, BLOCK_N,
+                BLOCK_W, NUM_STAGES, HALF, ASM,
             )  # fmt: skip
         else:
             out = _routed_down_serial(
@@ -447,8 +493,10 @@ def _decode_blocks(rows: int, items: int, k_len: int) -> tuple[int, int]:
 
 def decode_config(T: int, k: int, H: int, I: int, tune: Optional[dict] = None) -> dict:
     """Launch settings of the two decode GEMVs for ``T`` tokens at top-``k``: rows per program and words per step
-    of each (``_decode_blocks``), warps, pipeline stages, and whether the down kernel takes the pairs as a tile
-    axis (``tile_pairs``); ``tune`` overrides any of them (benchmarks, tests)."""
+    of each (``_decode_blocks``), warps, pipeline stages, whether the down kernel takes the pairs as a tile
+    axis (``tile_pairs``), and whether gate|up and down run in packed half precision (``gu_half``, ``down_half``:
+    16-bit x only; the down kernel's only with ``tile_pairs``); ``tune`` overrides any of them (benchmarks,
+    tests)."""
     tune = tune or {}
     gu_bn, gu_bw = _decode_blocks(I, T * k, H)
     serial_bn, down_bw = _decode_blocks(H, T, I)
@@ -463,6 +511,7 @@ def decode_config(T: int, k: int, H: int, I: int, tune: Optional[dict] = None) -
     cfg = dict(
         gu_block_n=gu_bn, gu_block_w=gu_bw, gu_warps=4, down_block_n=down_bn, down_block_w=down_bw, down_warps=4,
         stages=_NUM_STAGES, tile_pairs=DECODE_DOWN == "tiled", gu_half=T * k >= HALF_GATE_UP_MIN_PAIRS,
+        down_half=T * k >= HALF_DOWN_MIN_PAIRS,
     )  # fmt: skip
     cfg = with_overrides(cfg, tune, "decode")
     if not cfg["tile_pairs"] and "down_block_n" not in tune:
@@ -538,23 +587,27 @@ def nvfp4_moe_decode_triton(
     bn, bw = cfg["gu_block_n"], cfg["gu_block_w"]
     half = cfg["gu_half"] and x.dtype in (torch.bfloat16, torch.float16)
     xp, xf = half_pairs(x) if half else (inter, inter)  # (never read without HALF)
+    # the down kernel's half form (tiled pairs only): the intermediate in column order, packed by one more launch
+    down_half = cfg["down_half"] and cfg["tile_pairs"] and x.dtype in (torch.bfloat16, torch.float16) and I % 16 == 0
     _nvfp4_decode_gate_up_kernel[(n, triton.cdiv(I, bn))](
         x, w13w, w13s, w13_global, ids, inter, xp, xf, S, x.stride(0), xp.stride(0), w13w.stride(0), w13w.stride(1),
         w13s.stride(0), w13s.stride(1), w13_global.stride(0), H=H, I=I, TOPK=k,
         EVEN=I % bn == 0 and H % (8 * bw) == 0, BLOCK_N=bn, BLOCK_W=bw, NUM_STAGES=cfg["stages"], HALF=half,
-        ASM=x.is_cuda, num_warps=cfg["gu_warps"],
+        ASM=x.is_cuda, INTER_ROWS=down_half, num_warps=cfg["gu_warps"],
     )  # fmt: skip
+    # the intermediate's values are rounded to x's dtype (16-bit here): exact in fp16 once scaled by a power of two
+    dp, df = half_pairs(inter) if down_half else (inter, inter)
     ops = _shared_operands(out, shared, shared_gate, shared_gate_up, shared_down, shared_down_nvfp4)
     Is = ops["Is"]
     bn, bw = cfg["down_block_n"], cfg["down_block_w"]
     bws = max(4, min(64, triton.next_power_of_2(Is // 8)))  # as ``_decode_blocks`` picks the routed step
     _nvfp4_decode_down_kernel[(T, triton.cdiv(H, bn))](
         inter, w2w, w2s, w2_global, ids, wts, out, ops["src"], ops["sd_w"], ops["sd_s"], ops["sd_g"], ops["gate"],
-        S, w2w.stride(0), w2w.stride(1), w2s.stride(0), w2s.stride(1), w2_global.stride(0), out.stride(0),
-        *ops["strides"], H=H, I=I, IS=Is, TOPK=k, KP=triton.next_power_of_2(k),
+        dp, df, S, w2w.stride(0), w2w.stride(1), w2s.stride(0), w2s.stride(1), w2_global.stride(0), out.stride(0),
+        *ops["strides"], dp.stride(0), H=H, I=I, IS=Is, TOPK=k, KP=triton.next_power_of_2(k),
         TILE_PAIRS=cfg["tile_pairs"], SHARED=ops["mode"], EVEN=H % bn == 0 and I % (8 * bw) == 0,
         EVEN_S=H % bn == 0 and Is % (8 * bws) == 0, BLOCK_N=bn, BLOCK_W=bw, BLOCK_WS=bws,
-        NUM_STAGES=cfg["stages"], num_warps=cfg["down_warps"],
+        NUM_STAGES=cfg["stages"], HALF=down_half, ASM=x.is_cuda, num_warps=cfg["down_warps"],
     )  # fmt: skip
     return out
 

@@ -301,6 +301,13 @@ _CPU_SCRIPT = textwrap.dedent(
         masked = t.check_decode(3, 9, 4, 48, 32, dt, "cpu", "output", invalid=True, strided_x=True, tune=half)
         note("decode half " + key, masked)
         note("decode half " + key, t.check_decode(2, 5, 2, 512, 64, dt, "cpu", tune=half))
+        # the down GEMV in packed half precision (the intermediate packed per pair): masked, invalid pairs, several
+        # K steps, k = 10 (a 16-wide pair axis) with masked blocks (I = 48)
+        half_down = dict(down_half=True)
+        masked = t.check_decode(3, 9, 4, 48, 32, dt, "cpu", "output", invalid=True, strided_x=True, tune=half_down)
+        note("decode half down " + key, masked)
+        note("decode half down " + key, t.check_decode(2, 6, 4, 32, 1024, dt, "cpu", tune=dict(half_down, down_block_w=32)))
+        note("decode half down " + key, t.check_decode(2, 16, 10, 64, 48, dt, "cpu", "nvfp4", Is=48, tune=half_down))
     for dt in (f32, f16):
         key = str(dt).split(".")[-1]
         note("grouped " + key, t.check_grouped(9, 6, 2, 48, 32, dt, "cpu", invalid=True))
@@ -376,6 +383,8 @@ _DECODE_VARIANTS = {
     "serial down": dict(tile_pairs=False),
     "fp32 gate_up": dict(gu_half=False),  # the default from 8 tokens is the packed-half gate|up GEMV
     "half gate_up": dict(gu_half=True),
+    "fp32 down": dict(down_half=False),  # ... and the packed-half down GEMV
+    "half down": dict(down_half=True),
 }
 
 

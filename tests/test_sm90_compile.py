@@ -119,3 +119,16 @@ def test_nvfp4_decode_gate_up_compiles_for_sm90(half):
     const = dict(H=2048, I=512, TOPK=8, EVEN=True, BLOCK_N=32, BLOCK_W=64, NUM_STAGES=3, HALF=half, ASM=True)
     div16 = "stride_xt,stride_pt,stride_we,stride_wn,stride_se,stride_sn,stride_ge"
     assert compile_check("freetoken.kernels.nvfp4_moe:_nvfp4_decode_gate_up_kernel", ptr, const, div16) == 0
+
+
+@pytest.mark.parametrize("half", [True, False])
+def test_nvfp4_decode_down_compiles_for_sm90(half):
+    """The MoE decode down GEMV at Qwen3.6's expert shapes (top-8 pairs as a tile axis, the shared expert's NVFP4
+    down in the epilogue), in packed half precision (its PTX) and in fp32."""
+    ptr = {"inter_ptr": "*fp32", "w_ptr": "*i32", "s_ptr": "*u8", "g_ptr": "*fp32", "ids_ptr": "*i32"}
+    ptr.update(wts_ptr="*bf16", out_ptr="*bf16", shared_ptr="*bf16", sd_w_ptr="*i32", sd_s_ptr="*u8")
+    ptr.update(sd_g_ptr="*fp32", shared_gate_ptr="*bf16", xp_ptr="*i32", xf_ptr="*fp32")
+    const = dict(H=2048, I=512, IS=512, TOPK=8, KP=8, TILE_PAIRS=True, SHARED=2, EVEN=True, EVEN_S=True)
+    const.update(BLOCK_N=8, BLOCK_W=64, BLOCK_WS=64, NUM_STAGES=3, HALF=half, ASM=True)
+    div16 = "stride_we,stride_wn,stride_se,stride_sn,stride_ge,stride_ot,stride_st,stride_sdw,stride_sds,stride_pt"
+    assert compile_check("freetoken.kernels.nvfp4_moe:_nvfp4_decode_down_kernel", ptr, const, div16) == 0
