@@ -109,7 +109,8 @@ if triton is not None:
     def delta_rule_token(S, q, k, v, g, beta, scale, EPS: tl.constexpr):
         """One token of the delta rule on a ``[BK, BV]`` fp32 state block: ``q, k [BK]`` fp32 as projected
         (l2-normalised here, q scaled), ``v [BV]`` fp32, ``g, beta`` the token's gates. Returns ``(S, o [BV])``.
-        The decode step and the token-by-token piece kernel (``gdn_recurrent_piece.py``) both run a token through it."""
+        The decode step's form; the token-by-token piece kernel (``gdn_recurrent_piece.py``) runs the same math with
+        its reductions side by side (one warp a program, where a token's latency is the cost)."""
         q = q * tl.rsqrt(tl.sum(q * q, axis=0) + EPS) * scale
         k = k * tl.rsqrt(tl.sum(k * k, axis=0) + EPS)
         S = S * tl.exp(g)
