@@ -352,14 +352,8 @@ def run_server(
             )
             history = prompt + r["ids"]
         out["stats_end"] = end_stats(srv)
-        log = srv.log()
-        out["log_tail"] = log[-3000:]
-        # served steps that compiled Triton kernels (engine/kernel_compiles.py: what the warm-up missed) or grew or
-        # flushed the CUDA caching allocator (engine/allocator_events.py)
-        marks = ("Triton kernel(s) on the", "new CUDA segment", "caching allocator freed")
-        out["request_path_events"] = [
-            l[l.find("Step ") :] for l in log.splitlines() if "Step " in l and any(m in l for m in marks)
-        ]
+        out["log_tail"] = srv.log()[-3000:]
+        out["request_path_events"] = srv.request_path_events()
     finally:
         out["exit_code"] = srv.stop()
     return out

@@ -267,6 +267,7 @@ def resident_run(label: str, args: list[str], env: dict, a, routing_file: str, w
             row["many_uniform"] = many_streams(srv, a.streams, a.decode_tokens)
             set_routing(routing_file, "off")
     finally:
+        row["request_path_events"] = srv.request_path_events()
         row["exit_code"] = srv.stop()
     return row
 
@@ -295,6 +296,7 @@ def offload_run(args: list[str], env: dict, a, routing_file: str, policy: str, w
         row["prefill_uniform_first"] = prefill(srv, a.prefill_words)
         row["prefill_uniform"] = prefill(srv, a.prefill_words, lead="Second: ")
     finally:
+        row["request_path_events"] = srv.request_path_events()
         row["exit_code"] = srv.stop()
     return row
 
@@ -399,6 +401,9 @@ def print_table(report: dict) -> None:
     for name in runs:
         if name.startswith("offload"):
             print_offload(runs[name], hw, need)
+    for name, run in runs.items():  # one-off stalls inside the timed runs (a compile, an allocator growth)
+        for line in run.get("request_path_events", []):
+            print(f"[{name}] {line}")
 
 
 def print_resident(runs: dict, hw: dict, need: dict, roof_ms) -> None:

@@ -55,6 +55,14 @@ class ServerProcess:
         with open(self.log_file.name, encoding="utf-8", errors="replace") as f:
             return f.read()
 
+    def request_path_events(self) -> list[str]:
+        """The log's warnings of served steps that compiled Triton kernels (``engine/kernel_compiles.py``: what the
+        warm-up missed) or grew or flushed the CUDA caching allocator (``engine/allocator_events.py``), each from
+        its "Step " on: the one-off stalls a benchmark's figures may hide."""
+        marks = ("Triton kernel(s) on the", "new CUDA segment", "caching allocator freed")
+        lines = self.log().splitlines()
+        return [ln[ln.find("Step ") :] for ln in lines if "Step " in ln and any(m in ln for m in marks)]
+
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.time() + timeout
         while time.time() < deadline:

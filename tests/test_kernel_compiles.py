@@ -52,3 +52,24 @@ def test_report_names_the_kernels_a_step_compiled(caplog):
         assert report_step_compiles(watch, mark, 8, 2184, 310.0) == 8
     assert "Step 8 (2184 tokens, 310 ms) compiled 8 Triton kernel(s)" in caplog.text
     assert "k0, k1, k2, k3, k4, k5 and 2 more" in caplog.text
+
+
+def test_the_benchmarks_find_the_warning_in_a_server_log(caplog, tmp_path):
+    """The benches list these warnings from a server's log (``server_harness.ServerProcess.request_path_events``,
+    used by bench/agent_session_bench.py and bench/decode_bench.py): what they look for is what is logged."""
+    from server_harness import ServerProcess
+
+    watch = KernelCompileWatch()
+    mark = watch.mark()
+    watch.compiled.append("k0")
+    with caplog.at_level(logging.WARNING):
+        report_step_compiles(watch, mark, 9, 136, 812.0)
+    log = tmp_path / "server.log"
+    lines = ["[..] INFO     Step 8 (1 tokens, 3 ms) planned"] + [
+        f"[..] WARNING  {r.getMessage()}" for r in caplog.records
+    ]
+    log.write_text("\n".join(lines) + "\n")
+    srv = object.__new__(ServerProcess)  # only its log file: no process
+    srv.log_file = SimpleNamespace(name=str(log))
+    expected = "Step 9 (136 tokens, 812 ms) compiled 1 Triton kernel(s) on the request path: k0"
+    assert srv.request_path_events() == [expected]
