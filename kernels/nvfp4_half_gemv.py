@@ -1,7 +1,8 @@
 """The building blocks of the NVFP4 GEMV in packed half precision, ~40 % fewer instructions a weight than the fp32
 GEMV: ``half_pairs`` (x packed), ``half_decode`` and ``half_row`` (a step), used under a ``HALF`` constexpr by
-``nvfp4_linear``'s GEMV (decode-sized steps on large weights, the lm_head, with 16-bit x) and by the MoE decode
-gate|up GEMV of batched steps (``nvfp4_moe``).
+``nvfp4_linear``'s GEMV (decode-sized steps on large weights, the lm_head, with 16-bit x), by the MoE decode
+GEMVs of batched steps (``nvfp4_moe``), and, opt-in until measured, by the FP8 rows of the mixed GEMV
+(``mixed_gemv``: E4M3 bytes placed as fp16 pairs the same way).
 
 Why: the fp32 GEMV (``nvfp4_linear._nvfp4_gemv_kernel``) is bound by its instructions, not by HBM (~5.8 a weight at
 one row of x, sm_90 SASS: four bit operations place a pair of codes as two fp16 bit patterns, then per weight a
@@ -39,8 +40,10 @@ except Exception:  # pragma: no cover
     triton = None
     tl = None
 
-# A row's scale puts its largest |x| in [2^12, 2^13) (see the module docstring's bounds)
+# A row's scale puts its largest |x| in [2^12, 2^13) (see the module docstring's bounds); for FP8 weights, placed as
+# ``e4m3 * 2^-8`` (at most 1.75), in [2^10, 2^11): a product is then below 3584 and a lane's 8 products below 28672
 _TOP_EXPONENT = 12
+_FP8_TOP_EXPONENT = 10
 
 if triton is not None:
     # eight f16x2 multiply-adds (the first a multiply), then the two lanes added in fp32: $0 = out, $1..$8 the weight
@@ -119,12 +122,14 @@ if triton is not None:
     def _half_pairs_kernel(
         x_ptr,  # [M, K]
         xp_ptr,  # int32 [M, 8, K/16]: block b's fp16 pairs, q < 4: (x[16b + q], x[16b + q + 4]), q >= 4: +8
+        # (FP8: q-th pair (x[16b + c], x[16b + c + 2]) with c = 4 (q // 2) + q % 2, the byte pairs of ``e4m3_pairs``)
         xf_ptr,  # fp32 [M]: 2^-s, undoing the row's scale
         K,
         stride_xm,
         stride_pm,
         TOP: tl.constexpr,
         BLOCK_B: tl.constexpr,  # scale blocks (16 activations) a step
+        FP8: tl.constexpr,  # the pairs of FP8 words (two activations apart) instead of NVFP4 words (four apart)
     ):
         m = tl.program_id(0).to(tl.int64)
         row = x_ptr + m * stride_xm
@@ -138,14 +143,19 @@ if triton is not None:
         up = _pow2(s)
         tl.store(xf_ptr + m, _pow2(-s))
         q = tl.arange(0, 8)
-        col = (q // 4) * 8 + q % 4  # the pair's low activation within its block
+        if FP8:  # the pair's two activations within its block
+            col = (q // 2) * 4 + q % 2
+            col_hi = col + 2
+        else:
+            col = (q // 4) * 8 + q % 4
+            col_hi = col + 4
         offs_b = tl.arange(0, BLOCK_B)
         for b0 in range(0, K // 16, BLOCK_B):
             b = b0 + offs_b
             mask = (b < K // 16)[:, None]
-            src = row + b[:, None] * 16 + col[None, :]
-            lo = (tl.load(src, mask=mask, other=0.0).to(tl.float32) * up).to(tl.float16)
-            hi = (tl.load(src + 4, mask=mask, other=0.0).to(tl.float32) * up).to(tl.float16)
+            src = row + b[:, None] * 16
+            lo = (tl.load(src + col[None, :], mask=mask, other=0.0).to(tl.float32) * up).to(tl.float16)
+            hi = (tl.load(src + col_hi[None, :], mask=mask, other=0.0).to(tl.float32) * up).to(tl.float16)
             lo = lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
             hi = hi.to(tl.int16, bitcast=True).to(tl.int32) << 16
             tl.store(xp_ptr + m * stride_pm + q[None, :] * (K // 16) + b[:, None], lo | hi, mask=mask)
@@ -178,15 +188,17 @@ if triton is not None:
 HALF_MAX_M = 4  # rows of x a program of the GEMV carries (``nvfp4_linear._nvfp4_gemv_kernel`` with HALF: a0..a3)
 
 
-def half_pairs(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def half_pairs(x2: torch.Tensor, fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``x2 [M, K]`` (16-bit, K a multiple of 16) -> its fp16 pairs ``int32 [M, 8, K/16]`` scaled by a power of
-    two per row, and ``2^-s [M]`` (fp32) that undoes it: the GEMV's right operands, one launch."""
+    two per row, and ``2^-s [M]`` (fp32) that undoes it: the GEMV's right operands, one launch. ``fp8``: paired and
+    scaled for FP8 weights (``mixed_gemv``'s half form) instead of NVFP4."""
     M, K = x2.shape
     xp = torch.empty(M, 8, K // 16, dtype=torch.int32, device=x2.device)
     xf = torch.empty(M, dtype=torch.float32, device=x2.device)
     if M > 0:
         block_b = max(1, min(64, triton.next_power_of_2(K // 16)))
         _half_pairs_kernel[(M,)](
-            x2, xp, xf, K, x2.stride(0), xp.stride(0), TOP=_TOP_EXPONENT, BLOCK_B=block_b, num_warps=4
-        )
+            x2, xp, xf, K, x2.stride(0), xp.stride(0), TOP=_FP8_TOP_EXPONENT if fp8 else _TOP_EXPONENT,
+            BLOCK_B=block_b, FP8=fp8, num_warps=4,
+        )  # fmt: skip
     return xp, xf

@@ -107,7 +107,7 @@ def test_nvfp4_gemv_compiles_for_sm90(block_m, block_n, block_w, even, half):
     div16 = "N,K,stride_xm,stride_pm,stride_wn,stride_sn,stride_om,KW_PER_SPLIT"
     assert compile_check("freetoken.kernels.nvfp4_linear:_nvfp4_gemv_kernel", ptr, const, div16) == 0
     ptr = {"x_ptr": "*bf16", "xp_ptr": "*i32", "xf_ptr": "*fp32"}
-    const = dict(TOP=12, BLOCK_B=64)
+    const = dict(TOP=12, BLOCK_B=64, FP8=False)
     assert compile_check("freetoken.kernels.nvfp4_half_gemv:_half_pairs_kernel", ptr, const, "K,stride_xm") == 0
 
 
@@ -132,3 +132,18 @@ def test_nvfp4_decode_down_compiles_for_sm90(half):
     const.update(BLOCK_N=8, BLOCK_W=64, BLOCK_WS=64, NUM_STAGES=3, HALF=half, ASM=True)
     div16 = "stride_we,stride_wn,stride_se,stride_sn,stride_ge,stride_ot,stride_st,stride_sdw,stride_sds,stride_pt"
     assert compile_check("freetoken.kernels.nvfp4_moe:_nvfp4_decode_down_kernel", ptr, const, div16) == 0
+
+
+@pytest.mark.parametrize("block_m", [1, 2])
+@pytest.mark.parametrize("fp8_half", [True, False])
+def test_mixed_gemv_compiles_for_sm90(block_m, fp8_half):
+    """The mixed BF16 / FP8 / NVFP4 GEMV at GDN in_proj's tiling, its FP8 rows in packed half precision (the inline
+    PTX, opt-in) or fp32, and the FP8 pairing of x."""
+    ptr = {"x_ptr": "*bf16", "out_ptr": "*bf16", "d_ptr": "*bf16", "f_ptr": "*i32", "fs_ptr": "*fp32"}
+    ptr.update(n_ptr="*i32", ns_ptr="*u8", ng_ptr="*fp32", xp_ptr="*i32", xf_ptr="*fp32")
+    const = dict(K=2048, BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=256, NUM_STAGES=3, FP8_HALF=fp8_half, ASM=True)
+    div16 = "stride_xm,stride_om,stride_d,stride_f,stride_n,stride_ns,stride_pm"
+    assert compile_check("freetoken.kernels.mixed_gemv:_mixed_gemv_kernel", ptr, const, div16) == 0
+    ptr = {"x_ptr": "*bf16", "xp_ptr": "*i32", "xf_ptr": "*fp32"}
+    const = dict(TOP=10, BLOCK_B=64, FP8=True)
+    assert compile_check("freetoken.kernels.nvfp4_half_gemv:_half_pairs_kernel", ptr, const, "K,stride_xm") == 0
