@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from freetoken.engine.prefill_warmup import (
+    BATCH_FRESH_LENGTHS,
     CACHED_TURN,
     FRESH_LENGTHS,
+    batch_step_plan,
     run_prefill_warmup,
     warmup_chunks,
     warmup_enabled,
@@ -41,9 +43,9 @@ def _worker(path: str, **kw):
     return Worker({**args, "load_progress": False, **kw})
 
 
-def _chunk(w, ids: list[int], prefix: int) -> torch.Tensor:
-    """A live request's chunk on row 0 (KV slots 0.., state slot 0) after ``prefix`` of its tokens: the logits of
-    its last position."""
+def _chunk(w, ids: list[int], prefix: int, row: int = 0) -> torch.Tensor:
+    """A live request's chunk on ``row`` (KV slots 0.., state slot ``row``) after ``prefix`` of its tokens: the
+    logits of its last position."""
     from freetoken.engine.step_plan import StepPlan
 
     plan = StepPlan.build(
@@ -51,10 +53,10 @@ def _chunk(w, ids: list[int], prefix: int) -> torch.Tensor:
             {
                 "tokens": ids,
                 "prefix_len": prefix,
-                "row": 0,
+                "row": row,
                 "table_from": prefix,
                 "table_slots": list(range(prefix, prefix + len(ids))),
-                "state_slot": 0 if w.state is not None else -1,
+                "state_slot": row if w.state is not None else -1,
                 "sample": {"temperature": 0.0},
             }
         ]
@@ -74,17 +76,48 @@ def test_warmup_runs_on_the_scratch_region_only(hybrid_checkpoint, moe):
     """A hybrid model (snapshots in the chunk after the prefix), its experts resident or offloaded behind a small
     expert cache (which the warm-up's chunks fill with experts of their own): the warm-up runs between two chunks of
     a live request, and the second chunk (reading the first one's KV and recurrent state) gives the logits it gives
-    on a worker that never warmed up."""
+    on a worker that never warmed up. The live request sits on row 1: the batched step borrows row 0 and state slot
+    0, which at start-up no request holds (a request on them starts over; ``test_batch_step_rows_start_over``)."""
     ids = R.prompt(90, seed=3, vocab=1000)
     warmed, plain = (_worker(hybrid_checkpoint, max_prefill_length=1024, **moe) for _ in range(2))
     assert warmed.state is not None and (warmed.offload is not None) == bool(moe)
     for w in (warmed, plain):
-        _chunk(w, ids[:50], 0)
+        _chunk(w, ids[:50], 0, row=1)
     steps = warmed.steps_executed
     took = run_prefill_warmup(warmed)
     assert took >= 0 and warmed.steps_executed == steps  # scratch steps are not served steps
     assert len(warmup_chunks(warmed.max_prefill_length, warmed.scratch_tokens, warmed.max_context)) >= 6
-    assert torch.equal(_chunk(warmed, ids[50:], 50), _chunk(plain, ids[50:], 50))
+    assert torch.equal(_chunk(warmed, ids[50:], 50, row=1), _chunk(plain, ids[50:], 50, row=1))
+
+
+def test_batch_step_plan(hybrid_checkpoint):
+    """The batched step: the scratch row's decode token after its prefix (or a fresh prompt without one), then
+    fresh prompts on live rows 0.. with their state slots, KV in the scratch region; none where one request runs at
+    most or the scratch region is too small."""
+    w = _worker(hybrid_checkpoint, max_running_requests=4, max_prefill_length=1024)
+    plan = batch_step_plan(w, 300)
+    assert plan.rows.tolist() == [w.scratch_row, 0, 1]
+    assert plan.extend_lens.tolist() == [1, *BATCH_FRESH_LENGTHS] and plan.prefix_lens.tolist() == [300, 0, 0]
+    assert plan.state_slots.tolist() == [w.num_state_slots, 0, 1]
+    slots = plan.table_slots
+    assert int(slots.min()) == w.kv_capacity_tokens + 300 and slots.unique().numel() == slots.numel()
+    assert int(slots.max()) < w.kv_capacity_tokens + w.scratch_tokens
+    assert batch_step_plan(w, 0).extend_lens.tolist() == [5, *BATCH_FRESH_LENGTHS]
+    assert batch_step_plan(w, w.scratch_tokens - 10) is None
+    two = _worker(hybrid_checkpoint, max_running_requests=2, max_prefill_length=1024)
+    assert batch_step_plan(two, 0).rows.tolist() == [two.scratch_row, 0]
+    assert batch_step_plan(_worker(hybrid_checkpoint, max_running_requests=1), 0) is None
+
+
+def test_batch_step_rows_start_over(hybrid_checkpoint):
+    """What the batched step leaves on the live rows it borrows is never read: a request that then starts on row 0
+    (its page-table entries from position 0, a zero state) gives the logits of a worker that never warmed up."""
+    ids = R.prompt(70, seed=8, vocab=1000)
+    warmed, plain = (_worker(hybrid_checkpoint, max_prefill_length=1024) for _ in range(2))
+    run_prefill_warmup(warmed)
+    for w in (warmed, plain):
+        _chunk(w, ids[:40], 0)
+    assert torch.equal(_chunk(warmed, ids[40:], 40), _chunk(plain, ids[40:], 40))
 
 
 def test_the_flag_defaults_to_warming_up():
@@ -146,3 +179,44 @@ def test_chunk_counts_divisible_by_16_compile_nothing_new(hybrid_checkpoint):
         assert 0 < stats["device_ms"] <= stats["forward_ms"], stats  # the step's span on the device's timeline
         assert 0 < stats["launch_ms"] <= stats["forward_ms"], stats  # the host's enqueueing of the forward
     assert watch.since(mark) == [], f"compiled for the even counts: {watch.since(mark)}"
+
+
+def _batch(w, seqs: list[tuple[int, int, int]]) -> dict:
+    """One step of live sequences ``(row, prefix, new)`` (state slot = row, KV slots ``row * 256 + position``,
+    zero ids); its stats."""
+    from freetoken.engine.step_plan import StepPlan
+
+    specs = [
+        {
+            "tokens": [0] * new,
+            "prefix_len": prefix,
+            "row": row,
+            "table_from": prefix,
+            "table_slots": [row * 256 + p for p in range(prefix, prefix + new)],
+            "state_slot": row,
+            "sample": {"temperature": 0.0},
+        }
+        for row, prefix, new in seqs
+    ]
+    return w.execute_plan(StepPlan.build(specs)).stats
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_batched_steps_compile_nothing_new(hybrid_checkpoint):
+    """After the warm-up, steps of many sequences (concurrent prompts, then decode tokens mixed with new prompts)
+    compile no Triton kernel: on the H200 the first step of 32 concurrent prompts waited 38.6 s for fla's varlen
+    kernels and their autotuning, inside a served request (2026-12-04)."""
+    from freetoken.engine.kernel_compiles import process_compile_watch
+
+    w = _worker(hybrid_checkpoint, device="cuda", dtype="bfloat16", max_running_requests=40, num_tokens=16384)
+    run_prefill_warmup(w)
+    watch = process_compile_watch()
+    assert watch.installed
+    mark = watch.mark()
+    _batch(w, [(r, 0, 2 + r % 3) for r in range(2)])
+    _batch(w, [(r, 0, 15) for r in range(16)])  # 240 tokens, as the bench's 16..32 short prompts
+    _batch(w, [(r, 0, 7 + r % 2) for r in range(16, 40)])
+    # decode tokens of the first rows beside fresh prompts on others (continuous batching's mixed step)
+    _batch(w, [(r, 15, 1) for r in range(16)] + [(r, 0, 30 + r) for r in range(16, 20)])
+    assert watch.since(mark) == [], f"compiled for batched steps: {watch.since(mark)}"

@@ -16,6 +16,14 @@ agent turn: key-split attention, the snapshot rounds of the Gated DeltaNet prefi
 step path on the scratch row, KV slots and state slot (the region of the memory plan's dry run), sampled greedily;
 nothing of a live request is touched, and the prompt ids are 0 (finite activations; their outputs are discarded). CUDA only:
 on the CPU nothing is compiled.
+
+Then, where more than one request may run, one step of several sequences (``batch_step_plan``): prompts that arrive
+together, with a decode token riding along. One sequence and several take different kernels (fla's varlen
+chunk kernels, autotuned on their first call: on the H200 the first step of 32 concurrent prompts waited 38.6 s
+for them, 2026-12-04 ``bench/results/2026-12-04-h200-qwen3.6-35b-a3b-nvfp4-decode-stall.txt``). Its extra sequences
+use live rows and state slots: before the server answers no request holds them, and a request starting on them
+writes its page-table entries from position 0 and starts from a zero state (``prefix_len`` 0), so nothing they
+leave is read.
 """
 
 from __future__ import annotations
@@ -44,6 +52,8 @@ FRESH_LENGTHS = (5, 17, 37, 301, 1999)
 # inside a served turn; on the H200 the first ~1,100-token turn of a session took 113 ms where the next took 77)
 CACHED_TURN = (6007, (303, 2047))
 GRID = 64  # the recurrent-state snapshot grid
+# the fresh prompts of the batched step (odd, different: each sequence its own tail in the chunk kernels)
+BATCH_FRESH_LENGTHS = (9, 27)
 
 
 def warmup_enabled(args: dict, device: torch.device, env: Optional[dict] = None) -> bool:
@@ -101,14 +111,48 @@ def scratch_chunk_plan(w: "Worker", prefix: int, new: int) -> StepPlan:
     return plan
 
 
+def batch_step_plan(w: "Worker", scratch_prefix: int) -> Optional[StepPlan]:
+    """One step of several sequences: the scratch row's next token after its ``scratch_prefix`` tokens (a decode
+    token in a mixed step; a fresh 5-token prompt when there is no prefix) and ``BATCH_FRESH_LENGTHS`` prompts on
+    live rows 0, 1, .. (state slots 0, 1, ..), their KV in the scratch region after the scratch row's. None where
+    at most one request runs (no step ever holds two sequences) or the scratch region has no room."""
+    fresh = BATCH_FRESH_LENGTHS[: max(0, w.max_running_requests - 1)]
+    base, first = w.kv_capacity_tokens, 1 if scratch_prefix > 0 else 5
+    if w.max_running_requests < 2 or scratch_prefix + first + sum(fresh) > min(w.scratch_tokens, w.max_context):
+        return None
+    seqs = [(w.scratch_row, w.num_state_slots, scratch_prefix, first)]
+    seqs += [(row, row, 0, n) for row, n in enumerate(fresh)]
+    slot, specs = base + scratch_prefix, []
+    for row, state_slot, prefix, new in seqs:
+        specs.append(
+            {
+                "tokens": [0] * new,
+                "prefix_len": prefix,
+                "row": row,
+                "table_from": prefix,
+                "table_slots": list(range(slot, slot + new)),
+                "state_slot": state_slot if w.state is not None else -1,
+                "sample": {"temperature": 0.0},
+            }
+        )
+        slot += new
+    return StepPlan.build(specs)
+
+
 def run_prefill_warmup(w: "Worker") -> float:
     """Runs the warm-up chunks on ``w`` (see the module doc); returns the seconds it took."""
     chunks = warmup_chunks(w.max_prefill_length, w.scratch_tokens, w.max_context)
+    # the scratch row's prefix after the chunks: the cached turn's (each turn after it rewrites only its own tokens)
+    scratch_prefix = max((p for p, _ in chunks), default=0)
+    batch = batch_step_plan(w, scratch_prefix)
     shapes = ", ".join(f"{n}" if p == 0 else f"{n} after {p}" for p, n in chunks)
-    phase(f"Prefill warm-up: {len(chunks)} chunks ({shapes} tokens)")
+    batched = "" if batch is None else f", then one step of {batch.num_seqs} sequences"
+    phase(f"Prefill warm-up: {len(chunks)} chunks ({shapes} tokens){batched}")
     t0 = time.perf_counter()
     for prefix, new in chunks:
         w.execute_plan(scratch_chunk_plan(w, prefix, new), _allow_scratch=True)
+    if batch is not None:
+        w.execute_plan(batch, _allow_scratch=True)
     took = time.perf_counter() - t0
     logger.info(f"Prefill warm-up done in {took:.1f} s")
     return took
