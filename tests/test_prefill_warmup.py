@@ -145,9 +145,9 @@ def test_warmup_on_cuda(hybrid_checkpoint):
     ids = R.prompt(90, seed=4, vocab=1000)
     warmed, plain = (_worker(hybrid_checkpoint, device="cuda", max_prefill_length=1024) for _ in range(2))
     for w in (warmed, plain):
-        _chunk(w, ids[:50], 0)
+        _chunk(w, ids[:50], 0, row=1)  # (row 0 is the batched step's)
     run_prefill_warmup(warmed)
-    assert torch.equal(_chunk(warmed, ids[50:], 50), _chunk(plain, ids[50:], 50))
+    assert torch.equal(_chunk(warmed, ids[50:], 50, row=1), _chunk(plain, ids[50:], 50, row=1))
 
 
 @pytest.mark.gpu
