@@ -232,9 +232,10 @@ def linear_paths(M: int, dtype) -> list:
     from freetoken.kernels.nvfp4_half_gemv import HALF_MAX_M
 
     paths = ["gemv"] if M <= 8 else []
-    if M <= HALF_MAX_M and dtype in (torch.bfloat16, torch.float16):
+    sixteen_bit = dtype in (torch.bfloat16, torch.float16)
+    if M <= HALF_MAX_M and sixteen_bit:
         paths.append("half")
-    return paths + ["dot"]
+    return paths + ["dot"] + (["half_dot"] if sixteen_bit else [])
 
 
 def bench_linear(a, device, dtype, bw) -> list:
@@ -264,6 +265,15 @@ SWEEP = {
         {"tile": 16384, "words": 32},
         {"stages": 4},
         {"warps": 8},
+    ],
+    # the fp16 tiles (2026-12-04): 2 warps of mma.sync at 16 rows of x; wider tiles, deeper K, wgmma at 4 warps
+    "half_dot": [
+        {},
+        {"block_n": 64},
+        {"block_k": 256},
+        {"block_n": 64, "warps": 4},
+        {"stages": 4},
+        {"block_n": 16, "warps": 1},
     ],
     "dot": [
         {},

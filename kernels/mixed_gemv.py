@@ -31,14 +31,12 @@ import torch
 import torch.nn.functional as F
 
 from ..quant import nvfp4
-from ..tuning_env import choice_from_env
 from .device_sms import scaled
 
 try:  # keep the reference importable without triton
     import triton
     import triton.language as tl
 
-    from .nvfp4_half_gemv import half_pairs, half_row
     from .nvfp4_tiles import block_scale, e2m1_word, f16_halves, gemv_row
 except Exception:  # pragma: no cover
     triton = None
@@ -59,10 +57,6 @@ FP8_MAX_M = 2
 # slower than 256.
 _BLOCK_K = 256
 _BLOCK_K_FEW_ROWS = 512
-# FP8 rows in packed half precision (``nvfp4_half_gemv``'s technique: the placed byte pairs feed ``fma.rn.f16x2``,
-# x packed per row by ``half_pairs(fp8=True)``): written 2026-12-04 evening, not yet timed on a GPU, so off unless
-# ``FREETOKEN_MIXED_FP8_HALF=on`` (A/B runs: bench/nvfp4_kernel_bench.py --groups mixed)
-FP8_HALF = choice_from_env("FREETOKEN_MIXED_FP8_HALF", "off", ("off", "on")) == "on"
 # about two programs per SM (the H200's 132): these projections are 1-25 MB, a program streams a block of rows
 _TARGET_PROGRAMS = 264
 _NUM_STAGES = 3
@@ -135,36 +129,16 @@ def mixed_gemv_torch(x: torch.Tensor, rows: MixedRows) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def e4m3_pairs(w):
-        """int32 words of four E4M3 bytes (weight 4j + p in bits 8p..8p+7) -> two uint32 tensors shaped like ``w``:
-        the fp16 pairs (weight 0 low, 2 high) and (1, 3), each weight as ``e4m3 * 2^-8``. A byte's 7 magnitude bits
-        placed at fp16 bits 7..13 and its sign at bit 15 make an fp16 equal to that value exactly (subnormals
-        too), two weights per 32-bit operation."""
-        w = w.to(tl.uint32, bitcast=True)
-        return ((w & 0x00800080) << 8) | ((w & 0x007F007F) << 7), (w & 0x80008000) | ((w >> 1) & 0x3F803F80)
-
-    @triton.jit
     def e4m3_word(w):
-        """int32 words of four E4M3 bytes -> ``v0..v3``: weight 4j + p as ``e4m3 * 2^-8`` in fp32, each shaped like
-        ``w`` (``* 256`` is the caller's, once per row): ``e4m3_pairs``, split by the half -> float conversions."""
-        p02, p13 = e4m3_pairs(w)
-        v0, v2 = f16_halves(p02)
-        v1, v3 = f16_halves(p13)
+        """int32 words of four E4M3 bytes (weight 4j + p in bits 8p..8p+7) -> ``v0..v3``: weight 4j + p as
+        ``e4m3 * 2^-8`` in fp32, each shaped like ``w`` (``* 256`` is the caller's, once per row). A byte's 7
+        magnitude bits placed at fp16 bits 7..13 and its sign at bit 15 make an fp16 equal to that value exactly
+        (subnormals too); bytes 0 and 2 are placed as an fp16 pair in one register and bytes 1 and 3 in another, two
+        weights per 32-bit operation, which the half -> float conversions split."""
+        w = w.to(tl.uint32, bitcast=True)
+        v0, v2 = f16_halves(((w & 0x00800080) << 8) | ((w & 0x007F007F) << 7))
+        v1, v3 = f16_halves((w & 0x80008000) | ((w >> 1) & 0x3F803F80))
         return v0, v1, v2, v3
-
-    @triton.jit
-    def e4m3_half_decode(w, ROWS: tl.constexpr, NB: tl.constexpr):
-        """``[ROWS, 4 * NB]`` words -> ``d0..d7 [ROWS, NB]``: each 16-weight block's eight fp16 pairs, pair q of word
-        ``q // 2`` (``e4m3_pairs``; q even: bytes 0 and 2, odd: 1 and 3), as ``half_pairs(fp8=True)`` pairs x."""
-        t = tl.reshape(w, (ROWS, NB, 2, 2))  # [row, block, word // 2, word % 2]
-        even, odd = tl.split(t)
-        w0, w2 = tl.split(even)
-        w1, w3 = tl.split(odd)
-        d0, d1 = e4m3_pairs(w0)
-        d2, d3 = e4m3_pairs(w1)
-        d4, d5 = e4m3_pairs(w2)
-        d6, d7 = e4m3_pairs(w3)
-        return d0, d1, d2, d3, d4, d5, d6, d7
 
     @triton.jit
     def split4(x, COLS: tl.constexpr):
@@ -188,48 +162,10 @@ if triton is not None:
         d += v3 * x3[None, :]
         return d
 
-    @triton.jit
-    def _fp8_rows_half(
-        w_ptrs, n_mask, xp_ptr, xf_ptr, M, stride_pm,
-        K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        NUM_STAGES: tl.constexpr, ASM: tl.constexpr,
-    ):  # fmt: skip
-        """``_fp8_rows`` in packed half precision: x's rows as ``half_pairs(fp8=True)`` pairs (``xp_ptr``, their
-        scales undone by ``xf_ptr``), each 16-weight block's products summed in the two fp16 lanes of
-        ``fma.rn.f16x2`` (``half_row``; ``ASM``: its PTX, else the interpreter's emulation), then in fp32."""
-        WORDS: tl.constexpr = BLOCK_K // 4
-        NB: tl.constexpr = BLOCK_K // 16
-        offs_w = tl.arange(0, WORDS)
-        offs_b = tl.arange(0, NB)
-        a0 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
-        a1 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
-        a2 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
-        a3 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-            w_mask = n_mask[:, None] & ((k0 // 4 + offs_w) < K // 4)[None, :]
-            w = tl.load(w_ptrs + k0 // 4, mask=w_mask, other=0).to(tl.int32)  # (a no-op; see the dummies)
-            d0, d1, d2, d3, d4, d5, d6, d7 = e4m3_half_decode(w, BLOCK_N, NB)
-            b_mask = (k0 // 16 + offs_b) < K // 16
-            a0 += half_row(
-                d0, d1, d2, d3, d4, d5, d6, d7, 1.0, xp_ptr, 0, M, stride_pm, K // 16, k0 // 16, b_mask, NB, ASM
-            )
-            if BLOCK_M > 1:
-                a1 += half_row(
-                    d0, d1, d2, d3, d4, d5, d6, d7, 1.0, xp_ptr, 1, M, stride_pm, K // 16, k0 // 16, b_mask, NB, ASM
-                )
-            if BLOCK_M > 2:
-                a2 += half_row(
-                    d0, d1, d2, d3, d4, d5, d6, d7, 1.0, xp_ptr, 2, M, stride_pm, K // 16, k0 // 16, b_mask, NB, ASM
-                )
-                a3 += half_row(
-                    d0, d1, d2, d3, d4, d5, d6, d7, 1.0, xp_ptr, 3, M, stride_pm, K // 16, k0 // 16, b_mask, NB, ASM
-                )
-        f0 = tl.load(xf_ptr)  # each row's 2^-s
-        f1 = tl.load(xf_ptr + 1, mask=M > 1, other=0.0)
-        f2 = tl.load(xf_ptr + 2, mask=M > 2, other=0.0)
-        f3 = tl.load(xf_ptr + 3, mask=M > 3, other=0.0)
-        return tl.sum(a0, 1) * f0, tl.sum(a1, 1) * f1, tl.sum(a2, 1) * f2, tl.sum(a3, 1) * f3
-
+    # FP8 rows in packed half precision (``fma.rn.f16x2`` on E4M3 bytes placed as fp16 pairs) were tried and timed
+    # slower on the H200, 2026-12-04: M=1 o_proj 6.1 -> 8.4 us, q|k|v 9.9 -> 10.6; M=2 in_proj 13.7 -> 16.1
+    # (bench/results/2026-12-04-h200-mixed-fp8-half-ab.txt): FP8 rows are a byte a weight, nearer HBM-bound, so the
+    # pair decode costs more than it saves.
     @triton.jit
     def _fp8_rows(
         w_ptrs, n_mask, x_ptr, M, stride_xm,
@@ -345,8 +281,6 @@ if triton is not None:
         n_ptr,  # nvfp4 int32 words [Nn, K/8]
         ns_ptr,  # nvfp4 block scale bytes [Nn, K/16]
         ng_ptr,  # fp32 per-row global scale [Nn] (stride_ng 0: one)
-        xp_ptr,  # FP8_HALF: x's fp16 pairs, int32 [M, 8, K/16] (``half_pairs(fp8=True)``)
-        xf_ptr,  # FP8_HALF: fp32 [M], 2^-s of each row's scale
         M,
         Nd,
         Nf,
@@ -364,14 +298,11 @@ if triton is not None:
         stride_n,
         stride_ns,
         stride_ng,
-        stride_pm,
         K: tl.constexpr,
         BLOCK_M: tl.constexpr,  # 1, 2 or 4 rows of x
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         NUM_STAGES: tl.constexpr,
-        FP8_HALF: tl.constexpr,  # the FP8 rows in packed half precision (``_fp8_rows_half``)
-        ASM: tl.constexpr,  # FP8_HALF: its inline PTX (CUDA) or the interpreter's emulation
     ):
         pid = tl.program_id(0)
         offs_b = tl.arange(0, BLOCK_N)
@@ -387,14 +318,7 @@ if triton is not None:
             offs_n = (pid - d_progs) * BLOCK_N + offs_b
             n_mask = offs_n < Nf
             f_ptrs = f_ptr + offs_n[:, None].to(tl.int64) * stride_f + tl.arange(0, BLOCK_K // 4)[None, :]
-            if FP8_HALF:
-                y0, y1, y2, y3 = _fp8_rows_half(
-                    f_ptrs, n_mask, xp_ptr, xf_ptr, M, stride_pm, K, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, ASM
-                )
-            else:
-                y0, y1, y2, y3 = _fp8_rows(
-                    f_ptrs, n_mask, x_ptr, M, stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES
-                )
+            y0, y1, y2, y3 = _fp8_rows(f_ptrs, n_mask, x_ptr, M, stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)
             row_scale = (
                 tl.load(fs_ptr + offs_n * stride_fs, mask=n_mask, other=0.0).to(tl.float32) * 256.0
             )  # undoes the 2^-8
@@ -451,9 +375,9 @@ def use_mixed_gemv(x: torch.Tensor, rows: Optional[MixedRows], mode: str = "auto
     return x.numel() // x.shape[-1] <= rows.max_m and (mode == "on" or x.is_cuda)
 
 
-def mixed_gemv_triton(x: torch.Tensor, rows: MixedRows, fp8_half: Optional[bool] = None) -> torch.Tensor:
+def mixed_gemv_triton(x: torch.Tensor, rows: MixedRows) -> torch.Tensor:
     """``mixed_gemv_torch``'s contract for ``x [..., K]`` with at most ``MAX_M`` rows; CUDA, or CPU under
-    TRITON_INTERPRET=1. ``fp8_half`` (default ``FP8_HALF``): the FP8 rows in packed half precision (16-bit x)."""
+    TRITON_INTERPRET=1."""
     assert triton is not None, "triton is not installed"
     K = rows.K
     x2 = x.reshape(-1, K)
@@ -476,14 +400,12 @@ def mixed_gemv_triton(x: torch.Tensor, rows: MixedRows, fp8_half: Optional[bool]
     n_w = rows.nvfp4_weight.view(torch.int32) if nn_ else dummy
     n_s = rows.nvfp4_scale.view(torch.uint8) if nn_ else dummy
     n_g = rows.nvfp4_global if nn_ else dummy
-    half = (FP8_HALF if fp8_half is None else fp8_half) and nf > 0 and x.dtype in (torch.bfloat16, torch.float16)
-    xp, xf = half_pairs(x2, fp8=True) if half else (dummy, dummy)  # (never read without FP8_HALF)
     _mixed_gemv_kernel[(d_progs + f_progs + n_progs,)](
-        x2, out, dense, f_w, f_s, n_w, n_s, n_g, xp, xf, M, nd, nf, nn_, d_progs, f_progs,
+        x2, out, dense, f_w, f_s, n_w, n_s, n_g, M, nd, nf, nn_, d_progs, f_progs,
         rows.dense_col, rows.fp8_col, rows.nvfp4_col, x2.stride(0), out.stride(0),
         dense.stride(0) if nd else 0, f_w.stride(0) if nf else 0, f_s.stride(0) if nf and f_s.dim() else 0,
         n_w.stride(0) if nn_ else 0, n_s.stride(0) if nn_ else 0, n_g.stride(0) if nn_ and n_g.dim() else 0,
-        xp.stride(0) if half else 0, K=K, BLOCK_M=triton.next_power_of_2(max(M, 1)), BLOCK_N=bn,
-        BLOCK_K=_block_k(bn), NUM_STAGES=_NUM_STAGES, FP8_HALF=half, ASM=x.is_cuda, num_warps=4,
+        K=K, BLOCK_M=triton.next_power_of_2(max(M, 1)), BLOCK_N=bn, BLOCK_K=_block_k(bn), NUM_STAGES=_NUM_STAGES,
+        num_warps=4,
     )  # fmt: skip
     return out.view(*x.shape[:-1], rows.out_features)

@@ -1,8 +1,7 @@
 """The building blocks of the NVFP4 GEMV in packed half precision, ~40 % fewer instructions a weight than the fp32
 GEMV: ``half_pairs`` (x packed), ``half_decode`` and ``half_row`` (a step), used under a ``HALF`` constexpr by
-``nvfp4_linear``'s GEMV (decode-sized steps on large weights, the lm_head, with 16-bit x), by the MoE decode
-GEMVs of batched steps (``nvfp4_moe``), and, opt-in until measured, by the FP8 rows of the mixed GEMV
-(``mixed_gemv``: E4M3 bytes placed as fp16 pairs the same way).
+``nvfp4_linear``'s GEMV (decode-sized steps on large weights, the lm_head, with 16-bit x) and by the MoE decode
+GEMVs of batched steps (``nvfp4_moe``).
 
 Why: the fp32 GEMV (``nvfp4_linear._nvfp4_gemv_kernel``) is bound by its instructions, not by HBM (~5.8 a weight at
 one row of x, sm_90 SASS: four bit operations place a pair of codes as two fp16 bit patterns, then per weight a
@@ -35,15 +34,13 @@ try:  # keep the package importable without triton
     import triton
     import triton.language as tl
 
-    from .nvfp4_tiles import e2m1_pairs, load8
+    from .nvfp4_tiles import e2m1_pairs, half_tile_columns, load8
 except Exception:  # pragma: no cover
     triton = None
     tl = None
 
-# A row's scale puts its largest |x| in [2^12, 2^13) (see the module docstring's bounds); for FP8 weights, placed as
-# ``e4m3 * 2^-8`` (at most 1.75), in [2^10, 2^11): a product is then below 3584 and a lane's 8 products below 28672
+# A row's scale puts its largest |x| in [2^12, 2^13) (see the module docstring's bounds)
 _TOP_EXPONENT = 12
-_FP8_TOP_EXPONENT = 10
 
 if triton is not None:
     # eight f16x2 multiply-adds (the first a multiply), then the two lanes added in fp32: $0 = out, $1..$8 the weight
@@ -119,43 +116,70 @@ if triton is not None:
         return ((e + 127) << 23).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _row_exponent(row, K, TOP: tl.constexpr, BLOCK: tl.constexpr):
+        """The ``s`` that puts the largest |x| of the row at ``row`` (``K`` values) in [2^TOP, 2^(TOP+1)) once
+        scaled by ``2^s`` (clamped to [-100, 100]: a zero row gets a finite factor)."""
+        offs = tl.arange(0, BLOCK)
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            amax = tl.maximum(amax, tl.abs(tl.load(row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)))
+        top = tl.max(amax, 0)
+        e = ((top.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # top in [2^e, 2^(e+1)) (e = -127: zero row)
+        return tl.minimum(tl.maximum(TOP - e, -100), 100)
+
+    @triton.jit
+    def _half_rows_kernel(
+        x_ptr,  # [M, K]
+        xh_ptr,  # fp16 [ROWS, K]: row m scaled by 2^s, columns in ``dequant_tile_half``'s order; rows M.. zeros
+        xf_ptr,  # fp32 [M]: 2^-s, undoing the row's scale
+        M,
+        K,
+        stride_xm,
+        stride_hm,
+        TOP: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        m = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        dst = xh_ptr + m.to(tl.int64) * stride_hm
+        if m >= M:  # a padding row of the caller's tile
+            for k0 in range(0, K, BLOCK):
+                tl.store(dst + k0 + offs, tl.zeros((BLOCK,), dtype=tl.float16), mask=k0 + offs < K)
+        else:
+            row = x_ptr + m.to(tl.int64) * stride_xm
+            s = _row_exponent(row, K, TOP, BLOCK)
+            tl.store(xf_ptr + m, _pow2(-s))
+            up = _pow2(s)
+            cols = half_tile_columns(offs)  # column c of the fp16 tile holds weight cols[c]
+            for k0 in range(0, K, BLOCK):
+                v = tl.load(row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32) * up
+                tl.store(dst + k0 + offs, v.to(tl.float16), mask=k0 + offs < K)
+
+    @triton.jit
     def _half_pairs_kernel(
         x_ptr,  # [M, K]
         xp_ptr,  # int32 [M, 8, K/16]: block b's fp16 pairs, q < 4: (x[16b + q], x[16b + q + 4]), q >= 4: +8
-        # (FP8: q-th pair (x[16b + c], x[16b + c + 2]) with c = 4 (q // 2) + q % 2, the byte pairs of ``e4m3_pairs``)
         xf_ptr,  # fp32 [M]: 2^-s, undoing the row's scale
         K,
         stride_xm,
         stride_pm,
         TOP: tl.constexpr,
         BLOCK_B: tl.constexpr,  # scale blocks (16 activations) a step
-        FP8: tl.constexpr,  # the pairs of FP8 words (two activations apart) instead of NVFP4 words (four apart)
     ):
         m = tl.program_id(0).to(tl.int64)
         row = x_ptr + m * stride_xm
-        offs = tl.arange(0, 16 * BLOCK_B)
-        amax = tl.zeros((16 * BLOCK_B,), dtype=tl.float32)
-        for k0 in range(0, K, 16 * BLOCK_B):
-            amax = tl.maximum(amax, tl.abs(tl.load(row + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)))
-        top = tl.max(amax, 0)
-        e = ((top.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # top in [2^e, 2^(e+1)) (e = -127: zero row)
-        s = tl.minimum(tl.maximum(TOP - e, -100), 100)
+        s = _row_exponent(row, K, TOP, 16 * BLOCK_B)
         up = _pow2(s)
         tl.store(xf_ptr + m, _pow2(-s))
         q = tl.arange(0, 8)
-        if FP8:  # the pair's two activations within its block
-            col = (q // 2) * 4 + q % 2
-            col_hi = col + 2
-        else:
-            col = (q // 4) * 8 + q % 4
-            col_hi = col + 4
+        col = (q // 4) * 8 + q % 4  # the pair's low activation within its block
         offs_b = tl.arange(0, BLOCK_B)
         for b0 in range(0, K // 16, BLOCK_B):
             b = b0 + offs_b
             mask = (b < K // 16)[:, None]
-            src = row + b[:, None] * 16
-            lo = (tl.load(src + col[None, :], mask=mask, other=0.0).to(tl.float32) * up).to(tl.float16)
-            hi = (tl.load(src + col_hi[None, :], mask=mask, other=0.0).to(tl.float32) * up).to(tl.float16)
+            src = row + b[:, None] * 16 + col[None, :]
+            lo = (tl.load(src, mask=mask, other=0.0).to(tl.float32) * up).to(tl.float16)
+            hi = (tl.load(src + 4, mask=mask, other=0.0).to(tl.float32) * up).to(tl.float16)
             lo = lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
             hi = hi.to(tl.int16, bitcast=True).to(tl.int32) << 16
             tl.store(xp_ptr + m * stride_pm + q[None, :] * (K // 16) + b[:, None], lo | hi, mask=mask)
@@ -188,17 +212,31 @@ if triton is not None:
 HALF_MAX_M = 4  # rows of x a program of the GEMV carries (``nvfp4_linear._nvfp4_gemv_kernel`` with HALF: a0..a3)
 
 
-def half_pairs(x2: torch.Tensor, fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def half_pairs(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x2 [M, K]`` (16-bit, K a multiple of 16) -> its fp16 pairs ``int32 [M, 8, K/16]`` scaled by a power of
-    two per row, and ``2^-s [M]`` (fp32) that undoes it: the GEMV's right operands, one launch. ``fp8``: paired and
-    scaled for FP8 weights (``mixed_gemv``'s half form) instead of NVFP4."""
+    two per row, and ``2^-s [M]`` (fp32) that undoes it: the GEMV's right operands, one launch."""
     M, K = x2.shape
     xp = torch.empty(M, 8, K // 16, dtype=torch.int32, device=x2.device)
     xf = torch.empty(M, dtype=torch.float32, device=x2.device)
     if M > 0:
         block_b = max(1, min(64, triton.next_power_of_2(K // 16)))
         _half_pairs_kernel[(M,)](
-            x2, xp, xf, K, x2.stride(0), xp.stride(0), TOP=_FP8_TOP_EXPONENT if fp8 else _TOP_EXPONENT,
-            BLOCK_B=block_b, FP8=fp8, num_warps=4,
-        )  # fmt: skip
+            x2, xp, xf, K, x2.stride(0), xp.stride(0), TOP=_TOP_EXPONENT, BLOCK_B=block_b, num_warps=4
+        )
     return xp, xf
+
+
+def half_rows(x2: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x2 [M, K]`` (16-bit, K a multiple of 8) -> its rows in fp16, each scaled by ``half_pairs``' power of two
+    (so the copy is exact), as ``[rows, K]`` with zero rows from M on (a tensor-core tile's padding) and the columns
+    of each 8 in ``dequant_tile_half``'s order (``half_tile_columns``), and ``2^-s [M]`` (fp32) that undoes the
+    scale: the x of ``nvfp4_linear``'s fp16 tensor-core path (``half_dot``), one launch."""
+    M, K = x2.shape
+    xh = torch.empty(rows, K, dtype=torch.float16, device=x2.device)
+    xf = torch.empty(M, dtype=torch.float32, device=x2.device)
+    if rows > 0:
+        block = max(16, min(2048, triton.next_power_of_2(K)))
+        _half_rows_kernel[(rows,)](
+            x2, xh, xf, M, K, x2.stride(0), xh.stride(0), TOP=_TOP_EXPONENT, BLOCK=block, num_warps=4
+        )  # fmt: skip
+    return xh, xf

@@ -21,6 +21,12 @@ of x:
 - ``half``: the same GEMV in packed half precision (``nvfp4_half_gemv.py``: ``fma.rn.f16x2`` on the placed code
   pairs, x packed as fp16 pairs by one extra launch), ~40 % fewer instructions a weight; for 16-bit x at up to
   ``HALF_AUTO_MAX_M`` rows on weights of at least ``HALF_MIN_WEIGHTS`` (lm_head: 75 % of HBM at M=1 on the H200).
+- ``half_dot``: tensor cores on fp16 tiles (``nvfp4_tiles.dequant_tile_half``: each placed code pair times its
+  block scale in one ``mul.rn.f16x2``, fed to the mma without repacking, its columns in pair order) against x's
+  rows in fp16 (``half_rows``: scaled per row by a power of two, exact, in the tile's column order, one extra
+  launch): ~4.4 instructions a weight against the bf16 tile's ~8.2, whatever M is. For 16-bit x at 2 to
+  ``HALF_DOT_AUTO_MAX_M`` rows on large weights (lm_head: ~119 us at M = 2..16 on the H200, 58 % of HBM, against
+  197-213 on the bf16 tile).
 - Otherwise tensor cores. Each K step decodes a ``[BLOCK_N, BLOCK_K]`` tile to x's dtype in registers
   (exact: ``e2m1 * scale`` fits bf16) and runs ``tl.dot(W_tile, xᵀ_tile)``: the weights are the left operand, which
   Hopper's wgmma takes from registers, x the right one (read through shared memory). The decode costs the same
@@ -54,8 +60,14 @@ try:  # keep the reference importable without triton
     import triton
     import triton.language as tl
 
-    from .nvfp4_half_gemv import HALF_MAX_M, half_decode, half_pairs, half_row
-    from .nvfp4_tiles import block_scale, dequant_tile_words, e2m1_word, gemv_row
+    from .nvfp4_half_gemv import HALF_MAX_M, half_decode, half_pairs, half_row, half_rows
+    from .nvfp4_tiles import (
+        block_scale,
+        dequant_tile_half,
+        dequant_tile_words,
+        e2m1_word,
+        gemv_row,
+    )
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -68,9 +80,13 @@ GEMV_MAX_M = 2
 # the tensor-core path does not): on the H200 the shared expert's gate (512 x 2048) took 4.8 / 6.4 us at M = 4 / 8
 # on the GEMV against 16.5 on tensor cores
 GEMV_MAX_M_FEW_ROWS = 8
-# the packed-half GEMV (``nvfp4_half_gemv``) up to this M, for 16-bit x and weights of at least this many weights
-# (below, its extra launch, which scales and packs x, costs more than it saves)
-HALF_AUTO_MAX_M = 4
+# for 16-bit x and weights of at least HALF_MIN_WEIGHTS weights (below, the extra launch that scales x costs more
+# than it saves): the packed-half GEMV (``nvfp4_half_gemv``) up to HALF_AUTO_MAX_M rows, then the fp16 tensor-core
+# tiles (``half_dot``) up to HALF_DOT_AUTO_MAX_M. H200, lm_head (2026-12-04,
+# bench/results/2026-12-04-h200-nvfp4-half-dot.txt): M=1 half 91.1 us, half_dot 117.0; M=2 121.8 / 118.7; M=3..16
+# half 206.8 (M<=4), dot 197-213, half_dot 118.7-120.6 (58-59 % of HBM)
+HALF_AUTO_MAX_M = 1
+HALF_DOT_AUTO_MAX_M = 16
 HALF_MIN_WEIGHTS = 1 << 26
 # up to this many rows the tensor-core path uses tiles narrow in M (16..64 rows) and wide in N
 SMALL_M_MAX = 64
@@ -287,7 +303,8 @@ if triton is not None:
 
     @triton.jit
     def _nvfp4_dot_kernel(
-        x_ptr,  # [M, K]
+        x_ptr,  # [M, K]; HALF: ``half_rows``' fp16 rows (scaled, tile column order, zero rows up to the tile)
+        xf_ptr,  # HALF: fp32 [M], 2^-s of each row's scale
         w_ptr,  # int32 words of the packed weight [N, K/8]
         s_ptr,  # uint8 (e4m3 bits) [N, K/16]
         g_ptr,  # fp32 [] global scale
@@ -306,6 +323,9 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         NUM_STAGES: tl.constexpr,
         DOT_PREC: tl.constexpr,
+        HALF: tl.constexpr,  # fp16 tiles (``dequant_tile_half``) against fp16 x: fewer instructions a weight
+        EVEN: tl.constexpr,  # HALF, N a multiple of BLOCK_N and K of BLOCK_K: no masks in the loop
+        ASM: tl.constexpr,  # HALF: ``mul.rn.f16x2`` (CUDA) or the interpreter's emulation
     ):
         BW: tl.constexpr = BLOCK_K // 8
         dt = x_ptr.dtype.element_ty
@@ -321,15 +341,27 @@ if triton is not None:
         offs_k = tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_w[None, :]
         s_ptrs = s_ptr + offs_n[:, None].to(tl.int64) * stride_sn + offs_s[None, :]
-        xt_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None]  # xᵀ tile [BLOCK_K, BLOCK_M]
+        # xᵀ tile [BLOCK_K, BLOCK_M] (HALF: ``half_rows`` wrote x's columns in the fp16 tile's order)
+        xt_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # yᵀ
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-            w_mask = n_mask[:, None] & ((k0 // 8 + offs_w) < K // 8)[None, :]
-            w = tl.load(w_ptrs + k0 // 8, mask=w_mask, other=0)
-            s = tl.load(s_ptrs + k0 // 16, mask=n_mask[:, None] & ((k0 // 16 + offs_s) < K // 16)[None, :], other=0)
-            xt = tl.load(xt_ptrs + k0, mask=((k0 + offs_k) < K)[:, None] & m_mask[None, :], other=0.0)
-            acc = tl.dot(dequant_tile_words(w, s, BLOCK_N, BW, dt), xt, acc, input_precision=DOT_PREC)
+            if EVEN:
+                w = tl.load(w_ptrs + k0 // 8)
+                s = tl.load(s_ptrs + k0 // 16)
+                xt = tl.load(xt_ptrs + k0)  # (x's rows padded to BLOCK_M)
+            else:
+                w_mask = n_mask[:, None] & ((k0 // 8 + offs_w) < K // 8)[None, :]
+                w = tl.load(w_ptrs + k0 // 8, mask=w_mask, other=0)
+                s_mask = n_mask[:, None] & ((k0 // 16 + offs_s) < K // 16)[None, :]
+                s = tl.load(s_ptrs + k0 // 16, mask=s_mask, other=0)
+                xt = tl.load(xt_ptrs + k0, mask=((k0 + offs_k) < K)[:, None] & m_mask[None, :], other=0.0)
+            if HALF:
+                acc = tl.dot(dequant_tile_half(w, s, BLOCK_N, BW, ASM), xt, acc)
+            else:
+                acc = tl.dot(dequant_tile_words(w, s, BLOCK_N, BW, dt), xt, acc, input_precision=DOT_PREC)
         y = acc * tl.load(g_ptr)
+        if HALF:  # undo the tile's 2^-7 and the row's 2^s
+            y = y * (128.0 * tl.load(xf_ptr + offs_m, mask=m_mask, other=0.0))[None, :]
         if HAS_BIAS:
             y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
         o_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
@@ -375,6 +407,7 @@ TUNE_KEYS = {
     "gemv": ("tile", "words", "warps", "stages"),
     "half": ("tile", "words", "warps", "stages"),
     "dot": ("block_n", "block_k", "warps", "stages"),
+    "half_dot": ("block_n", "block_k", "warps", "stages"),
 }
 
 
@@ -412,27 +445,38 @@ def _launch_gemv(
         )  # fmt: skip
 
 
-def _launch_dot(x2, weight, weight_scale, weight_scale_2, bias, out, tune: Optional[dict] = None) -> None:
+def _launch_dot(
+    x2, weight, weight_scale, weight_scale_2, bias, out, tune: Optional[dict] = None, half: bool = False, asm=None
+) -> None:
+    """The tensor-core path; ``half``: its fp16 tiles against x's rows in fp16 (``half_rows``: one small launch
+    scales each row by a power of two and pads the rows to the tile; ``asm`` as in ``_launch_gemv``)."""
     M, K = x2.shape
     N = weight.shape[0]
     bm, bn, bk, warps = _dot_config(M, N, K)
+    if half and bm == 16:  # lm_head, H200 sweep (2026-12-04): 64 rows on 2 warps 111-112 us at M=1/4, 32 rows 117-118
+        bn = 64
     tune = tune or {}
     bn, bk, warps = tune.get("block_n", bn), tune.get("block_k", bk), tune.get("warps", warps)
     prec = "ieee" if x2.dtype == torch.float32 else "tf32"  # fp32 must not silently drop to tf32
     words = weight.view(torch.int32)
+    xh, xf = half_rows(x2, triton.cdiv(M, bm) * bm) if half else (x2, out)  # (xf never read without HALF)
     _nvfp4_dot_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
-        x2, words, weight_scale, weight_scale_2, bias if bias is not None else out, out, M, N, K,
-        x2.stride(0), words.stride(0), weight_scale.stride(0), out.stride(0),
+        xh, xf, words, weight_scale, weight_scale_2, bias if bias is not None else out, out, M, N, K,
+        xh.stride(0), words.stride(0), weight_scale.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=tune.get("stages", _NUM_STAGES),
-        DOT_PREC=prec, num_warps=warps,
+        DOT_PREC=prec, HALF=half, EVEN=half and N % bn == 0 and K % bk == 0, ASM=x2.is_cuda if asm is None else asm,
+        num_warps=warps,
     )  # fmt: skip
 
 
 def pick_path(M: int, N: int, K: int = 0, dtype: Optional[torch.dtype] = None) -> str:
-    """``gemv`` (CUDA cores, fp32), ``half`` (CUDA cores, packed half) or ``dot`` (tensor cores) for ``M`` rows of
-    x (``dtype``) against an ``N x K`` weight."""
-    if M <= HALF_AUTO_MAX_M and dtype in (torch.bfloat16, torch.float16) and N * K >= HALF_MIN_WEIGHTS:
-        return "half"
+    """``gemv`` (CUDA cores, fp32), ``half`` (CUDA cores, packed half), ``dot`` (tensor cores) or ``half_dot``
+    (tensor cores, fp16 tiles) for ``M`` rows of x (``dtype``) against an ``N x K`` weight."""
+    if dtype in (torch.bfloat16, torch.float16) and N * K >= HALF_MIN_WEIGHTS:
+        if M <= HALF_AUTO_MAX_M:
+            return "half"
+        if M <= HALF_DOT_AUTO_MAX_M:
+            return "half_dot"
     if M <= GEMV_MAX_M or (M <= GEMV_MAX_M_FEW_ROWS and triton.cdiv(N, _dot_config(M, N, 16)[1]) < sm_count()):
         return "gemv"
     return "dot"
@@ -449,7 +493,8 @@ def nvfp4_linear_triton(
 ) -> torch.Tensor:
     """Same contract as ``nvfp4_linear_torch``; CUDA, or CPU under TRITON_INTERPRET=1. Rows of x may be strided
     (last dim contiguous); the weight and its scales must be row-major with contiguous rows. ``path``: ``auto``
-    (by M), or ``gemv`` (M <= 8) / ``dot`` pinned (tests and the benchmark compare them); ``tune`` overrides the
+    (by M), or ``gemv`` (M <= 8) / ``half`` (16-bit x, M <= 4) / ``dot`` / ``half_dot`` (16-bit x) pinned (tests
+    and the benchmark compare them); ``tune`` overrides the
     chosen path's launch settings (``TUNE_KEYS``)."""
     assert triton is not None, "triton is not installed"
     K = x.shape[-1]
@@ -462,18 +507,20 @@ def nvfp4_linear_triton(
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if path == "auto":
         path = pick_path(M, N, K, x.dtype)
+    sixteen_bit = x.dtype in (torch.bfloat16, torch.float16)
     assert (
         path == "dot"
         or (path == "gemv" and M <= 8)
-        or (path == "half" and M <= HALF_MAX_M and x.dtype in (torch.bfloat16, torch.float16))
+        or (path == "half" and M <= HALF_MAX_M and sixteen_bit)
+        or (path == "half_dot" and sixteen_bit)
     ), f"unknown path {path!r} for M={M}, {x.dtype}"
     if M > 0 and N > 0:
         scale_bytes = weight_scale.view(torch.uint8)  # E4M3 bits, decoded in the kernel
         if tune and set(tune) - set(TUNE_KEYS[path]):
             raise ValueError(f"unknown {path} settings {sorted(set(tune) - set(TUNE_KEYS[path]))}")
         g = weight_scale_2.reshape(())
-        if path == "dot":
-            _launch_dot(x2, weight, scale_bytes, g, bias, out, tune)
+        if path in ("dot", "half_dot"):
+            _launch_dot(x2, weight, scale_bytes, g, bias, out, tune, half=path == "half_dot")
         else:
             _launch_gemv(x2, weight, scale_bytes, g, bias, out, tune, half=path == "half")
     return out.view(*x.shape[:-1], N)

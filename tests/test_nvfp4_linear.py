@@ -77,9 +77,11 @@ def test_configs():
     # the path: the GEMV for one or two rows; up to 8 only where tensor-core programs would not fill the SMs
     assert [nl.pick_path(m, 248320) for m in (1, 2, 3, 8)] == ["gemv", "gemv", "dot", "dot"]
     assert [nl.pick_path(m, 512) for m in (1, 4, 8, 9, 16)] == ["gemv", "gemv", "gemv", "dot", "dot"]
-    # the packed-half GEMV for 16-bit x and weights large enough to pay for its extra launch (lm_head)
-    half = [nl.pick_path(m, 248320, 2048, torch.bfloat16) for m in range(1, nl.HALF_AUTO_MAX_M + 2)]
-    assert half == ["half"] * nl.HALF_AUTO_MAX_M + [nl.pick_path(nl.HALF_AUTO_MAX_M + 1, 248320)]
+    # for 16-bit x and weights large enough to pay for x's extra launch (lm_head): the packed-half GEMV, then the
+    # fp16 tensor-core tiles, then the plain paths
+    top = nl.HALF_DOT_AUTO_MAX_M
+    half = [nl.pick_path(m, 248320, 2048, torch.bfloat16) for m in range(1, top + 2)]
+    assert half == ["half"] * nl.HALF_AUTO_MAX_M + ["half_dot"] * (top - nl.HALF_AUTO_MAX_M) + ["dot"]
     assert nl.pick_path(1, 248320, 2048, torch.float32) == "gemv"  # fp32 x: the fp32 GEMV's exact sums
     assert nl.pick_path(1, 512, 2048, torch.float16) == "gemv"  # a small weight: not worth the packing launch
 
@@ -122,12 +124,21 @@ _CPU_SCRIPT = textwrap.dedent(
         (3, 13, 48, bf16, dict(path="half", strided=True)),
         (2, 16, 256, f16, dict(path="half", lead=(2,))),
         (1, 40, 1024, bf16, dict(path="half", tune=dict(tile=4096, words=16, warps=8, stages=2))),
+        # tensor cores on fp16 tiles: unmasked (N, K multiples of the tile), masked N / K tails with bias and strided
+        # x, 3-D x, the wide-M tiles, its settings
+        (3, 64, 256, bf16, dict(path="half_dot")),
+        (5, 40, 160, f16, dict(path="half_dot", bias=True, strided=True)),
+        (4, 32, 128, bf16, dict(path="half_dot", lead=(2,))),
+        (70, 24, 64, bf16, dict(path="half_dot")),
+        (2, 64, 256, f16, dict(path="half_dot", tune=dict(block_n=64, block_k=64, warps=4, stages=2))),
     ]
     for M, N, K, dt, kw in cases:
         key = str(dt).split(".")[-1]
         worst[key] = max(worst.get(key, 0.0), t.check_linear(M, N, K, dt, "cpu", seed=M + N, **kw))
     t.check_layer_dispatch("cpu", f32)
     t.check_half_pairs("cpu")
+    t.check_half_rows("cpu")
+    t.check_half_dot_exact("cpu")
     for dt in (bf16, f16):
         worst["half rows"] = max(worst.get("half rows", 0.0), t.check_half_magnitudes("cpu", dt))
     for dt, err in sorted(worst.items()):
@@ -174,6 +185,46 @@ def check_half_pairs(device):
     top = (x.cpu().float().abs().amax(1) / xf)[:3]
     assert bool(((top >= 2**12) & (top < 2**13)).all()), top
     assert bool(torch.isfinite(xf).all()) and bool((lo[3] == 0).all())
+
+
+def check_half_rows(device):
+    """``half_rows``: each row scaled by ``half_pairs``' power of two, exactly, in fp16, each 8 columns in the fp16
+    tile's order (column ``8j + 2p + lane`` holds x's ``8j + p + 4 lane``), zero rows up to the padding; a zero row
+    gives zeros and a finite factor."""
+    from freetoken.kernels.nvfp4_half_gemv import half_pairs, half_rows
+
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(4, 96, generator=g) * torch.tensor([[3e4], [1e-6], [1.0], [0.0]])
+    x = x.to(device, torch.bfloat16)
+    xh, xf = half_rows(x, 16)
+    assert xh.shape == (16, 96) and xh.dtype == torch.float16 and xf.shape == (4,)
+    assert torch.equal(xf, half_pairs(x)[1])
+    c = torch.arange(96)
+    cols = c - c % 8 + (c % 8) // 2 + 4 * (c % 2)
+    assert sorted(cols.tolist()) == list(range(96)) and cols[:8].tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+    xh, xf, x = xh.cpu(), xf.cpu(), x.cpu()
+    assert torch.equal(xh[:4].float(), x.float()[:, cols] / xf[:, None]) and bool((xh[4:] == 0).all())
+
+
+def check_half_dot_exact(device):
+    """The fp16 tiles (``dequant_tile_half``: its pair column order, its scale pairs) decode every E2M1 code under
+    every E4M3 scale exactly: x = one-hot rows picks single weights, so ``y[m, n] = W[n, m]`` with nothing rounded
+    (the weight has at most 6 significant bits, bf16 keeps 8)."""
+    from freetoken.kernels.nvfp4_linear import nvfp4_linear_triton
+    from freetoken.quant import nvfp4
+
+    K, N = 64, 128  # 16 codes across each block, one scale a row (every E4M3 byte from 0 to 127)
+    codes = torch.arange(16, dtype=torch.uint8).repeat(N, K // 16)
+    codes = codes.roll(3, dims=1)  # codes move across words and blocks
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+    scale = torch.arange(N, dtype=torch.uint8)[:, None].expand(N, K // 16).contiguous().view(torch.float8_e4m3fn)
+    one = torch.ones((), dtype=torch.float32)
+    ref = nvfp4.dequantize(packed, scale, one).float()  # [N, K]
+    x = torch.eye(K, dtype=torch.bfloat16)
+    dev = lambda t: t.to(device)  # noqa: E731
+    out = nvfp4_linear_triton(dev(x), dev(packed), dev(scale), dev(one), path="half_dot").float().cpu()
+    finite = torch.isfinite(ref).all(1)  # (byte 127 is E4M3's NaN)
+    assert torch.equal(out[:, finite], ref[finite].T)
 
 
 def check_half_magnitudes(device, dtype):
@@ -232,13 +283,16 @@ def test_nvfp4_linear_cuda_dtypes(M, dtype):
 @cuda
 @pytest.mark.parametrize(
     "M, path",
-    [(m, "gemv") for m in (1, 2, 4, 8)] + [(m, "half") for m in (1, 2, 3, 4)] + [(m, "dot") for m in (1, 2, 4, 8, 16)],
+    [(m, "gemv") for m in (1, 2, 4, 8)]
+    + [(m, "half") for m in (1, 2, 3, 4)]
+    + [(m, "dot") for m in (1, 2, 4, 8, 16)]
+    + [(m, "half_dot") for m in (1, 2, 3, 4, 8, 16, 33, 64)],
 )
 def test_nvfp4_linear_cuda_both_paths(M, path):
     """Each path over the M it takes (the GEMV up to 8 rows, its packed-half form up to 4: ``nvfp4_linear_triton``
     refuses more)."""
     check_linear(M, 512, 2048, torch.bfloat16, "cuda", path=path, seed=M)
-    if path == "half":
+    if path in ("half", "half_dot"):
         check_linear(M, 2048, 512, torch.float16, "cuda", path=path, bias=True, strided=True, seed=M)
 
 
@@ -246,6 +300,8 @@ def test_nvfp4_linear_cuda_both_paths(M, path):
 @cuda
 def test_nvfp4_half_gemv_cuda_magnitudes():
     check_half_pairs("cuda")
+    check_half_rows("cuda")
+    check_half_dot_exact("cuda")
     for dtype in (torch.bfloat16, torch.float16):
         check_half_magnitudes("cuda", dtype)
 
@@ -268,6 +324,24 @@ def test_nvfp4_half_gemv_asm_matches_its_emulation(M):
         outs.append(out.float())
     assert (outs[0] - outs[1]).abs().max().item() <= 1e-2 * (1 + outs[1].abs().max().item()), M
     assert (outs[0] != outs[1]).float().mean().item() < 0.01
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("M", [1, 16])
+def test_nvfp4_half_dot_asm_matches_its_emulation(M):
+    """The fp16 tiles' inline ``mul.rn.f16x2`` against the interpreter's emulation, both compiled for the GPU: every
+    product is exact, so the outputs are equal bit for bit (lm_head's rows, unmasked tiles)."""
+    from freetoken.kernels import nvfp4_linear as nl
+
+    w, s, s2 = random_weight(4096, 2048, M, device="cuda")
+    x = torch.randn(M, 2048, device="cuda", dtype=torch.bfloat16)
+    outs = []
+    for asm in (True, False):
+        out = torch.empty(M, 4096, device="cuda", dtype=torch.bfloat16)
+        nl._launch_dot(x, w, s.view(torch.uint8), s2.reshape(()), None, out, half=True, asm=asm)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.gpu

@@ -107,8 +107,27 @@ def test_nvfp4_gemv_compiles_for_sm90(block_m, block_n, block_w, even, half):
     div16 = "N,K,stride_xm,stride_pm,stride_wn,stride_sn,stride_om,KW_PER_SPLIT"
     assert compile_check("freetoken.kernels.nvfp4_linear:_nvfp4_gemv_kernel", ptr, const, div16) == 0
     ptr = {"x_ptr": "*bf16", "xp_ptr": "*i32", "xf_ptr": "*fp32"}
-    const = dict(TOP=12, BLOCK_B=64, FP8=False)
+    const = dict(TOP=12, BLOCK_B=64)
     assert compile_check("freetoken.kernels.nvfp4_half_gemv:_half_pairs_kernel", ptr, const, "K,stride_xm") == 0
+
+
+# (rows of x, rows a program, K step, warps, fp16 tiles, no masks): nvfp4_linear's tensor-core tiles at small M
+@pytest.mark.parametrize(
+    "block_m,block_n,block_k,warps,half,even",
+    [(16, 64, 128, 2, True, True), (32, 64, 128, 4, True, False), (16, 32, 128, 2, False, False)],
+)
+def test_nvfp4_dot_compiles_for_sm90(block_m, block_n, block_k, warps, half, even):
+    """The tensor-core NVFP4 kernel with its fp16 tiles (inline ``mul.rn.f16x2``; mma.sync at 2 warps, wgmma at 4)
+    and its bf16 tiles, and ``half_rows``' x."""
+    ptr = {"x_ptr": "*fp16" if half else "*bf16", "xf_ptr": "*fp32" if half else "*bf16", "w_ptr": "*i32"}
+    ptr.update(s_ptr="*u8", g_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16")
+    const = dict(HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=3, DOT_PREC="'tf32'")
+    const.update(HALF=half, EVEN=even, ASM=True)
+    div16 = "N,K,stride_xm,stride_wn,stride_sn,stride_om"
+    assert compile_check("freetoken.kernels.nvfp4_linear:_nvfp4_dot_kernel", ptr, const, div16, warps=warps) == 0
+    ptr = {"x_ptr": "*bf16", "xh_ptr": "*fp16", "xf_ptr": "*fp32"}
+    const = dict(TOP=12, BLOCK=2048)
+    assert compile_check("freetoken.kernels.nvfp4_half_gemv:_half_rows_kernel", ptr, const, "K,stride_xm") == 0
 
 
 @pytest.mark.parametrize("half", [True, False])
@@ -135,15 +154,10 @@ def test_nvfp4_decode_down_compiles_for_sm90(half):
 
 
 @pytest.mark.parametrize("block_m", [1, 2])
-@pytest.mark.parametrize("fp8_half", [True, False])
-def test_mixed_gemv_compiles_for_sm90(block_m, fp8_half):
-    """The mixed BF16 / FP8 / NVFP4 GEMV at GDN in_proj's tiling, its FP8 rows in packed half precision (the inline
-    PTX, opt-in) or fp32, and the FP8 pairing of x."""
+def test_mixed_gemv_compiles_for_sm90(block_m):
+    """The mixed BF16 / FP8 / NVFP4 GEMV at GDN in_proj's tiling (its FP8 rows decoded to fp32)."""
     ptr = {"x_ptr": "*bf16", "out_ptr": "*bf16", "d_ptr": "*bf16", "f_ptr": "*i32", "fs_ptr": "*fp32"}
-    ptr.update(n_ptr="*i32", ns_ptr="*u8", ng_ptr="*fp32", xp_ptr="*i32", xf_ptr="*fp32")
-    const = dict(K=2048, BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=256, NUM_STAGES=3, FP8_HALF=fp8_half, ASM=True)
-    div16 = "stride_xm,stride_om,stride_d,stride_f,stride_n,stride_ns,stride_pm"
+    ptr.update(n_ptr="*i32", ns_ptr="*u8", ng_ptr="*fp32")
+    const = dict(K=2048, BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=256, NUM_STAGES=3)
+    div16 = "stride_xm,stride_om,stride_d,stride_f,stride_n,stride_ns"
     assert compile_check("freetoken.kernels.mixed_gemv:_mixed_gemv_kernel", ptr, const, div16) == 0
-    ptr = {"x_ptr": "*bf16", "xp_ptr": "*i32", "xf_ptr": "*fp32"}
-    const = dict(TOP=10, BLOCK_B=64, FP8=True)
-    assert compile_check("freetoken.kernels.nvfp4_half_gemv:_half_pairs_kernel", ptr, const, "K,stride_xm") == 0
