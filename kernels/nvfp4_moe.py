@@ -60,7 +60,7 @@ try:  # keep the reference importable without triton
     import triton.language as tl
 
     from .fused_moe import moe_align_block_size
-    from .nvfp4_half_gemv import half2_dot8, half_decode, half_pairs, half_row
+    from .nvfp4_half_gemv import half2_dot8, half_decode, half_pairs, half_row, half_rows
     from .nvfp4_tiles import block_scale, gemv_step, gemv_step_split, load8, pair_tile_step, tile_dot_step
 except Exception:  # pragma: no cover
     triton = None
@@ -620,7 +620,8 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["num_pairs"])  # (a pair count, as in fused_moe.py)
     def _nvfp4_moe_gate_up_kernel(
-        x_ptr,  # [T, H]
+        x_ptr,  # [T, H]; HALF: ``half_rows``' fp16 rows of x
+        xf_ptr,  # HALF: fp32 [T], 2^-s of each row's scale
         w_ptr,  # int32 words [E, 2I, H/8]
         s_ptr,  # uint8 e4m3 bits [E, 2I, H/16]
         g_ptr,  # fp32 [E, 2I]
@@ -645,6 +646,8 @@ if triton is not None:
         NUM_STAGES: tl.constexpr,
         DOT_PREC: tl.constexpr,
         FUSE_GU: tl.constexpr,  # gate and up rows as one [2 * BLOCK_N, BLOCK_K] tile: one decode call, one larger dot
+        HALF: tl.constexpr,  # fp16 weight tiles (``dequant_tile_half``) against fp16 x
+        ASM: tl.constexpr,  # HALF: ``mul.rn.f16x2`` (CUDA) or the interpreter's emulation
     ):
         dt = out_ptr.dtype.element_ty
         BW: tl.constexpr = BLOCK_K // 8
@@ -661,6 +664,8 @@ if triton is not None:
             offs_s = tl.arange(0, BLOCK_K // 16)
             offs_k = tl.arange(0, BLOCK_K)
             xt_ptrs = x_ptr + (pair // TOPK)[None, :].to(tl.int64) * stride_xt + offs_k[:, None]  # xᵀ [K, M]
+            if HALF:  # each column of the sums times its row's 2^-s and the tile's 2^7
+                row_f = 128.0 * tl.load(xf_ptr + pair // TOPK, mask=m_mask, other=0.0)
             if FUSE_GU:
                 # tile row r: gate row offs_n[r] for r < BLOCK_N, up row offs_n[r - BLOCK_N] after
                 r2 = tl.arange(0, 2 * BLOCK_N)
@@ -673,9 +678,11 @@ if triton is not None:
                 for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
                     xt = tl.load(xt_ptrs + k0, mask=((k0 + offs_k) < H)[:, None] & m_mask[None, :], other=0.0)
                     acc = tile_dot_step(
-                        gw2, gs2, n2_mask, k0, H, offs_w, offs_s, xt, acc, 2 * BLOCK_N, BW, dt, DOT_PREC
+                        gw2, gs2, n2_mask, k0, H, offs_w, offs_s, xt, acc, 2 * BLOCK_N, BW, dt, DOT_PREC, HALF, ASM
                     )
                 glob2 = tl.load(g_ptr + e64 * stride_ge + n2 + (r2 // BLOCK_N) * I, mask=n2_mask, other=0.0)
+                if HALF:
+                    acc = acc * row_f[None, :]
                 acc = acc * glob2[:, None]
                 acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
                 gate = acc_g.to(dt).to(tl.float32)
@@ -689,10 +696,15 @@ if triton is not None:
                 acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
                 for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
                     xt = tl.load(xt_ptrs + k0, mask=((k0 + offs_k) < H)[:, None] & m_mask[None, :], other=0.0)
-                    acc_g = tile_dot_step(gw, gs, n_mask, k0, H, offs_w, offs_s, xt, acc_g, BLOCK_N, BW, dt, DOT_PREC)
-                    acc_u = tile_dot_step(
-                        gw_u, gs_u, n_mask, k0, H, offs_w, offs_s, xt, acc_u, BLOCK_N, BW, dt, DOT_PREC
+                    acc_g = tile_dot_step(
+                        gw, gs, n_mask, k0, H, offs_w, offs_s, xt, acc_g, BLOCK_N, BW, dt, DOT_PREC, HALF, ASM
                     )
+                    acc_u = tile_dot_step(
+                        gw_u, gs_u, n_mask, k0, H, offs_w, offs_s, xt, acc_u, BLOCK_N, BW, dt, DOT_PREC, HALF, ASM
+                    )
+                if HALF:
+                    acc_g = acc_g * row_f[None, :]
+                    acc_u = acc_u * row_f[None, :]
                 glob = g_ptr + e64 * stride_ge + offs_n
                 gate = (acc_g * tl.load(glob, mask=n_mask, other=0.0)[:, None]).to(dt).to(tl.float32)
                 up = (acc_u * tl.load(glob + I, mask=n_mask, other=0.0)[:, None]).to(dt).to(tl.float32)
@@ -702,7 +714,8 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["num_pairs"])
     def _nvfp4_moe_down_kernel(
-        h_ptr,  # [T*k, I]
+        h_ptr,  # [T*k, I]; HALF: ``half_rows``' fp16 rows of it
+        hf_ptr,  # HALF: fp32 [T*k], 2^-s of each row's scale
         w_ptr,  # int32 words [E, H, I/8]
         s_ptr,  # uint8 e4m3 bits [E, H, I/16]
         g_ptr,  # fp32 [E, H]
@@ -726,8 +739,11 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         NUM_STAGES: tl.constexpr,
         DOT_PREC: tl.constexpr,
+        HALF: tl.constexpr,  # fp16 weight tiles (``dequant_tile_half``) against fp16 rows of h
+        ASM: tl.constexpr,  # HALF: ``mul.rn.f16x2`` (CUDA) or the interpreter's emulation
+        X_DTYPE: tl.constexpr,  # x's dtype: the down projection is rounded to it, as the reference does
     ):
-        dt = h_ptr.dtype.element_ty
+        dt = X_DTYPE
         BW: tl.constexpr = BLOCK_K // 8
         pid_m = tl.program_id(0)
         e = tl.load(block_expert_ptr + pid_m)
@@ -750,14 +766,26 @@ if triton is not None:
                 for k0 in tl.range(0, I, BLOCK_K, num_stages=NUM_STAGES):
                     ht = tl.load(ht_ptrs + k0, mask=((k0 + offs_k) < I)[:, None] & m_mask[None, :], other=0.0)
                     acc = tile_dot_step(
-                        w_ptrs, s_ptrs, n_mask, k0, I, offs_w, offs_s, ht, acc, BLOCK_N, BW, dt, DOT_PREC
+                        w_ptrs, s_ptrs, n_mask, k0, I, offs_w, offs_s, ht, acc, BLOCK_N, BW, dt, DOT_PREC, HALF, ASM
                     )
+                if HALF:  # each column times its row's 2^-s and the tile's 2^7
+                    acc = acc * (128.0 * tl.load(hf_ptr + pair, mask=m_mask, other=0.0))[None, :]
                 glob = tl.load(g_ptr + e64 * stride_ge + offs_n, mask=n_mask, other=0.0)
                 rw = tl.load(wt_ptr + pair, mask=m_mask, other=0.0).to(tl.float32)
                 # as the reference: the down projection rounded to x's dtype, then scaled by the routing weight
                 acc = (acc * glob[:, None]).to(dt).to(tl.float32) * rw[None, :]
             o_ptrs = out_ptr + pair[None, :].to(tl.int64) * stride_ot + offs_n[:, None]
             tl.store(o_ptrs, acc, mask=n_mask[:, None] & m_mask[None, :])
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16} if tl else {}
+# the grouped kernels on fp16 weight tiles (``nvfp4_tiles.dequant_tile_half``: ~30 % fewer instructions a weight in
+# their K loops' sm_90 SASS) for 16-bit x: ``auto`` where gate and up rows are separate tiles. H200, Qwen3.6's experts,
+# uniform routing, two runs each (2026-12-04, bench/results/2026-12-04-h200-nvfp4-grouped-half.txt): 512 / 1,024 /
+# 2,048 tokens 620-629 -> 603-609 us, 702-704 -> 673-675, 1,028-1,031 -> 999-1,001 (-3 to -4 %); with gate|up in one
+# tile (4,096 and 8,192 tokens) slower, 1,561-1,582 -> 1,807 and 2,551 -> 3,102. ``FREETOKEN_NVFP4_GROUPED_HALF``
+# pins it (A/B runs).
+GROUPED_HALF = choice_from_env("FREETOKEN_NVFP4_GROUPED_HALF", "auto", ("auto", "on", "off"))
 
 
 def pick_nvfp4_block_m(num_pairs: int, num_experts: int) -> int:
@@ -795,6 +823,14 @@ def grouped_config(num_pairs: int, E: int, H: int, I: int, block_m: int | None =
     return with_overrides(cfg, tune, "grouped NVFP4")
 
 
+def grouped_half(cfg: dict, dtype: torch.dtype, half: Optional[bool]) -> bool:
+    """Whether the grouped kernels run on fp16 weight tiles: 16-bit x only; ``half`` when given, else
+    ``GROUPED_HALF`` (``auto``: where ``cfg`` keeps gate and up rows in separate tiles)."""
+    if half is None:
+        half = GROUPED_HALF == "on" or (GROUPED_HALF == "auto" and not cfg["fuse_gate_up"])
+    return half and dtype in (torch.bfloat16, torch.float16)
+
+
 def nvfp4_fused_moe_triton(
     x,
     w13,
@@ -809,11 +845,14 @@ def nvfp4_fused_moe_triton(
     tune: Optional[dict] = None,
     shared: Optional[torch.Tensor] = None,
     shared_gate: Optional[torch.Tensor] = None,
+    half: Optional[bool] = None,
+    asm: Optional[bool] = None,
 ):
     """Grouped NVFP4 MoE; same contract as ``nvfp4_moe_torch`` (``topk_weights`` in x's dtype, as
     ``fused_moe_triton`` takes them), plus ``sigmoid(shared_gate) * shared`` when given (``moe_combine.py``). ``block_m`` overrides ``pick_nvfp4_block_m`` (tests, benchmarks); ``tune``
-    overrides the launch settings (``grouped_config``'s keys; bench/nvfp4_kernel_bench.py --groups moesweep). CUDA,
-    or CPU under TRITON_INTERPRET=1."""
+    overrides the launch settings (``grouped_config``'s keys; bench/nvfp4_kernel_bench.py --groups moesweep).
+    ``half`` (16-bit x; default ``GROUPED_HALF``): fp16 weight tiles against x and the intermediate rows in fp16
+    (``half_rows``, one launch each); ``asm`` as in ``nvfp4_linear``. CUDA, or CPU under TRITON_INTERPRET=1."""
     assert triton is not None, "triton is not installed"
     T, H = x.shape
     E, two_i, _ = w13.shape
@@ -830,20 +869,25 @@ def nvfp4_fused_moe_triton(
     nblocks = block_expert.numel()
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 must not silently drop to tf32
     w13b, w13s, w2b, w2s = _words(w13), _scale_bytes(w13_scale), _words(w2), _scale_bytes(w2_scale)
+    half = grouped_half(cfg, x.dtype, half)
+    asm = x.is_cuda if asm is None else asm
     inter = torch.empty(n, I, dtype=x.dtype, device=x.device)
+    xh, xf = half_rows(x, T) if half else (x, x)  # (xf never read without HALF)
     bn1, bk1 = cfg["gu_block_n"], cfg["gu_block_k"]
     _nvfp4_moe_gate_up_kernel[(nblocks, triton.cdiv(I, bn1))](
-        x, w13b, w13s, w13_global, inter, sorted_ids, block_expert, n, E, H, I, x.stride(0), w13b.stride(0),
+        xh, xf, w13b, w13s, w13_global, inter, sorted_ids, block_expert, n, E, H, I, xh.stride(0), w13b.stride(0),
         w13b.stride(1), w13s.stride(0), w13s.stride(1), w13_global.stride(0), inter.stride(0), TOPK=k, BLOCK_M=bm,
         BLOCK_N=bn1, BLOCK_K=bk1, NUM_STAGES=cfg["stages"], DOT_PREC=prec, FUSE_GU=cfg["fuse_gate_up"],
-        num_warps=cfg["warps"],
+        HALF=half, ASM=asm, num_warps=cfg["warps"],
     )  # fmt: skip
     partial = torch.empty(n, H, dtype=torch.float32, device=x.device)
     wts = topk_weights.reshape(-1).contiguous()
+    ih, hf = half_rows(inter, n) if half else (inter, inter)
     bn2, bk2 = cfg["down_block_n"], cfg["down_block_k"]
     _nvfp4_moe_down_kernel[(nblocks, triton.cdiv(H, bn2))](
-        inter, w2b, w2s, w2_global, wts, partial, sorted_ids, block_expert, n, E, H, I, inter.stride(0),
+        ih, hf, w2b, w2s, w2_global, wts, partial, sorted_ids, block_expert, n, E, H, I, ih.stride(0),
         w2b.stride(0), w2b.stride(1), w2s.stride(0), w2s.stride(1), w2_global.stride(0), partial.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, NUM_STAGES=cfg["stages"], DOT_PREC=prec, num_warps=cfg["warps"],
+        BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, NUM_STAGES=cfg["stages"], DOT_PREC=prec, HALF=half, ASM=asm,
+        X_DTYPE=_TL_DTYPES[x.dtype], num_warps=cfg["warps"],
     )  # fmt: skip
     return moe_combine_triton(partial, k, x.dtype, shared, shared_gate)

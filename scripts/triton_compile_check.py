@@ -8,7 +8,8 @@ kernel computes; this checks that the GPU compiler takes it.
         --const K=2048,BLOCK_M=1,BLOCK_N=16,BLOCK_K=256,NUM_STAGES=3
 
 Arguments not named in ``--ptr`` or ``--const`` are 32-bit integers. ``--const`` values are Python literals
-(``True``, ``64``). Prints the PTX size and the registers per thread; exits 1 if compiling fails.
+(``True``, ``64``) or Triton dtypes (``tl.bfloat16``). Prints the PTX size and the registers per thread; exits 1
+if compiling fails.
 """
 
 from __future__ import annotations
@@ -21,6 +22,15 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _constexpr(text: str):
+    """A Python literal (``True``, ``64``, ``'tf32'``) or a Triton dtype (``tl.bfloat16``)."""
+    if text.startswith("tl."):
+        import triton.language as tl
+
+        return getattr(tl, text[3:])
+    return ast.literal_eval(text)
 
 
 def _pairs(text: str) -> dict:
@@ -51,7 +61,7 @@ def main(argv=None) -> int:
     module, name = a.kernel.split(":")
     fn = getattr(importlib.import_module(module), name)
     names = list(inspect.signature(fn.fn).parameters)
-    consts = {k: ast.literal_eval(v) for k, v in _pairs(a.const).items()}
+    consts = {k: _constexpr(v) for k, v in _pairs(a.const).items()}
     ptrs = _pairs(a.ptr)
     unknown = (set(consts) | set(ptrs)) - set(names)
     if unknown:

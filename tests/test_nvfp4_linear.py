@@ -306,6 +306,19 @@ def test_nvfp4_half_gemv_cuda_magnitudes():
         check_half_magnitudes("cuda", dtype)
 
 
+def _asm_and_emulation(launch, M: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A half-precision launcher (``_launch_gemv`` / ``_launch_dot`` with ``half``) on M rows against lm_head-sized
+    rows (4096 x 2048), once with its inline PTX and once with the interpreter's emulation, both on the GPU."""
+    w, s, s2 = random_weight(4096, 2048, M, device="cuda")
+    x = torch.randn(M, 2048, device="cuda", dtype=torch.bfloat16)
+    outs = []
+    for asm in (True, False):
+        out = torch.empty(M, 4096, device="cuda", dtype=torch.bfloat16)
+        launch(x, w, s.view(torch.uint8), s2.reshape(()), None, out, half=True, asm=asm)
+        outs.append(out)
+    return outs[0], outs[1]
+
+
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("M", [1, 4])
@@ -315,15 +328,9 @@ def test_nvfp4_half_gemv_asm_matches_its_emulation(M):
     differ in the last bit of a block's fp16 sum, nowhere near bf16's output rounding)."""
     from freetoken.kernels import nvfp4_linear as nl
 
-    w, s, s2 = random_weight(4096, 2048, M, device="cuda")
-    x = torch.randn(M, 2048, device="cuda", dtype=torch.bfloat16)
-    outs = []
-    for asm in (True, False):
-        out = torch.empty(M, 4096, device="cuda", dtype=torch.bfloat16)
-        nl._launch_gemv(x, w, s.view(torch.uint8), s2.reshape(()), None, out, half=True, asm=asm)
-        outs.append(out.float())
-    assert (outs[0] - outs[1]).abs().max().item() <= 1e-2 * (1 + outs[1].abs().max().item()), M
-    assert (outs[0] != outs[1]).float().mean().item() < 0.01
+    ptx, emulated = (out.float() for out in _asm_and_emulation(nl._launch_gemv, M))
+    assert (ptx - emulated).abs().max().item() <= 1e-2 * (1 + emulated.abs().max().item()), M
+    assert (ptx != emulated).float().mean().item() < 0.01
 
 
 @pytest.mark.gpu
@@ -334,14 +341,8 @@ def test_nvfp4_half_dot_asm_matches_its_emulation(M):
     product is exact, so the outputs are equal bit for bit (lm_head's rows, unmasked tiles)."""
     from freetoken.kernels import nvfp4_linear as nl
 
-    w, s, s2 = random_weight(4096, 2048, M, device="cuda")
-    x = torch.randn(M, 2048, device="cuda", dtype=torch.bfloat16)
-    outs = []
-    for asm in (True, False):
-        out = torch.empty(M, 4096, device="cuda", dtype=torch.bfloat16)
-        nl._launch_dot(x, w, s.view(torch.uint8), s2.reshape(()), None, out, half=True, asm=asm)
-        outs.append(out)
-    assert torch.equal(outs[0], outs[1])
+    ptx, emulated = _asm_and_emulation(nl._launch_dot, M)
+    assert torch.equal(ptx, emulated)
 
 
 @pytest.mark.gpu

@@ -96,7 +96,9 @@ def check_decode(T, S, k, H, I, dtype, device, shared=None, seed=0, strided_x=Fa
     return err
 
 
-def check_grouped(T, E, k, H, I, dtype, device, seed=0, block_m=None, tune=None, **routing):
+def check_grouped(T, E, k, H, I, dtype, device, seed=0, block_m=None, tune=None, half=None, **routing):
+    """The grouped kernels (``half``: on fp16 weight tiles; None: the default for the dtype) against the
+    reference."""
     from freetoken.kernels.nvfp4_moe import nvfp4_fused_moe_triton, nvfp4_moe_torch
 
     bank = random_bank(E, H, I, seed, device=device)
@@ -104,10 +106,10 @@ def check_grouped(T, E, k, H, I, dtype, device, seed=0, block_m=None, tune=None,
     x = torch.randn(T, H, generator=g).to(device, dtype)
     ids, w = _routing(T, E, k, g, **routing)
     ids, w = ids.to(device), w.to(device, dtype)
-    out = nvfp4_fused_moe_triton(x, *bank, ids, w, block_m=block_m, tune=tune)
+    out = nvfp4_fused_moe_triton(x, *bank, ids, w, block_m=block_m, tune=tune, half=half)
     ref = nvfp4_moe_torch(x, *bank, ids, w)
     err = error(out, ref)
-    assert err <= 2 * _TOL[dtype][device == "cuda"], ("grouped", T, E, k, H, I, dtype, tune, err)
+    assert err <= 2 * _TOL[dtype][device == "cuda"], ("grouped", T, E, k, H, I, dtype, tune, half, err)
     return err
 
 
@@ -308,20 +310,28 @@ _CPU_SCRIPT = textwrap.dedent(
         note("decode half down " + key, masked)
         note("decode half down " + key, t.check_decode(2, 6, 4, 32, 1024, dt, "cpu", tune=dict(half_down, down_block_w=32)))
         note("decode half down " + key, t.check_decode(2, 16, 10, 64, 48, dt, "cpu", "nvfp4", Is=48, tune=half_down))
-    for dt in (f32, f16):
+    for dt in (f32, f16):  # the bf16-style tiles (fp16 x would take the fp16 tiles by default where not fused)
         key = str(dt).split(".")[-1]
-        note("grouped " + key, t.check_grouped(9, 6, 2, 48, 32, dt, "cpu", invalid=True))
-        note("grouped " + key, t.check_grouped(40, 8, 3, 32, 48, dt, "cpu", skew=True))  # long runs, empty experts
-        note("grouped " + key, t.check_grouped(24, 5, 2, 160, 80, dt, "cpu"))  # K tails, I not a power of two
-        note("grouped " + key, t.check_grouped(60, 3, 2, 32, 48, dt, "cpu", block_m=128, invalid=True))  # prefill tiles
+        plain = dict(half=False)
+        note("grouped " + key, t.check_grouped(9, 6, 2, 48, 32, dt, "cpu", invalid=True, **plain))
+        note("grouped " + key, t.check_grouped(40, 8, 3, 32, 48, dt, "cpu", skew=True, **plain))  # long runs, empty experts
+        note("grouped " + key, t.check_grouped(24, 5, 2, 160, 80, dt, "cpu", **plain))  # K tails, I not a power of two
+        note("grouped " + key, t.check_grouped(60, 3, 2, 32, 48, dt, "cpu", block_m=128, invalid=True, **plain))
         # gate and up rows in one tile (I not a multiple of the tile: masked rows in both halves), other tiles
         fused = dict(fuse_gate_up=True, gu_block_n=32, gu_block_k=64, stages=2)
         note("grouped " + key, t.check_grouped(24, 5, 2, 160, 80, dt, "cpu", tune=fused, invalid=True))
-        note("grouped " + key, t.check_grouped(40, 3, 2, 64, 48, dt, "cpu", block_m=32, tune=fused))
+        note("grouped " + key, t.check_grouped(40, 3, 2, 64, 48, dt, "cpu", block_m=32, tune=fused, **plain))
         # the default settings of large steps (100 pairs an expert: 64-row blocks, gate and up in one tile)
         note("grouped " + key, t.check_grouped(200, 2, 1, 64, 48, dt, "cpu"))
         t.check_dequant(3, 48, 32, dt, "cpu")
         note("dequant grouped " + key, t.check_dequant_moe(24, 6, 2, 160, 80, dt, "cpu", invalid=True))
+    for dt in (bf16, f16):  # on fp16 weight tiles: masked tails, invalid ids, prefill tiles, gate|up in one tile
+        key = "half " + str(dt).split(".")[-1]
+        note("grouped " + key, t.check_grouped(9, 6, 2, 48, 32, dt, "cpu", invalid=True, half=True))
+        note("grouped " + key, t.check_grouped(24, 5, 2, 160, 80, dt, "cpu", half=True))
+        note("grouped " + key, t.check_grouped(60, 3, 2, 32, 48, dt, "cpu", block_m=128, invalid=True, half=True))
+        fused = dict(fuse_gate_up=True, gu_block_n=32, gu_block_k=64, stages=2)
+        note("grouped " + key, t.check_grouped(24, 5, 2, 160, 80, dt, "cpu", tune=fused, invalid=True, half=True))
     t.check_dequant(2, 2064, 32, bf16, "cpu")  # a row longer than one step, with a tail
     t.check_slot_pool(3, 4, f32, "cpu")
     t.check_slot_pool(20, 4, f32, "cpu")
@@ -445,6 +455,15 @@ def test_grouped_cuda_qwen(T):
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("T", [9, 512, 2048, 4096, 8192])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_grouped_cuda_qwen_half(T, dtype):
+    """The grouped kernels on fp16 weight tiles at Qwen3.6's shapes, every tile config the sizes pick."""
+    check_grouped(T, 256, dtype=dtype, device="cuda", seed=T, half=True, **QWEN)
+
+
+@pytest.mark.gpu
+@cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize(
     "T,E,k,H,I,kw",
@@ -465,6 +484,23 @@ def test_grouped_cuda_shapes(T, E, k, H, I, kw, dtype):
 def test_grouped_cuda_tunes(T, E, k, H, I, kw, tune):
     """Launch settings other than the default pick (the moesweep candidates): the same result."""
     check_grouped(T, E, k, H, I, torch.bfloat16, "cuda", seed=T, tune=tune, **kw)
+
+
+def test_grouped_half_where_gate_and_up_are_separate_tiles(monkeypatch):
+    """The fp16 weight tiles by default for 16-bit x where gate and up rows are separate tiles (up to ~2k tokens of
+    Qwen3.6: faster there on the H200), not with gate|up in one tile (slower); pinned on or off by the setting."""
+    from freetoken.kernels import nvfp4_moe as m
+
+    small, large = m.grouped_config(2048 * 8, 256, 2048, 512), m.grouped_config(8192 * 8, 256, 2048, 512)
+    assert not small["fuse_gate_up"] and large["fuse_gate_up"]
+    bf16, f32 = torch.bfloat16, torch.float32
+    assert m.grouped_half(small, bf16, None) and not m.grouped_half(large, bf16, None)
+    assert not m.grouped_half(small, f32, None) and not m.grouped_half(small, f32, True)  # fp32 x: never
+    assert m.grouped_half(large, bf16, True) and not m.grouped_half(small, bf16, False)
+    monkeypatch.setattr(m, "GROUPED_HALF", "on")
+    assert m.grouped_half(large, torch.float16, None)
+    monkeypatch.setattr(m, "GROUPED_HALF", "off")
+    assert not m.grouped_half(small, bf16, None)
 
 
 def test_grouped_config_refuses_unknown_settings():
