@@ -25,8 +25,8 @@ of x:
   block scale in one ``mul.rn.f16x2``, fed to the mma without repacking, its columns in pair order) against x's
   rows in fp16 (``half_rows``: scaled per row by a power of two, exact, in the tile's column order, one extra
   launch): ~4.4 instructions a weight against the bf16 tile's ~8.2, whatever M is. For 16-bit x at 2 to
-  ``HALF_DOT_AUTO_MAX_M`` rows on large weights (lm_head: ~119 us at M = 2..16 on the H200, 58 % of HBM, against
-  197-213 on the bf16 tile).
+  ``HALF_DOT_AUTO_MAX_M`` rows on large weights (lm_head: 110-118 us at M = 2..16 on the H200, 60-62 % of HBM,
+  against 197-213 on the bf16 tile).
 - Otherwise tensor cores. Each K step decodes a ``[BLOCK_N, BLOCK_K]`` tile to x's dtype in registers
   (exact: ``e2m1 * scale`` fits bf16) and runs ``tl.dot(W_tile, xᵀ_tile)``: the weights are the left operand, which
   Hopper's wgmma takes from registers, x the right one (read through shared memory). The decode costs the same
@@ -83,8 +83,8 @@ GEMV_MAX_M_FEW_ROWS = 8
 # for 16-bit x and weights of at least HALF_MIN_WEIGHTS weights (below, the extra launch that scales x costs more
 # than it saves): the packed-half GEMV (``nvfp4_half_gemv``) up to HALF_AUTO_MAX_M rows, then the fp16 tensor-core
 # tiles (``half_dot``) up to HALF_DOT_AUTO_MAX_M. H200, lm_head (2026-12-04,
-# bench/results/2026-12-04-h200-nvfp4-half-dot.txt): M=1 half 91.1 us, half_dot 117.0; M=2 121.8 / 118.7; M=3..16
-# half 206.8 (M<=4), dot 197-213, half_dot 118.7-120.6 (58-59 % of HBM)
+# bench/results/2026-12-04-h200-nvfp4-half-dot.txt): M=1 half 91.0 us, half_dot 110.9; M=2 121.4 / 109.8; M=3..16
+# half 206.6-207.0 (M<=4), dot 199-214, half_dot 110.1-118.0 (60-62 % of HBM)
 HALF_AUTO_MAX_M = 1
 HALF_DOT_AUTO_MAX_M = 16
 HALF_MIN_WEIGHTS = 1 << 26
@@ -301,7 +301,8 @@ if triton is not None:
             y += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + m * stride_om + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
+    # (M: a row count; each value divisible by 16 would compile its own kernel, inside a step of that many rows)
+    @triton.jit(do_not_specialize=["M"])
     def _nvfp4_dot_kernel(
         x_ptr,  # [M, K]; HALF: ``half_rows``' fp16 rows (scaled, tile column order, zero rows up to the tile)
         xf_ptr,  # HALF: fp32 [M], 2^-s of each row's scale
@@ -494,8 +495,7 @@ def nvfp4_linear_triton(
     """Same contract as ``nvfp4_linear_torch``; CUDA, or CPU under TRITON_INTERPRET=1. Rows of x may be strided
     (last dim contiguous); the weight and its scales must be row-major with contiguous rows. ``path``: ``auto``
     (by M), or ``gemv`` (M <= 8) / ``half`` (16-bit x, M <= 4) / ``dot`` / ``half_dot`` (16-bit x) pinned (tests
-    and the benchmark compare them); ``tune`` overrides the
-    chosen path's launch settings (``TUNE_KEYS``)."""
+    and the benchmark compare them); ``tune`` overrides the chosen path's launch settings (``TUNE_KEYS``)."""
     assert triton is not None, "triton is not installed"
     K = x.shape[-1]
     N = weight.shape[0]

@@ -778,7 +778,9 @@ if triton is not None:
             tl.store(o_ptrs, acc, mask=n_mask[:, None] & m_mask[None, :])
 
 
+# x's dtype as the down kernel's constexpr (``X_DTYPE``: its rounding)
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16} if tl else {}
+
 # the grouped kernels on fp16 weight tiles (``nvfp4_tiles.dequant_tile_half``: ~30 % fewer instructions a weight in
 # their K loops' sm_90 SASS) for 16-bit x: ``auto`` where gate and up rows are separate tiles. H200, Qwen3.6's experts,
 # uniform routing, two runs each (2026-12-04, bench/results/2026-12-04-h200-nvfp4-grouped-half.txt): 512 / 1,024 /

@@ -220,7 +220,7 @@ if triton is not None:
     @triton.jit
     def dequant_tile_half(w, s, ROWS: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr):
         """A weight tile for ``tl.dot`` in fp16 with half the instructions of ``dequant_tile_words`` (sm_90 SASS of
-        32 x 128 tiles, 2026-12-04: ~4.3 a weight against ~8.2): words ``w [ROWS, WORDS]``, scale bytes
+        32 x 128 tiles, 2026-12-04: ~4.4 a weight against ~8.2): words ``w [ROWS, WORDS]``, scale bytes
         ``s [ROWS, WORDS // 2]`` -> ``e2m1 * float(scale) * 2^-7`` as ``[ROWS, 8 * WORDS]`` fp16, exact, its columns
         in PAIR order: column ``8j + 2p + lane`` holds weight ``8j + p + 4 lane`` (``half_tile_columns``), so each
         placed pair (``e2m1_pairs``: weights p and p+4) stays one register from the decode to the mma, and the
