@@ -514,6 +514,8 @@ def bench_moe(a, device, dtype, bw) -> list:
     from freetoken.kernels.nvfp4_dequant import nvfp4_dequant_moe
     from freetoken.kernels.nvfp4_moe import (
         DECODE_MAX_PAIRS,
+        grouped_config,
+        grouped_half,
         nvfp4_fused_moe_triton,
         nvfp4_moe_decode_triton,
         pick_nvfp4_block_m,
@@ -551,6 +553,9 @@ def bench_moe(a, device, dtype, bw) -> list:
             if bm != 64:
                 paths.append(("grouped bm64", 64, False))
             for label, block_m, picked in paths:
+                # the weight tiles the default takes at this size (``grouped_half``)
+                half = grouped_half(grouped_config(T * k, E, H, I, block_m), x.dtype, None)
+                label += " fp16 tiles" if half else ""
                 t = time_calls(
                     cycled(lambda r: nvfp4_fused_moe_triton(x, *bank, *r, block_m=block_m), routes, reps), device
                 )
