@@ -151,7 +151,6 @@ def gdn_recurrent_piece_triton(
     if out is None:
         out = torch.empty(T, Hv, dv, dtype=v.dtype, device=v.device)
     assert out.shape == (T, Hv, dv) and out.dtype == v.dtype and out.stride(-1) == 1, (out.shape, out.dtype)
-    o = out
     final = torch.empty_like(s0)
     bv = min(block_v, triton.next_power_of_2(dv))
     _gdn_recurrent_piece_kernel[(Hv, triton.cdiv(dv, bv))](
@@ -161,7 +160,7 @@ def gdn_recurrent_piece_triton(
         g,
         beta,
         s0,
-        o,
+        out,
         final,
         T,
         dk**-0.5 if scale is None else float(scale),
@@ -173,8 +172,8 @@ def gdn_recurrent_piece_triton(
         v.stride(1),
         g.stride(0),
         beta.stride(0),
-        o.stride(0),
-        o.stride(1),
+        out.stride(0),
+        out.stride(1),
         R=Hv // Hk,
         DK=dk,
         DV=dv,
@@ -183,7 +182,7 @@ def gdn_recurrent_piece_triton(
         EPS=L2NORM_EPS,
         num_warps=warps,
     )
-    return o, final
+    return out, final
 
 
 def gdn_recurrent_piece(q, k, v, g, beta, initial_state, scale: Optional[float] = None, out=None):

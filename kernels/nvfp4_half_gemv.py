@@ -34,7 +34,7 @@ try:  # keep the package importable without triton
     import triton
     import triton.language as tl
 
-    from .nvfp4_tiles import e2m1_pairs, half_tile_columns, load8
+    from .nvfp4_tiles import e2m1_pairs, f16_bits, half_tile_columns, load8, pair_bits
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -71,8 +71,7 @@ if triton is not None:
     @triton.jit
     def _lane(r, HIGH: tl.constexpr):
         """One fp16 lane of uint32 pairs, as fp32 (the interpreter's emulation)."""
-        bits = (r >> 16) if HIGH else (r & 0xFFFF)
-        return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        return f16_bits((r >> 16) if HIGH else r).to(tl.float32)
 
     @triton.jit
     def _fma2(a, b, lo, hi):
@@ -180,9 +179,7 @@ if triton is not None:
             src = row + b[:, None] * 16 + col[None, :]
             lo = (tl.load(src, mask=mask, other=0.0).to(tl.float32) * up).to(tl.float16)
             hi = (tl.load(src + 4, mask=mask, other=0.0).to(tl.float32) * up).to(tl.float16)
-            lo = lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            hi = hi.to(tl.int16, bitcast=True).to(tl.int32) << 16
-            tl.store(xp_ptr + m * stride_pm + q[None, :] * (K // 16) + b[:, None], lo | hi, mask=mask)
+            tl.store(xp_ptr + m * stride_pm + q[None, :] * (K // 16) + b[:, None], pair_bits(lo, hi), mask=mask)
 
     @triton.jit
     def half_decode(w, BLOCK_N: tl.constexpr, NB: tl.constexpr):

@@ -386,16 +386,17 @@ def _gemv_config(M: int, N: int, K: int, tile: int = _GEMV_TILE, max_words: int 
     return bm, bn, bw, split
 
 
-def _dot_config(M: int, N: int, K: int) -> tuple[int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)`` for the tensor-core path."""
+def _dot_config(M: int, N: int, K: int, half: bool = False) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps)`` for the tensor-core path (``half``: its fp16 tiles)."""
     bk = max(32, min(128, triton.next_power_of_2(K)))
     if M <= SMALL_M_MAX:
         # narrow programs, many of them in flight per SM to hide the decode's latency. H200 sweeps (2026-12-02,
         # lm_head 248320 x 2048): M <= 16 took 197-214 us with 32 output rows and 2 warps a program, 250 with 64
-        # rows and 4 warps, 329 with 128 rows (the former default); M = 32 / 64: 278 / 371 us with 64 rows
+        # rows and 4 warps, 329 with 128 rows (the former default); M = 32 / 64: 278 / 371 us with 64 rows. The
+        # fp16 tiles (2026-12-04): 64 rows on 2 warps 111-112 us at M = 1 / 4, 32 rows 117-118
         bm = max(16, triton.next_power_of_2(M))
         if bm == 16:
-            return bm, 32, bk, 2
+            return bm, 64 if half else 32, bk, 2
         return bm, 64, bk, 4 if bm <= 32 else 8  # 4 warps at 64 rows spill registers on sm_80/89
     return 128, 128, min(bk, 64), 8
 
@@ -453,9 +454,7 @@ def _launch_dot(
     scales each row by a power of two and pads the rows to the tile; ``asm`` as in ``_launch_gemv``)."""
     M, K = x2.shape
     N = weight.shape[0]
-    bm, bn, bk, warps = _dot_config(M, N, K)
-    if half and bm == 16:  # lm_head, H200 sweep (2026-12-04): 64 rows on 2 warps 111-112 us at M=1/4, 32 rows 117-118
-        bn = 64
+    bm, bn, bk, warps = _dot_config(M, N, K, half)
     tune = tune or {}
     bn, bk, warps = tune.get("block_n", bn), tune.get("block_k", bk), tune.get("warps", warps)
     prec = "ieee" if x2.dtype == torch.float32 else "tf32"  # fp32 must not silently drop to tf32

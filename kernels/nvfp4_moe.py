@@ -386,7 +386,7 @@ if triton is not None:
             else:
                 xp = x_base + kw0
                 acc += pair_tile_step(
-                w, s,
+                    w, s,
                     tl.load(xp, mask=x_mask, other=0.0)[:, None, :],
                     tl.load(xp + I // 8, mask=x_mask, other=0.0)[:, None, :],
                     tl.load(xp + 2 * (I // 8), mask=x_mask, other=0.0)[:, None, :],

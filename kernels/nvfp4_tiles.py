@@ -46,11 +46,14 @@ if triton is not None:
         return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 4194304.0
 
     @triton.jit
+    def f16_bits(r):
+        """The low 16 bits of 32-bit ``r`` as fp16."""
+        return r.to(tl.uint16).to(tl.float16, bitcast=True)
+
+    @triton.jit
     def f16_halves(r):
         """A uint32 holding two fp16 bit patterns -> (low, high) as fp32."""
-        lo = r.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        hi = (r >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        return lo, hi
+        return f16_bits(r).to(tl.float32), f16_bits(r >> 16).to(tl.float32)
 
     @triton.jit
     def e2m1_pairs(w):
@@ -186,15 +189,11 @@ if triton is not None:
     _TWO_POW_15_PAIR = tl.constexpr(0x78007800)  # 2^15 in both fp16 halves
 
     @triton.jit
-    def _f16_bits(r):
-        """The low 16 bits of uint32 ``r`` as fp16."""
-        return (r & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
-
-    @triton.jit
-    def _pair_bits(lo, hi):
-        """Two fp16 tensors -> uint32 pairs (lo in the low half)."""
-        lo_bits = lo.to(tl.int16, bitcast=True).to(tl.uint32) & 0xFFFF
-        return lo_bits | ((hi.to(tl.int16, bitcast=True).to(tl.uint32) & 0xFFFF) << 16)
+    def pair_bits(lo, hi):
+        """Two fp16 tensors -> int32 pairs of their bit patterns (lo in the low half)."""
+        return (lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (
+            hi.to(tl.int16, bitcast=True).to(tl.int32) << 16
+        )
 
     @triton.jit
     def mul_pairs(a, b, ASM: tl.constexpr):
@@ -203,9 +202,9 @@ if triton is not None:
         if ASM:
             return tl.inline_asm_elementwise(_MUL_F16X2, "=r,r,r", [a, b], dtype=tl.uint32, is_pure=True, pack=1)
         else:
-            lo = _f16_bits(a).to(tl.float32) * _f16_bits(b).to(tl.float32)
-            hi = _f16_bits(a >> 16).to(tl.float32) * _f16_bits(b >> 16).to(tl.float32)
-            return _pair_bits(lo.to(tl.float16), hi.to(tl.float16))
+            a_lo, a_hi = f16_halves(a)
+            b_lo, b_hi = f16_halves(b)
+            return pair_bits((a_lo * b_lo).to(tl.float16), (a_hi * b_hi).to(tl.float16)).to(tl.uint32, bitcast=True)
 
     @triton.jit
     def pair_halves(r, ASM: tl.constexpr):
@@ -215,7 +214,7 @@ if triton is not None:
                 _F16X2_HALVES, "=h,=h,r", [r], dtype=(tl.float16, tl.float16), is_pure=True, pack=1
             )
         else:
-            return _f16_bits(r), _f16_bits(r >> 16)
+            return f16_bits(r), f16_bits(r >> 16)
 
     @triton.jit
     def dequant_tile_half(w, s, ROWS: tl.constexpr, WORDS: tl.constexpr, ASM: tl.constexpr):

@@ -81,25 +81,27 @@ def warmup_chunks(max_prefill_length: int, scratch_tokens: int, max_context: int
     return list(dict.fromkeys(chunks))  # in order, once each
 
 
+def _zero_prompt(w: "Worker", row: int, state_slot: int, prefix: int, new: int, first_slot: int) -> dict:
+    """A sequence of ``new`` zero ids after ``prefix`` on ``row`` (``state_slot`` where the model has recurrent
+    state), its KV in the slots from ``first_slot`` on, sampled greedily: a ``StepPlan.build`` entry."""
+    return {
+        "tokens": [0] * new,
+        "prefix_len": prefix,
+        "row": row,
+        "table_from": prefix,
+        "table_slots": list(range(first_slot, first_slot + new)),
+        "state_slot": state_slot if w.state is not None else -1,
+        "sample": {"temperature": 0.0},
+    }
+
+
 def scratch_chunk_plan(w: "Worker", prefix: int, new: int) -> StepPlan:
     """``new`` zero ids after ``prefix`` on the scratch row, sampled greedily (also the memory plan's dry run,
     ``Worker.dry_run``, with no prefix); a chunk after a prefix (the cached turn, and the chunks
     that build a prefix longer than one chunk) also captures its state at the grid point inside it and at its end,
     into the scratch state slot."""
-    base = w.kv_capacity_tokens
-    state_slot = w.num_state_slots if w.state is not None else -1
     plan = StepPlan.build(
-        [
-            {
-                "tokens": [0] * new,
-                "prefix_len": prefix,
-                "row": w.scratch_row,
-                "table_from": prefix,
-                "table_slots": list(range(base + prefix, base + prefix + new)),
-                "state_slot": state_slot,
-                "sample": {"temperature": 0.0},
-            }
-        ]
+        [_zero_prompt(w, w.scratch_row, w.num_state_slots, prefix, new, w.kv_capacity_tokens + prefix)]
     )
     end = prefix + new
     grid = (end - 1) // GRID * GRID
@@ -107,7 +109,7 @@ def scratch_chunk_plan(w: "Worker", prefix: int, new: int) -> StepPlan:
         points = [p for p in (grid, end) if p > prefix]
         plan.snap_seq = torch.zeros(len(points), dtype=torch.int64)
         plan.snap_upto = torch.tensor(points, dtype=torch.int64)
-        plan.snap_slot = torch.full((len(points),), state_slot, dtype=torch.int64)
+        plan.snap_slot = torch.full((len(points),), w.num_state_slots, dtype=torch.int64)
     return plan
 
 
@@ -124,17 +126,7 @@ def batch_step_plan(w: "Worker", scratch_prefix: int) -> Optional[StepPlan]:
     seqs += [(row, row, 0, n) for row, n in enumerate(fresh)]
     slot, specs = base + scratch_prefix, []
     for row, state_slot, prefix, new in seqs:
-        specs.append(
-            {
-                "tokens": [0] * new,
-                "prefix_len": prefix,
-                "row": row,
-                "table_from": prefix,
-                "table_slots": list(range(slot, slot + new)),
-                "state_slot": state_slot if w.state is not None else -1,
-                "sample": {"temperature": 0.0},
-            }
-        )
+        specs.append(_zero_prompt(w, row, state_slot, prefix, new, slot))
         slot += new
     return StepPlan.build(specs)
 
