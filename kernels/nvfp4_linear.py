@@ -482,6 +482,16 @@ def pick_path(M: int, N: int, K: int = 0, dtype: Optional[torch.dtype] = None) -
     return "dot"
 
 
+def launch_variant(M: int, N: int, K: int, dtype: Optional[torch.dtype] = None) -> tuple:
+    """What ``M`` rows against an ``N x K`` weight compile: the path ``pick_path`` takes and the launch settings that
+    depend on ``M`` (the start-up warm-up reaches each one a step's token count can take; tests check it)."""
+    path = pick_path(M, N, K, dtype)
+    if path in ("dot", "half_dot"):
+        return (path, *_dot_config(M, N, K, path == "half_dot"))
+    tile = _HALF_TILES[M == 1] if path == "half" else (_GEMV_TILE, 64)
+    return (path, *_gemv_config(M, N, K, *tile))
+
+
 def nvfp4_linear_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
