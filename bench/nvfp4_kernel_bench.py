@@ -32,12 +32,13 @@ Groups, each per M (rows of x; tokens for the MoE) in 1, 2, 4, 8, 16, 64, 256, 1
   fused`` at prefill) at prefill sizes under each launch setting of ``BF16_MOE_SWEEP`` (rows per block, tiles, warps,
   stages), per routing; ``vs bf16`` is the default setting's time over this one's: to retune
   ``fused_moe.grouped_bf16_config``.
-- ``mixed`` (decode sizes, M <= 4): the projections of nvidia/Qwen3.6-35B-A3B-NVFP4 whose parts mix BF16, FP8 and
+- ``mixed`` (decode sizes, M <= 16): the projections of nvidia/Qwen3.6-35B-A3B-NVFP4 whose parts mix BF16, FP8 and
   NVFP4 (the MoE block's router | shared gate | shared gate|up, the GDN in_proj qkv | z | b | a, attention q | k | v)
   and the lone FP8 / few-row NVFP4 Linears, through the layers (``layers/mixed_projection.py``): the layer's own
-  path (``mixed``: the one-launch mixed GEMV of ``kernels/mixed_gemv.py`` where it applies, e.g. not for FP8 rows at
-  3-4 rows of x) beside the per-part path it replaces (``per part``: a kernel per part, FP8 as W8A8 with its
-  activation quantization, then a concatenation), and beside one BF16 GEMM of the whole shape.
+  path (``mixed gemv``: the one-launch GEMV of ``kernels/mixed_gemv.py`` up to 2-4 rows of x; ``mixed dot``: its
+  tensor-core twin ``kernels/mixed_dot.py`` up to 16) beside the per-part path they replace (``per part``: a kernel
+  per part, FP8 as W8A8 with its activation quantization, then a concatenation), and beside one BF16 GEMM of the
+  whole shape.
 - ``fp8``: the FP8 per-tensor projections (``kernels/fp8_linear.py``: Triton quantization + tensor-wise
   ``_scaled_mm``): GDN in_proj_qkv (8192 x 2048), out_proj (2048 x 4096), attention k (512 x 2048), beside
   ``torch.mm`` in BF16.
@@ -625,8 +626,22 @@ def mixed_projection(spec, k, device, dtype, seed):
     return fused, fused.forward_parts
 
 
+def lone_rows(layer):
+    """The ``MixedRows`` a lone quantized Linear's forward builds (the kernels' dispatch reads them)."""
+    from freetoken.kernels.mixed_gemv import MixedRows
+    from freetoken.layers.quantized_linear import Fp8Linear
+
+    if isinstance(layer, Fp8Linear):
+        return MixedRows(layer.in_features, fp8_weight=layer.weight, fp8_scale=layer.weight_scale)
+    return MixedRows(
+        layer.in_features, nvfp4_weight=layer.weight, nvfp4_scale=layer.weight_scale, nvfp4_global=layer.weight_scale_2
+    )
+
+
 def bench_mixed(a, device, dtype, bw) -> list:
     import torch
+
+    from freetoken.kernels import mixed_dot
 
     if a.mixed_block_k:
         from freetoken.kernels import mixed_gemv
@@ -640,16 +655,19 @@ def bench_mixed(a, device, dtype, bw) -> list:
         nbytes_w = int(sum(bytes_per[f] * r * k for f, r in spec))
         layers = [mixed_projection(spec, k, device, dtype, i) for i in range(copies_for(nbytes_w, a.smoke))]
         bf16 = [torch.randn(n, k, device=device, dtype=dtype) * 0.02 for _ in range(copies_for(2 * n * k, a.smoke))]
-        for M in [m for m in a.ms if m <= 4]:
+        for M in [m for m in a.ms if m <= mixed_dot.MAX_M]:
             x = torch.randn(M, k, device=device, dtype=dtype)
+            kernel = mixed_dot.mixed_kernel(x, getattr(layers[0][0], "mixed", None) or lone_rows(layers[0][0]))
             nbytes = nbytes_w + (M * k + M * n) * x.element_size()
             t_bf16 = time_calls(cycled(lambda w: torch.mm(x, w.t()), bf16, a.reps), device)
             t_mixed = time_calls(cycled(lambda layer: layer[0](x), layers, a.reps), device)
             t_parts = time_calls(cycled(lambda layer: layer[1](x), layers, a.reps), device)
             flops = 2 * M * n * k
+            label = {mixed_dot.mixed_gemv_triton: "mixed gemv", mixed_dot.mixed_dot_triton: "mixed dot"}.get(kernel)
             rows.append(
-                row("mixed", name, M, t_mixed, nbytes, flops, bw, t_bf16, kernel="mixed", vs_parts=t_parts / t_mixed)
-            )
+                row("mixed", name, M, t_mixed, nbytes, flops, bw, t_bf16, kernel=label or "per part (layer)",
+                    vs_parts=t_parts / t_mixed)
+            )  # fmt: skip
             rows.append(row("mixed", name, M, t_parts, nbytes, flops, bw, t_bf16, kernel="per part"))
     return rows
 

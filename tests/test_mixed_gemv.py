@@ -61,9 +61,9 @@ def make_parts(spec, k, dtype=torch.float32, device="cpu"):
 def check_projection(spec, k, M, dtype, device, mode="auto"):
     """``fuse_linears`` over ``spec``'s parts: the mixed GEMV's output vs the parts run one by one (each its own
     reference on CPU, its kernel on CUDA), and vs the kernel's torch reference."""
+    from freetoken.kernels.mixed_dot import mixed_kernel
     from freetoken.kernels.mixed_gemv import mixed_gemv_torch
     from freetoken.layers.fused_linear import fuse_linears
-    from freetoken.layers.mixed_projection import use_mixed_gemv
 
     parts = make_parts(spec, k, dtype, device)
     g = torch.Generator().manual_seed(M)
@@ -74,7 +74,7 @@ def check_projection(spec, k, M, dtype, device, mode="auto"):
     fused.mixed_mode = mode
     out = fused(x)
     assert out.shape == alone.shape and out.dtype == x.dtype
-    if not use_mixed_gemv(x, fused.mixed, mode):  # FP8 rows at three or four rows of x: the parts' GEMMs
+    if mixed_kernel(x, fused.mixed, mode) is None:  # e.g. fp32 x with FP8 rows at three or four rows of x: the parts
         assert M > 2 and torch.equal(out, fused.forward_parts(x))
         return 0.0
     err = error(out, mixed_gemv_torch(x, fused.mixed))
@@ -219,15 +219,15 @@ def test_mixed_projection_cuda(name, M):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("M", [1, 2, 3])
+@pytest.mark.parametrize("M", [1, 2, 3, 17])
 def test_fp8_linear_decode_gemv_cuda(M):
-    """A lone FP8 Linear (o_proj, GDN out_proj): up to 2 rows the W8A16 GEMV (near the dequantized reference), above
-    the W8A8 GEMM."""
+    """A lone FP8 Linear (o_proj, GDN out_proj): up to 16 rows W8A16 (the GEMV, then ``mixed_dot``; near the
+    dequantized reference), above the W8A8 GEMM."""
     from freetoken.kernels.fp8_linear import fp8_linear, fp8_linear_torch
 
     lin = _fp8(2048, 4096, 1, torch.bfloat16, "cuda")
     x = torch.randn(M, 4096, device="cuda", dtype=torch.bfloat16)
-    if M <= 2:
+    if M <= 16:
         assert error(lin(x), fp8_linear_torch(x, lin.weight, lin.weight_scale)) <= 3e-2
     else:
         assert torch.equal(lin(x), fp8_linear(x, lin.weight, lin.weight_scale, lin.input_scale))
@@ -235,16 +235,16 @@ def test_fp8_linear_decode_gemv_cuda(M):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("M", [1, 4, 5])
+@pytest.mark.parametrize("M", [1, 4, 5, 17])
 def test_nvfp4_linear_few_rows_decode_gemv_cuda(M):
-    """A lone NVFP4 Linear with few rows (the shared expert's down projection): up to 4 rows the mixed GEMV (one
-    launch, near the reference), above the W4A16 kernels of ``nvfp4_linear``."""
+    """A lone NVFP4 Linear with few rows (the shared expert's down projection): up to 4 rows the mixed GEMV, up to
+    16 ``mixed_dot`` (one launch, near the reference), above the W4A16 kernels of ``nvfp4_linear``."""
     from freetoken.kernels.nvfp4_linear import nvfp4_linear_torch, nvfp4_linear_triton
 
     lin = _nvfp4(2048, 512, 1, torch.bfloat16, "cuda")
     x = torch.randn(M, 512, device="cuda", dtype=torch.bfloat16)
     args = (lin.weight, lin.weight_scale, lin.weight_scale_2)
-    if M <= 4:
+    if M <= 16:
         assert error(lin(x), nvfp4_linear_torch(x, *args)) <= 3e-2
     else:
         assert torch.equal(lin(x), nvfp4_linear_triton(x, *args))
@@ -253,7 +253,7 @@ def test_nvfp4_linear_few_rows_decode_gemv_cuda(M):
 @pytest.mark.gpu
 @cuda
 def test_mixed_projection_cuda_dispatch_and_graph():
-    """M <= 4 runs one launch (no per-part kernel), M = 5 the parts; a captured graph replays new inputs."""
+    """M <= 16 runs one launch (no per-part kernel), M = 17 the parts; a captured graph replays new inputs."""
     from freetoken.kernels.mixed_gemv import mixed_gemv_torch
     from freetoken.layers.fused_linear import fuse_linears
 
@@ -266,7 +266,9 @@ def test_mixed_projection_cuda_dispatch_and_graph():
     x = torch.randn(2, k, device="cuda", dtype=torch.bfloat16)
     fused(x)
     assert ran == []
-    fused(torch.randn(5, k, device="cuda", dtype=torch.bfloat16))
+    fused(torch.randn(16, k, device="cuda", dtype=torch.bfloat16))
+    assert ran == []
+    fused(torch.randn(17, k, device="cuda", dtype=torch.bfloat16))
     assert len(ran) == len(parts)
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()

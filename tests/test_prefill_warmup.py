@@ -33,15 +33,16 @@ def test_chunks_fit_the_scratch_region_and_the_chunk_length():
     # no turn that would not fit
     short = warmup_chunks(8192, 8192, 1024)
     assert (0, 1999) not in short and max(p + n for p, n in short) < 1024 and short[-1][0] > 0
-    assert warmup_chunks(8192, 8192, 40) == [(0, 5), (0, 13), (0, 17), (0, 37)]  # too short for a cached turn
+    assert warmup_chunks(8192, 8192, 40) == [(0, 5), (0, 17), (0, 37)]  # too short for a cached turn
 
 
 def test_warmup_lengths_reach_every_nvfp4_linear_launch_a_step_makes():
-    """Every launch variant a step of 5..4,096 tokens makes of the NVFP4 linear on the shared expert's weights
-    (Qwen3.6: gate|up 1024 x 2048, down 2048 x 512; up to 4 rows the mixed GEMV runs instead) is one a warm-up chunk
-    or the batched step makes first; else a request compiles it (on the H200 a 14-token step did, 181 ms)."""
+    """Every launch variant a step of 17..4,096 tokens makes of the NVFP4 linear on the shared expert's weights
+    (Qwen3.6: gate|up 1024 x 2048, down 2048 x 512; up to 16 rows the mixed GEMV / ``mixed_dot`` run instead, one
+    variant each) is one a warm-up chunk or the batched step makes first; else a request compiles it (on the H200 a
+    14-token step did, 181 ms, before ``mixed_dot`` took those rows)."""
     pytest.importorskip("triton")
-    from freetoken.kernels.mixed_gemv import MAX_M
+    from freetoken.kernels.mixed_dot import MAX_M
     from freetoken.kernels.nvfp4_linear import launch_variant
 
     warm = set(FRESH_LENGTHS) | {1 + sum(BATCH_FRESH_LENGTHS)}

@@ -43,12 +43,11 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
-# odd: Triton's "other integer" specialization, and each a different tile pick; 13 tokens reach the NVFP4 linear's
-# 16-row tensor-core tiles (steps of 9..16 tokens on the shared expert: on the H200 a 14-token step compiled them
-# inside a request, 181 ms, once the lm_head's 2..16 rows had moved to the fp16 tiles); 17 tokens are 136 (token,
-# expert) pairs at top-8, where an eager step (a short chunk, or one with decode tokens mixed in) takes the NVFP4 MoE
-# decode GEMVs in packed half precision (64..256 pairs), which no other length reaches (5: 40 pairs; 37: 296, grouped)
-FRESH_LENGTHS = (5, 13, 17, 37, 301, 1999)
+# odd: Triton's "other integer" specialization, and each a different tile pick (tests/test_prefill_warmup.py checks
+# that they reach every launch of the NVFP4 linear a step's token count can make); 17 tokens are 136 (token, expert)
+# pairs at top-8, where an eager step (a short chunk, or one with decode tokens mixed in) takes the NVFP4 MoE decode
+# GEMVs in packed half precision (64..256 pairs), which no other length reaches (5: 40 pairs; 37: 296, grouped)
+FRESH_LENGTHS = (5, 17, 37, 301, 1999)
 # (prefix, new tokens of each turn after it): few query blocks over a long prefix (key splits), snapshots; a short
 # turn and an agent-sized one (its attention partials and MoE rows are larger: the allocator grows to them here, not
 # inside a served turn; on the H200 the first ~1,100-token turn of a session took 113 ms where the next took 77)

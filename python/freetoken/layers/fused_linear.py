@@ -6,8 +6,8 @@ each projection is a small GEMV.
 dimension into one tensor, and each part's ``weight`` (and ``bias``) becomes a view into it, so parameter names,
 ``state_dict()`` and the bytes counted stay exactly as loaded. The layer then calls the ``FusedLinear`` and splits
 the output. Quantized parts keep their own scales and run part by part (``PartwiseLinear``), except in decode-sized
-steps on CUDA, where the parts of each format are one block of rows of a single mixed BF16/FP8/NVFP4 GEMV launch
-(``layers/mixed_projection.py``); FP8 parts
+steps on CUDA (up to 16 rows of x), where the parts of each format are one block of rows of a single mixed
+BF16/FP8/NVFP4 launch (``layers/mixed_projection.py``: a GEMV, or from 3-5 rows on tensor cores); FP8 parts
 (``Fp8PartwiseLinear``) quantize the shared input once per distinct input scale and run one tensor-wise
 ``_scaled_mm`` per part, on the current stream: a single GEMM over the concatenated weight would need a row-wise
 scale vector, and row-wise ``_scaled_mm`` ignores the stream on sm_89 with torch < 2.12 (REFERENCES §3.5).
@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.fp8_linear import fp8_quantize, fp8_scaled_mm, scaled_mm_supported
-from ..kernels.mixed_gemv import MixedRows, mixed_gemv_triton
-from .mixed_projection import mixed_rows, use_mixed_gemv
+from ..kernels.mixed_dot import mixed_kernel
+from ..kernels.mixed_gemv import MixedRows
+from .mixed_projection import mixed_rows
 from .quantized_linear import Fp8Linear
 
 # The fused weight's rows are padded with zeros to a multiple of this: an output row of an odd width (the MoE
@@ -78,8 +79,10 @@ class PartwiseLinear(nn.Module):
         return dataclasses.replace(self._mixed, **{n: getattr(self, "mixed_" + n) for n in self._mixed.tensors()})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_mixed_gemv(x, self._mixed, self.mixed_mode) and all(p.impl == "auto" for p in self._quantized()):
-            return mixed_gemv_triton(x, self.mixed)
+        if all(p.impl == "auto" for p in self._quantized()):
+            kernel = mixed_kernel(x, self._mixed, self.mixed_mode)
+            if kernel is not None:
+                return kernel(x, self.mixed)
         return self.forward_parts(x)
 
     def _quantized(self) -> list[nn.Module]:

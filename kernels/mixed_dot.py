@@ -1,0 +1,211 @@
+"""The mixed BF16 / FP8 / NVFP4 projection of ``mixed_gemv.py`` on tensor cores, for a few rows of x (up to
+``MAX_M``): the decode steps of 3..16 sequences.
+
+    x [M, K] (bf16 or fp16), rows: ``MixedRows`` (dense, FP8 E4M3 with a scale per row, NVFP4)  ->  [M, out_features]
+
+Why: past the GEMV's few rows (``mixed_gemv.MAX_M`` / ``FP8_MAX_M``) a projection ran part by part: the FP8 parts as
+an activation-quantization kernel and one W8A8 ``_scaled_mm`` per part, the dense and NVFP4 parts as their own
+GEMMs, then a concatenation. On the H200 the GDN input projection of Qwen3.6's NVFP4 checkpoint took 27.5 us so at
+three rows of x (2026-12-02) where its 25 MB of weights take ~6 us to read, and a decode step of 8 sequences runs 70
+such projections. Here each program takes ``BLOCK_N`` rows of one format (no divergence) against all rows of x
+padded to 16 (masked loads read zeros), decodes each K step's weight tile into x's dtype in registers and runs one
+``tl.dot`` with fp32 sums; the per-row scale multiplies once at the end. Decoding is exact: an E4M3 byte converts to
+bf16 and fp16 without rounding (Triton's FP8 conversion: one ``cvt`` for two bytes on sm_89/90), an NVFP4 code
+times its block scale is ``nvfp4_tiles.dequant_tile_words``' exact tile. So it differs from ``mixed_gemv_torch`` (the
+reference, which rounds ``weight * scale`` to x's dtype before its matmul) by that rounding and the order of the
+sums. One launch whose grid depends only on the shapes: CUDA-graph capturable.
+
+Needs FP8 conversions on the device when there are FP8 rows (sm_89+; the interpreter has them too); elsewhere the
+parts keep their own kernels (``use_mixed_dot``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .device_sms import scaled
+from .mixed_gemv import MODES, MixedRows, mixed_gemv_triton, supports, use_mixed_gemv
+
+try:  # keep the module importable without triton
+    import triton
+    import triton.language as tl
+
+    from .nvfp4_tiles import tile_dot_step
+except Exception:  # pragma: no cover
+    triton = None
+    tl = None
+
+# rows of x the kernel takes (one 16-row tile of x); decode batches above run the parts' GEMMs
+MAX_M = 16
+BLOCK_M = 16
+# weights of a row per K step; rows a program from 64 down to 16 until the grid has about _TARGET_PROGRAMS
+# programs (two per SM of the H200: each streams its rows' bytes, several K steps in flight)
+_BLOCK_K = 128
+_TARGET_PROGRAMS = 264
+_NUM_STAGES = 3
+_WARPS = 4
+
+if triton is not None:
+    # M not specialized: a step of 16 rows (divisible by 16) would compile a second variant on the request path
+    # M not specialized: a step of 16 rows (divisible by 16) would compile a second variant on the request path
+    @triton.jit(do_not_specialize=["M"])
+    def _mixed_dot_kernel(
+        x_ptr,  # [M, K], 16-bit
+        out_ptr,  # [M, >= every block's columns]
+        d_ptr,  # dense [Nd, K] in x's dtype
+        f_ptr,  # fp8 bytes [Nf, K] (uint8)
+        fs_ptr,  # fp32 per-row scale [Nf] (stride_fs 0: one scale)
+        n_ptr,  # nvfp4 int32 words [Nn, K/8]
+        ns_ptr,  # nvfp4 block scale bytes [Nn, K/16]
+        ng_ptr,  # fp32 per-row global scale [Nn] (stride_ng 0: one)
+        M,
+        Nd,
+        Nf,
+        Nn,
+        d_progs,  # programs of the dense rows, then of the fp8 rows; the rest take the nvfp4 rows
+        f_progs,
+        d_col,
+        f_col,
+        n_col,
+        stride_xm,
+        stride_om,
+        stride_d,
+        stride_f,
+        stride_fs,
+        stride_n,
+        stride_ns,
+        stride_ng,
+        K,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        NUM_STAGES: tl.constexpr,
+        DOT_DTYPE: tl.constexpr,  # x's dtype; fp32 under the CPU interpreter (its bf16 tl.dot multiplies raw bits)
+        DOT_PREC: tl.constexpr,  # "ieee" for fp32 (never tf32), else unused
+    ):
+        pid = tl.program_id(0)
+        dt: tl.constexpr = DOT_DTYPE
+        offs_b = tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_mask = offs_m < M
+        # xᵀ [BLOCK_K, BLOCK_M] at k = 0 (rows past M read as zeros)
+        xt_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # yᵀ
+        if pid < d_progs:
+            offs_n = pid * BLOCK_N + offs_b
+            n_mask = offs_n < Nd
+            d_ptrs = d_ptr + offs_n[:, None].to(tl.int64) * stride_d + offs_k[None, :]
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+                k_mask = (k0 + offs_k) < K
+                w = tl.load(d_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(dt)
+                xt = tl.load(xt_ptrs + k0, mask=k_mask[:, None] & m_mask[None, :], other=0.0).to(dt)
+                acc = tl.dot(w, xt, acc, input_precision=DOT_PREC)
+            row_scale = tl.full((BLOCK_N,), 1.0, tl.float32)
+            col = d_col
+        elif pid < d_progs + f_progs:
+            offs_n = (pid - d_progs) * BLOCK_N + offs_b
+            n_mask = offs_n < Nf
+            f_ptrs = f_ptr + offs_n[:, None].to(tl.int64) * stride_f + offs_k[None, :]
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+                k_mask = (k0 + offs_k) < K
+                b = tl.load(f_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0).to(tl.uint8)
+                w = b.to(tl.float8e4nv, bitcast=True).to(dt)  # exact
+                xt = tl.load(xt_ptrs + k0, mask=k_mask[:, None] & m_mask[None, :], other=0.0).to(dt)
+                acc = tl.dot(w, xt, acc, input_precision=DOT_PREC)
+            row_scale = tl.load(fs_ptr + offs_n * stride_fs, mask=n_mask, other=0.0).to(tl.float32)
+            col = f_col
+        else:
+            offs_n = (pid - d_progs - f_progs) * BLOCK_N + offs_b
+            n_mask = offs_n < Nn
+            rows = offs_n[:, None].to(tl.int64)
+            offs_w = tl.arange(0, BLOCK_K // 8)
+            offs_s = tl.arange(0, BLOCK_K // 16)
+            n_ptrs = n_ptr + rows * stride_n + offs_w[None, :]
+            s_ptrs = ns_ptr + rows * stride_ns + offs_s[None, :]
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+                xt = tl.load(xt_ptrs + k0, mask=((k0 + offs_k) < K)[:, None] & m_mask[None, :], other=0.0).to(dt)
+                acc = tile_dot_step(
+                    n_ptrs, s_ptrs, n_mask, k0, K, offs_w, offs_s, xt, acc, BLOCK_N, BLOCK_K // 8, dt, DOT_PREC
+                )
+            row_scale = tl.load(ng_ptr + offs_n * stride_ng, mask=n_mask, other=0.0).to(tl.float32)
+            col = n_col
+        y = acc * row_scale[:, None]
+        o_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + col + offs_n[:, None]
+        tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if triton is not None else {}
+
+
+def _block_n(rows: tuple[int, int, int]) -> int:
+    """Rows a program: 64 down to 16 until the grid has about ``_TARGET_PROGRAMS`` programs."""
+    bn, target = 64, scaled(_TARGET_PROGRAMS)
+    while bn > 16 and sum(triton.cdiv(r, bn) for r in rows) < target:
+        bn //= 2
+    return bn
+
+
+def _device_has_fp8(x: torch.Tensor) -> bool:
+    return not x.is_cuda or torch.cuda.get_device_capability(x.device) >= (8, 9)
+
+
+def mixed_kernel(x: torch.Tensor, rows: Optional[MixedRows], mode: str = "auto"):
+    """The one-launch kernel a projection over ``rows`` runs ``x`` through (``kernel(x, rows)``): the mixed GEMV
+    up to its few rows, then this one; ``None`` where neither applies (the caller runs its parts). The one dispatch
+    rule of the fused projections and the lone quantized Linears."""
+    if use_mixed_gemv(x, rows, mode):
+        return mixed_gemv_triton
+    if use_mixed_dot(x, rows, mode):
+        return mixed_dot_triton
+    return None
+
+
+def use_mixed_dot(x: torch.Tensor, rows: Optional[MixedRows], mode: str = "auto") -> bool:
+    """Whether ``x`` takes the kernel over ``rows``: more rows than the mixed GEMV takes (``rows.max_m``), at most
+    ``MAX_M``, 16-bit x, shapes the kernel takes, FP8 conversions on the device where there are FP8 rows, CUDA
+    (``auto``) or anywhere (``on``, tests under the interpreter); ``mode`` as ``use_mixed_gemv``'s."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mixed GEMV mode {mode!r} (one of {', '.join(MODES)})")
+    if rows is None or mode == "off" or x.numel() == 0 or not supports(rows):
+        return False
+    if x.dtype not in (torch.bfloat16, torch.float16) or (rows.rows[1] and not _device_has_fp8(x)):
+        return False
+    return rows.max_m < x.numel() // x.shape[-1] <= MAX_M and (mode == "on" or x.is_cuda)
+
+
+def mixed_dot_triton(x: torch.Tensor, rows: MixedRows) -> torch.Tensor:
+    """``mixed_gemv_torch``'s contract for 16-bit ``x [..., K]`` with at most ``MAX_M`` rows; CUDA, or CPU under
+    TRITON_INTERPRET=1."""
+    assert triton is not None, "triton is not installed"
+    K = rows.K
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    assert M <= MAX_M and supports(rows) and x.dtype in (torch.bfloat16, torch.float16), (M, K, x.dtype)
+    out = torch.empty(M, rows.out_features, dtype=x.dtype, device=x.device)
+    nd, nf, nn_ = rows.rows
+    if M == 0 or nd + nf + nn_ == 0:
+        return out.view(*x.shape[:-1], rows.out_features)
+    assert nd == 0 or rows.dense.dtype == x.dtype, "dense rows in another dtype than x"
+    bn = _block_n(rows.rows)
+    d_progs, f_progs, n_progs = (triton.cdiv(r, bn) for r in rows.rows)
+    dummy = out  # a block with no rows has no programs: its pointers are never read
+    dense = rows.dense if nd else dummy
+    f_w = rows.fp8_weight.view(torch.uint8) if nf else dummy
+    f_s = rows.fp8_scale if nf else dummy
+    n_w = rows.nvfp4_weight.view(torch.int32) if nn_ else dummy
+    n_s = rows.nvfp4_scale.view(torch.uint8) if nn_ else dummy
+    n_g = rows.nvfp4_global if nn_ else dummy
+    _mixed_dot_kernel[(d_progs + f_progs + n_progs,)](
+        x2, out, dense, f_w, f_s, n_w, n_s, n_g, M, nd, nf, nn_, d_progs, f_progs,
+        rows.dense_col, rows.fp8_col, rows.nvfp4_col, x2.stride(0), out.stride(0),
+        dense.stride(0) if nd else 0, f_w.stride(0) if nf else 0, f_s.stride(0) if nf and f_s.dim() else 0,
+        n_w.stride(0) if nn_ else 0, n_s.stride(0) if nn_ else 0, n_g.stride(0) if nn_ and n_g.dim() else 0, K,
+        BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=_BLOCK_K, NUM_STAGES=_NUM_STAGES,
+        DOT_DTYPE=_TL_DTYPES[x.dtype] if x.is_cuda else tl.float32, DOT_PREC="ieee", num_warps=_WARPS,
+    )  # fmt: skip
+    return out.view(*x.shape[:-1], rows.out_features)
