@@ -83,6 +83,11 @@ def parse_args(argv=None):
     p.add_argument(
         "--mixed-block-k", type=int, default=None, help="the mixed GEMV's K step (weights) at every size, for A/B runs"
     )
+    p.add_argument(
+        "--mixed-dot-sweep",
+        action="store_true",
+        help="also time mixed_dot under each MIXED_DOT_SWEEP setting (warps, K step, rows a program) where it runs",
+    )
     a = p.parse_args(argv)
     a.groups = a.groups.split(",")
     a.routing = a.routing.split(",")
@@ -638,6 +643,28 @@ def lone_rows(layer):
     )
 
 
+# launch settings of kernels/mixed_dot.py the --mixed-dot-sweep times: (warps, weights a K step (None: the
+# kernel's rule), most rows a program)
+MIXED_DOT_SWEEP = [(2, None, 64), (4, None, 64), (2, 128, 64), (2, 256, 64), (2, None, 32), (2, 512, 16), (1, None, 32)]
+
+
+def time_mixed_dot_settings(a, layers, x, device) -> list:
+    """``[(label, us)]``: the layer path under each ``MIXED_DOT_SWEEP`` setting (the module's launch constants set
+    for the call, then restored)."""
+    from freetoken.kernels import mixed_dot
+
+    saved = mixed_dot._WARPS, mixed_dot._BLOCK_K, mixed_dot._MAX_BLOCK_N
+    out = []
+    try:
+        for warps, bk, bn in MIXED_DOT_SWEEP:
+            mixed_dot._WARPS, mixed_dot._BLOCK_K, mixed_dot._MAX_BLOCK_N = warps, bk, bn
+            t = time_calls(cycled(lambda layer: layer[0](x), layers, a.reps), device)
+            out.append((f"mixed dot warps={warps},block_k={bk},block_n<={bn}", t))
+    finally:
+        mixed_dot._WARPS, mixed_dot._BLOCK_K, mixed_dot._MAX_BLOCK_N = saved
+    return out
+
+
 def bench_mixed(a, device, dtype, bw) -> list:
     import torch
 
@@ -669,6 +696,9 @@ def bench_mixed(a, device, dtype, bw) -> list:
                     vs_parts=t_parts / t_mixed)
             )  # fmt: skip
             rows.append(row("mixed", name, M, t_parts, nbytes, flops, bw, t_bf16, kernel="per part"))
+            if a.mixed_dot_sweep and kernel is mixed_dot.mixed_dot_triton:
+                for label, t in time_mixed_dot_settings(a, layers, x, device):
+                    rows.append(row("mixed", name, M, t, nbytes, flops, bw, t_bf16, kernel=label))
     return rows
 
 

@@ -40,12 +40,18 @@ except Exception:  # pragma: no cover
 # rows of x the kernel takes (one 16-row tile of x); decode batches above run the parts' GEMMs
 MAX_M = 16
 BLOCK_M = 16
-# weights of a row per K step; rows a program from 64 down to 16 until the grid has about _TARGET_PROGRAMS
-# programs (two per SM of the H200: each streams its rows' bytes, several K steps in flight)
-_BLOCK_K = 128
+# rows a program from _MAX_BLOCK_N down to 16 until the grid has about _TARGET_PROGRAMS programs (two per SM of the
+# H200), and a K step of _STEP_WEIGHTS weights over the program's rows (128..512 a row; None in _BLOCK_K: that
+# rule): each program keeps a few steps of its rows' bytes in flight, and a projection with few rows (o_proj: 2,048,
+# 16 a program) is otherwise latency-bound (H200, 4 warps and 128-weight steps: 20 us where its 8 MB take 2). 2
+# warps: mma.sync on the tile in registers (4 warps take wgmma, which ran the NVFP4 fp16 tiles 1.5x slower on the
+# H200, kernels/nvfp4_linear.py). bench/nvfp4_kernel_bench.py --groups mixed --mixed-dot-sweep times the choices.
+_BLOCK_K = None
+_STEP_WEIGHTS = 8192
+_MAX_BLOCK_N = 64
 _TARGET_PROGRAMS = 264
 _NUM_STAGES = 3
-_WARPS = 4
+_WARPS = 2
 
 if triton is not None:
     # M not specialized: a step of 16 rows (divisible by 16) would compile a second variant on the request path
@@ -141,11 +147,16 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if triton 
 
 
 def _block_n(rows: tuple[int, int, int]) -> int:
-    """Rows a program: 64 down to 16 until the grid has about ``_TARGET_PROGRAMS`` programs."""
-    bn, target = 64, scaled(_TARGET_PROGRAMS)
+    """Rows a program: ``_MAX_BLOCK_N`` down to 16 until the grid has about ``_TARGET_PROGRAMS`` programs."""
+    bn, target = _MAX_BLOCK_N, scaled(_TARGET_PROGRAMS)
     while bn > 16 and sum(triton.cdiv(r, bn) for r in rows) < target:
         bn //= 2
     return bn
+
+
+def _block_k(block_n: int) -> int:
+    """Weights of a row per K step for programs of ``block_n`` rows (see ``_STEP_WEIGHTS``)."""
+    return _BLOCK_K or min(512, max(128, _STEP_WEIGHTS // block_n))
 
 
 def _device_has_fp8(x: torch.Tensor) -> bool:
@@ -193,19 +204,24 @@ def mixed_dot_triton(x: torch.Tensor, rows: MixedRows) -> torch.Tensor:
     assert nd == 0 or rows.dense.dtype == x.dtype, "dense rows in another dtype than x"
     bn = _block_n(rows.rows)
     d_progs, f_progs, n_progs = (triton.cdiv(r, bn) for r in rows.rows)
-    dummy = out  # a block with no rows has no programs: its pointers are never read
-    dense = rows.dense if nd else dummy
-    f_w = rows.fp8_weight.view(torch.uint8) if nf else dummy
-    f_s = rows.fp8_scale if nf else dummy
-    n_w = rows.nvfp4_weight.view(torch.int32) if nn_ else dummy
-    n_s = rows.nvfp4_scale.view(torch.uint8) if nn_ else dummy
-    n_g = rows.nvfp4_global if nn_ else dummy
+
+    # a block with no rows has no programs and its pointers are never read, but the kernel compiles its branch
+    # for the pointer types: an empty tensor of the right dtype stands in (no allocation)
+    def stand_in(dtype):
+        return torch.empty(0, dtype=dtype, device=x.device)
+
+    dense = rows.dense if nd else stand_in(x.dtype)
+    f_w = rows.fp8_weight.view(torch.uint8) if nf else stand_in(torch.uint8)
+    f_s = rows.fp8_scale if nf else stand_in(torch.float32)
+    n_w = rows.nvfp4_weight.view(torch.int32) if nn_ else stand_in(torch.int32)
+    n_s = rows.nvfp4_scale.view(torch.uint8) if nn_ else stand_in(torch.uint8)
+    n_g = rows.nvfp4_global if nn_ else stand_in(torch.float32)
     _mixed_dot_kernel[(d_progs + f_progs + n_progs,)](
         x2, out, dense, f_w, f_s, n_w, n_s, n_g, M, nd, nf, nn_, d_progs, f_progs,
         rows.dense_col, rows.fp8_col, rows.nvfp4_col, x2.stride(0), out.stride(0),
         dense.stride(0) if nd else 0, f_w.stride(0) if nf else 0, f_s.stride(0) if nf and f_s.dim() else 0,
         n_w.stride(0) if nn_ else 0, n_s.stride(0) if nn_ else 0, n_g.stride(0) if nn_ and n_g.dim() else 0, K,
-        BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=_BLOCK_K, NUM_STAGES=_NUM_STAGES,
+        BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=_block_k(bn), NUM_STAGES=_NUM_STAGES,
         DOT_DTYPE=_TL_DTYPES[x.dtype] if x.is_cuda else tl.float32, DOT_PREC="ieee", num_warps=_WARPS,
     )  # fmt: skip
     return out.view(*x.shape[:-1], rows.out_features)
