@@ -684,7 +684,10 @@ def bench_mixed(a, device, dtype, bw) -> list:
         bf16 = [torch.randn(n, k, device=device, dtype=dtype) * 0.02 for _ in range(copies_for(2 * n * k, a.smoke))]
         for M in [m for m in a.ms if m <= mixed_dot.MAX_M]:
             x = torch.randn(M, k, device=device, dtype=dtype)
-            kernel = mixed_dot.mixed_kernel(x, getattr(layers[0][0], "mixed", None) or lone_rows(layers[0][0]))
+            fused = hasattr(layers[0][0], "mixed")  # a lone Linear takes the GEMV only (quantized_linear.py)
+            mixed = layers[0][0].mixed if fused else lone_rows(layers[0][0])
+            kernel = mixed_dot.mixed_kernel(x, mixed) if fused else mixed_dot.use_mixed_gemv(x, mixed) or None
+            kernel = mixed_dot.mixed_gemv_triton if kernel is True else kernel
             nbytes = nbytes_w + (M * k + M * n) * x.element_size()
             t_bf16 = time_calls(cycled(lambda w: torch.mm(x, w.t()), bf16, a.reps), device)
             t_mixed = time_calls(cycled(lambda layer: layer[0](x), layers, a.reps), device)
@@ -699,6 +702,10 @@ def bench_mixed(a, device, dtype, bw) -> list:
             if a.mixed_dot_sweep and kernel is mixed_dot.mixed_dot_triton:
                 for label, t in time_mixed_dot_settings(a, layers, x, device):
                     rows.append(row("mixed", name, M, t, nbytes, flops, bw, t_bf16, kernel=label))
+            if not fused and mixed_dot.use_mixed_dot(x, mixed):  # what the lone Linear leaves out, timed
+                t_dot = time_calls(cycled(lambda layer: mixed_dot.mixed_dot_triton(x, lone_rows(layer[0])), layers,
+                                          a.reps), device)  # fmt: skip
+                rows.append(row("mixed", name, M, t_dot, nbytes, flops, bw, t_bf16, kernel="mixed dot (not taken)"))
     return rows
 
 

@@ -165,8 +165,8 @@ def _device_has_fp8(x: torch.Tensor) -> bool:
 
 def mixed_kernel(x: torch.Tensor, rows: Optional[MixedRows], mode: str = "auto"):
     """The one-launch kernel a projection over ``rows`` runs ``x`` through (``kernel(x, rows)``): the mixed GEMV
-    up to its few rows, then this one; ``None`` where neither applies (the caller runs its parts). The one dispatch
-    rule of the fused projections and the lone quantized Linears."""
+    up to its few rows, then this one; ``None`` where neither applies (the caller runs its parts). The fused
+    projections' rule; a lone quantized Linear takes the GEMV only (``layers/quantized_linear.py`` says why)."""
     if use_mixed_gemv(x, rows, mode):
         return mixed_gemv_triton
     if use_mixed_dot(x, rows, mode):

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from freetoken.kernels.mixed_dot import MAX_M as MIXED_MAX_M
+from freetoken.kernels.mixed_gemv import FP8_MAX_M
 from freetoken.quant import fp8
 
 
@@ -147,8 +147,7 @@ def test_fp8_linear_cuda_sweep(M, N, K):
     lin = _fp8_linear(N, K, seed=M, dynamic=M % 2 == 1, bias=N == 512, device="cuda")
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     out = lin(x)
-    # decode sizes: the mixed GEMV / its tensor-core twin (W8A16, kernels/mixed_gemv.py, mixed_dot.py)
-    w8a16 = lin.bias is None and M <= MIXED_MAX_M
+    w8a16 = lin.bias is None and M <= FP8_MAX_M  # decode sizes: the mixed GEMV (W8A16, kernels/mixed_gemv.py)
     if not w8a16:
         assert _err(out, _w8a8_reference(x, lin)) <= 2e-2
     # against W8A16 the W8A8 GEMM differs by the activation quantization error

@@ -7,9 +7,9 @@ plain Linears, so names, ``state_dict()`` and bytes stay as loaded) and their sc
 It returns ``None`` where the kernel does not apply: a bias, a part pinned to an implementation (tests), a format
 whose parts are not contiguous in the output, an input size off the 16 grid.
 
-``mixed_kernel(x, rows)`` (``kernels/mixed_dot.py``, the lone quantized Linears' rule too): CUDA activations with
-at most ``rows.max_m`` rows (4; 2 when a part is FP8) take the GEMV, then up to 16 rows of 16-bit x its tensor-core
-twin (``kernels/mixed_dot.py``); larger batches (prefill) keep the per-part GEMMs.
+``mixed_kernel(x, rows)`` (``kernels/mixed_dot.py``): CUDA activations with at most ``rows.max_m`` rows (4; 2 when
+a part is FP8) take the GEMV (``use_mixed_gemv``, the lone quantized Linears' rule too), then up to 16 rows of 16-bit
+x its tensor-core twin; larger batches (prefill) keep the per-part GEMMs.
 """
 
 from __future__ import annotations

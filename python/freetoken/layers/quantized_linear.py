@@ -9,10 +9,11 @@ lookup as for ``nn.Linear``::
 ``forward`` dispatches by ``impl`` (``auto``: the kernels on CUDA, the torch reference elsewhere; ``torch`` or
 ``triton`` pin one, tests do): ``Nvfp4Linear`` runs the W4A16 Triton kernels of ``kernels/nvfp4_linear.py``,
 ``Fp8Linear`` W8A8 through ``torch._scaled_mm`` with tensor-wise scales (``kernels/fp8_linear.py``; static
-``input_scale``, or a dynamic per-tensor one with ``dynamic_input=True``). At decode sizes on CUDA (up to 16 rows of
-x) ``Fp8Linear`` runs one W8A16 launch instead (no activation quantization kernel): the GEMV of
-``kernels/mixed_gemv.py`` up to ``FP8_MAX_M`` rows, then its tensor-core twin ``kernels/mixed_dot.py``; and so
-does an ``Nvfp4Linear`` with few output rows (no split-K reduce). The torch reference every kernel is checked against dequantizes the whole weight to the activation dtype,
+``input_scale``, or a dynamic per-tensor one with ``dynamic_input=True``). At decode sizes on CUDA (up to
+``kernels/mixed_gemv.FP8_MAX_M`` rows) ``Fp8Linear`` runs one W8A16 launch of ``kernels/mixed_gemv.py`` instead (no
+activation quantization kernel), and so does an ``Nvfp4Linear`` with few rows (up to ``MAX_M``; no split-K
+reduce). Past those rows a lone Linear keeps its GEMMs: the tensor-core twin of the fused projections
+(``kernels/mixed_dot.py``) ran the lone FP8 o_proj (2048 x 4096) at 17 us where W8A8 took 8 (H200, 2026-12-04). The torch reference every kernel is checked against dequantizes the whole weight to the activation dtype,
 then runs one matmul (W4A16 / W8A16; a W4A4 checkpoint's ``input_scale`` is not used for NVFP4).
 ``dequantized_weight`` gives the same tensor for tests and tools.
 """
@@ -26,8 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.fp8_linear import fp8_linear, fp8_linear_scaled_mm
-from ..kernels.mixed_dot import mixed_kernel
-from ..kernels.mixed_gemv import MixedRows
+from ..kernels.mixed_gemv import MixedRows, mixed_gemv_triton, use_mixed_gemv
 from ..kernels.nvfp4_linear import nvfp4_linear_triton
 from ..quant import fp8, nvfp4
 
@@ -101,9 +101,8 @@ class Nvfp4Linear(QuantizedLinear):
                 nvfp4_scale=self.weight_scale,
                 nvfp4_global=self.weight_scale_2,
             )
-            kernel = mixed_kernel(x, rows)  # one launch where the GEMV splits K and adds a reduce
-            if kernel is not None:
-                return kernel(x, rows)
+            if use_mixed_gemv(x, rows):  # one launch where the GEMV splits K and adds a reduce
+                return mixed_gemv_triton(x, rows)
         if self.use_kernel(x):
             return nvfp4_linear_triton(x, self.weight, self.weight_scale, self.weight_scale_2, self.bias)
         return self.forward_reference(x)
@@ -143,9 +142,8 @@ class Fp8Linear(QuantizedLinear):
         if self.impl == "auto" and self.bias is None:
             # one W8A16 launch: no activation quantization kernel, the reference's arithmetic
             rows = MixedRows(self.in_features, fp8_weight=self.weight, fp8_scale=self.weight_scale)
-            kernel = mixed_kernel(x, rows)
-            if kernel is not None:
-                return kernel(x, rows)
+            if use_mixed_gemv(x, rows):
+                return mixed_gemv_triton(x, rows)
         if self.use_kernel(x):
             return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, self.bias)
         return self.forward_reference(x)
