@@ -645,7 +645,7 @@ def lone_rows(layer):
 
 # launch settings of kernels/mixed_dot.py the --mixed-dot-sweep times: (warps, weights a K step (None: the
 # kernel's rule), most rows a program)
-MIXED_DOT_SWEEP = [(2, None, 64), (4, None, 64), (2, 128, 64), (2, 256, 64), (2, None, 32), (2, 512, 16), (1, None, 32)]
+MIXED_DOT_SWEEP = [(2, None, 64), (4, None, 64), (2, 128, 64), (2, 256, 64), (2, None, 32), (2, 512, 16), (2, 256, 16)]
 
 
 def time_mixed_dot_settings(a, layers, x, device) -> list:

@@ -1,5 +1,5 @@
 """The mixed BF16 / FP8 / NVFP4 projection of ``mixed_gemv.py`` on tensor cores, for a few rows of x (up to
-``MAX_M``): the decode steps of 3..16 sequences.
+``MAX_M``): the decode steps of 3..32 sequences.
 
     x [M, K] (bf16 or fp16), rows: ``MixedRows`` (dense, FP8 E4M3 with a scale per row, NVFP4)  ->  [M, out_features]
 
@@ -8,7 +8,7 @@ an activation-quantization kernel and one W8A8 ``_scaled_mm`` per part, the dens
 GEMMs, then a concatenation. On the H200 the GDN input projection of Qwen3.6's NVFP4 checkpoint took 27.5 us so at
 three rows of x (2026-12-02) where its 25 MB of weights take ~6 us to read, and a decode step of 8 sequences runs 70
 such projections. Here each program takes ``BLOCK_N`` rows of one format (no divergence) against all rows of x
-padded to 16 (masked loads read zeros), decodes each K step's weight tile into x's dtype in registers and runs one
+padded to 16 or 32 (masked loads read zeros), decodes each K step's weight tile into x's dtype in registers and runs one
 ``tl.dot`` with fp32 sums; the per-row scale multiplies once at the end. Decoding is exact: an E4M3 byte converts to
 bf16 and fp16 without rounding (Triton's FP8 conversion: one ``cvt`` for two bytes on sm_89/90), an NVFP4 code
 times its block scale is ``nvfp4_tiles.dequant_tile_words``' exact tile. So it differs from ``mixed_gemv_torch`` (the
@@ -37,12 +37,11 @@ except Exception:  # pragma: no cover
     triton = None
     tl = None
 
-# rows of x the kernel takes (one 16-row tile of x); decode batches above run the parts' GEMMs
-MAX_M = 16
-BLOCK_M = 16
+# rows of x the kernel takes (one tile of x: 16 rows, or 32 above 16); decode batches above run the parts' GEMMs
+MAX_M = 32
 # rows a program from _MAX_BLOCK_N down to 16 until the grid has about _TARGET_PROGRAMS programs (two per SM of the
-# H200), and a K step of _STEP_WEIGHTS weights over the program's rows (128..512 a row; None in _BLOCK_K: that
-# rule): each program keeps a few steps of its rows' bytes in flight, and a projection with few rows (o_proj: 2,048,
+# H200), and a K step of _STEP_WEIGHTS weights over the program's rows at 16 rows of x, half as many at 32 (128..512
+# a row; None in _BLOCK_K: that rule; the 32-row tiles spill registers on sm_90 with more): each program keeps a few steps of its rows' bytes in flight, and a projection with few rows (o_proj: 2,048,
 # 16 a program) is otherwise latency-bound (H200, 4 warps and 128-weight steps: 20 us where its 8 MB take 2). 2
 # warps: mma.sync on the tile in registers (4 warps take wgmma, which ran the NVFP4 fp16 tiles 1.5x slower on the
 # H200, kernels/nvfp4_linear.py). bench/nvfp4_kernel_bench.py --groups mixed --mixed-dot-sweep times the choices.
@@ -54,8 +53,7 @@ _NUM_STAGES = 3
 _WARPS = 2
 
 if triton is not None:
-    # M not specialized: a step of 16 rows (divisible by 16) would compile a second variant on the request path
-    # M not specialized: a step of 16 rows (divisible by 16) would compile a second variant on the request path
+    # M not specialized: a step of 16 or 32 rows (divisible by 16) would compile another variant on the request path
     @triton.jit(do_not_specialize=["M"])
     def _mixed_dot_kernel(
         x_ptr,  # [M, K], 16-bit
@@ -157,9 +155,15 @@ def _block_n(rows: tuple[int, int, int]) -> int:
     return bn
 
 
-def _block_k(block_n: int) -> int:
-    """Weights of a row per K step for programs of ``block_n`` rows (see ``_STEP_WEIGHTS``)."""
-    return _BLOCK_K or min(512, max(128, _STEP_WEIGHTS // block_n))
+def _block_m(M: int) -> int:
+    """Rows of x's tile: 16, or 32 above 16."""
+    return 16 if M <= 16 else 32
+
+
+def _block_k(block_n: int, block_m: int = 16) -> int:
+    """Weights of a row per K step for programs of ``block_n`` rows against ``block_m`` rows of x (see
+    ``_STEP_WEIGHTS``)."""
+    return _BLOCK_K or min(512, max(128, _STEP_WEIGHTS * 16 // (block_m * block_n)))
 
 
 def _device_has_fp8(x: torch.Tensor) -> bool:
@@ -205,7 +209,7 @@ def mixed_dot_triton(x: torch.Tensor, rows: MixedRows) -> torch.Tensor:
     if M == 0 or nd + nf + nn_ == 0:
         return out.view(*x.shape[:-1], rows.out_features)
     assert nd == 0 or rows.dense.dtype == x.dtype, "dense rows in another dtype than x"
-    bn = _block_n(rows.rows)
+    bn, bm = _block_n(rows.rows), _block_m(M)
     d_progs, f_progs, n_progs = (triton.cdiv(r, bn) for r in rows.rows)
 
     # a block with no rows has no programs and its pointers are never read, but the kernel compiles its branch
@@ -224,7 +228,7 @@ def mixed_dot_triton(x: torch.Tensor, rows: MixedRows) -> torch.Tensor:
         rows.dense_col, rows.fp8_col, rows.nvfp4_col, x2.stride(0), out.stride(0),
         dense.stride(0) if nd else 0, f_w.stride(0) if nf else 0, f_s.stride(0) if nf and f_s.dim() else 0,
         n_w.stride(0) if nn_ else 0, n_s.stride(0) if nn_ else 0, n_g.stride(0) if nn_ and n_g.dim() else 0, K,
-        BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=_block_k(bn), NUM_STAGES=_NUM_STAGES,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=_block_k(bn, bm), NUM_STAGES=_NUM_STAGES,
         DOT_DTYPE=_TL_DTYPES[x.dtype] if x.is_cuda else tl.float32, DOT_PREC="ieee", num_warps=_WARPS,
     )  # fmt: skip
     return out.view(*x.shape[:-1], rows.out_features)

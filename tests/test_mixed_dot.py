@@ -1,7 +1,7 @@
-"""The mixed BF16 / FP8 / NVFP4 projection on tensor cores for 3..16 rows of x (``kernels/mixed_dot.py``) vs the
+"""The mixed BF16 / FP8 / NVFP4 projection on tensor cores for 3..32 rows of x (``kernels/mixed_dot.py``) vs the
 mixed GEMV's torch reference (``mixed_gemv_torch``), and the dispatch that gives it those rows: on CPU the rule and
 the kernel under TRITON_INTERPRET=1 (a subprocess), on CUDA (``gpu`` marker) Qwen3.6's NVFP4-checkpoint
-projections at M = 3..16, every E4M3 code exact, and CUDA-graph capture.
+projections at M = 3..32, every E4M3 code exact, and CUDA-graph capture.
 
 Error measure (``nvfp4_cases.error``): max |out - ref| / (1 + |ref|); the reference rounds each weight times its
 scale to x's dtype before its matmul, the kernel multiplies exact decoded weights and scales the fp32 sums per row.
@@ -75,13 +75,11 @@ def test_which_rows_take_the_kernel():
     fp8_rows = mixed_rows(make_parts([("f", 16), ("d", 8)], 64, torch.bfloat16))
     no_fp8 = mixed_rows(make_parts([("d", 8), ("n", 16)], 64, torch.bfloat16))
     x = torch.randn(MAX_M + 1, 64, dtype=torch.bfloat16)
-    # the GEMV up to its rows (2 with FP8 rows, else 4), then this kernel up to 16, then the parts (None)
-    assert [mixed_kernel(x[:m], fp8_rows, "on") for m in (2, 3, 16, 17)] == [
-        mixed_gemv_triton, mixed_dot_triton, mixed_dot_triton, None
+    # the GEMV up to its rows (2 with FP8 rows, else 4), then this kernel up to 32, then the parts (None)
+    assert [mixed_kernel(x[:m], fp8_rows, "on") for m in (2, 3, 17, MAX_M, MAX_M + 1)] == [
+        mixed_gemv_triton, mixed_dot_triton, mixed_dot_triton, mixed_dot_triton, None
     ]  # fmt: skip
-    assert [mixed_kernel(x[:m], no_fp8, "on") for m in (4, 5, 16)] == [mixed_gemv_triton, mixed_dot_triton] * 1 + [
-        mixed_dot_triton
-    ]  # fmt: skip
+    assert [mixed_kernel(x[:m], no_fp8, "on") for m in (4, 5, 16)] == [mixed_gemv_triton] + [mixed_dot_triton] * 2
     assert not use_mixed_dot(x[:8], fp8_rows)  # CPU: auto keeps the parts
     assert not use_mixed_dot(x[:8].float(), fp8_rows, "on")  # 16-bit x only
     assert not use_mixed_dot(x[:8], None, "on") and not use_mixed_dot(x[:8], fp8_rows, "off")
@@ -106,6 +104,7 @@ _CPU_SCRIPT = textwrap.dedent(
         ([("d", 9), ("d", 1), ("n", 32), ("n", 32)], 512, 5, bf16),  # MoE: router | shared gate, gate | up
         ([("n", 7), ("f", 6), ("d", 5)], 64, 9, f16),  # any order of the blocks
         ([("n", 24)], 96, 12, bf16),  # NVFP4 alone
+        ([("f", 40), ("d", 2), ("n", 16)], 128, 21, bf16),  # 32-row tiles of x
     ]
     for spec, k, M, dt in cases:
         key = str(dt).split(".")[-1]
@@ -131,7 +130,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("M", [3, 5, 8, 13, 16])
+@pytest.mark.parametrize("M", [3, 5, 8, 13, 16, 17, 24, 32])
 @pytest.mark.parametrize("name", sorted(QWEN36))
 def test_mixed_dot_projection_cuda(name, M):
     spec, k = QWEN36[name]
@@ -148,7 +147,7 @@ def test_every_e4m3_code_dot_cuda():
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("M", [3, 16])
+@pytest.mark.parametrize("M", [3, 16, 32])
 def test_kernel_alone_on_a_lone_fp8_weight_cuda(M):
     """The kernel over one FP8 block (o_proj's shape; the layer itself keeps W8A8 there, timed faster): near the
     dequantized reference."""

@@ -253,7 +253,7 @@ def test_nvfp4_linear_few_rows_decode_gemv_cuda(M):
 @pytest.mark.gpu
 @cuda
 def test_mixed_projection_cuda_dispatch_and_graph():
-    """M <= 16 runs one launch (no per-part kernel), M = 17 the parts; a captured graph replays new inputs."""
+    """M <= 32 runs one launch (no per-part kernel), M = 33 the parts; a captured graph replays new inputs."""
     from freetoken.kernels.mixed_gemv import mixed_gemv_torch
     from freetoken.layers.fused_linear import fuse_linears
 
@@ -266,9 +266,9 @@ def test_mixed_projection_cuda_dispatch_and_graph():
     x = torch.randn(2, k, device="cuda", dtype=torch.bfloat16)
     fused(x)
     assert ran == []
-    fused(torch.randn(16, k, device="cuda", dtype=torch.bfloat16))
+    fused(torch.randn(32, k, device="cuda", dtype=torch.bfloat16))
     assert ran == []
-    fused(torch.randn(17, k, device="cuda", dtype=torch.bfloat16))
+    fused(torch.randn(33, k, device="cuda", dtype=torch.bfloat16))
     assert len(ran) == len(parts)
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()

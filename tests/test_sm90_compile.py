@@ -180,13 +180,13 @@ def test_mixed_gemv_compiles_for_sm90(block_m):
     assert compile_check("freetoken.kernels.mixed_gemv:_mixed_gemv_kernel", ptr, const, div16) == 0
 
 
-@pytest.mark.parametrize("block_n,block_k", [(16, 512), (64, 128)])
-def test_mixed_dot_compiles_for_sm90(block_n, block_k):
+@pytest.mark.parametrize("block_m,block_n,block_k", [(16, 16, 512), (16, 64, 128), (32, 16, 256), (32, 64, 128)])
+def test_mixed_dot_compiles_for_sm90(block_m, block_n, block_k):
     """The mixed projection on tensor cores (3..16 rows of x) at GDN in_proj's shapes: FP8 bytes converted to bf16
     tiles, NVFP4 words to bf16 tiles, dense rows as they are."""
     ptr = {"x_ptr": "*bf16", "out_ptr": "*bf16", "d_ptr": "*bf16", "f_ptr": "*u8", "fs_ptr": "*fp32"}
     ptr.update(n_ptr="*i32", ns_ptr="*u8", ng_ptr="*fp32")
-    const = dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=3, DOT_DTYPE="tl.bfloat16")
+    const = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=3, DOT_DTYPE="tl.bfloat16")
     const.update(DOT_PREC="'ieee'")
     div16 = "stride_xm,stride_om,stride_d,stride_f,stride_n,stride_ns,K"
     assert compile_check("freetoken.kernels.mixed_dot:_mixed_dot_kernel", ptr, const, div16, warps=2) == 0
