@@ -5,13 +5,12 @@
 
 Why: past the GEMV's few rows (``mixed_gemv.MAX_M`` / ``FP8_MAX_M``) a projection ran part by part: the FP8 parts as
 an activation-quantization kernel and one W8A8 ``_scaled_mm`` per part, the dense and NVFP4 parts as their own
-GEMMs, then a concatenation. On the H200 the GDN input projection of Qwen3.6's NVFP4 checkpoint took 27.5 us so at
-three rows of x (2026-12-02) where its 25 MB of weights take ~6 us to read, and a decode step of 8 sequences runs 70
-such projections. Here each program takes ``BLOCK_N`` rows of one format (no divergence) against all rows of x
+GEMMs, then a concatenation. On the H200 the GDN input projection of Qwen3.6's NVFP4 checkpoint took 28-42 us at
+8 rows of x (2026-12-04) where its 25 MB of weights take ~6 us to read, and a decode step runs 70 such projections. Here each program takes ``BLOCK_N`` rows of one format (no divergence) against all rows of x
 padded to 16 or 32 (masked loads read zeros), decodes each K step's weight tile into x's dtype in registers and runs one
 ``tl.dot`` with fp32 sums; the per-row scale multiplies once at the end. Decoding is exact: an E4M3 byte converts to
-bf16 and fp16 without rounding (Triton's FP8 conversion: one ``cvt`` for two bytes on sm_89/90), an NVFP4 code
-times its block scale is ``nvfp4_tiles.dequant_tile_words``' exact tile. So it differs from ``mixed_gemv_torch`` (the
+bf16 and fp16 without rounding (Triton's FP8 conversion to fp16: one ``cvt`` for two bytes on sm_89/90), an NVFP4
+code times its block scale is ``nvfp4_tiles.dequant_tile_words``' exact tile. So it differs from ``mixed_gemv_torch`` (the
 reference, which rounds ``weight * scale`` to x's dtype before its matmul) by that rounding and the order of the
 sums. One launch whose grid depends only on the shapes: CUDA-graph capturable.
 
@@ -21,6 +20,7 @@ parts keep their own kernels (``use_mixed_dot``).
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -41,9 +41,9 @@ except Exception:  # pragma: no cover
 MAX_M = 32
 # rows a program from _MAX_BLOCK_N down to 16 until the grid has about _TARGET_PROGRAMS programs (two per SM of the
 # H200), and a K step of _STEP_WEIGHTS weights over the program's rows at 16 rows of x, half as many at 32 (128..512
-# a row; None in _BLOCK_K: that rule; the 32-row tiles spill registers on sm_90 with more): each program keeps a few steps of its rows' bytes in flight, and a projection with few rows (o_proj: 2,048,
-# 16 a program) is otherwise latency-bound (H200, 4 warps and 128-weight steps: 20 us where its 8 MB take 2). 2
-# warps: mma.sync on the tile in registers (4 warps take wgmma, which ran the NVFP4 fp16 tiles 1.5x slower on the
+# a row; None in _BLOCK_K: that rule; the 32-row tiles spill registers on sm_90 with more): each program keeps a few
+# steps of its rows' bytes in flight, and a projection with few rows (o_proj: 2,048, 16 a program) is otherwise
+# latency-bound (H200, 4 warps and 128-weight steps: 20 us where its 8 MB take 2). 2 warps: mma.sync on the tile in registers (4 warps take wgmma, which ran the NVFP4 fp16 tiles 1.5x slower on the
 # H200, kernels/nvfp4_linear.py). bench/nvfp4_kernel_bench.py --groups mixed --mixed-dot-sweep times the choices.
 _BLOCK_K = None
 _STEP_WEIGHTS = 8192
@@ -166,8 +166,15 @@ def _block_k(block_n: int, block_m: int = 16) -> int:
     return _BLOCK_K or min(512, max(128, _STEP_WEIGHTS * 16 // (block_m * block_n)))
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_has_fp8(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
 def _device_has_fp8(x: torch.Tensor) -> bool:
-    return not x.is_cuda or torch.cuda.get_device_capability(x.device) >= (8, 9)
+    """FP8 conversions where ``x`` lives (the interpreter has them; on CUDA sm_89+); cached per device: the rule
+    runs for every projection of an eager step."""
+    return not x.is_cuda or _cuda_has_fp8(x.device.index if x.device.index is not None else torch.cuda.current_device())
 
 
 def mixed_kernel(x: torch.Tensor, rows: Optional[MixedRows], mode: str = "auto"):
