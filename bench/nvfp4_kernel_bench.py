@@ -32,11 +32,11 @@ Groups, each per M (rows of x; tokens for the MoE) in 1, 2, 4, 8, 16, 64, 256, 1
   fused`` at prefill) at prefill sizes under each launch setting of ``BF16_MOE_SWEEP`` (rows per block, tiles, warps,
   stages), per routing; ``vs bf16`` is the default setting's time over this one's: to retune
   ``fused_moe.grouped_bf16_config``.
-- ``mixed`` (decode sizes, M <= 16): the projections of nvidia/Qwen3.6-35B-A3B-NVFP4 whose parts mix BF16, FP8 and
+- ``mixed`` (decode sizes, M <= 32): the projections of nvidia/Qwen3.6-35B-A3B-NVFP4 whose parts mix BF16, FP8 and
   NVFP4 (the MoE block's router | shared gate | shared gate|up, the GDN in_proj qkv | z | b | a, attention q | k | v)
   and the lone FP8 / few-row NVFP4 Linears, through the layers (``layers/mixed_projection.py``): the layer's own
   path (``mixed gemv``: the one-launch GEMV of ``kernels/mixed_gemv.py`` up to 2-4 rows of x; ``mixed dot``: its
-  tensor-core twin ``kernels/mixed_dot.py`` up to 16) beside the per-part path they replace (``per part``: a kernel
+  tensor-core twin ``kernels/mixed_dot.py`` up to 32) beside the per-part path they replace (``per part``: a kernel
   per part, FP8 as W8A8 with its activation quantization, then a concatenation), and beside one BF16 GEMM of the
   whole shape.
 - ``fp8``: the FP8 per-tensor projections (``kernels/fp8_linear.py``: Triton quantization + tensor-wise

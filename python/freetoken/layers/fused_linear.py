@@ -6,7 +6,7 @@ each projection is a small GEMV.
 dimension into one tensor, and each part's ``weight`` (and ``bias``) becomes a view into it, so parameter names,
 ``state_dict()`` and the bytes counted stay exactly as loaded. The layer then calls the ``FusedLinear`` and splits
 the output. Quantized parts keep their own scales and run part by part (``PartwiseLinear``), except in decode-sized
-steps on CUDA (up to 16 rows of x), where the parts of each format are one block of rows of a single mixed
+steps on CUDA (up to 32 rows of x), where the parts of each format are one block of rows of a single mixed
 BF16/FP8/NVFP4 launch (``layers/mixed_projection.py``: a GEMV, or from 3-5 rows on tensor cores); FP8 parts
 (``Fp8PartwiseLinear``) quantize the shared input once per distinct input scale and run one tensor-wise
 ``_scaled_mm`` per part, on the current stream: a single GEMM over the concatenated weight would need a row-wise

@@ -8,7 +8,7 @@ It returns ``None`` where the kernel does not apply: a bias, a part pinned to an
 whose parts are not contiguous in the output, an input size off the 16 grid.
 
 ``mixed_kernel(x, rows)`` (``kernels/mixed_dot.py``): CUDA activations with at most ``rows.max_m`` rows (4; 2 when
-a part is FP8) take the GEMV (``use_mixed_gemv``, the lone quantized Linears' rule too), then up to 16 rows of 16-bit
+a part is FP8) take the GEMV (``use_mixed_gemv``, the lone quantized Linears' rule too), then up to 32 rows of 16-bit
 x its tensor-core twin; larger batches (prefill) keep the per-part GEMMs.
 """
 
