@@ -171,6 +171,13 @@ def _cuda_has_fp8(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
+def launch_variant(M: int, rows: tuple[int, int, int]) -> tuple[int, int, int]:
+    """What ``M`` rows of x compile over a projection of ``rows`` (dense, fp8, nvfp4 counts): ``(BLOCK_M, BLOCK_N,
+    BLOCK_K)`` (the start-up warm-up reaches each one a step's token count can take; tests check it)."""
+    bn, bm = _block_n(rows), _block_m(M)
+    return bm, bn, _block_k(bn, bm)
+
+
 def _device_has_fp8(x: torch.Tensor) -> bool:
     """FP8 conversions where ``x`` lives (the interpreter has them; on CUDA sm_89+); cached per device: the rule
     runs for every projection of an eager step."""
@@ -216,7 +223,7 @@ def mixed_dot_triton(x: torch.Tensor, rows: MixedRows) -> torch.Tensor:
     if M == 0 or nd + nf + nn_ == 0:
         return out.view(*x.shape[:-1], rows.out_features)
     assert nd == 0 or rows.dense.dtype == x.dtype, "dense rows in another dtype than x"
-    bn, bm = _block_n(rows.rows), _block_m(M)
+    bm, bn, bk = launch_variant(M, rows.rows)
     d_progs, f_progs, n_progs = (triton.cdiv(r, bn) for r in rows.rows)
 
     # a block with no rows has no programs and its pointers are never read, but the kernel compiles its branch
@@ -235,7 +242,7 @@ def mixed_dot_triton(x: torch.Tensor, rows: MixedRows) -> torch.Tensor:
         rows.dense_col, rows.fp8_col, rows.nvfp4_col, x2.stride(0), out.stride(0),
         dense.stride(0) if nd else 0, f_w.stride(0) if nf else 0, f_s.stride(0) if nf and f_s.dim() else 0,
         n_w.stride(0) if nn_ else 0, n_s.stride(0) if nn_ else 0, n_g.stride(0) if nn_ and n_g.dim() else 0, K,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=_block_k(bn, bm), NUM_STAGES=_NUM_STAGES,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=_NUM_STAGES,
         DOT_DTYPE=_TL_DTYPES[x.dtype] if x.is_cuda else tl.float32, DOT_PREC="ieee", num_warps=_WARPS,
     )  # fmt: skip
     return out.view(*x.shape[:-1], rows.out_features)

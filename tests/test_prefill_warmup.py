@@ -52,6 +52,22 @@ def test_warmup_lengths_reach_every_nvfp4_linear_launch_a_step_makes():
         assert made - warmed == set(), f"{n}x{k}: no warm-up length reaches {sorted(made - warmed)}"
 
 
+def test_warmup_lengths_reach_every_mixed_dot_launch_a_step_makes():
+    """The same for the fused projections' tensor-core kernel (``mixed_dot``) at Qwen3.6's NVFP4-checkpoint shapes:
+    every launch variant a step of 3..32 tokens makes (FP8 rows from 3, others from 5) is one a warm-up chunk makes.
+    (Decode steps compile theirs at graph capture; a mixed decode + prefill step runs eagerly at any count.)"""
+    pytest.importorskip("triton")
+    from freetoken.kernels.mixed_dot import MAX_M, launch_variant
+
+    warm = set(FRESH_LENGTHS) | {1 + sum(BATCH_FRESH_LENGTHS)}
+    shapes = {"router|shared": (257, 0, 1024), "gdn in_proj": (64, 12288, 0), "q|k|v": (0, 9216, 0)}
+    for name, rows in shapes.items():
+        first = 3 if rows[1] else 5
+        made = {launch_variant(m, rows) for m in range(first, MAX_M + 1)}
+        warmed = {launch_variant(m, rows) for m in warm if first <= m <= MAX_M}
+        assert made - warmed == set(), f"{name}: no warm-up length reaches {sorted(made - warmed)}"
+
+
 def _worker(path: str, **kw):
     from freetoken.worker import Worker
 
