@@ -59,8 +59,8 @@ def make_parts(spec, k, dtype=torch.float32, device="cpu"):
 
 
 def check_projection(spec, k, M, dtype, device, mode="auto"):
-    """``fuse_linears`` over ``spec``'s parts: the mixed GEMV's output vs the parts run one by one (each its own
-    reference on CPU, its kernel on CUDA), and vs the kernel's torch reference."""
+    """``fuse_linears`` over ``spec``'s parts: the one-launch kernel's output (the GEMV, or ``mixed_dot``) vs the
+    parts run one by one (each its own reference on CPU, its kernel on CUDA), and vs the kernel's torch reference."""
     from freetoken.kernels.mixed_dot import mixed_kernel
     from freetoken.kernels.mixed_gemv import mixed_gemv_torch
     from freetoken.layers.fused_linear import fuse_linears

@@ -37,9 +37,9 @@ def test_chunks_fit_the_scratch_region_and_the_chunk_length():
 
 
 def test_warmup_lengths_reach_every_nvfp4_linear_launch_a_step_makes():
-    """Every launch variant a step of 17..4,096 tokens makes of the NVFP4 linear on the shared expert's weights
-    (Qwen3.6: gate|up 1024 x 2048, down 2048 x 512; up to 16 rows the mixed GEMV / ``mixed_dot`` run instead, one
-    variant each) is one a warm-up chunk or the batched step makes first; else a request compiles it (on the H200 a
+    """Every launch variant a step of 33..4,096 tokens makes of the NVFP4 linear on the shared expert's weights
+    (Qwen3.6: gate|up 1024 x 2048, down 2048 x 512; up to 32 rows the mixed GEMV / ``mixed_dot`` run instead: the
+    next test) is one a warm-up chunk or the batched step makes first; else a request compiles it (on the H200 a
     14-token step did, 181 ms, before ``mixed_dot`` took those rows)."""
     pytest.importorskip("triton")
     from freetoken.kernels.mixed_dot import MAX_M

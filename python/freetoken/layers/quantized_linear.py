@@ -12,8 +12,9 @@ lookup as for ``nn.Linear``::
 ``input_scale``, or a dynamic per-tensor one with ``dynamic_input=True``). At decode sizes on CUDA (up to
 ``kernels/mixed_gemv.FP8_MAX_M`` rows) ``Fp8Linear`` runs one W8A16 launch of ``kernels/mixed_gemv.py`` instead (no
 activation quantization kernel), and so does an ``Nvfp4Linear`` with few rows (up to ``MAX_M``; no split-K
-reduce). Past those rows a lone Linear keeps its GEMMs: the tensor-core twin of the fused projections
-(``kernels/mixed_dot.py``) ran the lone FP8 o_proj (2048 x 4096) at 17 us where W8A8 took 8 (H200, 2026-12-04). The torch reference every kernel is checked against dequantizes the whole weight to the activation dtype,
+reduce). Past those rows a lone Linear keeps its GEMMs: the fused projections' tensor-core twin
+(``kernels/mixed_dot.py``) ran the lone FP8 o_proj (2048 x 4096) at 10-14 us where W8A8 took 8 (H200, 2026-12-04).
+The torch reference every kernel is checked against dequantizes the whole weight to the activation dtype,
 then runs one matmul (W4A16 / W8A16; a W4A4 checkpoint's ``input_scale`` is not used for NVFP4).
 ``dequantized_weight`` gives the same tensor for tests and tools.
 """
