@@ -26,13 +26,21 @@ from typing import Optional
 import torch
 
 from .device_sms import scaled
-from .mixed_gemv import MODES, MixedRows, mixed_gemv_triton, supports, use_mixed_gemv
+from .mixed_gemv import (
+    MixedRows,
+    candidate_rows,
+    flat_rows,
+    launch_args,
+    mixed_gemv_triton,
+    supports,
+    use_mixed_gemv,
+)
 
 try:  # keep the module importable without triton
     import triton
     import triton.language as tl
 
-    from .nvfp4_tiles import tile_dot_step
+    from .nvfp4_tiles import TL_DTYPES, tile_dot_step
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -144,9 +152,6 @@ if triton is not None:
         tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
 
 
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if triton is not None else {}
-
-
 def _block_n(rows: tuple[int, int, int]) -> int:
     """Rows a program: ``_MAX_BLOCK_N`` down to 16 until the grid has about ``_TARGET_PROGRAMS`` programs."""
     bn, target = _MAX_BLOCK_N, scaled(_TARGET_PROGRAMS)
@@ -199,50 +204,26 @@ def use_mixed_dot(x: torch.Tensor, rows: Optional[MixedRows], mode: str = "auto"
     """Whether ``x`` takes the kernel over ``rows``: more rows than the mixed GEMV takes (``rows.max_m``), at most
     ``MAX_M``, 16-bit x, shapes the kernel takes, FP8 conversions on the device where there are FP8 rows, CUDA
     (``auto``) or anywhere (``on``, tests under the interpreter); ``mode`` as ``use_mixed_gemv``'s."""
-    if mode not in MODES:
-        raise ValueError(f"unknown mixed GEMV mode {mode!r} (one of {', '.join(MODES)})")
-    if rows is None or mode == "off" or x.numel() == 0 or not supports(rows):
+    m = candidate_rows(x, rows, mode)
+    if not (m and rows.max_m < m <= MAX_M) or x.dtype not in (torch.bfloat16, torch.float16):
         return False
-    if x.dtype not in (torch.bfloat16, torch.float16) or (rows.rows[1] and not _device_has_fp8(x)):
-        return False
-    return rows.max_m < x.numel() // x.shape[-1] <= MAX_M and (mode == "on" or x.is_cuda)
+    return not rows.rows[1] or _device_has_fp8(x)
 
 
 def mixed_dot_triton(x: torch.Tensor, rows: MixedRows) -> torch.Tensor:
     """``mixed_gemv_torch``'s contract for 16-bit ``x [..., K]`` with at most ``MAX_M`` rows; CUDA, or CPU under
     TRITON_INTERPRET=1."""
     assert triton is not None, "triton is not installed"
-    K = rows.K
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2, out = flat_rows(x, rows)
     M = x2.shape[0]
-    assert M <= MAX_M and supports(rows) and x.dtype in (torch.bfloat16, torch.float16), (M, K, x.dtype)
-    out = torch.empty(M, rows.out_features, dtype=x.dtype, device=x.device)
-    nd, nf, nn_ = rows.rows
-    if M == 0 or nd + nf + nn_ == 0:
+    assert M <= MAX_M and supports(rows) and x.dtype in (torch.bfloat16, torch.float16), (M, rows.K, x.dtype)
+    if M == 0 or sum(rows.rows) == 0:
         return out.view(*x.shape[:-1], rows.out_features)
-    assert nd == 0 or rows.dense.dtype == x.dtype, "dense rows in another dtype than x"
+    assert rows.rows[0] == 0 or rows.dense.dtype == x.dtype, "dense rows in another dtype than x"
     bm, bn, bk = launch_variant(M, rows.rows)
-    d_progs, f_progs, n_progs = (triton.cdiv(r, bn) for r in rows.rows)
-
-    # a block with no rows has no programs and its pointers are never read, but the kernel compiles its branch
-    # for the pointer types: an empty tensor of the right dtype stands in (no allocation)
-    def stand_in(dtype):
-        return torch.empty(0, dtype=dtype, device=x.device)
-
-    dense = rows.dense if nd else stand_in(x.dtype)
-    f_w = rows.fp8_weight.view(torch.uint8) if nf else stand_in(torch.uint8)
-    f_s = rows.fp8_scale if nf else stand_in(torch.float32)
-    n_w = rows.nvfp4_weight.view(torch.int32) if nn_ else stand_in(torch.int32)
-    n_s = rows.nvfp4_scale.view(torch.uint8) if nn_ else stand_in(torch.uint8)
-    n_g = rows.nvfp4_global if nn_ else stand_in(torch.float32)
-    _mixed_dot_kernel[(d_progs + f_progs + n_progs,)](
-        x2, out, dense, f_w, f_s, n_w, n_s, n_g, M, nd, nf, nn_, d_progs, f_progs,
-        rows.dense_col, rows.fp8_col, rows.nvfp4_col, x2.stride(0), out.stride(0),
-        dense.stride(0) if nd else 0, f_w.stride(0) if nf else 0, f_s.stride(0) if nf and f_s.dim() else 0,
-        n_w.stride(0) if nn_ else 0, n_s.stride(0) if nn_ else 0, n_g.stride(0) if nn_ and n_g.dim() else 0, K,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=_NUM_STAGES,
-        DOT_DTYPE=_TL_DTYPES[x.dtype] if x.is_cuda else tl.float32, DOT_PREC="ieee", num_warps=_WARPS,
+    programs, args = launch_args(rows, x2, out, bn, torch.uint8)  # FP8 as bytes
+    _mixed_dot_kernel[(programs,)](
+        *args, rows.K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=_NUM_STAGES,
+        DOT_DTYPE=TL_DTYPES[x.dtype] if x.is_cuda else tl.float32, DOT_PREC="ieee", num_warps=_WARPS,
     )  # fmt: skip
     return out.view(*x.shape[:-1], rows.out_features)

@@ -368,44 +368,66 @@ def use_mixed_gemv(x: torch.Tensor, rows: Optional[MixedRows], mode: str = "auto
     """Whether ``x`` takes the kernel over ``rows``: at most ``rows.max_m`` rows (4; 2 with FP8 rows), shapes the
     kernel takes, CUDA (``auto``) or anywhere (``on``). The one dispatch rule of the fused projections and the lone
     quantized Linears."""
+    return 0 < candidate_rows(x, rows, mode) <= rows.max_m
+
+
+def candidate_rows(x: torch.Tensor, rows: Optional[MixedRows], mode: str = "auto") -> int:
+    """The rows of ``x`` where a mixed kernel may take it over ``rows`` at all (shapes the kernels take; CUDA under
+    ``auto``, anywhere under ``on``), else 0; the mixed kernels' dispatch rules add their row bounds."""
     if mode not in MODES:
         raise ValueError(f"unknown mixed GEMV mode {mode!r} (one of {', '.join(MODES)})")
-    if rows is None or mode == "off" or x.numel() == 0 or not supports(rows):
-        return False
-    return x.numel() // x.shape[-1] <= rows.max_m and (mode == "on" or x.is_cuda)
+    if rows is None or mode == "off" or x.numel() == 0 or not supports(rows) or not (mode == "on" or x.is_cuda):
+        return 0
+    return x.numel() // x.shape[-1]
+
+
+def flat_rows(x: torch.Tensor, rows: MixedRows) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as ``[M, K]`` with contiguous rows, and the ``[M, out_features]`` output the mixed kernels write."""
+    x2 = x.reshape(-1, rows.K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    return x2, torch.empty(x2.shape[0], rows.out_features, dtype=x.dtype, device=x.device)
+
+
+def launch_args(rows: MixedRows, x2: torch.Tensor, out: torch.Tensor, block_n: int, fp8_view: torch.dtype):
+    """``(programs, args)``: the grid size and the leading arguments (``x_ptr`` .. ``stride_ng``) the mixed kernels
+    share, for programs of ``block_n`` rows; FP8 weights viewed as ``fp8_view`` (int32 words, or bytes). A block with
+    no rows has no programs and its pointers are never read, but a kernel compiles its branch for the pointer types:
+    an empty tensor (no allocation) of the type that branch decodes stands in."""
+    nd, nf, nn_ = rows.rows
+    d_progs, f_progs, n_progs = (triton.cdiv(r, block_n) for r in rows.rows)
+
+    def stand_in(dtype):
+        return torch.empty(0, dtype=dtype, device=x2.device)
+
+    dense = rows.dense if nd else stand_in(x2.dtype)
+    f_w = rows.fp8_weight.view(fp8_view) if nf else stand_in(fp8_view)
+    f_s = rows.fp8_scale if nf else stand_in(torch.float32)
+    n_w = rows.nvfp4_weight.view(torch.int32) if nn_ else stand_in(torch.int32)
+    n_s = rows.nvfp4_scale.view(torch.uint8) if nn_ else stand_in(torch.uint8)
+    n_g = rows.nvfp4_global if nn_ else stand_in(torch.float32)
+    args = (
+        x2, out, dense, f_w, f_s, n_w, n_s, n_g, x2.shape[0], nd, nf, nn_, d_progs, f_progs,
+        rows.dense_col, rows.fp8_col, rows.nvfp4_col, x2.stride(0), out.stride(0),
+        dense.stride(0) if nd else 0, f_w.stride(0) if nf else 0, f_s.stride(0) if nf and f_s.dim() else 0,
+        n_w.stride(0) if nn_ else 0, n_s.stride(0) if nn_ else 0, n_g.stride(0) if nn_ and n_g.dim() else 0,
+    )  # fmt: skip
+    return d_progs + f_progs + n_progs, args
 
 
 def mixed_gemv_triton(x: torch.Tensor, rows: MixedRows) -> torch.Tensor:
     """``mixed_gemv_torch``'s contract for ``x [..., K]`` with at most ``MAX_M`` rows; CUDA, or CPU under
     TRITON_INTERPRET=1."""
     assert triton is not None, "triton is not installed"
-    K = rows.K
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2, out = flat_rows(x, rows)
     M = x2.shape[0]
-    assert M <= MAX_M and supports(rows), (M, K)
-    out = torch.empty(M, rows.out_features, dtype=x.dtype, device=x.device)
-    nd, nf, nn_ = rows.rows
-    if M == 0 or nd + nf + nn_ == 0:
+    assert M <= MAX_M and supports(rows), (M, rows.K)
+    if M == 0 or sum(rows.rows) == 0:
         return out.view(*x.shape[:-1], rows.out_features)
     bn = _block_n(rows.rows)
-    d_progs, f_progs, n_progs = (triton.cdiv(r, bn) for r in rows.rows)
-    # a block with no rows has no programs and its pointers are never read: any tensor stands in (the kernel converts
-    # every load to the type it decodes, so the stand-in's dtype compiles)
-    dummy = out
-    dense = rows.dense if nd else dummy
-    f_w = rows.fp8_weight.view(torch.int32) if nf else dummy  # words of four bytes
-    f_s = rows.fp8_scale if nf else dummy
-    n_w = rows.nvfp4_weight.view(torch.int32) if nn_ else dummy
-    n_s = rows.nvfp4_scale.view(torch.uint8) if nn_ else dummy
-    n_g = rows.nvfp4_global if nn_ else dummy
-    _mixed_gemv_kernel[(d_progs + f_progs + n_progs,)](
-        x2, out, dense, f_w, f_s, n_w, n_s, n_g, M, nd, nf, nn_, d_progs, f_progs,
-        rows.dense_col, rows.fp8_col, rows.nvfp4_col, x2.stride(0), out.stride(0),
-        dense.stride(0) if nd else 0, f_w.stride(0) if nf else 0, f_s.stride(0) if nf and f_s.dim() else 0,
-        n_w.stride(0) if nn_ else 0, n_s.stride(0) if nn_ else 0, n_g.stride(0) if nn_ and n_g.dim() else 0,
-        K=K, BLOCK_M=triton.next_power_of_2(max(M, 1)), BLOCK_N=bn, BLOCK_K=_block_k(bn), NUM_STAGES=_NUM_STAGES,
+    programs, args = launch_args(rows, x2, out, bn, torch.int32)  # FP8 as words of four bytes
+    _mixed_gemv_kernel[(programs,)](
+        *args, K=rows.K, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=bn, BLOCK_K=_block_k(bn), NUM_STAGES=_NUM_STAGES,
         num_warps=4,
     )  # fmt: skip
     return out.view(*x.shape[:-1], rows.out_features)

@@ -61,7 +61,15 @@ try:  # keep the reference importable without triton
 
     from .fused_moe import moe_align_block_size
     from .nvfp4_half_gemv import half2_dot8, half_decode, half_pairs, half_row, half_rows
-    from .nvfp4_tiles import block_scale, gemv_step, gemv_step_split, load8, pair_tile_step, tile_dot_step
+    from .nvfp4_tiles import (
+        TL_DTYPES,
+        block_scale,
+        gemv_step,
+        gemv_step_split,
+        load8,
+        pair_tile_step,
+        tile_dot_step,
+    )
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -778,9 +786,6 @@ if triton is not None:
             tl.store(o_ptrs, acc, mask=n_mask[:, None] & m_mask[None, :])
 
 
-# x's dtype as the down kernel's constexpr (``X_DTYPE``: its rounding)
-_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16} if tl else {}
-
 # the grouped kernels on fp16 weight tiles (``nvfp4_tiles.dequant_tile_half``: ~30 % fewer instructions a weight in
 # their K loops' sm_90 SASS) for 16-bit x: ``auto`` where gate and up rows are separate tiles. H200, Qwen3.6's experts,
 # uniform routing, two runs each (2026-12-04, bench/results/2026-12-04-h200-nvfp4-grouped-half.txt): 512 / 1,024 /
@@ -890,6 +895,6 @@ def nvfp4_fused_moe_triton(
         ih, hf, w2b, w2s, w2_global, wts, partial, sorted_ids, block_expert, n, E, H, I, ih.stride(0),
         w2b.stride(0), w2b.stride(1), w2s.stride(0), w2s.stride(1), w2_global.stride(0), partial.stride(0),
         BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, NUM_STAGES=cfg["stages"], DOT_PREC=prec, HALF=half, ASM=asm,
-        X_DTYPE=_TL_DTYPES[x.dtype], num_warps=cfg["warps"],
+        X_DTYPE=TL_DTYPES[x.dtype], num_warps=cfg["warps"],
     )  # fmt: skip
     return moe_combine_triton(partial, k, x.dtype, shared, shared_gate)

@@ -29,12 +29,17 @@ The block scales are assumed non-negative (both producers write ``amax``-derived
 
 from __future__ import annotations
 
+import torch
+
 try:  # keep the package importable without triton
     import triton
     import triton.language as tl
 except Exception:  # pragma: no cover
     triton = None
     tl = None
+
+# x's dtype as a kernel constexpr (a rounding or a tile dtype chosen by the launcher)
+TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16} if tl else {}
 
 if triton is not None:
 

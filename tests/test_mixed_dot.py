@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 from nvfp4_cases import error
-from test_mixed_gemv import QWEN36, _fp8, make_parts
+from test_mixed_gemv import QWEN36, _fp8, every_e4m3_code_rows, make_parts
 from triton_interpreter import run_under_interpreter
 
 _TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2}
@@ -46,13 +46,10 @@ def check_every_e4m3_code_dot(device):
     holds code ``(n + k) % 256`` at column k (the NaN codes zeroed) and each row of x picks one column, so each
     output is one decoded weight, exact, equal to torch's conversion bit for bit."""
     from freetoken.kernels.mixed_dot import mixed_dot_triton
-    from freetoken.kernels.mixed_gemv import MixedRows, mixed_gemv_torch
+    from freetoken.kernels.mixed_gemv import mixed_gemv_torch
 
-    K = N = 256
-    codes = torch.arange(256, dtype=torch.int32)
-    codes[(codes & 0x7F) == 0x7F] = 0  # 0x7F / 0xFF are NaN in E4M3FN
-    w = torch.stack([codes.roll(-n) for n in range(N)]).to(torch.uint8).view(torch.float8_e4m3fn)
-    rows = MixedRows(K=K, fp8_weight=w.to(device), fp8_scale=torch.ones(N, device=device))
+    rows = every_e4m3_code_rows(device)
+    K = rows.K
     cols = (0, 1, 2, 3, 127, 128, 254, 255)  # every byte position, both halves of K, the last column
     x = torch.zeros(len(cols), K, device=device, dtype=torch.bfloat16)
     for i, c in enumerate(cols):

@@ -145,18 +145,27 @@ def test_where_the_kernel_does_not_apply():
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def check_every_e4m3_code(device):
-    """The FP8 rows' word decoding (``e4m3_word``: four bytes a word, two weights per 32-bit operation) on every
-    finite E4M3 code, signs and subnormals included, at each of the four byte positions of a word: row n of the
-    weight holds code ``(n + k) % 256`` at column k (the two NaN codes zeroed), and x's rows pick single columns, so
-    each output is one decoded weight, exact, equal to torch's E4M3 conversion bit for bit."""
-    from freetoken.kernels.mixed_gemv import MixedRows, mixed_gemv_torch, mixed_gemv_triton
+def every_e4m3_code_rows(device):
+    """FP8 rows holding every finite E4M3 code at every column: row n holds code ``(n + k) % 256`` at column k (the
+    two NaN codes zeroed), scale 1."""
+    from freetoken.kernels.mixed_gemv import MixedRows
 
     K = N = 256
     codes = torch.arange(256, dtype=torch.int32)
     codes[(codes & 0x7F) == 0x7F] = 0  # 0x7F / 0xFF are NaN in E4M3FN
     w = torch.stack([codes.roll(-n) for n in range(N)]).to(torch.uint8).view(torch.float8_e4m3fn)
-    rows = MixedRows(K=K, fp8_weight=w.to(device), fp8_scale=torch.ones(N, device=device))
+    return MixedRows(K=K, fp8_weight=w.to(device), fp8_scale=torch.ones(N, device=device))
+
+
+def check_every_e4m3_code(device):
+    """The FP8 rows' word decoding (``e4m3_word``: four bytes a word, two weights per 32-bit operation) on every
+    finite E4M3 code, signs and subnormals included, at each of the four byte positions of a word: row n of the
+    weight holds code ``(n + k) % 256`` at column k (the two NaN codes zeroed), and x's rows pick single columns, so
+    each output is one decoded weight, exact, equal to torch's E4M3 conversion bit for bit."""
+    from freetoken.kernels.mixed_gemv import mixed_gemv_torch, mixed_gemv_triton
+
+    rows = every_e4m3_code_rows(device)
+    K = rows.K
     for cols in ((0, 1), (2, 3), (254, 255)):  # every byte position of a word, and the last word
         x = torch.zeros(2, K, device=device)
         x[0, cols[0]] = x[1, cols[1]] = 1.0
