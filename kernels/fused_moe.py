@@ -84,24 +84,30 @@ def moe_align_block_size_torch(topk_ids: torch.Tensor, num_experts: int, block_m
     """Reference for ``moe_align_block_size``. Sort the T*k (token, slot) pairs by expert and pad each expert's run to a multiple of ``block_m``.
 
     Returns ``sorted_ids [P]`` (flat pair index ``t*k + j``; padding = T*k), ``block_expert [P // block_m]`` (-1 for blocks
-    past the last real one). ``P`` is an upper bound computed from shapes only, so nothing here syncs the host.
-    """
+    past the last real one). ``P`` is an upper bound computed from shapes only. Pairs whose id lies outside
+    ``[0, num_experts)`` are dropped (in no block: the padding rows of a MoE prefill graph). Nothing here syncs the
+    host."""
     dev = topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int64)
     n = flat.numel()
     max_blocks = (n + min(num_experts, n) * (block_m - 1) + block_m - 1) // block_m
     P = max_blocks * block_m
+    valid = (flat >= 0) & (flat < num_experts)
+    binned = torch.where(valid, flat, num_experts)  # one bin past the experts for dropped pairs
     # scatter_add, not bincount: bincount syncs the host on CUDA (and so cannot be captured in a CUDA graph)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev).scatter_add_(0, binned, valid.long())
     padded = (counts + block_m - 1) // block_m * block_m
     pad_end = torch.cumsum(padded, 0)
     pad_start = pad_end - padded
     start = torch.cumsum(counts, 0) - counts
-    order = torch.argsort(flat, stable=True)
-    sorted_e = flat[order]
+    order = torch.argsort(binned, stable=True)  # dropped pairs sort last, past every expert's run
+    sorted_e = binned[order]
     dest = pad_start[sorted_e] + torch.arange(n, device=dev) - start[sorted_e]
-    sorted_ids = torch.full((P,), n, dtype=torch.int64, device=dev)
+    dest = torch.where(sorted_e < num_experts, dest, P)  # dropped pairs land in a spare entry, cut off below
+    sorted_ids = torch.full((P + 1,), n, dtype=torch.int64, device=dev)
     sorted_ids[dest] = order
+    sorted_ids = sorted_ids[:P]
+    pad_end = pad_end[:num_experts]
     block_start = torch.arange(max_blocks, device=dev) * block_m
     block_expert = torch.searchsorted(pad_end, block_start, right=True)
     block_expert = torch.where(block_expert >= num_experts, -1, block_expert)
@@ -243,7 +249,8 @@ if triton is not None:
         for start in range(0, n, CHUNK):
             offs = start + tl.arange(0, CHUNK)
             e = tl.load(ids_ptr + offs, mask=offs < n, other=0).to(tl.int32)
-            e = tl.where(offs < n, e, E_BINS - 1)  # dummy bin for the tail (E_BINS > num_experts)
+            # a dummy bin for the tail and for ids outside [0, num_experts), which are dropped (E_BINS > num_experts)
+            e = tl.where((offs < n) & (e >= 0) & (e < num_experts), e, E_BINS - 1)
             counts += tl.histogram(e, E_BINS)
         bins = tl.arange(0, E_BINS)
         counts = tl.where(bins < num_experts, counts, 0)
@@ -270,10 +277,10 @@ if triton is not None:
             tl.store(block_expert_ptr + ob, tl.where(ob * BLOCK_M < total, ex, -1), mask=ob < max_blocks)
 
     @triton.jit(do_not_specialize=["n"])
-    def _moe_align_scatter_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, n, CHUNK: tl.constexpr):
+    def _moe_align_scatter_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, n, num_experts, CHUNK: tl.constexpr):
         offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
-        mask = offs < n
-        e = tl.load(ids_ptr + offs, mask=mask, other=0).to(tl.int32)
+        e = tl.load(ids_ptr + offs, mask=offs < n, other=0).to(tl.int32)
+        mask = (offs < n) & (e >= 0) & (e < num_experts)  # the plan counted no others: dropped
         # order inside an expert's run is arbitrary: rows of a GEMM block are independent, so results are not
         pos = tl.atomic_add(cursor_ptr + e, 1, mask=mask)
         tl.store(sorted_ids_ptr + pos, offs.to(tl.int32), mask=mask)
@@ -284,7 +291,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
 
     Returns ``sorted_ids [P]`` int32 (flat pair index ``t*k + j``; padding = T*k) and ``block_expert [P // block_m]``
     int32 (-1 for blocks past the last real one). ``P`` is an upper bound from shapes only: no host sync, CUDA-graph
-    capturable. Two Triton launches (the plan, one program, with the padding fill in programs beside it; then an
+    capturable. Pairs whose id lies outside ``[0, num_experts)`` are dropped (no block holds them). Two Triton launches (the plan, one program, with the padding fill in programs beside it; then an
     atomic scatter); pairs inside one expert's run come in arbitrary order. ``moe_align_block_size_torch`` is the
     (stable) reference."""
     dev = topk_ids.device
@@ -313,7 +320,9 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
         BLOCK_B=1024,
         num_warps=4,  # 16 measured slower on the H200 (2.0 vs 1.5 ms for the agent turn's 40 layers, 2026-12-03)
     )
-    _moe_align_scatter_kernel[(triton.cdiv(n, 1024),)](flat, cursor, sorted_ids, n, CHUNK=1024, num_warps=4)
+    _moe_align_scatter_kernel[(triton.cdiv(n, 1024),)](
+        flat, cursor, sorted_ids, n, num_experts, CHUNK=1024, num_warps=4
+    )
     return sorted_ids, block_expert
 
 

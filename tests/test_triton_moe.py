@@ -66,6 +66,26 @@ def test_align_block_size_reference():
     assert sorted(seen) == list(range(n))
 
 
+def test_align_drops_ids_outside_the_experts():
+    """Pairs routed outside ``[0, E)`` (a MoE prefill graph's padding rows: id ``E``) are in no block; the others are
+    aligned as if those were absent."""
+    from freetoken.kernels.fused_moe import moe_align_block_size_torch
+
+    ids = torch.tensor([[2, 0], [4, 4], [2, 1], [4, -1]])  # E = 4: rows 1 and 3 (all or partly) dropped
+    sorted_ids, block_expert = moe_align_block_size_torch(ids, 4, 2)
+    n = ids.numel()
+    blocks = sorted_ids.view(-1, 2)
+    seen = sorted(p for b in range(blocks.shape[0]) for p in blocks[b].tolist() if p < n)
+    assert seen == [0, 1, 4, 5]
+    for b in range(blocks.shape[0]):
+        for pair in blocks[b].tolist():
+            if pair < n:
+                assert ids.flatten()[pair] == block_expert[b]
+    # the same real blocks as the valid pairs alone (more blocks past them: the bound counts every pair)
+    alone = moe_align_block_size_torch(torch.tensor([[2, 0], [2, 1]]), 4, 2)[1]
+    assert torch.equal(block_expert[block_expert >= 0], alone[alone >= 0])
+
+
 _CPU_SCRIPT = textwrap.dedent(
     """
     import sys, torch
@@ -77,6 +97,10 @@ _CPU_SCRIPT = textwrap.dedent(
     check_align(torch.randint(0, 300, (700, 2), generator=g), 300, 4)  # > CHUNK pairs, E not a power of 2
     # > 1024 blocks (the running max carried across the kernel's block loop), experts 0-4 and 40-49 empty
     check_align(torch.randint(5, 40, (2000, 2), generator=g), 50, 2)
+    dropped = torch.randint(0, 6, (300, 4), generator=g)
+    dropped[200:] = 6  # padding rows, as a MoE prefill graph routes them
+    dropped[5, 1] = -1
+    check_align(dropped, 6, 16)
     for args in {cases!r}:
         T, E, k, H, I, dt, skew, *tune = args
         _case(T, E, k, H, I, getattr(torch, dt), "cpu", seed=T, skew=skew, tune=tune[0] if tune else None)
