@@ -48,6 +48,9 @@ class MemoryPlan:
     # hybrid models on CUDA: one sequence's GDN prefill from CUDA graphs (captured before the KV pool is sized)
     gdn_graph_bytes: int = 0
     gdn_graph_sizes: tuple = ()
+    # resident MoE blocks on CUDA: prefill-sized steps from CUDA graphs (captured before the KV pool is sized)
+    moe_graph_bytes: int = 0
+    moe_graph_sizes: tuple = ()
     # hybrid models: live recurrent-state slots and snapshot slots; every model: output-token counts (penalties)
     live_state_slots: int = 0
     snapshot_slots: int = 0
@@ -67,6 +70,7 @@ class MemoryPlan:
             - self.expert_cache_bytes
             - (self.graph_bytes or 0)
             - self.gdn_graph_bytes
+            - self.moe_graph_bytes
         )
 
     def rows(self) -> list[tuple[str, str]]:
@@ -111,6 +115,11 @@ class MemoryPlan:
             *(
                 [(f"GDN prefill CUDA graphs (up to {self.gdn_graph_sizes[-1]} tokens)", g(self.gdn_graph_bytes))]
                 if self.gdn_graph_sizes
+                else []
+            ),
+            *(
+                [(f"MoE prefill CUDA graphs (up to {self.moe_graph_sizes[-1]} tokens)", g(self.moe_graph_bytes))]
+                if self.moe_graph_sizes
                 else []
             ),
             ("reserve (--vram-reserve-mb)", g(self.reserve)),

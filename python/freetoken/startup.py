@@ -2,7 +2,8 @@
 (``loading/model_loader.py``):
 
     recurrent-state pool (hybrid models) ─▶ memory plan ─▶ GDN prefill CUDA graphs (hybrid models on CUDA,
-    ``layers/gdn_prefill_graphs.py``) ─▶ dry runs on CUDA: the largest prefill chunk and the
+    ``layers/gdn_prefill_graphs.py``) ─▶ MoE prefill CUDA graphs (resident experts on CUDA,
+    ``layers/moe_prefill_graphs.py``) ─▶ dry runs on CUDA: the largest prefill chunk and the
     largest decode graph bucket measure their transient memory ─▶ expert cache (offload) ─▶ KV pool (the rest) ─▶
     decode CUDA graphs captured ─▶ the plan logged as a table
 
@@ -71,6 +72,7 @@ def allocate_pools(w: "Worker") -> None:
         reserve=int(a["vram_reserve_mb"] or 0) * 2**20,
     )
     plan.gdn_graph_bytes, plan.gdn_graph_sizes = capture_gdn_prefill_graphs(w)
+    plan.moe_graph_bytes, plan.moe_graph_sizes = capture_moe_prefill_graphs(w)
     if w.device.type == "cuda":
         # dry runs on the scratch slots alone, before the KV pool exists
         w.kv_capacity_tokens = 0
@@ -267,6 +269,72 @@ def capture_gdn_prefill_graphs(w: "Worker") -> tuple[int, tuple[int, ...]]:
     logger.info(
         f"Captured Gated DeltaNet prefill CUDA graphs for {len(graphs.sizes)} lengths up to {graphs.sizes[-1]} "
         f"tokens ({held / GiB:.2f} GiB)"
+    )
+    return held, tuple(graphs.sizes)
+
+
+# ------------------------------------------------------------------------------------------- MoE prefill graphs
+
+
+def capture_moe_prefill_graphs(w: "Worker") -> tuple[int, tuple[int, ...]]:
+    """Resident MoE blocks on CUDA: prefill-sized steps replay CUDA graphs by padded token count
+    (``layers/moe_prefill_graphs.py``) up to ``--moe-prefill-graph-tokens`` (0 or ``--disable-cuda-graph``: none;
+    emulated on the CPU with ``emulate_cuda_graphs``). Captured before the KV pool is sized, then checked against
+    the eager block: a capture or a check that fails is logged as an error and the blocks run eagerly. Returns
+    (device bytes they hold, bucket sizes)."""
+    from .layers.moe import SparseMoeBlock
+    from .layers.moe_prefill_graphs import MoePrefillGraphs
+    from .serve_defaults import serve_defaults
+
+    tokens = int(w.args.get("moe_prefill_graph_tokens") or 0)
+    if tokens <= 0 or w.args["disable_cuda_graph"]:
+        return 0, ()
+    emulate = w.device.type != "cuda"
+    blocks = [m for m in w.model.modules() if isinstance(m, SparseMoeBlock)]
+    capturable = [b for b in blocks if emulate or b.experts.prefill_capturable(w.device)]
+    why = (
+        "the model has no sparse MoE blocks"
+        if not blocks
+        else "its experts are not resident on the device (--moe-backend offload / hybrid)"
+        if not capturable
+        else f"not on {w.device} (CUDA only)"
+        if emulate and not w.args.get("emulate_cuda_graphs")
+        else None
+    )
+    if why is not None:
+        if tokens != serve_defaults()["moe_prefill_graph_tokens"]:
+            logger.warning(f"--moe-prefill-graph-tokens {tokens}: no effect, {why}")
+        return 0, ()
+    min_tokens = max(b.experts.decode_max_pairs() // b.top_k + 1 for b in capturable)
+    phase("Capturing the MoE prefill CUDA graphs")
+    if not emulate:
+        torch.cuda.synchronize(w.device)
+        torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved(w.device) if not emulate else 0
+    hidden = capturable[0].hidden_size
+    graphs = MoePrefillGraphs(hidden, w.dtype, w.device, tokens, min_tokens, emulate=emulate)
+    if not graphs.sizes:
+        return 0, ()
+    try:
+        graphs.capture(capturable)
+        for block in capturable:
+            block.prefill_graphs = graphs
+        graphs.check(capturable[0])
+    except Exception as e:  # an optimisation: the server still runs, eagerly, and says so
+        for block in capturable:
+            block.prefill_graphs = None
+        del graphs
+        if not emulate:
+            torch.cuda.synchronize(w.device)
+            torch.cuda.empty_cache()
+        logger.error(f"MoE prefill CUDA graphs failed, the MoE blocks run eagerly: {type(e).__name__}: {e}")
+        return 0, ()
+    if not emulate:
+        torch.cuda.empty_cache()  # the warm-up runs' blocks, outside the graphs' pool
+    held = torch.cuda.memory_reserved(w.device) - before if not emulate else 0
+    logger.info(
+        f"Captured MoE prefill CUDA graphs for {len(graphs.sizes)} lengths from {graphs.sizes[0]} to "
+        f"{graphs.sizes[-1]} tokens in {len(capturable)} layers ({held / GiB:.2f} GiB)"
     )
     return held, tuple(graphs.sizes)
 

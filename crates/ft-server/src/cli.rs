@@ -275,6 +275,12 @@ pub struct ServeArgs {
     #[arg(help_heading = MODEL, long, default_value_t = 4096)]
     pub gdn_prefill_graph_tokens: usize,
 
+    /// Resident MoE experts on CUDA: steps of up to this many tokens run each sparse MoE block (router, shared
+    /// expert, grouped experts, combine: ~9 launches) as one CUDA graph captured at start-up by padded token count,
+    /// padding rows routed to no expert; 0 (or --disable-cuda-graph) runs them eagerly.
+    #[arg(help_heading = MODEL, long, default_value_t = 4096)]
+    pub moe_prefill_graph_tokens: usize,
+
     /// Skip the start-up prefill warm-up: on CUDA a few prompt chunks of other shapes than the dry run's (short,
     /// medium, a chunk after a long prefix) run before the server answers, so that the first requests do not wait
     /// for Triton to compile their kernels (seconds on a cold cache).
@@ -827,6 +833,8 @@ mod tests {
         assert_eq!(a.kv_reserve_tokens, 8192);
         assert_eq!(a.gdn_prefill_graph_tokens, 4096);
         assert_eq!(serve(&["--gdn-prefill-graph-tokens", "0"]).unwrap().gdn_prefill_graph_tokens, 0);
+        assert_eq!(a.moe_prefill_graph_tokens, 4096);
+        assert_eq!(serve(&["--moe-prefill-graph-tokens", "0"]).unwrap().moe_prefill_graph_tokens, 0);
         assert_eq!(a.moe_hybrid_max_fetch, -1);
         assert_eq!(a.cache_type, CacheType::Radix);
         assert_eq!(a.sampling_defaults, SamplingDefaults::Model);

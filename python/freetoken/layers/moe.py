@@ -49,6 +49,7 @@ from ..loading.copy_weight import copy_weight
 from ..moe import bench_routing
 from ..quant import nvfp4
 from .fused_linear import FusedLinear, fuse_linears
+from .moe_prefill_graphs import MoePrefillGraphs, drop_padding_rows
 from .quantized_linear import Nvfp4Linear
 
 # "auto" = triton on CUDA, torch elsewhere; tests and benchmarks can pin one.
@@ -173,6 +174,16 @@ class ExpertsBackend(nn.Module):
         expert) pairs (the NVFP4 experts' decode kernel runs that down projection in its epilogue)."""
         return False
 
+    def prefill_capturable(self, device: torch.device) -> bool:
+        """Whether a prefill-sized ``forward`` on ``device`` is fixed-shape device work with no host sync, ids
+        ``num_experts`` dropped (what a MoE prefill graph holds, ``layers/moe_prefill_graphs.py``). Offload
+        backends plan their transfers on the host: no."""
+        return False
+
+    def decode_max_pairs(self) -> int:
+        """The largest step, in (token, expert) pairs, that ``forward`` gives its decode kernels."""
+        return DECODE_MAX_PAIRS
+
     def forward(
         self,
         x: torch.Tensor,
@@ -219,6 +230,10 @@ class FusedExperts(ExpertsBackend):
 
     def forward(self, x, topk_ids, topk_weights, shared=None):
         return run_experts(self.impl, x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, shared)
+
+    def prefill_capturable(self, device: torch.device) -> bool:
+        """The Triton path (its alignment drops ids ``num_experts``); the torch reference syncs the host."""
+        return self.impl == "triton" or (self.impl == "auto" and device.type == "cuda")
 
     @torch.no_grad()
     def load_expert_weight(self, name: str, tensor: torch.Tensor) -> None:
@@ -320,6 +335,8 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = None
             self.shared_expert_gate = None
         self._fused: Optional[FusedLinear] = None  # [router | shared gate | shared gate_up], see fuse_projections
+        # set at start-up on CUDA (``startup.capture_moe_prefill_graphs``): prefill-sized steps replay a graph
+        self.prefill_graphs: Optional["MoePrefillGraphs"] = None
 
     def fuse_projections(self) -> None:
         """One GEMM for everything that reads the block's input: router logits, the shared expert's gate logit and
@@ -333,29 +350,42 @@ class SparseMoeBlock(nn.Module):
         se = self.shared_expert
         self._fused = fuse_linears(self.gate, self.shared_expert_gate, se.gate_proj, se.up_proj)
 
-    def route(self, x: torch.Tensor, logits: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(
+        self, x: torch.Tensor, logits: Optional[torch.Tensor] = None, valid_rows: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``topk_ids [T, k]`` int64, ``topk_weights [T, k]`` fp32 (HF ``Qwen3_5MoeTopKRouter``, whose cast to x's
         dtype the experts backend applies). ``logits``: the router logits when the caller already has them (fused
-        projection)."""
+        projection). ``valid_rows`` (a device scalar): rows at or past it are a graph's padding, routed to no
+        expert (id ``num_experts``)."""
         if logits is None:
             logits = F.linear(x, self.gate.weight)
         ids, w = topk_softmax(logits, self.top_k, self.norm_topk_prob)
         ids = bench_routing.override(ids, self.layer_id, self.num_experts)  # benchmarks only; ids when off
+        if valid_rows is not None:
+            ids = drop_padding_rows(ids, valid_rows, self.num_experts)
         return ids, w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.prefill_graphs is not None:
+            out = self.prefill_graphs.run(self, x)
+            if out is not None:
+                return out
+        return self.compute(x)
+
+    def compute(self, x: torch.Tensor, valid_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The block's output, eagerly (or being captured). ``valid_rows``: see ``route``."""
         if self._fused is not None:
-            return self._forward_fused(x)
-        ids, w = self.route(x)
+            return self._forward_fused(x, valid_rows)
+        ids, w = self.route(x, valid_rows=valid_rows)
         shared = None
         if self.shared_expert is not None:
             shared = SharedExpertTerm(self.shared_expert_gate(x), output=self.shared_expert(x))
         return self.experts(x, ids, w, shared)
 
-    def _forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward_fused(self, x: torch.Tensor, valid_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         y = self._fused(x)
         E = self.num_experts
-        ids, w = self.route(x, logits=y[:, :E])
+        ids, w = self.route(x, logits=y[:, :E], valid_rows=valid_rows)
         shared = None
         if self.shared_expert is not None:  # columns [E] the shared gate logit, [E+1:] its gate | up
             # the whole shared expert goes to the experts backend: the decode kernel runs its down projection too

@@ -88,6 +88,13 @@ class Nvfp4Experts(ExpertsBackend):
         ``SharedExpertTerm.add_to``)."""
         return pairs <= DECODE_MAX_PAIRS
 
+    def prefill_capturable(self, device: torch.device) -> bool:
+        """The Triton path (ids ``num_experts`` go to its all-zero dummy expert); the torch reference syncs."""
+        return self.impl == "triton" or (self.impl == "auto" and device.type == "cuda")
+
+    def decode_max_pairs(self) -> int:
+        return DECODE_MAX_PAIRS
+
     @torch.no_grad()
     def load_expert_weight(self, name: str, tensor: torch.Tensor) -> None:
         m = _PIECE.match(name)

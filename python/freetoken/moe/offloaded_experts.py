@@ -37,6 +37,9 @@ class OffloadedExperts(FusedExperts):
         """The layer's host bank, one expert per index of the leading dim (what the cache and the stream copy)."""
         return self.gate_up_proj, self.down_proj
 
+    def prefill_capturable(self, device: torch.device) -> bool:
+        return False  # the cache and the layer stream are planned on the host, step by step
+
     def forward(self, x, topk_ids, topk_weights, shared=None):
         gate_up, down, ids = device_weights(self.offload, self.index, self.host_banks(), topk_ids)
         return run_experts(self.impl, x, gate_up, down, ids, topk_weights, shared)

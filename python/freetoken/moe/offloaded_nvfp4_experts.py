@@ -54,6 +54,9 @@ class OffloadedNvfp4Experts(Nvfp4Experts):
     def host_banks(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.gate_up_rows, self.down_rows
 
+    def prefill_capturable(self, device: torch.device) -> bool:
+        return False  # the cache and the layer stream are planned on the host, step by step
+
     def forward(self, x, topk_ids, topk_weights, shared=None):
         gate_up, down, ids = device_weights(self.offload, self.index, self.host_banks(), topk_ids)
         bank = self.rows.views(gate_up, down)
