@@ -23,7 +23,6 @@ from freetoken.moe import bench_routing
 torch.set_num_threads(1)
 
 
-
 def make_block(layer_id=0, seed=0, E=8, k=2, H=32, dtype=torch.float32, device="cpu", impl=None):
     """A Qwen3.5-style block (shared expert, fused projections) with random weights."""
     cfg = dict(
@@ -96,9 +95,9 @@ def test_emulated_graphs_equal_the_eager_block_across_buckets_and_stale_padding(
     assert graphs.replays == replays
 
 
-def test_steps_outside_the_buckets_or_another_routing_decline():
-    """Decode-sized steps (the decode kernels' side), steps past the largest bucket, a block without graphs and a
-    benchmark routing mode other than the captured one run eagerly (run returns None)."""
+def test_steps_outside_the_buckets_or_another_routing_decline(monkeypatch):
+    """Decode-sized steps (the decode kernels' side), steps past the largest bucket, a block without graphs, a
+    benchmark routing mode other than the captured one and the A/B switch run eagerly (run returns None)."""
     block = make_block()
     graphs = MoePrefillGraphs(32, torch.float32, torch.device("cpu"), max_tokens=128, min_tokens=33, emulate=True)
     graphs.capture([block])
@@ -113,6 +112,9 @@ def test_steps_outside_the_buckets_or_another_routing_decline():
         assert graphs.run(block, x[:40]) is None
     finally:
         bench_routing.set_mode(saved)
+    monkeypatch.setenv("FREETOKEN_MOE_PREFILL_GRAPHS", "0")
+    assert graphs.run(block, x[:40]) is None
+    monkeypatch.delenv("FREETOKEN_MOE_PREFILL_GRAPHS")
     assert graphs.replays == 1
     assert MoePrefillGraphs(32, torch.float32, torch.device("cpu"), 32, 33, emulate=True).sizes == []
 

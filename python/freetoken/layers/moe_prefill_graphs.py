@@ -23,11 +23,13 @@ MoE replay. Graphs are per (layer, bucket): a block's weights are addresses in i
 Captured at start-up before the KV pool is sized (``startup.capture_moe_prefill_graphs``), in the memory plan, and
 checked there against the eager block on the same padded input (``check``). ``--moe-prefill-graph-tokens`` is the
 largest bucket (0: none). Steps outside the buckets, decode-sized steps (the decode kernels, or the decode graphs),
-another graph's capture, or a benchmark routing mode changed since capture run eagerly.
+another graph's capture, a benchmark routing mode changed since capture, or ``FREETOKEN_MOE_PREFILL_GRAPHS=0``
+(an A/B switch) run eagerly.
 """
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
@@ -37,6 +39,12 @@ from .gdn_prefill_graphs import bucket_sizes
 
 if TYPE_CHECKING:
     from .moe import SparseMoeBlock
+
+
+def graphs_switched_on() -> bool:
+    """``FREETOKEN_MOE_PREFILL_GRAPHS=0`` runs the blocks eagerly, graphs captured or not: an in-process A/B switch
+    (``bench/profile_prefill.py --env-ab``), read at every step."""
+    return os.environ.get("FREETOKEN_MOE_PREFILL_GRAPHS", "1") != "0"
 
 
 def drop_padding_rows(ids: torch.Tensor, valid_rows: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -118,7 +126,7 @@ class MoePrefillGraphs:
         next MoE replay); None when no graph holds the step (the caller runs the block eagerly)."""
         T = x.shape[0]
         Tb = self.bucket(T)
-        if Tb is None or bench_routing.mode() != self.routing:
+        if Tb is None or bench_routing.mode() != self.routing or not graphs_switched_on():
             return None
         replay = self.replay_fns.get((block.layer_id, Tb))
         if replay is None or (not self.emulate and torch.cuda.is_current_stream_capturing()):
