@@ -222,7 +222,7 @@ class Worker:
             batch = ForwardBatch.from_plan(plan, self.kv, self.attn, state=self.state, logits_indices=rows.indices)
             logits = self.model(batch)
             launch["ms"] = (time.perf_counter() - t_run) * 1e3
-            sampled = logits if rows.sampled is None else logits[rows.sampled.to(logits.device)]
+            sampled = logits if rows.sampled is None else logits[rows.sampled.to(logits.device, non_blocking=True)]
             tokens, logprobs = self._sample(sampled, plan.sampling, plan.rows[plan.sampling.seq_index])
             self._prev_sampled = tokens
             extra = step_logprobs(logits, rows, plan.sampling.num_top_logprobs)
@@ -245,8 +245,8 @@ class Worker:
             penalized = apply_penalties(
                 logits,
                 self.token_counts.rows(rows),
-                s.presence_penalty.to(logits.device),
-                s.frequency_penalty.to(logits.device),
+                s.presence_penalty.to(logits.device, non_blocking=True),
+                s.frequency_penalty.to(logits.device, non_blocking=True),
             )
         tokens, logprobs = sample(penalized, s.temperature, s.top_p, s.top_k, s.min_p, s.seeds)
         tokens = force_scripted_tokens(tokens, rows, self.token_counts)  # tests only: FREETOKEN_TEST_SCRIPT

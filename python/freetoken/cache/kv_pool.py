@@ -49,9 +49,19 @@ class KVCachePool:
         """Scatter the plan's new page-table entries (all CPU int64 tensors) into ``req_to_token``."""
         if slots.numel() == 0:
             return
+        dev = self.req_to_token.device
+        row_of, pos = self.table_positions(rows, table_from, indptr, slots)
+        self.write_entries(row_of.to(dev), pos.to(dev), slots.to(dev))
+
+    @staticmethod
+    def table_positions(rows, table_from, indptr, slots) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (row, position) of each of the plan's new page-table entries (CPU int64)."""
         counts = indptr[1:] - indptr[:-1]
         row_of = torch.repeat_interleave(rows, counts)
         start_of = torch.repeat_interleave(table_from - indptr[:-1], counts)
-        pos = torch.arange(slots.numel(), dtype=torch.int64) + start_of
-        dev = self.req_to_token.device
-        self.req_to_token[row_of.to(dev), pos.to(dev)] = slots.to(dev, torch.int32)
+        return row_of, torch.arange(slots.numel(), dtype=torch.int64) + start_of
+
+    def write_entries(self, row_of: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor) -> None:
+        """``req_to_token[row_of, pos] = slots``, all on the pool's device (no host sync)."""
+        if slots.numel():
+            self.req_to_token[row_of, pos] = slots.to(torch.int32)

@@ -22,14 +22,16 @@ class OutputTokenCounts:
     def reset(self, rows: torch.Tensor) -> None:
         """Rows whose request starts this step."""
         if rows.numel():
-            self.counts[rows.to(self.counts.device)] = 0
+            self.counts[rows.to(self.counts.device, non_blocking=True)] = 0
 
     def add(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """One more of ``tokens[i]`` in row ``rows[i]`` (rows distinct within a step)."""
         dev = self.counts.device
         self.counts.index_put_(
-            (rows.to(dev), tokens.to(dev)), torch.ones(rows.numel(), dtype=torch.int32, device=dev), accumulate=True
+            (rows.to(dev, non_blocking=True), tokens.to(dev)),
+            torch.ones(rows.numel(), dtype=torch.int32, device=dev),
+            accumulate=True,
         )
 
     def rows(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.counts[rows.to(self.counts.device)]
+        return self.counts[rows.to(self.counts.device, non_blocking=True)]

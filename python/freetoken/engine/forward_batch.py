@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from .host_upload import upload_int_arrays
+
 if TYPE_CHECKING:
     from ..cache.kv_pool import KVCachePool
     from ..layers.attention import AttentionBackend
@@ -79,28 +81,35 @@ class ForwardBatch:
         dev = kv.device
         ext = plan.extend_lens
         pre = plan.prefix_lens
-        kv.write_table(plan.rows, plan.table_from, plan.table_indptr, plan.table_slots)
         seq_of_tok = torch.repeat_interleave(torch.arange(plan.num_seqs), ext)
         positions = torch.arange(plan.num_tokens) - plan.cu_seqlens[:-1][seq_of_tok] + pre[seq_of_tok]
-        rows_d = plan.rows.to(dev)
-        positions_d = positions.to(dev)
-        out_loc = kv.req_to_token[rows_d[seq_of_tok.to(dev)], positions_d].to(torch.int64)
         if logits_indices is not None:
-            logits_idx = logits_indices
+            logits_idx = logits_indices.to("cpu")  # host rows (a device tensor would be copied back, once)
         elif all_logits:
             logits_idx = torch.arange(plan.num_tokens)
         else:
             logits_idx = plan.cu_seqlens[1:][plan.sampling.seq_index] - 1
+        table_rows, table_pos = kv.table_positions(plan.rows, plan.table_from, plan.table_indptr, plan.table_slots)
+        # every host array in one copy that does not stop the host (``host_upload.py``)
+        (input_ids, positions_d, cu, pre_d, ctx_d, rows_d, seq_d, slots_d, logits_d, t_rows, t_pos, t_slots) = (
+            upload_int_arrays(
+                [plan.input_ids, positions, plan.cu_seqlens, pre, pre + ext, plan.rows, seq_of_tok,
+                 plan.state_slots, logits_idx, table_rows, table_pos, plan.table_slots],
+                dev,
+            )
+        )  # fmt: skip
+        kv.write_entries(t_rows, t_pos, t_slots)
+        out_loc = kv.req_to_token[rows_d[seq_d], positions_d].to(torch.int64)
         return cls(
-            input_ids=plan.input_ids.to(dev),
+            input_ids=input_ids,
             positions=positions_d,
-            cu_seqlens=plan.cu_seqlens.to(dev, torch.int32),
-            prefix_lens=pre.to(dev, torch.int32),
-            context_lens=(pre + ext).to(dev, torch.int32),
+            cu_seqlens=cu.to(torch.int32),
+            prefix_lens=pre_d.to(torch.int32),
+            context_lens=ctx_d.to(torch.int32),
             rows=rows_d,
             out_cache_loc=out_loc,
-            state_slots=plan.state_slots.to(dev),
-            logits_indices=logits_idx.to(dev),
+            state_slots=slots_d,
+            logits_indices=logits_d,
             extend_lens_cpu=ext.tolist(),
             prefix_lens_cpu=pre.tolist(),
             context_lens_cpu=(pre + ext).tolist(),
