@@ -374,17 +374,18 @@ def fused_moe_triton(
     shared: torch.Tensor | None = None,
     shared_gate: torch.Tensor | None = None,
     tune: dict | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Grouped Triton MoE; same contract as ``fused_moe_torch``, plus ``sigmoid(shared_gate) * shared`` when given
     (``moe_combine.py``: the sum over k and the shared term in one launch). ``block_m``/``block_n``/``block_k`` pin
-    the tiles (tests), ``tune`` any of ``grouped_bf16_config``'s settings. Works on CUDA, or on CPU under
-    TRITON_INTERPRET=1."""
+    the tiles (tests), ``tune`` any of ``grouped_bf16_config``'s settings; ``out [T, H]``: where the result is
+    written (the combine writes it there). Works on CUDA, or on CPU under TRITON_INTERPRET=1."""
     assert triton is not None, "triton is not installed"
     T, H = x.shape
     E = w13.shape[0]
     k = topk_ids.shape[1]
     if T == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if out is None else out.zero_()
     x = x.contiguous()
     w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
     w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
@@ -399,7 +400,7 @@ def fused_moe_triton(
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 must not silently drop to tf32
     inter = _launch_gate_up(x, w13, sorted_ids, block_expert, k, cfg, prec)
     partial = _launch_down(inter, w2, sorted_ids, block_expert, H, cfg, prec)
-    return moe_combine_triton(partial, k, x.dtype, shared, shared_gate, weights=topk_weights)
+    return moe_combine_triton(partial, k, x.dtype, shared, shared_gate, weights=topk_weights, out=out)
 
 
 def _launch_options(cfg: dict, kernel: str = "") -> dict:

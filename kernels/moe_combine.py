@@ -102,12 +102,16 @@ def moe_combine_triton(
     shared: Optional[torch.Tensor] = None,
     shared_gate: Optional[torch.Tensor] = None,
     weights: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Same contract as ``moe_combine_torch`` (``shared`` and ``shared_gate`` may be strided views with unit last
-    stride: the column views of a fused projection). CUDA, or CPU under TRITON_INTERPRET=1."""
+    stride: the column views of a fused projection); ``out [T, H]`` (unit last stride): written and returned (a MoE
+    prefill graph's output rows). CUDA, or CPU under TRITON_INTERPRET=1."""
     n, H = partial.shape
     T = n // k
-    out = torch.empty(T, H, dtype=dtype, device=partial.device)
+    if out is None:
+        out = torch.empty(T, H, dtype=dtype, device=partial.device)
+    assert out.shape == (T, H) and out.dtype == dtype and out.stride(-1) == 1
     if T == 0:
         return out
     assert partial.stride(-1) == 1

@@ -103,7 +103,18 @@ def nvfp4_dequantize_triton(packed, scale, glob, dtype: torch.dtype, out=None) -
 
 
 def nvfp4_dequant_moe(
-    x, w13, w13_scale, w13_global, w2, w2_scale, w2_global, topk_ids, topk_weights, shared=None, shared_gate=None
+    x,
+    w13,
+    w13_scale,
+    w13_global,
+    w2,
+    w2_scale,
+    w2_global,
+    topk_ids,
+    topk_weights,
+    shared=None,
+    shared_gate=None,
+    out=None,
 ):
     """The routed experts of a prefill-sized step: the bank dequantized to x's dtype, then the BF16 grouped kernel
     (``fused_moe_triton``) over ``topk_ids`` (expert or slot ids; ids outside the bank add nothing). Same contract
@@ -117,4 +128,4 @@ def nvfp4_dequant_moe(
     weights = torch.where(valid, topk_weights, 0)
     g13 = nvfp4_dequantize_triton(w13, w13_scale, w13_global, x.dtype)
     g2 = nvfp4_dequantize_triton(w2, w2_scale, w2_global, x.dtype)
-    return fused_moe_triton(x, g13, g2, ids, weights, shared=shared, shared_gate=shared_gate)
+    return fused_moe_triton(x, g13, g2, ids, weights, shared=shared, shared_gate=shared_gate, out=out)

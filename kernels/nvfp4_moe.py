@@ -854,18 +854,20 @@ def nvfp4_fused_moe_triton(
     shared_gate: Optional[torch.Tensor] = None,
     half: Optional[bool] = None,
     asm: Optional[bool] = None,
+    out: Optional[torch.Tensor] = None,
 ):
     """Grouped NVFP4 MoE; same contract as ``nvfp4_moe_torch`` (``topk_weights`` in x's dtype, as
     ``fused_moe_triton`` takes them), plus ``sigmoid(shared_gate) * shared`` when given (``moe_combine.py``). ``block_m`` overrides ``pick_nvfp4_block_m`` (tests, benchmarks); ``tune``
     overrides the launch settings (``grouped_config``'s keys; bench/nvfp4_kernel_bench.py --groups moesweep).
     ``half`` (16-bit x; default ``GROUPED_HALF``): fp16 weight tiles against x and the intermediate rows in fp16
-    (``half_rows``, one launch each); ``asm`` as in ``nvfp4_linear``. CUDA, or CPU under TRITON_INTERPRET=1."""
+    (``half_rows``, one launch each); ``asm`` as in ``nvfp4_linear``; ``out`` as ``fused_moe_triton``'s. CUDA, or
+    CPU under TRITON_INTERPRET=1."""
     assert triton is not None, "triton is not installed"
     T, H = x.shape
     E, two_i, _ = w13.shape
     I, k = two_i // 2, topk_ids.shape[1]
     if T == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if out is None else out.zero_()
     x = x if x.stride(-1) == 1 else x.contiguous()
     n = T * k
     ids = topk_ids.reshape(-1)
@@ -897,4 +899,4 @@ def nvfp4_fused_moe_triton(
         BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, NUM_STAGES=cfg["stages"], DOT_PREC=prec, HALF=half, ASM=asm,
         X_DTYPE=TL_DTYPES[x.dtype], num_warps=cfg["warps"],
     )  # fmt: skip
-    return moe_combine_triton(partial, k, x.dtype, shared, shared_gate)
+    return moe_combine_triton(partial, k, x.dtype, shared, shared_gate, out=out)

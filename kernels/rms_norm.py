@@ -20,6 +20,8 @@ the shapes alone and nothing reads back to the host, so every call can be captur
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -50,12 +52,20 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, one_plus: 
 
 
 def add_rms_norm_torch(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, one_plus: bool, inplace: bool = False
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    one_plus: bool,
+    inplace: bool = False,
+    out: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``summed = x + residual`` (rounded to the dtype, as the eager add), ``(rms_norm(summed), summed)``. With
-    ``inplace`` the sum is written into ``residual`` and ``residual`` is returned as ``summed``."""
+    ``inplace`` the sum is written into ``residual`` and ``residual`` is returned as ``summed``; ``out`` (x's shape
+    and dtype): where the norm is written (a MoE prefill graph's input rows), and returned."""
     summed = residual.add_(x) if inplace else x + residual
-    return rms_norm_torch(summed, weight, eps, one_plus), summed
+    normed = rms_norm_torch(summed, weight, eps, one_plus)
+    return (normed if out is None else out.copy_(normed)), summed
 
 
 def gated_rms_norm_torch(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -172,12 +182,20 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, one_plus:
 
 
 def add_rms_norm_triton(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, one_plus: bool, inplace: bool = False
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    one_plus: bool,
+    inplace: bool = False,
+    out: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``add_rms_norm_torch``; one kernel reads x and residual once and writes both outputs."""
     assert x.shape == residual.shape and x.dtype == residual.dtype
     N = x.shape[-1]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    assert out.shape == x.shape and out.dtype == x.dtype and out.is_contiguous()
     res2 = _rows(residual, N)
     if inplace:
         assert res2.data_ptr() == residual.data_ptr() or residual.numel() == 0, "residual rows must be a view"
@@ -219,11 +237,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, one_plus: bool) 
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, one_plus: bool, inplace: bool = False
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    one_plus: bool,
+    inplace: bool = False,
+    out: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if _use_triton(x):
-        return add_rms_norm_triton(x, residual, weight, eps, one_plus, inplace)
-    return add_rms_norm_torch(x, residual, weight, eps, one_plus, inplace)
+        return add_rms_norm_triton(x, residual, weight, eps, one_plus, inplace, out)
+    return add_rms_norm_torch(x, residual, weight, eps, one_plus, inplace, out)
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -246,7 +246,9 @@ def check_block(T, dtype, device, seed=0, H=64, E=10, k=4, I=32, Is=48):
     blk.experts.impl = "torch" if on_torch else "triton" if device == "cpu" else "auto"
     terms = []
     forward = blk.experts.forward
-    blk.experts.forward = lambda x, ids, w, shared=None: terms.append(shared) or forward(x, ids, w, shared)
+    blk.experts.forward = lambda x, ids, w, shared=None, out=None: (
+        terms.append(shared) or forward(x, ids, w, shared, out)
+    )
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(seed + 1)).to(device, dtype)
     with torch.no_grad():
         out = blk(x)

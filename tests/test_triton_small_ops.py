@@ -61,7 +61,14 @@ def check_rms_norm(T, N, dtype, device, one_plus, strided=False, seed=0):
     before = res.clone()
     n, s = add_rms_norm_triton(x, res, w, 1e-6, one_plus, inplace=True)
     assert s is res and not torch.equal(res, before), "inplace must write the sum into residual's storage"
-    return max(err, _close(n, ref_n, dtype, device), _close(s, ref_s, dtype, device))
+    err = max(err, _close(n, ref_n, dtype, device), _close(s, ref_s, dtype, device))
+    # ``out``: the norm written into given rows (a MoE prefill graph's input buffer), both paths
+    buf = torch.zeros(T + 3, N, dtype=dtype, device=device)
+    n, _ = add_rms_norm_triton(x, before, w, 1e-6, one_plus, out=buf[:T])
+    assert n.data_ptr() == buf.data_ptr() and not buf[T:].any()
+    ref_buf = torch.zeros_like(buf)
+    assert add_rms_norm_torch(x, before, w, 1e-6, one_plus, out=ref_buf[:T])[0].data_ptr() == ref_buf.data_ptr()
+    return max(err, _close(buf[:T], ref_n, dtype, device), _close(ref_buf[:T], ref_n, dtype, device))
 
 
 def check_gated_rms_norm(R, D, dtype, device, strided=False, seed=0, heads=0):

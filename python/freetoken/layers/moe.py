@@ -109,25 +109,39 @@ def grouped_shared_args(shared: Optional[SharedExpertTerm]) -> dict:
     return {} if shared is None else dict(shared=shared.shared_output(), shared_gate=shared.gate_logit)
 
 
-def run_experts(impl: str, x, w13, w2, topk_ids, topk_weights, shared: Optional[SharedExpertTerm] = None):
+def write_into(out: Optional[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+    """``y`` copied into ``out`` when given (the paths that do not write ``out`` themselves), else ``y``."""
+    return y if out is None else out.copy_(y)
+
+
+def run_experts(impl: str, x, w13, w2, topk_ids, topk_weights, shared: Optional[SharedExpertTerm] = None, out=None):
     """The weighted sum over the routed experts, ``topk_ids`` indexing the first dimension of ``w13``/``w2``
     (expert ids for resident weights, slot ids for an expert cache), plus ``shared`` when given. ``topk_weights``
     fp32 or x's dtype: every path applies them rounded to x's dtype. ``impl``: auto | torch | triton; triton runs
     steps of at most ``DECODE_MAX_PAIRS`` (token, expert) pairs through the decode GEMVs (shared term fused), larger
-    ones through the grouped kernel."""
+    ones through the grouped kernel. ``out [T, H]``: where the result goes (the grouped kernel writes it there)."""
     T, k = topk_ids.shape
     if resolve_moe_impl(impl, x) == "triton":
         if T * k <= DECODE_MAX_PAIRS:
             from ..kernels.moe_decode import moe_decode_triton
 
-            return moe_decode_triton(x, w13, w2, topk_ids, topk_weights, **(shared.kernel_args() if shared else {}))
+            args = shared.kernel_args() if shared else {}
+            return write_into(out, moe_decode_triton(x, w13, w2, topk_ids, topk_weights, **args))
         from ..kernels.fused_moe import fused_moe_triton
 
         # fp32 weights as they are: the combine rounds each to x's dtype where it reads it (one launch fewer)
-        return fused_moe_triton(x, w13, w2, topk_ids, topk_weights, **grouped_shared_args(shared))
-    else:
-        out = fused_moe_torch(x, w13, w2, topk_ids, topk_weights.to(x.dtype))
-    return out if shared is None else shared.add_to(out)
+        return fused_moe_triton(x, w13, w2, topk_ids, topk_weights, **grouped_shared_args(shared), out=out)
+    y = fused_moe_torch(x, w13, w2, topk_ids, topk_weights.to(x.dtype))
+    return write_into(out, y if shared is None else shared.add_to(y))
+
+
+def moe_input_rows(mlp: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
+    """Where a decoder layer's norm should write the MLP's input ``[T, H]`` (shaped like ``x``): the rows of the
+    block's MoE prefill graph input when a graph will run the step, else None (a new tensor)."""
+    graphs = getattr(mlp, "prefill_graphs", None)
+    if graphs is None or x.dim() != 2 or x.dtype != graphs.x.dtype:
+        return None
+    return graphs.input_rows(mlp, x.shape[0])
 
 
 def set_default_moe_impl(name: str) -> None:
@@ -190,7 +204,9 @@ class ExpertsBackend(nn.Module):
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
         shared: Optional[SharedExpertTerm] = None,
+        out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
+        """``out [T, H]``: where the result is written, and returned (a MoE prefill graph's output rows)."""
         raise NotImplementedError
 
     def load_expert_weight(self, name: str, tensor: torch.Tensor) -> None:
@@ -228,8 +244,8 @@ class FusedExperts(ExpertsBackend):
         # which parts were loaded: fused tensors, or per-expert pieces (e, 0=gate,1=up,2=down)
         self._loaded: set = set()
 
-    def forward(self, x, topk_ids, topk_weights, shared=None):
-        return run_experts(self.impl, x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, shared)
+    def forward(self, x, topk_ids, topk_weights, shared=None, out=None):
+        return run_experts(self.impl, x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, shared, out)
 
     def prefill_capturable(self, device: torch.device) -> bool:
         """The Triton path (its alignment drops ids ``num_experts``); the torch reference syncs the host."""
@@ -372,17 +388,22 @@ class SparseMoeBlock(nn.Module):
                 return out
         return self.compute(x)
 
-    def compute(self, x: torch.Tensor, valid_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The block's output, eagerly (or being captured). ``valid_rows``: see ``route``."""
+    def compute(
+        self, x: torch.Tensor, valid_rows: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """The block's output, eagerly (or being captured). ``valid_rows``: see ``route``; ``out``: where the output
+        is written (the experts backend writes it there)."""
         if self._fused is not None:
-            return self._forward_fused(x, valid_rows)
+            return self._forward_fused(x, valid_rows, out)
         ids, w = self.route(x, valid_rows=valid_rows)
         shared = None
         if self.shared_expert is not None:
             shared = SharedExpertTerm(self.shared_expert_gate(x), output=self.shared_expert(x))
-        return self.experts(x, ids, w, shared)
+        return self.experts(x, ids, w, shared, out=out)
 
-    def _forward_fused(self, x: torch.Tensor, valid_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _forward_fused(
+        self, x: torch.Tensor, valid_rows: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         y = self._fused(x)
         E = self.num_experts
         ids, w = self.route(x, logits=y[:, :E], valid_rows=valid_rows)
@@ -397,7 +418,7 @@ class SparseMoeBlock(nn.Module):
                 shared = SharedExpertTerm(gate, gate_up=gate_up, down_nvfp4=pieces)
             else:  # another quantized down projection, or a larger step: it runs as its own layer
                 shared = SharedExpertTerm(gate, output=self.shared_expert.activate(gate_up))
-        return self.experts(x, ids, w, shared)
+        return self.experts(x, ids, w, shared, out=out)
 
     def _folds_nvfp4_shared_down(self, down: nn.Module, ids: torch.Tensor) -> bool:
         """Whether the experts backend runs the shared expert's NVFP4 down projection (and its SiLU-and-mul): NVFP4

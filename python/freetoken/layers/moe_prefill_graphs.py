@@ -18,7 +18,8 @@ changes.
 One object serves every block of a model: the input and output buffers (``[top, H]``) and one private memory
 pool are shared, since replays never overlap (one stream) and each block's output is read (by the next layer's
 residual add) before the next block replays. ``run`` returns a view of the output buffer: valid until the next
-MoE replay. Graphs are per (layer, bucket): a block's weights are addresses in its kernels.
+MoE replay. Graphs are per (layer, bucket): a block's weights are addresses in its kernels. The decoder layer's
+norm before the block writes straight into the input buffer (``input_rows``), so a replay copies nothing in.
 
 Captured at start-up before the KV pool is sized (``startup.capture_moe_prefill_graphs``), in the memory plan, and
 checked there against the eager block on the same padded input (``check``). ``--moe-prefill-graph-tokens`` is the
@@ -74,6 +75,7 @@ class MoePrefillGraphs:
         self.pool = None
         self.routing = bench_routing.mode()  # the benchmark routing the graphs hold
         self.replays = 0
+        self.copies_in = 0  # replays whose input was not already in the buffer (``input_rows``)
 
     def bucket(self, tokens: int) -> Optional[int]:
         """The smallest bucket holding ``tokens`` (None: outside the buckets)."""
@@ -91,7 +93,10 @@ class MoePrefillGraphs:
 
     def _body(self, block: "SparseMoeBlock", Tb: int) -> Callable[[], None]:
         def body() -> None:
-            self.out[:Tb].copy_(block.compute(self.x[:Tb], valid_rows=self.valid))
+            out = self.out[:Tb]
+            y = block.compute(self.x[:Tb], valid_rows=self.valid, out=out)
+            if y.data_ptr() != out.data_ptr():  # a backend that returned its own tensor
+                out.copy_(y)
 
         return body
 
@@ -121,18 +126,31 @@ class MoePrefillGraphs:
         if not self.emulate:
             torch.cuda.synchronize(self.device)
 
-    def run(self, block: "SparseMoeBlock", x: torch.Tensor) -> Optional[torch.Tensor]:
-        """The block's output for ``x [T, H]`` from its graph (a view of the shared output buffer, valid until the
-        next MoE replay); None when no graph holds the step (the caller runs the block eagerly)."""
-        T = x.shape[0]
-        Tb = self.bucket(T)
+    def _replay_for(self, block: "SparseMoeBlock", tokens: int) -> Optional[Callable[[], None]]:
+        """The replay that runs ``block`` on a step of ``tokens`` (None: the step runs eagerly)."""
+        Tb = self.bucket(tokens)
         if Tb is None or bench_routing.mode() != self.routing or not graphs_switched_on():
             return None
         replay = self.replay_fns.get((block.layer_id, Tb))
         if replay is None or (not self.emulate and torch.cuda.is_current_stream_capturing()):
             return None
+        return replay
+
+    def input_rows(self, block: "SparseMoeBlock", tokens: int) -> Optional[torch.Tensor]:
+        """The input buffer's first ``tokens`` rows when a graph will run the step (the layer's norm writes its
+        output there, and ``run`` copies nothing in), else None."""
+        return self.x[:tokens] if self._replay_for(block, tokens) is not None else None
+
+    def run(self, block: "SparseMoeBlock", x: torch.Tensor) -> Optional[torch.Tensor]:
+        """The block's output for ``x [T, H]`` from its graph (a view of the shared output buffer, valid until the
+        next MoE replay); None when no graph holds the step (the caller runs the block eagerly)."""
+        T = x.shape[0]
+        replay = self._replay_for(block, T)
+        if replay is None:
+            return None
         if x.data_ptr() != self.x.data_ptr():
             self.x[:T].copy_(x)
+            self.copies_in += 1
         self._set_valid(T)
         replay()
         self.replays += 1
@@ -153,3 +171,4 @@ class MoePrefillGraphs:
             got = got.clone()
             want = block.compute(self.x[:Tb], valid_rows=self.valid)[:T]
             torch.testing.assert_close(got, want, msg=lambda m: f"MoE prefill graph ({Tb} tokens) vs eager: {m}")
+        self.replays = self.copies_in = 0  # the counters say what serving did

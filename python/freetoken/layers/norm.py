@@ -4,6 +4,8 @@ to zero), both computed in fp32 and cast back at the end. One fused kernel per c
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -21,9 +23,12 @@ class RMSNorm(nn.Module):
         # Llama casts before the weight multiply (HF LlamaRMSNorm); (1+w) multiplies in fp32 before the cast
         return rms_norm(x, self.weight, self.eps, self.one_plus)
 
-    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(x + residual), x + residual)``: the decoder's residual add and the next norm in one pass."""
-        return add_rms_norm(x, residual, self.weight, self.eps, self.one_plus)
+    def add(
+        self, x: torch.Tensor, residual: torch.Tensor, out: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``: the decoder's residual add and the next norm in one pass;
+        ``out``: where the norm goes (the MoE block's graph input rows, ``SparseMoeBlock.input_rows``)."""
+        return add_rms_norm(x, residual, self.weight, self.eps, self.one_plus, out=out)
 
 
 def pre_norm(norm: RMSNorm, h: torch.Tensor, residual) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,7 +37,7 @@ from torch import nn
 from ..kernels.nvfp4_moe import DECODE_MAX_PAIRS, nvfp4_moe_torch
 from ..quant import nvfp4
 from ..tuning_env import int_from_env
-from .moe import ExpertsBackend, grouped_shared_args, resolve_moe_impl
+from .moe import ExpertsBackend, grouped_shared_args, resolve_moe_impl, write_into
 
 _PIECE = re.compile(r"^(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale|weight_scale_2)$")
 _SUFFIX = {"weight": "", "weight_scale": "_scale", "weight_scale_2": "_global"}
@@ -80,8 +80,8 @@ class Nvfp4Experts(ExpertsBackend):
             self.down_proj_global,
         )
 
-    def forward(self, x, topk_ids, topk_weights, shared=None):
-        return nvfp4_experts_forward(self.impl, x, self.bank(), topk_ids, topk_weights, shared)
+    def forward(self, x, topk_ids, topk_weights, shared=None, out=None):
+        return nvfp4_experts_forward(self.impl, x, self.bank(), topk_ids, topk_weights, shared, out)
 
     def takes_nvfp4_shared_down(self, pairs: int) -> bool:
         """The steps ``run_nvfp4_experts`` gives the decode kernel, whose epilogue runs it (the torch paths:
@@ -141,13 +141,13 @@ class Nvfp4Experts(ExpertsBackend):
             glob.fill_(float(one))
 
 
-def nvfp4_experts_forward(impl, x, bank, topk_ids, topk_weights, shared=None):
+def nvfp4_experts_forward(impl, x, bank, topk_ids, topk_weights, shared=None, out=None):
     """The routed experts over a bank in this layout (expert or slot ids) plus ``shared``: the Triton kernels where
-    ``impl`` resolves to triton, else the torch reference."""
+    ``impl`` resolves to triton, else the torch reference; written into ``out`` when given."""
     if resolve_moe_impl(impl, x) == "triton":
-        return run_nvfp4_experts(x, bank, topk_ids, topk_weights, shared)
-    out = nvfp4_moe_torch(x, *bank, topk_ids, topk_weights.to(x.dtype))
-    return out if shared is None else shared.add_to(out)
+        return run_nvfp4_experts(x, bank, topk_ids, topk_weights, shared, out)
+    y = nvfp4_moe_torch(x, *bank, topk_ids, topk_weights.to(x.dtype))
+    return write_into(out, y if shared is None else shared.add_to(y))
 
 
 # From this many (token, expert) pairs a step dequantizes the whole bank to x's dtype and runs the BF16 grouped kernel
@@ -166,7 +166,7 @@ def _dequant_min_pairs(default: int = 8192 * 8 + 1) -> int:
 DEQUANT_MIN_PAIRS = _dequant_min_pairs()
 
 
-def run_nvfp4_experts(x, bank, topk_ids, topk_weights, shared=None):
+def run_nvfp4_experts(x, bank, topk_ids, topk_weights, shared=None, out=None):
     """The Triton kernels over a bank in this layout (six tensors, ``Nvfp4Experts.bank()``'s order; expert or slot
     ids): the decode GEMVs for steps of at most ``DECODE_MAX_PAIRS`` pairs (shared expert in their epilogue), the
     grouped kernels above (shared expert added after), from ``DEQUANT_MIN_PAIRS`` pairs over the bank dequantized.
@@ -176,6 +176,7 @@ def run_nvfp4_experts(x, bank, topk_ids, topk_weights, shared=None):
 
     T, k = topk_ids.shape
     if T * k <= DECODE_MAX_PAIRS:
-        return nvfp4_moe_decode_triton(x, *bank, topk_ids, topk_weights, **(shared.kernel_args() if shared else {}))
+        args = shared.kernel_args() if shared else {}
+        return write_into(out, nvfp4_moe_decode_triton(x, *bank, topk_ids, topk_weights, **args))
     grouped = nvfp4_dequant_moe if T * k >= DEQUANT_MIN_PAIRS else nvfp4_fused_moe_triton
-    return grouped(x, *bank, topk_ids, topk_weights.to(x.dtype), **grouped_shared_args(shared))
+    return grouped(x, *bank, topk_ids, topk_weights.to(x.dtype), **grouped_shared_args(shared), out=out)

@@ -25,7 +25,7 @@ from torch import nn
 from ..engine.forward_batch import ForwardBatch
 from ..kernels.rope import qk_norm_rope
 from ..layers.fused_linear import FusedLinear, fuse_linears
-from ..layers.moe import ExpertsFactory, GatedMLP
+from ..layers.moe import ExpertsFactory, GatedMLP, moe_input_rows
 from ..layers.norm import RMSNorm, final_norm, pre_norm
 from ..layers.rotary import RotaryEmbedding, rope_config
 from ..loading.copy_weight import copy_weight
@@ -97,7 +97,8 @@ class DecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, residual: Optional[torch.Tensor], batch: ForwardBatch):
         """Returns this layer's output and the residual stream before it (the add is fused into the next norm)."""
         x, residual = pre_norm(self.input_layernorm, h, residual)
-        x, residual = self.post_attention_layernorm.add(self.self_attn(x, batch), residual)
+        attn = self.self_attn(x, batch)
+        x, residual = self.post_attention_layernorm.add(attn, residual, out=moe_input_rows(self.mlp, attn))
         return self.mlp(x), residual
 
 

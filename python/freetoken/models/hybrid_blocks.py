@@ -16,7 +16,7 @@ from ..engine.forward_batch import ForwardBatch
 from ..errors import UnsupportedModel
 from ..layers.gated_attention import GatedAttention
 from ..layers.gated_deltanet import GatedDeltaNet
-from ..layers.moe import ExpertsFactory, GatedMLP, SparseMoeBlock
+from ..layers.moe import ExpertsFactory, GatedMLP, SparseMoeBlock, moe_input_rows
 from ..layers.norm import RMSNorm, final_norm, pre_norm
 from ..loading.copy_weight import copy_weight
 from .base import CausalLM, KVLayout, ModelConfig, StateLayout
@@ -80,7 +80,8 @@ class HybridDecoderLayer(nn.Module):
         returns this layer's output and the stream, so each residual add is fused into the next norm."""
         x, residual = pre_norm(self.input_layernorm, h, residual)
         mixer = self.linear_attn if self.layer_type == LINEAR else self.self_attn
-        x, residual = self.post_attention_layernorm.add(mixer(x, batch), residual)
+        mixed = mixer(x, batch)
+        x, residual = self.post_attention_layernorm.add(mixed, residual, out=moe_input_rows(self.mlp, mixed))
         return self.mlp(x), residual
 
 

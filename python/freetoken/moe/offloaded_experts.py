@@ -40,9 +40,9 @@ class OffloadedExperts(FusedExperts):
     def prefill_capturable(self, device: torch.device) -> bool:
         return False  # the cache and the layer stream are planned on the host, step by step
 
-    def forward(self, x, topk_ids, topk_weights, shared=None):
+    def forward(self, x, topk_ids, topk_weights, shared=None, out=None):
         gate_up, down, ids = device_weights(self.offload, self.index, self.host_banks(), topk_ids)
-        return run_experts(self.impl, x, gate_up, down, ids, topk_weights, shared)
+        return run_experts(self.impl, x, gate_up, down, ids, topk_weights, shared, out)
 
 
 def device_weights(offload, index: int, banks, topk_ids: torch.Tensor):

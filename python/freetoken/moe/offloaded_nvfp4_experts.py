@@ -57,10 +57,10 @@ class OffloadedNvfp4Experts(Nvfp4Experts):
     def prefill_capturable(self, device: torch.device) -> bool:
         return False  # the cache and the layer stream are planned on the host, step by step
 
-    def forward(self, x, topk_ids, topk_weights, shared=None):
+    def forward(self, x, topk_ids, topk_weights, shared=None, out=None):
         gate_up, down, ids = device_weights(self.offload, self.index, self.host_banks(), topk_ids)
         bank = self.rows.views(gate_up, down)
-        return nvfp4_experts_forward(self.impl, x, bank, ids, topk_weights, shared)
+        return nvfp4_experts_forward(self.impl, x, bank, ids, topk_weights, shared, out)
 
     @torch.no_grad()
     def fill_dummy(self, std: float, gen: torch.Generator) -> None:
