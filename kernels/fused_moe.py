@@ -223,6 +223,23 @@ if triton is not None:
     def _max_combine(a, b):
         return tl.maximum(a, b)
 
+    @triton.jit
+    def _chunk_histogram(ids_ptr, start, n, num_experts, E_BINS: tl.constexpr, CHUNK: tl.constexpr):
+        """Experts' counts among ids ``[start, start + CHUNK)`` (past ``n`` and outside ``[0, num_experts)``: a
+        dummy bin, E_BINS > num_experts, which callers drop)."""
+        offs = start + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + offs, mask=offs < n, other=0).to(tl.int32)
+        e = tl.where((offs < n) & (e >= 0) & (e < num_experts), e, E_BINS - 1)
+        return tl.histogram(e, E_BINS)
+
+    @triton.jit(do_not_specialize=["n"])
+    def _moe_align_count_kernel(ids_ptr, counts_ptr, n, num_experts, E_BINS: tl.constexpr, CHUNK: tl.constexpr):
+        # one chunk of ids a program, its counts added into the zeroed per-expert counts: the plan's histogram of a
+        # prefill-sized step (17,472 ids at Qwen3.6's 2,184-token agent turn) in parallel, not in one program
+        h = _chunk_histogram(ids_ptr, tl.program_id(0) * CHUNK, n, num_experts, E_BINS, CHUNK)
+        bins = tl.arange(0, E_BINS)
+        tl.atomic_add(counts_ptr + bins, h, mask=(bins < num_experts) & (h > 0), sem="relaxed")
+
     @triton.jit(do_not_specialize=["n", "max_blocks", "P"])
     def _moe_align_plan_kernel(
         ids_ptr,
@@ -237,6 +254,7 @@ if triton is not None:
         E_BINS: tl.constexpr,
         CHUNK: tl.constexpr,
         BLOCK_B: tl.constexpr,
+        COUNTED: tl.constexpr,  # cursor already holds the per-expert counts (``_moe_align_count_kernel``)
     ):
         # program 0: per-expert counts -> padded offsets (cursor), expert of every block; the others fill sorted_ids
         # with n, CHUNK entries each, beside it (in program 0 that fill was a third of the kernel's serial loop)
@@ -245,14 +263,14 @@ if triton is not None:
             op = (pid - 1) * CHUNK + tl.arange(0, CHUNK)
             tl.store(sorted_ids_ptr + op, tl.zeros((CHUNK,), dtype=tl.int32) + n, mask=op < P)
             return
-        counts = tl.zeros((E_BINS,), dtype=tl.int32)
-        for start in range(0, n, CHUNK):
-            offs = start + tl.arange(0, CHUNK)
-            e = tl.load(ids_ptr + offs, mask=offs < n, other=0).to(tl.int32)
-            # a dummy bin for the tail and for ids outside [0, num_experts), which are dropped (E_BINS > num_experts)
-            e = tl.where((offs < n) & (e >= 0) & (e < num_experts), e, E_BINS - 1)
-            counts += tl.histogram(e, E_BINS)
         bins = tl.arange(0, E_BINS)
+        if COUNTED:
+            counts = tl.load(cursor_ptr + bins, mask=bins < num_experts, other=0)
+            tl.debug_barrier()  # every thread has read the counts before cursor is overwritten below
+        else:
+            counts = tl.zeros((E_BINS,), dtype=tl.int32)
+            for start in range(0, n, CHUNK):
+                counts += _chunk_histogram(ids_ptr, start, n, num_experts, E_BINS, CHUNK)
         counts = tl.where(bins < num_experts, counts, 0)
         padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
         pad_end = tl.cumsum(padded, 0)
@@ -286,13 +304,18 @@ if triton is not None:
         tl.store(sorted_ids_ptr + pos, offs.to(tl.int32), mask=mask)
 
 
+# ids the plan kernel counts in its one program; more are counted by ``_moe_align_count_kernel`` first
+_SERIAL_COUNT_IDS = 2048
+
+
 def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """Group the T*k (token, slot) pairs by expert, each expert's run padded to a multiple of ``block_m``.
 
     Returns ``sorted_ids [P]`` int32 (flat pair index ``t*k + j``; padding = T*k) and ``block_expert [P // block_m]``
     int32 (-1 for blocks past the last real one). ``P`` is an upper bound from shapes only: no host sync, CUDA-graph
     capturable. Pairs whose id lies outside ``[0, num_experts)`` are dropped (no block holds them). Two Triton launches (the plan, one program, with the padding fill in programs beside it; then an
-    atomic scatter); pairs inside one expert's run come in arbitrary order. ``moe_align_block_size_torch`` is the
+    atomic scatter), and for more than ``_SERIAL_COUNT_IDS`` ids a parallel count before them (into a zeroed
+    cursor); pairs inside one expert's run come in arbitrary order. ``moe_align_block_size_torch`` is the
     (stable) reference."""
     dev = topk_ids.device
     flat = topk_ids.reshape(-1)
@@ -301,10 +324,15 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     n = flat.numel()
     max_blocks = (n + min(num_experts, n) * (block_m - 1) + block_m - 1) // block_m
     P = max_blocks * block_m
-    cursor = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    # a step of more than a few chunks counts its ids in parallel first (one serial program took ~30 us of the
+    # ~35 a layer at 17,472 ids); a decode-sized one keeps the single launch
+    counted = n > _SERIAL_COUNT_IDS
+    cursor = (torch.zeros if counted else torch.empty)(num_experts, dtype=torch.int32, device=dev)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     sorted_ids = torch.empty(P, dtype=torch.int32, device=dev)
     e_bins = triton.next_power_of_2(num_experts + 1)
+    if counted:
+        _moe_align_count_kernel[(triton.cdiv(n, 1024),)](flat, cursor, n, num_experts, E_BINS=e_bins, CHUNK=1024)
     _moe_align_plan_kernel[(1 + triton.cdiv(P, 1024),)](
         flat,
         cursor,
@@ -318,6 +346,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
         E_BINS=e_bins,
         CHUNK=1024,
         BLOCK_B=1024,
+        COUNTED=counted,
         num_warps=4,  # 16 measured slower on the H200 (2.0 vs 1.5 ms for the agent turn's 40 layers, 2026-12-03)
     )
     _moe_align_scatter_kernel[(triton.cdiv(n, 1024),)](

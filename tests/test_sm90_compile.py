@@ -49,6 +49,19 @@ def test_moe_combine_compiles_for_sm90(dtype, shared, weighted):
     assert compile_check("freetoken.kernels.moe_combine:_moe_combine_kernel", ptr, const, div16) == 0
 
 
+@pytest.mark.parametrize("counted", [True, False])
+def test_moe_align_compiles_for_sm90(counted):
+    """The grouped MoE's alignment: the parallel count of a prefill-sized step and the plan that reads it, or counts
+    a decode-sized step itself."""
+    ids = {"ids_ptr": "*i32", "cursor_ptr": "*i32", "block_expert_ptr": "*i32", "sorted_ids_ptr": "*i32"}
+    const = {"BLOCK_M": 64, "E_BINS": 512, "CHUNK": 1024, "BLOCK_B": 1024, "COUNTED": counted}
+    assert compile_check("freetoken.kernels.fused_moe:_moe_align_plan_kernel", ids, const) == 0
+    if counted:
+        ptr = {"ids_ptr": "*i32", "counts_ptr": "*i32"}
+        const = {"E_BINS": 512, "CHUNK": 1024}
+        assert compile_check("freetoken.kernels.fused_moe:_moe_align_count_kernel", ptr, const) == 0
+
+
 @pytest.mark.parametrize("split,slot32,lazy", [(True, False, True), (False, True, True), (True, True, False)])
 def test_extend_attention_compiles_for_sm90(split, slot32, lazy):
     """The extend kernel with its unmasked (lazily rescaled, as served, or not) and masked key tiles at Qwen3.6's

@@ -101,6 +101,10 @@ _CPU_SCRIPT = textwrap.dedent(
     dropped[200:] = 6  # padding rows, as a MoE prefill graph routes them
     dropped[5, 1] = -1
     check_align(dropped, 6, 16)
+    # counted in parallel first (more than _SERIAL_COUNT_IDS ids), with padding rows dropped
+    many = torch.randint(0, 37, (900, 4), generator=g)
+    many[700:] = 37
+    check_align(many, 37, 8)
     for args in {cases!r}:
         T, E, k, H, I, dt, skew, *tune = args
         _case(T, E, k, H, I, getattr(torch, dt), "cpu", seed=T, skew=skew, tune=tune[0] if tune else None)
