@@ -132,6 +132,23 @@ def test_check_catches_a_graph_that_differs_from_the_eager_block():
         graphs.check(block)
 
 
+def test_check_is_skipped_under_a_random_benchmark_routing():
+    """Under ``FREETOKEN_BENCH_ROUTING=uniform`` the replay and the eager run draw different experts: no comparison
+    (a failed check would switch the graphs off for the benchmark that measures them)."""
+    saved = bench_routing.mode()
+    try:
+        bench_routing.set_mode("uniform")
+        block = make_block()
+        graphs = MoePrefillGraphs(32, torch.float32, torch.device("cpu"), max_tokens=128, min_tokens=33, emulate=True)
+        graphs.capture([block])
+        good = graphs.replay_fns[(0, 128)]
+        graphs.replay_fns[(0, 128)] = lambda: (good(), graphs.out.mul_(1.01))
+        graphs.check(block)
+        assert graphs.run(block, torch.randn(100, 32)) is not None  # still replayed under the captured mode
+    finally:
+        bench_routing.set_mode(saved)
+
+
 _INTERPRETER_SCRIPT = textwrap.dedent(
     """
     import sys, torch
@@ -286,6 +303,27 @@ def test_cuda_graphs_equal_the_eager_block(dtype):
             torch.testing.assert_close(got, b(x), **tol)
             b.prefill_graphs = graphs
     assert graphs.replays == 12
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_capture_builds_each_layers_routing_table_outside_the_capture():
+    """``FREETOKEN_BENCH_ROUTING=hot``: each layer builds its routing table on its first call, a host-to-device copy
+    that a capture cannot hold; capture runs every block eagerly first, so every layer's graph is recorded and
+    replays the hot experts."""
+    saved = bench_routing.mode()
+    try:
+        bench_routing.set_mode("hot")
+        blocks = [make_block(layer_id=10 + i, seed=i, E=64, k=4, H=128, device="cuda") for i in range(3)]
+        graphs = MoePrefillGraphs(128, torch.float32, torch.device("cuda"), max_tokens=256, min_tokens=17)
+        graphs.capture(blocks)
+        graphs.check(blocks[-1])
+        x = torch.randn(100, 128, device="cuda")
+        for b in blocks:
+            got = graphs.run(b, x).clone()
+            torch.testing.assert_close(got, b.compute(x), atol=1e-4, rtol=1e-4)
+    finally:
+        bench_routing.set_mode(saved)
 
 
 @pytest.mark.gpu
