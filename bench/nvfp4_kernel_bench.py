@@ -383,6 +383,14 @@ BF16_MOE_SWEEP = [
     {"block_m": 128, "gu_block_n": 128, "down_block_n": 128, "warps": 8, "stages": 4},
     {"block_m": 64, "gu_block_n": 128, "down_block_n": 128, "warps": 4, "stages": 4},
     {"block_m": 128, "gu_block_n": 64, "down_block_n": 128, "warps": 4, "stages": 3},
+    # tail row tiles (fused_moe's TAIL, written 2026-12-05 without a GPU): an expert of 65-80 rows (the agent turn's
+    # ~68) in one program reading each weight tile once, where 64-row blocks take two and 128-row blocks pad 60
+    {"tail": 16},
+    {"tail": 16, "warps": 8},
+    {"tail": 32},
+    {"tail": 32, "warps": 8},
+    {"block_m": 32, "tail": 32},
+    {"tail": 16, "down_warps": 8},
     {"block_m": 128, "gu_block_n": 128, "down_block_n": 256, "warps": 8, "down_stages": 3, "stages": 3},
 ]
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..tuning_env import with_overrides
+from ..tuning_env import int_from_env, with_overrides
 from .device_sms import scaled
 from .moe_combine import moe_combine_triton
 
@@ -118,6 +118,59 @@ if triton is not None:
     # Pair and block counts are not specialized: Triton would compile another kernel for a count divisible by 16
     # (any chunk of an even number of tokens, top-8), on the request path of the first such chunk (~0.9 s on the H200
     # at 2,048 tokens, 2026-12-03); the counts only bound loops and masks.
+    #
+    # A block is BLOCK_M rows, plus TAIL rows (a second, smaller row tile) when TAIL > 0: an expert whose run is a
+    # little longer than BLOCK_M (68 pairs an expert at Qwen3.6's 2,184-token agent turn) then takes one program per
+    # weight tile, which reads the tile once for both row tiles, where 64-row blocks give it two programs reading
+    # the same weights (the second from L2, for its 4 rows) and 128-row blocks multiply 60 rows of padding. A tail
+    # that holds only padding (its first row is padding: each run's padding comes last) is skipped.
+
+    @triton.jit
+    def _block_rows(sorted_ids_ptr, first, num_pairs, ROWS: tl.constexpr):
+        """The pair of each of ``ROWS`` sorted rows from ``first``, and which are real (not padding)."""
+        pair = tl.load(sorted_ids_ptr + first + tl.arange(0, ROWS))
+        return pair, pair < num_pairs
+
+    @triton.jit
+    def _silu_mul_store(acc_g, acc_u, out_ptr, pair, m_mask, offs_n, n_mask, stride_ot):
+        # match the reference's rounding: gate/up are rounded to the activation dtype before SiLU-and-mul
+        gq = acc_g.to(out_ptr.dtype.element_ty).to(tl.float32)
+        uq = acc_u.to(out_ptr.dtype.element_ty).to(tl.float32)
+        h = gq / (1.0 + tl.exp(-gq)) * uq
+        o_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_ot + offs_n[None, :]
+        tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+    @triton.jit
+    def _gate_up_tiles(
+        x_ptr, stride_xt, tok, m_mask, tok_t, t_mask, g_ptrs, u_ptrs, n_mask, H,
+        BLOCK_M: tl.constexpr, TAIL_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        DOT_PREC: tl.constexpr, WITH_TAIL: tl.constexpr,
+    ):  # fmt: skip
+        """gate and up of the block's rows (and of its tail rows, ``WITH_TAIL``), each weight tile loaded once."""
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = x_ptr + tok[:, None].to(tl.int64) * stride_xt + offs_k[None, :]
+        t_ptrs = x_ptr + tok_t[:, None].to(tl.int64) * stride_xt + offs_k[None, :]
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        tail_g = tl.zeros((TAIL_ROWS, BLOCK_N), dtype=tl.float32)
+        tail_u = tl.zeros((TAIL_ROWS, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            k_mask = (offs_k + k0) < H
+            a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            g = tl.load(g_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            acc_g = tl.dot(a, g, acc_g, input_precision=DOT_PREC)
+            acc_u = tl.dot(a, u, acc_u, input_precision=DOT_PREC)
+            if WITH_TAIL:
+                at = tl.load(t_ptrs, mask=t_mask[:, None] & k_mask[None, :], other=0.0)
+                tail_g = tl.dot(at, g, tail_g, input_precision=DOT_PREC)
+                tail_u = tl.dot(at, u, tail_u, input_precision=DOT_PREC)
+                t_ptrs += BLOCK_K
+            a_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
+        return acc_g, acc_u, tail_g, tail_u
+
     @triton.jit(do_not_specialize=["num_pairs"])
     def _moe_gate_up_kernel(
         x_ptr,  # [T, H]
@@ -137,40 +190,74 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         DOT_PREC: tl.constexpr,
+        TAIL: tl.constexpr = 0,  # tail rows a block (0: none), see above
+        TAIL_ROWS: tl.constexpr = 16,  # the tail tile's rows: TAIL, or a shape when there is none (never computed)
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         e = tl.load(block_expert_ptr + pid_m)
         if e >= 0:
-            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            pair = tl.load(sorted_ids_ptr + offs_m)
-            m_mask = pair < num_pairs
-            tok = pair // TOPK
+            first = pid_m * (BLOCK_M + TAIL)
+            pair, m_mask = _block_rows(sorted_ids_ptr, first, num_pairs, BLOCK_M)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             n_mask = offs_n < I
             offs_k = tl.arange(0, BLOCK_K)
-            a_ptrs = x_ptr + tok[:, None].to(tl.int64) * stride_xt + offs_k[None, :]
             w_base = w_ptr + e.to(tl.int64) * stride_we
             g_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
             u_ptrs = w_base + (offs_n[None, :] + I).to(tl.int64) * stride_wn + offs_k[:, None]
-            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, H, BLOCK_K):
-                k_mask = (offs_k + k0) < H
-                a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                g = tl.load(g_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-                u = tl.load(u_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-                acc_g = tl.dot(a, g, acc_g, input_precision=DOT_PREC)
-                acc_u = tl.dot(a, u, acc_u, input_precision=DOT_PREC)
-                a_ptrs += BLOCK_K
-                g_ptrs += BLOCK_K
-                u_ptrs += BLOCK_K
-            # match the reference's rounding: gate/up are rounded to the activation dtype before SiLU-and-mul
-            gq = acc_g.to(out_ptr.dtype.element_ty).to(tl.float32)
-            uq = acc_u.to(out_ptr.dtype.element_ty).to(tl.float32)
-            h = gq / (1.0 + tl.exp(-gq)) * uq
-            o_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_ot + offs_n[None, :]
-            tl.store(o_ptrs, h.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+            if TAIL > 0:
+                pair_t, t_mask = _block_rows(sorted_ids_ptr, first + BLOCK_M, num_pairs, TAIL_ROWS)
+                has_tail = tl.load(sorted_ids_ptr + first + BLOCK_M) < num_pairs
+            else:  # shapes only (no tail: never loaded, never computed)
+                pair_t = tl.zeros((TAIL_ROWS,), dtype=tl.int32)
+                t_mask = pair_t < 0
+                has_tail = False
+            if has_tail:
+                acc_g, acc_u, tail_g, tail_u = _gate_up_tiles(
+                    x_ptr, stride_xt, pair // TOPK, m_mask, pair_t // TOPK, t_mask, g_ptrs, u_ptrs, n_mask, H,
+                    BLOCK_M, TAIL_ROWS, BLOCK_N, BLOCK_K, DOT_PREC, True,
+                )  # fmt: skip
+                _silu_mul_store(acc_g, acc_u, out_ptr, pair, m_mask, offs_n, n_mask, stride_ot)
+                _silu_mul_store(tail_g, tail_u, out_ptr, pair_t, t_mask, offs_n, n_mask, stride_ot)
+            else:
+                acc_g, acc_u, _, _ = _gate_up_tiles(
+                    x_ptr, stride_xt, pair // TOPK, m_mask, pair_t // TOPK, t_mask, g_ptrs, u_ptrs, n_mask, H,
+                    BLOCK_M, TAIL_ROWS, BLOCK_N, BLOCK_K, DOT_PREC, False,
+                )  # fmt: skip
+                _silu_mul_store(acc_g, acc_u, out_ptr, pair, m_mask, offs_n, n_mask, stride_ot)
+
+    @triton.jit
+    def _down_tiles(
+        h_ptr, stride_ht, pair, m_mask, pair_t, t_mask, w_ptrs, n_mask, I,
+        BLOCK_M: tl.constexpr, TAIL_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        DOT_PREC: tl.constexpr, WITH_TAIL: tl.constexpr,
+    ):  # fmt: skip
+        """The down projection of the block's rows (and of its tail rows, ``WITH_TAIL``), each weight tile loaded
+        once."""
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = h_ptr + pair[:, None].to(tl.int64) * stride_ht + offs_k[None, :]
+        t_ptrs = h_ptr + pair_t[:, None].to(tl.int64) * stride_ht + offs_k[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        tail = tl.zeros((TAIL_ROWS, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            k_mask = (offs_k + k0) < I
+            a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+            if WITH_TAIL:
+                at = tl.load(t_ptrs, mask=t_mask[:, None] & k_mask[None, :], other=0.0)
+                tail = tl.dot(at, w, tail, input_precision=DOT_PREC)
+                t_ptrs += BLOCK_K
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        return acc, tail
+
+    @triton.jit
+    def _rows_store(acc, out_ptr, pair, m_mask, offs_n, n_mask, stride_ot):
+        # the reference rounds the down projection to the activation dtype (the combine then scales it by the
+        # routing weight in fp32): stored rounded, half the bytes of an fp32 row and nothing lost
+        o_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_ot + offs_n[None, :]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
     @triton.jit(do_not_specialize=["num_pairs"])
     def _moe_down_kernel(
@@ -190,31 +277,39 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         DOT_PREC: tl.constexpr,
+        TAIL: tl.constexpr = 0,  # tail rows a block (0: none), as the gate|up kernel's
+        TAIL_ROWS: tl.constexpr = 16,
     ):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         e = tl.load(block_expert_ptr + pid_m)
         if e >= 0:
-            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            pair = tl.load(sorted_ids_ptr + offs_m)
-            m_mask = pair < num_pairs
+            first = pid_m * (BLOCK_M + TAIL)
+            pair, m_mask = _block_rows(sorted_ids_ptr, first, num_pairs, BLOCK_M)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             n_mask = offs_n < H
             offs_k = tl.arange(0, BLOCK_K)
-            a_ptrs = h_ptr + pair[:, None].to(tl.int64) * stride_ht + offs_k[None, :]
             w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k0 in range(0, I, BLOCK_K):
-                k_mask = (offs_k + k0) < I
-                a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-                acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
-                a_ptrs += BLOCK_K
-                w_ptrs += BLOCK_K
-            # the reference rounds the down projection to the activation dtype (the combine then scales it by the
-            # routing weight in fp32): stored rounded, half the bytes of an fp32 row and nothing lost
-            o_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_ot + offs_n[None, :]
-            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+            if TAIL > 0:
+                pair_t, t_mask = _block_rows(sorted_ids_ptr, first + BLOCK_M, num_pairs, TAIL_ROWS)
+                has_tail = tl.load(sorted_ids_ptr + first + BLOCK_M) < num_pairs
+            else:  # shapes only (no tail: never loaded, never computed)
+                pair_t = tl.zeros((TAIL_ROWS,), dtype=tl.int32)
+                t_mask = pair_t < 0
+                has_tail = False
+            if has_tail:
+                acc, tail = _down_tiles(
+                    h_ptr, stride_ht, pair, m_mask, pair_t, t_mask, w_ptrs, n_mask, I,
+                    BLOCK_M, TAIL_ROWS, BLOCK_N, BLOCK_K, DOT_PREC, True,
+                )  # fmt: skip
+                _rows_store(acc, out_ptr, pair, m_mask, offs_n, n_mask, stride_ot)
+                _rows_store(tail, out_ptr, pair_t, t_mask, offs_n, n_mask, stride_ot)
+            else:
+                acc, _ = _down_tiles(
+                    h_ptr, stride_ht, pair, m_mask, pair_t, t_mask, w_ptrs, n_mask, I,
+                    BLOCK_M, TAIL_ROWS, BLOCK_N, BLOCK_K, DOT_PREC, False,
+                )  # fmt: skip
+                _rows_store(acc, out_ptr, pair, m_mask, offs_n, n_mask, stride_ot)
 
 
 if triton is not None:
@@ -387,8 +482,15 @@ def grouped_bf16_config(num_pairs: int, E: int, block_m: int | None = None, tune
         # size, 512 for Qwen3.6) is a quarter of gate|up's, so its programs are short
         "down_warps": None,
         "down_stages": None,
+        # rows of a block's tail tile (0, 16, 32 or 64): a block is block_m + tail rows, the tail computed only when
+        # it holds a pair (see the kernels); 0 until a GPU A/B says otherwise (written without a GPU, 2026-12-05).
+        # FREETOKEN_BF16_MOE_TAIL sets it for an end-to-end A/B (read at each launch; a graph keeps its capture's)
+        "tail": int_from_env("FREETOKEN_BF16_MOE_TAIL", 0, "rows"),
     }
-    return with_overrides(cfg, tune, "grouped BF16")
+    cfg = with_overrides(cfg, tune, "grouped BF16")
+    if cfg["tail"] not in (0, 16, 32, 64):
+        raise ValueError(f"grouped BF16 tail {cfg['tail']}: expected 0, 16, 32 or 64 rows")
+    return cfg
 
 
 def fused_moe_triton(
@@ -425,7 +527,7 @@ def fused_moe_triton(
     if block_k is not None:
         tiles.update(gu_block_k=block_k, down_block_k=block_k)
     cfg = grouped_bf16_config(n, E, block_m, {**tiles, **(tune or {})})
-    sorted_ids, block_expert = moe_align_block_size(topk_ids, E, cfg["block_m"])
+    sorted_ids, block_expert = moe_align_block_size(topk_ids, E, cfg["block_m"] + cfg["tail"])
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 must not silently drop to tf32
     inter = _launch_gate_up(x, w13, sorted_ids, block_expert, k, cfg, prec)
     partial = _launch_down(inter, w2, sorted_ids, block_expert, H, cfg, prec)
@@ -470,6 +572,8 @@ def _launch_gate_up(x, w13, sorted_ids, block_expert, k, cfg: dict, prec) -> tor
         BLOCK_N=bn1,
         BLOCK_K=bk1,
         DOT_PREC=prec,
+        TAIL=cfg["tail"],
+        TAIL_ROWS=max(cfg["tail"], 16),
         **_launch_options(cfg),
     )
     return inter
@@ -500,6 +604,8 @@ def _launch_down(inter, w2, sorted_ids, block_expert, H, cfg: dict, prec) -> tor
         BLOCK_N=bn2,
         BLOCK_K=bk2,
         DOT_PREC=prec,
+        TAIL=cfg["tail"],
+        TAIL_ROWS=max(cfg["tail"], 16),
         **_launch_options(cfg, "down_"),
     )
     return partial

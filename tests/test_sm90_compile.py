@@ -49,6 +49,21 @@ def test_moe_combine_compiles_for_sm90(dtype, shared, weighted):
     assert compile_check("freetoken.kernels.moe_combine:_moe_combine_kernel", ptr, const, div16) == 0
 
 
+@pytest.mark.parametrize("tail,warps", [(0, 4), (16, 4), (32, 8)])
+def test_grouped_bf16_moe_compiles_for_sm90(tail, warps):
+    """The grouped BF16 MoE's two kernels with and without a tail row tile, at Qwen3.6's expert shapes."""
+    ptr = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32"}
+    const = {"TOPK": 8, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "DOT_PREC": "'tf32'", "TAIL": tail}
+    const["TAIL_ROWS"] = max(tail, 16)
+    div16 = "H,I,stride_xt,stride_we,stride_wn,stride_ot"
+    assert compile_check("freetoken.kernels.fused_moe:_moe_gate_up_kernel", ptr, const, div16, warps=warps) == 0
+    ptr = {"h_ptr": "*bf16", **{k: v for k, v in ptr.items() if k != "x_ptr"}}
+    del const["TOPK"]
+    const["BLOCK_N"] = 128
+    div16 = "H,I,stride_ht,stride_we,stride_wn,stride_ot"
+    assert compile_check("freetoken.kernels.fused_moe:_moe_down_kernel", ptr, const, div16, warps=warps) == 0
+
+
 @pytest.mark.parametrize("counted", [True, False])
 def test_moe_align_compiles_for_sm90(counted):
     """The grouped MoE's alignment: the parallel count of a prefill-sized step and the plan that reads it, or counts

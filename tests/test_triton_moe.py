@@ -123,6 +123,11 @@ def test_triton_moe_interpreter_cpu():
         (19, 8, 3, 32, 48, "float32", True, {"block_m": 32, "gu_block_n": 32, "down_block_k": 16, "warps": 2}),
         # the down kernel's own warps and stages
         (19, 8, 3, 32, 48, "float32", True, {"down_block_n": 32, "down_warps": 2, "down_stages": 2}),
+        # tail row tiles: runs a little longer than block_m take the tail, shorter ones skip it, long ones (skew)
+        # span blocks with and without a tail
+        (40, 4, 2, 32, 48, "float32", False, {"block_m": 16, "tail": 16}),
+        (61, 8, 3, 32, 48, "float32", True, {"block_m": 16, "tail": 16}),
+        (45, 4, 3, 32, 48, "float16", True, {"block_m": 16, "tail": 32, "gu_block_n": 16}),
     ]
     run_under_interpreter(_CPU_SCRIPT, cases=cases)
 
@@ -134,6 +139,19 @@ def test_grouped_bf16_config_refuses_unknown_settings():
     assert grouped_bf16_config(17472, 256, tune={"block_m": 128})["block_m"] == 128
     with pytest.raises(ValueError, match="block_mm"):
         grouped_bf16_config(8, 4, tune={"block_mm": 16})
+    assert grouped_bf16_config(17472, 256)["tail"] == 0
+    with pytest.raises(ValueError, match="tail 8"):
+        grouped_bf16_config(8, 4, tune={"tail": 8})
+
+
+def test_grouped_bf16_tail_from_the_environment(monkeypatch):
+    from freetoken.kernels.fused_moe import grouped_bf16_config
+
+    monkeypatch.setenv("FREETOKEN_BF16_MOE_TAIL", "16")
+    assert grouped_bf16_config(17472, 256)["tail"] == 16
+    monkeypatch.setenv("FREETOKEN_BF16_MOE_TAIL", "24")
+    with pytest.raises(ValueError, match="tail 24"):
+        grouped_bf16_config(17472, 256)
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
