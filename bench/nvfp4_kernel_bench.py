@@ -321,6 +321,11 @@ MOE_SWEEP = [
     {"block_m": 64, "warps": 4},
     {"down_block_n": 64},
     {"stages": 2},
+    # tail row tiles (nvfp4_moe's TAIL, written 2026-12-05 without a GPU): an expert of up to block_m + tail rows
+    # decodes its weight tiles once (64-row blocks decode them twice for 65-80 rows)
+    {"tail": 16},
+    {"tail": 32},
+    {"block_m": 64, "warps": 4, "tail": 16},
 ]
 
 

@@ -68,7 +68,7 @@ try:  # keep the reference importable without triton
         gemv_step_split,
         load8,
         pair_tile_step,
-        tile_dot_step,
+        tile_decode,
     )
 except Exception:  # pragma: no cover
     triton = None
@@ -625,6 +625,124 @@ def nvfp4_moe_decode_triton(
 # ----------------------------------------------------------------------------------------------------------------------
 
 if triton is not None:
+    # A block is BLOCK_M rows plus, when TAIL > 0, TAIL rows of a second token tile that takes the same decoded
+    # weight tiles (``fused_moe.py`` says why for the BF16 kernels; here each block also decodes its expert's weight
+    # tiles on the CUDA cores, so an expert of 65-80 rows decodes them once instead of twice). A tail that holds only
+    # padding is skipped: each run's padding comes last, so its first row says.
+
+    @triton.jit
+    def _tail_rows(sorted_ids_ptr, first, num_pairs, BLOCK_M: tl.constexpr, TAIL_ROWS: tl.constexpr):
+        """The block's tail (TAIL > 0): its pairs, which are real, and whether it holds any."""
+        pair_t = tl.load(sorted_ids_ptr + first + BLOCK_M + tl.arange(0, TAIL_ROWS))
+        return pair_t, pair_t < num_pairs, tl.load(sorted_ids_ptr + first + BLOCK_M) < num_pairs
+
+    @triton.jit
+    def _no_tail_rows(num_pairs, TAIL_ROWS: tl.constexpr):
+        """Shapes for a kernel without a tail (never loaded, never computed)."""
+        pair_t = tl.zeros((TAIL_ROWS,), dtype=tl.int32) + num_pairs
+        return pair_t, pair_t < num_pairs
+
+    @triton.jit
+    def _tile_times(tile, xt, acc, DOT_PREC: tl.constexpr, HALF: tl.constexpr):
+        if HALF:
+            return tl.dot(tile, xt, acc)
+        else:
+            return tl.dot(tile, xt, acc, input_precision=DOT_PREC)
+
+    @triton.jit
+    def _gate_up_store(gate, up, pair, m_mask, offs_n, n_mask, out_ptr, stride_ot):
+        """SiLU(gate) * up of one token tile (``[BLOCK_N, rows]``, rounded as the reference), stored."""
+        dt = out_ptr.dtype.element_ty
+        h = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up
+        o_ptrs = out_ptr + pair[None, :].to(tl.int64) * stride_ot + offs_n[:, None]
+        tl.store(o_ptrs, h.to(dt), mask=n_mask[:, None] & m_mask[None, :])
+
+    @triton.jit
+    def _row_factor(xf_ptr, rows, mask, HALF: tl.constexpr):
+        """HALF: each column of the sums times its row's 2^-s and the tile's 2^7 (else 1)."""
+        if HALF:
+            return 128.0 * tl.load(xf_ptr + rows, mask=mask, other=0.0)
+        else:
+            return tl.full(rows.shape, 1.0, tl.float32)
+
+    @triton.jit
+    def _nvfp4_gate_up_rows(
+        x_ptr, xf_ptr, w_ptr, s_ptr, g_ptr, out_ptr, e64, pair, m_mask, pair_t, t_mask, H, I,
+        stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_ot,
+        TOPK: tl.constexpr, BLOCK_M: tl.constexpr, TAIL_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PREC: tl.constexpr, FUSE_GU: tl.constexpr,
+        HALF: tl.constexpr, ASM: tl.constexpr, WITH_TAIL: tl.constexpr,
+    ):  # fmt: skip
+        """One block's SiLU(gate) * up rows (and its tail's, ``WITH_TAIL``), each weight tile decoded once."""
+        dt = out_ptr.dtype.element_ty
+        BW: tl.constexpr = BLOCK_K // 8
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < I
+        offs_w = tl.arange(0, BW)
+        offs_s = tl.arange(0, BLOCK_K // 16)
+        offs_k = tl.arange(0, BLOCK_K)
+        xt_ptrs = x_ptr + (pair // TOPK)[None, :].to(tl.int64) * stride_xt + offs_k[:, None]  # xᵀ [K, M]
+        tt_ptrs = x_ptr + (pair_t // TOPK)[None, :].to(tl.int64) * stride_xt + offs_k[:, None]
+        row_f = _row_factor(xf_ptr, pair // TOPK, m_mask, HALF)
+        row_ft = _row_factor(xf_ptr, pair_t // TOPK, t_mask, HALF)
+        if FUSE_GU:
+            # tile row r: gate row offs_n[r] for r < BLOCK_N, up row offs_n[r - BLOCK_N] after
+            r2 = tl.arange(0, 2 * BLOCK_N)
+            n2 = tl.program_id(1) * BLOCK_N + r2 % BLOCK_N
+            n2_mask = n2 < I
+            rows2 = (n2 + (r2 // BLOCK_N) * I)[:, None].to(tl.int64)
+            gw2 = w_ptr + e64 * stride_we + rows2 * stride_wn + offs_w[None, :]
+            gs2 = s_ptr + e64 * stride_se + rows2 * stride_sn + offs_s[None, :]
+            acc = tl.zeros((2 * BLOCK_N, BLOCK_M), dtype=tl.float32)  # [gate | up]ᵀ
+            acc_t = tl.zeros((2 * BLOCK_N, TAIL_ROWS), dtype=tl.float32)
+            for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
+                k_ok = ((k0 + offs_k) < H)[:, None]
+                tile = tile_decode(gw2, gs2, n2_mask, k0, H, offs_w, offs_s, 2 * BLOCK_N, BW, dt, HALF, ASM)
+                xt = tl.load(xt_ptrs + k0, mask=k_ok & m_mask[None, :], other=0.0)
+                acc = _tile_times(tile, xt, acc, DOT_PREC, HALF)
+                if WITH_TAIL:
+                    xtt = tl.load(tt_ptrs + k0, mask=k_ok & t_mask[None, :], other=0.0)
+                    acc_t = _tile_times(tile, xtt, acc_t, DOT_PREC, HALF)
+            glob2 = tl.load(g_ptr + e64 * stride_ge + n2 + (r2 // BLOCK_N) * I, mask=n2_mask, other=0.0)
+            acc = acc * row_f[None, :] * glob2[:, None]
+            acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
+            _gate_up_store(acc_g.to(dt).to(tl.float32), acc_u.to(dt).to(tl.float32), pair, m_mask, offs_n, n_mask,
+                           out_ptr, stride_ot)  # fmt: skip
+            if WITH_TAIL:
+                acc_t = acc_t * row_ft[None, :] * glob2[:, None]
+                t_g, t_u = tl.split(tl.permute(tl.reshape(acc_t, (2, BLOCK_N, TAIL_ROWS)), (1, 2, 0)))
+                _gate_up_store(t_g.to(dt).to(tl.float32), t_u.to(dt).to(tl.float32), pair_t, t_mask, offs_n, n_mask,
+                               out_ptr, stride_ot)  # fmt: skip
+        else:
+            rows = offs_n[:, None].to(tl.int64)
+            gw = w_ptr + e64 * stride_we + rows * stride_wn + offs_w[None, :]  # gate rows; up rows I further
+            gs = s_ptr + e64 * stride_se + rows * stride_sn + offs_s[None, :]
+            gw_u, gs_u = gw + I * stride_wn, gs + I * stride_sn
+            acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # gateᵀ
+            acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            t_g = tl.zeros((BLOCK_N, TAIL_ROWS), dtype=tl.float32)
+            t_u = tl.zeros((BLOCK_N, TAIL_ROWS), dtype=tl.float32)
+            for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
+                k_ok = ((k0 + offs_k) < H)[:, None]
+                xt = tl.load(xt_ptrs + k0, mask=k_ok & m_mask[None, :], other=0.0)
+                tile_g = tile_decode(gw, gs, n_mask, k0, H, offs_w, offs_s, BLOCK_N, BW, dt, HALF, ASM)
+                acc_g = _tile_times(tile_g, xt, acc_g, DOT_PREC, HALF)
+                tile_u = tile_decode(gw_u, gs_u, n_mask, k0, H, offs_w, offs_s, BLOCK_N, BW, dt, HALF, ASM)
+                acc_u = _tile_times(tile_u, xt, acc_u, DOT_PREC, HALF)
+                if WITH_TAIL:
+                    xtt = tl.load(tt_ptrs + k0, mask=k_ok & t_mask[None, :], other=0.0)
+                    t_g = _tile_times(tile_g, xtt, t_g, DOT_PREC, HALF)
+                    t_u = _tile_times(tile_u, xtt, t_u, DOT_PREC, HALF)
+            glob = g_ptr + e64 * stride_ge + offs_n
+            glob_g = tl.load(glob, mask=n_mask, other=0.0)[:, None]
+            glob_u = tl.load(glob + I, mask=n_mask, other=0.0)[:, None]
+            gate = (acc_g * row_f[None, :] * glob_g).to(dt).to(tl.float32)
+            up = (acc_u * row_f[None, :] * glob_u).to(dt).to(tl.float32)
+            _gate_up_store(gate, up, pair, m_mask, offs_n, n_mask, out_ptr, stride_ot)
+            if WITH_TAIL:
+                gate = (t_g * row_ft[None, :] * glob_g).to(dt).to(tl.float32)
+                up = (t_u * row_ft[None, :] * glob_u).to(dt).to(tl.float32)
+                _gate_up_store(gate, up, pair_t, t_mask, offs_n, n_mask, out_ptr, stride_ot)
 
     @triton.jit(do_not_specialize=["num_pairs"])  # (a pair count, as in fused_moe.py)
     def _nvfp4_moe_gate_up_kernel(
@@ -656,69 +774,90 @@ if triton is not None:
         FUSE_GU: tl.constexpr,  # gate and up rows as one [2 * BLOCK_N, BLOCK_K] tile: one decode call, one larger dot
         HALF: tl.constexpr,  # fp16 weight tiles (``dequant_tile_half``) against fp16 x
         ASM: tl.constexpr,  # HALF: ``mul.rn.f16x2`` (CUDA) or the interpreter's emulation
+        TAIL: tl.constexpr = 0,  # tail rows a block (0: none), see above
+        TAIL_ROWS: tl.constexpr = 16,  # the tail tile's rows: TAIL, or a shape when there is none (never computed)
     ):
-        dt = out_ptr.dtype.element_ty
-        BW: tl.constexpr = BLOCK_K // 8
         pid_m = tl.program_id(0)
         e = tl.load(block_expert_ptr + pid_m)
         if (e >= 0) & (e < num_experts):
-            e64 = e.to(tl.int64)
-            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            pair = tl.load(sorted_ids_ptr + offs_m)
+            first = pid_m * (BLOCK_M + TAIL)
+            pair = tl.load(sorted_ids_ptr + first + tl.arange(0, BLOCK_M))
             m_mask = pair < num_pairs
-            offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < I
+            has_tail = False
+            if TAIL > 0:
+                pair_t, t_mask, has_tail = _tail_rows(sorted_ids_ptr, first, num_pairs, BLOCK_M, TAIL_ROWS)
+            else:
+                pair_t, t_mask = _no_tail_rows(num_pairs, TAIL_ROWS)
+            if has_tail:
+                _nvfp4_gate_up_rows(
+                    x_ptr, xf_ptr, w_ptr, s_ptr, g_ptr, out_ptr, e.to(tl.int64), pair, m_mask, pair_t, t_mask, H, I,
+                    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_ot, TOPK, BLOCK_M,
+                    TAIL_ROWS, BLOCK_N, BLOCK_K, NUM_STAGES, DOT_PREC, FUSE_GU, HALF, ASM, True,
+                )  # fmt: skip
+            else:
+                _nvfp4_gate_up_rows(
+                    x_ptr, xf_ptr, w_ptr, s_ptr, g_ptr, out_ptr, e.to(tl.int64), pair, m_mask, pair_t, t_mask, H, I,
+                    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_ot, TOPK, BLOCK_M,
+                    TAIL_ROWS, BLOCK_N, BLOCK_K, NUM_STAGES, DOT_PREC, FUSE_GU, HALF, ASM, False,
+                )  # fmt: skip
+
+    @triton.jit
+    def _down_store(
+        acc, pair, m_mask, offs_n, n_mask, hf_ptr, glob, wt_ptr, out_ptr, stride_ot, dt, HALF: tl.constexpr
+    ):
+        """One token tile's down projection (``[BLOCK_N, rows]``): HALF's row factor, the global scale, rounded to
+        x's dtype as the reference, then times the routing weight; stored in fp32."""
+        acc = acc * _row_factor(hf_ptr, pair, m_mask, HALF)[None, :]
+        rw = tl.load(wt_ptr + pair, mask=m_mask, other=0.0).to(tl.float32)
+        acc = (acc * glob[:, None]).to(dt).to(tl.float32) * rw[None, :]
+        o_ptrs = out_ptr + pair[None, :].to(tl.int64) * stride_ot + offs_n[:, None]
+        tl.store(o_ptrs, acc, mask=n_mask[:, None] & m_mask[None, :])
+
+    @triton.jit
+    def _nvfp4_down_rows(
+        h_ptr, hf_ptr, w_ptr, s_ptr, g_ptr, wt_ptr, out_ptr, e, num_experts, pair, m_mask, pair_t, t_mask, H, I,
+        stride_ht, stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_ot,
+        BLOCK_M: tl.constexpr, TAIL_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        NUM_STAGES: tl.constexpr, DOT_PREC: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr,
+        X_DTYPE: tl.constexpr, WITH_TAIL: tl.constexpr,
+    ):  # fmt: skip
+        """One block's down projection rows (and its tail's, ``WITH_TAIL``), each weight tile decoded once; the
+        dummy expert's rows are written as zeros."""
+        dt = X_DTYPE
+        BW: tl.constexpr = BLOCK_K // 8
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < H
+        if e < num_experts:
+            e64 = e.to(tl.int64)
             offs_w = tl.arange(0, BW)
             offs_s = tl.arange(0, BLOCK_K // 16)
             offs_k = tl.arange(0, BLOCK_K)
-            xt_ptrs = x_ptr + (pair // TOPK)[None, :].to(tl.int64) * stride_xt + offs_k[:, None]  # xᵀ [K, M]
-            if HALF:  # each column of the sums times its row's 2^-s and the tile's 2^7
-                row_f = 128.0 * tl.load(xf_ptr + pair // TOPK, mask=m_mask, other=0.0)
-            if FUSE_GU:
-                # tile row r: gate row offs_n[r] for r < BLOCK_N, up row offs_n[r - BLOCK_N] after
-                r2 = tl.arange(0, 2 * BLOCK_N)
-                n2 = tl.program_id(1) * BLOCK_N + r2 % BLOCK_N
-                n2_mask = n2 < I
-                rows2 = (n2 + (r2 // BLOCK_N) * I)[:, None].to(tl.int64)
-                gw2 = w_ptr + e64 * stride_we + rows2 * stride_wn + offs_w[None, :]
-                gs2 = s_ptr + e64 * stride_se + rows2 * stride_sn + offs_s[None, :]
-                acc = tl.zeros((2 * BLOCK_N, BLOCK_M), dtype=tl.float32)  # [gate | up]ᵀ
-                for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
-                    xt = tl.load(xt_ptrs + k0, mask=((k0 + offs_k) < H)[:, None] & m_mask[None, :], other=0.0)
-                    acc = tile_dot_step(
-                        gw2, gs2, n2_mask, k0, H, offs_w, offs_s, xt, acc, 2 * BLOCK_N, BW, dt, DOT_PREC, HALF, ASM
-                    )
-                glob2 = tl.load(g_ptr + e64 * stride_ge + n2 + (r2 // BLOCK_N) * I, mask=n2_mask, other=0.0)
-                if HALF:
-                    acc = acc * row_f[None, :]
-                acc = acc * glob2[:, None]
-                acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
-                gate = acc_g.to(dt).to(tl.float32)
-                up = acc_u.to(dt).to(tl.float32)
-            else:
-                rows = offs_n[:, None].to(tl.int64)
-                gw = w_ptr + e64 * stride_we + rows * stride_wn + offs_w[None, :]  # gate rows; up rows I further
-                gs = s_ptr + e64 * stride_se + rows * stride_sn + offs_s[None, :]
-                gw_u, gs_u = gw + I * stride_wn, gs + I * stride_sn
-                acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # gateᵀ
-                acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-                for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
-                    xt = tl.load(xt_ptrs + k0, mask=((k0 + offs_k) < H)[:, None] & m_mask[None, :], other=0.0)
-                    acc_g = tile_dot_step(
-                        gw, gs, n_mask, k0, H, offs_w, offs_s, xt, acc_g, BLOCK_N, BW, dt, DOT_PREC, HALF, ASM
-                    )
-                    acc_u = tile_dot_step(
-                        gw_u, gs_u, n_mask, k0, H, offs_w, offs_s, xt, acc_u, BLOCK_N, BW, dt, DOT_PREC, HALF, ASM
-                    )
-                if HALF:
-                    acc_g = acc_g * row_f[None, :]
-                    acc_u = acc_u * row_f[None, :]
-                glob = g_ptr + e64 * stride_ge + offs_n
-                gate = (acc_g * tl.load(glob, mask=n_mask, other=0.0)[:, None]).to(dt).to(tl.float32)
-                up = (acc_u * tl.load(glob + I, mask=n_mask, other=0.0)[:, None]).to(dt).to(tl.float32)
-            h = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up
+            rows = offs_n[:, None].to(tl.int64)
+            w_ptrs = w_ptr + e64 * stride_we + rows * stride_wn + offs_w[None, :]
+            s_ptrs = s_ptr + e64 * stride_se + rows * stride_sn + offs_s[None, :]
+            ht_ptrs = h_ptr + pair[None, :].to(tl.int64) * stride_ht + offs_k[:, None]
+            tt_ptrs = h_ptr + pair_t[None, :].to(tl.int64) * stride_ht + offs_k[:, None]
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # outᵀ
+            acc_t = tl.zeros((BLOCK_N, TAIL_ROWS), dtype=tl.float32)
+            for k0 in tl.range(0, I, BLOCK_K, num_stages=NUM_STAGES):
+                k_ok = ((k0 + offs_k) < I)[:, None]
+                ht = tl.load(ht_ptrs + k0, mask=k_ok & m_mask[None, :], other=0.0)
+                tile = tile_decode(w_ptrs, s_ptrs, n_mask, k0, I, offs_w, offs_s, BLOCK_N, BW, dt, HALF, ASM)
+                acc = _tile_times(tile, ht, acc, DOT_PREC, HALF)
+                if WITH_TAIL:
+                    htt = tl.load(tt_ptrs + k0, mask=k_ok & t_mask[None, :], other=0.0)
+                    acc_t = _tile_times(tile, htt, acc_t, DOT_PREC, HALF)
+            glob = tl.load(g_ptr + e64 * stride_ge + offs_n, mask=n_mask, other=0.0)
+            _down_store(acc, pair, m_mask, offs_n, n_mask, hf_ptr, glob, wt_ptr, out_ptr, stride_ot, dt, HALF)
+            if WITH_TAIL:
+                _down_store(acc_t, pair_t, t_mask, offs_n, n_mask, hf_ptr, glob, wt_ptr, out_ptr, stride_ot, dt, HALF)
+        else:  # the dummy expert: ids outside the bank add zeros
             o_ptrs = out_ptr + pair[None, :].to(tl.int64) * stride_ot + offs_n[:, None]
-            tl.store(o_ptrs, h.to(dt), mask=n_mask[:, None] & m_mask[None, :])
+            tl.store(o_ptrs, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), mask=n_mask[:, None] & m_mask[None, :])
+            if WITH_TAIL:
+                o_ptrs = out_ptr + pair_t[None, :].to(tl.int64) * stride_ot + offs_n[:, None]
+                zeros = tl.zeros((BLOCK_N, TAIL_ROWS), dtype=tl.float32)
+                tl.store(o_ptrs, zeros, mask=n_mask[:, None] & t_mask[None, :])
 
     @triton.jit(do_not_specialize=["num_pairs"])
     def _nvfp4_moe_down_kernel(
@@ -750,40 +889,32 @@ if triton is not None:
         HALF: tl.constexpr,  # fp16 weight tiles (``dequant_tile_half``) against fp16 rows of h
         ASM: tl.constexpr,  # HALF: ``mul.rn.f16x2`` (CUDA) or the interpreter's emulation
         X_DTYPE: tl.constexpr,  # x's dtype: the down projection is rounded to it, as the reference does
+        TAIL: tl.constexpr = 0,  # tail rows a block (0: none), as the gate|up kernel's
+        TAIL_ROWS: tl.constexpr = 16,
     ):
-        dt = X_DTYPE
-        BW: tl.constexpr = BLOCK_K // 8
         pid_m = tl.program_id(0)
         e = tl.load(block_expert_ptr + pid_m)
         if e >= 0:
-            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            pair = tl.load(sorted_ids_ptr + offs_m)
+            first = pid_m * (BLOCK_M + TAIL)
+            pair = tl.load(sorted_ids_ptr + first + tl.arange(0, BLOCK_M))
             m_mask = pair < num_pairs
-            offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < H
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # outᵀ
-            if e < num_experts:
-                e64 = e.to(tl.int64)
-                offs_w = tl.arange(0, BW)
-                offs_s = tl.arange(0, BLOCK_K // 16)
-                offs_k = tl.arange(0, BLOCK_K)
-                rows = offs_n[:, None].to(tl.int64)
-                w_ptrs = w_ptr + e64 * stride_we + rows * stride_wn + offs_w[None, :]
-                s_ptrs = s_ptr + e64 * stride_se + rows * stride_sn + offs_s[None, :]
-                ht_ptrs = h_ptr + pair[None, :].to(tl.int64) * stride_ht + offs_k[:, None]
-                for k0 in tl.range(0, I, BLOCK_K, num_stages=NUM_STAGES):
-                    ht = tl.load(ht_ptrs + k0, mask=((k0 + offs_k) < I)[:, None] & m_mask[None, :], other=0.0)
-                    acc = tile_dot_step(
-                        w_ptrs, s_ptrs, n_mask, k0, I, offs_w, offs_s, ht, acc, BLOCK_N, BW, dt, DOT_PREC, HALF, ASM
-                    )
-                if HALF:  # each column times its row's 2^-s and the tile's 2^7
-                    acc = acc * (128.0 * tl.load(hf_ptr + pair, mask=m_mask, other=0.0))[None, :]
-                glob = tl.load(g_ptr + e64 * stride_ge + offs_n, mask=n_mask, other=0.0)
-                rw = tl.load(wt_ptr + pair, mask=m_mask, other=0.0).to(tl.float32)
-                # as the reference: the down projection rounded to x's dtype, then scaled by the routing weight
-                acc = (acc * glob[:, None]).to(dt).to(tl.float32) * rw[None, :]
-            o_ptrs = out_ptr + pair[None, :].to(tl.int64) * stride_ot + offs_n[:, None]
-            tl.store(o_ptrs, acc, mask=n_mask[:, None] & m_mask[None, :])
+            has_tail = False
+            if TAIL > 0:
+                pair_t, t_mask, has_tail = _tail_rows(sorted_ids_ptr, first, num_pairs, BLOCK_M, TAIL_ROWS)
+            else:
+                pair_t, t_mask = _no_tail_rows(num_pairs, TAIL_ROWS)
+            if has_tail:
+                _nvfp4_down_rows(
+                    h_ptr, hf_ptr, w_ptr, s_ptr, g_ptr, wt_ptr, out_ptr, e, num_experts, pair, m_mask, pair_t, t_mask,
+                    H, I, stride_ht, stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_ot, BLOCK_M,
+                    TAIL_ROWS, BLOCK_N, BLOCK_K, NUM_STAGES, DOT_PREC, HALF, ASM, X_DTYPE, True,
+                )  # fmt: skip
+            else:
+                _nvfp4_down_rows(
+                    h_ptr, hf_ptr, w_ptr, s_ptr, g_ptr, wt_ptr, out_ptr, e, num_experts, pair, m_mask, pair_t, t_mask,
+                    H, I, stride_ht, stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_ot, BLOCK_M,
+                    TAIL_ROWS, BLOCK_N, BLOCK_K, NUM_STAGES, DOT_PREC, HALF, ASM, X_DTYPE, False,
+                )  # fmt: skip
 
 
 # the grouped kernels on fp16 weight tiles (``nvfp4_tiles.dequant_tile_half``: ~30 % fewer instructions a weight in
@@ -826,8 +957,15 @@ def grouped_config(num_pairs: int, E: int, H: int, I: int, block_m: int | None =
         "warps": 4 if bm <= 16 or (bm <= 64 and not large) else 8,
         "stages": _NUM_STAGES,
         "fuse_gate_up": large,
+        # rows of a block's tail tile (0, 16, 32 or 64), as fused_moe's: an expert of up to block_m + tail rows
+        # decodes its weight tiles once; 0 until a GPU A/B says otherwise (written without a GPU, 2026-12-05).
+        # FREETOKEN_NVFP4_MOE_TAIL sets it for an end-to-end A/B (read at each launch; a graph keeps its capture's)
+        "tail": int_from_env("FREETOKEN_NVFP4_MOE_TAIL", 0, "rows"),
     }
-    return with_overrides(cfg, tune, "grouped NVFP4")
+    cfg = with_overrides(cfg, tune, "grouped NVFP4")
+    if cfg["tail"] not in (0, 16, 32, 64):
+        raise ValueError(f"grouped NVFP4 tail {cfg['tail']}: expected 0, 16, 32 or 64 rows")
+    return cfg
 
 
 def grouped_half(cfg: dict, dtype: torch.dtype, half: Optional[bool]) -> bool:
@@ -874,7 +1012,7 @@ def nvfp4_fused_moe_triton(
     ids = torch.where((ids >= 0) & (ids < E), ids, E)  # outside the bank: the dummy expert E
     cfg = grouped_config(n, E, H, I, block_m, tune)
     bm = cfg["block_m"]
-    sorted_ids, block_expert = moe_align_block_size(ids, E + 1, bm)
+    sorted_ids, block_expert = moe_align_block_size(ids, E + 1, bm + cfg["tail"])
     nblocks = block_expert.numel()
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 must not silently drop to tf32
     w13b, w13s, w2b, w2s = _words(w13), _scale_bytes(w13_scale), _words(w2), _scale_bytes(w2_scale)
@@ -887,7 +1025,7 @@ def nvfp4_fused_moe_triton(
         xh, xf, w13b, w13s, w13_global, inter, sorted_ids, block_expert, n, E, H, I, xh.stride(0), w13b.stride(0),
         w13b.stride(1), w13s.stride(0), w13s.stride(1), w13_global.stride(0), inter.stride(0), TOPK=k, BLOCK_M=bm,
         BLOCK_N=bn1, BLOCK_K=bk1, NUM_STAGES=cfg["stages"], DOT_PREC=prec, FUSE_GU=cfg["fuse_gate_up"],
-        HALF=half, ASM=asm, num_warps=cfg["warps"],
+        HALF=half, ASM=asm, TAIL=cfg["tail"], TAIL_ROWS=max(cfg["tail"], 16), num_warps=cfg["warps"],
     )  # fmt: skip
     partial = torch.empty(n, H, dtype=torch.float32, device=x.device)
     wts = topk_weights.reshape(-1).contiguous()
@@ -897,6 +1035,6 @@ def nvfp4_fused_moe_triton(
         ih, hf, w2b, w2s, w2_global, wts, partial, sorted_ids, block_expert, n, E, H, I, ih.stride(0),
         w2b.stride(0), w2b.stride(1), w2s.stride(0), w2s.stride(1), w2_global.stride(0), partial.stride(0),
         BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, NUM_STAGES=cfg["stages"], DOT_PREC=prec, HALF=half, ASM=asm,
-        X_DTYPE=TL_DTYPES[x.dtype], num_warps=cfg["warps"],
+        X_DTYPE=TL_DTYPES[x.dtype], TAIL=cfg["tail"], TAIL_ROWS=max(cfg["tail"], 16), num_warps=cfg["warps"],
     )  # fmt: skip
     return moe_combine_triton(partial, k, x.dtype, shared, shared_gate, out=out)

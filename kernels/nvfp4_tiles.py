@@ -251,19 +251,32 @@ if triton is not None:
         return offs - o + o // 2 + 4 * (o % 2)
 
     @triton.jit
+    def tile_decode(
+        w_ptrs, s_ptrs, row_mask, k0, K, offs_w, offs_s,
+        ROWS: tl.constexpr, WORDS: tl.constexpr, DTYPE: tl.constexpr, HALF: tl.constexpr = False,
+        ASM: tl.constexpr = False,
+    ):  # fmt: skip
+        """One K step's weight tile of a tensor-core NVFP4 GEMM: the ``[ROWS, WORDS]`` words and their scale bytes
+        at weight ``k0`` (``w_ptrs`` / ``s_ptrs`` at the tile's first step; rows outside ``row_mask`` and weights
+        past ``K`` read as zeros), decoded by ``dequant_tile_words`` (``DTYPE``), or by ``dequant_tile_half``."""
+        w = tl.load(w_ptrs + k0 // 8, mask=row_mask[:, None] & ((k0 // 8 + offs_w) < K // 8)[None, :], other=0)
+        s = tl.load(s_ptrs + k0 // 16, mask=row_mask[:, None] & ((k0 // 16 + offs_s) < K // 16)[None, :], other=0)
+        if HALF:
+            return dequant_tile_half(w, s, ROWS, WORDS, ASM)
+        else:
+            return dequant_tile_words(w, s, ROWS, WORDS, DTYPE)
+
+    @triton.jit
     def tile_dot_step(
         w_ptrs, s_ptrs, row_mask, k0, K, offs_w, offs_s, xt, acc,
         ROWS: tl.constexpr, WORDS: tl.constexpr, DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
         HALF: tl.constexpr = False, ASM: tl.constexpr = False,
     ):  # fmt: skip
-        """One K step of a tensor-core NVFP4 GEMM: the ``[ROWS, WORDS]`` words and their scale bytes at weight
-        ``k0`` (``w_ptrs`` / ``s_ptrs`` at the tile's first step; rows outside ``row_mask`` and weights past ``K``
-        read as zeros), decoded by ``dequant_tile_words``, times ``xt [8 * WORDS, M]``, added to ``acc``. ``HALF``:
-        decoded by ``dequant_tile_half`` (``xt`` fp16 in its column order, e.g. ``half_rows``; the sum comes out
-        times ``2^-7``)."""
-        w = tl.load(w_ptrs + k0 // 8, mask=row_mask[:, None] & ((k0 // 8 + offs_w) < K // 8)[None, :], other=0)
-        s = tl.load(s_ptrs + k0 // 16, mask=row_mask[:, None] & ((k0 // 16 + offs_s) < K // 16)[None, :], other=0)
+        """One K step of a tensor-core NVFP4 GEMM: ``tile_decode``'s tile times ``xt [8 * WORDS, M]``, added to
+        ``acc``. ``HALF``: ``xt`` fp16 in ``dequant_tile_half``'s column order (e.g. ``half_rows``; the sum comes
+        out times ``2^-7``)."""
+        tile = tile_decode(w_ptrs, s_ptrs, row_mask, k0, K, offs_w, offs_s, ROWS, WORDS, DTYPE, HALF, ASM)
         if HALF:
-            return tl.dot(dequant_tile_half(w, s, ROWS, WORDS, ASM), xt, acc)
+            return tl.dot(tile, xt, acc)
         else:
-            return tl.dot(dequant_tile_words(w, s, ROWS, WORDS, DTYPE), xt, acc, input_precision=DOT_PREC)
+            return tl.dot(tile, xt, acc, input_precision=DOT_PREC)

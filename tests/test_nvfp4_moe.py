@@ -325,6 +325,12 @@ _CPU_SCRIPT = textwrap.dedent(
         note("grouped " + key, t.check_grouped(40, 3, 2, 64, 48, dt, "cpu", block_m=32, tune=fused, **plain))
         # the default settings of large steps (100 pairs an expert: 64-row blocks, gate and up in one tile)
         note("grouped " + key, t.check_grouped(200, 2, 1, 64, 48, dt, "cpu"))
+        # tail row tiles: runs a little longer than block_m (the tail taken), shorter (skipped), long (skew: blocks
+        # with and without a tail), ids outside the bank (the dummy expert's tails write zeros), gate|up in one tile
+        tail = dict(tail=16)
+        note("grouped tail " + key, t.check_grouped(40, 4, 2, 32, 48, dt, "cpu", block_m=16, tune=tail, invalid=True, **plain))
+        note("grouped tail " + key, t.check_grouped(40, 8, 3, 32, 48, dt, "cpu", block_m=16, tune=tail, skew=True, **plain))
+        note("grouped tail " + key, t.check_grouped(40, 3, 2, 64, 48, dt, "cpu", block_m=16, tune=dict(fused, tail=32), **plain))
         t.check_dequant(3, 48, 32, dt, "cpu")
         note("dequant grouped " + key, t.check_dequant_moe(24, 6, 2, 160, 80, dt, "cpu", invalid=True))
     for dt in (bf16, f16):  # on fp16 weight tiles: masked tails, invalid ids, prefill tiles, gate|up in one tile
@@ -334,6 +340,8 @@ _CPU_SCRIPT = textwrap.dedent(
         note("grouped " + key, t.check_grouped(60, 3, 2, 32, 48, dt, "cpu", block_m=128, invalid=True, half=True))
         fused = dict(fuse_gate_up=True, gu_block_n=32, gu_block_k=64, stages=2)
         note("grouped " + key, t.check_grouped(24, 5, 2, 160, 80, dt, "cpu", tune=fused, invalid=True, half=True))
+        tail = dict(tail=16)
+        note("grouped tail " + key, t.check_grouped(40, 4, 2, 32, 48, dt, "cpu", block_m=16, tune=tail, invalid=True, half=True))
     t.check_dequant(2, 2064, 32, bf16, "cpu")  # a row longer than one step, with a tail
     t.check_slot_pool(3, 4, f32, "cpu")
     t.check_slot_pool(20, 4, f32, "cpu")

@@ -139,15 +139,16 @@ def test_nvfp4_gemv_compiles_for_sm90(block_m, block_n, block_w, even, half):
     assert compile_check("freetoken.kernels.nvfp4_half_gemv:_half_pairs_kernel", ptr, const, "K,stride_xm") == 0
 
 
-@pytest.mark.parametrize("half", [True, False])
-def test_nvfp4_grouped_moe_compiles_for_sm90(half):
+@pytest.mark.parametrize("half,tail,fuse", [(True, 0, False), (False, 0, False), (True, 16, False), (False, 16, True)])
+def test_nvfp4_grouped_moe_compiles_for_sm90(half, tail, fuse):
     """The grouped NVFP4 MoE kernels at the tiles of a ~2k-token step (64-row blocks, gate and up in separate
-    tiles), on fp16 weight tiles (the default there for 16-bit x) and on the bf16 ones."""
+    tiles, or in one), on fp16 weight tiles (the default there for 16-bit x) and on the bf16 ones, with and without
+    a tail row tile."""
     x = "*fp16" if half else "*bf16"
     common = dict(w_ptr="*i32", s_ptr="*u8", g_ptr="*fp32", sorted_ids_ptr="*i32", block_expert_ptr="*i32")
-    const = dict(BLOCK_M=64, NUM_STAGES=3, DOT_PREC="'tf32'", HALF=half, ASM=True)
+    const = dict(BLOCK_M=64, NUM_STAGES=3, DOT_PREC="'tf32'", HALF=half, ASM=True, TAIL=tail, TAIL_ROWS=max(tail, 16))
     ptr = dict(common, x_ptr=x, xf_ptr="*fp32", out_ptr="*bf16")
-    gu = dict(const, TOPK=8, BLOCK_N=64, BLOCK_K=128, FUSE_GU=False)
+    gu = dict(const, TOPK=8, BLOCK_N=64, BLOCK_K=64 if fuse else 128, FUSE_GU=fuse)
     div16 = "H,I,stride_xt,stride_we,stride_wn,stride_se,stride_sn,stride_ge,stride_ot"
     assert compile_check("freetoken.kernels.nvfp4_moe:_nvfp4_moe_gate_up_kernel", ptr, gu, div16) == 0
     ptr = dict(common, h_ptr=x, hf_ptr="*fp32", wt_ptr="*bf16", out_ptr="*fp32")
