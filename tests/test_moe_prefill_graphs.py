@@ -257,6 +257,27 @@ def test_a_failed_startup_check_is_logged_and_the_blocks_run_eagerly(tmp_path, m
     assert len(out.token_ids) == 3
 
 
+def test_offloaded_experts_stay_eager_and_the_flag_says_so(tmp_path, caplog):
+    """``--moe-backend offload`` plans its transfers on the host step by step: no block is captured, even in the
+    CPU emulation, and a non-default flag value is said to do nothing."""
+    from freetoken.layers.moe import SparseMoeBlock as Block
+    from freetoken.worker import Worker
+
+    d = _tiny_hybrid(tmp_path)
+    logging.getLogger("freetoken").addHandler(caplog.handler)
+    try:
+        w = Worker({"model_path": d, "device": "cpu", "dtype": "float32", "num_tokens": 1024, "load_progress": False,
+                    "max_seq_len_override": 512, "moe_backend": "offload", "emulate_cuda_graphs": True,
+                    "moe_prefill_graph_tokens": 128})  # fmt: skip
+    finally:
+        logging.getLogger("freetoken").removeHandler(caplog.handler)
+    assert all(b.prefill_graphs is None for b in w.model.modules() if isinstance(b, Block))
+    assert w.memory_plan.moe_graph_sizes == ()
+    notes = [m for m in caplog.messages if "--moe-prefill-graph-tokens" in m]
+    assert notes == ["--moe-prefill-graph-tokens 128: no effect, its experts are not resident on the device "
+                     "(--moe-backend offload / hybrid)"], notes  # fmt: skip
+
+
 def test_flag_on_a_model_without_moe_is_logged(tiny_llama_dir, caplog):
     """Set on a dense model it is accepted and said to do nothing; at its default it is not mentioned."""
     from freetoken.worker import Worker

@@ -291,7 +291,9 @@ def capture_moe_prefill_graphs(w: "Worker") -> tuple[int, tuple[int, ...]]:
         return 0, ()
     emulate = w.device.type != "cuda"
     blocks = [m for m in w.model.modules() if isinstance(m, SparseMoeBlock)]
-    capturable = [b for b in blocks if emulate or b.experts.prefill_capturable(w.device)]
+    # emulated on the CPU: the blocks CUDA would capture (the CPU runs their torch reference in the stand-in)
+    target = torch.device("cuda") if emulate else w.device
+    capturable = [b for b in blocks if b.experts.prefill_capturable(target)]
     why = (
         "the model has no sparse MoE blocks"
         if not blocks
