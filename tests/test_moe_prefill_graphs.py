@@ -257,6 +257,24 @@ def test_a_failed_startup_check_is_logged_and_the_blocks_run_eagerly(tmp_path, m
     assert len(out.token_ids) == 3
 
 
+def test_switched_off_at_start_up_captures_nothing(tmp_path, monkeypatch, caplog):
+    """``FREETOKEN_MOE_PREFILL_GRAPHS=0`` in the server's environment: nothing captured, said once (not an error)."""
+    from freetoken.worker import Worker
+
+    monkeypatch.setenv("FREETOKEN_MOE_PREFILL_GRAPHS", "0")
+    d = _tiny_hybrid(tmp_path)
+    logging.getLogger("freetoken").addHandler(caplog.handler)
+    try:
+        w = Worker({"model_path": d, "device": "cpu", "dtype": "float32", "num_tokens": 1024, "load_progress": False,
+                    "max_seq_len_override": 512, "emulate_cuda_graphs": True, "moe_prefill_graph_tokens": 128})  # fmt: skip
+    finally:
+        logging.getLogger("freetoken").removeHandler(caplog.handler)
+    assert w.memory_plan.moe_graph_sizes == ()
+    assert [m for m in caplog.messages if "MoE prefill" in m] == [
+        "FREETOKEN_MOE_PREFILL_GRAPHS=0: no MoE prefill CUDA graphs captured"
+    ]
+
+
 def test_offloaded_experts_stay_eager_and_the_flag_says_so(tmp_path, caplog):
     """``--moe-backend offload`` plans its transfers on the host step by step: no block is captured, even in the
     CPU emulation, and a non-default flag value is said to do nothing."""

@@ -283,11 +283,14 @@ def capture_moe_prefill_graphs(w: "Worker") -> tuple[int, tuple[int, ...]]:
     the eager block: a capture or a check that fails is logged as an error and the blocks run eagerly. Returns
     (device bytes they hold, bucket sizes)."""
     from .layers.moe import SparseMoeBlock
-    from .layers.moe_prefill_graphs import MoePrefillGraphs
+    from .layers.moe_prefill_graphs import MoePrefillGraphs, graphs_switched_on
     from .serve_defaults import serve_defaults
 
     tokens = int(w.args.get("moe_prefill_graph_tokens") or 0)
     if tokens <= 0 or w.args["disable_cuda_graph"]:
+        return 0, ()
+    if not graphs_switched_on():
+        logger.info("FREETOKEN_MOE_PREFILL_GRAPHS=0: no MoE prefill CUDA graphs captured")
         return 0, ()
     emulate = w.device.type != "cuda"
     blocks = [m for m in w.model.modules() if isinstance(m, SparseMoeBlock)]
