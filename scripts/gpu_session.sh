@@ -47,6 +47,8 @@
 #            bench/linear_host_cost.py (one cuBLAS linear's host time at the step's shapes, per BLAS library)
 #   turnprobe issue 12's turn-10 chunk: bench/extend_attention_bench.py (the cuDNN extend route, the library split,
 #            our Triton kernel), bench/profile_prefill.py with end and grid snapshots (EXTEND_ATTENTION=triton|cudnn)
+#   moegraphs the turn-10 chunk in process with the MoE prefill graphs on and off (--env-ab), then with the
+#            grouped BF16 MoE's tail tiles (MOE_TAILS, default 16; a process each)
 #   piece    bench/gdn_piece_bench.py: the GDN tail kernel (a cached turn's < 64 tokens after its grid point) at
 #            Qwen3.6's shape, graph-captured launches, beside fla's recurrent kernel
 #   bf16sweep bench/nvfp4_kernel_bench.py --groups bf16sweep: the BF16 grouped MoE's launch settings at 2,184 and
@@ -179,6 +181,23 @@ if [[ " $SECTIONS " == *" turnprobe "* ]]; then
       --out "$OUT/profile_prefill_turn.json" -- --dummy-weight --model-path configs/qwen3.6-35b-a3b \
       --max-seq-len-override 32768 --moe-backend fused --max-prefill-length 8192 > "$OUT/profile_prefill_turn.log" 2>&1
   grep -E "^context|^step ms|^  routing" "$OUT/profile_prefill_turn.log"
+fi
+if [[ " $SECTIONS " == *" moegraphs "* ]]; then
+  # the 2026-12-05 host-side changes, priced in process on the turn-10 chunk: the MoE prefill graphs against the
+  # same process with them switched off (interleaved rounds), then each grouped-MoE tail tile against none (a
+  # process each: the graphs keep the tiles they were captured with)
+  timeout ${PREFILL_TIMEOUT:-300} python3 bench/profile_prefill.py --context 27816 --new 2184 --snapshots end,grid \
+      --rounds 4 --env-ab FREETOKEN_MOE_PREFILL_GRAPHS=0 --host-profile 0 --profile-steps 1 --top 30 \
+      --out "$OUT/profile_prefill_moe_graphs.json" -- --dummy-weight --model-path configs/qwen3.6-35b-a3b \
+      --max-seq-len-override 32768 --moe-backend fused --max-prefill-length 8192 > "$OUT/profile_prefill_moe_graphs.log" 2>&1
+  grep -E "^context|^step ms|^  routing|Captured MoE|MoE prefill CUDA" "$OUT/profile_prefill_moe_graphs.log"
+  for tail in ${MOE_TAILS:-16}; do
+    FREETOKEN_BF16_MOE_TAIL=$tail timeout ${PREFILL_TIMEOUT:-300} python3 bench/profile_prefill.py --context 27816 \
+        --new 2184 --snapshots end --rounds 2 --host-profile 0 --profile-steps 1 --top 12 \
+        --out "$OUT/profile_prefill_tail$tail.json" -- --dummy-weight --model-path configs/qwen3.6-35b-a3b \
+        --max-seq-len-override 32768 --moe-backend fused --max-prefill-length 8192 > "$OUT/profile_prefill_tail$tail.log" 2>&1
+    grep -E "^step ms|^  routing|_moe_" "$OUT/profile_prefill_tail$tail.log" | sed "s/^/[tail $tail] /"
+  done
 fi
 if [[ " $SECTIONS " == *" piece "* ]]; then
   timeout ${PIECE_TIMEOUT:-60} python3 bench/gdn_piece_bench.py --out "$OUT/gdn_piece.json" > "$OUT/gdn_piece.log" 2>&1
