@@ -131,6 +131,26 @@ if triton is not None:
         pair = tl.load(sorted_ids_ptr + first + tl.arange(0, ROWS))
         return pair, pair < num_pairs
 
+    # A kernel with TAIL > 0 takes its block's tail rows from ``_tail_rows``, one without from ``_no_tail_rows``, as
+    #     has_tail = False
+    #     if TAIL > 0: pair_t, t_mask, has_tail = _tail_rows(...)
+    #     else: pair_t, t_mask = _no_tail_rows(...)
+    # so that without a tail ``if has_tail:`` is decided at compile time (no tail loop compiled). Shared with the
+    # grouped NVFP4 kernels (``nvfp4_moe.py``).
+
+    @triton.jit
+    def _tail_rows(sorted_ids_ptr, first, num_pairs, BLOCK_M: tl.constexpr, TAIL_ROWS: tl.constexpr):
+        """The tail of the block from sorted row ``first``: its pairs, which are real, and whether it holds any (its
+        first row says: each expert's padding comes last)."""
+        pair_t, t_mask = _block_rows(sorted_ids_ptr, first + BLOCK_M, num_pairs, TAIL_ROWS)
+        return pair_t, t_mask, tl.load(sorted_ids_ptr + first + BLOCK_M) < num_pairs
+
+    @triton.jit
+    def _no_tail_rows(num_pairs, TAIL_ROWS: tl.constexpr):
+        """Tail shapes for a kernel without a tail (never loaded, never computed)."""
+        pair_t = tl.zeros((TAIL_ROWS,), dtype=tl.int32) + num_pairs
+        return pair_t, pair_t < num_pairs
+
     @triton.jit
     def _silu_mul_store(acc_g, acc_u, out_ptr, pair, m_mask, offs_n, n_mask, stride_ot):
         # match the reference's rounding: gate/up are rounded to the activation dtype before SiLU-and-mul
@@ -205,13 +225,11 @@ if triton is not None:
             w_base = w_ptr + e.to(tl.int64) * stride_we
             g_ptrs = w_base + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
             u_ptrs = w_base + (offs_n[None, :] + I).to(tl.int64) * stride_wn + offs_k[:, None]
+            has_tail = False
             if TAIL > 0:
-                pair_t, t_mask = _block_rows(sorted_ids_ptr, first + BLOCK_M, num_pairs, TAIL_ROWS)
-                has_tail = tl.load(sorted_ids_ptr + first + BLOCK_M) < num_pairs
-            else:  # shapes only (no tail: never loaded, never computed)
-                pair_t = tl.zeros((TAIL_ROWS,), dtype=tl.int32)
-                t_mask = pair_t < 0
-                has_tail = False
+                pair_t, t_mask, has_tail = _tail_rows(sorted_ids_ptr, first, num_pairs, BLOCK_M, TAIL_ROWS)
+            else:
+                pair_t, t_mask = _no_tail_rows(num_pairs, TAIL_ROWS)
             if has_tail:
                 acc_g, acc_u, tail_g, tail_u = _gate_up_tiles(
                     x_ptr, stride_xt, pair // TOPK, m_mask, pair_t // TOPK, t_mask, g_ptrs, u_ptrs, n_mask, H,
@@ -290,13 +308,11 @@ if triton is not None:
             n_mask = offs_n < H
             offs_k = tl.arange(0, BLOCK_K)
             w_ptrs = w_ptr + e.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+            has_tail = False
             if TAIL > 0:
-                pair_t, t_mask = _block_rows(sorted_ids_ptr, first + BLOCK_M, num_pairs, TAIL_ROWS)
-                has_tail = tl.load(sorted_ids_ptr + first + BLOCK_M) < num_pairs
-            else:  # shapes only (no tail: never loaded, never computed)
-                pair_t = tl.zeros((TAIL_ROWS,), dtype=tl.int32)
-                t_mask = pair_t < 0
-                has_tail = False
+                pair_t, t_mask, has_tail = _tail_rows(sorted_ids_ptr, first, num_pairs, BLOCK_M, TAIL_ROWS)
+            else:
+                pair_t, t_mask = _no_tail_rows(num_pairs, TAIL_ROWS)
             if has_tail:
                 acc, tail = _down_tiles(
                     h_ptr, stride_ht, pair, m_mask, pair_t, t_mask, w_ptrs, n_mask, I,

@@ -59,7 +59,7 @@ try:  # keep the reference importable without triton
     import triton
     import triton.language as tl
 
-    from .fused_moe import moe_align_block_size
+    from .fused_moe import _block_rows, _no_tail_rows, _tail_rows, moe_align_block_size
     from .nvfp4_half_gemv import half2_dot8, half_decode, half_pairs, half_row, half_rows
     from .nvfp4_tiles import (
         TL_DTYPES,
@@ -631,18 +631,6 @@ if triton is not None:
     # padding is skipped: each run's padding comes last, so its first row says.
 
     @triton.jit
-    def _tail_rows(sorted_ids_ptr, first, num_pairs, BLOCK_M: tl.constexpr, TAIL_ROWS: tl.constexpr):
-        """The block's tail (TAIL > 0): its pairs, which are real, and whether it holds any."""
-        pair_t = tl.load(sorted_ids_ptr + first + BLOCK_M + tl.arange(0, TAIL_ROWS))
-        return pair_t, pair_t < num_pairs, tl.load(sorted_ids_ptr + first + BLOCK_M) < num_pairs
-
-    @triton.jit
-    def _no_tail_rows(num_pairs, TAIL_ROWS: tl.constexpr):
-        """Shapes for a kernel without a tail (never loaded, never computed)."""
-        pair_t = tl.zeros((TAIL_ROWS,), dtype=tl.int32) + num_pairs
-        return pair_t, pair_t < num_pairs
-
-    @triton.jit
     def _tile_times(tile, xt, acc, DOT_PREC: tl.constexpr, HALF: tl.constexpr):
         if HALF:
             return tl.dot(tile, xt, acc)
@@ -781,8 +769,7 @@ if triton is not None:
         e = tl.load(block_expert_ptr + pid_m)
         if (e >= 0) & (e < num_experts):
             first = pid_m * (BLOCK_M + TAIL)
-            pair = tl.load(sorted_ids_ptr + first + tl.arange(0, BLOCK_M))
-            m_mask = pair < num_pairs
+            pair, m_mask = _block_rows(sorted_ids_ptr, first, num_pairs, BLOCK_M)
             has_tail = False
             if TAIL > 0:
                 pair_t, t_mask, has_tail = _tail_rows(sorted_ids_ptr, first, num_pairs, BLOCK_M, TAIL_ROWS)
@@ -896,8 +883,7 @@ if triton is not None:
         e = tl.load(block_expert_ptr + pid_m)
         if e >= 0:
             first = pid_m * (BLOCK_M + TAIL)
-            pair = tl.load(sorted_ids_ptr + first + tl.arange(0, BLOCK_M))
-            m_mask = pair < num_pairs
+            pair, m_mask = _block_rows(sorted_ids_ptr, first, num_pairs, BLOCK_M)
             has_tail = False
             if TAIL > 0:
                 pair_t, t_mask, has_tail = _tail_rows(sorted_ids_ptr, first, num_pairs, BLOCK_M, TAIL_ROWS)
