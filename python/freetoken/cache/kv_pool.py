@@ -2,7 +2,8 @@
 
 Rust owns the indices (which slot a token's K/V lives in); this pool owns the memory behind them. Slots are
 token-granular: ``k[layer][slot]`` is one token's keys for every KV head. ``req_to_token[row, pos]`` maps a
-request's position to its slot; the plan sends only new entries, which ``write_table`` scatters in.
+request's position to its slot; the plan sends only new entries, placed by ``table_positions`` and scattered in by
+``write_entries`` (on the device, from the step's one upload: ``engine/host_upload.py``).
 """
 
 from __future__ import annotations
@@ -44,14 +45,6 @@ class KVCachePool:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
-    def write_table(self, rows: torch.Tensor, table_from: torch.Tensor, indptr: torch.Tensor, slots: torch.Tensor):
-        """Scatter the plan's new page-table entries (all CPU int64 tensors) into ``req_to_token``."""
-        if slots.numel() == 0:
-            return
-        dev = self.req_to_token.device
-        row_of, pos = self.table_positions(rows, table_from, indptr, slots)
-        self.write_entries(row_of.to(dev), pos.to(dev), slots.to(dev))
 
     @staticmethod
     def table_positions(rows, table_from, indptr, slots) -> tuple[torch.Tensor, torch.Tensor]:
