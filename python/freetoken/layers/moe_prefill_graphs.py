@@ -76,6 +76,7 @@ class MoePrefillGraphs:
         self.routing = bench_routing.mode()  # the benchmark routing the graphs hold
         self.replays = 0
         self.copies_in = 0  # replays whose input was not already in the buffer (``input_rows``)
+        self._found: tuple = (None, 0, None)  # (layer id, tokens, replay) that ``input_rows`` looked up for ``run``
 
     def bucket(self, tokens: int) -> Optional[int]:
         """The smallest bucket holding ``tokens`` (None: outside the buckets)."""
@@ -149,13 +150,18 @@ class MoePrefillGraphs:
     def input_rows(self, block: "SparseMoeBlock", tokens: int) -> Optional[torch.Tensor]:
         """The input buffer's first ``tokens`` rows when a graph will run the step (the layer's norm writes its
         output there, and ``run`` copies nothing in), else None."""
-        return self.x[:tokens] if self._replay_for(block, tokens) is not None else None
+        replay = self._replay_for(block, tokens)
+        self._found = (block.layer_id, tokens, replay)  # ``run`` of the same layer and step needs no second lookup
+        return self.x[:tokens] if replay is not None else None
 
     def run(self, block: "SparseMoeBlock", x: torch.Tensor) -> Optional[torch.Tensor]:
         """The block's output for ``x [T, H]`` from its graph (a view of the shared output buffer, valid until the
         next MoE replay); None when no graph holds the step (the caller runs the block eagerly)."""
         T = x.shape[0]
-        replay = self._replay_for(block, T)
+        layer, tokens, replay = self._found
+        self._found = (None, 0, None)
+        if layer != block.layer_id or tokens != T:
+            replay = self._replay_for(block, T)
         if replay is None:
             return None
         if x.data_ptr() != self.x.data_ptr():
