@@ -52,6 +52,12 @@ def main(argv=None) -> int:
     )
     p.add_argument("--warps", type=int, default=4, help="num_warps, as the launcher passes it")
     p.add_argument("--stages", type=int, default=3, help="num_stages, as the launcher passes it")
+    p.add_argument(
+        "--async-wgmma",
+        action="store_true",
+        help="exit 2 when ptxas serializes the kernel's wgmmas (its C7515 advisory: each wgmma then waits for the "
+        "one before it, which costs Hopper kernels a large share of their tensor-core rate)",
+    )
     a = p.parse_args(argv)
     sys.path.insert(0, os.path.join(ROOT, "python"))
     import triton
@@ -81,13 +87,20 @@ def main(argv=None) -> int:
             inner = inner.__cause__
         print(f"{name} does not compile for sm_{a.arch}: {e}" + "".join(causes))
         return 1
-    print(f"{name}: sm_{a.arch} PTX {len(compiled.asm['ptx'])} bytes" + _ptxas_usage(compiled.asm["ptx"], a.arch))
+    usage, advisories = _ptxas_usage(compiled.asm["ptx"], a.arch)
+    print(f"{name}: sm_{a.arch} PTX {len(compiled.asm['ptx'])} bytes" + usage)
+    for line in advisories:
+        print(f"  ptxas: {line}")
+    if a.async_wgmma and any("C7515" in line for line in advisories):
+        print(f"{name}: ptxas serializes its wgmmas")
+        return 2
     return 0
 
 
-def _ptxas_usage(ptx: str, arch: int) -> str:
+def _ptxas_usage(ptx: str, arch: int) -> tuple[str, list[str]]:
     """Registers and spill bytes per thread, from the ptxas Triton compiled with (``get_ptxas``) run verbosely on the
-    PTX (the driver that would report them is not here); empty where that fails."""
+    PTX (the driver that would report them is not here), and its performance advisories (``(C75xx) Potential
+    Performance Loss: ...``, which Triton does not show); empty where that fails."""
     import re
     import subprocess
     import tempfile
@@ -97,7 +110,7 @@ def _ptxas_usage(ptx: str, arch: int) -> str:
 
         ptxas = get_ptxas(arch).path
     except Exception:
-        return ""
+        return "", []
     with tempfile.TemporaryDirectory() as d:
         src = os.path.join(d, "k.ptx")
         with open(src, "w") as f:
@@ -107,9 +120,11 @@ def _ptxas_usage(ptx: str, arch: int) -> str:
                            capture_output=True, text=True)  # fmt: skip
     regs = re.search(r"Used (\d+) registers", r.stderr)
     spills = re.search(r"(\d+) bytes spill stores", r.stderr)
-    return (f", {regs.group(1)} registers" if regs else "") + (
+    advisories = [m.group(1) for m in re.finditer(r"ptxas info\s*: (\(C75\d\d\)[^\n]*?)(?: in the function|$)", r.stderr, re.M)]
+    usage = (f", {regs.group(1)} registers" if regs else "") + (
         f", {spills.group(1)} bytes of spill stores" if spills else ""
     )
+    return usage, advisories
 
 
 if __name__ == "__main__":

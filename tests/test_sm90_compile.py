@@ -14,9 +14,12 @@ triton = pytest.importorskip("triton")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def compile_check(kernel: str, ptr: dict, const: dict, div16: str = "", warps: int = 4, stages: int = 3) -> int:
+def compile_check(
+    kernel: str, ptr: dict, const: dict, div16: str = "", warps: int = 4, stages: int = 3, async_wgmma: bool = False
+) -> int:
     """The script's exit status for ``kernel`` with ``ptr`` types (scalars too), ``const`` constexprs and the
-    integer arguments ``div16`` marks as multiples of 16 (as the JIT marks them at Qwen3.6's shapes)."""
+    integer arguments ``div16`` marks as multiples of 16 (as the JIT marks them at Qwen3.6's shapes).
+    ``async_wgmma``: 2 when ptxas serializes the kernel's wgmmas."""
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
         pytest.skip("this triton wheel has no ptxas")
     spec = importlib.util.spec_from_file_location("triton_compile_check", f"{ROOT}/scripts/triton_compile_check.py")
@@ -33,6 +36,7 @@ def compile_check(kernel: str, ptr: dict, const: dict, div16: str = "", warps: i
             f"--warps={warps}",
             f"--stages={stages}",
             f"--div16={div16}",
+            *(["--async-wgmma"] if async_wgmma else []),
         ]
     )
 
@@ -77,18 +81,21 @@ def test_moe_align_compiles_for_sm90(counted):
         assert compile_check("freetoken.kernels.fused_moe:_moe_align_count_kernel", ptr, const) == 0
 
 
+@pytest.mark.parametrize("one_loop", [True, False])
 @pytest.mark.parametrize("split,slot32,lazy", [(True, False, True), (False, True, True), (True, True, False)])
-def test_extend_attention_compiles_for_sm90(split, slot32, lazy):
+def test_extend_attention_compiles_for_sm90(split, slot32, lazy, one_loop):
     """The extend kernel with its unmasked (lazily rescaled, as served, or not) and masked key tiles at Qwen3.6's
-    head dim (256) and sm_90's tiles, key offsets in int32 and int64."""
+    head dim (256) and sm_90's tiles, key offsets in int32 and int64. In one loop its wgmmas must stay
+    asynchronous (no ptxas C7515: the two-loop form has it, each of a tile's 20 wgmmas waiting for the last)."""
     ptr = {p: "*bf16" for p in ("Q", "K", "V", "O")}
     ptr.update(MidO="*fp32", MidL="*fp32", req_to_token="*i32", rows_ptr="*i32", cu_ptr="*i32", prefix_ptr="*i32")
     ptr.update(sm_scale="fp32")
     const = dict(GROUP=8, BLOCK_M=128, BLOCK_N=64, BLOCK_D=256, BLOCK_DV=256, PREC="'tf32'", SPLIT=split)
-    const.update(LAZY=lazy, SLOT32=slot32)
-    strides = ",".join(f"stride_{s}" for s in ("qt", "qh", "kt", "kh", "vt", "vh", "ot", "oh", "rt", "mot", "moh"))
-    div16 = f"{strides},D,DV"
-    assert compile_check("freetoken.kernels.attention:_extend_kernel", ptr, const, div16, warps=8, stages=2) == 0
+    const.update(LAZY=lazy, SLOT32=slot32, ONE_LOOP=one_loop)
+    strides = ("qt", "qh", "kt", "kh", "vt", "vh", "ot", "oh", "rt", "mot", "moh", "mos")
+    div16 = ",".join(f"stride_{s}" for s in strides) + ",D,DV"
+    kernel = "freetoken.kernels.attention:_extend_kernel"
+    assert compile_check(kernel, ptr, const, div16, warps=8, stages=2, async_wgmma=one_loop) == 0
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
