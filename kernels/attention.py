@@ -242,7 +242,8 @@ if triton is not None:
             if not SLOT32:
                 slot = slot.to(tl.int64)
             k = tl.load(
-                K + slot[None, :] * stride_kt + key_head_k + offs_d[:, None], mask=n_mask[None, :] & d_mask[:, None],
+                K + slot[None, :] * stride_kt + key_head_k + offs_d[:, None],
+                mask=n_mask[None, :] & d_mask[:, None],
                 other=0.0,
             )
             s = tl.dot(q, k, input_precision=PREC) * qk_scale
@@ -257,7 +258,8 @@ if triton is not None:
             p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])  # rows without a visible key: 0
             l_i += tl.sum(p, 1)
             v = tl.load(
-                V + slot[:, None] * stride_vt + key_head_v + offs_dv[None, :], mask=n_mask[:, None] & dv_mask[None, :],
+                V + slot[:, None] * stride_vt + key_head_v + offs_dv[None, :],
+                mask=n_mask[:, None] & dv_mask[None, :],
                 other=0.0,
             )
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)

@@ -120,7 +120,9 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[str, list[str]]:
                            capture_output=True, text=True)  # fmt: skip
     regs = re.search(r"Used (\d+) registers", r.stderr)
     spills = re.search(r"(\d+) bytes spill stores", r.stderr)
-    advisories = [m.group(1) for m in re.finditer(r"ptxas info\s*: (\(C75\d\d\)[^\n]*?)(?: in the function|$)", r.stderr, re.M)]
+    advisories = [
+        m.group(1) for m in re.finditer(r"ptxas info\s*: (\(C75\d\d\)[^\n]*?)(?: in the function|$)", r.stderr, re.M)
+    ]
     usage = (f", {regs.group(1)} registers" if regs else "") + (
         f", {spills.group(1)} bytes of spill stores" if spills else ""
     )
