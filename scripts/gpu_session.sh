@@ -204,7 +204,7 @@ if [[ " $SECTIONS " == *" moegraphs "* ]]; then
 fi
 if [[ " $SECTIONS " == *" wgmma "* ]]; then
   for L in two one two one; do
-    FREETOKEN_EXTEND_LOOP=$L timeout ${EXTEND_TIMEOUT:-100} python3 bench/extend_attention_bench.py --configs auto \
+    FREETOKEN_EXTEND_LOOP=$L timeout ${EXTEND_TIMEOUT:-100} python3 bench/extend_attention_bench.py --configs ${EXTEND_CONFIGS:-auto} \
         --baselines '' --cold-shapes 0 --reps 20 --out "$OUT/extend_attention_loop_$L.json" 2>&1 \
         | grep -E "after" | sed "s/^/[loop $L] /"
   done
