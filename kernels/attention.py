@@ -237,18 +237,15 @@ if triton is not None:
         ptxas serializes again."""
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
-            n_mask = offs_n < hi
-            slot = tl.load(slot_row + offs_n, mask=n_mask, other=0)
+            # keys past hi (the last tile's) read key hi - 1 again, unmasked: the score mask drops them (such a
+            # tile is at or past mask_from), and a real key's finite V times p = 0 adds nothing
+            slot = tl.load(slot_row + tl.minimum(offs_n, hi - 1))
             if not SLOT32:
                 slot = slot.to(tl.int64)
-            k = tl.load(
-                K + slot[None, :] * stride_kt + key_head_k + offs_d[:, None],
-                mask=n_mask[None, :] & d_mask[:, None],
-                other=0.0,
-            )
+            k = tl.load(K + slot[None, :] * stride_kt + key_head_k + offs_d[:, None], mask=d_mask[:, None], other=0.0)
             s = tl.dot(q, k, input_precision=PREC) * qk_scale
             if start + BLOCK_N > mask_from:  # a tile some query of the block must not see in full
-                s = tl.where((offs_n[None, :] <= qpos[:, None]) & n_mask[None, :], s, float("-inf"))
+                s = tl.where((offs_n[None, :] <= qpos[:, None]) & (offs_n < hi)[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             if tl.max((m_new > m_i + RESCALE_AT).to(tl.int32), 0) > 0:  # the first tile too (m_i = -inf)
                 alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
@@ -257,11 +254,7 @@ if triton is not None:
                 m_i = m_new
             p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])  # rows without a visible key: 0
             l_i += tl.sum(p, 1)
-            v = tl.load(
-                V + slot[:, None] * stride_vt + key_head_v + offs_dv[None, :],
-                mask=n_mask[:, None] & dv_mask[None, :],
-                other=0.0,
-            )
+            v = tl.load(V + slot[:, None] * stride_vt + key_head_v + offs_dv[None, :], mask=dv_mask[None, :], other=0.0)
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
         return m_i, l_i, acc
 
