@@ -326,14 +326,6 @@ MOE_SWEEP = [
     {"tail": 16},
     {"tail": 32},
     {"block_m": 64, "warps": 4, "tail": 16},
-    # x·tileᵀ dots (nvfp4_moe's SWAP, written 2026-12-05 without a GPU): the decoded weight tile as the wgmma's
-    # shared-memory operand, which ptxas leaves asynchronous (the default form is serialized, C7515)
-    {"swap": True},
-    {"swap": True, "fuse_gate_up": False},
-    {"swap": True, "fuse_gate_up": True},
-    {"swap": True, "tail": 16},
-    {"swap": True, "block_m": 64, "warps": 4},
-    {"swap": True, "block_m": 128, "warps": 8},
 ]
 
 

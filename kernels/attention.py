@@ -84,157 +84,23 @@ _LOG2E = 1.4426950408889634
 if triton is not None:
 
     @triton.jit
-    def _extend_tile(
-        q,
-        K,
-        V,
-        slot_row,
-        key_head_k,
-        key_head_v,
-        stride_kt,
-        stride_vt,
-        offs_d,
-        offs_dv,
-        d_mask,
-        dv_mask,
-        qpos,
-        start,
-        hi,
-        m_i,
-        l_i,
-        acc,
-        qk_scale,
-        BLOCK_N: tl.constexpr,
-        PREC: tl.constexpr,
-        MASKED: tl.constexpr,
-        SLOT32: tl.constexpr,
-    ):
-        """One BLOCK_N tile of keys into the running softmax. ``MASKED=False``: every query of the block sees every
-        key of the tile (all below the block's first query, all before ``hi``), so no causal or bounds mask and no
-        guard for rows without a visible key; most tiles of a chunk after a long prefix are such."""
-        offs_n = start + tl.arange(0, BLOCK_N)
-        if MASKED:
-            n_mask = offs_n < hi
-            slot = tl.load(slot_row + offs_n, mask=n_mask, other=0)
-            k_mask = n_mask[None, :] & d_mask[:, None]
-            v_mask = n_mask[:, None] & dv_mask[None, :]
-        else:
-            slot = tl.load(slot_row + offs_n)
-            k_mask = d_mask[:, None]
-            v_mask = dv_mask[None, :]
-        if not SLOT32:
-            slot = slot.to(tl.int64)
-        k = tl.load(K + slot[None, :] * stride_kt + key_head_k + offs_d[:, None], mask=k_mask, other=0.0)
-        s = tl.dot(q, k, input_precision=PREC) * qk_scale
-        if MASKED:
-            visible = (offs_n[None, :] <= qpos[:, None]) & n_mask[None, :]
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = m_new
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + slot[:, None] * stride_vt + key_head_v + offs_dv[None, :], mask=v_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        return m_new, l_i, acc
-
-    @triton.jit
-    def _extend_tile_lazy(
-        q,
-        K,
-        V,
-        slot_row,
-        key_head_k,
-        key_head_v,
-        stride_kt,
-        stride_vt,
-        offs_d,
-        offs_dv,
-        d_mask,
-        dv_mask,
-        start,
-        m_i,
-        l_i,
-        acc,
-        qk_scale,
-        BLOCK_N: tl.constexpr,
-        PREC: tl.constexpr,
-        SLOT32: tl.constexpr,
-    ):
-        """``_extend_tile(MASKED=False)`` with FlashAttention-4's lazy rescaling: the running max ``m_i`` moves only
-        when some row's max grows by more than 8 (in log2 units), so ``exp2(s - m_i)`` stays <= 256 and most tiles
-        of a long prefix skip rescaling the ``[BLOCK_M, Dv]`` accumulator. ``acc / l_i`` and the log-sum-exp
-        ``m_i + log2(l_i)`` are unchanged: both carry the same max."""
-        slot = tl.load(slot_row + start + tl.arange(0, BLOCK_N))
-        if not SLOT32:
-            slot = slot.to(tl.int64)
-        k = tl.load(K + slot[None, :] * stride_kt + key_head_k + offs_d[:, None], mask=d_mask[:, None], other=0.0)
-        s = tl.dot(q, k, input_precision=PREC) * qk_scale
-        m_tile = tl.max(s, 1)
-        if tl.max(m_tile - m_i, 0) > 8.0:  # also the first tile (m_i = -inf): alpha = 0 on a zero accumulator
-            m_new = tl.maximum(m_i, m_tile)
-            alpha = tl.exp2(m_i - m_new)
-            acc = acc * alpha[:, None]
-            l_i = l_i * alpha
-            m_i = m_new
-        p = tl.exp2(s - m_i[:, None])
-        l_i += tl.sum(p, 1)
-        v = tl.load(V + slot[:, None] * stride_vt + key_head_v + offs_dv[None, :], mask=dv_mask[None, :], other=0.0)
-        acc += tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        return m_i, l_i, acc
-
-    @triton.jit
-    def _extend_scores(
-        q, K, slot_row, key_head_k, stride_kt, offs_d, d_mask, qpos, start, hi, mask_from, qk_scale,
-        BLOCK_N: tl.constexpr, PREC: tl.constexpr, SLOT32: tl.constexpr,
-    ):  # fmt: skip
-        """One key tile's scaled scores (log2 units) and its slots. Keys at or past ``hi`` are not loaded; from
-        ``mask_from`` on (the tiles some query of the block must not see in full) the invisible ones score -inf."""
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < hi
-        slot = tl.load(slot_row + offs_n, mask=n_mask, other=0)
-        if not SLOT32:
-            slot = slot.to(tl.int64)
-        k_ptrs = K + slot[None, :] * stride_kt + key_head_k + offs_d[:, None]
-        k = tl.load(k_ptrs, mask=n_mask[None, :] & d_mask[:, None], other=0.0)
-        s = tl.dot(q, k, input_precision=PREC) * qk_scale
-        if start + BLOCK_N > mask_from:
-            s = tl.where((offs_n[None, :] <= qpos[:, None]) & n_mask[None, :], s, float("-inf"))
-        return s, slot, n_mask
-
-    @triton.jit
-    def _extend_softmax(s, m_i, l_i, acc, RESCALE_AT: tl.constexpr):
-        """The running softmax's step for one tile's scores ``s``: ``(p, m_i, l_i, acc)``. The max moves (and the
-        ``[BLOCK_M, Dv]`` accumulator is rescaled) only when some row's max grows by more than ``RESCALE_AT``
-        (log2 units): FlashAttention-4's lazy rescaling at 8 (``exp2(s - m_i)`` stays <= 256), every growth at 0.
-        ``acc / l_i`` and the log-sum-exp ``m_i + log2(l_i)`` carry the same max either way. Rows without a visible
-        key so far keep ``m_i = -inf`` and ``p = 0``."""
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        if tl.max((m_new > m_i + RESCALE_AT).to(tl.int32), 0) > 0:  # the first tile too (m_i = -inf)
-            alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
-            acc = acc * alpha[:, None]
-            l_i = l_i * alpha
-            m_i = m_new
-        p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
-        return p, m_i, l_i + tl.sum(p, 1), acc
-
-    @triton.jit
     def _extend_tiles(
         q, K, V, slot_row, key_head_k, key_head_v, stride_kt, stride_vt, offs_d, offs_dv, d_mask, dv_mask, qpos,
         lo, hi, mask_from, m_i, l_i, acc, qk_scale,
         BLOCK_N: tl.constexpr, PREC: tl.constexpr, SLOT32: tl.constexpr, RESCALE_AT: tl.constexpr,
     ):  # fmt: skip
-        """Keys ``[lo, hi)`` into the running softmax in ONE loop, the masks a per-tile branch on the scores. ptxas
-        serializes every wgmma of the kernel when the accumulators pass from one key loop into a second (C7515 in
-        its ``-v`` output, "non wgmma instructions defining accumulator registers ... between start and end of the
-        pipeline stage"): the two-loop form (unmasked tiles, then masked ones) waits after each of a tile's 20
-        wgmmas; this one issues the 16 of ``q·k`` and waits once, and leaves the 4 of ``p·v`` in flight into the
-        next tile (sm_90 SASS, triton 3.6). A software-pipelined form (the next tile's ``q·k`` issued before this
-        tile's ``p·v``, as FlashAttention-3 overlaps a warpgroup) needs dots before and after the loop, which
-        ptxas serializes again."""
+        """Keys ``[lo, hi)`` into the running softmax, every tile in one loop: the tiles every query of the block
+        sees in full (before ``mask_from``, most tiles of a chunk after a long prefix) skip the causal mask, the
+        others mask their scores. The running max moves (and the ``[BLOCK_M, Dv]`` accumulator is rescaled) only
+        when some row's max grows by more than ``RESCALE_AT`` (log2 units): FlashAttention-4's lazy rescaling at 8
+        (``exp2(s - m_i)`` stays <= 256: 5-9 % at head dim 256 on the H200), every growth at 0. ``acc / l_i`` and the
+        log-sum-exp ``m_i + log2(l_i)`` carry the same max either way; rows without a visible key keep ``-inf``.
+        One loop, not an unmasked loop and a masked one: ptxas serializes every wgmma of a kernel whose accumulators
+        pass from one key loop into a second (C7515 in its ``-v`` output); here the 16 wgmmas of ``q·k`` issue back to
+        back with one wait and the 4 of ``p·v`` stay in flight into the next tile (sm_90 SASS, triton 3.6). On the
+        H200 that was worth 4-5 % on 8,192-token chunks and nothing at the agent turn (2026-12-05). A
+        software-pipelined form (the next tile's ``q·k`` issued before this tile's ``p·v``, as FlashAttention-3
+        overlaps a warpgroup) needs dots before and after the loop, which ptxas serializes again."""
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             # keys past hi (the last tile's) read key hi - 1 again, unmasked: the score mask drops them (such a
@@ -295,8 +161,7 @@ if triton is not None:
         BLOCK_DV: tl.constexpr,
         PREC: tl.constexpr,
         SPLIT: tl.constexpr,  # NUM_SPLITS > 1: partial outputs and log-sum-exps into MidO / MidL, merged after
-        LAZY: tl.constexpr,  # the unmasked tiles rescale lazily (``_extend_tile_lazy``)
-        ONE_LOOP: tl.constexpr,  # every key tile in one loop (``_extend_tiles``), else unmasked tiles then masked
+        LAZY: tl.constexpr,  # the running softmax rescales lazily (``_extend_tiles``)
         SLOT32: tl.constexpr,  # key offsets in int32: every K/V element offset fits (fewer address operations)
     ):
         pid_m = tl.program_id(0) // NUM_SPLITS
@@ -330,30 +195,10 @@ if triton is not None:
             slot_row = req_to_token + row * stride_rt
             # tiles every query of the block sees (keys up to its first query's position) skip the masks
             full = tl.maximum(tl.minimum(hi, prefix + pid_m * BLOCK_M + 1) - lo, 0) // BLOCK_N * BLOCK_N
-            if ONE_LOOP:  # lazily rescaled at 8 (log2 units: exp2(s - m_i) <= 256), or at every growth
-                m_i, l_i, acc = _extend_tiles(
-                    q, K, V, slot_row, kvh * stride_kh, kvh * stride_vh, stride_kt, stride_vt, offs_d, offs_dv,
-                    d_mask, dv_mask, qpos, lo, hi, lo + full, m_i, l_i, acc, qk_scale, BLOCK_N, PREC, SLOT32,
-                    8.0 if LAZY else 0.0,
-                )  # fmt: skip
-            else:
-                for start in range(lo, lo + full, BLOCK_N):
-                    if LAZY:
-                        m_i, l_i, acc = _extend_tile_lazy(
-                            q, K, V, slot_row, kvh * stride_kh, kvh * stride_vh, stride_kt, stride_vt, offs_d,
-                            offs_dv, d_mask, dv_mask, start, m_i, l_i, acc, qk_scale, BLOCK_N, PREC, SLOT32,
-                        )  # fmt: skip
-                    else:
-                        m_i, l_i, acc = _extend_tile(
-                            q, K, V, slot_row, kvh * stride_kh, kvh * stride_vh, stride_kt, stride_vt, offs_d,
-                            offs_dv, d_mask, dv_mask, qpos, start, hi, m_i, l_i, acc, qk_scale, BLOCK_N, PREC, False,
-                            SLOT32,
-                        )  # fmt: skip
-                for start in range(lo + full, hi, BLOCK_N):
-                    m_i, l_i, acc = _extend_tile(
-                        q, K, V, slot_row, kvh * stride_kh, kvh * stride_vh, stride_kt, stride_vt, offs_d, offs_dv,
-                        d_mask, dv_mask, qpos, start, hi, m_i, l_i, acc, qk_scale, BLOCK_N, PREC, True, SLOT32,
-                    )  # fmt: skip
+            m_i, l_i, acc = _extend_tiles(
+                q, K, V, slot_row, kvh * stride_kh, kvh * stride_vh, stride_kt, stride_vt, offs_d, offs_dv, d_mask,
+                dv_mask, qpos, lo, hi, lo + full, m_i, l_i, acc, qk_scale, BLOCK_N, PREC, SLOT32, 8.0 if LAZY else 0.0,
+            )  # fmt: skip
             l_safe = tl.where(l_i == 0.0, 1.0, l_i)
             out = acc / l_safe[:, None]
             tok = (q_start + offs_m).to(tl.int64)
@@ -500,19 +345,9 @@ if triton is not None:
 
 
 def lazy_rescale() -> bool:
-    """The extend kernel's unmasked tiles rescale lazily (``_extend_tile_lazy``) unless
+    """The extend kernel's running softmax rescales lazily (``_extend_tiles``) unless
     ``FREETOKEN_EXTEND_LAZY_RESCALE=0`` (A/B runs)."""
     return os.environ.get("FREETOKEN_EXTEND_LAZY_RESCALE", "1") != "0"
-
-
-def one_key_loop() -> bool:
-    """The extend kernel runs its key tiles in one loop (``_extend_tiles``, the form ptxas does not serialize) when
-    ``FREETOKEN_EXTEND_LOOP=one``; ``two`` (the default until the H200 has timed both) keeps the unmasked tiles'
-    loop and the masked tiles' loop."""
-    name = os.environ.get("FREETOKEN_EXTEND_LOOP", "two")
-    if name not in ("one", "two"):
-        raise ValueError(f"FREETOKEN_EXTEND_LOOP={name!r}: expected one or two")
-    return name == "one"
 
 
 def int32_key_offsets(k_cache, v_cache) -> bool:
@@ -668,7 +503,6 @@ def extend_attention_triton(
         PREC=_prec(k_cache.dtype),
         SPLIT=S > 1,
         LAZY=lazy_rescale(),
-        ONE_LOOP=one_key_loop(),
         # int32 offsets measured 9-11 % faster unsplit (8,192-token chunks, fresh and after 21,808) but 8 % slower
         # with the keys split (2,184 after 27,816, S = 3) on the H200 (2026-12-04): unsplit launches only
         SLOT32=S == 1 and int32_key_offsets(k_cache, v_cache),

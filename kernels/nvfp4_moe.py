@@ -630,40 +630,12 @@ if triton is not None:
     # tiles on the CUDA cores, so an expert of 65-80 rows decodes them once instead of twice). A tail that holds only
     # padding is skipped: each run's padding comes last, so its first row says.
 
-    # SWAP: each dot runs as x·tileᵀ (the token rows as the wgmma's M, the decoded weight tile its shared-memory B
-    # operand) into an accumulator [rows, BLOCK_N], transposed once after the K loop. The default tileᵀ·x form feeds
-    # the decoded tile from registers as the wgmma's A operand, which ptxas answers by serializing every wgmma of the
-    # kernel (C7515, sm_90, triton 3.6: each waits for the one before it, so the tensor cores no longer overlap the
-    # decoding); it fits blocks of few rows (wgmma's M is 64), SWAP blocks of 64 rows and more.
-
     @triton.jit
-    def _tile_acc(n: tl.constexpr, m: tl.constexpr, SWAP: tl.constexpr):
-        """A zero accumulator for ``[n weight rows, m token rows]`` (SWAP: stored as its transpose)."""
-        if SWAP:
-            return tl.zeros((m, n), dtype=tl.float32)
+    def _tile_times(tile, xt, acc, DOT_PREC: tl.constexpr, HALF: tl.constexpr):
+        if HALF:
+            return tl.dot(tile, xt, acc)
         else:
-            return tl.zeros((n, m), dtype=tl.float32)
-
-    @triton.jit
-    def _tile_times(tile, xt, acc, DOT_PREC: tl.constexpr, HALF: tl.constexpr, SWAP: tl.constexpr):
-        if SWAP:
-            if HALF:
-                return tl.dot(tl.trans(xt), tl.trans(tile), acc)
-            else:
-                return tl.dot(tl.trans(xt), tl.trans(tile), acc, input_precision=DOT_PREC)
-        else:
-            if HALF:
-                return tl.dot(tile, xt, acc)
-            else:
-                return tl.dot(tile, xt, acc, input_precision=DOT_PREC)
-
-    @triton.jit
-    def _tile_result(acc, SWAP: tl.constexpr):
-        """The accumulator as ``[weight rows, token rows]``."""
-        if SWAP:
-            return tl.trans(acc)
-        else:
-            return acc
+            return tl.dot(tile, xt, acc, input_precision=DOT_PREC)
 
     @triton.jit
     def _gate_up_store(gate, up, pair, m_mask, offs_n, n_mask, out_ptr, stride_ot):
@@ -687,7 +659,7 @@ if triton is not None:
         stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_ot,
         TOPK: tl.constexpr, BLOCK_M: tl.constexpr, TAIL_ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_PREC: tl.constexpr, FUSE_GU: tl.constexpr,
-        HALF: tl.constexpr, ASM: tl.constexpr, WITH_TAIL: tl.constexpr, SWAP: tl.constexpr,
+        HALF: tl.constexpr, ASM: tl.constexpr, WITH_TAIL: tl.constexpr,
     ):  # fmt: skip
         """One block's SiLU(gate) * up rows (and its tail's, ``WITH_TAIL``), each weight tile decoded once."""
         dt = out_ptr.dtype.element_ty
@@ -709,18 +681,16 @@ if triton is not None:
             rows2 = (n2 + (r2 // BLOCK_N) * I)[:, None].to(tl.int64)
             gw2 = w_ptr + e64 * stride_we + rows2 * stride_wn + offs_w[None, :]
             gs2 = s_ptr + e64 * stride_se + rows2 * stride_sn + offs_s[None, :]
-            acc = _tile_acc(2 * BLOCK_N, BLOCK_M, SWAP)  # [gate | up]ᵀ
-            acc_t = _tile_acc(2 * BLOCK_N, TAIL_ROWS, SWAP)
+            acc = tl.zeros((2 * BLOCK_N, BLOCK_M), dtype=tl.float32)  # [gate | up]ᵀ
+            acc_t = tl.zeros((2 * BLOCK_N, TAIL_ROWS), dtype=tl.float32)
             for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
                 k_ok = ((k0 + offs_k) < H)[:, None]
                 tile = tile_decode(gw2, gs2, n2_mask, k0, H, offs_w, offs_s, 2 * BLOCK_N, BW, dt, HALF, ASM)
                 xt = tl.load(xt_ptrs + k0, mask=k_ok & m_mask[None, :], other=0.0)
-                acc = _tile_times(tile, xt, acc, DOT_PREC, HALF, SWAP)
+                acc = _tile_times(tile, xt, acc, DOT_PREC, HALF)
                 if WITH_TAIL:
                     xtt = tl.load(tt_ptrs + k0, mask=k_ok & t_mask[None, :], other=0.0)
-                    acc_t = _tile_times(tile, xtt, acc_t, DOT_PREC, HALF, SWAP)
-            acc = _tile_result(acc, SWAP)
-            acc_t = _tile_result(acc_t, SWAP)
+                    acc_t = _tile_times(tile, xtt, acc_t, DOT_PREC, HALF)
             glob2 = tl.load(g_ptr + e64 * stride_ge + n2 + (r2 // BLOCK_N) * I, mask=n2_mask, other=0.0)
             acc = acc * row_f[None, :] * glob2[:, None]
             acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
@@ -736,23 +706,21 @@ if triton is not None:
             gw = w_ptr + e64 * stride_we + rows * stride_wn + offs_w[None, :]  # gate rows; up rows I further
             gs = s_ptr + e64 * stride_se + rows * stride_sn + offs_s[None, :]
             gw_u, gs_u = gw + I * stride_wn, gs + I * stride_sn
-            acc_g = _tile_acc(BLOCK_N, BLOCK_M, SWAP)  # gateᵀ
-            acc_u = _tile_acc(BLOCK_N, BLOCK_M, SWAP)
-            t_g = _tile_acc(BLOCK_N, TAIL_ROWS, SWAP)
-            t_u = _tile_acc(BLOCK_N, TAIL_ROWS, SWAP)
+            acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # gateᵀ
+            acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            t_g = tl.zeros((BLOCK_N, TAIL_ROWS), dtype=tl.float32)
+            t_u = tl.zeros((BLOCK_N, TAIL_ROWS), dtype=tl.float32)
             for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):
                 k_ok = ((k0 + offs_k) < H)[:, None]
                 xt = tl.load(xt_ptrs + k0, mask=k_ok & m_mask[None, :], other=0.0)
                 tile_g = tile_decode(gw, gs, n_mask, k0, H, offs_w, offs_s, BLOCK_N, BW, dt, HALF, ASM)
-                acc_g = _tile_times(tile_g, xt, acc_g, DOT_PREC, HALF, SWAP)
+                acc_g = _tile_times(tile_g, xt, acc_g, DOT_PREC, HALF)
                 tile_u = tile_decode(gw_u, gs_u, n_mask, k0, H, offs_w, offs_s, BLOCK_N, BW, dt, HALF, ASM)
-                acc_u = _tile_times(tile_u, xt, acc_u, DOT_PREC, HALF, SWAP)
+                acc_u = _tile_times(tile_u, xt, acc_u, DOT_PREC, HALF)
                 if WITH_TAIL:
                     xtt = tl.load(tt_ptrs + k0, mask=k_ok & t_mask[None, :], other=0.0)
-                    t_g = _tile_times(tile_g, xtt, t_g, DOT_PREC, HALF, SWAP)
-                    t_u = _tile_times(tile_u, xtt, t_u, DOT_PREC, HALF, SWAP)
-            acc_g, acc_u = _tile_result(acc_g, SWAP), _tile_result(acc_u, SWAP)
-            t_g, t_u = _tile_result(t_g, SWAP), _tile_result(t_u, SWAP)
+                    t_g = _tile_times(tile_g, xtt, t_g, DOT_PREC, HALF)
+                    t_u = _tile_times(tile_u, xtt, t_u, DOT_PREC, HALF)
             glob = g_ptr + e64 * stride_ge + offs_n
             glob_g = tl.load(glob, mask=n_mask, other=0.0)[:, None]
             glob_u = tl.load(glob + I, mask=n_mask, other=0.0)[:, None]
@@ -796,7 +764,6 @@ if triton is not None:
         ASM: tl.constexpr,  # HALF: ``mul.rn.f16x2`` (CUDA) or the interpreter's emulation
         TAIL: tl.constexpr = 0,  # tail rows a block (0: none), see above
         TAIL_ROWS: tl.constexpr = 16,  # the tail tile's rows: TAIL, or a shape when there is none (never computed)
-        SWAP: tl.constexpr = False,  # x·tileᵀ dots (see ``_tile_times``)
     ):
         pid_m = tl.program_id(0)
         e = tl.load(block_expert_ptr + pid_m)
@@ -812,13 +779,13 @@ if triton is not None:
                 _nvfp4_gate_up_rows(
                     x_ptr, xf_ptr, w_ptr, s_ptr, g_ptr, out_ptr, e.to(tl.int64), pair, m_mask, pair_t, t_mask, H, I,
                     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_ot, TOPK, BLOCK_M,
-                    TAIL_ROWS, BLOCK_N, BLOCK_K, NUM_STAGES, DOT_PREC, FUSE_GU, HALF, ASM, True, SWAP,
+                    TAIL_ROWS, BLOCK_N, BLOCK_K, NUM_STAGES, DOT_PREC, FUSE_GU, HALF, ASM, True,
                 )  # fmt: skip
             else:
                 _nvfp4_gate_up_rows(
                     x_ptr, xf_ptr, w_ptr, s_ptr, g_ptr, out_ptr, e.to(tl.int64), pair, m_mask, pair_t, t_mask, H, I,
                     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_ot, TOPK, BLOCK_M,
-                    TAIL_ROWS, BLOCK_N, BLOCK_K, NUM_STAGES, DOT_PREC, FUSE_GU, HALF, ASM, False, SWAP,
+                    TAIL_ROWS, BLOCK_N, BLOCK_K, NUM_STAGES, DOT_PREC, FUSE_GU, HALF, ASM, False,
                 )  # fmt: skip
 
     @triton.jit
@@ -839,7 +806,7 @@ if triton is not None:
         stride_ht, stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_ot,
         BLOCK_M: tl.constexpr, TAIL_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         NUM_STAGES: tl.constexpr, DOT_PREC: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr,
-        X_DTYPE: tl.constexpr, WITH_TAIL: tl.constexpr, SWAP: tl.constexpr,
+        X_DTYPE: tl.constexpr, WITH_TAIL: tl.constexpr,
     ):  # fmt: skip
         """One block's down projection rows (and its tail's, ``WITH_TAIL``), each weight tile decoded once; the
         dummy expert's rows are written as zeros."""
@@ -857,17 +824,16 @@ if triton is not None:
             s_ptrs = s_ptr + e64 * stride_se + rows * stride_sn + offs_s[None, :]
             ht_ptrs = h_ptr + pair[None, :].to(tl.int64) * stride_ht + offs_k[:, None]
             tt_ptrs = h_ptr + pair_t[None, :].to(tl.int64) * stride_ht + offs_k[:, None]
-            acc = _tile_acc(BLOCK_N, BLOCK_M, SWAP)  # outᵀ
-            acc_t = _tile_acc(BLOCK_N, TAIL_ROWS, SWAP)
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # outᵀ
+            acc_t = tl.zeros((BLOCK_N, TAIL_ROWS), dtype=tl.float32)
             for k0 in tl.range(0, I, BLOCK_K, num_stages=NUM_STAGES):
                 k_ok = ((k0 + offs_k) < I)[:, None]
                 ht = tl.load(ht_ptrs + k0, mask=k_ok & m_mask[None, :], other=0.0)
                 tile = tile_decode(w_ptrs, s_ptrs, n_mask, k0, I, offs_w, offs_s, BLOCK_N, BW, dt, HALF, ASM)
-                acc = _tile_times(tile, ht, acc, DOT_PREC, HALF, SWAP)
+                acc = _tile_times(tile, ht, acc, DOT_PREC, HALF)
                 if WITH_TAIL:
                     htt = tl.load(tt_ptrs + k0, mask=k_ok & t_mask[None, :], other=0.0)
-                    acc_t = _tile_times(tile, htt, acc_t, DOT_PREC, HALF, SWAP)
-            acc, acc_t = _tile_result(acc, SWAP), _tile_result(acc_t, SWAP)
+                    acc_t = _tile_times(tile, htt, acc_t, DOT_PREC, HALF)
             glob = tl.load(g_ptr + e64 * stride_ge + offs_n, mask=n_mask, other=0.0)
             _down_store(acc, pair, m_mask, offs_n, n_mask, hf_ptr, glob, wt_ptr, out_ptr, stride_ot, dt, HALF)
             if WITH_TAIL:
@@ -912,7 +878,6 @@ if triton is not None:
         X_DTYPE: tl.constexpr,  # x's dtype: the down projection is rounded to it, as the reference does
         TAIL: tl.constexpr = 0,  # tail rows a block (0: none), as the gate|up kernel's
         TAIL_ROWS: tl.constexpr = 16,
-        SWAP: tl.constexpr = False,  # x·tileᵀ dots (see ``_tile_times``)
     ):
         pid_m = tl.program_id(0)
         e = tl.load(block_expert_ptr + pid_m)
@@ -928,13 +893,13 @@ if triton is not None:
                 _nvfp4_down_rows(
                     h_ptr, hf_ptr, w_ptr, s_ptr, g_ptr, wt_ptr, out_ptr, e, num_experts, pair, m_mask, pair_t, t_mask,
                     H, I, stride_ht, stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_ot, BLOCK_M,
-                    TAIL_ROWS, BLOCK_N, BLOCK_K, NUM_STAGES, DOT_PREC, HALF, ASM, X_DTYPE, True, SWAP,
+                    TAIL_ROWS, BLOCK_N, BLOCK_K, NUM_STAGES, DOT_PREC, HALF, ASM, X_DTYPE, True,
                 )  # fmt: skip
             else:
                 _nvfp4_down_rows(
                     h_ptr, hf_ptr, w_ptr, s_ptr, g_ptr, wt_ptr, out_ptr, e, num_experts, pair, m_mask, pair_t, t_mask,
                     H, I, stride_ht, stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_ot, BLOCK_M,
-                    TAIL_ROWS, BLOCK_N, BLOCK_K, NUM_STAGES, DOT_PREC, HALF, ASM, X_DTYPE, False, SWAP,
+                    TAIL_ROWS, BLOCK_N, BLOCK_K, NUM_STAGES, DOT_PREC, HALF, ASM, X_DTYPE, False,
                 )  # fmt: skip
 
 
@@ -979,12 +944,14 @@ def grouped_config(num_pairs: int, E: int, H: int, I: int, block_m: int | None =
         "stages": _NUM_STAGES,
         "fuse_gate_up": large,
         # rows of a block's tail tile (0, 16, 32 or 64), as fused_moe's: an expert of up to block_m + tail rows
-        # decodes its weight tiles once; 0 until a GPU A/B says otherwise (written without a GPU, 2026-12-05).
-        # FREETOKEN_NVFP4_MOE_TAIL sets it for an end-to-end A/B (read at each launch; a graph keeps its capture's)
-        "tail": int_from_env("FREETOKEN_NVFP4_MOE_TAIL", 0, "rows"),
-        # x·tileᵀ dots (``_tile_times``: the form ptxas leaves asynchronous) for blocks of 64 rows and more when
-        # FREETOKEN_NVFP4_MOE_SWAP=1; off until a GPU A/B says otherwise (written without a GPU, 2026-12-05)
-        "swap": bm >= 64 and int_from_env("FREETOKEN_NVFP4_MOE_SWAP", 0, "(0 or 1)") == 1,
+        # decodes its weight tiles once. 16 where blocks are 64 rows with gate and up in separate tiles (16 < pairs
+        # an expert <= 64): H200, 2,048 tokens, uniform routing, 972.9 -> 791.8 us (0.69x -> 0.85x of BF16); at
+        # 8,192 (128-row blocks) it lost, 2,359.6 -> 2,550.6 (bench/results/2026-12-05-h200-qwen3.6-35b-a3b-nvfp4-
+        # moesweep-swap-tail.txt). FREETOKEN_NVFP4_MOE_TAIL sets it for an end-to-end A/B (read at each launch; a
+        # graph keeps its capture's)
+        "tail": int_from_env(
+            "FREETOKEN_NVFP4_MOE_TAIL", 16 if bm == 64 and not large and per_expert > 16 else 0, "rows"
+        ),
     }
     cfg = with_overrides(cfg, tune, "grouped NVFP4")
     if cfg["tail"] not in (0, 16, 32, 64):
@@ -1049,7 +1016,7 @@ def nvfp4_fused_moe_triton(
         xh, xf, w13b, w13s, w13_global, inter, sorted_ids, block_expert, n, E, H, I, xh.stride(0), w13b.stride(0),
         w13b.stride(1), w13s.stride(0), w13s.stride(1), w13_global.stride(0), inter.stride(0), TOPK=k, BLOCK_M=bm,
         BLOCK_N=bn1, BLOCK_K=bk1, NUM_STAGES=cfg["stages"], DOT_PREC=prec, FUSE_GU=cfg["fuse_gate_up"],
-        HALF=half, ASM=asm, TAIL=cfg["tail"], TAIL_ROWS=max(cfg["tail"], 16), SWAP=cfg["swap"], num_warps=cfg["warps"],
+        HALF=half, ASM=asm, TAIL=cfg["tail"], TAIL_ROWS=max(cfg["tail"], 16), num_warps=cfg["warps"],
     )  # fmt: skip
     partial = torch.empty(n, H, dtype=torch.float32, device=x.device)
     wts = topk_weights.reshape(-1).contiguous()
@@ -1059,7 +1026,6 @@ def nvfp4_fused_moe_triton(
         ih, hf, w2b, w2s, w2_global, wts, partial, sorted_ids, block_expert, n, E, H, I, ih.stride(0),
         w2b.stride(0), w2b.stride(1), w2s.stride(0), w2s.stride(1), w2_global.stride(0), partial.stride(0),
         BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, NUM_STAGES=cfg["stages"], DOT_PREC=prec, HALF=half, ASM=asm,
-        X_DTYPE=TL_DTYPES[x.dtype], TAIL=cfg["tail"], TAIL_ROWS=max(cfg["tail"], 16), SWAP=cfg["swap"],
-        num_warps=cfg["warps"],
+        X_DTYPE=TL_DTYPES[x.dtype], TAIL=cfg["tail"], TAIL_ROWS=max(cfg["tail"], 16), num_warps=cfg["warps"],
     )  # fmt: skip
     return moe_combine_triton(partial, k, x.dtype, shared, shared_gate, out=out)

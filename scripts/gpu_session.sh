@@ -49,9 +49,6 @@
 #            our Triton kernel), bench/profile_prefill.py with end and grid snapshots (EXTEND_ATTENTION=triton|cudnn)
 #   moegraphs the turn-10 chunk in process with the MoE prefill graphs on and off (--env-ab), then with the
 #            grouped BF16 MoE's tail tiles (MOE_TAILS, default 16; a process each)
-#   wgmma    the kernels ptxas no longer serializes (2026-12-05): the extend attention's key tiles in one loop against
-#            two (FREETOKEN_EXTEND_LOOP, bench/extend_attention_bench.py interleaved, then the turn-10 chunk in process
-#            with --env-ab), and the grouped NVFP4 MoE's x·tileᵀ dots (moesweep's swap entries, 1k-8k tokens)
 #   piece    bench/gdn_piece_bench.py: the GDN tail kernel (a cached turn's < 64 tokens after its grid point) at
 #            Qwen3.6's shape, graph-captured launches, beside fla's recurrent kernel
 #   bf16sweep bench/nvfp4_kernel_bench.py --groups bf16sweep: the BF16 grouped MoE's launch settings at 2,184 and
@@ -201,21 +198,6 @@ if [[ " $SECTIONS " == *" moegraphs "* ]]; then
         --max-seq-len-override 32768 --moe-backend fused --max-prefill-length 8192 > "$OUT/profile_prefill_tail$tail.log" 2>&1
     grep -E "^step ms|^  routing|_moe_" "$OUT/profile_prefill_tail$tail.log" | sed "s/^/[tail $tail] /"
   done
-fi
-if [[ " $SECTIONS " == *" wgmma "* ]]; then
-  for L in two one two one; do
-    FREETOKEN_EXTEND_LOOP=$L timeout ${EXTEND_TIMEOUT:-100} python3 bench/extend_attention_bench.py --configs ${EXTEND_CONFIGS:-auto} \
-        --baselines '' --cold-shapes 0 --reps 20 --out "$OUT/extend_attention_loop_$L.json" 2>&1 \
-        | grep -E "after" | sed "s/^/[loop $L] /"
-  done
-  timeout ${PREFILL_TIMEOUT:-300} python3 bench/profile_prefill.py --context 27816 --new 2184 --snapshots end \
-      --rounds 4 --env-ab FREETOKEN_EXTEND_LOOP=one --host-profile 0 --profile-steps 1 --top 12 \
-      --out "$OUT/profile_prefill_extend_loop.json" -- --dummy-weight --model-path configs/qwen3.6-35b-a3b \
-      --max-seq-len-override 32768 --moe-backend fused --max-prefill-length 8192 > "$OUT/profile_prefill_extend_loop.log" 2>&1
-  grep -E "^context|^step ms|^  routing|_extend_kernel" "$OUT/profile_prefill_extend_loop.log"
-  timeout ${SWEEP_TIMEOUT:-300} python3 bench/nvfp4_kernel_bench.py --groups moesweep --ms 1024,2048,4096,8192 \
-      --out "$OUT/nvfp4_moesweep_swap.json" > "$OUT/nvfp4_moesweep_swap.log" 2>&1
-  grep -E "grouped default|swap|HBM copy" "$OUT/nvfp4_moesweep_swap.log"
 fi
 if [[ " $SECTIONS " == *" piece "* ]]; then
   timeout ${PIECE_TIMEOUT:-60} python3 bench/gdn_piece_bench.py --out "$OUT/gdn_piece.json" > "$OUT/gdn_piece.log" 2>&1
