@@ -56,7 +56,7 @@ def main(argv=None) -> int:
         "--async-wgmma",
         action="store_true",
         help="exit 2 when ptxas serializes the kernel's wgmmas (its C7515 advisory: each wgmma then waits for the "
-        "one before it, which costs Hopper kernels a large share of their tensor-core rate)",
+        "one before it, so the tensor cores overlap nothing; what that costs depends on the kernel: time it)",
     )
     a = p.parse_args(argv)
     sys.path.insert(0, os.path.join(ROOT, "python"))
