@@ -28,6 +28,7 @@ import os
 import torch
 
 from freetoken.layers.attention import AttentionBackend, gate_output, register_attention_backend
+from freetoken.tuning_env import choice_from_env
 
 from .attention_cudnn import extend_attention_cudnn, use_cudnn_extend
 from .device_sms import sm_count
@@ -88,6 +89,7 @@ if triton is not None:
         q, K, V, slot_row, key_head_k, key_head_v, stride_kt, stride_vt, offs_d, offs_dv, d_mask, dv_mask, qpos,
         lo, hi, mask_from, m_i, l_i, acc, qk_scale,
         BLOCK_N: tl.constexpr, PREC: tl.constexpr, SLOT32: tl.constexpr, RESCALE_AT: tl.constexpr,
+        ROW_RESCALE: tl.constexpr,
     ):  # fmt: skip
         """Keys ``[lo, hi)`` into the running softmax, every tile in one loop: the tiles every query of the block
         sees in full (before ``mask_from``, most tiles of a chunk after a long prefix) skip the causal mask, the
@@ -100,7 +102,10 @@ if triton is not None:
         back with one wait and the 4 of ``p·v`` stay in flight into the next tile (sm_90 SASS, triton 3.6). On the
         H200 that was worth 4-5 % on 8,192-token chunks and nothing at the agent turn (2026-12-05). A
         software-pipelined form (the next tile's ``q·k`` issued before this tile's ``p·v``, as FlashAttention-3
-        overlaps a warpgroup) needs dots before and after the loop, which ptxas serializes again."""
+        overlaps a warpgroup) needs dots before and after the loop, which ptxas serializes again.
+        ``ROW_RESCALE``: each row decides alone, without a branch (its alpha is 1 where its max stays): no max over
+        the block's rows, whose two block-wide barriers a tile hold both warpgroups in step, for a multiply of the
+        whole accumulator every tile (A/B: ``FREETOKEN_EXTEND_LAZY_RESCALE=row``)."""
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             # keys past hi (the last tile's) read key hi - 1 again, unmasked: the score mask drops them (such a
@@ -113,7 +118,13 @@ if triton is not None:
             if start + BLOCK_N > mask_from:  # a tile some query of the block must not see in full
                 s = tl.where((offs_n[None, :] <= qpos[:, None]) & (offs_n < hi)[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            if tl.max((m_new > m_i + RESCALE_AT).to(tl.int32), 0) > 0:  # the first tile too (m_i = -inf)
+            if ROW_RESCALE:  # rows whose max stays keep alpha = 1 (-inf rows: 0, their acc and l_i are 0 anyway)
+                m_new = tl.where(m_new > m_i + RESCALE_AT, m_new, m_i)
+                alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
+                acc = acc * alpha[:, None]
+                l_i = l_i * alpha
+                m_i = m_new
+            elif tl.max((m_new > m_i + RESCALE_AT).to(tl.int32), 0) > 0:  # the first tile too (m_i = -inf)
                 alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
                 acc = acc * alpha[:, None]
                 l_i = l_i * alpha
@@ -162,6 +173,7 @@ if triton is not None:
         PREC: tl.constexpr,
         SPLIT: tl.constexpr,  # NUM_SPLITS > 1: partial outputs and log-sum-exps into MidO / MidL, merged after
         LAZY: tl.constexpr,  # the running softmax rescales lazily (``_extend_tiles``)
+        ROW_RESCALE: tl.constexpr,  # LAZY decided per row, without a branch (``_extend_tiles``)
         SLOT32: tl.constexpr,  # key offsets in int32: every K/V element offset fits (fewer address operations)
     ):
         pid_m = tl.program_id(0) // NUM_SPLITS
@@ -198,6 +210,7 @@ if triton is not None:
             m_i, l_i, acc = _extend_tiles(
                 q, K, V, slot_row, kvh * stride_kh, kvh * stride_vh, stride_kt, stride_vt, offs_d, offs_dv, d_mask,
                 dv_mask, qpos, lo, hi, lo + full, m_i, l_i, acc, qk_scale, BLOCK_N, PREC, SLOT32, 8.0 if LAZY else 0.0,
+                ROW_RESCALE,
             )  # fmt: skip
             l_safe = tl.where(l_i == 0.0, 1.0, l_i)
             out = acc / l_safe[:, None]
@@ -344,10 +357,11 @@ if triton is not None:
         tl.store(O + b * stride_ob + h * stride_oh + offs_dv, out.to(O.dtype.element_ty), mask=dv_mask)
 
 
-def lazy_rescale() -> bool:
-    """The extend kernel's running softmax rescales lazily (``_extend_tiles``) unless
-    ``FREETOKEN_EXTEND_LAZY_RESCALE=0`` (A/B runs)."""
-    return os.environ.get("FREETOKEN_EXTEND_LAZY_RESCALE", "1") != "0"
+def lazy_rescale() -> str:
+    """How the extend kernel's running softmax rescales (``_extend_tiles``), from ``FREETOKEN_EXTEND_LAZY_RESCALE``
+    (A/B runs): ``1`` lazily, decided for the whole block (the default), ``row`` lazily, decided per row without a
+    branch, ``0`` at every growth of a row's max."""
+    return choice_from_env("FREETOKEN_EXTEND_LAZY_RESCALE", "1", ("1", "row", "0"))
 
 
 def int32_key_offsets(k_cache, v_cache) -> bool:
@@ -502,7 +516,8 @@ def extend_attention_triton(
         BLOCK_DV=bdv,
         PREC=_prec(k_cache.dtype),
         SPLIT=S > 1,
-        LAZY=lazy_rescale(),
+        LAZY=lazy_rescale() != "0",
+        ROW_RESCALE=lazy_rescale() == "row",
         # int32 offsets measured 9-11 % faster unsplit (8,192-token chunks, fresh and after 21,808) but 8 % slower
         # with the keys split (2,184 after 27,816, S = 3) on the H200 (2026-12-04): unsplit launches only
         SLOT32=S == 1 and int32_key_offsets(k_cache, v_cache),

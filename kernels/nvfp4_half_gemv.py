@@ -129,9 +129,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["M"])  # (a row count: a prefill chunk's tokens)
     def _half_rows_kernel(
         x_ptr,  # [M, K]
-        xh_ptr,  # fp16 [ROWS, K]: row m scaled by 2^s, columns in ``dequant_tile_half``'s order; rows M.. zeros
+        xh_ptr,  # fp16 [M, K]: row m scaled by 2^s, columns in ``dequant_tile_half``'s order
         xf_ptr,  # fp32 [M]: 2^-s, undoing the row's scale
-        M,
         K,
         stride_xm,
         stride_hm,
@@ -141,18 +140,14 @@ if triton is not None:
         m = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         dst = xh_ptr + m.to(tl.int64) * stride_hm
-        if m >= M:  # a padding row of the caller's tile
-            for k0 in range(0, K, BLOCK):
-                tl.store(dst + k0 + offs, tl.zeros((BLOCK,), dtype=tl.float16), mask=k0 + offs < K)
-        else:
-            row = x_ptr + m.to(tl.int64) * stride_xm
-            s = _row_exponent(row, K, TOP, BLOCK)
-            tl.store(xf_ptr + m, _pow2(-s))
-            up = _pow2(s)
-            cols = half_tile_columns(offs)  # column c of the fp16 tile holds weight cols[c]
-            for k0 in range(0, K, BLOCK):
-                v = tl.load(row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32) * up
-                tl.store(dst + k0 + offs, v.to(tl.float16), mask=k0 + offs < K)
+        row = x_ptr + m.to(tl.int64) * stride_xm
+        s = _row_exponent(row, K, TOP, BLOCK)
+        tl.store(xf_ptr + m, _pow2(-s))
+        up = _pow2(s)
+        cols = half_tile_columns(offs)  # column c of the fp16 tile holds weight cols[c]
+        for k0 in range(0, K, BLOCK):
+            v = tl.load(row + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32) * up
+            tl.store(dst + k0 + offs, v.to(tl.float16), mask=k0 + offs < K)
 
     @triton.jit
     def _half_pairs_kernel(
@@ -223,17 +218,15 @@ def half_pairs(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xp, xf
 
 
-def half_rows(x2: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def half_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x2 [M, K]`` (16-bit, K a multiple of 8) -> its rows in fp16, each scaled by ``half_pairs``' power of two
-    (so the copy is exact), as ``[rows, K]`` with zero rows from M on (a tensor-core tile's padding) and the columns
-    of each 8 in ``dequant_tile_half``'s order (``half_tile_columns``), and ``2^-s [M]`` (fp32) that undoes the
-    scale: the x of ``nvfp4_linear``'s fp16 tensor-core path (``half_dot``), one launch."""
+    (so the copy is exact), with the columns of each 8 in ``dequant_tile_half``'s order (``half_tile_columns``), and
+    ``2^-s [M]`` (fp32) that undoes the scale: the x of the fp16 tensor-core tiles (``nvfp4_linear``'s ``half_dot``,
+    the grouped NVFP4 MoE), one launch. The kernels mask a tile's rows past M (no padding rows here)."""
     M, K = x2.shape
-    xh = torch.empty(rows, K, dtype=torch.float16, device=x2.device)
+    xh = torch.empty(M, K, dtype=torch.float16, device=x2.device)
     xf = torch.empty(M, dtype=torch.float32, device=x2.device)
-    if rows > 0:
+    if M > 0:
         block = max(16, min(2048, triton.next_power_of_2(K)))
-        _half_rows_kernel[(rows,)](
-            x2, xh, xf, M, K, x2.stride(0), xh.stride(0), TOP=_TOP_EXPONENT, BLOCK=block, num_warps=4
-        )  # fmt: skip
+        _half_rows_kernel[(M,)](x2, xh, xf, K, x2.stride(0), xh.stride(0), TOP=_TOP_EXPONENT, BLOCK=block, num_warps=4)
     return xh, xf

@@ -304,7 +304,7 @@ if triton is not None:
     # (M: a row count; each value divisible by 16 would compile its own kernel, inside a step of that many rows)
     @triton.jit(do_not_specialize=["M"])
     def _nvfp4_dot_kernel(
-        x_ptr,  # [M, K]; HALF: ``half_rows``' fp16 rows (scaled, tile column order, zero rows up to the tile)
+        x_ptr,  # [M, K]; HALF: ``half_rows``' fp16 rows (scaled, in the tile's column order)
         xf_ptr,  # HALF: fp32 [M], 2^-s of each row's scale
         w_ptr,  # int32 words of the packed weight [N, K/8]
         s_ptr,  # uint8 (e4m3 bits) [N, K/16]
@@ -349,7 +349,10 @@ if triton is not None:
             if EVEN:
                 w = tl.load(w_ptrs + k0 // 8)
                 s = tl.load(s_ptrs + k0 // 16)
-                xt = tl.load(xt_ptrs + k0)  # (x's rows padded to BLOCK_M)
+                # rows of the tile past M are masked, not read as padding: a masked async copy fills zeros
+                # without touching memory, so M = 2 reads 2 rows of x a K step, not 16 (every program reads x,
+                # from L2: at 16 rows its bytes equal the weight tile's)
+                xt = tl.load(xt_ptrs + k0, mask=m_mask[None, :], other=0.0)
             else:
                 w_mask = n_mask[:, None] & ((k0 // 8 + offs_w) < K // 8)[None, :]
                 w = tl.load(w_ptrs + k0 // 8, mask=w_mask, other=0)
@@ -451,7 +454,7 @@ def _launch_dot(
     x2, weight, weight_scale, weight_scale_2, bias, out, tune: Optional[dict] = None, half: bool = False, asm=None
 ) -> None:
     """The tensor-core path; ``half``: its fp16 tiles against x's rows in fp16 (``half_rows``: one small launch
-    scales each row by a power of two and pads the rows to the tile; ``asm`` as in ``_launch_gemv``)."""
+    scales each row by a power of two; the kernel masks the tile's rows past M; ``asm`` as in ``_launch_gemv``)."""
     M, K = x2.shape
     N = weight.shape[0]
     bm, bn, bk, warps = _dot_config(M, N, K, half)
@@ -459,7 +462,7 @@ def _launch_dot(
     bn, bk, warps = tune.get("block_n", bn), tune.get("block_k", bk), tune.get("warps", warps)
     prec = "ieee" if x2.dtype == torch.float32 else "tf32"  # fp32 must not silently drop to tf32
     words = weight.view(torch.int32)
-    xh, xf = half_rows(x2, triton.cdiv(M, bm) * bm) if half else (x2, out)  # (xf never read without HALF)
+    xh, xf = half_rows(x2) if half else (x2, out)  # (xf never read without HALF)
     _nvfp4_dot_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
         xh, xf, words, weight_scale, weight_scale_2, bias if bias is not None else out, out, M, N, K,
         xh.stride(0), words.stride(0), weight_scale.stride(0), out.stride(0),

@@ -1010,7 +1010,7 @@ def nvfp4_fused_moe_triton(
     half = grouped_half(cfg, x.dtype, half)
     asm = x.is_cuda if asm is None else asm
     inter = torch.empty(n, I, dtype=x.dtype, device=x.device)
-    xh, xf = half_rows(x, T) if half else (x, x)  # (xf never read without HALF)
+    xh, xf = half_rows(x) if half else (x, x)  # (xf never read without HALF)
     bn1, bk1 = cfg["gu_block_n"], cfg["gu_block_k"]
     _nvfp4_moe_gate_up_kernel[(nblocks, triton.cdiv(I, bn1))](
         xh, xf, w13b, w13s, w13_global, inter, sorted_ids, block_expert, n, E, H, I, xh.stride(0), w13b.stride(0),
@@ -1020,7 +1020,7 @@ def nvfp4_fused_moe_triton(
     )  # fmt: skip
     partial = torch.empty(n, H, dtype=torch.float32, device=x.device)
     wts = topk_weights.reshape(-1).contiguous()
-    ih, hf = half_rows(inter, n) if half else (inter, inter)
+    ih, hf = half_rows(inter) if half else (inter, inter)
     bn2, bk2 = cfg["down_block_n"], cfg["down_block_k"]
     _nvfp4_moe_down_kernel[(nblocks, triton.cdiv(H, bn2))](
         ih, hf, w2b, w2s, w2_global, wts, partial, sorted_ids, block_expert, n, E, H, I, ih.stride(0),

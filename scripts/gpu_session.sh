@@ -51,6 +51,9 @@
 #            grouped BF16 MoE's tail tiles (MOE_TAILS, default 16; a process each)
 #   extend64 bench/extend_attention_bench.py with 64-row programs on 4 warps (two to an SM: one's softmax can overlap
 #            the other's tensor-core work, now that the extend kernel's wgmmas are asynchronous) beside the default
+#   rescale  bench/extend_attention_bench.py with the running max rescaled per row without a branch
+#            (FREETOKEN_EXTEND_LAZY_RESCALE=row: no block-wide max, two barriers a tile fewer) beside the default,
+#            alternating twice, on the launcher's tiles and the 64-row ones
 #   piece    bench/gdn_piece_bench.py: the GDN tail kernel (a cached turn's < 64 tokens after its grid point) at
 #            Qwen3.6's shape, graph-captured launches, beside fla's recurrent kernel
 #   bf16sweep bench/nvfp4_kernel_bench.py --groups bf16sweep: the BF16 grouped MoE's launch settings at 2,184 and
@@ -204,6 +207,14 @@ fi
 if [[ " $SECTIONS " == *" extend64 "* ]]; then
   timeout ${EXTEND_TIMEOUT:-200} python3 bench/extend_attention_bench.py --configs auto,64x32x4x2,64x32x4x3,64x64x4x2 \
       --baselines '' --cold-shapes 0 --reps 20 --out "$OUT/extend_attention_64rows.json" 2>&1 | grep -E "after"
+fi
+if [[ " $SECTIONS " == *" rescale "* ]]; then
+  for mode in 1 row 1 row; do
+    echo "FREETOKEN_EXTEND_LAZY_RESCALE=$mode"
+    FREETOKEN_EXTEND_LAZY_RESCALE=$mode timeout ${EXTEND_TIMEOUT:-200} python3 bench/extend_attention_bench.py \
+        --configs auto,64x32x4x2 --baselines '' --cold-shapes 0 --reps 20 \
+        --out "$OUT/extend_attention_rescale_$mode.json" 2>&1 | grep -E "after"
+  done
 fi
 if [[ " $SECTIONS " == *" piece "* ]]; then
   timeout ${PIECE_TIMEOUT:-60} python3 bench/gdn_piece_bench.py --out "$OUT/gdn_piece.json" > "$OUT/gdn_piece.log" 2>&1

@@ -233,9 +233,9 @@ _CPU_SCRIPT = textwrap.dedent(
     for splits in (2, 1):
         t.extend_case(4, 2, 16, 16, [17, 3], [40, 0], torch.float16, "cpu", seed=7, config=(16, 32, 4, 2),
                       num_splits=splits, gated=True)
-    # the running max grows by more than 2^8 between unmasked tiles (lazy rescale fires mid-row), then the same
-    # with every tile rescaled (FREETOKEN_EXTEND_LAZY_RESCALE=0)
-    for lazy in ("1", "0"):
+    # the running max grows by more than 2^8 between unmasked tiles (lazy rescale fires mid-row), decided per row
+    # (FREETOKEN_EXTEND_LAZY_RESCALE=row), then with every tile rescaled (=0)
+    for lazy in ("1", "row", "0"):
         os.environ["FREETOKEN_EXTEND_LAZY_RESCALE"] = lazy
         t.extend_case(4, 2, 16, 16, [40, 5], [300, 90], torch.float32, "cpu", seed=6, config=(16, 32, 4, 2),
                       num_splits=2, key_ramp=12.0)
@@ -244,8 +244,8 @@ _CPU_SCRIPT = textwrap.dedent(
     t.extend_case(4, 2, 16, 16, [40, 5], [300, 90], torch.float32, "cpu", seed=8, config=(16, 32, 4, 2), num_splits=1)
     del os.environ["FREETOKEN_EXTEND_SLOT_INT32"]
     # unsplit, keys on a ramp that changes sign (the scores shrink along the keys, then grow with the other sign), lazily
-    # and with every growth rescaled
-    for lazy in ("1", "0"):
+    # (for the block, per row) and with every growth rescaled
+    for lazy in ("1", "row", "0"):
         os.environ["FREETOKEN_EXTEND_LAZY_RESCALE"] = lazy
         t.extend_case(4, 2, 16, 16, [40, 5], [300, 90], torch.float32, "cpu", seed=13, config=(16, 32, 4, 2),
                       num_splits=1, key_ramp=-12.0)
@@ -316,6 +316,17 @@ def test_extend_cuda(nh, nkv, D, DV, ext, pre, dtype):
 def test_extend_split_cuda(num_splits, dtype):
     """Qwen3.6's shape, a chunk after a long prefix, with the keys split over programs (0: the launcher's pick)."""
     extend_case(16, 2, 256, 256, [300, 1, 129], [5000, 64, 2100], dtype, "cuda", num_splits=num_splits, gated=True)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("mode", ["row", "0"])
+def test_extend_rescale_modes_cuda(mode, monkeypatch):
+    """Qwen3.6's shape on its 128 x 64 tiles with the running max rescaled per row without a branch, and at every
+    growth (``FREETOKEN_EXTEND_LAZY_RESCALE``), keys on a ramp so that rows' maxima grow mid-row."""
+    monkeypatch.setenv("FREETOKEN_EXTEND_LAZY_RESCALE", mode)
+    for splits in (1, 3):
+        extend_case(16, 2, 256, 256, [300, 129], [2100, 0], torch.bfloat16, "cuda", num_splits=splits, key_ramp=12.0)
 
 
 @pytest.mark.gpu
