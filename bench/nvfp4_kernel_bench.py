@@ -775,6 +775,7 @@ def main(argv=None) -> dict:
             rows += fn(a, device, dtype, bw)
     print_rows(rows, bw)
     info = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__)
+    info["pdl"] = os.environ.get("FREETOKEN_PDL", "0")  # programmatic dependent launch (kernels/pdl.py)
     result = dict(info, smoke=a.smoke, hbm_copy_gb_s=bw / 1e9, rows=rows)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:

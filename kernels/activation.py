@@ -18,6 +18,8 @@ import torch.nn.functional as F
 try:  # keep the reference importable without triton
     import triton
     import triton.language as tl
+
+    from .pdl import pdl_launch, pdl_wait_then_release
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -32,7 +34,16 @@ def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _silu_and_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_out, BLOCK_I: tl.constexpr):
+    def _silu_and_mul_kernel(
+        x_ptr,
+        out_ptr,
+        I,
+        stride_x,
+        stride_out,
+        BLOCK_I: tl.constexpr,
+        PDL: tl.constexpr = False,  # kernels/pdl.py
+    ):
+        pdl_wait_then_release(PDL)
         dt = out_ptr.dtype.element_ty
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -64,6 +75,7 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
         I,
         BLOCK_I=block_i,
         num_warps=4 if block_i >= 512 else 1 if block_i <= 128 else 2,
+        **pdl_launch(x2),
     )
     return out
 

@@ -36,6 +36,8 @@ from .device_sms import sm_count
 try:
     import triton
     import triton.language as tl
+
+    from .pdl import pdl_launch, pdl_wait_then_release
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -256,7 +258,9 @@ if triton is not None:
         BLOCK_D: tl.constexpr,
         BLOCK_DV: tl.constexpr,
         PREC: tl.constexpr,
+        PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        pdl_wait_then_release(PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -331,7 +335,9 @@ if triton is not None:
         BLOCK_S: tl.constexpr,
         BLOCK_DV: tl.constexpr,
         HAS_GATE: tl.constexpr,
+        PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        pdl_wait_then_release(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         offs_s = tl.arange(0, BLOCK_S)
@@ -591,6 +597,7 @@ def decode_attention_triton(
         PREC=_prec(k_cache.dtype),
         num_warps=cfg["warps"],
         num_stages=cfg["stages"],
+        **pdl_launch(q),
     )
     _combine_splits(mid_o, mid_l, out, gate)
     return out
@@ -616,6 +623,7 @@ def _combine_splits(mid_o, mid_l, out, gate) -> None:
         BLOCK_S=max(8, triton.next_power_of_2(S)),  # the extend's 2-8 key splits share one specialization
         BLOCK_DV=triton.next_power_of_2(DV),
         HAS_GATE=gate is not None,
+        **pdl_launch(mid_o),
     )
 
 

@@ -32,6 +32,8 @@ import torch
 try:  # triton is a hard dependency on GPU machines; keep the reference importable without it
     import triton
     import triton.language as tl
+
+    from .pdl import pdl_launch, pdl_wait_then_release
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -152,7 +154,9 @@ if triton is not None:
         PB: tl.constexpr,
         JB: tl.constexpr,
         SB: tl.constexpr,
+        PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        pdl_wait_then_release(PDL)
         # One program: every decision depends on all P pairs and on the whole pool's stamps. The pairwise compares
         # run in [PB, JB] tiles (columns reloaded from memory) to bound registers. tl.debug_barrier (bar.sync)
         # orders this program's global reads and writes of the same addresses across its warps.
@@ -299,5 +303,6 @@ def admit_experts_triton(
         JB=min(pb, PAIR_TILE),
         SB=SLOT_BLOCK,
         num_warps=4,
+        **pdl_launch(ids),
     )
     return slot_ids.view(T, k), job_src, job_dst, num_jobs

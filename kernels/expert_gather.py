@@ -21,6 +21,8 @@ import torch
 try:  # triton is a hard dependency on GPU machines; keep the reference importable without it
     import triton
     import triton.language as tl
+
+    from .pdl import pdl_launch, pdl_wait_then_release
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -68,7 +70,9 @@ if triton is not None:
         stride_pool_d,
         CHUNK: tl.constexpr,
         BLOCK: tl.constexpr,
+        PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        pdl_wait_then_release(PDL)
         job = tl.program_id(0)
         chunk = tl.program_id(1)
         if job < tl.load(num_jobs_ptr):
@@ -139,4 +143,5 @@ def gather_experts_triton(
         CHUNK=chunk,
         BLOCK=block,
         num_warps=num_warps,
+        **pdl_launch(pool_gate_up),
     )

@@ -32,6 +32,8 @@ from ..quant import fp8
 try:  # keep the reference importable without triton
     import triton
     import triton.language as tl
+
+    from .pdl import pdl_launch, pdl_wait_then_release
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -64,7 +66,8 @@ def dynamic_scale(x: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _fp8_quantize_kernel(x_ptr, s_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    def _fp8_quantize_kernel(x_ptr, s_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_wait_then_release(PDL)  # kernels/pdl.py
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -78,7 +81,7 @@ def fp8_quantize(x2: torch.Tensor, input_scale: Optional[torch.Tensor] = None):
     out = torch.empty(x2.shape, dtype=torch.float8_e4m3fn, device=x2.device)
     n = x2.numel()
     if n:
-        _fp8_quantize_kernel[(triton.cdiv(n, 2048),)](x2, s, out, n, BLOCK=2048, num_warps=4)
+        _fp8_quantize_kernel[(triton.cdiv(n, 2048),)](x2, s, out, n, BLOCK=2048, num_warps=4, **pdl_launch(x2))
     return out, s
 
 

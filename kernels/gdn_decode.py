@@ -37,6 +37,7 @@ try:  # triton is a hard dependency on GPU machines; keep the references importa
     import triton.language as tl
 
     from .gdn_gates import gate_values
+    from .pdl import pdl_launch, pdl_wait_then_release
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -138,7 +139,9 @@ if triton is not None:
         KC: tl.constexpr,
         KW: tl.constexpr,  # next power of 2 >= KC: the window's columns
         BLOCK_C: tl.constexpr,
+        PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        pdl_wait_then_release(PDL)
         i_b = tl.program_id(0)
         offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         c_mask = offs_c < C
@@ -200,7 +203,9 @@ if triton is not None:
         BK: tl.constexpr,  # next power of 2 >= DK: a program holds every key row of its value columns
         BV: tl.constexpr,
         EPS: tl.constexpr,
+        PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        pdl_wait_then_release(PDL)
         i_b = tl.program_id(0)
         i_h = tl.program_id(1)
         i_hk = i_h // R
@@ -278,6 +283,7 @@ def gdn_conv_decode_triton(
         KW=triton.next_power_of_2(Kc),
         BLOCK_C=block_c,
         num_warps=4,
+        **pdl_launch(qkv),
     )
     return y
 
@@ -347,6 +353,7 @@ def gdn_recurrent_decode_triton(
         BV=bv,
         EPS=L2NORM_EPS,
         num_warps=max(1, min(4, bk * bv // 512)),  # about 16 state elements per thread
+        **pdl_launch(q),
     )
     return o
 

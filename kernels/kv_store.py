@@ -18,6 +18,8 @@ import torch
 try:  # keep the reference importable without triton
     import triton
     import triton.language as tl
+
+    from .pdl import pdl_launch, pdl_wait_then_release
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -54,7 +56,9 @@ if triton is not None:
         BLOCK_H: tl.constexpr,
         BLOCK_D: tl.constexpr,
         BLOCK_DV: tl.constexpr,
+        PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        pdl_wait_then_release(PDL)
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(loc_ptr + t).to(tl.int64)
         offs_h = tl.arange(0, BLOCK_H)
@@ -99,6 +103,7 @@ def store_kv_triton(k_cache, v_cache, loc, k, v) -> None:
         BLOCK_D=triton.next_power_of_2(D),
         BLOCK_DV=triton.next_power_of_2(DV),
         num_warps=1 if nkv * max(D, DV) <= 512 else 4,
+        **pdl_launch(k),
     )
 
 

@@ -41,6 +41,7 @@ try:  # keep the module importable without triton
     import triton.language as tl
 
     from .nvfp4_tiles import TL_DTYPES, tile_dot_step
+    from .pdl import pdl_launch, pdl_wait_then_release
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -96,7 +97,9 @@ if triton is not None:
         NUM_STAGES: tl.constexpr,
         DOT_DTYPE: tl.constexpr,  # x's dtype; fp32 under the CPU interpreter (its bf16 tl.dot multiplies raw bits)
         DOT_PREC: tl.constexpr,  # "ieee" for fp32 (never tf32), else unused
+        PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        pdl_wait_then_release(PDL)
         pid = tl.program_id(0)
         dt: tl.constexpr = DOT_DTYPE
         offs_b = tl.arange(0, BLOCK_N)
@@ -225,5 +228,6 @@ def mixed_dot_triton(x: torch.Tensor, rows: MixedRows) -> torch.Tensor:
     _mixed_dot_kernel[(programs,)](
         *args, rows.K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=_NUM_STAGES,
         DOT_DTYPE=TL_DTYPES[x.dtype] if x.is_cuda else tl.float32, DOT_PREC="ieee", num_warps=_WARPS,
+        **pdl_launch(x2),
     )  # fmt: skip
     return out.view(*x.shape[:-1], rows.out_features)

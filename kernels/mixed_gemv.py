@@ -38,6 +38,7 @@ try:  # keep the reference importable without triton
     import triton.language as tl
 
     from .nvfp4_tiles import block_scale, e2m1_word, f16_halves, gemv_row
+    from .pdl import pdl_launch, pdl_wait_then_release
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -303,7 +304,9 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         NUM_STAGES: tl.constexpr,
+        PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        pdl_wait_then_release(PDL)
         pid = tl.program_id(0)
         offs_b = tl.arange(0, BLOCK_N)
         # each branch: its rows, their sums against rows 0..3 of x, the per-row scale, the first output column
@@ -429,5 +432,6 @@ def mixed_gemv_triton(x: torch.Tensor, rows: MixedRows) -> torch.Tensor:
     _mixed_gemv_kernel[(programs,)](
         *args, K=rows.K, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=bn, BLOCK_K=_block_k(bn), NUM_STAGES=_NUM_STAGES,
         num_warps=4,
+        **pdl_launch(x2),
     )  # fmt: skip
     return out.view(*x.shape[:-1], rows.out_features)

@@ -22,6 +22,8 @@ import torch
 try:
     import triton
     import triton.language as tl
+
+    from .pdl import pdl_launch, pdl_wait_then_release
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -74,7 +76,9 @@ if triton is not None:
         HAS_WEIGHTS: tl.constexpr,
         HAS_SHARED: tl.constexpr,
         BLOCK_H: tl.constexpr,
+        PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        pdl_wait_then_release(PDL)
         t = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask = cols < H
@@ -139,5 +143,6 @@ def moe_combine_triton(
         BLOCK_H=block_h,
         num_warps=4,
         enable_fp_fusion=False,  # weight times row, then the add, each rounded: no fused multiply-add
+        **pdl_launch(partial),
     )
     return out

@@ -51,6 +51,8 @@ from .fused_moe import _moe_gather_torch
 try:  # keep the reference importable without triton
     import triton
     import triton.language as tl
+
+    from .pdl import pdl_launch, pdl_wait_then_release
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -132,7 +134,9 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         NUM_STAGES: tl.constexpr,
+        PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        pdl_wait_then_release(PDL)
         dt = inter_ptr.dtype.element_ty
         pair = tl.program_id(0)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -191,7 +195,9 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         BLOCK_KS: tl.constexpr,
         NUM_STAGES: tl.constexpr,
+        PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        pdl_wait_then_release(PDL)
         dt = out_ptr.dtype.element_ty
         t = tl.program_id(0).to(tl.int64)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -317,6 +323,7 @@ def _launch_gate_up(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor, k: in
         BLOCK_K=_col_block(H, bn1),
         NUM_STAGES=_NUM_STAGES,
         num_warps=4,
+        **pdl_launch(x),
     )
     return inter
 
@@ -372,6 +379,7 @@ def _launch_down(inter, w2, ids, wts, out, k: int, ops: dict) -> None:
         BLOCK_KS=_col_block(ops["Is"], bn2),
         NUM_STAGES=_NUM_STAGES,
         num_warps=4,
+        **pdl_launch(inter),
     )
 
 

@@ -20,6 +20,8 @@ import torch
 try:  # keep the reference importable without triton
     import triton
     import triton.language as tl
+
+    from .pdl import pdl_launch, pdl_wait_then_release
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -52,7 +54,9 @@ if triton is not None:
         RENORMALIZE: tl.constexpr,
         BLOCK_E: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        pdl_wait_then_release(PDL)
         t = tl.program_id(0).to(tl.int64)
         e = tl.arange(0, BLOCK_E)
         e_mask = e < E
@@ -101,6 +105,7 @@ def topk_softmax_triton(logits: torch.Tensor, top_k: int, renormalize: bool) -> 
         BLOCK_E=block_e,
         BLOCK_K=triton.next_power_of_2(top_k),
         num_warps=4 if block_e >= 256 else 1,
+        **pdl_launch(logits),
     )
     return ids, weights
 

@@ -35,6 +35,7 @@ try:  # keep the package importable without triton
     import triton.language as tl
 
     from .nvfp4_tiles import e2m1_pairs, f16_bits, half_tile_columns, load8, pair_bits
+    from .pdl import pdl_launch, pdl_wait_then_release
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -136,7 +137,9 @@ if triton is not None:
         stride_hm,
         TOP: tl.constexpr,
         BLOCK: tl.constexpr,
+        PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        pdl_wait_then_release(PDL)
         m = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         dst = xh_ptr + m.to(tl.int64) * stride_hm
@@ -159,7 +162,9 @@ if triton is not None:
         stride_pm,
         TOP: tl.constexpr,
         BLOCK_B: tl.constexpr,  # scale blocks (16 activations) a step
+        PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        pdl_wait_then_release(PDL)
         m = tl.program_id(0).to(tl.int64)
         row = x_ptr + m * stride_xm
         s = _row_exponent(row, K, TOP, 16 * BLOCK_B)
@@ -213,7 +218,16 @@ def half_pairs(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if M > 0:
         block_b = max(1, min(64, triton.next_power_of_2(K // 16)))
         _half_pairs_kernel[(M,)](
-            x2, xp, xf, K, x2.stride(0), xp.stride(0), TOP=_TOP_EXPONENT, BLOCK_B=block_b, num_warps=4
+            x2,
+            xp,
+            xf,
+            K,
+            x2.stride(0),
+            xp.stride(0),
+            TOP=_TOP_EXPONENT,
+            BLOCK_B=block_b,
+            num_warps=4,
+            **pdl_launch(x2),
         )
     return xp, xf
 
@@ -228,5 +242,7 @@ def half_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = torch.empty(M, dtype=torch.float32, device=x2.device)
     if M > 0:
         block = max(16, min(2048, triton.next_power_of_2(K)))
-        _half_rows_kernel[(M,)](x2, xh, xf, K, x2.stride(0), xh.stride(0), TOP=_TOP_EXPONENT, BLOCK=block, num_warps=4)
+        _half_rows_kernel[(M,)](
+            x2, xh, xf, K, x2.stride(0), xh.stride(0), TOP=_TOP_EXPONENT, BLOCK=block, num_warps=4, **pdl_launch(x2)
+        )
     return xh, xf

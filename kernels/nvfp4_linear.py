@@ -68,6 +68,7 @@ try:  # keep the reference importable without triton
         e2m1_word,
         gemv_row,
     )
+    from .pdl import pdl_launch, pdl_wait_then_release
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -187,7 +188,9 @@ if triton is not None:
         NUM_STAGES: tl.constexpr,
         HALF: tl.constexpr,  # the packed-half GEMV (``nvfp4_half_gemv``): x as fp16 pairs, f16x2 multiply-adds
         ASM: tl.constexpr,  # HALF: its inline PTX (CUDA) or the interpreter's emulation
+        PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        pdl_wait_then_release(PDL)
         NB: tl.constexpr = BLOCK_W // 2  # scale blocks per step
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -289,7 +292,9 @@ if triton is not None:
         HAS_BIAS: tl.constexpr,
         SPLIT_K: tl.constexpr,
         BLOCK: tl.constexpr,
+        PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        pdl_wait_then_release(PDL)
         m = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < N
@@ -327,7 +332,9 @@ if triton is not None:
         HALF: tl.constexpr,  # fp16 tiles (``dequant_tile_half``) against fp16 x: fewer instructions a weight
         EVEN: tl.constexpr,  # HALF, N a multiple of BLOCK_N and K of BLOCK_K: no masks in the loop
         ASM: tl.constexpr,  # HALF: ``mul.rn.f16x2`` (CUDA) or the interpreter's emulation
+        PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        pdl_wait_then_release(PDL)
         BW: tl.constexpr = BLOCK_K // 8
         dt = x_ptr.dtype.element_ty
         # M blocks vary fastest: programs launched together share a weight tile (read from HBM once, then L2)
@@ -441,12 +448,14 @@ def _launch_gemv(
         EVEN=N % bn == 0 and (K // 8) % kw_per_split == 0, SPLIT_K=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_W=bw,
         NUM_STAGES=tune.get("stages", _NUM_STAGES), HALF=half, ASM=x2.is_cuda if asm is None else asm,
         num_warps=tune.get("warps", 4),
+        **pdl_launch(x2),
     )  # fmt: skip
     if split > 1:
         block = min(1024, triton.next_power_of_2(N))
         _splitk_reduce_kernel[(M, triton.cdiv(N, block))](
             dst, weight_scale_2, b, out, N, dst.stride(0), dst.stride(1), out.stride(0),
             HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK=block, num_warps=4,
+            **pdl_launch(dst),
         )  # fmt: skip
 
 
@@ -469,6 +478,7 @@ def _launch_dot(
         HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=tune.get("stages", _NUM_STAGES),
         DOT_PREC=prec, HALF=half, EVEN=half and N % bn == 0 and K % bk == 0, ASM=x2.is_cuda if asm is None else asm,
         num_warps=warps,
+        **pdl_launch(xh),
     )  # fmt: skip
 
 

@@ -70,6 +70,7 @@ try:  # keep the reference importable without triton
         pair_tile_step,
         tile_decode,
     )
+    from .pdl import pdl_launch, pdl_wait_then_release
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -170,7 +171,9 @@ if triton is not None:
         HALF: tl.constexpr,  # the packed-half GEMV (``nvfp4_half_gemv``): x as fp16 pairs, f16x2 multiply-adds
         ASM: tl.constexpr,  # HALF: its inline PTX (CUDA) or the interpreter's emulation
         INTER_ROWS: tl.constexpr,  # the intermediate in column order (the down kernel's HALF packs it)
+        PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        pdl_wait_then_release(PDL)
         dt = x_ptr.dtype.element_ty
         NB: tl.constexpr = BLOCK_W // 2
         pair = tl.program_id(0)
@@ -457,7 +460,9 @@ if triton is not None:
         NUM_STAGES: tl.constexpr,
         HALF: tl.constexpr,  # TILE_PAIRS in packed half precision (``_half_pair_tile_step``)
         ASM: tl.constexpr,  # HALF: its inline PTX (CUDA) or the interpreter's emulation
+        PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        pdl_wait_then_release(PDL)
         dt = out_ptr.dtype.element_ty
         t = tl.program_id(0).to(tl.int64)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -602,6 +607,7 @@ def nvfp4_moe_decode_triton(
         w13s.stride(0), w13s.stride(1), w13_global.stride(0), H=H, I=I, TOPK=k,
         EVEN=I % bn == 0 and H % (8 * bw) == 0, BLOCK_N=bn, BLOCK_W=bw, NUM_STAGES=cfg["stages"], HALF=half,
         ASM=x.is_cuda, INTER_ROWS=down_half, num_warps=cfg["gu_warps"],
+        **pdl_launch(x),
     )  # fmt: skip
     # the intermediate's values are rounded to x's dtype (16-bit here): exact in fp16 once scaled by a power of two
     dp, df = half_pairs(inter) if down_half else (inter, inter)
@@ -616,6 +622,7 @@ def nvfp4_moe_decode_triton(
         TILE_PAIRS=cfg["tile_pairs"], SHARED=ops["mode"], EVEN=H % bn == 0 and I % (8 * bw) == 0,
         EVEN_S=H % bn == 0 and Is % (8 * bws) == 0, BLOCK_N=bn, BLOCK_W=bw, BLOCK_WS=bws,
         NUM_STAGES=cfg["stages"], HALF=down_half, ASM=x.is_cuda, num_warps=cfg["down_warps"],
+        **pdl_launch(inter),
     )  # fmt: skip
     return out
 

@@ -28,6 +28,8 @@ import torch.nn.functional as F
 try:  # keep the references importable without triton
     import triton
     import triton.language as tl
+
+    from .pdl import pdl_launch, pdl_wait_then_release
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -103,7 +105,9 @@ if triton is not None:
         HAS_GATE: tl.constexpr,
         BLOCK_R: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        pdl_wait_then_release(PDL)
         dt = out_ptr.dtype.element_ty
         rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
         cols = tl.arange(0, BLOCK_N)
@@ -170,6 +174,7 @@ def _launch(x2, res2, z2, weight, out2, sum2, eps, one_plus, z_heads: int = 1):
         BLOCK_R=block_r,
         BLOCK_N=block_n,
         num_warps=num_warps,
+        **pdl_launch(x2),
     )
 
 

@@ -34,6 +34,8 @@ try:  # keep the reference importable without triton
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
+
+    from .pdl import pdl_launch, pdl_wait_then_release
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -154,7 +156,9 @@ if triton is not None:
         ONE_PLUS: tl.constexpr,
         LIBDEVICE_TRIG: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        pdl_wait_then_release(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         pos = tl.load(pos_ptr + t).to(tl.float32)  # positions.float(), as the reference
@@ -249,6 +253,7 @@ def qk_norm_rope_triton(
         LIBDEVICE_TRIG=not _interpreting(),
         BLOCK_D=block_d,
         num_warps=max(1, min(4, block_d // 128)),
+        **pdl_launch(q),
     )
     return q_out, k_out
 

@@ -54,6 +54,9 @@
 #   rescale  bench/extend_attention_bench.py with the running max rescaled per row without a branch
 #            (FREETOKEN_EXTEND_LAZY_RESCALE=row: no block-wide max, two barriers a tile fewer) beside the default,
 #            alternating twice, on the launcher's tiles and the 64-row ones
+#   pdl      programmatic dependent launch (kernels/pdl.py, FREETOKEN_PDL=1): its GPU tests (a kernel chain in a graph,
+#            the tiny models' greedy tokens), then the NVFP4 linear and mixed kernels at decode sizes and the NVFP4
+#            dummy model's decode (1 and 32 streams, resident) with it off and on, alternating
 #   piece    bench/gdn_piece_bench.py: the GDN tail kernel (a cached turn's < 64 tokens after its grid point) at
 #            Qwen3.6's shape, graph-captured launches, beside fla's recurrent kernel
 #   bf16sweep bench/nvfp4_kernel_bench.py --groups bf16sweep: the BF16 grouped MoE's launch settings at 2,184 and
@@ -214,6 +217,20 @@ if [[ " $SECTIONS " == *" rescale "* ]]; then
     FREETOKEN_EXTEND_LAZY_RESCALE=$mode timeout ${EXTEND_TIMEOUT:-200} python3 bench/extend_attention_bench.py \
         --configs auto,64x32x4x2 --baselines '' --cold-shapes 0 --reps 20 \
         --out "$OUT/extend_attention_rescale_$mode.json" 2>&1 | grep -E "after"
+  done
+fi
+if [[ " $SECTIONS " == *" pdl "* ]]; then
+  timeout ${PDL_TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider -rfs tests/test_pdl.py \
+      tests/test_decode_graphs.py -k "pdl or cuda_graphs" 2>&1 | tee "$OUT/pdl_tests.log" | grep -E "passed|failed|error"
+  for pdl in 0 1 0 1; do
+    FREETOKEN_PDL=$pdl timeout ${PDL_BENCH_TIMEOUT:-200} python3 bench/nvfp4_kernel_bench.py --groups linear,mixed \
+        --ms 1,2,4,8,16 --out "$OUT/nvfp4_kernels_pdl$pdl.json" 2>&1 | grep -E "\*|mixed dot|HBM copy" \
+        | sed "s/^/[pdl $pdl] /"
+  done
+  for pdl in 0 1; do
+    FREETOKEN_PDL=$pdl timeout ${PDL_DECODE_TIMEOUT:-300} python3 bench/decode_bench.py \
+        --model-path configs/qwen3.6-35b-a3b-nvfp4 --skip-eager --skip-offload --skip-no-overlap \
+        --out "$OUT/decode_nvfp4_pdl$pdl.json" 2>&1 | grep -E "tok/s" | sed "s/^/[pdl $pdl] /"
   done
 fi
 if [[ " $SECTIONS " == *" piece "* ]]; then

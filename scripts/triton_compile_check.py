@@ -58,6 +58,11 @@ def main(argv=None) -> int:
         help="exit 2 when ptxas serializes the kernel's wgmmas (its C7515 advisory: each wgmma then waits for the "
         "one before it, so the tensor cores overlap nothing; what that costs depends on the kernel: time it)",
     )
+    p.add_argument(
+        "--ptx-has",
+        default="",
+        help="comma-separated strings the PTX must contain (e.g. griddepcontrol.wait): exit 3 naming the first absent",
+    )
     a = p.parse_args(argv)
     sys.path.insert(0, os.path.join(ROOT, "python"))
     import triton
@@ -94,6 +99,10 @@ def main(argv=None) -> int:
     if a.async_wgmma and any("C7515" in line for line in advisories):
         print(f"{name}: ptxas serializes its wgmmas")
         return 2
+    for text in filter(None, a.ptx_has.split(",")):
+        if text not in compiled.asm["ptx"]:
+            print(f"{name}: its PTX has no {text!r}")
+            return 3
     return 0
 
 

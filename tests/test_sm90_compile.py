@@ -15,11 +15,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def compile_check(
-    kernel: str, ptr: dict, const: dict, div16: str = "", warps: int = 4, stages: int = 3, async_wgmma: bool = False
+    kernel: str,
+    ptr: dict,
+    const: dict,
+    div16: str = "",
+    warps: int = 4,
+    stages: int = 3,
+    async_wgmma: bool = False,
+    ptx_has: str = "",
 ) -> int:
     """The script's exit status for ``kernel`` with ``ptr`` types (scalars too), ``const`` constexprs and the
     integer arguments ``div16`` marks as multiples of 16 (as the JIT marks them at Qwen3.6's shapes).
-    ``async_wgmma``: 2 when ptxas serializes the kernel's wgmmas."""
+    ``async_wgmma``: 2 when ptxas serializes the kernel's wgmmas; ``ptx_has``: 3 when the PTX lacks one of these
+    comma-separated strings."""
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
         pytest.skip("this triton wheel has no ptxas")
     spec = importlib.util.spec_from_file_location("triton_compile_check", f"{ROOT}/scripts/triton_compile_check.py")
@@ -37,6 +45,7 @@ def compile_check(
             f"--stages={stages}",
             f"--div16={div16}",
             *(["--async-wgmma"] if async_wgmma else []),
+            f"--ptx-has={ptx_has}",
         ]
     )
 
@@ -230,3 +239,24 @@ def test_mixed_dot_compiles_for_sm90(block_m, block_n, block_k):
     const.update(DOT_PREC="'ieee'")
     div16 = "stride_xm,stride_om,stride_d,stride_f,stride_n,stride_ns,K"
     assert compile_check("freetoken.kernels.mixed_dot:_mixed_dot_kernel", ptr, const, div16, warps=2) == 0
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+def test_pdl_kernels_compile_for_sm90(pdl):
+    """Programmatic dependent launch (``kernels/pdl.py``): under ``PDL`` a decode-path kernel waits for the kernel
+    before it and then releases the next (``griddepcontrol.wait`` and ``.launch_dependents`` in its PTX); without it,
+    neither. An RMSNorm and the fp16 tensor-core NVFP4 linear stand for the rest (every one calls the same helper
+    first)."""
+    both = "griddepcontrol.wait,griddepcontrol.launch_dependents"
+    ptr = {k: "*bf16" for k in ("x_ptr", "res_ptr", "z_ptr", "w_ptr", "out_ptr", "sum_ptr")}
+    ptr["eps"] = "fp32"
+    const = {"ONE_PLUS": True, "HAS_RESIDUAL": True, "HAS_GATE": False, "BLOCK_R": 1, "BLOCK_N": 2048, "PDL": pdl}
+    status = compile_check("freetoken.kernels.rms_norm:_rms_norm_kernel", ptr, const, "N", ptx_has=both)
+    assert status == (0 if pdl else 3)
+    ptr = {"x_ptr": "*fp16", "xf_ptr": "*fp32", "w_ptr": "*i32", "s_ptr": "*u8", "g_ptr": "*fp32"}
+    ptr.update({"bias_ptr": "*bf16", "out_ptr": "*bf16"})
+    const = {"HAS_BIAS": False, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "NUM_STAGES": 3, "DOT_PREC": "'tf32'"}
+    const.update({"HALF": True, "EVEN": True, "ASM": True, "PDL": pdl})
+    div16 = "N,K,stride_xm,stride_wn,stride_sn,stride_om"
+    status = compile_check("freetoken.kernels.nvfp4_linear:_nvfp4_dot_kernel", ptr, const, div16, warps=2, ptx_has=both)
+    assert status == (0 if pdl else 3)

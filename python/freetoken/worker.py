@@ -35,7 +35,9 @@ from .engine.step_plan import StepPlan
 from .engine.step_profiler import StepProfiler
 from .errors import InvalidPlan, UnsupportedModel, WorkerOutOfMemory
 from .fault_injection import FaultInjector
+from .kernels.attention import lazy_rescale
 from .kernels.attention_cudnn import extend_attention_choice
+from .kernels.pdl import pdl_requested
 from .layers.attention import make_attention_backend
 from .layers.sampler import apply_penalties, sample, token_logprobs
 from .loading.model_loader import load_model
@@ -98,6 +100,9 @@ class Worker:
         a, gdn = self.args, ""
         cache_type = "naive" if a["cache_type"] == "naive" else self.cache_types[0]
         extend_attention_choice()  # a bad FREETOKEN_EXTEND_ATTENTION stops start-up here, not the first prefill
+        lazy_rescale()  # FREETOKEN_EXTEND_LAZY_RESCALE, the same
+        if pdl_requested():  # a bad FREETOKEN_PDL, the same
+            logger.info("Programmatic dependent launch on for the decode kernels (FREETOKEN_PDL=1; sm_90+ only)")
         if self.model.state_layout:
             from .layers.gated_deltanet import gdn_backend, gdn_conv_impl
 
