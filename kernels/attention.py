@@ -177,7 +177,9 @@ if triton is not None:
         LAZY: tl.constexpr,  # the running softmax rescales lazily (``_extend_tiles``)
         ROW_RESCALE: tl.constexpr,  # LAZY decided per row, without a branch (``_extend_tiles``)
         SLOT32: tl.constexpr,  # key offsets in int32: every K/V element offset fits (fewer address operations)
+        PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        pdl_wait_then_release(PDL)
         pid_m = tl.program_id(0) // NUM_SPLITS
         split = tl.program_id(0) % NUM_SPLITS
         b = tl.program_id(1)
@@ -529,6 +531,7 @@ def extend_attention_triton(
         SLOT32=S == 1 and int32_key_offsets(k_cache, v_cache),
         num_warps=warps,
         num_stages=stages,
+        **pdl_launch(q),
     )
     if S > 1:
         if gate is not None and gate.stride(-1) != 1:

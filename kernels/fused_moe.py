@@ -24,6 +24,8 @@ from .moe_combine import moe_combine_triton
 try:  # triton is a hard dependency on GPU machines; keep the reference importable without it
     import triton
     import triton.language as tl
+
+    from .pdl import pdl_launch, pdl_wait_then_release
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -212,7 +214,9 @@ if triton is not None:
         DOT_PREC: tl.constexpr,
         TAIL: tl.constexpr = 0,  # tail rows a block (0: none), see above
         TAIL_ROWS: tl.constexpr = 16,  # the tail tile's rows: TAIL, or a shape when there is none (never computed)
+        PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        pdl_wait_then_release(PDL)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         e = tl.load(block_expert_ptr + pid_m)
@@ -297,7 +301,9 @@ if triton is not None:
         DOT_PREC: tl.constexpr,
         TAIL: tl.constexpr = 0,  # tail rows a block (0: none), as the gate|up kernel's
         TAIL_ROWS: tl.constexpr = 16,
+        PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        pdl_wait_then_release(PDL)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         e = tl.load(block_expert_ptr + pid_m)
@@ -344,9 +350,12 @@ if triton is not None:
         return tl.histogram(e, E_BINS)
 
     @triton.jit(do_not_specialize=["n"])
-    def _moe_align_count_kernel(ids_ptr, counts_ptr, n, num_experts, E_BINS: tl.constexpr, CHUNK: tl.constexpr):
+    def _moe_align_count_kernel(
+        ids_ptr, counts_ptr, n, num_experts, E_BINS: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False
+    ):
         # one chunk of ids a program, its counts added into the zeroed per-expert counts: the plan's histogram of a
         # prefill-sized step (17,472 ids at Qwen3.6's 2,184-token agent turn) in parallel, not in one program
+        pdl_wait_then_release(PDL)  # kernels/pdl.py
         h = _chunk_histogram(ids_ptr, tl.program_id(0) * CHUNK, n, num_experts, E_BINS, CHUNK)
         bins = tl.arange(0, E_BINS)
         tl.atomic_add(counts_ptr + bins, h, mask=(bins < num_experts) & (h > 0), sem="relaxed")
@@ -366,7 +375,9 @@ if triton is not None:
         CHUNK: tl.constexpr,
         BLOCK_B: tl.constexpr,
         COUNTED: tl.constexpr,  # cursor already holds the per-expert counts (``_moe_align_count_kernel``)
+        PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        pdl_wait_then_release(PDL)
         # program 0: per-expert counts -> padded offsets (cursor), expert of every block; the others fill sorted_ids
         # with n, CHUNK entries each, beside it (in program 0 that fill was a third of the kernel's serial loop)
         pid = tl.program_id(0)
@@ -406,7 +417,10 @@ if triton is not None:
             tl.store(block_expert_ptr + ob, tl.where(ob * BLOCK_M < total, ex, -1), mask=ob < max_blocks)
 
     @triton.jit(do_not_specialize=["n"])
-    def _moe_align_scatter_kernel(ids_ptr, cursor_ptr, sorted_ids_ptr, n, num_experts, CHUNK: tl.constexpr):
+    def _moe_align_scatter_kernel(
+        ids_ptr, cursor_ptr, sorted_ids_ptr, n, num_experts, CHUNK: tl.constexpr, PDL: tl.constexpr = False
+    ):
+        pdl_wait_then_release(PDL)  # kernels/pdl.py
         offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
         e = tl.load(ids_ptr + offs, mask=offs < n, other=0).to(tl.int32)
         mask = (offs < n) & (e >= 0) & (e < num_experts)  # the plan counted no others: dropped
@@ -443,7 +457,9 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
     sorted_ids = torch.empty(P, dtype=torch.int32, device=dev)
     e_bins = triton.next_power_of_2(num_experts + 1)
     if counted:
-        _moe_align_count_kernel[(triton.cdiv(n, 1024),)](flat, cursor, n, num_experts, E_BINS=e_bins, CHUNK=1024)
+        _moe_align_count_kernel[(triton.cdiv(n, 1024),)](
+            flat, cursor, n, num_experts, E_BINS=e_bins, CHUNK=1024, **pdl_launch(flat)
+        )
     _moe_align_plan_kernel[(1 + triton.cdiv(P, 1024),)](
         flat,
         cursor,
@@ -459,9 +475,17 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int)
         BLOCK_B=1024,
         COUNTED=counted,
         num_warps=4,  # 16 measured slower on the H200 (2.0 vs 1.5 ms for the agent turn's 40 layers, 2026-12-03)
+        **pdl_launch(flat),
     )
     _moe_align_scatter_kernel[(triton.cdiv(n, 1024),)](
-        flat, cursor, sorted_ids, n, num_experts, CHUNK=1024, num_warps=4
+        flat,
+        cursor,
+        sorted_ids,
+        n,
+        num_experts,
+        CHUNK=1024,
+        num_warps=4,
+        **pdl_launch(flat),
     )
     return sorted_ids, block_expert
 
@@ -591,6 +615,7 @@ def _launch_gate_up(x, w13, sorted_ids, block_expert, k, cfg: dict, prec) -> tor
         TAIL=cfg["tail"],
         TAIL_ROWS=max(cfg["tail"], 16),
         **_launch_options(cfg),
+        **pdl_launch(x),
     )
     return inter
 
@@ -623,5 +648,6 @@ def _launch_down(inter, w2, sorted_ids, block_expert, H, cfg: dict, prec) -> tor
         TAIL=cfg["tail"],
         TAIL_ROWS=max(cfg["tail"], 16),
         **_launch_options(cfg, "down_"),
+        **pdl_launch(inter),
     )
     return partial

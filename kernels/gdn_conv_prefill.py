@@ -33,6 +33,8 @@ import torch.nn.functional as F
 try:  # triton is a hard dependency on GPU machines; keep the reference importable without it
     import triton
     import triton.language as tl
+
+    from .pdl import pdl_launch, pdl_wait_then_release
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -103,7 +105,9 @@ if triton is not None:
         KC: tl.constexpr,
         BLOCK_T: tl.constexpr,
         BLOCK_C: tl.constexpr,
+        PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        pdl_wait_then_release(PDL)
         i_n = tl.program_id(0)
         start = tl.load(cu_ptr + i_n)
         n = tl.load(cu_ptr + i_n + 1) - start
@@ -239,6 +243,7 @@ def gdn_conv_prefill_triton(
         BLOCK_T=block_t,
         BLOCK_C=block_c,
         num_warps=num_warps,
+        **pdl_launch(qkv),
     )
     return result
 

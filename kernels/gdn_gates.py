@@ -20,6 +20,8 @@ import torch.nn.functional as F
 try:  # keep the reference importable without triton
     import triton
     import triton.language as tl
+
+    from .pdl import pdl_launch, pdl_wait_then_release
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -56,7 +58,9 @@ if triton is not None:
         stride_bt,
         BLOCK_T: tl.constexpr,
         BLOCK_H: tl.constexpr,
+        PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        pdl_wait_then_release(PDL)
         offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         offs_h = tl.arange(0, BLOCK_H)
         h_mask = offs_h < HV
@@ -94,7 +98,8 @@ def gdn_gates_triton(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_b
     block_h = triton.next_power_of_2(HV)
     block_t = max(1, min(64, 2048 // block_h))
     _gdn_gates_kernel[(triton.cdiv(T, block_t),)](
-        a, b, A_log, dt_bias, g, beta, T, HV, a.stride(0), b.stride(0), BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4
+        a, b, A_log, dt_bias, g, beta, T, HV, a.stride(0), b.stride(0), BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
+        **pdl_launch(a),
     )  # fmt: skip
     return g, beta
 

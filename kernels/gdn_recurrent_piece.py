@@ -23,6 +23,8 @@ try:  # keep the reference importable without triton
     import triton
     import triton.language as tl
 
+    from .pdl import pdl_launch, pdl_wait_then_release
+
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -78,7 +80,9 @@ if triton is not None:
         BK: tl.constexpr,  # next power of 2 >= DK: a program holds every key row of its value columns
         BV: tl.constexpr,
         EPS: tl.constexpr,
+        PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        pdl_wait_then_release(PDL)
         i_h = tl.program_id(0)
         i_hk = i_h // R
         offs_k = tl.arange(0, BK)
@@ -181,6 +185,7 @@ def gdn_recurrent_piece_triton(
         BV=bv,
         EPS=L2NORM_EPS,
         num_warps=warps,
+        **pdl_launch(q),
     )
     return out, final
 

@@ -27,6 +27,7 @@ try:  # keep the reference importable without triton
     import triton.language as tl
 
     from .nvfp4_tiles import dequant_tile_words
+    from .pdl import pdl_launch, pdl_wait_then_release
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -60,7 +61,9 @@ if triton is not None:
         stride_on,
         ROWS: tl.constexpr,
         WORDS: tl.constexpr,
+        PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        pdl_wait_then_release(PDL)
         e = tl.program_id(0).to(tl.int64)
         offs_n = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
         n_mask = offs_n < N
@@ -98,6 +101,7 @@ def nvfp4_dequantize_triton(packed, scale, glob, dtype: torch.dtype, out=None) -
         words, sbytes, glob, out, N, K // 8,
         words.stride(0), words.stride(1), sbytes.stride(0), sbytes.stride(1), glob.stride(0), glob.stride(1),
         out.stride(0), out.stride(1), ROWS=_ROWS, WORDS=_WORDS, num_warps=4,
+        **pdl_launch(words),
     )  # fmt: skip
     return out
 

@@ -771,7 +771,9 @@ if triton is not None:
         ASM: tl.constexpr,  # HALF: ``mul.rn.f16x2`` (CUDA) or the interpreter's emulation
         TAIL: tl.constexpr = 0,  # tail rows a block (0: none), see above
         TAIL_ROWS: tl.constexpr = 16,  # the tail tile's rows: TAIL, or a shape when there is none (never computed)
+        PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        pdl_wait_then_release(PDL)
         pid_m = tl.program_id(0)
         e = tl.load(block_expert_ptr + pid_m)
         if (e >= 0) & (e < num_experts):
@@ -885,7 +887,9 @@ if triton is not None:
         X_DTYPE: tl.constexpr,  # x's dtype: the down projection is rounded to it, as the reference does
         TAIL: tl.constexpr = 0,  # tail rows a block (0: none), as the gate|up kernel's
         TAIL_ROWS: tl.constexpr = 16,
+        PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        pdl_wait_then_release(PDL)
         pid_m = tl.program_id(0)
         e = tl.load(block_expert_ptr + pid_m)
         if e >= 0:
@@ -1024,6 +1028,7 @@ def nvfp4_fused_moe_triton(
         w13b.stride(1), w13s.stride(0), w13s.stride(1), w13_global.stride(0), inter.stride(0), TOPK=k, BLOCK_M=bm,
         BLOCK_N=bn1, BLOCK_K=bk1, NUM_STAGES=cfg["stages"], DOT_PREC=prec, FUSE_GU=cfg["fuse_gate_up"],
         HALF=half, ASM=asm, TAIL=cfg["tail"], TAIL_ROWS=max(cfg["tail"], 16), num_warps=cfg["warps"],
+        **pdl_launch(xh),
     )  # fmt: skip
     partial = torch.empty(n, H, dtype=torch.float32, device=x.device)
     wts = topk_weights.reshape(-1).contiguous()
@@ -1034,5 +1039,6 @@ def nvfp4_fused_moe_triton(
         w2b.stride(0), w2b.stride(1), w2s.stride(0), w2s.stride(1), w2_global.stride(0), partial.stride(0),
         BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, NUM_STAGES=cfg["stages"], DOT_PREC=prec, HALF=half, ASM=asm,
         X_DTYPE=TL_DTYPES[x.dtype], TAIL=cfg["tail"], TAIL_ROWS=max(cfg["tail"], 16), num_warps=cfg["warps"],
+        **pdl_launch(ih),
     )  # fmt: skip
     return moe_combine_triton(partial, k, x.dtype, shared, shared_gate, out=out)

@@ -55,8 +55,9 @@
 #            (FREETOKEN_EXTEND_LAZY_RESCALE=row: no block-wide max, two barriers a tile fewer) beside the default,
 #            alternating twice, on the launcher's tiles and the 64-row ones
 #   pdl      programmatic dependent launch (kernels/pdl.py, FREETOKEN_PDL=1): its GPU tests (a kernel chain in a graph,
-#            the tiny models' greedy tokens), then the NVFP4 linear and mixed kernels at decode sizes and the NVFP4
-#            dummy model's decode (1 and 32 streams, resident) with it off and on, alternating
+#            the tiny models' greedy tokens), then the NVFP4 linear and mixed kernels at decode sizes, the turn-10
+#            chunk in process (eager kernels; the start-up graphs keep their capture) and the NVFP4 dummy model's
+#            decode (1 and 32 streams, resident) with it off and on, alternating
 #   piece    bench/gdn_piece_bench.py: the GDN tail kernel (a cached turn's < 64 tokens after its grid point) at
 #            Qwen3.6's shape, graph-captured launches, beside fla's recurrent kernel
 #   bf16sweep bench/nvfp4_kernel_bench.py --groups bf16sweep: the BF16 grouped MoE's launch settings at 2,184 and
@@ -227,6 +228,10 @@ if [[ " $SECTIONS " == *" pdl "* ]]; then
         --ms 1,2,4,8,16 --out "$OUT/nvfp4_kernels_pdl$pdl.json" 2>&1 | grep -E "\*|mixed dot|HBM copy" \
         | sed "s/^/[pdl $pdl] /"
   done
+  timeout ${PDL_PREFILL_TIMEOUT:-300} python3 bench/profile_prefill.py --context 27816 --new 2184 --snapshots end \
+      --rounds 4 --env-ab FREETOKEN_PDL=1 --host-profile 0 --profile-steps 0 --out "$OUT/profile_prefill_pdl.json" -- \
+      --dummy-weight --model-path configs/qwen3.6-35b-a3b --max-seq-len-override 32768 --moe-backend fused \
+      --max-prefill-length 8192 2>&1 | grep -E "step ms|routing off|FREETOKEN_PDL"
   for pdl in 0 1; do
     FREETOKEN_PDL=$pdl timeout ${PDL_DECODE_TIMEOUT:-300} python3 bench/decode_bench.py \
         --model-path configs/qwen3.6-35b-a3b-nvfp4 --skip-eager --skip-offload --skip-no-overlap \
