@@ -40,6 +40,7 @@ try:  # keep the module importable without triton
     import triton
     import triton.language as tl
 
+    from .mixed_gemv import prefetch_program_rows
     from .nvfp4_tiles import TL_DTYPES, tile_dot_step
     from .pdl import pdl_launch, pdl_wait_then_release
 except Exception:  # pragma: no cover
@@ -99,6 +100,10 @@ if triton is not None:
         DOT_PREC: tl.constexpr,  # "ieee" for fp32 (never tf32), else unused
         PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        prefetch_program_rows(
+            tl.program_id(0), d_progs, f_progs, d_ptr, f_ptr, n_ptr, ns_ptr, Nd, Nf, Nn, stride_d, stride_f, stride_n,
+            stride_ns, K, BLOCK_N, PDL,
+        )  # fmt: skip
         pdl_wait_then_release(PDL)
         pid = tl.program_id(0)
         dt: tl.constexpr = DOT_DTYPE

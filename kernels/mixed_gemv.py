@@ -38,7 +38,7 @@ try:  # keep the reference importable without triton
     import triton.language as tl
 
     from .nvfp4_tiles import block_scale, e2m1_word, f16_halves, gemv_row
-    from .pdl import pdl_launch, pdl_wait_then_release
+    from .pdl import pdl_launch, pdl_prefetch_rows, pdl_wait_then_release
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -273,6 +273,26 @@ if triton is not None:
         tl.store(out_ptr + m * stride_om + col + offs_n, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def prefetch_program_rows(
+        pid, d_progs, f_progs, d_ptr, f_ptr, n_ptr, ns_ptr, Nd, Nf, Nn, stride_d, stride_f, stride_n, stride_ns, K,
+        BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    ):  # fmt: skip
+        """``FREETOKEN_PDL=prefetch`` (``kernels/pdl.py``), before the wait: the first lines of this program's rows
+        of one format (and of their NVFP4 block scales) into L2; this kernel's and ``mixed_dot``'s programs map to
+        the formats alike."""
+        if PDL == 2:
+            offs_b = tl.arange(0, BLOCK_N)
+            if pid < d_progs:
+                pdl_prefetch_rows(d_ptr, pid * BLOCK_N + offs_b, stride_d, Nd, 0, K, 2, PDL)
+            elif pid < d_progs + f_progs:
+                f_len = K * 8 // f_ptr.dtype.element_ty.primitive_bitwidth  # fp8 rows as bytes or as words
+                pdl_prefetch_rows(f_ptr, (pid - d_progs) * BLOCK_N + offs_b, stride_f, Nf, 0, f_len, 2, PDL)
+            else:
+                rows = (pid - d_progs - f_progs) * BLOCK_N + offs_b
+                pdl_prefetch_rows(n_ptr, rows, stride_n, Nn, 0, K // 8, 2, PDL)
+                pdl_prefetch_rows(ns_ptr, rows, stride_ns, Nn, 0, K // 16, 1, PDL)
+
+    @triton.jit
     def _mixed_gemv_kernel(
         x_ptr,  # [M, K]
         out_ptr,  # [M, >= every block's columns]
@@ -306,6 +326,10 @@ if triton is not None:
         NUM_STAGES: tl.constexpr,
         PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        prefetch_program_rows(
+            tl.program_id(0), d_progs, f_progs, d_ptr, f_ptr, n_ptr, ns_ptr, Nd, Nf, Nn, stride_d, stride_f, stride_n,
+            stride_ns, K, BLOCK_N, PDL,
+        )  # fmt: skip
         pdl_wait_then_release(PDL)
         pid = tl.program_id(0)
         offs_b = tl.arange(0, BLOCK_N)

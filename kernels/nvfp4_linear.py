@@ -68,7 +68,7 @@ try:  # keep the reference importable without triton
         e2m1_word,
         gemv_row,
     )
-    from .pdl import pdl_launch, pdl_wait_then_release
+    from .pdl import pdl_launch, pdl_prefetch_rows, pdl_wait_then_release
 except Exception:  # pragma: no cover
     triton = None
     tl = None
@@ -190,6 +190,10 @@ if triton is not None:
         ASM: tl.constexpr,  # HALF: its inline PTX (CUDA) or the interpreter's emulation
         PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        # FREETOKEN_PDL=prefetch: this program's first weight and scale lines into L2 before the wait (kernels/pdl.py)
+        pf_rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        pdl_prefetch_rows(w_ptr, pf_rows, stride_wn, N, tl.program_id(1) * KW_PER_SPLIT, K // 8, 2, PDL)
+        pdl_prefetch_rows(s_ptr, pf_rows, stride_sn, N, tl.program_id(1) * KW_PER_SPLIT // 2, K // 16, 1, PDL)
         pdl_wait_then_release(PDL)
         NB: tl.constexpr = BLOCK_W // 2  # scale blocks per step
         pid_n = tl.program_id(0)
@@ -334,6 +338,10 @@ if triton is not None:
         ASM: tl.constexpr,  # HALF: ``mul.rn.f16x2`` (CUDA) or the interpreter's emulation
         PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
+        # FREETOKEN_PDL=prefetch: this program's first weight and scale lines into L2 before the wait
+        pf_rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        pdl_prefetch_rows(w_ptr, pf_rows, stride_wn, N, 0, K // 8, 2, PDL)
+        pdl_prefetch_rows(s_ptr, pf_rows, stride_sn, N, 0, K // 16, 1, PDL)
         pdl_wait_then_release(PDL)
         BW: tl.constexpr = BLOCK_K // 8
         dt = x_ptr.dtype.element_ty

@@ -57,7 +57,7 @@
 #   pdl      programmatic dependent launch (kernels/pdl.py, FREETOKEN_PDL=1): its GPU tests (a kernel chain in a graph,
 #            the tiny models' greedy tokens), then the NVFP4 linear and mixed kernels at decode sizes, the turn-10
 #            chunk in process (eager kernels; the start-up graphs keep their capture) and the NVFP4 dummy model's
-#            decode (1 and 32 streams, resident) with it off and on, alternating
+#            decode (1 and 32 streams, resident) with it off, on, and on with the GEMVs' L2 prefetch, alternating
 #   piece    bench/gdn_piece_bench.py: the GDN tail kernel (a cached turn's < 64 tokens after its grid point) at
 #            Qwen3.6's shape, graph-captured launches, beside fla's recurrent kernel
 #   bf16sweep bench/nvfp4_kernel_bench.py --groups bf16sweep: the BF16 grouped MoE's launch settings at 2,184 and
@@ -223,7 +223,7 @@ fi
 if [[ " $SECTIONS " == *" pdl "* ]]; then
   timeout ${PDL_TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider -rfs tests/test_pdl.py \
       tests/test_decode_graphs.py -k "pdl or cuda_graphs" 2>&1 | tee "$OUT/pdl_tests.log" | grep -E "passed|failed|error"
-  for pdl in 0 1 0 1; do
+  for pdl in 0 1 prefetch 0 1 prefetch; do
     FREETOKEN_PDL=$pdl timeout ${PDL_BENCH_TIMEOUT:-200} python3 bench/nvfp4_kernel_bench.py --groups linear,mixed \
         --ms 1,2,4,8,16 --out "$OUT/nvfp4_kernels_pdl$pdl.json" 2>&1 | grep -E "\*|mixed dot|HBM copy" \
         | sed "s/^/[pdl $pdl] /"
@@ -232,7 +232,7 @@ if [[ " $SECTIONS " == *" pdl "* ]]; then
       --rounds 4 --env-ab FREETOKEN_PDL=1 --host-profile 0 --profile-steps 0 --out "$OUT/profile_prefill_pdl.json" -- \
       --dummy-weight --model-path configs/qwen3.6-35b-a3b --max-seq-len-override 32768 --moe-backend fused \
       --max-prefill-length 8192 2>&1 | grep -E "step ms|routing off|FREETOKEN_PDL"
-  for pdl in 0 1; do
+  for pdl in 0 1 prefetch; do
     FREETOKEN_PDL=$pdl timeout ${PDL_DECODE_TIMEOUT:-300} python3 bench/decode_bench.py \
         --model-path configs/qwen3.6-35b-a3b-nvfp4 --skip-eager --skip-offload --skip-no-overlap \
         --out "$OUT/decode_nvfp4_pdl$pdl.json" 2>&1 | grep -E "tok/s" | sed "s/^/[pdl $pdl] /"

@@ -236,15 +236,16 @@ def test_cuda_graphs_match_eager(model_dirs, family):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["1", "prefetch"])
 @pytest.mark.parametrize("family", ["llama", "qwen3_5_moe"])
-def test_cuda_graphs_with_pdl_match_eager(model_dirs, family, monkeypatch):
-    """Programmatic dependent launch (``FREETOKEN_PDL=1``, ``kernels/pdl.py``) in real graphs and in eager steps:
+def test_cuda_graphs_with_pdl_match_eager(model_dirs, family, mode, monkeypatch):
+    """Programmatic dependent launch (``FREETOKEN_PDL``, ``kernels/pdl.py``) in real graphs and in eager steps:
     greedy tokens equal eager steps without it, token for token."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("PDL needs sm_90+")
     kw = {"device": "cuda", "emulate_cuda_graphs": False}
     want = _drive(_worker(model_dirs[family], graphs=False, **kw))
-    monkeypatch.setenv("FREETOKEN_PDL", "1")
+    monkeypatch.setenv("FREETOKEN_PDL", mode)
     for graphs in (False, True):
         torch.cuda.empty_cache()
         w = _worker(model_dirs[family], graphs=graphs, **{**kw, "disable_cuda_graph": not graphs})

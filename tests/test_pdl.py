@@ -1,7 +1,8 @@
 """Programmatic dependent launch (``kernels/pdl.py``): the switch, and on the GPU a chain of decode-path kernels in
-one CUDA graph, each reading the one before it, giving bit for bit what the chain gives without PDL, replay after
-replay with new inputs (a kernel that read its input before ``griddepcontrol.wait`` would read the previous
-replay's values now and then). The tiny models' greedy tokens with PDL: tests/test_decode_graphs.py."""
+one CUDA graph, each reading the one before it, giving bit for bit what the chain gives without PDL (and with the
+GEMVs' L2 prefetch), replay after replay with new inputs (a kernel that read its input before ``griddepcontrol.wait``
+would read the previous replay's values now and then). The tiny models' greedy tokens with PDL:
+tests/test_decode_graphs.py."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ def test_pdl_switch(monkeypatch):
     monkeypatch.setenv("FREETOKEN_PDL", "1")
     assert pdl_requested()
     assert pdl_launch(torch.zeros(1)) == {}  # the CPU (the interpreter) never takes it
+    monkeypatch.setenv("FREETOKEN_PDL", "prefetch")
+    assert pdl_requested()
     monkeypatch.setenv("FREETOKEN_PDL", "yes")
     with pytest.raises(ValueError, match="FREETOKEN_PDL"):
         pdl_requested()
@@ -51,7 +54,7 @@ def test_pdl_chain_in_a_graph_equals_the_chain_without(monkeypatch):
     gen = torch.Generator(device=dev).manual_seed(3)
     inputs = [torch.randn(M, H, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(64)]
     outs = {}
-    for pdl in ("0", "1"):
+    for pdl in ("0", "1", "prefetch"):
         monkeypatch.setenv("FREETOKEN_PDL", pdl)
         x = torch.zeros(M, H, device=dev, dtype=torch.bfloat16)
         residual = torch.zeros_like(x)
@@ -68,5 +71,6 @@ def test_pdl_chain_in_a_graph_equals_the_chain_without(monkeypatch):
             got.append((one.clone(), four.clone()))
         torch.cuda.synchronize()
         outs[pdl] = got
-    for (a1, a4), (b1, b4) in zip(outs["0"], outs["1"]):
-        assert torch.equal(a1, b1) and torch.equal(a4, b4)
+    for mode in ("1", "prefetch"):
+        for (a1, a4), (b1, b4) in zip(outs["0"], outs[mode]):
+            assert torch.equal(a1, b1) and torch.equal(a4, b4), mode

@@ -241,12 +241,13 @@ def test_mixed_dot_compiles_for_sm90(block_m, block_n, block_k):
     assert compile_check("freetoken.kernels.mixed_dot:_mixed_dot_kernel", ptr, const, div16, warps=2) == 0
 
 
-@pytest.mark.parametrize("pdl", [True, False])
+@pytest.mark.parametrize("pdl", [0, 1, 2])
 def test_pdl_kernels_compile_for_sm90(pdl):
-    """Programmatic dependent launch (``kernels/pdl.py``): under ``PDL`` a decode-path kernel waits for the kernel
-    before it and then releases the next (``griddepcontrol.wait`` and ``.launch_dependents`` in its PTX); without it,
-    neither. An RMSNorm and the fp16 tensor-core NVFP4 linear stand for the rest (every one calls the same helper
-    first)."""
+    """Programmatic dependent launch (``kernels/pdl.py``): under ``PDL`` a kernel waits for the kernel before it and
+    then releases the next (``griddepcontrol.wait`` and ``.launch_dependents`` in its PTX); without it, neither. At
+    ``PDL=2`` (``FREETOKEN_PDL=prefetch``) the decode GEMVs also prefetch their first weight lines into L2. An
+    RMSNorm, the fp16 tensor-core NVFP4 linear and the mixed projection on tensor cores stand for the rest (every
+    kernel calls the same helpers first)."""
     both = "griddepcontrol.wait,griddepcontrol.launch_dependents"
     ptr = {k: "*bf16" for k in ("x_ptr", "res_ptr", "z_ptr", "w_ptr", "out_ptr", "sum_ptr")}
     ptr["eps"] = "fp32"
@@ -258,5 +259,13 @@ def test_pdl_kernels_compile_for_sm90(pdl):
     const = {"HAS_BIAS": False, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "NUM_STAGES": 3, "DOT_PREC": "'tf32'"}
     const.update({"HALF": True, "EVEN": True, "ASM": True, "PDL": pdl})
     div16 = "N,K,stride_xm,stride_wn,stride_sn,stride_om"
-    status = compile_check("freetoken.kernels.nvfp4_linear:_nvfp4_dot_kernel", ptr, const, div16, warps=2, ptx_has=both)
-    assert status == (0 if pdl else 3)
+    kernel = "freetoken.kernels.nvfp4_linear:_nvfp4_dot_kernel"
+    assert compile_check(kernel, ptr, const, div16, warps=2, ptx_has=both) == (0 if pdl else 3)
+    assert compile_check(kernel, ptr, const, div16, warps=2, ptx_has="prefetch.global.L2") == (0 if pdl == 2 else 3)
+    ptr = {"x_ptr": "*bf16", "out_ptr": "*bf16", "d_ptr": "*bf16", "f_ptr": "*u8", "fs_ptr": "*fp32", "n_ptr": "*i32"}
+    ptr.update({"ns_ptr": "*u8", "ng_ptr": "*fp32"})
+    const = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "NUM_STAGES": 3, "DOT_DTYPE": "tl.bfloat16"}
+    const.update({"DOT_PREC": "'ieee'", "PDL": pdl})
+    div16 = "K,stride_xm,stride_om,stride_d,stride_f,stride_n,stride_ns"
+    kernel = "freetoken.kernels.mixed_dot:_mixed_dot_kernel"
+    assert compile_check(kernel, ptr, const, div16, warps=2, ptx_has="prefetch.global.L2") == (0 if pdl == 2 else 3)

@@ -37,7 +37,7 @@ from .errors import InvalidPlan, UnsupportedModel, WorkerOutOfMemory
 from .fault_injection import FaultInjector
 from .kernels.attention import lazy_rescale
 from .kernels.attention_cudnn import extend_attention_choice
-from .kernels.pdl import pdl_requested
+from .kernels.pdl import pdl_mode, pdl_requested
 from .layers.attention import make_attention_backend
 from .layers.sampler import apply_penalties, sample, token_logprobs
 from .loading.model_loader import load_model
@@ -102,7 +102,7 @@ class Worker:
         extend_attention_choice()  # a bad FREETOKEN_EXTEND_ATTENTION stops start-up here, not the first prefill
         lazy_rescale()  # FREETOKEN_EXTEND_LAZY_RESCALE, the same
         if pdl_requested():  # a bad FREETOKEN_PDL, the same
-            logger.info("Programmatic dependent launch on for the decode kernels (FREETOKEN_PDL=1; sm_90+ only)")
+            logger.info(f"Programmatic dependent launch on for our kernels (FREETOKEN_PDL={pdl_mode()}; sm_90+ only)")
         if self.model.state_layout:
             from .layers.gated_deltanet import gdn_backend, gdn_conv_impl
 
