@@ -58,6 +58,9 @@
 #            the tiny models' greedy tokens), then the NVFP4 linear and mixed kernels at decode sizes, the turn-10
 #            chunk in process (eager kernels; the start-up graphs keep their capture) and the NVFP4 dummy model's
 #            decode (1 and 32 streams, resident) with it off, on, and on with the GEMVs' L2 prefetch, alternating
+#   agentpdl the served agent session, radix server only (bench/agent_session_bench.py --caches radix), with
+#            FREETOKEN_PDL (AGENT_PDL_MODES, default "0 1 0 1") in the servers' environment: every graph captured
+#            with it, the issue 12 figure (turn-10 TTFT) with and without
 #   piece    bench/gdn_piece_bench.py: the GDN tail kernel (a cached turn's < 64 tokens after its grid point) at
 #            Qwen3.6's shape, graph-captured launches, beside fla's recurrent kernel
 #   bf16sweep bench/nvfp4_kernel_bench.py --groups bf16sweep: the BF16 grouped MoE's launch settings at 2,184 and
@@ -236,6 +239,14 @@ if [[ " $SECTIONS " == *" pdl "* ]]; then
     FREETOKEN_PDL=$pdl timeout ${PDL_DECODE_TIMEOUT:-300} python3 bench/decode_bench.py \
         --model-path configs/qwen3.6-35b-a3b-nvfp4 --skip-eager --skip-offload --skip-no-overlap \
         --out "$OUT/decode_nvfp4_pdl$pdl.json" 2>&1 | grep -E "tok/s" | sed "s/^/[pdl $pdl] /"
+  done
+fi
+if [[ " $SECTIONS " == *" agentpdl "* ]]; then
+  for pdl in ${AGENT_PDL_MODES:-0 1 0 1}; do
+    FREETOKEN_PDL=$pdl timeout ${AGENT_TIMEOUT:-420} python3 bench/agent_session_bench.py --caches radix \
+        --out "$OUT/agent_session_pdl$pdl.json" \
+        --server-args "--max-running-requests 4 --moe-backend fused --max-prefill-length 8192" 2>&1 \
+        | grep -vE "^\[" | tail -12 | sed "s/^/[pdl $pdl] /"
   done
 fi
 if [[ " $SECTIONS " == *" piece "* ]]; then
