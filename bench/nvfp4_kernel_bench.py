@@ -661,8 +661,20 @@ def lone_rows(layer):
 
 
 # launch settings of kernels/mixed_dot.py the --mixed-dot-sweep times: (warps, weights a K step (None: the
-# kernel's rule), most rows a program)
-MIXED_DOT_SWEEP = [(2, None, 64), (4, None, 64), (2, 128, 64), (2, 256, 64), (2, None, 32), (2, 512, 16), (2, 256, 16)]
+# kernel's rule), most rows a program). The last two test a suspect (2026-12-05, from the sm_90 builds alone): GDN
+# in_proj's 386 programs of 32 rows hold 238 registers a thread (a 256-weight K step) and leave ~6 warps an SM to
+# hide the FP8 conversions' latency; 128-weight steps take 128 registers, 16-row programs double the programs (772)
+MIXED_DOT_SWEEP = [
+    (2, None, 64),
+    (4, None, 64),
+    (2, 128, 64),
+    (2, 256, 64),
+    (2, None, 32),
+    (2, 512, 16),
+    (2, 256, 16),
+    (2, 128, 32),
+    (2, 128, 16),
+]
 
 
 def time_mixed_dot_settings(a, layers, x, device) -> list:

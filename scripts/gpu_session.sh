@@ -61,6 +61,8 @@
 #   agentpdl the served agent session, radix server only (bench/agent_session_bench.py --caches radix), with
 #            FREETOKEN_PDL (AGENT_PDL_MODES, default "0 1 0 1") in the servers' environment: every graph captured
 #            with it, the issue 12 figure (turn-10 TTFT) with and without
+#   mixeddot the mixed BF16/FP8/NVFP4 projections on tensor cores under each --mixed-dot-sweep launch setting at
+#            3, 8 and 16 rows (GDN in_proj at 51 % of HBM: shorter K steps and more programs)
 #   piece    bench/gdn_piece_bench.py: the GDN tail kernel (a cached turn's < 64 tokens after its grid point) at
 #            Qwen3.6's shape, graph-captured launches, beside fla's recurrent kernel
 #   bf16sweep bench/nvfp4_kernel_bench.py --groups bf16sweep: the BF16 grouped MoE's launch settings at 2,184 and
@@ -248,6 +250,10 @@ if [[ " $SECTIONS " == *" agentpdl "* ]]; then
         --server-args "--max-running-requests 4 --moe-backend fused --max-prefill-length 8192" 2>&1 \
         | grep -vE "^\[" | tail -12 | sed "s/^/[pdl $pdl] /"
   done
+fi
+if [[ " $SECTIONS " == *" mixeddot "* ]]; then
+  timeout ${SWEEP_TIMEOUT:-300} python3 bench/nvfp4_kernel_bench.py --groups mixed --ms 3,8,16 --mixed-dot-sweep \
+      --out "$OUT/mixed_dot_sweep.json" 2>&1 | tee "$OUT/mixed_dot_sweep.log" | grep -E "mixed dot|HBM copy"
 fi
 if [[ " $SECTIONS " == *" piece "* ]]; then
   timeout ${PIECE_TIMEOUT:-60} python3 bench/gdn_piece_bench.py --out "$OUT/gdn_piece.json" > "$OUT/gdn_piece.log" 2>&1
