@@ -482,6 +482,7 @@ def extend_attention_triton(
         return out
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and q.stride(-1) == 1
     bd, bdv = triton.next_power_of_2(D), triton.next_power_of_2(DV)
+    rescale = lazy_rescale()
     (block_m, block_n, warps, stages), S = extend_launch(
         q, k_cache, v_cache, max_extend_len, B, max_context, config, num_splits
     )
@@ -524,8 +525,8 @@ def extend_attention_triton(
         BLOCK_DV=bdv,
         PREC=_prec(k_cache.dtype),
         SPLIT=S > 1,
-        LAZY=lazy_rescale() != "0",
-        ROW_RESCALE=lazy_rescale() == "row",
+        LAZY=rescale != "0",
+        ROW_RESCALE=rescale == "row",
         # int32 offsets measured 9-11 % faster unsplit (8,192-token chunks, fresh and after 21,808) but 8 % slower
         # with the keys split (2,184 after 27,816, S = 3) on the H200 (2026-12-04): unsplit launches only
         SLOT32=S == 1 and int32_key_offsets(k_cache, v_cache),

@@ -127,7 +127,7 @@ if triton is not None:
         e = ((top.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # top in [2^e, 2^(e+1)) (e = -127: zero row)
         return tl.minimum(tl.maximum(TOP - e, -100), 100)
 
-    @triton.jit(do_not_specialize=["M"])  # (a row count: a prefill chunk's tokens)
+    @triton.jit
     def _half_rows_kernel(
         x_ptr,  # [M, K]
         xh_ptr,  # fp16 [M, K]: row m scaled by 2^s, columns in ``dequant_tile_half``'s order

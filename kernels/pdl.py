@@ -93,7 +93,8 @@ def pdl_launch(t: torch.Tensor) -> dict:
     if not t.is_cuda:
         return _OFF
     raw = os.environ.get("FREETOKEN_PDL")
-    if raw is None or raw == "0" or not pdl_requested():  # (pdl_mode refuses any value but 0, 1 and prefetch)
+    if raw not in ("1", "prefetch"):
+        pdl_mode()  # refuses any value but 0 (or unset) here too
         return _OFF
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     if not _device_takes_pdl(index):

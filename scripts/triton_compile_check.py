@@ -7,9 +7,9 @@ kernel computes; this checks that the GPU compiler takes it.
         --ptr x_ptr=*bf16,out_ptr=*bf16,d_ptr=*bf16,f_ptr=*u8,fs_ptr=*fp32,n_ptr=*i32,ns_ptr=*u8,ng_ptr=*fp32 \\
         --const K=2048,BLOCK_M=1,BLOCK_N=16,BLOCK_K=256,NUM_STAGES=3
 
-Arguments not named in ``--ptr`` or ``--const`` are 32-bit integers, except constexprs with a default (as at launch). ``--const`` values are Python literals
-(``True``, ``64``) or Triton dtypes (``tl.bfloat16``). Prints the PTX size and the registers per thread; exits 1
-if compiling fails.
+Arguments not named in ``--ptr`` or ``--const`` are 32-bit integers, except constexprs with a default (as at
+launch). ``--const`` values are Python literals (``True``, ``64``) or Triton dtypes (``tl.bfloat16``). Prints the
+PTX size and the registers per thread; exits 1 if compiling fails.
 """
 
 from __future__ import annotations
@@ -71,9 +71,10 @@ def main(argv=None) -> int:
 
     module, name = a.kernel.split(":")
     fn = getattr(importlib.import_module(module), name)
-    names = list(inspect.signature(fn.fn).parameters)
+    params = inspect.signature(fn.fn).parameters
+    names = list(params)
     consts = {k: _constexpr(v) for k, v in _pairs(a.const).items()}
-    for param in inspect.signature(fn.fn).parameters.values():  # constexprs left out take their defaults, as at launch
+    for param in params.values():  # constexprs left out take their defaults, as at launch
         if param.name not in consts and "constexpr" in str(param.annotation) and param.default is not param.empty:
             consts[param.name] = param.default
     ptrs = _pairs(a.ptr)
