@@ -218,7 +218,7 @@ if [[ " $SECTIONS " == *" extend64 "* ]]; then
       --baselines '' --cold-shapes 0 --reps 20 --out "$OUT/extend_attention_64rows.json" 2>&1 | grep -E "after"
 fi
 if [[ " $SECTIONS " == *" rescale "* ]]; then
-  for mode in 1 row 1 row; do
+  for mode in ${RESCALE_MODES:-1 row 1 row}; do
     echo "FREETOKEN_EXTEND_LAZY_RESCALE=$mode"
     FREETOKEN_EXTEND_LAZY_RESCALE=$mode timeout ${EXTEND_TIMEOUT:-200} python3 bench/extend_attention_bench.py \
         --configs auto,64x32x4x2 --baselines '' --cold-shapes 0 --reps 20 \
@@ -228,16 +228,16 @@ fi
 if [[ " $SECTIONS " == *" pdl "* ]]; then
   timeout ${PDL_TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider -rfs tests/test_pdl.py \
       tests/test_decode_graphs.py -k "pdl or cuda_graphs" 2>&1 | tee "$OUT/pdl_tests.log" | grep -E "passed|failed|error"
-  for pdl in 0 1 prefetch 0 1 prefetch; do
+  for pdl in ${PDL_KERNEL_MODES:-0 1 prefetch 0 1 prefetch}; do
     FREETOKEN_PDL=$pdl timeout ${PDL_BENCH_TIMEOUT:-200} python3 bench/nvfp4_kernel_bench.py --groups linear,mixed \
         --ms 1,2,4,8,16 --out "$OUT/nvfp4_kernels_pdl$pdl.json" 2>&1 | grep -E "\*|mixed dot|HBM copy" \
         | sed "s/^/[pdl $pdl] /"
   done
-  timeout ${PDL_PREFILL_TIMEOUT:-300} python3 bench/profile_prefill.py --context 27816 --new 2184 --snapshots end \
+  [[ ${PDL_PREFILL:-1} == 1 ]] && timeout ${PDL_PREFILL_TIMEOUT:-300} python3 bench/profile_prefill.py --context 27816 --new 2184 --snapshots end \
       --rounds 4 --env-ab FREETOKEN_PDL=1 --host-profile 0 --profile-steps 0 --out "$OUT/profile_prefill_pdl.json" -- \
       --dummy-weight --model-path configs/qwen3.6-35b-a3b --max-seq-len-override 32768 --moe-backend fused \
       --max-prefill-length 8192 2>&1 | grep -E "step ms|routing off|FREETOKEN_PDL"
-  for pdl in 0 1 prefetch; do
+  for pdl in ${PDL_DECODE_MODES-0 1 prefetch}; do
     FREETOKEN_PDL=$pdl timeout ${PDL_DECODE_TIMEOUT:-300} python3 bench/decode_bench.py \
         --model-path configs/qwen3.6-35b-a3b-nvfp4 --skip-eager --skip-offload --skip-no-overlap \
         --out "$OUT/decode_nvfp4_pdl$pdl.json" 2>&1 | grep -E "tok/s" | sed "s/^/[pdl $pdl] /"
