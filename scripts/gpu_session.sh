@@ -53,11 +53,12 @@
 #            the other's tensor-core work, now that the extend kernel's wgmmas are asynchronous) beside the default
 #   rescale  bench/extend_attention_bench.py with the running max rescaled per row without a branch
 #            (FREETOKEN_EXTEND_LAZY_RESCALE=row: no block-wide max, two barriers a tile fewer) beside the default,
-#            alternating twice, on the launcher's tiles and the 64-row ones
+#            alternating twice (RESCALE_MODES), on the launcher's tiles and the 64-row ones
 #   pdl      programmatic dependent launch (kernels/pdl.py, FREETOKEN_PDL=1): its GPU tests (a kernel chain in a graph,
 #            the tiny models' greedy tokens), then the NVFP4 linear and mixed kernels at decode sizes, the turn-10
 #            chunk in process (eager kernels; the start-up graphs keep their capture) and the NVFP4 dummy model's
 #            decode (1 and 32 streams, resident) with it off, on, and on with the GEMVs' L2 prefetch, alternating
+#            (PDL_KERNEL_MODES and PDL_DECODE_MODES list the modes, empty to skip; PDL_PREFILL=0 skips the chunk)
 #   agentpdl the served agent session, radix server only (bench/agent_session_bench.py --caches radix), with
 #            FREETOKEN_PDL (AGENT_PDL_MODES, default "0 1 0 1") in the servers' environment: every graph captured
 #            with it, the issue 12 figure (turn-10 TTFT) with and without
@@ -218,7 +219,7 @@ if [[ " $SECTIONS " == *" extend64 "* ]]; then
       --baselines '' --cold-shapes 0 --reps 20 --out "$OUT/extend_attention_64rows.json" 2>&1 | grep -E "after"
 fi
 if [[ " $SECTIONS " == *" rescale "* ]]; then
-  for mode in ${RESCALE_MODES:-1 row 1 row}; do
+  for mode in ${RESCALE_MODES-1 row 1 row}; do
     echo "FREETOKEN_EXTEND_LAZY_RESCALE=$mode"
     FREETOKEN_EXTEND_LAZY_RESCALE=$mode timeout ${EXTEND_TIMEOUT:-200} python3 bench/extend_attention_bench.py \
         --configs auto,64x32x4x2 --baselines '' --cold-shapes 0 --reps 20 \
@@ -228,7 +229,7 @@ fi
 if [[ " $SECTIONS " == *" pdl "* ]]; then
   timeout ${PDL_TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider -rfs tests/test_pdl.py \
       tests/test_decode_graphs.py -k "pdl or cuda_graphs" 2>&1 | tee "$OUT/pdl_tests.log" | grep -E "passed|failed|error"
-  for pdl in ${PDL_KERNEL_MODES:-0 1 prefetch 0 1 prefetch}; do
+  for pdl in ${PDL_KERNEL_MODES-0 1 prefetch 0 1 prefetch}; do
     FREETOKEN_PDL=$pdl timeout ${PDL_BENCH_TIMEOUT:-200} python3 bench/nvfp4_kernel_bench.py --groups linear,mixed \
         --ms 1,2,4,8,16 --out "$OUT/nvfp4_kernels_pdl$pdl.json" 2>&1 | grep -E "\*|mixed dot|HBM copy" \
         | sed "s/^/[pdl $pdl] /"
