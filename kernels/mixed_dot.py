@@ -30,6 +30,7 @@ from .mixed_gemv import (
     MixedRows,
     candidate_rows,
     flat_rows,
+    format_flags,
     launch_args,
     mixed_gemv_triton,
     supports,
@@ -99,10 +100,13 @@ if triton is not None:
         DOT_DTYPE: tl.constexpr,  # x's dtype; fp32 under the CPU interpreter (its bf16 tl.dot multiplies raw bits)
         DOT_PREC: tl.constexpr,  # "ieee" for fp32 (never tf32), else unused
         PDL: tl.constexpr = False,  # kernels/pdl.py
+        HAS_DENSE: tl.constexpr = True,  # which formats the projection has (``mixed_gemv.format_flags``)
+        HAS_FP8: tl.constexpr = True,
+        HAS_NVFP4: tl.constexpr = True,
     ):
         prefetch_program_rows(
             tl.program_id(0), d_progs, f_progs, d_ptr, f_ptr, n_ptr, ns_ptr, Nd, Nf, Nn, stride_d, stride_f, stride_n,
-            stride_ns, K, BLOCK_N, PDL,
+            stride_ns, K, BLOCK_N, PDL, HAS_DENSE, HAS_FP8, HAS_NVFP4,
         )  # fmt: skip
         pdl_wait_then_release(PDL)
         pid = tl.program_id(0)
@@ -114,18 +118,25 @@ if triton is not None:
         # xᵀ [BLOCK_K, BLOCK_M] at k = 0 (rows past M read as zeros)
         xt_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # yᵀ
-        if pid < d_progs:
+        ONLY_DENSE: tl.constexpr = not HAS_FP8 and not HAS_NVFP4  # branches of absent formats are not compiled
+        if HAS_DENSE and (ONLY_DENSE or pid < d_progs):
             offs_n = pid * BLOCK_N + offs_b
             n_mask = offs_n < Nd
-            d_ptrs = d_ptr + offs_n[:, None].to(tl.int64) * stride_d + offs_k[None, :]
-            for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-                k_mask = (k0 + offs_k) < K
+            # half the weights a K step: a 16-bit row's step holds an FP8 row's bytes, so the dense branch (in a
+            # projection mostly FP8, GDN in_proj's 64 BF16 rows) does not set the kernel's shared memory: 49 KB a
+            # program at 256-weight steps where the FP8 branch takes 32 (sm_90), 4 programs an SM instead of 7
+            DENSE_K: tl.constexpr = BLOCK_K // 2
+            offs_dk = tl.arange(0, DENSE_K)
+            d_ptrs = d_ptr + offs_n[:, None].to(tl.int64) * stride_d + offs_dk[None, :]
+            xd_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_dk[:, None]
+            for k0 in tl.range(0, K, DENSE_K, num_stages=NUM_STAGES):
+                k_mask = (k0 + offs_dk) < K
                 w = tl.load(d_ptrs + k0, mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(dt)
-                xt = tl.load(xt_ptrs + k0, mask=k_mask[:, None] & m_mask[None, :], other=0.0).to(dt)
+                xt = tl.load(xd_ptrs + k0, mask=k_mask[:, None] & m_mask[None, :], other=0.0).to(dt)
                 acc = tl.dot(w, xt, acc, input_precision=DOT_PREC)
             row_scale = tl.full((BLOCK_N,), 1.0, tl.float32)
             col = d_col
-        elif pid < d_progs + f_progs:
+        elif HAS_FP8 and (not HAS_NVFP4 or pid < d_progs + f_progs):
             offs_n = (pid - d_progs) * BLOCK_N + offs_b
             n_mask = offs_n < Nf
             f_ptrs = f_ptr + offs_n[:, None].to(tl.int64) * stride_f + offs_k[None, :]
@@ -233,6 +244,6 @@ def mixed_dot_triton(x: torch.Tensor, rows: MixedRows) -> torch.Tensor:
     _mixed_dot_kernel[(programs,)](
         *args, rows.K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=_NUM_STAGES,
         DOT_DTYPE=TL_DTYPES[x.dtype] if x.is_cuda else tl.float32, DOT_PREC="ieee", num_warps=_WARPS,
-        **pdl_launch(x2),
+        **format_flags(rows), **pdl_launch(x2),
     )  # fmt: skip
     return out.view(*x.shape[:-1], rows.out_features)

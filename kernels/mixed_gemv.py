@@ -275,16 +275,18 @@ if triton is not None:
     @triton.jit
     def prefetch_program_rows(
         pid, d_progs, f_progs, d_ptr, f_ptr, n_ptr, ns_ptr, Nd, Nf, Nn, stride_d, stride_f, stride_n, stride_ns, K,
-        BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+        BLOCK_N: tl.constexpr, PDL: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_FP8: tl.constexpr,
+        HAS_NVFP4: tl.constexpr,
     ):  # fmt: skip
         """``FREETOKEN_PDL=prefetch`` (``kernels/pdl.py``), before the wait: the first lines of this program's rows
         of one format (and of their NVFP4 block scales) into L2; this kernel's and ``mixed_dot``'s programs map to
-        the formats alike."""
+        the formats alike (``format_flags``)."""
         if PDL == 2:
             offs_b = tl.arange(0, BLOCK_N)
-            if pid < d_progs:
+            ONLY_DENSE: tl.constexpr = not HAS_FP8 and not HAS_NVFP4
+            if HAS_DENSE and (ONLY_DENSE or pid < d_progs):
                 pdl_prefetch_rows(d_ptr, pid * BLOCK_N + offs_b, stride_d, Nd, 0, K, 2, PDL)
-            elif pid < d_progs + f_progs:
+            elif HAS_FP8 and (not HAS_NVFP4 or pid < d_progs + f_progs):
                 f_len = K * 8 // f_ptr.dtype.element_ty.primitive_bitwidth  # fp8 rows as bytes or as words
                 pdl_prefetch_rows(f_ptr, (pid - d_progs) * BLOCK_N + offs_b, stride_f, Nf, 0, f_len, 2, PDL)
             else:
@@ -325,23 +327,28 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         NUM_STAGES: tl.constexpr,
         PDL: tl.constexpr = False,  # kernels/pdl.py
+        HAS_DENSE: tl.constexpr = True,  # which formats the projection has (``format_flags``)
+        HAS_FP8: tl.constexpr = True,
+        HAS_NVFP4: tl.constexpr = True,
     ):
         prefetch_program_rows(
             tl.program_id(0), d_progs, f_progs, d_ptr, f_ptr, n_ptr, ns_ptr, Nd, Nf, Nn, stride_d, stride_f, stride_n,
-            stride_ns, K, BLOCK_N, PDL,
+            stride_ns, K, BLOCK_N, PDL, HAS_DENSE, HAS_FP8, HAS_NVFP4,
         )  # fmt: skip
         pdl_wait_then_release(PDL)
         pid = tl.program_id(0)
         offs_b = tl.arange(0, BLOCK_N)
-        # each branch: its rows, their sums against rows 0..3 of x, the per-row scale, the first output column
-        if pid < d_progs:
+        # each branch: its rows, their sums against rows 0..3 of x, the per-row scale, the first output column; a
+        # format the projection lacks has no branch compiled (``format_flags``)
+        ONLY_DENSE: tl.constexpr = not HAS_FP8 and not HAS_NVFP4
+        if HAS_DENSE and (ONLY_DENSE or pid < d_progs):
             offs_n = pid * BLOCK_N + offs_b
             n_mask = offs_n < Nd
             d_ptrs = d_ptr + offs_n[:, None].to(tl.int64) * stride_d + tl.arange(0, BLOCK_K)[None, :]
             y0, y1, y2, y3 = _dense_rows(d_ptrs, n_mask, x_ptr, M, stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)
             row_scale = tl.full((BLOCK_N,), 1.0, tl.float32)
             col = d_col
-        elif pid < d_progs + f_progs:
+        elif HAS_FP8 and (not HAS_NVFP4 or pid < d_progs + f_progs):
             offs_n = (pid - d_progs) * BLOCK_N + offs_b
             n_mask = offs_n < Nf
             f_ptrs = f_ptr + offs_n[:, None].to(tl.int64) * stride_f + tl.arange(0, BLOCK_K // 4)[None, :]
@@ -442,6 +449,15 @@ def launch_args(rows: MixedRows, x2: torch.Tensor, out: torch.Tensor, block_n: i
     return d_progs + f_progs + n_progs, args
 
 
+def format_flags(rows: MixedRows) -> dict:
+    """The mixed kernels' ``HAS_DENSE`` / ``HAS_FP8`` / ``HAS_NVFP4``: which row formats ``rows`` has. A kernel
+    compiles only those branches, and its registers are those of its hungriest branch: GDN in_proj (BF16 + FP8 rows)
+    through ``mixed_dot`` took 238 a thread for the NVFP4 branch it never runs, 138 without it (sm_90, 32-row
+    programs, 256-weight K steps). Fixed per projection, so each projection compiles one variant."""
+    nd, nf, nn_ = rows.rows
+    return {"HAS_DENSE": nd > 0, "HAS_FP8": nf > 0, "HAS_NVFP4": nn_ > 0}
+
+
 def mixed_gemv_triton(x: torch.Tensor, rows: MixedRows) -> torch.Tensor:
     """``mixed_gemv_torch``'s contract for ``x [..., K]`` with at most ``MAX_M`` rows; CUDA, or CPU under
     TRITON_INTERPRET=1."""
@@ -455,7 +471,7 @@ def mixed_gemv_triton(x: torch.Tensor, rows: MixedRows) -> torch.Tensor:
     programs, args = launch_args(rows, x2, out, bn, torch.int32)  # FP8 as words of four bytes
     _mixed_gemv_kernel[(programs,)](
         *args, K=rows.K, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=bn, BLOCK_K=_block_k(bn), NUM_STAGES=_NUM_STAGES,
-        num_warps=4,
+        num_warps=4, **format_flags(rows),
         **pdl_launch(x2),
     )  # fmt: skip
     return out.view(*x.shape[:-1], rows.out_features)

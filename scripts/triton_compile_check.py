@@ -9,7 +9,7 @@ kernel computes; this checks that the GPU compiler takes it.
 
 Arguments not named in ``--ptr`` or ``--const`` are 32-bit integers, except constexprs with a default (as at
 launch). ``--const`` values are Python literals (``True``, ``64``) or Triton dtypes (``tl.bfloat16``). Prints the
-PTX size and the registers per thread; exits 1 if compiling fails.
+PTX size, the registers per thread and the shared memory a program; exits 1 if compiling fails.
 """
 
 from __future__ import annotations
@@ -63,6 +63,14 @@ def main(argv=None) -> int:
         default="",
         help="comma-separated strings the PTX must contain (e.g. griddepcontrol.wait): exit 3 naming the first absent",
     )
+    p.add_argument(
+        "--max-registers",
+        type=int,
+        default=0,
+        help="exit 4 when ptxas gives a thread more registers than this (0: no bound); with --max-shared, the "
+        "occupancy a launcher's tiles were chosen for",
+    )
+    p.add_argument("--max-shared", type=int, default=0, help="exit 4 above this many bytes of shared memory a program")
     a = p.parse_args(argv)
     sys.path.insert(0, os.path.join(ROOT, "python"))
     import triton
@@ -96,7 +104,9 @@ def main(argv=None) -> int:
             inner = inner.__cause__
         print(f"{name} does not compile for sm_{a.arch}: {e}" + "".join(causes))
         return 1
-    usage, advisories = _ptxas_usage(compiled.asm["ptx"], a.arch)
+    usage, advisories, registers = _ptxas_usage(compiled.asm["ptx"], a.arch)
+    shared = getattr(compiled.metadata, "shared", None)  # bytes a program: with registers, what sets occupancy
+    usage += f", {shared} bytes of shared memory" if shared is not None else ""
     print(f"{name}: sm_{a.arch} PTX {len(compiled.asm['ptx'])} bytes" + usage)
     for line in advisories:
         print(f"  ptxas: {line}")
@@ -107,13 +117,19 @@ def main(argv=None) -> int:
         if text not in compiled.asm["ptx"]:
             print(f"{name}: its PTX has no {text!r}")
             return 3
+    if a.max_registers and (registers is None or registers > a.max_registers):
+        print(f"{name}: {registers} registers a thread, more than {a.max_registers} (or ptxas did not say)")
+        return 4
+    if a.max_shared and (shared is None or shared > a.max_shared):
+        print(f"{name}: {shared} bytes of shared memory a program, more than {a.max_shared}")
+        return 4
     return 0
 
 
-def _ptxas_usage(ptx: str, arch: int) -> tuple[str, list[str]]:
+def _ptxas_usage(ptx: str, arch: int) -> tuple[str, list[str], int | None]:
     """Registers and spill bytes per thread, from the ptxas Triton compiled with (``get_ptxas``) run verbosely on the
-    PTX (the driver that would report them is not here), and its performance advisories (``(C75xx) Potential
-    Performance Loss: ...``, which Triton does not show); empty where that fails."""
+    PTX (the driver that would report them is not here), its performance advisories (``(C75xx) Potential
+    Performance Loss: ...``, which Triton does not show), and the register count; empty (None) where that fails."""
     import re
     import subprocess
     import tempfile
@@ -123,7 +139,7 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[str, list[str]]:
 
         ptxas = get_ptxas(arch).path
     except Exception:
-        return "", []
+        return "", [], None
     with tempfile.TemporaryDirectory() as d:
         src = os.path.join(d, "k.ptx")
         with open(src, "w") as f:
@@ -139,7 +155,7 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[str, list[str]]:
     usage = (f", {regs.group(1)} registers" if regs else "") + (
         f", {spills.group(1)} bytes of spill stores" if spills else ""
     )
-    return usage, advisories
+    return usage, advisories, int(regs.group(1)) if regs else None
 
 
 if __name__ == "__main__":

@@ -23,11 +23,14 @@ def compile_check(
     stages: int = 3,
     async_wgmma: bool = False,
     ptx_has: str = "",
+    max_registers: int = 0,
+    max_shared: int = 0,
 ) -> int:
     """The script's exit status for ``kernel`` with ``ptr`` types (scalars too), ``const`` constexprs and the
     integer arguments ``div16`` marks as multiples of 16 (as the JIT marks them at Qwen3.6's shapes).
     ``async_wgmma``: 2 when ptxas serializes the kernel's wgmmas; ``ptx_has``: 3 when the PTX lacks one of these
-    comma-separated strings."""
+    comma-separated strings; ``max_registers`` / ``max_shared``: 4 above that many registers a thread / bytes of
+    shared memory a program."""
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
         pytest.skip("this triton wheel has no ptxas")
     spec = importlib.util.spec_from_file_location("triton_compile_check", f"{ROOT}/scripts/triton_compile_check.py")
@@ -46,6 +49,8 @@ def compile_check(
             f"--div16={div16}",
             *(["--async-wgmma"] if async_wgmma else []),
             f"--ptx-has={ptx_has}",
+            f"--max-registers={max_registers}",
+            f"--max-shared={max_shared}",
         ]
     )
 
@@ -239,6 +244,22 @@ def test_mixed_dot_compiles_for_sm90(block_m, block_n, block_k):
     const.update(DOT_PREC="'ieee'")
     div16 = "stride_xm,stride_om,stride_d,stride_f,stride_n,stride_ns,K"
     assert compile_check("freetoken.kernels.mixed_dot:_mixed_dot_kernel", ptr, const, div16, warps=2) == 0
+
+
+@pytest.mark.parametrize("formats", ["dense+fp8", "fp8"])
+def test_mixed_dot_compiles_only_its_formats_for_sm90(formats):
+    """A projection's mixed kernel compiles only the branches of the formats it has (``mixed_gemv.format_flags``),
+    and a dense row's K step holds an FP8 row's bytes: GDN in_proj (BF16 + FP8 rows; 32-row programs, 256-weight
+    steps at 8 rows of x) and the FP8-only attention projections then fit 7 programs an SM (<= 160 registers on 2
+    warps, <= 32 KB of shared memory; 228 KB an SM). With every branch compiled the kernel took 238 registers and
+    49 KB: 4 programs an SM, too few warps to hide a K step's conversions (2026-12-05)."""
+    ptr = {"x_ptr": "*bf16", "out_ptr": "*bf16", "d_ptr": "*bf16", "f_ptr": "*u8", "fs_ptr": "*fp32", "n_ptr": "*i32"}
+    ptr.update({"ns_ptr": "*u8", "ng_ptr": "*fp32"})
+    const = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "NUM_STAGES": 3, "DOT_DTYPE": "tl.bfloat16"}
+    const.update({"DOT_PREC": "'ieee'", "HAS_DENSE": formats == "dense+fp8", "HAS_FP8": True, "HAS_NVFP4": False})
+    div16 = "K,stride_xm,stride_om,stride_d,stride_f,stride_n,stride_ns"
+    kernel = "freetoken.kernels.mixed_dot:_mixed_dot_kernel"
+    assert compile_check(kernel, ptr, const, div16, warps=2, max_registers=160, max_shared=32768) == 0
 
 
 @pytest.mark.parametrize("pdl", [0, 1, 2])
