@@ -155,14 +155,19 @@ if triton is not None:
             offs_n = (pid - d_progs - f_progs) * BLOCK_N + offs_b
             n_mask = offs_n < Nn
             rows = offs_n[:, None].to(tl.int64)
-            offs_w = tl.arange(0, BLOCK_K // 8)
-            offs_s = tl.arange(0, BLOCK_K // 16)
+            # at most 256 weights a step: decoding 512 a row spills registers (sm_90: ~450 bytes a thread at 16
+            # rows, the MoE router|shared and the shared expert's down), and an NVFP4 row's 256 are 128 bytes
+            NVFP4_K: tl.constexpr = min(BLOCK_K, 256)
+            offs_nk = tl.arange(0, NVFP4_K)
+            offs_w = tl.arange(0, NVFP4_K // 8)
+            offs_s = tl.arange(0, NVFP4_K // 16)
             n_ptrs = n_ptr + rows * stride_n + offs_w[None, :]
             s_ptrs = ns_ptr + rows * stride_ns + offs_s[None, :]
-            for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-                xt = tl.load(xt_ptrs + k0, mask=((k0 + offs_k) < K)[:, None] & m_mask[None, :], other=0.0).to(dt)
+            xn_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_nk[:, None]
+            for k0 in tl.range(0, K, NVFP4_K, num_stages=NUM_STAGES):
+                xt = tl.load(xn_ptrs + k0, mask=((k0 + offs_nk) < K)[:, None] & m_mask[None, :], other=0.0).to(dt)
                 acc = tile_dot_step(
-                    n_ptrs, s_ptrs, n_mask, k0, K, offs_w, offs_s, xt, acc, BLOCK_N, BLOCK_K // 8, dt, DOT_PREC
+                    n_ptrs, s_ptrs, n_mask, k0, K, offs_w, offs_s, xt, acc, BLOCK_N, NVFP4_K // 8, dt, DOT_PREC
                 )
             row_scale = tl.load(ng_ptr + offs_n * stride_ng, mask=n_mask, other=0.0).to(tl.float32)
             col = n_col
