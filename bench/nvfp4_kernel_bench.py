@@ -662,8 +662,9 @@ def lone_rows(layer):
 
 # launch settings of kernels/mixed_dot.py the --mixed-dot-sweep times: (warps, weights a K step (None: the
 # kernel's rule), most rows a program). The last two test a suspect (2026-12-05, from the sm_90 builds alone): GDN
-# in_proj's 386 programs of 32 rows hold 238 registers a thread (a 256-weight K step) and leave ~6 warps an SM to
-# hide the FP8 conversions' latency; 128-weight steps take 128 registers, 16-row programs double the programs (772)
+# in_proj's 386 programs of 32 rows (~3 an SM) leave ~6 warps an SM to hide the FP8 conversions' latency. With each
+# projection compiling only its formats (mixed_gemv.format_flags) its programs take 118 registers and 32 KB at
+# 256-weight steps, so 16-row programs (772, ~6 an SM: 96 registers, 24 KB) now fit beside each other
 MIXED_DOT_SWEEP = [
     (2, None, 64),
     (4, None, 64),
