@@ -124,7 +124,7 @@ if triton is not None:
             n_mask = offs_n < Nd
             # half the weights a K step: a 16-bit row's step holds an FP8 row's bytes, so the dense branch (in a
             # projection mostly FP8, GDN in_proj's 64 BF16 rows) does not set the kernel's shared memory: 49 KB a
-            # program at 256-weight steps where the FP8 branch takes 32 (sm_90), 4 programs an SM instead of 7
+            # program at 256-weight steps where the FP8 branch takes 32 (sm_90): room for 4 programs an SM, not 7
             DENSE_K: tl.constexpr = BLOCK_K // 2
             offs_dk = tl.arange(0, DENSE_K)
             d_ptrs = d_ptr + offs_n[:, None].to(tl.int64) * stride_d + offs_dk[None, :]
