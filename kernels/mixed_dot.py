@@ -54,8 +54,10 @@ MAX_M = 32
 # H200), and a K step of _STEP_WEIGHTS weights over the program's rows at 16 rows of x, half as many at 32 (128..512
 # a row; None in _BLOCK_K: that rule; the 32-row tiles spill registers on sm_90 with more): each program keeps a few
 # steps of its rows' bytes in flight, and a projection with few rows (o_proj: 2,048, 16 a program) is otherwise
-# latency-bound (H200, 4 warps and 128-weight steps: 20 us where its 8 MB take 2). 2 warps: mma.sync on the tile in registers (4 warps take wgmma, which ran the NVFP4 fp16 tiles 1.5x slower on the
-# H200, kernels/nvfp4_linear.py). bench/nvfp4_kernel_bench.py --groups mixed --mixed-dot-sweep times the choices.
+# latency-bound (H200, 4 warps and 128-weight steps: 20 us where its 8 MB take 2). That step is the FP8 rows'; BF16
+# rows take half as many weights (the same bytes) and NVFP4 rows at most 256 (see the kernel). 2 warps: mma.sync on
+# the tile in registers (4 warps take wgmma, which ran the NVFP4 fp16 tiles 1.5x slower on the H200,
+# kernels/nvfp4_linear.py). bench/nvfp4_kernel_bench.py --groups mixed --mixed-dot-sweep times the choices.
 _BLOCK_K = None
 _STEP_WEIGHTS = 8192
 _MAX_BLOCK_N = 64
