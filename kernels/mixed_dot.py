@@ -41,7 +41,7 @@ try:  # keep the module importable without triton
     import triton
     import triton.language as tl
 
-    from .mixed_gemv import prefetch_program_rows
+    from .mixed_gemv import prefetch_program_rows, program_format
     from .nvfp4_tiles import TL_DTYPES, tile_dot_step
     from .pdl import pdl_launch, pdl_wait_then_release
 except Exception:  # pragma: no cover
@@ -120,8 +120,8 @@ if triton is not None:
         # xᵀ [BLOCK_K, BLOCK_M] at k = 0 (rows past M read as zeros)
         xt_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # yᵀ
-        ONLY_DENSE: tl.constexpr = not HAS_FP8 and not HAS_NVFP4  # branches of absent formats are not compiled
-        if HAS_DENSE and (ONLY_DENSE or pid < d_progs):
+        dense, fp8 = program_format(pid, d_progs, f_progs, HAS_DENSE, HAS_FP8, HAS_NVFP4)  # absent: not compiled
+        if dense:
             offs_n = pid * BLOCK_N + offs_b
             n_mask = offs_n < Nd
             # half the weights a K step: a 16-bit row's step holds an FP8 row's bytes, so the dense branch (in a
@@ -138,7 +138,7 @@ if triton is not None:
                 acc = tl.dot(w, xt, acc, input_precision=DOT_PREC)
             row_scale = tl.full((BLOCK_N,), 1.0, tl.float32)
             col = d_col
-        elif HAS_FP8 and (not HAS_NVFP4 or pid < d_progs + f_progs):
+        elif fp8:
             offs_n = (pid - d_progs) * BLOCK_N + offs_b
             n_mask = offs_n < Nf
             f_ptrs = f_ptr + offs_n[:, None].to(tl.int64) * stride_f + offs_k[None, :]

@@ -273,6 +273,16 @@ if triton is not None:
         tl.store(out_ptr + m * stride_om + col + offs_n, y.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def program_format(pid, d_progs, f_progs, HAS_DENSE: tl.constexpr, HAS_FP8: tl.constexpr, HAS_NVFP4: tl.constexpr):
+        """``(dense, fp8)``: whether program ``pid`` takes dense rows, else FP8 rows, else NVFP4 rows (the mixed
+        kernels' programs map to the row blocks in that order). A format the projection lacks (``format_flags``) is
+        False when the kernel compiles, so its branch is not compiled."""
+        ONLY_DENSE: tl.constexpr = not HAS_FP8 and not HAS_NVFP4
+        dense = HAS_DENSE and (ONLY_DENSE or pid < d_progs)
+        fp8 = HAS_FP8 and (not HAS_NVFP4 or pid < d_progs + f_progs)
+        return dense, fp8
+
+    @triton.jit
     def prefetch_program_rows(
         pid, d_progs, f_progs, d_ptr, f_ptr, n_ptr, ns_ptr, Nd, Nf, Nn, stride_d, stride_f, stride_n, stride_ns, K,
         BLOCK_N: tl.constexpr, PDL: tl.constexpr, HAS_DENSE: tl.constexpr, HAS_FP8: tl.constexpr,
@@ -283,10 +293,10 @@ if triton is not None:
         the formats alike (``format_flags``)."""
         if PDL == 2:
             offs_b = tl.arange(0, BLOCK_N)
-            ONLY_DENSE: tl.constexpr = not HAS_FP8 and not HAS_NVFP4
-            if HAS_DENSE and (ONLY_DENSE or pid < d_progs):
+            dense, fp8 = program_format(pid, d_progs, f_progs, HAS_DENSE, HAS_FP8, HAS_NVFP4)
+            if dense:
                 pdl_prefetch_rows(d_ptr, pid * BLOCK_N + offs_b, stride_d, Nd, 0, K, 2, PDL)
-            elif HAS_FP8 and (not HAS_NVFP4 or pid < d_progs + f_progs):
+            elif fp8:
                 f_len = K * 8 // f_ptr.dtype.element_ty.primitive_bitwidth  # fp8 rows as bytes or as words
                 pdl_prefetch_rows(f_ptr, (pid - d_progs) * BLOCK_N + offs_b, stride_f, Nf, 0, f_len, 2, PDL)
             else:
@@ -339,16 +349,16 @@ if triton is not None:
         pid = tl.program_id(0)
         offs_b = tl.arange(0, BLOCK_N)
         # each branch: its rows, their sums against rows 0..3 of x, the per-row scale, the first output column; a
-        # format the projection lacks has no branch compiled (``format_flags``)
-        ONLY_DENSE: tl.constexpr = not HAS_FP8 and not HAS_NVFP4
-        if HAS_DENSE and (ONLY_DENSE or pid < d_progs):
+        # format the projection lacks has no branch compiled (``program_format``)
+        dense, fp8 = program_format(pid, d_progs, f_progs, HAS_DENSE, HAS_FP8, HAS_NVFP4)
+        if dense:
             offs_n = pid * BLOCK_N + offs_b
             n_mask = offs_n < Nd
             d_ptrs = d_ptr + offs_n[:, None].to(tl.int64) * stride_d + tl.arange(0, BLOCK_K)[None, :]
             y0, y1, y2, y3 = _dense_rows(d_ptrs, n_mask, x_ptr, M, stride_xm, K, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES)
             row_scale = tl.full((BLOCK_N,), 1.0, tl.float32)
             col = d_col
-        elif HAS_FP8 and (not HAS_NVFP4 or pid < d_progs + f_progs):
+        elif fp8:
             offs_n = (pid - d_progs) * BLOCK_N + offs_b
             n_mask = offs_n < Nf
             f_ptrs = f_ptr + offs_n[:, None].to(tl.int64) * stride_f + tl.arange(0, BLOCK_K // 4)[None, :]

@@ -250,9 +250,9 @@ def test_mixed_dot_compiles_for_sm90(block_m, block_n, block_k):
 def test_mixed_dot_compiles_only_its_formats_for_sm90(formats):
     """A projection's mixed kernel compiles only the branches of the formats it has (``mixed_gemv.format_flags``),
     and a dense row's K step holds an FP8 row's bytes: GDN in_proj (BF16 + FP8 rows; 32-row programs, 256-weight
-    steps at 8 rows of x) and the FP8-only attention projections then fit 7 programs an SM (<= 160 registers on 2
-    warps, <= 32 KB of shared memory; 228 KB an SM). With every branch compiled the kernel took 238 registers and
-    49 KB: 4 programs an SM, too few warps to hide a K step's conversions (2026-12-05)."""
+    steps at 8 rows of x) and the FP8-only attention projections then leave room for 7 programs an SM (<= 160
+    registers on 2 warps, <= 32 KB of shared memory; 228 KB an SM), which smaller programs than in_proj's ~3 an SM
+    can use. With every branch compiled the kernel took 238 registers and 49 KB: room for 4 (2026-12-05)."""
     ptr = {"x_ptr": "*bf16", "out_ptr": "*bf16", "d_ptr": "*bf16", "f_ptr": "*u8", "fs_ptr": "*fp32", "n_ptr": "*i32"}
     ptr.update({"ns_ptr": "*u8", "ng_ptr": "*fp32"})
     const = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "NUM_STAGES": 3, "DOT_DTYPE": "tl.bfloat16"}
