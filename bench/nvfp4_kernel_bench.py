@@ -333,6 +333,11 @@ MOE_SWEEP = [
     # the default down kernel with a tail (2k tokens) spills on sm_90 (255 registers, 152 bytes; 80 KB of shared
     # memory): 64-weight K steps take 222 registers and 40 KB, no spills (2026-12-05, compile only)
     {"down_block_k": 64},
+    # 256-row blocks: at 8,192 tokens (~256 pairs an expert) each weight tile is decoded once instead of twice.
+    # sm_90 builds, no spills (2026-12-05, compile only): gate|up (one tile) 227 registers / 108 KB; down 128 x 64
+    # tiles 254 / 108 KB, 64 x 64 tiles 132 / 104 KB
+    {"block_m": 256, "down_block_k": 64},
+    {"block_m": 256, "down_block_n": 64, "down_block_k": 64},
 ]
 
 

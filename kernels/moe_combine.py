@@ -1,9 +1,8 @@
 """The last step of a grouped MoE: each token's k weighted expert rows summed, plus the gated shared expert.
 
-The grouped kernels write one row per (token, expert) pair: ``nvfp4_moe.py`` in fp32, already times its routing
-weight; ``fused_moe.py`` its down projection rounded to the activation dtype (as the reference rounds it), which the
-combine scales by the routing weight ``w`` in fp32 (half the bytes written and read of fp32 rows, same result). The
-block's output is then
+The grouped kernels (``fused_moe.py``, ``nvfp4_moe.py``) write one row per (token, expert) pair: its down projection
+rounded to the activation dtype (as the reference rounds it), which the combine scales by the routing weight ``w`` in
+fp32 (half the bytes written and read of fp32 weighted rows, same result). The block's output is then
 
     out = cast(Σ_j w[t·k + j] · partial[t·k + j]) + cast(sigmoid(gate[t])) · shared[t]      (w = 1 when not given)
 

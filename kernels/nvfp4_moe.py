@@ -799,19 +799,17 @@ if triton is not None:
 
     @triton.jit
     def _down_store(
-        acc, pair, m_mask, offs_n, n_mask, hf_ptr, glob, wt_ptr, out_ptr, stride_ot, dt, HALF: tl.constexpr
+        acc, pair, m_mask, offs_n, n_mask, hf_ptr, glob, out_ptr, stride_ot, dt, HALF: tl.constexpr
     ):
-        """One token tile's down projection (``[BLOCK_N, rows]``): HALF's row factor, the global scale, rounded to
-        x's dtype as the reference, then times the routing weight; stored in fp32."""
+        """One token tile's down projection (``[BLOCK_N, rows]``): HALF's row factor, the global scale, stored
+        rounded to x's dtype as the reference rounds it (the combine applies the routing weight)."""
         acc = acc * _row_factor(hf_ptr, pair, m_mask, HALF)[None, :]
-        rw = tl.load(wt_ptr + pair, mask=m_mask, other=0.0).to(tl.float32)
-        acc = (acc * glob[:, None]).to(dt).to(tl.float32) * rw[None, :]
         o_ptrs = out_ptr + pair[None, :].to(tl.int64) * stride_ot + offs_n[:, None]
-        tl.store(o_ptrs, acc, mask=n_mask[:, None] & m_mask[None, :])
+        tl.store(o_ptrs, (acc * glob[:, None]).to(dt), mask=n_mask[:, None] & m_mask[None, :])
 
     @triton.jit
     def _nvfp4_down_rows(
-        h_ptr, hf_ptr, w_ptr, s_ptr, g_ptr, wt_ptr, out_ptr, e, num_experts, pair, m_mask, pair_t, t_mask, H, I,
+        h_ptr, hf_ptr, w_ptr, s_ptr, g_ptr, out_ptr, e, num_experts, pair, m_mask, pair_t, t_mask, H, I,
         stride_ht, stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_ot,
         BLOCK_M: tl.constexpr, TAIL_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         NUM_STAGES: tl.constexpr, DOT_PREC: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr,
@@ -844,15 +842,15 @@ if triton is not None:
                     htt = tl.load(tt_ptrs + k0, mask=k_ok & t_mask[None, :], other=0.0)
                     acc_t = _tile_times(tile, htt, acc_t, DOT_PREC, HALF)
             glob = tl.load(g_ptr + e64 * stride_ge + offs_n, mask=n_mask, other=0.0)
-            _down_store(acc, pair, m_mask, offs_n, n_mask, hf_ptr, glob, wt_ptr, out_ptr, stride_ot, dt, HALF)
+            _down_store(acc, pair, m_mask, offs_n, n_mask, hf_ptr, glob, out_ptr, stride_ot, dt, HALF)
             if WITH_TAIL:
-                _down_store(acc_t, pair_t, t_mask, offs_n, n_mask, hf_ptr, glob, wt_ptr, out_ptr, stride_ot, dt, HALF)
+                _down_store(acc_t, pair_t, t_mask, offs_n, n_mask, hf_ptr, glob, out_ptr, stride_ot, dt, HALF)
         else:  # the dummy expert: ids outside the bank add zeros
             o_ptrs = out_ptr + pair[None, :].to(tl.int64) * stride_ot + offs_n[:, None]
-            tl.store(o_ptrs, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), mask=n_mask[:, None] & m_mask[None, :])
+            tl.store(o_ptrs, tl.zeros((BLOCK_N, BLOCK_M), dtype=dt), mask=n_mask[:, None] & m_mask[None, :])
             if WITH_TAIL:
                 o_ptrs = out_ptr + pair_t[None, :].to(tl.int64) * stride_ot + offs_n[:, None]
-                zeros = tl.zeros((BLOCK_N, TAIL_ROWS), dtype=tl.float32)
+                zeros = tl.zeros((BLOCK_N, TAIL_ROWS), dtype=dt)
                 tl.store(o_ptrs, zeros, mask=n_mask[:, None] & t_mask[None, :])
 
     @triton.jit(do_not_specialize=["num_pairs"])
@@ -862,8 +860,7 @@ if triton is not None:
         w_ptr,  # int32 words [E, H, I/8]
         s_ptr,  # uint8 e4m3 bits [E, H, I/16]
         g_ptr,  # fp32 [E, H]
-        wt_ptr,  # [T*k] routing weights in x's dtype
-        out_ptr,  # [T*k, H] fp32
+        out_ptr,  # [T*k, H] in x's dtype, unweighted (moe_combine applies the routing weights)
         sorted_ids_ptr,
         block_expert_ptr,
         num_pairs,
@@ -902,13 +899,13 @@ if triton is not None:
                 pair_t, t_mask = _no_tail_rows(num_pairs, TAIL_ROWS)
             if has_tail:
                 _nvfp4_down_rows(
-                    h_ptr, hf_ptr, w_ptr, s_ptr, g_ptr, wt_ptr, out_ptr, e, num_experts, pair, m_mask, pair_t, t_mask,
+                    h_ptr, hf_ptr, w_ptr, s_ptr, g_ptr, out_ptr, e, num_experts, pair, m_mask, pair_t, t_mask,
                     H, I, stride_ht, stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_ot, BLOCK_M,
                     TAIL_ROWS, BLOCK_N, BLOCK_K, NUM_STAGES, DOT_PREC, HALF, ASM, X_DTYPE, True,
                 )  # fmt: skip
             else:
                 _nvfp4_down_rows(
-                    h_ptr, hf_ptr, w_ptr, s_ptr, g_ptr, wt_ptr, out_ptr, e, num_experts, pair, m_mask, pair_t, t_mask,
+                    h_ptr, hf_ptr, w_ptr, s_ptr, g_ptr, out_ptr, e, num_experts, pair, m_mask, pair_t, t_mask,
                     H, I, stride_ht, stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_ot, BLOCK_M,
                     TAIL_ROWS, BLOCK_N, BLOCK_K, NUM_STAGES, DOT_PREC, HALF, ASM, X_DTYPE, False,
                 )  # fmt: skip
@@ -1030,15 +1027,15 @@ def nvfp4_fused_moe_triton(
         HALF=half, ASM=asm, TAIL=cfg["tail"], TAIL_ROWS=max(cfg["tail"], 16), num_warps=cfg["warps"],
         **pdl_launch(xh),
     )  # fmt: skip
-    partial = torch.empty(n, H, dtype=torch.float32, device=x.device)
-    wts = topk_weights.reshape(-1).contiguous()
+    # rows rounded to x's dtype, the routing weights applied in the combine (as fused_moe's): half the bytes of fp32
+    partial = torch.empty(n, H, dtype=x.dtype, device=x.device)
     ih, hf = half_rows(inter) if half else (inter, inter)
     bn2, bk2 = cfg["down_block_n"], cfg["down_block_k"]
     _nvfp4_moe_down_kernel[(nblocks, triton.cdiv(H, bn2))](
-        ih, hf, w2b, w2s, w2_global, wts, partial, sorted_ids, block_expert, n, E, H, I, ih.stride(0),
+        ih, hf, w2b, w2s, w2_global, partial, sorted_ids, block_expert, n, E, H, I, ih.stride(0),
         w2b.stride(0), w2b.stride(1), w2s.stride(0), w2s.stride(1), w2_global.stride(0), partial.stride(0),
         BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, NUM_STAGES=cfg["stages"], DOT_PREC=prec, HALF=half, ASM=asm,
         X_DTYPE=TL_DTYPES[x.dtype], TAIL=cfg["tail"], TAIL_ROWS=max(cfg["tail"], 16), num_warps=cfg["warps"],
         **pdl_launch(ih),
     )  # fmt: skip
-    return moe_combine_triton(partial, k, x.dtype, shared, shared_gate, out=out)
+    return moe_combine_triton(partial, k, x.dtype, shared, shared_gate, weights=topk_weights, out=out)

@@ -319,6 +319,7 @@ _CPU_SCRIPT = textwrap.dedent(
         note("grouped " + key, t.check_grouped(40, 8, 3, 32, 48, dt, "cpu", skew=True, **plain))  # long runs, empty experts
         note("grouped " + key, t.check_grouped(24, 5, 2, 160, 80, dt, "cpu", **plain))  # K tails, I not a power of two
         note("grouped " + key, t.check_grouped(60, 3, 2, 32, 48, dt, "cpu", block_m=128, invalid=True, **plain))
+        note("grouped " + key, t.check_grouped(300, 2, 1, 32, 48, dt, "cpu", block_m=256, invalid=True))  # moesweep's
         # gate and up rows in one tile (I not a multiple of the tile: masked rows in both halves), other tiles
         fused = dict(fuse_gate_up=True, gu_block_n=32, gu_block_k=64, stages=2)
         note("grouped " + key, t.check_grouped(24, 5, 2, 160, 80, dt, "cpu", tune=fused, invalid=True))

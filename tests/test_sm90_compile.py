@@ -176,7 +176,7 @@ def test_nvfp4_grouped_moe_compiles_for_sm90(half, tail, fuse):
     gu = dict(const, TOPK=8, BLOCK_N=64, BLOCK_K=64 if fuse else 128, FUSE_GU=fuse)
     div16 = "H,I,stride_xt,stride_we,stride_wn,stride_se,stride_sn,stride_ge,stride_ot"
     assert compile_check("freetoken.kernels.nvfp4_moe:_nvfp4_moe_gate_up_kernel", ptr, gu, div16) == 0
-    ptr = dict(common, h_ptr=x, hf_ptr="*fp32", wt_ptr="*bf16", out_ptr="*fp32")
+    ptr = dict(common, h_ptr=x, hf_ptr="*fp32", out_ptr="*bf16")
     down = dict(const, BLOCK_N=128, BLOCK_K=128, X_DTYPE="tl.bfloat16")
     div16 = div16.replace("stride_xt", "stride_ht")
     assert compile_check("freetoken.kernels.nvfp4_moe:_nvfp4_moe_down_kernel", ptr, down, div16) == 0
