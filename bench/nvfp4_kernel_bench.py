@@ -78,7 +78,10 @@ def parse_args(argv=None):
     p.add_argument("--routing", default=env_routing if env_routing not in ("", "off") else "uniform,zipf")
     p.add_argument("--reps", type=int, default=20, help="calls per timed CUDA-graph replay")
     p.add_argument(
-        "--sweep-only", default="", help="bf16sweep: only the settings whose label contains this (and the default)"
+        "--sweep-only",
+        default="",
+        help="bf16sweep / moesweep: only the settings whose label contains one of these '|'-separated texts (and the "
+        "default), e.g. 'tail=16|block_m=256'",
     )
     p.add_argument(
         "--mixed-block-k", type=int, default=None, help="the mixed GEMV's K step (weights) at every size, for A/B runs"
@@ -341,6 +344,11 @@ MOE_SWEEP = [
 ]
 
 
+def sweep_selected(label: str, only: str) -> bool:
+    """Whether a sweep setting's label is among ``--sweep-only``'s '|'-separated texts (all when it is empty)."""
+    return not only or any(part in label for part in only.split("|"))
+
+
 def bench_moe_sweep(a, device, dtype, bw) -> list:
     """The grouped NVFP4 kernel at prefill sizes under each of ``MOE_SWEEP``'s launch settings (the issue's target:
     no slower than BF16), uniform routing."""
@@ -364,6 +372,8 @@ def bench_moe_sweep(a, device, dtype, bw) -> list:
         t_bf16 = time_calls(cycled(lambda r: run_experts("triton", x, w13, w2, *r), routes, reps), device)
         for tune in MOE_SWEEP:
             label = ",".join(f"{key}={v}" for key, v in tune.items()) or "default"
+            if tune and not sweep_selected(label, a.sweep_only):
+                continue
             call = lambda r, c=tune: nvfp4_fused_moe_triton(x, *bank, *r, tune=c)  # noqa: E731
             try:
                 t = time_calls(cycled(call, routes, reps), device)
@@ -435,7 +445,7 @@ def bench_bf16_moe_sweep(a, device, dtype, bw) -> list:
             t_default = None
             for tune in BF16_MOE_SWEEP:
                 label = ",".join(f"{key}={v}" for key, v in tune.items()) or "default"
-                if tune and a.sweep_only not in label:
+                if tune and not sweep_selected(label, a.sweep_only):
                     continue
                 call = lambda r, c=tune: fused_moe_triton(x, w13, w2, *r, tune=c)  # noqa: E731
                 try:

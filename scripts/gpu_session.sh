@@ -34,7 +34,8 @@
 #   decsweep bench/nvfp4_kernel_bench.py --groups decsweep: the NVFP4 MoE decode GEMVs' launch settings at 1-32
 #            tokens (shared expert in the down kernel's epilogue, as the NVFP4 Qwen3.6 layer runs them)
 #   moesweep bench/nvfp4_kernel_bench.py --groups moesweep: the grouped NVFP4 MoE's launch settings at 1k-8k tokens
-#            (run it alone: a server starting on the same GPU disturbs the timings)
+#            (MOESWEEP_MS; MOESWEEP_ONLY='a|b' keeps the settings whose label holds a or b; run it alone: a server
+#            starting on the same GPU disturbs the timings)
 #   shutdown bench/shutdown_check.py: a CUDA server keeps its SIGTERM handler, drains and exits 0
 #   policies the expert cache's eviction A/B (bench/decode_bench.py --offload-policies lfu,lru on the NVFP4 config,
 #            offload decode only, 1 and 32 streams: 32 x top-8 now decodes from graphs over the cache, unmeasured) and
@@ -67,7 +68,8 @@
 #   piece    bench/gdn_piece_bench.py: the GDN tail kernel (a cached turn's < 64 tokens after its grid point) at
 #            Qwen3.6's shape, graph-captured launches, beside fla's recurrent kernel
 #   bf16sweep bench/nvfp4_kernel_bench.py --groups bf16sweep: the BF16 grouped MoE's launch settings at 2,184 and
-#            8,192 tokens, uniform and Zipf routing (run it alone, as moesweep)
+#            8,192 tokens, uniform and Zipf routing (BF16SWEEP_MS, BF16SWEEP_ROUTING, BF16SWEEP_ONLY as
+#            MOESWEEP_ONLY; run it alone, as moesweep)
 #   stress   issue 12's stress run (bench/radix_stress.py): 16 concurrent 4-turn sessions with hang-ups on the
 #            hybrid radix server, all resident, then with NVFP4 experts offloaded; every request answered and every
 #            slot and snapshot accounted for
@@ -261,8 +263,8 @@ if [[ " $SECTIONS " == *" piece "* ]]; then
   grep -v -i warn "$OUT/gdn_piece.log"
 fi
 if [[ " $SECTIONS " == *" bf16sweep "* ]]; then
-  timeout ${SWEEP_TIMEOUT:-300} python3 bench/nvfp4_kernel_bench.py --groups bf16sweep --ms 2184,8192 \
-      --routing uniform,zipf --out "$OUT/bf16_moe_sweep.json" > "$OUT/bf16_moe_sweep.log" 2>&1
+  timeout ${SWEEP_TIMEOUT:-300} python3 bench/nvfp4_kernel_bench.py --groups bf16sweep --ms ${BF16SWEEP_MS:-2184,8192} \
+      --routing ${BF16SWEEP_ROUTING:-uniform,zipf} --sweep-only "${BF16SWEEP_ONLY:-}" --out "$OUT/bf16_moe_sweep.json" > "$OUT/bf16_moe_sweep.log" 2>&1
   grep -E "^bf16 |HBM copy" "$OUT/bf16_moe_sweep.log"
 fi
 if [[ " $SECTIONS " == *" nvfp4ab "* ]]; then
@@ -278,8 +280,8 @@ if [[ " $SECTIONS " == *" decsweep "* ]]; then
       --routing uniform --out "$OUT/nvfp4_decsweep.json" 2>&1 | tee "$OUT/nvfp4_decsweep.log" | grep -E "^decode|HBM copy"
 fi
 if [[ " $SECTIONS " == *" moesweep "* ]]; then
-  timeout ${SWEEP_TIMEOUT:-300} python3 bench/nvfp4_kernel_bench.py --groups moesweep --ms 1024,2048,4096,8192 \
-      --out "$OUT/nvfp4_moesweep.json" 2>&1 | tee "$OUT/nvfp4_moesweep.log" | grep -E "grouped|HBM copy|moesweep"
+  timeout ${SWEEP_TIMEOUT:-300} python3 bench/nvfp4_kernel_bench.py --groups moesweep --ms ${MOESWEEP_MS:-1024,2048,4096,8192} \
+      --sweep-only "${MOESWEEP_ONLY:-}" --out "$OUT/nvfp4_moesweep.json" 2>&1 | tee "$OUT/nvfp4_moesweep.log" | grep -E "grouped|HBM copy|moesweep"
 fi
 if [[ " $SECTIONS " == *" shutdown "* ]]; then
   timeout ${SHUTDOWN_TIMEOUT:-200} python3 bench/shutdown_check.py --out "$OUT/shutdown_check.json" -- \
