@@ -798,9 +798,7 @@ if triton is not None:
                 )  # fmt: skip
 
     @triton.jit
-    def _down_store(
-        acc, pair, m_mask, offs_n, n_mask, hf_ptr, glob, out_ptr, stride_ot, dt, HALF: tl.constexpr
-    ):
+    def _down_store(acc, pair, m_mask, offs_n, n_mask, hf_ptr, glob, out_ptr, stride_ot, dt, HALF: tl.constexpr):
         """One token tile's down projection (``[BLOCK_N, rows]``): HALF's row factor, the global scale, stored
         rounded to x's dtype as the reference rounds it (the combine applies the routing weight)."""
         acc = acc * _row_factor(hf_ptr, pair, m_mask, HALF)[None, :]
