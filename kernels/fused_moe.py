@@ -125,7 +125,10 @@ if triton is not None:
     # little longer than BLOCK_M (68 pairs an expert at Qwen3.6's 2,184-token agent turn) then takes one program per
     # weight tile, which reads the tile once for both row tiles, where 64-row blocks give it two programs reading
     # the same weights (the second from L2, for its 4 rows) and 128-row blocks multiply 60 rows of padding. A tail
-    # that holds only padding (its first row is padding: each run's padding comes last) is skipped.
+    # that holds only padding (its first row is padding: each run's padding comes last) is skipped. The tail's dots
+    # run transposed (weight tileᵀ · tail rowsᵀ: the weight tile as wgmma's 64-row A operand, the 16-32 tail rows as
+    # its N): as rows·tile, ptxas serialized every wgmma of the kernel (its C7515 advisory, triton 3.6 for sm_90),
+    # the block's own dots included; transposed they all stay asynchronous (tests/test_sm90_compile.py).
 
     @triton.jit
     def _block_rows(sorted_ids_ptr, first, num_pairs, ROWS: tl.constexpr):
@@ -174,8 +177,8 @@ if triton is not None:
         t_ptrs = x_ptr + tok_t[:, None].to(tl.int64) * stride_xt + offs_k[None, :]
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        tail_g = tl.zeros((TAIL_ROWS, BLOCK_N), dtype=tl.float32)
-        tail_u = tl.zeros((TAIL_ROWS, BLOCK_N), dtype=tl.float32)
+        tail_g = tl.zeros((BLOCK_N, TAIL_ROWS), dtype=tl.float32)
+        tail_u = tl.zeros((BLOCK_N, TAIL_ROWS), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
             k_mask = (offs_k + k0) < H
             a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
@@ -185,13 +188,13 @@ if triton is not None:
             acc_u = tl.dot(a, u, acc_u, input_precision=DOT_PREC)
             if WITH_TAIL:
                 at = tl.load(t_ptrs, mask=t_mask[:, None] & k_mask[None, :], other=0.0)
-                tail_g = tl.dot(at, g, tail_g, input_precision=DOT_PREC)
-                tail_u = tl.dot(at, u, tail_u, input_precision=DOT_PREC)
+                tail_g = tl.dot(tl.trans(g), tl.trans(at), tail_g, input_precision=DOT_PREC)
+                tail_u = tl.dot(tl.trans(u), tl.trans(at), tail_u, input_precision=DOT_PREC)
                 t_ptrs += BLOCK_K
             a_ptrs += BLOCK_K
             g_ptrs += BLOCK_K
             u_ptrs += BLOCK_K
-        return acc_g, acc_u, tail_g, tail_u
+        return acc_g, acc_u, tl.trans(tail_g), tl.trans(tail_u)
 
     @triton.jit(do_not_specialize=["num_pairs"])
     def _moe_gate_up_kernel(
@@ -260,7 +263,7 @@ if triton is not None:
         a_ptrs = h_ptr + pair[:, None].to(tl.int64) * stride_ht + offs_k[None, :]
         t_ptrs = h_ptr + pair_t[:, None].to(tl.int64) * stride_ht + offs_k[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        tail = tl.zeros((TAIL_ROWS, BLOCK_N), dtype=tl.float32)
+        tail = tl.zeros((BLOCK_N, TAIL_ROWS), dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
             k_mask = (offs_k + k0) < I
             a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
@@ -268,11 +271,11 @@ if triton is not None:
             acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
             if WITH_TAIL:
                 at = tl.load(t_ptrs, mask=t_mask[:, None] & k_mask[None, :], other=0.0)
-                tail = tl.dot(at, w, tail, input_precision=DOT_PREC)
+                tail = tl.dot(tl.trans(w), tl.trans(at), tail, input_precision=DOT_PREC)
                 t_ptrs += BLOCK_K
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-        return acc, tail
+        return acc, tl.trans(tail)
 
     @triton.jit
     def _rows_store(acc, out_ptr, pair, m_mask, offs_n, n_mask, stride_ot):
