@@ -183,6 +183,9 @@ def test_triton_moe_cuda(T, E, k, H, I, skew, dtype):
         {"block_m": 128, "warps": 8},
         {"block_m": 64, "gu_block_n": 128, "down_block_n": 128, "warps": 8, "stages": 3},
         {"block_m": 32, "gu_block_k": 128, "down_block_k": 128, "stages": 4},
+        # tail row tiles (their dots transposed): ~68 pairs an expert, most blocks with a tail
+        {"tail": 16},
+        {"tail": 32, "warps": 8},
     ],
 )
 def test_triton_moe_cuda_launch_settings(tune):
