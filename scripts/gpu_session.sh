@@ -62,7 +62,8 @@
 #            (PDL_KERNEL_MODES and PDL_DECODE_MODES list the modes, empty to skip; PDL_PREFILL=0 skips the chunk)
 #   agentpdl the served agent session, radix server only (bench/agent_session_bench.py --caches radix), with
 #            FREETOKEN_PDL (AGENT_PDL_MODES, default "0 1 0 1") in the servers' environment: every graph captured
-#            with it, the issue 12 figure (turn-10 TTFT) with and without
+#            with it, the issue 12 figure (turn-10 TTFT) with and without; AGENT_ENV adds VAR=VALUE pairs to it
+#            (e.g. FREETOKEN_BF16_MOE_TAIL=16)
 #   mixeddot the mixed BF16/FP8/NVFP4 projections on tensor cores under each --mixed-dot-sweep launch setting at
 #            3, 8 and 16 rows (GDN in_proj at 51 % of HBM: shorter K steps and more programs)
 #   piece    bench/gdn_piece_bench.py: the GDN tail kernel (a cached turn's < 64 tokens after its grid point) at
@@ -248,7 +249,7 @@ if [[ " $SECTIONS " == *" pdl "* ]]; then
 fi
 if [[ " $SECTIONS " == *" agentpdl "* ]]; then
   for pdl in ${AGENT_PDL_MODES:-0 1 0 1}; do
-    FREETOKEN_PDL=$pdl timeout ${AGENT_TIMEOUT:-420} python3 bench/agent_session_bench.py --caches radix \
+    env FREETOKEN_PDL=$pdl ${AGENT_ENV:-} timeout ${AGENT_TIMEOUT:-420} python3 bench/agent_session_bench.py --caches radix \
         --out "$OUT/agent_session_pdl$pdl.json" \
         --server-args "--max-running-requests 4 --moe-backend fused --max-prefill-length 8192" 2>&1 \
         | grep -vE "^\[" | tail -12 | sed "s/^/[pdl $pdl] /"
