@@ -333,14 +333,13 @@ MOE_SWEEP = [
     {"tail": 16},
     {"tail": 32},
     {"block_m": 64, "warps": 4, "tail": 16},
-    # the default down kernel with a tail (2k tokens) spills on sm_90 (255 registers, 152 bytes; 80 KB of shared
-    # memory): 64-weight K steps take 222 registers and 40 KB, no spills (2026-12-05, compile only)
+    # the down kernel's K step: 128 weights with a tail tile spill on sm_90 (255 registers, 152 bytes), 64 do not
+    # and are the default there since 2026-12-05 (H100: 4-5 % faster at 1-2k tokens); 64 on large steps (H100: 10 %
+    # faster at 8k), and 128 with a tail (the former default)
     {"down_block_k": 64},
-    # 256-row blocks: at 8,192 tokens (~256 pairs an expert) each weight tile is decoded once instead of twice.
-    # sm_90 builds, no spills (2026-12-05, compile only): gate|up (one tile) 227 registers / 108 KB; down 128 x 64
-    # tiles 254 / 108 KB, 64 x 64 tiles 132 / 104 KB
-    {"block_m": 256, "down_block_k": 64},
-    {"block_m": 256, "down_block_n": 64, "down_block_k": 64},
+    {"down_block_k": 128},
+    # (256-row blocks, each weight tile decoded once at 8,192 tokens, measured no faster there on the H100 and 3-12x
+    # slower below: dropped, bench/results/2026-12-05-h100-qwen3.6-35b-a3b-nvfp4-moesweep-down-k64.txt)
 ]
 
 

@@ -54,7 +54,7 @@ def parse_args() -> argparse.Namespace:
         help="VAR=VALUE: every mode is also timed with this environment variable set (an A/B switch such as "
         "FREETOKEN_GDN_STAGE_INPUTS=0), interleaved with the default; only the default is profiled",
     )
-    ap.add_argument("--profile-steps", type=int, default=2)
+    ap.add_argument("--profile-steps", type=int, default=2, help="eager steps under the torch profiler (0: none)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument(
         "--host-profile", type=int, default=30, help="functions listed from one step under cProfile (0: skip)"
@@ -185,7 +185,9 @@ def main() -> int:
 
         step_ms = min(times[(mode, snapshots)])
         device_line: dict = {}  # the profiled steps' device timeline (span, busy, idle, longest gaps)
-        by_cpu, by_dev, device_ms = profile_steps(step, sync, w.device, a.profile_steps, a.top, device_line)
+        by_cpu, by_dev, device_ms = [], [], None  # --profile-steps 0: the timings above only
+        if a.profile_steps > 0:
+            by_cpu, by_dev, device_ms = profile_steps(step, sync, w.device, a.profile_steps, a.top, device_line)
         syncs = host_sync_sites(step) if w.device.type == "cuda" else {}
         host = host_profile(step, sync, a.host_profile) if a.host_profile else []
         result = {
@@ -214,11 +216,13 @@ def main() -> int:
             "host_profile": host,
         }
         results.append(result)
+        busy = f", device busy {device_ms:.1f} ms" if device_ms is not None else ""
         print(
             f"\ncontext {a.context} tokens prefilled in {context_s:.2f} s; chunk of {a.new} new tokens after it, "
-            f"routing {mode}, snapshots {snapshots}: {step_ms:.1f} ms ({a.new * 1e3 / step_ms:.0f} tok/s), device busy {device_ms:.1f} ms"
+            f"routing {mode}, snapshots {snapshots}: {step_ms:.1f} ms ({a.new * 1e3 / step_ms:.0f} tok/s){busy}"
         )
-        print_profile(result)
+        if device_ms is not None:
+            print_profile(result)
         if device_line:
             print(format_timeline(device_line).strip())
         print(f"host syncs in one step: {sum(syncs.values())}")

@@ -107,7 +107,7 @@ if triton is not None:
         overlaps a warpgroup) needs dots before and after the loop, which ptxas serializes again.
         ``ROW_RESCALE``: each row decides alone, without a branch (its alpha is 1 where its max stays): no max over
         the block's rows, whose two block-wide barriers a tile hold both warpgroups in step, for a multiply of the
-        whole accumulator every tile (A/B: ``FREETOKEN_EXTEND_LAZY_RESCALE=row``)."""
+        whole accumulator every tile (the default where the keys are split: ``row_rescale``)."""
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             # keys past hi (the last tile's) read key hi - 1 again, unmasked: the score mask drops them (such a
@@ -366,10 +366,18 @@ if triton is not None:
 
 
 def lazy_rescale() -> str:
-    """How the extend kernel's running softmax rescales (``_extend_tiles``), from ``FREETOKEN_EXTEND_LAZY_RESCALE``
-    (A/B runs): ``1`` lazily, decided for the whole block (the default), ``row`` lazily, decided per row without a
-    branch, ``0`` at every growth of a row's max."""
-    return choice_from_env("FREETOKEN_EXTEND_LAZY_RESCALE", "1", ("1", "row", "0"))
+    """How the extend kernel's running softmax rescales (``_extend_tiles``), from ``FREETOKEN_EXTEND_LAZY_RESCALE``:
+    ``auto`` (the default) as ``row`` where a launch splits its keys, else as ``1``; ``1`` lazily, decided for the
+    whole block; ``row`` lazily, decided per row without a branch; ``0`` at every growth of a row's max."""
+    return choice_from_env("FREETOKEN_EXTEND_LAZY_RESCALE", "auto", ("auto", "1", "row", "0"))
+
+
+def row_rescale(mode: str, splits: int) -> bool:
+    """Whether a launch of ``splits`` key splits decides the lazy rescale per row (``lazy_rescale``'s ``mode``). H100,
+    Qwen3.6's attention shape, two runs each way (bench/results/2026-12-05-h100-qwen3.6-35b-a3b-extend-attention-
+    rescale-row.txt): per row won the agent turn's split launch (2,184 new after 27,816, three splits: 2.59-2.60 ms a
+    layer against 2.75-2.83) and lost unsplit ones (8,192 after 21,808: 7.79-7.83 against 7.08-7.31)."""
+    return mode == "row" or (mode == "auto" and splits > 1)
 
 
 def int32_key_offsets(k_cache, v_cache) -> bool:
@@ -526,7 +534,7 @@ def extend_attention_triton(
         PREC=_prec(k_cache.dtype),
         SPLIT=S > 1,
         LAZY=rescale != "0",
-        ROW_RESCALE=rescale == "row",
+        ROW_RESCALE=row_rescale(rescale, S),
         # int32 offsets measured 9-11 % faster unsplit (8,192-token chunks, fresh and after 21,808) but 8 % slower
         # with the keys split (2,184 after 27,816, S = 3) on the H200 (2026-12-04): unsplit launches only
         SLOT32=S == 1 and int32_key_offsets(k_cache, v_cache),

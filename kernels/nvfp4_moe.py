@@ -939,25 +939,28 @@ def grouped_config(num_pairs: int, E: int, H: int, I: int, block_m: int | None =
     bm = block_m or pick_nvfp4_block_m(num_pairs, E)
     per_expert = num_pairs / max(1, min(E, num_pairs))
     large = per_expert > 64 and bm >= 64
+    # rows of a block's tail tile (0, 16, 32 or 64), as fused_moe's: an expert of up to block_m + tail rows decodes
+    # its weight tiles once. 16 where blocks are 64 rows with gate and up in separate tiles (16 < pairs an expert <=
+    # 64): H200, 2,048 tokens, uniform routing, 972.9 -> 791.8 us (0.69x -> 0.85x of BF16); at 8,192 (128-row
+    # blocks) it lost, 2,359.6 -> 2,550.6 (bench/results/2026-12-05-h200-qwen3.6-35b-a3b-nvfp4-moesweep-swap-tail.txt).
+    # FREETOKEN_NVFP4_MOE_TAIL sets it for an end-to-end A/B (read at each launch; a graph keeps its capture's)
+    tail = int_from_env("FREETOKEN_NVFP4_MOE_TAIL", 16 if bm == 64 and not large and per_expert > 16 else 0, "rows")
     cfg = {
         "block_m": bm,
         "gu_block_n": min(64, max(16, triton.next_power_of_2(I))),
         "gu_block_k": min(64 if large else 128, max(32, triton.next_power_of_2(H))),
         "down_block_n": min(128, max(16, triton.next_power_of_2(H))),
-        "down_block_k": min(128, max(32, triton.next_power_of_2(I))),
+        # 64 with a tail: at 128 the down kernel with its tail tile spills on sm_90 (255 registers, 152 bytes; 222
+        # and none at 64). H100, uniform routing: 1,024 tokens 658 -> 630 us, 2,048 756-765 -> 722-724 (1.13x of
+        # BF16 there); at 8,192 2,255 -> 2,040 too, but the H200 had it 1.5 % slower there on an older kernel, so
+        # large steps keep 128 until it is measured again (bench/results/2026-12-05-h100-qwen3.6-35b-a3b-nvfp4-
+        # moesweep-down-k64.txt)
+        "down_block_k": min(64 if tail else 128, max(32, triton.next_power_of_2(I))),
         # two [BLOCK_N, BLOCK_M] accumulators and the decoded tiles: 4 warps spill at 128 rows
         "warps": 4 if bm <= 16 or (bm <= 64 and not large) else 8,
         "stages": _NUM_STAGES,
         "fuse_gate_up": large,
-        # rows of a block's tail tile (0, 16, 32 or 64), as fused_moe's: an expert of up to block_m + tail rows
-        # decodes its weight tiles once. 16 where blocks are 64 rows with gate and up in separate tiles (16 < pairs
-        # an expert <= 64): H200, 2,048 tokens, uniform routing, 972.9 -> 791.8 us (0.69x -> 0.85x of BF16); at
-        # 8,192 (128-row blocks) it lost, 2,359.6 -> 2,550.6 (bench/results/2026-12-05-h200-qwen3.6-35b-a3b-nvfp4-
-        # moesweep-swap-tail.txt). FREETOKEN_NVFP4_MOE_TAIL sets it for an end-to-end A/B (read at each launch; a
-        # graph keeps its capture's)
-        "tail": int_from_env(
-            "FREETOKEN_NVFP4_MOE_TAIL", 16 if bm == 64 and not large and per_expert > 16 else 0, "rows"
-        ),
+        "tail": tail,
     }
     cfg = with_overrides(cfg, tune, "grouped NVFP4")
     if cfg["tail"] not in (0, 16, 32, 64):

@@ -319,7 +319,6 @@ _CPU_SCRIPT = textwrap.dedent(
         note("grouped " + key, t.check_grouped(40, 8, 3, 32, 48, dt, "cpu", skew=True, **plain))  # long runs, empty experts
         note("grouped " + key, t.check_grouped(24, 5, 2, 160, 80, dt, "cpu", **plain))  # K tails, I not a power of two
         note("grouped " + key, t.check_grouped(60, 3, 2, 32, 48, dt, "cpu", block_m=128, invalid=True, **plain))
-        note("grouped " + key, t.check_grouped(300, 2, 1, 32, 48, dt, "cpu", block_m=256, invalid=True))  # moesweep's
         # gate and up rows in one tile (I not a multiple of the tile: masked rows in both halves), other tiles
         fused = dict(fuse_gate_up=True, gu_block_n=32, gu_block_k=64, stages=2)
         note("grouped " + key, t.check_grouped(24, 5, 2, 160, 80, dt, "cpu", tune=fused, invalid=True))
@@ -524,6 +523,8 @@ def test_grouped_config_refuses_unknown_settings():
     assert (mid["block_m"], mid["fuse_gate_up"], mid["warps"]) == (64, False, 4)
     # tail tiles where blocks are 64 rows with gate and up apart (timed on the H200), not on 128-row blocks or 16
     assert (mid["tail"], big["tail"], grouped_config(4096, 256, 2048, 512)["tail"]) == (16, 0, 0)
+    # the down kernel's K steps: 64 weights beside a tail tile (128 spilled on sm_90), 128 on large steps
+    assert (mid["down_block_k"], big["down_block_k"]) == (64, 128)
     assert grouped_config(4096, 256, 2048, 512)["block_m"] == 16
     assert grouped_config(65536, 256, 2048, 512, tune={"stages": 2})["stages"] == 2
     with pytest.raises(ValueError, match="block_nn"):

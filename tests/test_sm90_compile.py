@@ -176,9 +176,11 @@ def test_nvfp4_grouped_moe_compiles_for_sm90(half, tail, fuse):
     div16 = "H,I,stride_xt,stride_we,stride_wn,stride_se,stride_sn,stride_ge,stride_ot"
     assert compile_check("freetoken.kernels.nvfp4_moe:_nvfp4_moe_gate_up_kernel", ptr, gu, div16) == 0
     ptr = dict(common, h_ptr=x, hf_ptr="*fp32", out_ptr="*bf16")
-    down = dict(const, BLOCK_N=128, BLOCK_K=128, X_DTYPE="tl.bfloat16")
+    # K steps as grouped_config picks them: 64 weights beside a tail (at 128 that build spilled: 255 registers)
+    down = dict(const, BLOCK_N=128, BLOCK_K=64 if tail else 128, X_DTYPE="tl.bfloat16")
     div16 = div16.replace("stride_xt", "stride_ht")
-    assert compile_check("freetoken.kernels.nvfp4_moe:_nvfp4_moe_down_kernel", ptr, down, div16) == 0
+    kernel = "freetoken.kernels.nvfp4_moe:_nvfp4_moe_down_kernel"
+    assert compile_check(kernel, ptr, down, div16, max_registers=254 if tail else 0) == 0
 
 
 # (rows of x, rows a program, K step, warps, fp16 tiles, no masks): nvfp4_linear's tensor-core tiles at small M

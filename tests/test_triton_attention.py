@@ -233,9 +233,9 @@ _CPU_SCRIPT = textwrap.dedent(
     for splits in (2, 1):
         t.extend_case(4, 2, 16, 16, [17, 3], [40, 0], torch.float16, "cpu", seed=7, config=(16, 32, 4, 2),
                       num_splits=splits, gated=True)
-    # the running max grows by more than 2^8 between unmasked tiles (lazy rescale fires mid-row), decided per row
-    # (FREETOKEN_EXTEND_LAZY_RESCALE=row), then with every tile rescaled (=0)
-    for lazy in ("1", "row", "0"):
+    # the running max grows by more than 2^8 between unmasked tiles (lazy rescale fires mid-row), decided for the
+    # block (FREETOKEN_EXTEND_LAZY_RESCALE=1), per row (row, and auto on this split launch), at every growth (0)
+    for lazy in ("1", "row", "auto", "0"):
         os.environ["FREETOKEN_EXTEND_LAZY_RESCALE"] = lazy
         t.extend_case(4, 2, 16, 16, [40, 5], [300, 90], torch.float32, "cpu", seed=6, config=(16, 32, 4, 2),
                       num_splits=2, key_ramp=12.0)
@@ -244,8 +244,8 @@ _CPU_SCRIPT = textwrap.dedent(
     t.extend_case(4, 2, 16, 16, [40, 5], [300, 90], torch.float32, "cpu", seed=8, config=(16, 32, 4, 2), num_splits=1)
     del os.environ["FREETOKEN_EXTEND_SLOT_INT32"]
     # unsplit, keys on a ramp that changes sign (the scores shrink along the keys, then grow with the other sign), lazily
-    # (for the block, per row) and with every growth rescaled
-    for lazy in ("1", "row", "0"):
+    # (for the block, per row, auto: for the block unsplit) and with every growth rescaled
+    for lazy in ("1", "row", "auto", "0"):
         os.environ["FREETOKEN_EXTEND_LAZY_RESCALE"] = lazy
         t.extend_case(4, 2, 16, 16, [40, 5], [300, 90], torch.float32, "cpu", seed=13, config=(16, 32, 4, 2),
                       num_splits=1, key_ramp=-12.0)
@@ -320,10 +320,11 @@ def test_extend_split_cuda(num_splits, dtype):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("mode", ["row", "0"])
+@pytest.mark.parametrize("mode", ["1", "row", "0"])
 def test_extend_rescale_modes_cuda(mode, monkeypatch):
-    """Qwen3.6's shape on its 128 x 64 tiles with the running max rescaled per row without a branch, and at every
-    growth (``FREETOKEN_EXTEND_LAZY_RESCALE``), keys on a ramp so that rows' maxima grow mid-row."""
+    """Qwen3.6's shape on its 128 x 64 tiles with the running max rescaled lazily for the block, per row without a
+    branch, and at every growth (``FREETOKEN_EXTEND_LAZY_RESCALE``; the default ``auto`` is per row on split launches,
+    for the block unsplit), keys on a ramp so that rows' maxima grow mid-row."""
     monkeypatch.setenv("FREETOKEN_EXTEND_LAZY_RESCALE", mode)
     for splits in (1, 3):
         extend_case(16, 2, 256, 256, [300, 129], [2100, 0], torch.bfloat16, "cuda", num_splits=splits, key_ramp=12.0)
@@ -375,3 +376,11 @@ def test_make_attention_backend_auto_cuda():
     from freetoken.layers.attention import make_attention_backend
 
     assert make_attention_backend("auto", torch.device("cuda")).name == "triton"
+
+
+def test_row_rescale_follows_the_mode_and_the_splits():
+    """``auto`` decides per row exactly where a launch splits its keys; the explicit modes ignore the splits."""
+    from freetoken.kernels.attention import row_rescale
+
+    assert [row_rescale("auto", s) for s in (1, 2, 3)] == [False, True, True]
+    assert all(row_rescale("row", s) for s in (1, 3)) and not any(row_rescale(m, 3) for m in ("1", "0"))
