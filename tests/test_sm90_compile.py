@@ -100,14 +100,14 @@ def test_moe_align_compiles_for_sm90(counted):
 
 @pytest.mark.parametrize("split,slot32,lazy", [(True, False, True), (False, True, True), (True, True, False)])
 def test_extend_attention_compiles_for_sm90(split, slot32, lazy):
-    """The extend kernel (lazily rescaled, as served, or not) at Qwen3.6's head dim (256) and sm_90's tiles, key
-    offsets in int32 and int64. Its wgmmas must stay asynchronous (no ptxas C7515: the former two-loop form had it,
-    each of a tile's 20 wgmmas waiting for the one before)."""
+    """The extend kernel (lazily rescaled, as served: per row on split launches, for the block unsplit; or not) at
+    Qwen3.6's head dim (256) and sm_90's tiles, key offsets in int32 and int64. Its wgmmas must stay asynchronous (no
+    ptxas C7515: the former two-loop form had it, each of a tile's 20 wgmmas waiting for the one before)."""
     ptr = {p: "*bf16" for p in ("Q", "K", "V", "O")}
     ptr.update(MidO="*fp32", MidL="*fp32", req_to_token="*i32", rows_ptr="*i32", cu_ptr="*i32", prefix_ptr="*i32")
     ptr.update(sm_scale="fp32")
     const = dict(GROUP=8, BLOCK_M=128, BLOCK_N=64, BLOCK_D=256, BLOCK_DV=256, PREC="'tf32'", SPLIT=split)
-    const.update(LAZY=lazy, SLOT32=slot32)
+    const.update(LAZY=lazy, ROW_RESCALE=lazy and split, SLOT32=slot32)
     strides = ("qt", "qh", "kt", "kh", "vt", "vh", "ot", "oh", "rt", "mot", "moh", "mos")
     div16 = ",".join(f"stride_{s}" for s in strides) + ",D,DV"
     kernel = "freetoken.kernels.attention:_extend_kernel"
