@@ -81,7 +81,7 @@ def parse_args(argv=None):
         "--sweep-only",
         default="",
         help="bf16sweep / moesweep: only the settings whose label contains one of these '|'-separated texts (and the "
-        "default), e.g. 'tail=16|block_m=256'",
+        "default), e.g. 'tail=16|down_block_k=64'",
     )
     p.add_argument(
         "--mixed-block-k", type=int, default=None, help="the mixed GEMV's K step (weights) at every size, for A/B runs"

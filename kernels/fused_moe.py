@@ -526,7 +526,8 @@ def grouped_bf16_config(num_pairs: int, E: int, block_m: int | None = None, tune
         "down_warps": None,
         "down_stages": None,
         # rows of a block's tail tile (0, 16, 32 or 64): a block is block_m + tail rows, the tail computed only when
-        # it holds a pair (see the kernels); 0 until a GPU A/B says otherwise (written without a GPU, 2026-12-05).
+        # it holds a pair (see the kernels); 0: on an H100 at the agent turn's 2,184 tokens tails of 16 or 32 ran
+        # 1.00-1.02x of none, uniform and Zipf (bench/results/2026-12-05-h100-qwen3.6-35b-a3b-bf16-moe-tails.txt).
         # FREETOKEN_BF16_MOE_TAIL sets it for an end-to-end A/B (read at each launch; a graph keeps its capture's)
         "tail": int_from_env("FREETOKEN_BF16_MOE_TAIL", 0, "rows"),
     }
