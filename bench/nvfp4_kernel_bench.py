@@ -81,7 +81,7 @@ def parse_args(argv=None):
         "--sweep-only",
         default="",
         help="bf16sweep / moesweep: only the settings whose label contains one of these '|'-separated texts (and the "
-        "default), e.g. 'tail=16|down_block_k=64'",
+        "default), e.g. 'tail=16|down_block_k=128'",
     )
     p.add_argument(
         "--mixed-block-k", type=int, default=None, help="the mixed GEMV's K step (weights) at every size, for A/B runs"
@@ -333,10 +333,8 @@ MOE_SWEEP = [
     {"tail": 16},
     {"tail": 32},
     {"block_m": 64, "warps": 4, "tail": 16},
-    # the down kernel's K step: 128 weights with a tail tile spill on sm_90 (255 registers, 152 bytes), 64 do not
-    # and are the default there since 2026-12-05 (H100: 4-5 % faster at 1-2k tokens); 64 on large steps (H100: 10 %
-    # faster at 8k), and 128 with a tail (the former default)
-    {"down_block_k": 64},
+    # the down kernel's K step: 64 weights on blocks of 64 rows and more since 2026-12-05 (H100 and H200: 4-10 %
+    # faster from 1k to 8k tokens; 128 with a tail tile spills on sm_90): 128, the former default, for the A/B
     {"down_block_k": 128},
     # (256-row blocks, each weight tile decoded once at 8,192 tokens, measured no faster there on the H100 and 3-12x
     # slower below: dropped, bench/results/2026-12-05-h100-qwen3.6-35b-a3b-nvfp4-moesweep-down-k64.txt)

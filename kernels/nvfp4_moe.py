@@ -951,12 +951,13 @@ def grouped_config(num_pairs: int, E: int, H: int, I: int, block_m: int | None =
         "gu_block_n": min(64, max(16, triton.next_power_of_2(I))),
         "gu_block_k": min(64 if large else 128, max(32, triton.next_power_of_2(H))),
         "down_block_n": min(128, max(16, triton.next_power_of_2(H))),
-        # 64 with a tail: at 128 the down kernel with its tail tile spills on sm_90 (255 registers, 152 bytes; 222
-        # and none at 64). H100, uniform routing: 1,024 tokens 658 -> 630 us, 2,048 756-765 -> 722-724 (1.13x of
-        # BF16 there); at 8,192 2,255 -> 2,040 too, but the H200 had it 1.5 % slower there on an older kernel, so
-        # large steps keep 128 until it is measured again (bench/results/2026-12-05-h100-qwen3.6-35b-a3b-nvfp4-
-        # moesweep-down-k64.txt)
-        "down_block_k": min(64 if tail else 128, max(32, triton.next_power_of_2(I))),
+        # 64 on blocks of 64 rows and more. With a tail tile, 128 spills on sm_90 (255 registers, 152 bytes; 222 and
+        # none at 64): H100, uniform routing, 1,024 tokens 658 -> 630 us, 2,048 756-765 -> 722-724 (1.13x of BF16).
+        # On large steps both cards agree too: 8,192 tokens H100 2,255 -> 2,040 us (0.74x -> 0.82x of BF16), H200
+        # 2,170 -> 1,960 (0.62x -> 0.68x); 4,096 H100 1,458 -> 1,411 (bench/results/2026-12-05-h100-...-nvfp4-
+        # moesweep-down-k64.txt, 2026-12-05-h200-...-nvfp4-moesweep-down-k64.txt). 16- and 32-row blocks (decode-
+        # sized steps just past the GEMVs) keep 128: not measured.
+        "down_block_k": min(64 if bm >= 64 else 128, max(32, triton.next_power_of_2(I))),
         # two [BLOCK_N, BLOCK_M] accumulators and the decoded tiles: 4 warps spill at 128 rows
         "warps": 4 if bm <= 16 or (bm <= 64 and not large) else 8,
         "stages": _NUM_STAGES,

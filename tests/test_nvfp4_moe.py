@@ -523,8 +523,10 @@ def test_grouped_config_refuses_unknown_settings():
     assert (mid["block_m"], mid["fuse_gate_up"], mid["warps"]) == (64, False, 4)
     # tail tiles where blocks are 64 rows with gate and up apart (timed on the H200), not on 128-row blocks or 16
     assert (mid["tail"], big["tail"], grouped_config(4096, 256, 2048, 512)["tail"]) == (16, 0, 0)
-    # the down kernel's K steps: 64 weights beside a tail tile (128 spilled on sm_90), 128 on large steps
-    assert (mid["down_block_k"], big["down_block_k"]) == (64, 128)
+    # the down kernel's K steps: 64 weights on blocks of 64 rows and more (faster on the H100 and the H200, and 128
+    # spilled beside a tail tile on sm_90), 128 on the small blocks just past the GEMVs
+    small = grouped_config(4096, 256, 2048, 512)
+    assert (mid["down_block_k"], big["down_block_k"], small["down_block_k"]) == (64, 64, 128)
     assert grouped_config(4096, 256, 2048, 512)["block_m"] == 16
     assert grouped_config(65536, 256, 2048, 512, tune={"stages": 2})["stages"] == 2
     with pytest.raises(ValueError, match="block_nn"):
