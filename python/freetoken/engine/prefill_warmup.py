@@ -24,6 +24,10 @@ for them, 2026-12-04 ``bench/results/2026-12-04-h200-qwen3.6-35b-a3b-nvfp4-decod
 use live rows and state slots: before the server answers no request holds them, and a request starting on them
 writes its page-table entries from position 0 and starts from a zero state (``prefix_len`` 0), so nothing they
 leave is read.
+
+Last, cuBLAS's first call at each GEMM shape (``gemm_warmup.py``): the dense GEMMs the chunks made, each called once
+at every multiple of ``FREETOKEN_GEMM_WARMUP_ROWS`` (64) rows up to the chunk length, so that a served turn's new
+token count does not stop the device for a few milliseconds before its first GEMM of each shape.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import torch
 
 from ..log import get_logger
 from ..startup_progress import phase
+from .gemm_warmup import GemmRecorder, warm_gemms, warmup_rows, warmup_rows_step
 from .step_plan import StepPlan
 
 if TYPE_CHECKING:
@@ -142,10 +147,20 @@ def run_prefill_warmup(w: "Worker") -> float:
     batched = "" if batch is None else f", then one step of {batch.num_seqs} sequences"
     phase(f"Prefill warm-up: {len(chunks)} chunks ({shapes} tokens){batched}")
     t0 = time.perf_counter()
-    for prefix, new in chunks:
-        w.execute_plan(scratch_chunk_plan(w, prefix, new), _allow_scratch=True)
+    with GemmRecorder() as gemms:  # the dense GEMMs the chunks make, for cuBLAS's first call at each shape below
+        for prefix, new in chunks:
+            w.execute_plan(scratch_chunk_plan(w, prefix, new), _allow_scratch=True)
     if batch is not None:
         w.execute_plan(batch, _allow_scratch=True)
     took = time.perf_counter() - t0
     logger.info(f"Prefill warm-up done in {took:.1f} s")
+    step = warmup_rows_step()
+    rows = warmup_rows(w.max_prefill_length, step)
+    if gemms.calls and rows:
+        _, secs = warm_gemms(gemms.calls.values(), rows)
+        logger.info(
+            f"GEMM warm-up: {len(gemms.calls)} GEMM shapes at {len(rows)} token counts ({rows[0]}..{rows[-1]} "
+            f"in steps of {step}, FREETOKEN_GEMM_WARMUP_ROWS) in {secs:.1f} s"
+        )
+        took += secs
     return took

@@ -1,0 +1,125 @@
+"""cuBLAS's first call at each GEMM shape, paid at start-up instead of inside a served step.
+
+Every cached turn of a conversation brings a token count the process has not seen, so each eager dense projection
+of its prefill step (the GDN input and output projections, attention's q|k|v and o_proj; the MoE router | shared
+expert in steps too long for the MoE prefill graphs) is a GEMM at a new M. Profiled inside the server on an H100
+(``bench/results/2026-12-05-h100-qwen3.6-35b-a3b-served-steps-profile-20k.txt``), every cached turn's step had one
+to three idle gaps of 3.3-4.8 ms on the device, each right before the first GEMM of a new shape, and its 81 eager
+GEMMs took 13.4 ms of host time where the same step replayed at one shape in process took 2.6 (H200): most of the
+served turn-10 step's ~6.6 ms over the in-process one on the H200 (80.0 vs 73.4 ms). The kernels cuBLAS picked
+there are sized to M (``nvjet_sm90_tst_128x136`` at 1,080 rows, ``x152`` at 1,170, ``x176`` at 1,349, ``x184`` at
+1,443: M / 8 rounded up to 8 rows), and CUDA loads a kernel's module on its first use: calling each GEMM once at
+every multiple of 64 rows should reach every such kernel before the first request (measured by
+``bench/gemm_first_call.py``, which also tells a per-kernel cost from a per-shape one).
+
+``GemmRecorder`` notes the GEMMs a stretch of real steps makes (the prefill warm-up's chunks: a dispatch mode that
+sees each aten ``linear``, ``mm``, ``addmm`` and tensor-wise ``_scaled_mm`` with its weight, whichever the
+build dispatches; calls of fewer than ``MIN_ROWS``
+rows, decode-sized, are left out), once per distinct weight and layout; ``warm_gemms`` then calls each at every
+multiple of ``FREETOKEN_GEMM_WARMUP_ROWS`` (default 64; 0: off) up to the longest prefill chunk, on uninitialized
+activations (outputs discarded). Nothing is kept but the weights' own tensors (references, no copies).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..tuning_env import int_from_env
+
+aten = torch.ops.aten
+
+MIN_ROWS = 64  # below: decode-sized steps (GEMVs, the decode graphs), not what a new prompt length brings
+
+# operator -> index of the activation [M, K] among its arguments (the rest are the weight, bias, scales). A mode sees
+# ``linear`` itself or the ``mm`` / ``addmm`` it becomes, depending on the build; never both for one call (the mode is
+# off while the operator it intercepted runs)
+_ACTIVATION_ARG = {"linear": 0, "mm": 0, "addmm": 1, "_scaled_mm": 0}
+
+
+def warmup_rows_step(env_value: int | None = None) -> int:
+    """``FREETOKEN_GEMM_WARMUP_ROWS``: the row step of the warm-up (0: none)."""
+    step = int_from_env("FREETOKEN_GEMM_WARMUP_ROWS", 64, "rows") if env_value is None else env_value
+    if step < 0:
+        raise ValueError(f"FREETOKEN_GEMM_WARMUP_ROWS={step}: expected 0 (off) or a row step")
+    return step
+
+
+def warmup_rows(max_rows: int, step: int) -> list[int]:
+    """Every multiple of ``step`` from the first at or above ``MIN_ROWS`` up to ``max_rows`` (empty when off)."""
+    if step <= 0:
+        return []
+    first = -(-MIN_ROWS // step) * step
+    return list(range(first, max_rows + 1, step))
+
+
+@dataclass
+class GemmCall:
+    """One recorded GEMM: its operator and arguments with the activation taken out (``act_index``)."""
+
+    func: Callable
+    args: tuple
+    kwargs: dict
+    act_index: int
+    k: int
+    act_dtype: torch.dtype
+    device: torch.device
+
+    def run(self, rows: int) -> None:
+        x = torch.empty(rows, self.k, dtype=self.act_dtype, device=self.device)
+        args = list(self.args)
+        args[self.act_index] = x
+        self.func(*args, **self.kwargs)
+
+
+def _tensor_key(t) -> tuple:
+    if isinstance(t, torch.Tensor):
+        return (tuple(t.shape), t.stride(), t.dtype, t.data_ptr())
+    return (t,)
+
+
+class GemmRecorder(TorchDispatchMode):
+    """``with GemmRecorder() as r: <steps>``; then ``r.calls``: the distinct prefill-sized GEMMs they made, by key."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: dict[tuple, GemmCall] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        i = _ACTIVATION_ARG.get(name)
+        if i is not None and len(args) > i:
+            self._note(func, name, args, kwargs, i)
+        return func(*args, **kwargs)
+
+    def _note(self, func, name: str, args: tuple, kwargs: dict, i: int) -> None:
+        x = args[i]
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] < MIN_ROWS or not x.is_contiguous():
+            return
+        if name == "_scaled_mm":
+            scales = [a for a in args[2:4] if isinstance(a, torch.Tensor)]
+            if any(s.numel() > 1 for s in scales):  # row-wise scales are shaped by M: not replayable as recorded
+                return
+        rest = tuple(a for j, a in enumerate(args) if j != i)
+        key = (name, x.shape[1], x.dtype, tuple(_tensor_key(a) for a in rest), tuple(sorted(kwargs.items(), key=str)))
+        if key not in self.calls:
+            self.calls[key] = GemmCall(func, tuple(None if j == i else a for j, a in enumerate(args)), dict(kwargs),
+                                       i, int(x.shape[1]), x.dtype, x.device)  # fmt: skip
+
+
+def warm_gemms(calls: Iterable[GemmCall], rows: list[int]) -> tuple[int, float]:
+    """Each call once at each row count; returns (calls made, seconds, synchronized on CUDA)."""
+    calls = list(calls)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for m in rows:
+            for c in calls:
+                c.run(m)
+    if calls and rows and torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return len(calls) * len(rows), time.perf_counter() - t0

@@ -1,0 +1,73 @@
+"""engine/gemm_warmup.py: the GEMMs a stretch of steps makes, recorded once per weight, and replayed at every row
+step (cuBLAS's first call at each shape paid at start-up). The device-side effect is measured by
+bench/gemm_first_call.py on the GPU; here the recording and the replay are checked on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from freetoken.engine.gemm_warmup import MIN_ROWS, GemmRecorder, warm_gemms, warmup_rows, warmup_rows_step
+
+
+class _CountRows(TorchDispatchMode):
+    """(operator, rows of its activation, weight data pointer) of every GEMM-like call."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in ("linear", "mm", "addmm"):
+            x, w = (args[1], args[2]) if name == "addmm" else (args[0], args[1])
+            self.seen.append((name, x.shape[0], w.data_ptr()))
+        return func(*args, **(kwargs or {}))
+
+
+def test_rows_are_the_multiples_of_the_step_from_the_first_prefill_sized_one():
+    assert warmup_rows(300, 64) == [64, 128, 192, 256]
+    assert warmup_rows(200, 48) == [96, 144, 192]  # the first multiple at or above MIN_ROWS
+    assert warmup_rows(8192, 64)[-1] == 8192 and len(warmup_rows(8192, 64)) == 128
+    assert warmup_rows(8192, 0) == [] and warmup_rows(32, 64) == []
+
+
+def test_the_row_step_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv("FREETOKEN_GEMM_WARMUP_ROWS", raising=False)
+    assert warmup_rows_step() == 64
+    monkeypatch.setenv("FREETOKEN_GEMM_WARMUP_ROWS", "0")
+    assert warmup_rows_step() == 0
+    monkeypatch.setenv("FREETOKEN_GEMM_WARMUP_ROWS", "many")
+    with pytest.raises(ValueError, match="FREETOKEN_GEMM_WARMUP_ROWS"):
+        warmup_rows_step()
+    with pytest.raises(ValueError, match="expected 0"):
+        warmup_rows_step(-64)
+
+
+def test_records_each_weight_once_and_leaves_decode_sized_calls_out():
+    torch.manual_seed(0)
+    plain, biased = torch.nn.Linear(32, 48, bias=False), torch.nn.Linear(32, 16)
+    other_w = torch.randn(24, 32)
+    with torch.inference_mode(), GemmRecorder() as rec:
+        for rows in (100, 130, 8, MIN_ROWS - 1):  # two prompt lengths, then decode-sized steps
+            x = torch.randn(rows, 32)
+            plain(x), biased(x), torch.mm(x, other_w.t())
+        torch.mm(torch.randn(32, 100).t(), other_w.t())  # a transposed activation: not what the model passes
+    weights = sorted(c.args[1].data_ptr() for c in rec.calls.values())  # linear and mm: (activation, weight, ..)
+    assert weights == sorted([plain.weight.data_ptr(), biased.weight.data_ptr(), other_w.t().data_ptr()])
+    assert all(c.args[c.act_index] is None and c.k == 32 for c in rec.calls.values())  # no activation kept
+
+
+def test_replays_every_recorded_gemm_at_every_row_count():
+    lin = torch.nn.Linear(32, 48)
+    w2 = torch.randn(16, 32)
+    with torch.inference_mode(), GemmRecorder() as rec:
+        x = torch.randn(70, 32)
+        lin(x), torch.mm(x, w2.t())
+    with _CountRows() as counter:
+        made, _ = warm_gemms(rec.calls.values(), [64, 128])
+    assert made == 4
+    seen = sorted((rows, ptr) for _, rows, ptr in counter.seen)
+    want = sorted((rows, ptr) for rows in (64, 128) for ptr in (lin.weight.data_ptr(), w2.data_ptr()))
+    assert seen == want
