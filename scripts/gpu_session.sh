@@ -71,6 +71,8 @@
 #   bf16sweep bench/nvfp4_kernel_bench.py --groups bf16sweep: the BF16 grouped MoE's launch settings at 2,184 and
 #            8,192 tokens, uniform and Zipf routing (BF16SWEEP_MS, BF16SWEEP_ROUTING, BF16SWEEP_ONLY as
 #            MOESWEEP_ONLY; run it alone, as moesweep)
+#   gemmfirst bench/gemm_first_call.py: cuBLAS's first call at a new GEMM shape (the served cached turn's ~4 ms
+#            device gaps), cold, after the start-up GEMM warm-up's multiples of 64 rows, and with eager module loading
 #   stress   issue 12's stress run (bench/radix_stress.py): 16 concurrent 4-turn sessions with hang-ups on the
 #            hybrid radix server, all resident, then with NVFP4 experts offloaded; every request answered and every
 #            slot and snapshot accounted for
@@ -283,6 +285,10 @@ fi
 if [[ " $SECTIONS " == *" moesweep "* ]]; then
   timeout ${SWEEP_TIMEOUT:-300} python3 bench/nvfp4_kernel_bench.py --groups moesweep --ms ${MOESWEEP_MS:-1024,2048,4096,8192} \
       --sweep-only "${MOESWEEP_ONLY:-}" --out "$OUT/nvfp4_moesweep.json" 2>&1 | tee "$OUT/nvfp4_moesweep.log" | grep -E "grouped|HBM copy|moesweep"
+fi
+if [[ " $SECTIONS " == *" gemmfirst "* ]]; then
+  timeout ${SWEEP_TIMEOUT:-300} python3 bench/gemm_first_call.py --out "$OUT/gemm_first_call.json" 2>&1 \
+      | tee "$OUT/gemm_first_call.log" | tail -20
 fi
 if [[ " $SECTIONS " == *" shutdown "* ]]; then
   timeout ${SHUTDOWN_TIMEOUT:-200} python3 bench/shutdown_check.py --out "$OUT/shutdown_check.json" -- \
