@@ -45,17 +45,24 @@ def test_the_row_step_comes_from_the_environment(monkeypatch):
         warmup_rows_step(-64)
 
 
-def test_records_each_weight_once_and_leaves_decode_sized_calls_out():
+def test_records_each_shape_once_and_leaves_decode_sized_calls_out():
     torch.manual_seed(0)
     plain, biased = torch.nn.Linear(32, 48, bias=False), torch.nn.Linear(32, 16)
     other_w = torch.randn(24, 32)
+    # one shape in several layers, their weights equally aligned (5,120 bytes apart: what cuBLAS sees is the same)
+    stacked = torch.randn(3, 40, 32)
+    layers = [torch.nn.Linear(32, 40, bias=False) for _ in range(3)]
+    for layer, w in zip(layers, stacked):
+        layer.weight = torch.nn.Parameter(w, requires_grad=False)
     with torch.inference_mode(), GemmRecorder() as rec:
         for rows in (100, 130, 8, MIN_ROWS - 1):  # two prompt lengths, then decode-sized steps
             x = torch.randn(rows, 32)
             plain(x), biased(x), torch.mm(x, other_w.t())
+            for layer in layers:
+                layer(x)
         torch.mm(torch.randn(32, 100).t(), other_w.t())  # a transposed activation: not what the model passes
-    weights = sorted(c.args[1].data_ptr() for c in rec.calls.values())  # linear and mm: (activation, weight, ..)
-    assert weights == sorted([plain.weight.data_ptr(), biased.weight.data_ptr(), other_w.t().data_ptr()])
+    shapes = sorted(tuple(c.args[1].shape) for c in rec.calls.values())  # linear and mm: (activation, weight, ..)
+    assert shapes == sorted([(48, 32), (16, 32), (32, 24), (40, 32)])
     assert all(c.args[c.act_index] is None and c.k == 32 for c in rec.calls.values())  # no activation kept
 
 

@@ -12,12 +12,12 @@ there are sized to M (``nvjet_sm90_tst_128x136`` at 1,080 rows, ``x152`` at 1,17
 every multiple of 64 rows should reach every such kernel before the first request (measured by
 ``bench/gemm_first_call.py``, which also tells a per-kernel cost from a per-shape one).
 
-``GemmRecorder`` notes the GEMMs a stretch of real steps makes (the prefill warm-up's chunks: a dispatch mode that
-sees each aten ``linear``, ``mm``, ``addmm`` and tensor-wise ``_scaled_mm`` with its weight, whichever the
-build dispatches; calls of fewer than ``MIN_ROWS``
-rows, decode-sized, are left out), once per distinct weight and layout; ``warm_gemms`` then calls each at every
+``GemmRecorder`` notes the GEMMs a stretch of real steps makes (the prefill warm-up's chunks): a dispatch mode that
+sees each aten ``linear``, ``mm``, ``addmm`` and tensor-wise ``_scaled_mm`` with its weight, whichever the build
+dispatches; calls of fewer than ``MIN_ROWS`` rows (decode-sized) are left out, and each shape, layout, dtype and
+alignment is kept once (the 40 layers' projections of one shape once). ``warm_gemms`` then calls each at every
 multiple of ``FREETOKEN_GEMM_WARMUP_ROWS`` (default 64; 0: off) up to the longest prefill chunk, on uninitialized
-activations (outputs discarded). Nothing is kept but the weights' own tensors (references, no copies).
+activations (outputs discarded). Nothing is kept but references to one weight of each shape.
 """
 
 from __future__ import annotations
@@ -77,8 +77,11 @@ class GemmCall:
 
 
 def _tensor_key(t) -> tuple:
+    """What cuBLAS picks a kernel by: shape, layout, dtype and the pointer's alignment, not which layer's weight
+    it is (40 layers' projections of one shape warm up once)."""
     if isinstance(t, torch.Tensor):
-        return (tuple(t.shape), t.stride(), t.dtype, t.data_ptr())
+        ptr = t.data_ptr()
+        return (tuple(t.shape), t.stride(), t.dtype, min(256, ptr & -ptr) if ptr else 256)
     return (t,)
 
 
