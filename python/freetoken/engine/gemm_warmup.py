@@ -31,8 +31,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..tuning_env import int_from_env
 
-aten = torch.ops.aten
-
 MIN_ROWS = 64  # below: decode-sized steps (GEMVs, the decode graphs), not what a new prompt length brings
 
 # operator -> index of the activation [M, K] among its arguments (the rest are the weight, bias, scales). A mode sees
