@@ -35,11 +35,11 @@ in the same layout: ``topk_ids`` are then slot ids, as for the BF16 decode kerne
   ``grouped_config``).
 
 Rounding follows ``moe_decode``: gate and up rounded to x's dtype, the SiLU rounded, the product rounded; each down
-projection rounded, times the routing weight rounded to x's dtype; the k terms summed in fp32 and rounded once. (The
+projection rounded, times the routing weight rounded to x's dtype; the k terms summed in fp32 and rounded once (the
 grouped path leaves the weighted product in fp32, as ``moe_combine`` does for BF16 experts; the torch reference
-rounds it before the sum: within the tests' tolerance.) The per-row global scale multiplies the fp32 sum before that first rounding (``e2m1 * block scale`` is exact in
-every dtype; the reference instead rounds each weight after the global scale). Everything is sized from the
-shapes and nothing is read back on the host: CUDA-graph capturable.
+rounds it before the sum: within the tests' tolerance). The per-row global scale multiplies the fp32 sum before
+that first rounding (``e2m1 * block scale`` is exact in every dtype; the reference instead rounds each weight after
+the global scale). Everything is sized from the shapes and nothing is read back on the host: CUDA-graph capturable.
 """
 
 from __future__ import annotations

@@ -5,12 +5,13 @@ of its prefill step (the GDN input and output projections, attention's q|k|v and
 expert in steps too long for the MoE prefill graphs) is a GEMM at a new M. Profiled inside the server on an H100
 (``bench/results/2026-12-05-h100-qwen3.6-35b-a3b-served-steps-profile-20k.txt``), every cached turn's step had one
 to three idle gaps of 3.3-4.8 ms on the device, each right before the first GEMM of a new shape, and its 81 eager
-GEMMs took 13.4 ms of host time where the same step replayed at one shape in process took 2.6 (H200): most of the
-served turn-10 step's ~6.6 ms over the in-process one on the H200 (80.0 vs 73.4 ms). The kernels cuBLAS picked
+GEMMs took 13.4 ms of host time where the same step replayed at one shape in process took 2.6 (H200): likely most
+of the served turn-10 step's ~6.6 ms over the in-process one on the H200 (80.0 vs 73.4 ms). The kernels cuBLAS picked
 there are sized to M (``nvjet_sm90_tst_128x136`` at 1,080 rows, ``x152`` at 1,170, ``x176`` at 1,349, ``x184`` at
 1,443: M / 8 rounded up to 8 rows), and CUDA loads a kernel's module on its first use: calling each GEMM once at
-every multiple of 64 rows should reach every such kernel before the first request (measured by
-``bench/gemm_first_call.py``, which also tells a per-kernel cost from a per-shape one).
+every multiple of 64 rows should reach every such kernel before the first request. Not yet measured:
+``bench/gemm_first_call.py`` times it, and tells a per-kernel cost (which this removes) from a per-shape one (which
+would need the GEMMs' rows padded to warmed counts instead).
 
 ``GemmRecorder`` notes the GEMMs a stretch of real steps makes (the prefill warm-up's chunks): a dispatch mode that
 sees each aten ``linear``, ``mm``, ``addmm`` and tensor-wise ``_scaled_mm`` with its weight, whichever the build
