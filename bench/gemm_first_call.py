@@ -14,7 +14,8 @@ steps). This tells. For each mode, in a fresh process each (module loads do not 
 it times the first and the second call at token counts an agent session brings (none a multiple of 64), per
 projection shape of Qwen3.6-35B-A3B's prefill, with the device held busy by a sleep kernel queued first, so that the
 host time is the call's own. If ``warm64``'s first calls cost what its second ones do, the warm-up works; if they
-cost what ``cold``'s do, the cost is per shape and the GEMMs' rows must be padded to warmed counts instead.
+cost what ``cold``'s do, the cost is per shape and the GEMMs' rows must be padded to warmed counts as well
+(``FREETOKEN_GEMM_PAD_ROWS=64``, ``layers/gemm_rows.py``: then A/B the agent session with it).
 
     python3 bench/gemm_first_call.py --out bench/out/gemm_first_call.json      # CUDA; ~1 minute
 """

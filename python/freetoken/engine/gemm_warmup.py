@@ -11,7 +11,7 @@ there are sized to M (``nvjet_sm90_tst_128x136`` at 1,080 rows, ``x152`` at 1,17
 1,443: M / 8 rounded up to 8 rows), and CUDA loads a kernel's module on its first use: calling each GEMM once at
 every multiple of 64 rows should reach every such kernel before the first request. Not yet measured:
 ``bench/gemm_first_call.py`` times it, and tells a per-kernel cost (which this removes) from a per-shape one (which
-would need the GEMMs' rows padded to warmed counts instead).
+needs the GEMMs' rows padded to warmed counts as well: ``layers/gemm_rows.py``, ``FREETOKEN_GEMM_PAD_ROWS=64``).
 
 ``GemmRecorder`` notes the GEMMs a stretch of real steps makes (the prefill warm-up's chunks): a dispatch mode that
 sees each aten ``linear``, ``mm``, ``addmm`` and tensor-wise ``_scaled_mm`` with its weight, whichever the build

@@ -25,6 +25,7 @@ from torch import nn
 from ..kernels.fp8_linear import fp8_quantize, fp8_scaled_mm, scaled_mm_supported
 from ..kernels.mixed_dot import mixed_kernel
 from ..kernels.mixed_gemv import MixedRows
+from .gemm_rows import padded_rows_linear
 from .mixed_projection import mixed_rows
 from .quantized_linear import Fp8Linear
 
@@ -48,8 +49,11 @@ class FusedLinear(nn.Module):
         self.out_features = sum(sizes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = padded_rows_linear(x, self._linear)
         return y if y.shape[-1] == self.out_features else y[..., : self.out_features]
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return torch.split(y, self.sizes, dim=-1)

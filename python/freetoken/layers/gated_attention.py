@@ -16,6 +16,7 @@ from torch import nn
 
 from ..kernels.rope import qk_norm_rope
 from .fused_linear import FusedLinear, fuse_linears
+from .gemm_rows import padded_rows_linear
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding, rope_config
 
@@ -71,4 +72,4 @@ class GatedAttention(nn.Module):
         )
         # the output gate goes to the backend: decode applies it in the split merge kernel
         o = batch.attn.forward(q, k, v, self.kv_layer, batch, self.scale, gate=gate)
-        return self.o_proj(o.reshape(T, self.num_heads * D))
+        return padded_rows_linear(o.reshape(T, self.num_heads * D), self.o_proj)

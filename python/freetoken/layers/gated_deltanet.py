@@ -33,6 +33,7 @@ from ..kernels.gdn_gates import gdn_gates
 from ..kernels.gdn_recurrent_piece import gdn_recurrent_piece
 from ..kernels.rms_norm import gated_rms_norm
 from .fused_linear import FusedLinear, fuse_linears
+from .gemm_rows import padded_rows_linear
 
 if TYPE_CHECKING:
     from .gdn_prefill_graphs import GdnPrefillGraphs
@@ -525,7 +526,7 @@ class GatedDeltaNet(nn.Module):
             o = self._extend(qkv, b, a, batch)
         # [T, Hv, dv] both: z is a column slice of the fused projection, which the Triton norm reads in place
         o = self.norm(o.reshape(T, self.num_v_heads, self.head_v_dim), z)
-        return self.out_proj(o.reshape(T, self.value_dim))
+        return padded_rows_linear(o.reshape(T, self.value_dim), self.out_proj)
 
     def _gates(self, b: torch.Tensor, a: torch.Tensor, out=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(g, beta)`` fp32 ``[T, Hv]``: log-decay and write strength (one launch on CUDA), into ``out`` if given."""

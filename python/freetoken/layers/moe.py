@@ -49,6 +49,7 @@ from ..loading.copy_weight import copy_weight
 from ..moe import bench_routing
 from ..quant import nvfp4
 from .fused_linear import FusedLinear, fuse_linears
+from .gemm_rows import padded_rows_linear
 from .moe_prefill_graphs import MoePrefillGraphs, drop_padding_rows
 from .quantized_linear import Nvfp4Linear
 
@@ -91,7 +92,7 @@ class SharedExpertTerm:
         if self.down_nvfp4 is not None:
             d = self.down_nvfp4
             down = nvfp4.dequantize(d.packed, d.scale, d.scale_2, self.gate_up.dtype)
-        return F.linear(silu_and_mul(self.gate_up), down)
+        return padded_rows_linear(silu_and_mul(self.gate_up), lambda h: F.linear(h, down))
 
     def kernel_args(self) -> dict:
         """The shared-expert arguments of ``moe_decode`` (and of ``nvfp4_moe_decode_triton``, which alone takes
@@ -171,11 +172,11 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._gate_up is not None:
             return self.activate(self._gate_up(x))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return padded_rows_linear(F.silu(self.gate_proj(x)) * self.up_proj(x), self.down_proj)
 
     def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``down(silu(gate) * up)`` from the fused ``[gate | up]`` projection."""
-        return self.down_proj(silu_and_mul(gate_up))
+        return padded_rows_linear(silu_and_mul(gate_up), self.down_proj)
 
 
 class ExpertsBackend(nn.Module):

@@ -25,6 +25,7 @@ from torch import nn
 from ..engine.forward_batch import ForwardBatch
 from ..kernels.rope import qk_norm_rope
 from ..layers.fused_linear import FusedLinear, fuse_linears
+from ..layers.gemm_rows import padded_rows_linear
 from ..layers.moe import ExpertsFactory, GatedMLP, moe_input_rows
 from ..layers.norm import RMSNorm, final_norm, pre_norm
 from ..layers.rotary import RotaryEmbedding, rope_config
@@ -82,7 +83,7 @@ class DecoderAttention(nn.Module):
         )
         q, k = qk_norm_rope(q, k, batch.positions, rotary.inv_freq, rotary.rotary_dim, *norms, one_plus=False)
         o = batch.attn.forward(q, k, v, self.layer_id, batch, self.scale)
-        return self.o_proj(o.reshape(T, self.num_heads * D))
+        return padded_rows_linear(o.reshape(T, self.num_heads * D), self.o_proj)
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,48 @@
+"""Eager prefill GEMMs on a row count rounded up to a multiple of ``FREETOKEN_GEMM_PAD_ROWS`` (opt-in; 0: off).
+
+cuBLAS's first call at a new GEMM shape costs ~4 ms of host time, which stopped the device inside served cached
+turns (each brings a new token count; ``engine/gemm_warmup.py`` says where this was measured). The start-up GEMM
+warm-up calls every projection at each multiple of 64 rows; if that first-call cost is per kernel, the warm-up
+alone removes it. If it is per shape, a step must only ever ask for warmed shapes: with ``FREETOKEN_GEMM_PAD_ROWS=64``
+the dense projections of a prefill-sized step (the fused q|k|v, GDN and router | shared projections, o_proj and the
+GDN out_proj) run on the activation copied into ``ceil(T / 64) * 64`` rows, and the output's first T rows are kept
+(a contiguous view). The padding rows hold whatever the buffer held; a GEMM's rows are independent, so they touch
+only the discarded rows. The cost: one copy of the activation per GEMM and up to 63 rows of compute.
+``bench/gemm_first_call.py`` says which of the two is needed; this stays off until it has run.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..tuning_env import int_from_env
+
+MIN_ROWS = 64  # decode-sized steps (GEMVs, the decode graphs) are never padded
+
+
+def pad_rows_setting(env_value: int | None = None) -> int:
+    """``FREETOKEN_GEMM_PAD_ROWS``: the row multiple (0: off, the default)."""
+    pad = int_from_env("FREETOKEN_GEMM_PAD_ROWS", 0, "rows") if env_value is None else env_value
+    if pad < 0:
+        raise ValueError(f"FREETOKEN_GEMM_PAD_ROWS={pad}: expected 0 (off) or a row multiple")
+    return pad
+
+
+PAD_ROWS = pad_rows_setting()
+
+
+def padded_rows_linear(x: torch.Tensor, linear: Callable[[torch.Tensor], torch.Tensor], pad: int | None = None):
+    """``linear(x)`` for ``x [T, K]``, computed on ``x`` copied into a multiple of ``pad`` rows (``PAD_ROWS`` when
+    not given) where that applies: a 2-D prefill-sized x whose rows are not already a multiple, outside a CUDA
+    graph capture."""
+    pad = PAD_ROWS if pad is None else pad
+    T = x.shape[0]
+    if pad <= 0 or x.dim() != 2 or T < MIN_ROWS or T % pad == 0:
+        return linear(x)
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return linear(x)
+    padded = x.new_empty(-(-T // pad) * pad, x.shape[1])
+    padded[:T].copy_(x)
+    return linear(padded)[:T]
