@@ -1,6 +1,6 @@
-"""engine/gemm_warmup.py: the GEMMs a stretch of steps makes, recorded once per weight, and replayed at every row
-step (cuBLAS's first call at each shape paid at start-up). The device-side effect is measured by
-bench/gemm_first_call.py on the GPU; here the recording and the replay are checked on the CPU."""
+"""engine/gemm_warmup.py: the GEMMs a stretch of steps makes, recorded once per shape, and replayed at every row
+step (cuBLAS's first call at each shape paid at start-up). Its device-side effect is for bench/gemm_first_call.py
+on the GPU to measure; here the recording and the replay are checked on the CPU."""
 
 from __future__ import annotations
 
