@@ -152,6 +152,34 @@ def test_batch_step_rows_start_over(hybrid_checkpoint):
     assert torch.equal(_chunk(warmed, ids[40:], 40), _chunk(plain, ids[40:], 40))
 
 
+def test_gemm_warmup_runs_last_and_a_failure_in_it_is_only_a_warning(hybrid_checkpoint, monkeypatch, caplog):
+    """After the chunks, each dense GEMM they made is called at every multiple of 64 rows (``engine/gemm_warmup.py``;
+    logged); a GEMM warm-up that fails is logged as a warning and the start-up goes on (it is an optimization)."""
+    import logging
+
+    from freetoken.engine import prefill_warmup
+
+    w = _worker(hybrid_checkpoint, max_prefill_length=512)
+    with caplog.at_level(logging.INFO):
+        run_prefill_warmup(w)
+    assert "GEMM warm-up:" in caplog.text and "token counts (64..512 in steps of 64" in caplog.text
+    caplog.clear()
+
+    def broken(calls, rows):
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED\nmore lines")
+
+    monkeypatch.setattr(prefill_warmup, "warm_gemms", broken)
+    with caplog.at_level(logging.INFO):
+        assert run_prefill_warmup(w) >= 0
+    assert "GEMM warm-up skipped: RuntimeError: CUBLAS_STATUS_NOT_SUPPORTED" in caplog.text
+    assert "more lines" not in caplog.text
+    monkeypatch.setenv("FREETOKEN_GEMM_WARMUP_ROWS", "0")  # off: neither line
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        run_prefill_warmup(w)
+    assert "GEMM warm-up" not in caplog.text
+
+
 def test_the_flag_defaults_to_warming_up():
     from freetoken.serve_defaults import serve_defaults
 
