@@ -1,29 +1,19 @@
 """layers/gemm_rows.py: a prefill-sized GEMM on its activation padded to a row multiple gives the unpadded rows'
 values (opt-in FREETOKEN_GEMM_PAD_ROWS; the device-side reason is in engine/gemm_warmup.py), and a hybrid model's
-greedy tokens do not change with it on."""
+logits do not change with it on."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from test_gemm_warmup import GemmCalls
 
 from freetoken.layers import gemm_rows
 from freetoken.layers.gemm_rows import MIN_ROWS, pad_rows_setting, padded_rows_linear
 
 
-class _Rows(TorchDispatchMode):
-    """Rows of every linear's activation."""
-
-    def __init__(self):
-        super().__init__()
-        self.rows = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name in ("linear", "mm", "addmm"):  # (addmm: bias, activation, weight)
-            self.rows.append(args[1 if name == "addmm" else 0].shape[0])
-        return func(*args, **(kwargs or {}))
+def _rows(seen: GemmCalls) -> list[int]:
+    return [rows for _, rows, _ in seen.seen]
 
 
 def test_the_setting_comes_from_the_environment(monkeypatch):
@@ -43,15 +33,15 @@ def test_padded_gemm_keeps_the_rows_values(rows):
     torch.manual_seed(rows)
     lin = torch.nn.Linear(48, 40)
     x = torch.randn(rows, 48)
-    with _Rows() as seen:
+    with GemmCalls() as seen:
         got = padded_rows_linear(x, lin, pad=64)
     padded = rows >= MIN_ROWS and rows % 64 != 0
-    assert seen.rows == [-(-rows // 64) * 64 if padded else rows]
+    assert _rows(seen) == [-(-rows // 64) * 64 if padded else rows]
     assert got.shape == (rows, 40) and got.is_contiguous()
     torch.testing.assert_close(got, lin(x), rtol=1e-6, atol=1e-6)
-    with _Rows() as seen:  # off: the plain call
+    with GemmCalls() as seen:  # off: the plain call
         padded_rows_linear(x, lin, pad=0)
-    assert seen.rows == [rows]
+    assert _rows(seen) == [rows]
 
 
 def test_hybrid_model_logits_are_the_same_with_padding(tmp_path, monkeypatch):
@@ -65,7 +55,7 @@ def test_hybrid_model_logits_are_the_same_with_padding(tmp_path, monkeypatch):
     w = _worker(str(tmp_path), max_prefill_length=256)
     plain = _chunk(w, ids, 0, row=1)
     monkeypatch.setattr(gemm_rows, "PAD_ROWS", 64)
-    with _Rows() as seen:
+    with GemmCalls() as seen:
         padded = _chunk(w, ids, 0, row=1)
-    assert 128 in seen.rows and 100 not in seen.rows
+    assert 128 in _rows(seen) and 100 not in _rows(seen)
     torch.testing.assert_close(padded, plain, rtol=1e-5, atol=1e-5)

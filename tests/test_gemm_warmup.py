@@ -11,8 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from freetoken.engine.gemm_warmup import MIN_ROWS, GemmRecorder, warm_gemms, warmup_rows, warmup_rows_step
 
 
-class _CountRows(TorchDispatchMode):
-    """(operator, rows of its activation, weight data pointer) of every GEMM-like call."""
+class GemmCalls(TorchDispatchMode):
+    """(operator, rows of its activation, weight data pointer) of every GEMM-like call (``test_gemm_rows`` too)."""
 
     def __init__(self):
         super().__init__()
@@ -72,8 +72,8 @@ def test_replays_every_recorded_gemm_at_every_row_count():
     with torch.inference_mode(), GemmRecorder() as rec:
         x = torch.randn(70, 32)
         lin(x), torch.mm(x, w2.t())
-    with _CountRows() as counter:
-        made, _ = warm_gemms(rec.calls.values(), [64, 128])
+    with GemmCalls() as counter:
+        made = warm_gemms(rec.calls.values(), [64, 128])
     assert made == 4
     seen = sorted((rows, ptr) for _, rows, ptr in counter.seen)
     want = sorted((rows, ptr) for rows in (64, 128) for ptr in (lin.weight.data_ptr(), w2.data_ptr()))

@@ -23,16 +23,13 @@ activations (outputs discarded). Nothing is kept but references to one weight of
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..tuning_env import int_from_env
-
-MIN_ROWS = 64  # below: decode-sized steps (GEMVs, the decode graphs), not what a new prompt length brings
+from ..layers.gemm_rows import MIN_ROWS, rows_from_env
 
 # operator -> index of the activation [M, K] among its arguments (the rest are the weight, bias, scales). A mode sees
 # ``linear`` itself or the ``mm`` / ``addmm`` it becomes, depending on the build; never both for one call (the mode is
@@ -42,10 +39,7 @@ _ACTIVATION_ARG = {"linear": 0, "mm": 0, "addmm": 1, "_scaled_mm": 0}
 
 def warmup_rows_step(env_value: int | None = None) -> int:
     """``FREETOKEN_GEMM_WARMUP_ROWS``: the row step of the warm-up (0: none)."""
-    step = int_from_env("FREETOKEN_GEMM_WARMUP_ROWS", 64, "rows") if env_value is None else env_value
-    if step < 0:
-        raise ValueError(f"FREETOKEN_GEMM_WARMUP_ROWS={step}: expected 0 (off) or a row step")
-    return step
+    return rows_from_env("FREETOKEN_GEMM_WARMUP_ROWS", 64, env_value)
 
 
 def warmup_rows(max_rows: int, step: int) -> list[int]:
@@ -114,14 +108,13 @@ class GemmRecorder(TorchDispatchMode):
                                        i, int(x.shape[1]), x.dtype, x.device)  # fmt: skip
 
 
-def warm_gemms(calls: Iterable[GemmCall], rows: list[int]) -> tuple[int, float]:
-    """Each call once at each row count; returns (calls made, seconds, synchronized on CUDA)."""
+def warm_gemms(calls: Iterable[GemmCall], rows: list[int]) -> int:
+    """Each call once at each row count, finished on the device when it returns; the number of calls made."""
     calls = list(calls)
-    t0 = time.perf_counter()
     with torch.inference_mode():
         for m in rows:
             for c in calls:
                 c.run(m)
     if calls and rows and torch.cuda.is_available():
         torch.cuda.synchronize()
-    return len(calls) * len(rows), time.perf_counter() - t0
+    return len(calls) * len(rows)

@@ -19,15 +19,22 @@ import torch
 
 from ..tuning_env import int_from_env
 
-MIN_ROWS = 64  # decode-sized steps (GEMVs, the decode graphs) are never padded
+# prefill-sized GEMMs start here: decode-sized steps (GEMVs, the decode graphs) are never padded, nor warmed up
+# (engine/gemm_warmup.py)
+MIN_ROWS = 64
+
+
+def rows_from_env(name: str, default: int, env_value: int | None = None) -> int:
+    """``$name`` (or ``env_value``) as a number of rows, 0 meaning off; a negative one is refused in one line."""
+    rows = int_from_env(name, default, "rows") if env_value is None else env_value
+    if rows < 0:
+        raise ValueError(f"{name}={rows}: expected 0 (off) or a positive number of rows")
+    return rows
 
 
 def pad_rows_setting(env_value: int | None = None) -> int:
     """``FREETOKEN_GEMM_PAD_ROWS``: the row multiple (0: off, the default)."""
-    pad = int_from_env("FREETOKEN_GEMM_PAD_ROWS", 0, "rows") if env_value is None else env_value
-    if pad < 0:
-        raise ValueError(f"FREETOKEN_GEMM_PAD_ROWS={pad}: expected 0 (off) or a row multiple")
-    return pad
+    return rows_from_env("FREETOKEN_GEMM_PAD_ROWS", 0, env_value)
 
 
 PAD_ROWS = pad_rows_setting()
