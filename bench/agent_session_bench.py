@@ -307,6 +307,10 @@ def run_server(
         out["resolved_config"] = next(
             (l[l.find("Resolved config") :] for l in log.splitlines() if "Resolved config" in l), None
         )
+        # the start-up warm-ups' own lines (prefill chunks, GEMM shapes): what ran before the first request
+        out["warmup_log"] = [l.strip() for l in log.splitlines() if "warm-up" in l]
+        for line in out["warmup_log"]:
+            print(f"[{label}] {line}", flush=True)
         # Warm-up on ids that share no prefix with the session (JIT, allocator): not measured.
         warm = random.Random(12345)
         w = stream_ids(srv.url, [warm.randrange(1000, 100000) for _ in range(warmup_tokens)], 2, tok)
