@@ -85,6 +85,17 @@ def test_grouped_bf16_moe_compiles_for_sm90(tail, warps):
     assert compile_check(kernel, ptr, const, div16, warps=warps, async_wgmma=True) == 0
 
 
+@pytest.mark.parametrize("walk,warps,stages", [(4, 4, 3), (16, 4, 4), (4, 8, 3)])
+def test_grouped_bf16_moe_down_walk_compiles_for_sm90(walk, warps, stages):
+    """The down kernel walking N tiles (one flattened loop, each tile stored at its last K step), at Qwen3.6's
+    expert shapes: it compiles, and its wgmmas stay asynchronous with the store inside the loop."""
+    ptr = {"h_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32"}
+    const = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "DOT_PREC": "'tf32'", "WALK": walk}
+    div16 = "H,I,stride_ht,stride_we,stride_wn,stride_ot"
+    kernel = "freetoken.kernels.fused_moe:_moe_down_walk_kernel"
+    assert compile_check(kernel, ptr, const, div16, warps=warps, stages=stages, async_wgmma=True) == 0
+
+
 @pytest.mark.parametrize("counted", [True, False])
 def test_moe_align_compiles_for_sm90(counted):
     """The grouped MoE's alignment: the parallel count of a prefill-sized step and the plan that reads it, or counts

@@ -128,6 +128,11 @@ def test_triton_moe_interpreter_cpu():
         (40, 4, 2, 32, 48, "float32", False, {"block_m": 16, "tail": 16}),
         (61, 8, 3, 32, 48, "float32", True, {"block_m": 16, "tail": 16}),
         (45, 4, 3, 32, 48, "float16", True, {"block_m": 16, "tail": 32, "gu_block_n": 16}),
+        # down programs walking N tiles: H = 48 in 16-column tiles walked two at a time (the second program's second
+        # tile lies past H: masked), I = 40 in 16-wide K steps (a partial last step each tile); and a walk longer
+        # than the tiles there are (clipped)
+        (19, 8, 3, 48, 40, "float32", True, {"down_block_n": 16, "down_block_k": 16, "down_walk": 2}),
+        (33, 6, 2, 32, 48, "float16", False, {"block_m": 16, "down_block_n": 16, "down_walk": 8}),
     ]
     run_under_interpreter(_CPU_SCRIPT, cases=cases)
 
@@ -142,6 +147,10 @@ def test_grouped_bf16_config_refuses_unknown_settings():
     assert grouped_bf16_config(17472, 256)["tail"] == 0
     with pytest.raises(ValueError, match="tail 8"):
         grouped_bf16_config(8, 4, tune={"tail": 8})
+    with pytest.raises(ValueError, match="down_walk"):
+        grouped_bf16_config(8, 4, tune={"down_walk": 0})
+    with pytest.raises(ValueError, match="down_walk"):  # the walking kernel has no tail tile
+        grouped_bf16_config(8, 4, tune={"down_walk": 2, "tail": 16})
 
 
 def test_grouped_bf16_tail_from_the_environment(monkeypatch):
@@ -151,6 +160,41 @@ def test_grouped_bf16_tail_from_the_environment(monkeypatch):
     assert grouped_bf16_config(17472, 256)["tail"] == 16
     monkeypatch.setenv("FREETOKEN_BF16_MOE_TAIL", "24")
     with pytest.raises(ValueError, match="tail 24"):
+        grouped_bf16_config(17472, 256)
+
+
+def test_down_walk_launches_the_walking_kernel(monkeypatch):
+    """``down_walk`` > 1 launches ``_moe_down_walk_kernel`` over ceil(N tiles / walk) programs a block (clipped to
+    the tiles there are), 1 the one-tile kernel; the interpreter test above checks the walking kernel's values."""
+    from freetoken.kernels import fused_moe as fm
+
+    launches = []
+
+    class Fake:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((self.name, grid, kw.get("WALK")))
+
+    monkeypatch.setattr(fm, "_moe_down_kernel", Fake("tile"))
+    monkeypatch.setattr(fm, "_moe_down_walk_kernel", Fake("walk"))
+    inter, w2 = torch.zeros(6, 40), torch.zeros(2, 48, 40)  # H = 48: three 16-column tiles
+    ids, blocks = torch.zeros(16, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    for walk in (1, 2, 8):
+        cfg = fm.grouped_bf16_config(6, 2, tune={"block_m": 8, "down_block_n": 16, "down_walk": walk})
+        fm._launch_down(inter, w2, ids, blocks, 48, cfg, "ieee")
+    assert launches == [("tile", (2, 3), None), ("walk", (2, 2), 2), ("walk", (2, 1), 3)]
+
+
+def test_grouped_bf16_down_walk_from_the_environment(monkeypatch):
+    from freetoken.kernels.fused_moe import grouped_bf16_config
+
+    assert grouped_bf16_config(17472, 256)["down_walk"] == 1
+    monkeypatch.setenv("FREETOKEN_BF16_MOE_DOWN_WALK", "4")
+    assert grouped_bf16_config(17472, 256)["down_walk"] == 4
+    monkeypatch.setenv("FREETOKEN_BF16_MOE_DOWN_WALK", "four")
+    with pytest.raises(ValueError, match="FREETOKEN_BF16_MOE_DOWN_WALK"):
         grouped_bf16_config(17472, 256)
 
 
@@ -186,6 +230,9 @@ def test_triton_moe_cuda(T, E, k, H, I, skew, dtype):
         # tail row tiles (their dots transposed): ~68 pairs an expert, most blocks with a tail
         {"tail": 16},
         {"tail": 32, "warps": 8},
+        # down programs walking 4 and all 16 of their N tiles
+        {"down_walk": 4},
+        {"down_walk": 16, "down_stages": 4},
     ],
 )
 def test_triton_moe_cuda_launch_settings(tune):
