@@ -8,6 +8,8 @@ steps). This tells. For each mode, in a fresh process each (module loads do not 
 
 - ``cold``: nothing warmed;
 - ``warm64``: every multiple of 64 rows from 64 to 8,192 called first (what start-up does now);
+- ``pad64``: the same warm-up, then each call on its rows padded to a multiple of 64 (``FREETOKEN_GEMM_PAD_ROWS=64``,
+  ``layers/gemm_rows.padded_rows_linear``, its activation copy included): a warmed shape at every call;
 - ``eager``: ``CUDA_MODULE_LOADING=EAGER`` (every module of every library loaded at start: its start-up cost is
   printed as the process's CUDA init time);
 
@@ -15,7 +17,8 @@ it times the first and the second call at token counts an agent session brings (
 projection shape of Qwen3.6-35B-A3B's prefill, with the device held busy by a sleep kernel queued first, so that the
 host time is the call's own. If ``warm64``'s first calls cost what its second ones do, the warm-up works; if they
 cost what ``cold``'s do, the cost is per shape and the GEMMs' rows must be padded to warmed counts as well
-(``FREETOKEN_GEMM_PAD_ROWS=64``, ``layers/gemm_rows.py``: then A/B the agent session with it).
+(``pad64``'s first calls should then cost its second ones; ``FREETOKEN_GEMM_PAD_ROWS=64``, ``layers/gemm_rows.py``:
+then A/B the agent session with it).
 
     python3 bench/gemm_first_call.py --out bench/out/gemm_first_call.json      # CUDA; ~1 minute
 """
@@ -35,7 +38,7 @@ sys.path.insert(0, _HERE)
 
 from linear_host_cost import SHAPES  # noqa: E402  (the prefill step's cuBLAS linears)
 
-MODES = ("cold", "warm64", "eager")
+MODES = ("cold", "warm64", "pad64", "eager")
 # new tokens of the agent session's cached turns (bench/agent_session_bench.py, 30k) and an uncached last chunk
 NEW_ROWS = (1089, 1226, 1362, 1498, 1634, 1770, 1907, 2043, 2183, 5424)
 
@@ -58,7 +61,7 @@ def child(mode: str) -> dict:
     init_s = time.perf_counter() - t0
     weights = {name: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for name, k, n in SHAPES}
     warm_s = 0.0
-    if mode == "warm64":
+    if mode in ("warm64", "pad64"):
         from freetoken.engine.gemm_warmup import warmup_rows  # the row counts start-up warms
 
         t0 = time.perf_counter()
@@ -67,16 +70,20 @@ def child(mode: str) -> dict:
                 torch.nn.functional.linear(torch.empty(m, k, device="cuda", dtype=torch.bfloat16), weights[name])
         torch.cuda.synchronize()
         warm_s = time.perf_counter() - t0
+    from freetoken.layers.gemm_rows import padded_rows_linear  # what FREETOKEN_GEMM_PAD_ROWS=64 runs
+
+    pad = 64 if mode == "pad64" else 0
     rows = []
     for m in NEW_ROWS:
         for name, k, _ in SHAPES:
             x = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+            linear = lambda a, w=weights[name]: torch.nn.functional.linear(a, w)  # noqa: E731
             torch.cuda.synchronize()
             torch.cuda._sleep(int(2e8))  # device work queued ahead: neither call below waits for the device
             times = []
             for _ in range(2):
                 t = time.perf_counter()
-                torch.nn.functional.linear(x, weights[name])
+                padded_rows_linear(x, linear, pad)
                 times.append((time.perf_counter() - t) * 1e3)
             torch.cuda.synchronize()
             rows.append({"rows": m, "shape": name, "first_ms": times[0], "second_ms": times[1]})
