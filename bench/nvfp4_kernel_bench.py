@@ -338,6 +338,12 @@ MOE_SWEEP = [
     {"down_block_k": 128},
     # (256-row blocks, each weight tile decoded once at 8,192 tokens, measured no faster there on the H100 and 3-12x
     # slower below: dropped, bench/results/2026-12-05-h100-qwen3.6-35b-a3b-nvfp4-moesweep-down-k64.txt)
+    # down programs walking N tiles in one pipelined loop (nvfp4_moe._nvfp4_down_walk_rows, written 2026-12-05 night
+    # without a GPU): a one-tile program streams only 36 KiB of codes and scales
+    {"down_walk": 2},
+    {"down_walk": 4},
+    {"down_walk": 16},
+    {"down_walk": 4, "stages": 4},
 ]
 
 

@@ -852,6 +852,67 @@ if triton is not None:
                 zeros = tl.zeros((BLOCK_N, TAIL_ROWS), dtype=dt)
                 tl.store(o_ptrs, zeros, mask=n_mask[:, None] & t_mask[None, :])
 
+    # ``_nvfp4_down_rows`` over ``WALK`` consecutive N tiles a program (``fused_moe.py``'s down walk says why: the
+    # down projection's K is short, 512 for Qwen3.6, and here a tile is only 32 KiB of codes and 4 KiB of scales, so a
+    # one-tile program spends much of its life filling and draining its pipeline). One flattened loop; each tile's
+    # rows are stored at its last K step while the next tile's loads are in flight.
+    @triton.jit
+    def _nvfp4_down_walk_rows(
+        h_ptr, hf_ptr, w_ptr, s_ptr, g_ptr, out_ptr, e, num_experts, pair, m_mask, pair_t, t_mask, H, I,
+        stride_ht, stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_ot,
+        BLOCK_M: tl.constexpr, TAIL_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        NUM_STAGES: tl.constexpr, DOT_PREC: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr,
+        X_DTYPE: tl.constexpr, WITH_TAIL: tl.constexpr, WALK: tl.constexpr,
+    ):  # fmt: skip
+        """One block's down projection rows (and its tail's, ``WITH_TAIL``) over the program's ``WALK`` tiles; the
+        dummy expert's rows are written as zeros."""
+        dt = X_DTYPE
+        BW: tl.constexpr = BLOCK_K // 8
+        offs_tile = tl.arange(0, BLOCK_N)
+        first_n = tl.program_id(1) * WALK * BLOCK_N
+        if e < num_experts:
+            e64 = e.to(tl.int64)
+            offs_w = tl.arange(0, BW)
+            offs_s = tl.arange(0, BLOCK_K // 16)
+            offs_k = tl.arange(0, BLOCK_K)
+            ht_ptrs = h_ptr + pair[None, :].to(tl.int64) * stride_ht + offs_k[:, None]
+            tt_ptrs = h_ptr + pair_t[None, :].to(tl.int64) * stride_ht + offs_k[:, None]
+            k_steps = tl.cdiv(I, BLOCK_K)
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # outᵀ
+            acc_t = tl.zeros((BLOCK_N, TAIL_ROWS), dtype=tl.float32)
+            for step in tl.range(0, WALK * k_steps, num_stages=NUM_STAGES):
+                tile_i = step // k_steps
+                k0 = (step - tile_i * k_steps) * BLOCK_K
+                offs_n = first_n + tile_i * BLOCK_N + offs_tile
+                n_mask = offs_n < H
+                rows = offs_n[:, None].to(tl.int64)
+                w_ptrs = w_ptr + e64 * stride_we + rows * stride_wn + offs_w[None, :]
+                s_ptrs = s_ptr + e64 * stride_se + rows * stride_sn + offs_s[None, :]
+                k_ok = ((k0 + offs_k) < I)[:, None]
+                ht = tl.load(ht_ptrs + k0, mask=k_ok & m_mask[None, :], other=0.0)
+                tile = tile_decode(w_ptrs, s_ptrs, n_mask, k0, I, offs_w, offs_s, BLOCK_N, BW, dt, HALF, ASM)
+                acc = _tile_times(tile, ht, acc, DOT_PREC, HALF)
+                if WITH_TAIL:
+                    htt = tl.load(tt_ptrs + k0, mask=k_ok & t_mask[None, :], other=0.0)
+                    acc_t = _tile_times(tile, htt, acc_t, DOT_PREC, HALF)
+                if k0 + BLOCK_K >= I:  # the tile's last K step: its rows are done
+                    glob = tl.load(g_ptr + e64 * stride_ge + offs_n, mask=n_mask, other=0.0)
+                    _down_store(acc, pair, m_mask, offs_n, n_mask, hf_ptr, glob, out_ptr, stride_ot, dt, HALF)
+                    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                    if WITH_TAIL:
+                        _down_store(acc_t, pair_t, t_mask, offs_n, n_mask, hf_ptr, glob, out_ptr, stride_ot, dt, HALF)
+                        acc_t = tl.zeros((BLOCK_N, TAIL_ROWS), dtype=tl.float32)
+        else:  # the dummy expert: ids outside the bank add zeros
+            for tile_i in range(0, WALK):
+                offs_n = first_n + tile_i * BLOCK_N + offs_tile
+                n_mask = offs_n < H
+                o_ptrs = out_ptr + pair[None, :].to(tl.int64) * stride_ot + offs_n[:, None]
+                tl.store(o_ptrs, tl.zeros((BLOCK_N, BLOCK_M), dtype=dt), mask=n_mask[:, None] & m_mask[None, :])
+                if WITH_TAIL:
+                    o_ptrs = out_ptr + pair_t[None, :].to(tl.int64) * stride_ot + offs_n[:, None]
+                    zeros = tl.zeros((BLOCK_N, TAIL_ROWS), dtype=dt)
+                    tl.store(o_ptrs, zeros, mask=n_mask[:, None] & t_mask[None, :])
+
     @triton.jit(do_not_specialize=["num_pairs"])
     def _nvfp4_moe_down_kernel(
         h_ptr,  # [T*k, I]; HALF: ``half_rows``' fp16 rows of it
@@ -883,6 +944,7 @@ if triton is not None:
         X_DTYPE: tl.constexpr,  # x's dtype: the down projection is rounded to it, as the reference does
         TAIL: tl.constexpr = 0,  # tail rows a block (0: none), as the gate|up kernel's
         TAIL_ROWS: tl.constexpr = 16,
+        WALK: tl.constexpr = 1,  # N tiles a program (``_nvfp4_down_walk_rows``; 1: ``_nvfp4_down_rows``)
         PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
         pdl_wait_then_release(PDL)
@@ -896,7 +958,20 @@ if triton is not None:
                 pair_t, t_mask, has_tail = _tail_rows(sorted_ids_ptr, first, num_pairs, BLOCK_M, TAIL_ROWS)
             else:
                 pair_t, t_mask = _no_tail_rows(num_pairs, TAIL_ROWS)
-            if has_tail:
+            if WALK > 1:
+                if has_tail:
+                    _nvfp4_down_walk_rows(
+                        h_ptr, hf_ptr, w_ptr, s_ptr, g_ptr, out_ptr, e, num_experts, pair, m_mask, pair_t, t_mask,
+                        H, I, stride_ht, stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_ot, BLOCK_M,
+                        TAIL_ROWS, BLOCK_N, BLOCK_K, NUM_STAGES, DOT_PREC, HALF, ASM, X_DTYPE, True, WALK,
+                    )  # fmt: skip
+                else:
+                    _nvfp4_down_walk_rows(
+                        h_ptr, hf_ptr, w_ptr, s_ptr, g_ptr, out_ptr, e, num_experts, pair, m_mask, pair_t, t_mask,
+                        H, I, stride_ht, stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_ot, BLOCK_M,
+                        TAIL_ROWS, BLOCK_N, BLOCK_K, NUM_STAGES, DOT_PREC, HALF, ASM, X_DTYPE, False, WALK,
+                    )  # fmt: skip
+            elif has_tail:
                 _nvfp4_down_rows(
                     h_ptr, hf_ptr, w_ptr, s_ptr, g_ptr, out_ptr, e, num_experts, pair, m_mask, pair_t, t_mask,
                     H, I, stride_ht, stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_ot, BLOCK_M,
@@ -963,10 +1038,16 @@ def grouped_config(num_pairs: int, E: int, H: int, I: int, block_m: int | None =
         "stages": _NUM_STAGES,
         "fuse_gate_up": large,
         "tail": tail,
+        # N tiles a down program walks (``_nvfp4_down_walk_rows``; 1: one tile a program). Written 2026-12-05
+        # without a GPU: not yet timed (--groups moesweep --sweep-only down_walk). FREETOKEN_NVFP4_MOE_DOWN_WALK sets it
+        # for an end-to-end A/B
+        "down_walk": int_from_env("FREETOKEN_NVFP4_MOE_DOWN_WALK", 1, "tiles"),
     }
     cfg = with_overrides(cfg, tune, "grouped NVFP4")
     if cfg["tail"] not in (0, 16, 32, 64):
         raise ValueError(f"grouped NVFP4 tail {cfg['tail']}: expected 0, 16, 32 or 64 rows")
+    if cfg["down_walk"] < 1:
+        raise ValueError(f"grouped NVFP4 down_walk {cfg['down_walk']}: expected 1 or more tiles")
     return cfg
 
 
@@ -1034,11 +1115,12 @@ def nvfp4_fused_moe_triton(
     partial = torch.empty(n, H, dtype=x.dtype, device=x.device)
     ih, hf = half_rows(inter) if half else (inter, inter)
     bn2, bk2 = cfg["down_block_n"], cfg["down_block_k"]
-    _nvfp4_moe_down_kernel[(nblocks, triton.cdiv(H, bn2))](
+    walk = min(cfg["down_walk"], triton.cdiv(H, bn2))
+    _nvfp4_moe_down_kernel[(nblocks, triton.cdiv(H, bn2 * walk))](
         ih, hf, w2b, w2s, w2_global, partial, sorted_ids, block_expert, n, E, H, I, ih.stride(0),
         w2b.stride(0), w2b.stride(1), w2s.stride(0), w2s.stride(1), w2_global.stride(0), partial.stride(0),
         BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, NUM_STAGES=cfg["stages"], DOT_PREC=prec, HALF=half, ASM=asm,
-        X_DTYPE=TL_DTYPES[x.dtype], TAIL=cfg["tail"], TAIL_ROWS=max(cfg["tail"], 16), num_warps=cfg["warps"],
-        **pdl_launch(ih),
+        X_DTYPE=TL_DTYPES[x.dtype], TAIL=cfg["tail"], TAIL_ROWS=max(cfg["tail"], 16), WALK=walk,
+        num_warps=cfg["warps"], **pdl_launch(ih),
     )  # fmt: skip
     return moe_combine_triton(partial, k, x.dtype, shared, shared_gate, weights=topk_weights, out=out)

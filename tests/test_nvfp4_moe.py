@@ -331,6 +331,13 @@ _CPU_SCRIPT = textwrap.dedent(
         note("grouped tail " + key, t.check_grouped(40, 4, 2, 32, 48, dt, "cpu", block_m=16, tune=tail, invalid=True, **plain))
         note("grouped tail " + key, t.check_grouped(40, 8, 3, 32, 48, dt, "cpu", block_m=16, tune=tail, skew=True, **plain))
         note("grouped tail " + key, t.check_grouped(40, 3, 2, 64, 48, dt, "cpu", block_m=16, tune=dict(fused, tail=32), **plain))
+        # down programs walking N tiles: H = 160 in 32-column tiles two a program (the last one's second tile lies
+        # past H), I = 80 in 32-wide K steps (a partial last step each tile), ids outside the bank (the dummy expert
+        # writes zeros over its whole walk), and with tail row tiles
+        walk = dict(down_block_n=32, down_block_k=32, down_walk=2)
+        note("grouped walk " + key, t.check_grouped(24, 5, 2, 160, 80, dt, "cpu", tune=walk, invalid=True, **plain))
+        walk_tail = dict(walk, tail=16)
+        note("grouped walk " + key, t.check_grouped(40, 4, 2, 160, 80, dt, "cpu", block_m=16, tune=walk_tail, invalid=True, **plain))
         t.check_dequant(3, 48, 32, dt, "cpu")
         note("dequant grouped " + key, t.check_dequant_moe(24, 6, 2, 160, 80, dt, "cpu", invalid=True))
     for dt in (bf16, f16):  # on fp16 weight tiles: masked tails, invalid ids, prefill tiles, gate|up in one tile
@@ -342,6 +349,8 @@ _CPU_SCRIPT = textwrap.dedent(
         note("grouped " + key, t.check_grouped(24, 5, 2, 160, 80, dt, "cpu", tune=fused, invalid=True, half=True))
         tail = dict(tail=16)
         note("grouped tail " + key, t.check_grouped(40, 4, 2, 32, 48, dt, "cpu", block_m=16, tune=tail, invalid=True, half=True))
+        walk = dict(down_block_n=32, down_block_k=32, down_walk=4, tail=16)  # 5 tiles: a walk of 4 and one of 1 + 3
+        note("grouped walk " + key, t.check_grouped(40, 4, 2, 160, 80, dt, "cpu", block_m=16, tune=walk, invalid=True, half=True))
     t.check_dequant(2, 2064, 32, bf16, "cpu")  # a row longer than one step, with a tail
     t.check_slot_pool(3, 4, f32, "cpu")
     t.check_slot_pool(20, 4, f32, "cpu")
@@ -489,7 +498,10 @@ def test_grouped_cuda_shapes(T, E, k, H, I, kw, dtype):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("tune", [dict(fuse_gate_up=True), dict(fuse_gate_up=True, gu_block_n=32)])
+@pytest.mark.parametrize(
+    "tune",
+    [dict(fuse_gate_up=True), dict(fuse_gate_up=True, gu_block_n=32), dict(down_walk=4), dict(down_walk=16, tail=16)],
+)
 @pytest.mark.parametrize("T,E,k,H,I,kw", [(4096, 256, 8, 2048, 512, {}), (77, 60, 4, 208, 80, dict(invalid=True))])
 def test_grouped_cuda_tunes(T, E, k, H, I, kw, tune):
     """Launch settings other than the default pick (the moesweep candidates): the same result."""
@@ -531,6 +543,9 @@ def test_grouped_config_refuses_unknown_settings():
     assert grouped_config(65536, 256, 2048, 512, tune={"stages": 2})["stages"] == 2
     with pytest.raises(ValueError, match="block_nn"):
         grouped_config(65536, 256, 2048, 512, tune={"block_nn": 64})
+    assert big["down_walk"] == 1  # one N tile a down program until the walk is timed
+    with pytest.raises(ValueError, match="down_walk 0"):
+        grouped_config(65536, 256, 2048, 512, tune={"down_walk": 0})
 
 
 @pytest.mark.gpu

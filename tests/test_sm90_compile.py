@@ -194,6 +194,20 @@ def test_nvfp4_grouped_moe_compiles_for_sm90(half, tail, fuse):
     assert compile_check(kernel, ptr, down, div16, max_registers=254 if tail else 0) == 0
 
 
+@pytest.mark.parametrize("half,tail,walk", [(True, 16, 4), (False, 0, 4), (True, 0, 16)])
+def test_nvfp4_grouped_moe_down_walk_compiles_for_sm90(half, tail, walk):
+    """The grouped NVFP4 down kernel walking N tiles (one flattened loop, each tile stored at its last K step), at
+    the ~2k-token step's tiles: it compiles without spilling."""
+    x = "*fp16" if half else "*bf16"
+    ptr = dict(w_ptr="*i32", s_ptr="*u8", g_ptr="*fp32", sorted_ids_ptr="*i32", block_expert_ptr="*i32")
+    ptr.update(h_ptr=x, hf_ptr="*fp32", out_ptr="*bf16")
+    const = dict(BLOCK_M=64, NUM_STAGES=3, DOT_PREC="'tf32'", HALF=half, ASM=True, TAIL=tail, TAIL_ROWS=max(tail, 16))
+    const.update(BLOCK_N=128, BLOCK_K=64, X_DTYPE="tl.bfloat16", WALK=walk)
+    div16 = "H,I,stride_ht,stride_we,stride_wn,stride_se,stride_sn,stride_ge,stride_ot"
+    kernel = "freetoken.kernels.nvfp4_moe:_nvfp4_moe_down_kernel"
+    assert compile_check(kernel, ptr, const, div16, max_registers=254) == 0
+
+
 # (rows of x, rows a program, K step, warps, fp16 tiles, no masks): nvfp4_linear's tensor-core tiles at small M
 @pytest.mark.parametrize(
     "block_m,block_n,block_k,warps,half,even",
