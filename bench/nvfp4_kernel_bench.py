@@ -422,7 +422,7 @@ BF16_MOE_SWEEP = [
     {"block_m": 32, "tail": 32},
     {"tail": 16, "down_warps": 8},
     {"block_m": 128, "gu_block_n": 128, "down_block_n": 256, "warps": 8, "down_stages": 3, "stages": 3},
-    # down programs walking N tiles in one pipelined loop (fused_moe._moe_down_walk_kernel, written 2026-12-05
+    # down programs walking N tiles in one pipelined loop (fused_moe._down_walk_rows, written 2026-12-05
     # without a GPU): the next tile's weights stream while this tile's rows are stored
     {"down_walk": 2},
     {"down_walk": 4},

@@ -284,6 +284,39 @@ if triton is not None:
         o_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_ot + offs_n[None, :]
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
+    # The down projection's K is the expert's intermediate size (512 for Qwen3.6: 8 steps of 64), so each one-tile
+    # program of the down kernel fills its pipeline, runs a few steps and drains it to store its tile; it streamed its
+    # weights at ~59 % of HBM where gate|up (32 steps) reached ~78 % (H200, the agent turn's 2,184 tokens). With
+    # WALK > 1 a program walks that many consecutive N tiles of its block in one flattened loop, storing each tile at
+    # its last K step: the next tile's loads are already in flight while this one's rows are stored (the block's
+    # rows are read again for every tile, from L2). No tail tile (``grouped_bf16_config`` refuses a walk with one).
+
+    @triton.jit
+    def _down_walk_rows(
+        h_ptr, stride_ht, pair, m_mask, w_expert, stride_wn, out_ptr, stride_ot, first_n, H, I,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+        WALK: tl.constexpr,
+    ):  # fmt: skip
+        """The block's down projection rows over ``WALK`` N tiles from column ``first_n``, each stored when done."""
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_tile = tl.arange(0, BLOCK_N)
+        a_rows = h_ptr + pair[:, None].to(tl.int64) * stride_ht
+        k_steps = tl.cdiv(I, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for step in range(0, WALK * k_steps):
+            tile = step // k_steps
+            k0 = (step - tile * k_steps) * BLOCK_K
+            offs_n = first_n + tile * BLOCK_N + offs_tile
+            n_mask = offs_n < H
+            k_mask = (offs_k + k0) < I
+            a = tl.load(a_rows + (offs_k + k0)[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w_ptrs = w_expert + offs_n[None, :].to(tl.int64) * stride_wn + (offs_k + k0)[:, None]
+            w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+            if k0 + BLOCK_K >= I:  # the tile's last K step: its rows are done
+                _rows_store(acc, out_ptr, pair, m_mask, offs_n, n_mask, stride_ot)
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
     @triton.jit(do_not_specialize=["num_pairs"])
     def _moe_down_kernel(
         h_ptr,  # [T*k, I]
@@ -304,13 +337,22 @@ if triton is not None:
         DOT_PREC: tl.constexpr,
         TAIL: tl.constexpr = 0,  # tail rows a block (0: none), as the gate|up kernel's
         TAIL_ROWS: tl.constexpr = 16,
+        WALK: tl.constexpr = 1,  # N tiles a program (``_down_walk_rows``, without a tail; 1: one tile)
         PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
         pdl_wait_then_release(PDL)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         e = tl.load(block_expert_ptr + pid_m)
-        if e >= 0:
+        if WALK > 1:  # decided at compile time: the one-tile kernel below compiles as it did without the walk
+            if e >= 0:
+                pair, m_mask = _block_rows(sorted_ids_ptr, pid_m * BLOCK_M, num_pairs, BLOCK_M)
+                w_expert = w_ptr + e.to(tl.int64) * stride_we
+                _down_walk_rows(
+                    h_ptr, stride_ht, pair, m_mask, w_expert, stride_wn, out_ptr, stride_ot, pid_n * WALK * BLOCK_N,
+                    H, I, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PREC, WALK,
+                )  # fmt: skip
+        elif e >= 0:
             first = pid_m * (BLOCK_M + TAIL)
             pair, m_mask = _block_rows(sorted_ids_ptr, first, num_pairs, BLOCK_M)
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -335,61 +377,6 @@ if triton is not None:
                     BLOCK_M, TAIL_ROWS, BLOCK_N, BLOCK_K, DOT_PREC, False,
                 )  # fmt: skip
                 _rows_store(acc, out_ptr, pair, m_mask, offs_n, n_mask, stride_ot)
-
-    # The down projection's K is the expert's intermediate size (512 for Qwen3.6: 8 steps of 64), so each program of
-    # ``_moe_down_kernel`` fills its pipeline, runs a few steps and drains it to store its tile; it streamed its weights
-    # at ~59 % of HBM where gate|up (32 steps) reached ~78 % (H200, the agent turn's 2,184 tokens). Here a program
-    # walks ``WALK`` consecutive N tiles of its block in one flattened loop, storing each tile at its last K step:
-    # the next tile's loads are already in flight while this one's rows are stored (the block's rows are read again
-    # for every tile, from L2). No tail tile (``grouped_bf16_config`` refuses a walk with one).
-
-    @triton.jit(do_not_specialize=["num_pairs"])
-    def _moe_down_walk_kernel(
-        h_ptr,  # [T*k, I]
-        w_ptr,  # [E, H, I]
-        out_ptr,  # [T*k, H] in h's dtype
-        sorted_ids_ptr,
-        block_expert_ptr,
-        num_pairs,
-        H,
-        I,
-        stride_ht,
-        stride_we,
-        stride_wn,
-        stride_ot,
-        BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        DOT_PREC: tl.constexpr,
-        WALK: tl.constexpr,  # N tiles a program computes, one after the other
-        PDL: tl.constexpr = False,  # kernels/pdl.py
-    ):
-        pdl_wait_then_release(PDL)
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        e = tl.load(block_expert_ptr + pid_m)
-        if e >= 0:
-            pair, m_mask = _block_rows(sorted_ids_ptr, pid_m * BLOCK_M, num_pairs, BLOCK_M)
-            offs_k = tl.arange(0, BLOCK_K)
-            offs_tile = tl.arange(0, BLOCK_N)
-            a_rows = h_ptr + pair[:, None].to(tl.int64) * stride_ht
-            w_expert = w_ptr + e.to(tl.int64) * stride_we
-            first_n = pid_n * WALK * BLOCK_N
-            k_steps = tl.cdiv(I, BLOCK_K)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for step in range(0, WALK * k_steps):
-                tile = step // k_steps
-                k0 = (step - tile * k_steps) * BLOCK_K
-                offs_n = first_n + tile * BLOCK_N + offs_tile
-                n_mask = offs_n < H
-                k_mask = (offs_k + k0) < I
-                a = tl.load(a_rows + (offs_k + k0)[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                w_ptrs = w_expert + offs_n[None, :].to(tl.int64) * stride_wn + (offs_k + k0)[:, None]
-                w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-                acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
-                if k0 + BLOCK_K >= I:  # the tile's last K step: its rows are done
-                    _rows_store(acc, out_ptr, pair, m_mask, offs_n, n_mask, stride_ot)
-                    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
 
 if triton is not None:
@@ -585,9 +572,9 @@ def grouped_bf16_config(num_pairs: int, E: int, block_m: int | None = None, tune
         # 1.00-1.02x of none, uniform and Zipf (bench/results/2026-12-05-h100-qwen3.6-35b-a3b-bf16-moe-tails.txt).
         # FREETOKEN_BF16_MOE_TAIL sets it for an end-to-end A/B (read at each launch; a graph keeps its capture's)
         "tail": int_from_env("FREETOKEN_BF16_MOE_TAIL", 0, "rows"),
-        # N tiles a down program walks in one pipelined loop (``_moe_down_walk_kernel``; 1: one tile a program, as
-        # ``_moe_down_kernel``). Written 2026-12-05 without a GPU: not yet timed (bench/nvfp4_kernel_bench.py
-        # --groups bf16sweep --sweep-only down_walk). FREETOKEN_BF16_MOE_DOWN_WALK sets it for an end-to-end A/B
+        # N tiles a down program walks in one pipelined loop (``_down_walk_rows``; 1: one tile a program). Written
+        # 2026-12-05 without a GPU: not yet timed (bench/nvfp4_kernel_bench.py --groups bf16sweep --sweep-only
+        # down_walk). FREETOKEN_BF16_MOE_DOWN_WALK sets it for an end-to-end A/B
         "down_walk": int_from_env("FREETOKEN_BF16_MOE_DOWN_WALK", 1, "tiles"),
     }
     cfg = with_overrides(cfg, tune, "grouped BF16")
@@ -694,30 +681,7 @@ def _launch_down(inter, w2, sorted_ids, block_expert, H, cfg: dict, prec) -> tor
     bk2 = min(cfg["down_block_k"], max(16, triton.next_power_of_2(I)))
     bn2 = min(cfg["down_block_n"], max(16, triton.next_power_of_2(H)))
     walk = min(cfg["down_walk"], triton.cdiv(H, bn2))
-    if walk > 1:
-        _moe_down_walk_kernel[(nblocks, triton.cdiv(H, bn2 * walk))](
-            inter,
-            w2,
-            partial,
-            sorted_ids,
-            block_expert,
-            n,
-            H,
-            I,
-            inter.stride(0),
-            w2.stride(0),
-            w2.stride(1),
-            partial.stride(0),
-            BLOCK_M=cfg["block_m"],
-            BLOCK_N=bn2,
-            BLOCK_K=bk2,
-            DOT_PREC=prec,
-            WALK=walk,
-            **_launch_options(cfg, "down_"),
-            **pdl_launch(inter),
-        )
-        return partial
-    _moe_down_kernel[(nblocks, triton.cdiv(H, bn2))](
+    _moe_down_kernel[(nblocks, triton.cdiv(H, bn2 * walk))](
         inter,
         w2,
         partial,
@@ -736,6 +700,7 @@ def _launch_down(inter, w2, sorted_ids, block_expert, H, cfg: dict, prec) -> tor
         DOT_PREC=prec,
         TAIL=cfg["tail"],
         TAIL_ROWS=max(cfg["tail"], 16),
+        WALK=walk,
         **_launch_options(cfg, "down_"),
         **pdl_launch(inter),
     )

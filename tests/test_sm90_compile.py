@@ -90,9 +90,9 @@ def test_grouped_bf16_moe_down_walk_compiles_for_sm90(walk, warps, stages):
     """The down kernel walking N tiles (one flattened loop, each tile stored at its last K step), at Qwen3.6's
     expert shapes: it compiles, and its wgmmas stay asynchronous with the store inside the loop."""
     ptr = {"h_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sorted_ids_ptr": "*i32", "block_expert_ptr": "*i32"}
-    const = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "DOT_PREC": "'tf32'", "WALK": walk}
+    const = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "DOT_PREC": "'tf32'", "TAIL": 0, "WALK": walk}
     div16 = "H,I,stride_ht,stride_we,stride_wn,stride_ot"
-    kernel = "freetoken.kernels.fused_moe:_moe_down_walk_kernel"
+    kernel = "freetoken.kernels.fused_moe:_moe_down_kernel"
     assert compile_check(kernel, ptr, const, div16, warps=warps, stages=stages, async_wgmma=True) == 0
 
 

@@ -163,28 +163,24 @@ def test_grouped_bf16_tail_from_the_environment(monkeypatch):
         grouped_bf16_config(17472, 256)
 
 
-def test_down_walk_launches_the_walking_kernel(monkeypatch):
-    """``down_walk`` > 1 launches ``_moe_down_walk_kernel`` over ceil(N tiles / walk) programs a block (clipped to
-    the tiles there are), 1 the one-tile kernel; the interpreter test above checks the walking kernel's values."""
+def test_down_walk_launch_grid(monkeypatch):
+    """``down_walk`` launches the down kernel over ceil(N tiles / walk) programs a block, the walk clipped to the tiles
+    there are (1: one tile a program); the interpreter test above checks the walking programs' values."""
     from freetoken.kernels import fused_moe as fm
 
     launches = []
 
     class Fake:
-        def __init__(self, name):
-            self.name = name
-
         def __getitem__(self, grid):
-            return lambda *args, **kw: launches.append((self.name, grid, kw.get("WALK")))
+            return lambda *args, **kw: launches.append((grid, kw["WALK"]))
 
-    monkeypatch.setattr(fm, "_moe_down_kernel", Fake("tile"))
-    monkeypatch.setattr(fm, "_moe_down_walk_kernel", Fake("walk"))
+    monkeypatch.setattr(fm, "_moe_down_kernel", Fake())
     inter, w2 = torch.zeros(6, 40), torch.zeros(2, 48, 40)  # H = 48: three 16-column tiles
     ids, blocks = torch.zeros(16, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
     for walk in (1, 2, 8):
         cfg = fm.grouped_bf16_config(6, 2, tune={"block_m": 8, "down_block_n": 16, "down_walk": walk})
         fm._launch_down(inter, w2, ids, blocks, 48, cfg, "ieee")
-    assert launches == [("tile", (2, 3), None), ("walk", (2, 2), 2), ("walk", (2, 1), 3)]
+    assert launches == [((2, 3), 1), ((2, 2), 2), ((2, 1), 3)]
 
 
 def test_grouped_bf16_down_walk_from_the_environment(monkeypatch):
