@@ -807,6 +807,19 @@ if triton is not None:
         tl.store(o_ptrs, (acc * glob[:, None]).to(dt), mask=n_mask[:, None] & m_mask[None, :])
 
     @triton.jit
+    def _zero_rows(
+        out_ptr, pair, m_mask, pair_t, t_mask, offs_n, n_mask, stride_ot, dt: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, TAIL_ROWS: tl.constexpr, WITH_TAIL: tl.constexpr,
+    ):  # fmt: skip
+        """The dummy expert's down rows (ids outside the bank add nothing): zeros at columns ``offs_n``."""
+        o_ptrs = out_ptr + pair[None, :].to(tl.int64) * stride_ot + offs_n[:, None]
+        tl.store(o_ptrs, tl.zeros((BLOCK_N, BLOCK_M), dtype=dt), mask=n_mask[:, None] & m_mask[None, :])
+        if WITH_TAIL:
+            o_ptrs = out_ptr + pair_t[None, :].to(tl.int64) * stride_ot + offs_n[:, None]
+            zeros = tl.zeros((BLOCK_N, TAIL_ROWS), dtype=dt)
+            tl.store(o_ptrs, zeros, mask=n_mask[:, None] & t_mask[None, :])
+
+    @triton.jit
     def _nvfp4_down_rows(
         h_ptr, hf_ptr, w_ptr, s_ptr, g_ptr, out_ptr, e, num_experts, pair, m_mask, pair_t, t_mask, H, I,
         stride_ht, stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_ot,
@@ -845,12 +858,8 @@ if triton is not None:
             if WITH_TAIL:
                 _down_store(acc_t, pair_t, t_mask, offs_n, n_mask, hf_ptr, glob, out_ptr, stride_ot, dt, HALF)
         else:  # the dummy expert: ids outside the bank add zeros
-            o_ptrs = out_ptr + pair[None, :].to(tl.int64) * stride_ot + offs_n[:, None]
-            tl.store(o_ptrs, tl.zeros((BLOCK_N, BLOCK_M), dtype=dt), mask=n_mask[:, None] & m_mask[None, :])
-            if WITH_TAIL:
-                o_ptrs = out_ptr + pair_t[None, :].to(tl.int64) * stride_ot + offs_n[:, None]
-                zeros = tl.zeros((BLOCK_N, TAIL_ROWS), dtype=dt)
-                tl.store(o_ptrs, zeros, mask=n_mask[:, None] & t_mask[None, :])
+            _zero_rows(out_ptr, pair, m_mask, pair_t, t_mask, offs_n, n_mask, stride_ot, dt, BLOCK_N, BLOCK_M,
+                       TAIL_ROWS, WITH_TAIL)  # fmt: skip
 
     # ``_nvfp4_down_rows`` over ``WALK`` consecutive N tiles a program (``fused_moe.py``'s down walk says why: the
     # down projection's K is short, 512 for Qwen3.6, and here a tile is only 32 KiB of codes and 4 KiB of scales, so a
@@ -905,13 +914,8 @@ if triton is not None:
         else:  # the dummy expert: ids outside the bank add zeros
             for tile_i in range(0, WALK):
                 offs_n = first_n + tile_i * BLOCK_N + offs_tile
-                n_mask = offs_n < H
-                o_ptrs = out_ptr + pair[None, :].to(tl.int64) * stride_ot + offs_n[:, None]
-                tl.store(o_ptrs, tl.zeros((BLOCK_N, BLOCK_M), dtype=dt), mask=n_mask[:, None] & m_mask[None, :])
-                if WITH_TAIL:
-                    o_ptrs = out_ptr + pair_t[None, :].to(tl.int64) * stride_ot + offs_n[:, None]
-                    zeros = tl.zeros((BLOCK_N, TAIL_ROWS), dtype=dt)
-                    tl.store(o_ptrs, zeros, mask=n_mask[:, None] & t_mask[None, :])
+                _zero_rows(out_ptr, pair, m_mask, pair_t, t_mask, offs_n, offs_n < H, stride_ot, dt, BLOCK_N,
+                           BLOCK_M, TAIL_ROWS, WITH_TAIL)  # fmt: skip
 
     @triton.jit(do_not_specialize=["num_pairs"])
     def _nvfp4_moe_down_kernel(
