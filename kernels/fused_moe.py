@@ -289,7 +289,7 @@ if triton is not None:
     # weights at ~59 % of HBM where gate|up (32 steps) reached ~78 % (H200, the agent turn's 2,184 tokens). With
     # WALK > 1 a program walks that many consecutive N tiles of its block in one flattened loop, storing each tile at
     # its last K step: the next tile's loads are already in flight while this one's rows are stored (the block's
-    # rows are read again for every tile, from L2). No tail tile (``grouped_bf16_config`` refuses a walk with one).
+    # rows are read again for every tile, from L2). No tail tile (``grouped_bf16_config`` drops the walk for one).
 
     @triton.jit
     def _down_walk_rows(
@@ -553,8 +553,15 @@ def grouped_bf16_config(num_pairs: int, E: int, block_m: int | None = None, tune
     """Launch settings of the grouped kernels: rows per block (``_pick_block_m``), the gate|up and down tiles
     (gate|up's BLOCK_N narrows in ``_launch_gate_up`` until the grid fills the machine), warps and pipeline stages
     (None: Triton's defaults); ``tune`` overrides any of them (benchmarks, tests)."""
+    bm = block_m or _pick_block_m(num_pairs, E)
+    # N tiles a down program walks in one pipelined loop (``_down_walk_rows``; 1: one tile a program): 4, with 4
+    # pipeline stages, on blocks of 64 rows and more. H100, uniform / Zipf routing: 2,184 tokens 1.03x / 1.04x of one
+    # tile a program, 8,192 tokens 1.08x / 1.02x (bench/results/2026-12-05-h100-qwen3.6-35b-a3b-moe-down-walk.txt).
+    # Smaller blocks (decode-sized steps past the GEMVs) keep one tile: unmeasured there.
+    # FREETOKEN_BF16_MOE_DOWN_WALK sets it for an end-to-end A/B
+    walk = int_from_env("FREETOKEN_BF16_MOE_DOWN_WALK", 4 if bm >= 64 else 1, "tiles")
     cfg = {
-        "block_m": block_m or _pick_block_m(num_pairs, E),
+        "block_m": bm,
         "gu_block_n": 64,
         "gu_block_k": 64,
         # 128: 2-3 % faster than 64 at the agent turn's 2,184 tokens under uniform and Zipf routing alike (H200,
@@ -566,22 +573,21 @@ def grouped_bf16_config(num_pairs: int, E: int, block_m: int | None = None, tune
         # the down kernel's own warps and stages (None: ``warps`` / ``stages``): its K (the expert's intermediate
         # size, 512 for Qwen3.6) is a quarter of gate|up's, so its programs are short
         "down_warps": None,
-        "down_stages": None,
+        "down_stages": 4 if walk > 1 else None,
         # rows of a block's tail tile (0, 16, 32 or 64): a block is block_m + tail rows, the tail computed only when
         # it holds a pair (see the kernels); 0: on an H100 at the agent turn's 2,184 tokens tails of 16 or 32 ran
         # 1.00-1.02x of none, uniform and Zipf (bench/results/2026-12-05-h100-qwen3.6-35b-a3b-bf16-moe-tails.txt).
         # FREETOKEN_BF16_MOE_TAIL sets it for an end-to-end A/B (read at each launch; a graph keeps its capture's)
         "tail": int_from_env("FREETOKEN_BF16_MOE_TAIL", 0, "rows"),
-        # N tiles a down program walks in one pipelined loop (``_down_walk_rows``; 1: one tile a program). Written
-        # 2026-12-05 without a GPU: not yet timed (bench/nvfp4_kernel_bench.py --groups bf16sweep --sweep-only
-        # down_walk). FREETOKEN_BF16_MOE_DOWN_WALK sets it for an end-to-end A/B
-        "down_walk": int_from_env("FREETOKEN_BF16_MOE_DOWN_WALK", 1, "tiles"),
+        "down_walk": walk,
     }
     cfg = with_overrides(cfg, tune, "grouped BF16")
     if cfg["tail"] not in (0, 16, 32, 64):
         raise ValueError(f"grouped BF16 tail {cfg['tail']}: expected 0, 16, 32 or 64 rows")
-    if cfg["down_walk"] < 1 or (cfg["down_walk"] > 1 and cfg["tail"]):
-        raise ValueError(f"grouped BF16 down_walk {cfg['down_walk']}: expected 1 or more tiles, and 1 with a tail")
+    if cfg["down_walk"] < 1:
+        raise ValueError(f"grouped BF16 down_walk {cfg['down_walk']}: expected 1 or more tiles")
+    if cfg["tail"]:  # the walking programs have no tail tile: a tail takes precedence, one N tile a program
+        cfg["down_walk"] = 1
     return cfg
 
 

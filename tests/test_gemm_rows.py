@@ -1,5 +1,5 @@
 """layers/gemm_rows.py: a prefill-sized GEMM on its activation padded to a row multiple gives the unpadded rows'
-values (opt-in FREETOKEN_GEMM_PAD_ROWS; the device-side reason is in engine/gemm_warmup.py), and a hybrid model's
+values (FREETOKEN_GEMM_PAD_ROWS, default 64; the device-side reason is in layers/gemm_rows.py), and a hybrid model's
 logits do not change with it on."""
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ def _rows(seen: GemmCalls) -> list[int]:
 
 def test_the_setting_comes_from_the_environment(monkeypatch):
     monkeypatch.delenv("FREETOKEN_GEMM_PAD_ROWS", raising=False)
-    assert pad_rows_setting() == 0
-    monkeypatch.setenv("FREETOKEN_GEMM_PAD_ROWS", "64")
     assert pad_rows_setting() == 64
+    monkeypatch.setenv("FREETOKEN_GEMM_PAD_ROWS", "0")
+    assert pad_rows_setting() == 0
+    monkeypatch.setenv("FREETOKEN_GEMM_PAD_ROWS", "128")
+    assert pad_rows_setting() == 128
     monkeypatch.setenv("FREETOKEN_GEMM_PAD_ROWS", "x")
     with pytest.raises(ValueError, match="FREETOKEN_GEMM_PAD_ROWS"):
         pad_rows_setting()
@@ -53,7 +55,10 @@ def test_hybrid_model_logits_are_the_same_with_padding(tmp_path, monkeypatch):
     R.write_released_qwen3_5_moe(str(tmp_path), seed=7, max_position_embeddings=512)
     ids = R.prompt(100, seed=2, vocab=1000)
     w = _worker(str(tmp_path), max_prefill_length=256)
-    plain = _chunk(w, ids, 0, row=1)
+    monkeypatch.setattr(gemm_rows, "PAD_ROWS", 0)
+    with GemmCalls() as seen:
+        plain = _chunk(w, ids, 0, row=1)
+    assert 100 in _rows(seen) and 128 not in _rows(seen)
     monkeypatch.setattr(gemm_rows, "PAD_ROWS", 64)
     with GemmCalls() as seen:
         padded = _chunk(w, ids, 0, row=1)

@@ -4,14 +4,12 @@ Every cached turn of a conversation brings a token count the process has not see
 of its prefill step (the GDN input and output projections, attention's q|k|v and o_proj; the MoE router | shared
 expert in steps too long for the MoE prefill graphs) is a GEMM at a new M. Profiled inside the server on an H100
 (``bench/results/2026-12-05-h100-qwen3.6-35b-a3b-served-steps-profile-20k.txt``), every cached turn's step had one
-to three idle gaps of 3.3-4.8 ms on the device, each right before the first GEMM of a new shape, and its 81 eager
-GEMMs took 13.4 ms of host time where the same step replayed at one shape in process took 2.6 (H200): likely most
-of the served turn-10 step's ~6.6 ms over the in-process one on the H200 (80.0 vs 73.4 ms). The kernels cuBLAS picked
-there are sized to M (``nvjet_sm90_tst_128x136`` at 1,080 rows, ``x152`` at 1,170, ``x176`` at 1,349, ``x184`` at
-1,443: M / 8 rounded up to 8 rows), and CUDA loads a kernel's module on its first use: calling each GEMM once at
-every multiple of 64 rows should reach every such kernel before the first request. Not yet measured:
-``bench/gemm_first_call.py`` times it, and tells a per-kernel cost (which this removes) from a per-shape one (which
-needs the GEMMs' rows padded to warmed counts as well: ``layers/gemm_rows.py``, ``FREETOKEN_GEMM_PAD_ROWS=64``).
+to three idle gaps of 3.3-4.8 ms on the device, each right before the first GEMM of a new shape. Measured since
+(``bench/gemm_first_call.py``, ``bench/results/2026-12-05-h100-gemm-first-call.txt``): cuBLAS's first call at a new
+shape waits for the device to drain, per shape (eager module loading does not help). So start-up calls each GEMM at
+every multiple of 64 rows, and ``layers/gemm_rows.py`` (``FREETOKEN_GEMM_PAD_ROWS``, default 64) pads a step's
+GEMM rows to those multiples: together, a served step only meets warmed shapes (the 20k agent session's turn 10
+64.0-64.6 ms against 66.4-69.0 with this warm-up alone and 74.7 with neither, H100).
 
 ``GemmRecorder`` notes the GEMMs a stretch of real steps makes (the prefill warm-up's chunks): a dispatch mode that
 sees each aten ``linear``, ``mm``, ``addmm`` and tensor-wise ``_scaled_mm`` with its weight, whichever the build
