@@ -338,8 +338,8 @@ MOE_SWEEP = [
     {"down_block_k": 128},
     # (256-row blocks, each weight tile decoded once at 8,192 tokens, measured no faster there on the H100 and 3-12x
     # slower below: dropped, bench/results/2026-12-05-h100-qwen3.6-35b-a3b-nvfp4-moesweep-down-k64.txt)
-    # down programs walking N tiles in one pipelined loop (nvfp4_moe._nvfp4_down_walk_rows, written 2026-12-05 night
-    # without a GPU): a one-tile program streams only 36 KiB of codes and scales
+    # down programs walking N tiles in one pipelined loop (nvfp4_moe._nvfp4_down_walk_rows): a one-tile program
+    # streams only 36 KiB of codes and scales. H100 2026-12-05 night: no gain at 2,048 tokens, 5-7 % slower at 8,192
     {"down_walk": 2},
     {"down_walk": 4},
     {"down_walk": 16},
@@ -422,8 +422,10 @@ BF16_MOE_SWEEP = [
     {"block_m": 32, "tail": 32},
     {"tail": 16, "down_warps": 8},
     {"block_m": 128, "gu_block_n": 128, "down_block_n": 256, "warps": 8, "down_stages": 3, "stages": 3},
-    # down programs walking N tiles in one pipelined loop (fused_moe._down_walk_rows, written 2026-12-05
-    # without a GPU): the next tile's weights stream while this tile's rows are stored
+    # down programs walking N tiles in one pipelined loop (fused_moe._down_walk_rows): the next tile's weights stream
+    # while this tile's rows are stored. H100 2026-12-05 night: walk 4 with 4 stages 1.02-1.08x -> the default on
+    # 64-row blocks (so "default" now walks; {"down_walk": 1} is the former one-tile kernel)
+    {"down_walk": 1},
     {"down_walk": 2},
     {"down_walk": 4},
     {"down_walk": 16},

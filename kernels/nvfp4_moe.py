@@ -1042,9 +1042,9 @@ def grouped_config(num_pairs: int, E: int, H: int, I: int, block_m: int | None =
         "stages": _NUM_STAGES,
         "fuse_gate_up": large,
         "tail": tail,
-        # N tiles a down program walks (``_nvfp4_down_walk_rows``; 1: one tile a program). Written 2026-12-05
-        # without a GPU: not yet timed (--groups moesweep --sweep-only down_walk). FREETOKEN_NVFP4_MOE_DOWN_WALK sets it
-        # for an end-to-end A/B
+        # N tiles a down program walks (``_nvfp4_down_walk_rows``; 1: one tile a program). 1: on an H100 walks of
+        # 2-16 gained nothing at 2,048 tokens and lost 5-7 % at 8,192 (the BF16 kernel's won: fused_moe.py;
+        # bench/results/2026-12-05-h100-qwen3.6-35b-a3b-moe-down-walk.txt). FREETOKEN_NVFP4_MOE_DOWN_WALK sets it
         "down_walk": int_from_env("FREETOKEN_NVFP4_MOE_DOWN_WALK", 1, "tiles"),
     }
     cfg = with_overrides(cfg, tune, "grouped NVFP4")
