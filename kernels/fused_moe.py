@@ -549,17 +549,22 @@ def _pick_block_m(num_pairs: int, num_experts: int) -> int:
     return 64
 
 
+# the down walk of prefill-sized blocks (64 rows and more) by default: see grouped_bf16_config
+_DOWN_WALK_PREFILL = 1
+
+
 def grouped_bf16_config(num_pairs: int, E: int, block_m: int | None = None, tune=None) -> dict:
     """Launch settings of the grouped kernels: rows per block (``_pick_block_m``), the gate|up and down tiles
     (gate|up's BLOCK_N narrows in ``_launch_gate_up`` until the grid fills the machine), warps and pipeline stages
     (None: Triton's defaults); ``tune`` overrides any of them (benchmarks, tests)."""
     bm = block_m or _pick_block_m(num_pairs, E)
-    # N tiles a down program walks in one pipelined loop (``_down_walk_rows``; 1: one tile a program): 4, with 4
-    # pipeline stages, on blocks of 64 rows and more. H100, uniform / Zipf routing: 2,184 tokens 1.03x / 1.04x of one
-    # tile a program, 8,192 tokens 1.08x / 1.02x (bench/results/2026-12-05-h100-qwen3.6-35b-a3b-moe-down-walk.txt).
-    # Smaller blocks (decode-sized steps past the GEMVs) keep one tile: unmeasured there.
-    # FREETOKEN_BF16_MOE_DOWN_WALK sets it for an end-to-end A/B
-    walk = int_from_env("FREETOKEN_BF16_MOE_DOWN_WALK", 4 if bm >= 64 else 1, "tiles")
+    # N tiles a down program walks in one pipelined loop (``_down_walk_rows``; 1: one tile a program), with 4
+    # pipeline stages when it walks. Walking 4 on blocks of 64 rows and more measured 1.03x / 1.04x of one tile a
+    # program at 2,184 tokens and 1.08x / 1.02x at 8,192 (H100, uniform / Zipf routing; bench/results/2026-12-05-
+    # h100-qwen3.6-35b-a3b-moe-down-walk.txt), but its values have been checked only under the interpreter and by
+    # its sm_90 compile: it becomes the default (``_DOWN_WALK_PREFILL``) once its GPU tests have run
+    # (tests/test_triton_moe.py, -m gpu). FREETOKEN_BF16_MOE_DOWN_WALK sets it (an end-to-end A/B)
+    walk = int_from_env("FREETOKEN_BF16_MOE_DOWN_WALK", _DOWN_WALK_PREFILL if bm >= 64 else 1, "tiles")
     cfg = {
         "block_m": bm,
         "gu_block_n": 64,

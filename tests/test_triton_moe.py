@@ -149,12 +149,10 @@ def test_grouped_bf16_config_refuses_unknown_settings():
         grouped_bf16_config(8, 4, tune={"tail": 8})
     with pytest.raises(ValueError, match="down_walk"):
         grouped_bf16_config(8, 4, tune={"down_walk": 0})
-    # the walk on prefill-sized blocks (64 rows and more) with 4 down stages, one tile a program below; a tail tile
-    # takes precedence (the walking programs have none)
-    agent_turn = grouped_bf16_config(17472, 256)
-    assert (agent_turn["down_walk"], agent_turn["down_stages"]) == (4, 4)
-    assert grouped_bf16_config(2048, 256)["down_walk"] == 1  # 16-row blocks (8 pairs an expert)
-    assert grouped_bf16_config(17472, 256, tune={"tail": 16})["down_walk"] == 1
+    # a walk with 4 down stages; a tail tile takes precedence (the walking programs have none)
+    walking = grouped_bf16_config(17472, 256, tune={"down_walk": 4})
+    assert (walking["down_walk"], walking["down_stages"]) == (4, None)  # stages: the default's (one tile here)
+    assert grouped_bf16_config(17472, 256, tune={"down_walk": 4, "tail": 16})["down_walk"] == 1
 
 
 def test_grouped_bf16_tail_from_the_environment(monkeypatch):
@@ -188,11 +186,14 @@ def test_down_walk_launch_grid(monkeypatch):
 
 
 def test_grouped_bf16_down_walk_from_the_environment(monkeypatch):
+    from freetoken.kernels import fused_moe
     from freetoken.kernels.fused_moe import grouped_bf16_config
 
-    assert grouped_bf16_config(17472, 256)["down_walk"] == 4
-    monkeypatch.setenv("FREETOKEN_BF16_MOE_DOWN_WALK", "1")
-    assert grouped_bf16_config(17472, 256)["down_walk"] == 1
+    assert grouped_bf16_config(17472, 256)["down_walk"] == fused_moe._DOWN_WALK_PREFILL
+    assert grouped_bf16_config(2048, 256)["down_walk"] == 1  # 16-row blocks (8 pairs an expert): one tile
+    monkeypatch.setenv("FREETOKEN_BF16_MOE_DOWN_WALK", "4")
+    cfg = grouped_bf16_config(17472, 256)
+    assert (cfg["down_walk"], cfg["down_stages"]) == (4, 4)  # walking: 4 pipeline stages
     monkeypatch.setenv("FREETOKEN_BF16_MOE_DOWN_WALK", "8")
     assert grouped_bf16_config(2048, 256)["down_walk"] == 8
     monkeypatch.setenv("FREETOKEN_BF16_MOE_DOWN_WALK", "four")
