@@ -252,6 +252,13 @@ if triton is not None:
                 _silu_mul_store(acc_g, acc_u, out_ptr, pair, m_mask, offs_n, n_mask, stride_ot)
 
     @triton.jit
+    def _down_k_step(a_ptrs, m_mask, w_ptrs, n_mask, k_mask, acc, DOT_PREC: tl.constexpr):
+        """One K step of a down tile: the block's rows' K slice times the weight tile's (returned for a tail)."""
+        a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        return tl.dot(a, w, acc, input_precision=DOT_PREC), w
+
+    @triton.jit
     def _down_tiles(
         h_ptr, stride_ht, pair, m_mask, pair_t, t_mask, w_ptrs, n_mask, I,
         BLOCK_M: tl.constexpr, TAIL_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -266,9 +273,7 @@ if triton is not None:
         tail = tl.zeros((BLOCK_N, TAIL_ROWS), dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
             k_mask = (offs_k + k0) < I
-            a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+            acc, w = _down_k_step(a_ptrs, m_mask, w_ptrs, n_mask, k_mask, acc, DOT_PREC)
             if WITH_TAIL:
                 at = tl.load(t_ptrs, mask=t_mask[:, None] & k_mask[None, :], other=0.0)
                 tail = tl.dot(tl.trans(w), tl.trans(at), tail, input_precision=DOT_PREC)
@@ -309,10 +314,8 @@ if triton is not None:
             offs_n = first_n + tile * BLOCK_N + offs_tile
             n_mask = offs_n < H
             k_mask = (offs_k + k0) < I
-            a = tl.load(a_rows + (offs_k + k0)[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             w_ptrs = w_expert + offs_n[None, :].to(tl.int64) * stride_wn + (offs_k + k0)[:, None]
-            w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            acc = tl.dot(a, w, acc, input_precision=DOT_PREC)
+            acc, _ = _down_k_step(a_rows + (offs_k + k0)[None, :], m_mask, w_ptrs, n_mask, k_mask, acc, DOT_PREC)
             if k0 + BLOCK_K >= I:  # the tile's last K step: its rows are done
                 _rows_store(acc, out_ptr, pair, m_mask, offs_n, n_mask, stride_ot)
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

@@ -820,6 +820,50 @@ if triton is not None:
             tl.store(o_ptrs, zeros, mask=n_mask[:, None] & t_mask[None, :])
 
     @triton.jit
+    def _down_k_ptrs(h_ptr, pair, pair_t, stride_ht, BLOCK_K: tl.constexpr):
+        """hᵀ pointers (``[BLOCK_K, rows]``, K step 0) of the block's rows and of its tail's."""
+        offs_k = tl.arange(0, BLOCK_K)
+        ht_ptrs = h_ptr + pair[None, :].to(tl.int64) * stride_ht + offs_k[:, None]
+        tt_ptrs = h_ptr + pair_t[None, :].to(tl.int64) * stride_ht + offs_k[:, None]
+        return ht_ptrs, tt_ptrs
+
+    @triton.jit
+    def _down_k_step(
+        ht_ptrs, tt_ptrs, m_mask, t_mask, w_ptr, s_ptr, e64, offs_n, n_mask, k0, I, acc, acc_t,
+        stride_we, stride_wn, stride_se, stride_sn,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr,
+        dt: tl.constexpr, WITH_TAIL: tl.constexpr,
+    ):  # fmt: skip
+        """One K step of the down projection's tile at columns ``offs_n``: the weight tile decoded once, times the
+        block's rows (and its tail's, ``WITH_TAIL``)."""
+        BW: tl.constexpr = BLOCK_K // 8
+        offs_w = tl.arange(0, BW)
+        offs_s = tl.arange(0, BLOCK_K // 16)
+        offs_k = tl.arange(0, BLOCK_K)
+        rows = offs_n[:, None].to(tl.int64)
+        w_ptrs = w_ptr + e64 * stride_we + rows * stride_wn + offs_w[None, :]
+        s_ptrs = s_ptr + e64 * stride_se + rows * stride_sn + offs_s[None, :]
+        k_ok = ((k0 + offs_k) < I)[:, None]
+        ht = tl.load(ht_ptrs + k0, mask=k_ok & m_mask[None, :], other=0.0)
+        tile = tile_decode(w_ptrs, s_ptrs, n_mask, k0, I, offs_w, offs_s, BLOCK_N, BW, dt, HALF, ASM)
+        acc = _tile_times(tile, ht, acc, DOT_PREC, HALF)
+        if WITH_TAIL:
+            htt = tl.load(tt_ptrs + k0, mask=k_ok & t_mask[None, :], other=0.0)
+            acc_t = _tile_times(tile, htt, acc_t, DOT_PREC, HALF)
+        return acc, acc_t
+
+    @triton.jit
+    def _down_tile_store(
+        acc, acc_t, pair, m_mask, pair_t, t_mask, offs_n, n_mask, g_ptr, e64, stride_ge, hf_ptr, out_ptr, stride_ot,
+        dt: tl.constexpr, HALF: tl.constexpr, WITH_TAIL: tl.constexpr,
+    ):  # fmt: skip
+        """A finished tile's rows (and its tail's) with the expert's global scales at columns ``offs_n``, stored."""
+        glob = tl.load(g_ptr + e64 * stride_ge + offs_n, mask=n_mask, other=0.0)
+        _down_store(acc, pair, m_mask, offs_n, n_mask, hf_ptr, glob, out_ptr, stride_ot, dt, HALF)
+        if WITH_TAIL:
+            _down_store(acc_t, pair_t, t_mask, offs_n, n_mask, hf_ptr, glob, out_ptr, stride_ot, dt, HALF)
+
+    @triton.jit
     def _nvfp4_down_rows(
         h_ptr, hf_ptr, w_ptr, s_ptr, g_ptr, out_ptr, e, num_experts, pair, m_mask, pair_t, t_mask, H, I,
         stride_ht, stride_we, stride_wn, stride_se, stride_sn, stride_ge, stride_ot,
@@ -830,41 +874,28 @@ if triton is not None:
         """One block's down projection rows (and its tail's, ``WITH_TAIL``), each weight tile decoded once; the
         dummy expert's rows are written as zeros."""
         dt = X_DTYPE
-        BW: tl.constexpr = BLOCK_K // 8
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < H
         if e < num_experts:
             e64 = e.to(tl.int64)
-            offs_w = tl.arange(0, BW)
-            offs_s = tl.arange(0, BLOCK_K // 16)
-            offs_k = tl.arange(0, BLOCK_K)
-            rows = offs_n[:, None].to(tl.int64)
-            w_ptrs = w_ptr + e64 * stride_we + rows * stride_wn + offs_w[None, :]
-            s_ptrs = s_ptr + e64 * stride_se + rows * stride_sn + offs_s[None, :]
-            ht_ptrs = h_ptr + pair[None, :].to(tl.int64) * stride_ht + offs_k[:, None]
-            tt_ptrs = h_ptr + pair_t[None, :].to(tl.int64) * stride_ht + offs_k[:, None]
+            ht_ptrs, tt_ptrs = _down_k_ptrs(h_ptr, pair, pair_t, stride_ht, BLOCK_K)
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # outᵀ
             acc_t = tl.zeros((BLOCK_N, TAIL_ROWS), dtype=tl.float32)
             for k0 in tl.range(0, I, BLOCK_K, num_stages=NUM_STAGES):
-                k_ok = ((k0 + offs_k) < I)[:, None]
-                ht = tl.load(ht_ptrs + k0, mask=k_ok & m_mask[None, :], other=0.0)
-                tile = tile_decode(w_ptrs, s_ptrs, n_mask, k0, I, offs_w, offs_s, BLOCK_N, BW, dt, HALF, ASM)
-                acc = _tile_times(tile, ht, acc, DOT_PREC, HALF)
-                if WITH_TAIL:
-                    htt = tl.load(tt_ptrs + k0, mask=k_ok & t_mask[None, :], other=0.0)
-                    acc_t = _tile_times(tile, htt, acc_t, DOT_PREC, HALF)
-            glob = tl.load(g_ptr + e64 * stride_ge + offs_n, mask=n_mask, other=0.0)
-            _down_store(acc, pair, m_mask, offs_n, n_mask, hf_ptr, glob, out_ptr, stride_ot, dt, HALF)
-            if WITH_TAIL:
-                _down_store(acc_t, pair_t, t_mask, offs_n, n_mask, hf_ptr, glob, out_ptr, stride_ot, dt, HALF)
+                acc, acc_t = _down_k_step(
+                    ht_ptrs, tt_ptrs, m_mask, t_mask, w_ptr, s_ptr, e64, offs_n, n_mask, k0, I, acc, acc_t,
+                    stride_we, stride_wn, stride_se, stride_sn, BLOCK_N, BLOCK_K, DOT_PREC, HALF, ASM, dt, WITH_TAIL,
+                )  # fmt: skip
+            _down_tile_store(acc, acc_t, pair, m_mask, pair_t, t_mask, offs_n, n_mask, g_ptr, e64, stride_ge, hf_ptr,
+                             out_ptr, stride_ot, dt, HALF, WITH_TAIL)  # fmt: skip
         else:  # the dummy expert: ids outside the bank add zeros
             _zero_rows(out_ptr, pair, m_mask, pair_t, t_mask, offs_n, n_mask, stride_ot, dt, BLOCK_N, BLOCK_M,
                        TAIL_ROWS, WITH_TAIL)  # fmt: skip
 
     # ``_nvfp4_down_rows`` over ``WALK`` consecutive N tiles a program (``fused_moe.py``'s down walk says why: the
     # down projection's K is short, 512 for Qwen3.6, and here a tile is only 32 KiB of codes and 4 KiB of scales, so a
-    # one-tile program spends much of its life filling and draining its pipeline). One flattened loop; each tile's
-    # rows are stored at its last K step while the next tile's loads are in flight.
+    # one-tile program spends much of its life filling and draining its pipeline). One flattened loop over the same
+    # K step; each tile's rows are stored at its last K step while the next tile's loads are in flight.
     @triton.jit
     def _nvfp4_down_walk_rows(
         h_ptr, hf_ptr, w_ptr, s_ptr, g_ptr, out_ptr, e, num_experts, pair, m_mask, pair_t, t_mask, H, I,
@@ -876,16 +907,11 @@ if triton is not None:
         """One block's down projection rows (and its tail's, ``WITH_TAIL``) over the program's ``WALK`` tiles; the
         dummy expert's rows are written as zeros."""
         dt = X_DTYPE
-        BW: tl.constexpr = BLOCK_K // 8
         offs_tile = tl.arange(0, BLOCK_N)
         first_n = tl.program_id(1) * WALK * BLOCK_N
         if e < num_experts:
             e64 = e.to(tl.int64)
-            offs_w = tl.arange(0, BW)
-            offs_s = tl.arange(0, BLOCK_K // 16)
-            offs_k = tl.arange(0, BLOCK_K)
-            ht_ptrs = h_ptr + pair[None, :].to(tl.int64) * stride_ht + offs_k[:, None]
-            tt_ptrs = h_ptr + pair_t[None, :].to(tl.int64) * stride_ht + offs_k[:, None]
+            ht_ptrs, tt_ptrs = _down_k_ptrs(h_ptr, pair, pair_t, stride_ht, BLOCK_K)
             k_steps = tl.cdiv(I, BLOCK_K)
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # outᵀ
             acc_t = tl.zeros((BLOCK_N, TAIL_ROWS), dtype=tl.float32)
@@ -894,22 +920,15 @@ if triton is not None:
                 k0 = (step - tile_i * k_steps) * BLOCK_K
                 offs_n = first_n + tile_i * BLOCK_N + offs_tile
                 n_mask = offs_n < H
-                rows = offs_n[:, None].to(tl.int64)
-                w_ptrs = w_ptr + e64 * stride_we + rows * stride_wn + offs_w[None, :]
-                s_ptrs = s_ptr + e64 * stride_se + rows * stride_sn + offs_s[None, :]
-                k_ok = ((k0 + offs_k) < I)[:, None]
-                ht = tl.load(ht_ptrs + k0, mask=k_ok & m_mask[None, :], other=0.0)
-                tile = tile_decode(w_ptrs, s_ptrs, n_mask, k0, I, offs_w, offs_s, BLOCK_N, BW, dt, HALF, ASM)
-                acc = _tile_times(tile, ht, acc, DOT_PREC, HALF)
-                if WITH_TAIL:
-                    htt = tl.load(tt_ptrs + k0, mask=k_ok & t_mask[None, :], other=0.0)
-                    acc_t = _tile_times(tile, htt, acc_t, DOT_PREC, HALF)
+                acc, acc_t = _down_k_step(
+                    ht_ptrs, tt_ptrs, m_mask, t_mask, w_ptr, s_ptr, e64, offs_n, n_mask, k0, I, acc, acc_t,
+                    stride_we, stride_wn, stride_se, stride_sn, BLOCK_N, BLOCK_K, DOT_PREC, HALF, ASM, dt, WITH_TAIL,
+                )  # fmt: skip
                 if k0 + BLOCK_K >= I:  # the tile's last K step: its rows are done
-                    glob = tl.load(g_ptr + e64 * stride_ge + offs_n, mask=n_mask, other=0.0)
-                    _down_store(acc, pair, m_mask, offs_n, n_mask, hf_ptr, glob, out_ptr, stride_ot, dt, HALF)
+                    _down_tile_store(acc, acc_t, pair, m_mask, pair_t, t_mask, offs_n, n_mask, g_ptr, e64, stride_ge,
+                                     hf_ptr, out_ptr, stride_ot, dt, HALF, WITH_TAIL)  # fmt: skip
                     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
                     if WITH_TAIL:
-                        _down_store(acc_t, pair_t, t_mask, offs_n, n_mask, hf_ptr, glob, out_ptr, stride_ot, dt, HALF)
                         acc_t = tl.zeros((BLOCK_N, TAIL_ROWS), dtype=tl.float32)
         else:  # the dummy expert: ids outside the bank add zeros
             for tile_i in range(0, WALK):
