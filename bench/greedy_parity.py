@@ -80,6 +80,9 @@ def run(cache: str, serve_args: list[str], prompt: list[int], second: list[int],
         turn2 = complete(srv, prompt + second, max_tokens)
     finally:
         code = srv.stop()
+    # each server's answers as they come, so that a run cut short (a GPU session's time limit) still tells something
+    for name, r in (("first", first), ("again", again), ("turn 2", turn2)):
+        print(f"[{cache}] {name}: {r['text'][:60]!r}", flush=True)
     return {"first": first, "again": again, "turn2": turn2, "exit_code": code}
 
 
