@@ -422,14 +422,13 @@ BF16_MOE_SWEEP = [
     {"block_m": 32, "tail": 32},
     {"tail": 16, "down_warps": 8},
     {"block_m": 128, "gu_block_n": 128, "down_block_n": 256, "warps": 8, "down_stages": 3, "stages": 3},
-    # down programs walking N tiles in one pipelined loop (fused_moe._down_walk_rows): the next tile's weights stream
-    # while this tile's rows are stored. H100 2026-12-05 night: walk 4 with 4 stages 1.02-1.08x -> the default on
-    # 64-row blocks (so "default" now walks; the setting below is the former one-tile kernel)
-    {"down_walk": 1, "down_stages": None},
+    # down programs walking N tiles in one pipelined loop (fused_moe._down_walk_rows, 4 pipeline stages unless set):
+    # the next tile's weights stream while this tile's rows are stored. H100 2026-12-05 night: a walk of 4 ran
+    # 1.02-1.08x of one tile a program, but the served session did not move (2026-12-06): the default stays one tile
     {"down_walk": 2},
     {"down_walk": 4},
     {"down_walk": 16},
-    {"down_walk": 4, "down_stages": 4},
+    {"down_walk": 4, "down_stages": None},
     {"down_walk": 8, "down_block_n": 64},
     {"down_walk": 4, "down_warps": 8},
 ]

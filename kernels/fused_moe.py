@@ -562,7 +562,7 @@ def grouped_bf16_config(num_pairs: int, E: int, block_m: int | None = None, tune
     (None: Triton's defaults); ``tune`` overrides any of them (benchmarks, tests)."""
     bm = block_m or _pick_block_m(num_pairs, E)
     # N tiles a down program walks in one pipelined loop (``_down_walk_rows``; 1: one tile a program), with 4
-    # pipeline stages when it walks. Walking 4 on blocks of 64 rows and more measured 1.03x / 1.04x of one tile a
+    # pipeline stages when it walks (unless ``tune`` sets ``down_stages``). Walking 4 on blocks of 64 rows and more measured 1.03x / 1.04x of one tile a
     # program at 2,184 tokens and 1.08x / 1.02x at 8,192 (H100, uniform / Zipf routing; bench/results/2026-12-05-
     # h100-qwen3.6-35b-a3b-moe-down-walk.txt) and its GPU tests pass with it on everywhere, but the served agent session
     # did not move (turn 10 at 20k: 63.6 / 64.0 ms walking, 63.4 not; ...-2026-12-06-h100-...-20k-down-walk.txt), so
@@ -581,7 +581,7 @@ def grouped_bf16_config(num_pairs: int, E: int, block_m: int | None = None, tune
         # the down kernel's own warps and stages (None: ``warps`` / ``stages``): its K (the expert's intermediate
         # size, 512 for Qwen3.6) is a quarter of gate|up's, so its programs are short
         "down_warps": None,
-        "down_stages": 4 if walk > 1 else None,
+        "down_stages": None,  # 4 when the down programs walk (set below, after ``tune``)
         # rows of a block's tail tile (0, 16, 32 or 64): a block is block_m + tail rows, the tail computed only when
         # it holds a pair (see the kernels); 0: on an H100 at the agent turn's 2,184 tokens tails of 16 or 32 ran
         # 1.00-1.02x of none, uniform and Zipf (bench/results/2026-12-05-h100-qwen3.6-35b-a3b-bf16-moe-tails.txt).
@@ -596,6 +596,8 @@ def grouped_bf16_config(num_pairs: int, E: int, block_m: int | None = None, tune
         raise ValueError(f"grouped BF16 down_walk {cfg['down_walk']}: expected 1 or more tiles")
     if cfg["tail"]:  # the walking programs have no tail tile: a tail takes precedence, one N tile a program
         cfg["down_walk"] = 1
+    if cfg["down_walk"] > 1 and "down_stages" not in (tune or {}):
+        cfg["down_stages"] = 4
     return cfg
 
 

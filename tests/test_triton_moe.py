@@ -149,10 +149,13 @@ def test_grouped_bf16_config_refuses_unknown_settings():
         grouped_bf16_config(8, 4, tune={"tail": 8})
     with pytest.raises(ValueError, match="down_walk"):
         grouped_bf16_config(8, 4, tune={"down_walk": 0})
-    # a walk with 4 down stages; a tail tile takes precedence (the walking programs have none)
+    # a walk gets 4 down stages unless tuned; a tail tile takes precedence (the walking programs have none)
     walking = grouped_bf16_config(17472, 256, tune={"down_walk": 4})
-    assert (walking["down_walk"], walking["down_stages"]) == (4, None)  # stages: the default's (one tile here)
-    assert grouped_bf16_config(17472, 256, tune={"down_walk": 4, "tail": 16})["down_walk"] == 1
+    assert (walking["down_walk"], walking["down_stages"]) == (4, 4)
+    assert grouped_bf16_config(17472, 256, tune={"down_walk": 4, "down_stages": None})["down_stages"] is None
+    assert grouped_bf16_config(17472, 256, tune={"down_walk": 4, "down_stages": 2})["down_stages"] == 2
+    tailed = grouped_bf16_config(17472, 256, tune={"down_walk": 4, "tail": 16})
+    assert (tailed["down_walk"], tailed["down_stages"]) == (1, None)
 
 
 def test_grouped_bf16_tail_from_the_environment(monkeypatch):
