@@ -45,7 +45,6 @@ A real checkpoint: ``--model-path /path/to/Qwen3.6-35B-A3B``. CPU smoke check on
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -64,6 +63,7 @@ _ROOT = os.path.dirname(_HERE)
 sys.path.insert(0, os.path.join(_ROOT, "tests"))
 sys.path.insert(0, os.path.join(_ROOT, "python"))
 from gpu_clocks import ClockSampler  # noqa: E402  (bench/, this script's directory)
+from report import write_report  # noqa: E402
 from server_harness import ServerProcess  # noqa: E402
 
 TARGET_RATIO = 0.10  # issue 12: TTFT of the 10th turn with the cache <= 10 % of it without
@@ -460,8 +460,6 @@ def main() -> int:
     session = Session(tok, a.final_context, a.turns, a.max_tokens, a.system_tokens)
     warmup = a.warmup_tokens or min(2048, max(a.final_context // 4, 16))
     report = {
-        "command": " ".join(shlex.quote(x) for x in [sys.executable, *sys.argv]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": gpu_name(),
         "model_path": "tiny (tests/hf_reference.write_released_qwen3_5_moe)" if a.tiny else model_path,
         "dummy_weight": dummy,
@@ -490,11 +488,8 @@ def main() -> int:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
     rows = summarize(report)
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(report, f, indent=2)
+    write_report(a.out, report)
     print_table(report, rows)
-    print(f"JSON: {a.out}")
     return 0
 
 

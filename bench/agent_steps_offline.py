@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import math
 import os
 import random
@@ -35,6 +33,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.join(os.path.dirname(_HERE), "tests"), os.path.join(os.path.dirname(_HERE), "python")]
 from agent_session_bench import Session, gpu_name, has_weights, load_tokenizer, write_tiny  # noqa: E402
 from profile_decode import worker_args  # noqa: E402
+from report import write_report  # noqa: E402
 
 from freetoken.engine.gc_control import GcClock  # noqa: E402
 
@@ -131,17 +130,12 @@ def main() -> int:
             f"{r['turn']:>4}{r['prompt_tokens']:>8}{r['new_tokens']:>7}{r['cached_tokens']:>8}{computed:>9}{gc_ms:>8.1f}  {steps}"
         )
     report = {
-        "command": " ".join([sys.executable, *sys.argv]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": gpu_name(),
         "worker_args": kwargs,
         "startup_s": startup,
         "turns": [{k: v for k, v in r.items() if k != "answer"} for r in rows],
     }
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"JSON: {a.out}")
+    write_report(a.out, report)
     return 0
 
 

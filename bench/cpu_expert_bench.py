@@ -10,7 +10,6 @@ expert backend (misses computed where they live) only pays where the first beats
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -21,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from hardware_bandwidth import measure_bandwidth  # noqa: E402
+from report import write_report  # noqa: E402
 
 H, I, EXPERTS = 2048, 512, 64
 
@@ -70,9 +70,7 @@ def main() -> int:
         gbs = n * per_expert / s / 1e9
         rows.append({"experts": n, "ms": s * 1e3, "gb_s": gbs})
         print(f"{n:>8}{s * 1e3:>10.3f}{gbs:>8.1f}{(gbs / pcie if pcie else float('nan')):>8.2f}")
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump({"threads": a.threads, "host_read_gb_s": read_gbs, "hardware": hw, "rows": rows}, f, indent=2)
+    write_report(a.out, {"threads": a.threads, "host_read_gb_s": read_gbs, "hardware": hw, "rows": rows})
     return 0
 
 

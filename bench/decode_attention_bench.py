@@ -19,9 +19,10 @@ a drop-in). Writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
+
+from report import write_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (batch, context of every sequence, --max-seq-len-override the graph's split count is picked for)
@@ -135,10 +136,7 @@ def main(argv=None) -> dict:
             f"  {row['max_abs_diff']:.3g}"
         )
     result = dict(device=str(device), heads=nh, kv_heads=nkv, head_dim=D, hbm_copy_gb_s=bw, rows=rows)
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {a.out}")
+    write_report(a.out, result)
     return result
 
 

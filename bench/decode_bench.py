@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 from hardware_bandwidth import measure_bandwidth  # noqa: E402
+from report import write_report  # noqa: E402
 from serve_bench import long_prompt, stream_completion  # noqa: E402
 from server_harness import ServerProcess  # noqa: E402
 
@@ -352,11 +353,9 @@ def main() -> int:
     ]
     resident = ["--moe-backend", "fused", "--max-running-requests", str(a.streams)]
     report = {"hardware": hw, "decode_bytes": need, "freetoken_0_1_2": FREETOKEN_012, "runs": {}}
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
 
     def save():
-        with open(a.out, "w") as f:
-            json.dump(report, f, indent=2)
+        write_report(a.out, report)
 
     def attempt(name, fn, *args, **kw):
         """A run that fails is recorded with its error; the others still run and print."""

@@ -16,7 +16,6 @@ Qwen3.6-35B-A3B's experts: NVFP4 rows of 1.70 MiB (``Nvfp4Rows(2048, 512)``), BF
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -25,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 from hardware_bandwidth import measure_bandwidth, median_device_ms  # noqa: E402
+from report import write_report  # noqa: E402
 
 from freetoken.kernels.expert_gather import gather_experts_triton  # noqa: E402
 from freetoken.moe.nvfp4_rows import Nvfp4Rows  # noqa: E402
@@ -105,9 +105,7 @@ def main() -> int:
             gbs = n * per_expert / us / 1e3
             rows.append({"misses": n, "method": name, "us": us, "gb_s": gbs})
             print(f"{n:>6}{name:>26}{us:>10.1f}{gbs:>8.1f}{gbs / hw['pcie_h2d_gb_s']:>8.2f}")
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump({"hardware": hw, "format": a.format, "expert_bytes": per_expert, "rows": rows}, f, indent=2)
+    write_report(a.out, {"hardware": hw, "format": a.format, "expert_bytes": per_expert, "rows": rows})
     return 0
 
 

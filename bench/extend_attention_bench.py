@@ -18,9 +18,10 @@ prefix and the chunk's own keys in two calls merged by log-sum-exp (``sdpa_split
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
+
+from report import write_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHUNKS = [(8192, 0), (8192, 21808), (2184, 27816)]  # (new tokens, cached prefix)
@@ -232,9 +233,7 @@ def main() -> int:
             print(
                 f"  {c['route']:<8} {c['new']} after {c['prefix']}: first {c['first_ms']:.1f} ms, again {c['again_ms']:.1f} ms"
             )
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows, "first_calls": cold}, f, indent=2)
+    write_report(a.out, {"gpu": torch.cuda.get_device_name(), "rows": rows, "first_calls": cold})
     return 0
 
 

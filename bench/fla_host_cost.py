@@ -17,7 +17,6 @@ that both give the same output.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -26,6 +25,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import write_report  # noqa: E402
+
 from freetoken.engine.step_profiler import host_profile  # noqa: E402
 from freetoken.layers import gated_deltanet as gdn  # noqa: E402
 
@@ -93,9 +94,7 @@ def main() -> int:
     print(f"\none public call under cProfile (own ms, cumulative ms, calls per call; top {a.top}):")
     for r in top:
         print(f"  {r['own_ms']:7.3f} {r['cum_ms']:8.3f} {r['calls']:6.1f}  {r['function']}")
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump({"tokens": a.tokens, "variants": rows, "public_cprofile": top}, f, indent=2)
+    write_report(a.out, {"tokens": a.tokens, "variants": rows, "public_cprofile": top})
     return 0
 
 

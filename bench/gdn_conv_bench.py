@@ -11,8 +11,6 @@ beside it. Device time from CUDA-graph replays (``graph_device_ms``: timed eager
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 
@@ -21,6 +19,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+from report import write_report  # noqa: E402
 
 C, KC, PROJ_COLS = 8192, 4, 12352  # conv channels (q | k | v), kernel, the fused projection's columns
 PARTS = (2048, 2048, 4096)
@@ -88,11 +87,7 @@ def main() -> int:
                 f"{T:>6} {cfg:>12} {r['us']:>8.1f} us {r['gb_s']:>7.0f} GB/s {r['of_hbm_copy']:>6.1%} of copy"
                 f"  max|diff| {diff:.3g}"
             )
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "hbm_copy_gb_s": hbm,
-                   "rows": rows}, f, indent=1)  # fmt: skip
-    print("JSON:", args.out)
+    write_report(args.out, {"hbm_copy_gb_s": hbm, "rows": rows})
     return 0
 
 

@@ -16,9 +16,7 @@ H200 (2026-12-03) the eager launch is host-bound: ~55-65 us of host per call, ab
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib
-import json
 import os
 import sys
 import time
@@ -28,6 +26,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from hardware_bandwidth import graph_device_ms  # noqa: E402  (bench/, this script's directory)
+from report import write_report  # noqa: E402
 
 HBM_PEAK_GBS = 4800.0  # H200 datasheet
 
@@ -132,20 +131,7 @@ def main(argv=None) -> int:
             f"{r['tokens']:>6}{r['warps']:>6}{r['us']:>9.1f}{r['us_per_token']:>10.2f}{r['host_us']:>9.1f}{r['hbm_fraction']:>8.1%}"
             f"{f(r['fla_recurrent_us'], '.1f'):>9}{f(r['ratio_to_fla'], '.2f'):>9}{f(r['max_abs_diff_vs_fla'], '.1e'):>10}"
         )
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as fh:
-        json.dump(
-            {
-                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                "argv": sys.argv,
-                "module": a.module,
-                "gpu": torch.cuda.get_device_name(),
-                "rows": rows,
-            },
-            fh,
-            indent=2,
-        )
-    print(f"JSON: {a.out}")
+    write_report(a.out, {"argv": sys.argv, "module": a.module, "gpu": torch.cuda.get_device_name(), "rows": rows})
     return 0
 
 

@@ -37,6 +37,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 
 from linear_host_cost import SHAPES  # noqa: E402  (the prefill step's cuBLAS linears)
+from report import write_report  # noqa: E402
 
 MODES = ("cold", "warm64", "pad64", "eager")
 # new tokens of the agent session's cached turns (bench/agent_session_bench.py, 30k) and an uncached last chunk
@@ -119,10 +120,7 @@ def main() -> int:
                 f"{r['mode']:<8}{name[:25]:<26}{statistics.median(first):>10.3f}{max(first):>10.3f}"
                 f"{statistics.median(second):>11.3f}  ({r['cuda_init_s']:.1f} / {r['warmup_s']:.1f})"
             )
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump({"gpu": gpu, "torch": torch.__version__, "new_rows": NEW_ROWS, "modes": results}, f, indent=1)
-    print(f"wrote {a.out}")
+    write_report(a.out, {"gpu": gpu, "torch": torch.__version__, "new_rows": NEW_ROWS, "modes": results})
     return 0
 
 

@@ -20,7 +20,6 @@ GPU session. Writes JSON to ``--out``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import random
@@ -33,6 +32,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
 sys.path.insert(0, os.path.join(_ROOT, "tests"))
 from agent_session_bench import gpu_name, write_tiny  # noqa: E402  (bench/, this script's directory)
+from report import write_report  # noqa: E402
 from server_harness import ServerProcess  # noqa: E402
 
 
@@ -54,13 +54,38 @@ def truncated_config(src: str, layers: int, dst: str) -> str:
 
 
 def complete(srv: ServerProcess, prompt: list[int], max_tokens: int) -> dict:
-    """One greedy completion over token ids: its text and usage."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    """One greedy completion over token ids: its text, usage, tokens and each token's top-5 logprobs."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "logprobs": TOP}
     r = srv.post("/v1/completions", json=body, timeout=1800)
     if r.status_code != 200:
         raise RuntimeError(f"HTTP {r.status_code}: {r.text[:300]}")
     j = r.json()
-    return {"text": j["choices"][0]["text"], "usage": j["usage"]}
+    lp = j["choices"][0].get("logprobs") or {}
+    return {"text": j["choices"][0]["text"], "usage": j["usage"], "tokens": lp.get("tokens", []),
+            "top": lp.get("top_logprobs", [])}  # fmt: skip
+
+
+def at_parting(x: dict, y: dict) -> dict | None:
+    """Where two answers first choose different tokens ``a`` (x's) and ``b`` (y's): both tokens' logprobs in each
+    run (None: outside its top 5). A near tie in both (``a`` and ``b`` within a few hundredths) is a rounding flip
+    between two paths that compute alike; ``b`` far below ``a`` in x means the paths computed different things."""
+    i = next((i for i, (p, q) in enumerate(zip(x["tokens"], y["tokens"])) if p != q), None)
+    if i is None or i >= min(len(x["top"]), len(y["top"])):
+        return None
+    a, b = x["tokens"][i], y["tokens"][i]
+    return {"token": i, "a": a, "b": b, "x": [x["top"][i].get(a), x["top"][i].get(b)],
+            "y": [y["top"][i].get(a), y["top"][i].get(b)]}  # fmt: skip
+
+
+def margin(chosen: float | None, other: float | None) -> str:
+    """How far a run's chosen token led the other run's choice: ``lp(chosen) - lp(other)``; ``top5-`` when the other
+    is outside this run's top 5."""
+    if chosen is None:
+        return "-"
+    return "top5-" if other is None else f"{chosen - other:.3f}"
+
+
+TOP = 5  # logprobs of each answer token's top candidates
 
 
 def first_difference(a: str, b: str) -> int | None:
@@ -125,25 +150,28 @@ def main() -> int:
     ]
     rows = []
     print(f"greedy parity: {a.prompt_tokens}-token prompt, {a.second_tokens} more in turn 2, {a.max_tokens} tokens")
-    print(f"{'pair':<30}{'same':>6}{'first diff (char)':>19}{'cached tokens':>15}")
+    print(f"{'pair':<30}{'same':>6}{'first diff (char)':>19}{'cached tokens':>15}   where they part: token, "
+          "each run's lead of its token over the other's")  # fmt: skip
     for label, x, y in pairs:
         diff = first_difference(x["text"], y["text"])
         cached = (x["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
-        rows.append({"pair": label, "same": diff is None, "first_difference": diff, "cached_tokens": cached})
-        print(f"{label:<30}{'yes' if diff is None else 'NO':>6}{'-' if diff is None else diff:>19}{str(cached):>15}")
+        part = at_parting(x, y)
+        rows.append({"pair": label, "same": diff is None, "first_difference": diff, "cached_tokens": cached,
+                     "parting": part})  # fmt: skip
+        where = ""
+        if part is not None:  # each run's lead of its own choice over the other's
+            where = f"   token {part['token']}: {margin(*part['x'])} / {margin(*part['y'][::-1])}"
+        print(
+            f"{label:<30}{'yes' if diff is None else 'NO':>6}{'-' if diff is None else diff:>19}{str(cached):>15}{where}"
+        )
     report = {
-        "command": " ".join(shlex.quote(x) for x in sys.argv),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": gpu_name(),
         "serve_args": serve,
         "rows": rows,
         "naive": naive,
         "radix": radix,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"JSON: {a.out}")
+    write_report(a.out, report)
     return 0
 
 

@@ -21,8 +21,6 @@ shows as a failed row, not a wrong figure.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import statistics
 import sys
@@ -38,6 +36,7 @@ except Exception:  # pragma: no cover
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python"))
+from report import write_report  # noqa: E402
 
 if triton is not None:
 
@@ -125,19 +124,7 @@ def main() -> int:
     for r_ in rows:
         figure = f"{r_['host_us_per_call']:8.2f} us" if "host_us_per_call" in r_ else f"failed: {r_['error']}"
         print(f"  {r_['path']:<40} {figure}")
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(
-            {
-                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                "triton": triton.__version__,
-                "torch": torch.__version__,
-                "rows": rows,
-            },
-            f,
-            indent=1,
-        )
-    print("JSON:", a.out)
+    write_report(a.out, {"triton": triton.__version__, "torch": torch.__version__, "rows": rows})
     return 0
 
 

@@ -16,11 +16,11 @@ and checks each library's output against the default's.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
 import torch
+from report import write_report
 
 # (name, in features, out features) of a Qwen3.6-35B-A3B prefill step's cuBLAS linears
 SHAPES = [
@@ -80,9 +80,7 @@ def main() -> int:
             rows.append(dict(shape=name, k=k, n=n, library=lib, host_us=host, device_us=device, max_diff=diff))
             print(f"{name:<26} {lib:<9} {host:8.1f} {device:10.1f} {diff:10.2e}")
     torch.backends.cuda.preferred_blas_library(default)
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump({"tokens": a.tokens, "default_library": str(default), "rows": rows}, f, indent=2)
+    write_report(a.out, {"tokens": a.tokens, "default_library": str(default), "rows": rows})
     return 0
 
 

@@ -32,6 +32,10 @@ Groups, each per M (rows of x; tokens for the MoE) in 1, 2, 4, 8, 16, 64, 256, 1
   fused`` at prefill) at prefill sizes under each launch setting of ``BF16_MOE_SWEEP`` (rows per block, tiles, warps,
   stages), per routing; ``vs bf16`` is the default setting's time over this one's: to retune
   ``fused_moe.grouped_bf16_config``.
+- ``grouped_mm`` (not in the default groups): the BF16 grouped MoE through ``torch._grouped_mm`` (CUTLASS's grouped
+  kernel on sm_90; ``kernels/moe_grouped_mm.py``: the pair sort, the row gather, two grouped GEMMs, SiLU-and-mul,
+  the combine), whole and its two GEMMs alone, beside ``fused_moe_triton``'s default (``vs bf16``: the Triton
+  time over this one's), per routing, with the largest difference between the two outputs.
 - ``mixed`` (decode sizes, M <= 32): the projections of nvidia/Qwen3.6-35B-A3B-NVFP4 whose parts mix BF16, FP8 and
   NVFP4 (the MoE block's router | shared gate | shared gate|up, the GDN in_proj qkv | z | b | a, attention q | k | v)
   and the lone FP8 / few-row NVFP4 Linears, through the layers (``layers/mixed_projection.py``): the layer's own
@@ -55,12 +59,13 @@ grouped MoE at prefill sizes no slower than BF16.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
 import sys
 import time
+
+from report import write_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MS = [1, 2, 4, 8, 16, 32, 64, 256, 1024, 4096, 8192]
@@ -471,6 +476,54 @@ def bench_bf16_moe_sweep(a, device, dtype, bw) -> list:
     return rows
 
 
+def bench_grouped_mm(a, device, dtype, bw) -> list:
+    """``--groups grouped_mm``: the library route against our grouped kernels at prefill sizes (bytes as
+    ``bench_bf16_moe_sweep`` counts them)."""
+    import torch
+
+    from freetoken.kernels.fused_moe import fused_moe_triton
+    from freetoken.kernels.moe_grouped_mm import fused_moe_grouped_mm, grouped_mm_supported, sort_pairs_by_expert
+
+    s = shapes(a.smoke)["moe"]
+    E, k, H, I = s["E"], s["k"], s["H"], s["I"]
+    _, (w13, w2) = moe_banks(s, device, dtype)
+    if not grouped_mm_supported(torch.empty(1, H, dtype=dtype, device=device), w13, w2):
+        print(f"grouped_mm: torch._grouped_mm does not take {dtype} on {device} (torch {torch.__version__})")
+        return []
+    rows = []
+    for mode in a.routing:
+        for T in [m for m in a.ms if m * k > 64] or a.ms[-1:]:
+            x = torch.randn(T, H, device=device, dtype=dtype)
+            reps = max(1, a.reps // 4)
+            routes = [_routing(mode, T, E, k, device) for _ in range(reps)]
+            distinct = statistics.mean(int(torch.unique(ids).numel()) for ids, _ in routes)
+            nbytes = distinct * 3 * H * I * x.element_size() + 2 * T * H * x.element_size()
+            flops = 6 * T * k * H * I
+            diff = (fused_moe_grouped_mm(x, w13, w2, *routes[0]) - fused_moe_triton(x, w13, w2, *routes[0])).abs()
+            t_triton = time_calls(cycled(lambda r: fused_moe_triton(x, w13, w2, *r), routes, reps), device)
+            t_lib = time_calls(cycled(lambda r: fused_moe_grouped_mm(x, w13, w2, *r), routes, reps), device)
+            # the two GEMMs alone, on rows already gathered in expert order
+            sorted_routes = []
+            for ids, _ in routes:
+                order, ends, _ = sort_pairs_by_expert(ids, E)
+                sorted_routes.append(
+                    (x.index_select(0, order // k), ends, torch.randn(T * k, I, device=device, dtype=dtype))
+                )
+
+            def gemms(r):
+                xs, ends, inter = r
+                torch._grouped_mm(xs, w13.transpose(1, 2), offs=ends)
+                torch._grouped_mm(inter, w2.transpose(1, 2), offs=ends)
+
+            t_gemms = time_calls(cycled(gemms, sorted_routes, reps), device)
+            extra = dict(distinct_experts=distinct, max_diff_vs_triton=diff.max().item())
+            rows.append(row("grouped_mm", f"bf16 {mode} triton", T, t_triton, nbytes, flops, bw, t_triton, **extra))
+            rows.append(row("grouped_mm", f"bf16 {mode} grouped_mm", T, t_lib, nbytes, flops, bw, t_triton, **extra))
+            rows.append(row("grouped_mm", f"bf16 {mode} 2 GEMMs", T, t_gemms, nbytes, flops, bw, t_triton, **extra))
+            print(f"grouped_mm {mode} M={T}: largest |grouped_mm - triton| {extra['max_diff_vs_triton']:.3g}")
+    return rows
+
+
 # launch settings --groups decsweep times ({} = the default, nvfp4_moe.decode_config)
 DECODE_SWEEP = [
     {},
@@ -813,6 +866,7 @@ def main(argv=None) -> dict:
         ("moesweep", bench_moe_sweep),
         ("decsweep", bench_decode_sweep),
         ("bf16sweep", bench_bf16_moe_sweep),
+        ("grouped_mm", bench_grouped_mm),
     ):
         if group in a.groups:
             rows += fn(a, device, dtype, bw)
@@ -820,10 +874,7 @@ def main(argv=None) -> dict:
     info = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__)
     info["pdl"] = os.environ.get("FREETOKEN_PDL", "0")  # programmatic dependent launch (kernels/pdl.py)
     result = dict(info, smoke=a.smoke, hbm_copy_gb_s=bw / 1e9, rows=rows)
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {a.out}")
+    write_report(a.out, result)
     return result
 
 

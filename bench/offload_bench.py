@@ -22,6 +22,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from report import write_report  # noqa: E402
 from serve_bench import long_prompt, stream_completion  # noqa: E402
 from server_harness import ServerProcess  # noqa: E402
 
@@ -95,7 +96,6 @@ def main() -> int:
         flag = [] if size == "auto" else ["--moe-cache-size", size]
         configs.append((f"offload, cache {size}", ["--moe-backend", "offload"] + flag))
     runs, base = [], None
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     for label, extra in configs:
         r = run_one(label, common + extra, env, a)
         base = base or (r["decode_tok_s"] if not a.no_baseline else None)
@@ -104,8 +104,8 @@ def main() -> int:
         r["pcie_share_of_itl"] = floor_s * 1e3 / r["decode_median_itl_ms"]
         r["decode_vs_baseline"] = r["decode_tok_s"] / base if base else None
         runs.append(r)
-        with open(a.out, "w") as f:  # after every run: a later run that times out keeps the earlier ones
-            json.dump({"routing": a.routing, "expert_bytes": eb, "pcie_gb_s": a.pcie_gb_s, "runs": runs}, f, indent=2)
+        # after every run: a later run that times out keeps the earlier ones
+        write_report(a.out, {"routing": a.routing, "expert_bytes": eb, "pcie_gb_s": a.pcie_gb_s, "runs": runs})
     print(f"routing={a.routing}, expert {eb / 2**20:.1f} MiB, PCIe {a.pcie_gb_s:g} GB/s")
     hdr = (
         "run",

@@ -16,7 +16,6 @@ PDL with each kernel waiting first thing, and PDL with each kernel also letting 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -26,6 +25,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from hardware_bandwidth import median_device_ms  # noqa: E402
+from report import write_report  # noqa: E402
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: E402
 
 
@@ -105,9 +105,7 @@ def main() -> int:
     for name, ms, per, same in rows:
         saved = (base - ms) * 1e3 / (2 * a.layers)
         print(f"{name:>28}{ms:9.3f}{per:11.2f}{w_bytes / ms / 1e6:8.0f}  {same}  ({saved:+.2f} us/kernel saved)")
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump({"layers": a.layers, "n": a.n, "k": a.k, "results": results}, f, indent=2)
+    write_report(a.out, {"layers": a.layers, "n": a.n, "k": a.k, "results": results})
     return 0
 
 

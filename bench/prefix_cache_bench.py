@@ -18,6 +18,7 @@ import time
 import requests
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from report import write_report  # noqa: E402
 from server_harness import ServerProcess  # noqa: E402
 
 
@@ -87,9 +88,7 @@ def main() -> int:
             srv.stop()
     results["ttft_speedup"] = results["naive"]["mean_ttft_s"] / results["radix"]["mean_ttft_s"]
     results["serve_args"] = serve_args
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(results, f, indent=2)
+    write_report(a.out, results)
     print(f"{'cache':<8}{'requests':>9}{'prompt tok':>12}{'cached':>9}{'mean TTFT s':>13}{'total s':>9}")
     for cache in ("radix", "naive"):
         r = results[cache]

@@ -10,7 +10,6 @@ operators by host (self CPU) and device time; writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -18,6 +17,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+from report import write_report  # noqa: E402
+
 from freetoken.engine.device_timeline import device_intervals, timeline  # noqa: E402
 from freetoken.engine.step_plan import StepPlan  # noqa: E402
 from freetoken.engine.step_profiler import top_ops  # noqa: E402
@@ -123,9 +124,7 @@ def main() -> int:
         "by_self_cpu": by_cpu,
         "by_device": by_dev,
     }
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_report(a.out, result)
     print_profile(result)
     return 0
 

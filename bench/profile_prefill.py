@@ -21,7 +21,6 @@ the time is bound by these).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -32,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 from gpu_clocks import ClockSampler  # noqa: E402
 from profile_decode import batch_plan, print_profile, profile_steps, worker_args  # noqa: E402
+from report import write_report  # noqa: E402
 
 from freetoken.engine.device_timeline import format_timeline  # noqa: E402
 from freetoken.engine.step_profiler import host_profile  # noqa: E402
@@ -234,9 +234,7 @@ def main() -> int:
                 print(f"  {r['own_ms']:8.2f} {r['cum_ms']:9.2f} {r['calls']:6.0f}  {r['function']}")
                 for c in r["callers"]:
                     print(f"{'':30}from {c}")
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(results, f, indent=2)
+    write_report(a.out, {"rows": results})  # one row a (routing, snapshots) mode; older result files hold the bare list
     return 0
 
 

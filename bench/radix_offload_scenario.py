@@ -16,7 +16,6 @@ CPU smoke run on a tiny random Qwen3.5-MoE: ``python bench/radix_offload_scenari
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shlex
@@ -29,6 +28,7 @@ import requests
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(_ROOT, "tests"), os.path.join(_ROOT, "python")]
 from agent_session_bench import gpu_name, has_weights, load_tokenizer, write_tiny  # noqa: E402
+from report import write_report  # noqa: E402
 from server_harness import ServerProcess  # noqa: E402
 
 DEFAULT_ARGS = (
@@ -121,8 +121,6 @@ def main() -> int:
         and stats["free_state_slots"] == stats["state_slots_total"] - stats["snapshot_slots_total"]
     )
     report = {
-        "command": " ".join(sys.argv),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "gpu": gpu_name(),
         "serve_args": args,
         "resolved_config": resolved[resolved.find("Resolved config") :],
@@ -132,9 +130,7 @@ def main() -> int:
         "exit_code": code,
         "server_log_tail": log_tail,  # how the server ended (its shutdown lines), kept for a nonzero exit
     }
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(report, f, indent=2)
+    write_report(a.out, report)
     failed = [r for r in rows if not r["ok"]]
     print(f"{len(rows) - len(failed)}/{len(rows)} requests answered; engine idle after: {idle}; server exit {code}")
     print(report["resolved_config"])

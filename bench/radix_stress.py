@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import datetime
-import json
 import os
 import random
 import shlex
@@ -34,6 +32,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__)), os.path.join(_ROOT, "tests"), os.path.join(_ROOT, "python")]
 from agent_session_bench import gpu_name, has_weights, load_tokenizer  # noqa: E402
 from bounded_clients import post_json, stream  # noqa: E402
+from report import write_report  # noqa: E402
 from server_harness import ServerProcess  # noqa: E402
 
 DEFAULT_ARGS = "--max-running-requests 8 --max-prefill-length 8192 --max-seq-len-override 32768"
@@ -125,8 +124,7 @@ def main() -> int:
     tok, _ = load_tokenizer(model_path)
     vocab = 5000 if a.tiny else 100000
     system = ids(random.Random(7), a.system_tokens, vocab)
-    report = {"command": " ".join([sys.executable, *sys.argv]), "gpu": gpu_name(), "serve_args": args,
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}  # fmt: skip
+    report = {"gpu": gpu_name(), "serve_args": args}
     t0 = time.perf_counter()
     srv = ServerProcess(args, ready_timeout=1200)
     report["startup_s"] = time.perf_counter() - t0
@@ -169,10 +167,7 @@ def main() -> int:
     print("PASS: every request answered, every slot and snapshot accounted for" if not failed else "FAIL:")
     for f in failed:
         print(f"  {f}")
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"JSON: {a.out}")
+    write_report(a.out, report)
     return 1 if failed else 0
 
 

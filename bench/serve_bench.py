@@ -21,6 +21,7 @@ import time
 import requests
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from report import write_report  # noqa: E402
 from server_harness import ServerProcess  # noqa: E402
 
 WORDS = (
@@ -132,9 +133,7 @@ def main() -> int:
     finally:
         code = srv.stop()
     result["exit_code"] = code
-    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_report(a.out, result)
     print_result(result)
     return 0
 

@@ -12,13 +12,13 @@ seconds to exit and the log lines from the signal on. Writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from report import write_report  # noqa: E402
 from server_harness import ServerProcess  # noqa: E402
 
 SIGTERM_BIT = 1 << (signal.SIGTERM - 1)
@@ -66,9 +66,7 @@ def main() -> int:
     print(f"SIGTERM -> exit {code} in {seconds:.1f} s; log after the signal:")
     print(after[-3000:] or "(nothing)")
     result = {"serve_args": args, "checks": checks, "exit_code": code, "exit_s": seconds, "log_after": after[-6000:]}
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_report(a.out, result)
     return 0 if code == 0 else 1
 
 

@@ -62,6 +62,7 @@ if triton is not None:
     @triton.jit
     def _moe_combine_kernel(
         partial_ptr,
+        rows_at_ptr,
         weights_ptr,
         shared_ptr,
         gate_ptr,
@@ -74,6 +75,7 @@ if triton is not None:
         K: tl.constexpr,
         HAS_WEIGHTS: tl.constexpr,
         HAS_SHARED: tl.constexpr,
+        ROWS_AT: tl.constexpr,  # pair p's row is partial[rows_at[p]] (else partial[p])
         BLOCK_H: tl.constexpr,
         PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
@@ -85,7 +87,11 @@ if triton is not None:
         rows = partial_ptr + (t * K).to(tl.int64) * stride_p + cols
         acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
         for j in tl.static_range(K):  # in pair order, as moe_combine_torch adds them
-            row = tl.load(rows + j * stride_p, mask=mask, other=0.0).to(tl.float32)
+            if ROWS_AT:
+                at = tl.load(rows_at_ptr + t.to(tl.int64) * K + j).to(tl.int64)
+                row = tl.load(partial_ptr + at * stride_p + cols, mask=mask, other=0.0).to(tl.float32)
+            else:
+                row = tl.load(rows + j * stride_p, mask=mask, other=0.0).to(tl.float32)
             if HAS_WEIGHTS:
                 row = row * tl.load(weights_ptr + t.to(tl.int64) * K + j).to(dt).to(tl.float32)
             acc = row if j == 0 else acc + row
@@ -106,11 +112,13 @@ def moe_combine_triton(
     shared_gate: Optional[torch.Tensor] = None,
     weights: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
+    rows_at: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Same contract as ``moe_combine_torch`` (``shared`` and ``shared_gate`` may be strided views with unit last
     stride: the column views of a fused projection); ``out [T, H]`` (unit last stride): written and returned (a MoE
-    prefill graph's output rows). CUDA, or CPU under TRITON_INTERPRET=1."""
-    n, H = partial.shape
+    prefill graph's output rows); ``rows_at [T*k]`` (int): pair p's row is ``partial[rows_at[p]]``, not
+    ``partial[p]`` (rows left in expert order: ``moe_grouped_mm.py``). CUDA, or CPU under TRITON_INTERPRET=1."""
+    n, H = partial.shape if rows_at is None else (rows_at.numel(), partial.shape[1])
     T = n // k
     if out is None:
         out = torch.empty(T, H, dtype=dtype, device=partial.device)
@@ -125,8 +133,11 @@ def moe_combine_triton(
     if weights is not None:
         weights = weights.reshape(-1).contiguous()
         assert weights.numel() == n
+    if rows_at is not None:
+        rows_at = rows_at.reshape(-1).contiguous()
     _moe_combine_kernel[(T, triton.cdiv(H, block_h))](
         partial,
+        rows_at if rows_at is not None else partial,
         weights if weights is not None else partial,
         shared if has_shared else partial,
         shared_gate if has_shared else partial,
@@ -139,6 +150,7 @@ def moe_combine_triton(
         K=k,
         HAS_WEIGHTS=weights is not None,
         HAS_SHARED=has_shared,
+        ROWS_AT=rows_at is not None,
         BLOCK_H=block_h,
         num_warps=4,
         enable_fp_fusion=False,  # weight times row, then the add, each rounded: no fused multiply-add

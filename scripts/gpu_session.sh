@@ -73,6 +73,10 @@
 #            MOESWEEP_ONLY; run it alone, as moesweep)
 #   gemmfirst bench/gemm_first_call.py: cuBLAS's first call at a new GEMM shape (the served cached turn's ~4 ms
 #            device gaps), cold, after the start-up GEMM warm-up's multiples of 64 rows, and with eager module loading
+#   groupedmm the BF16 grouped MoE through torch._grouped_mm (CUTLASS, kernels/moe_grouped_mm.py): its GPU tests, the
+#            kernel bench against our Triton kernels at the agent turn's 2,184 tokens and 8,192 (uniform and Zipf),
+#            then the turn-10 chunk in process with FREETOKEN_BF16_MOE_GROUPED=grouped_mm and without (a process each:
+#            the MoE prefill graphs keep the route they were captured with)
 #   stress   issue 12's stress run (bench/radix_stress.py): 16 concurrent 4-turn sessions with hang-ups on the
 #            hybrid radix server, all resident, then with NVFP4 experts offloaded; every request answered and every
 #            slot and snapshot accounted for
@@ -217,6 +221,20 @@ if [[ " $SECTIONS " == *" moegraphs "* ]]; then
         --out "$OUT/profile_prefill_tail$tail.json" -- --dummy-weight --model-path configs/qwen3.6-35b-a3b \
         --max-seq-len-override 32768 --moe-backend fused --max-prefill-length 8192 > "$OUT/profile_prefill_tail$tail.log" 2>&1
     grep -E "^step ms|^  routing|_moe_" "$OUT/profile_prefill_tail$tail.log" | sed "s/^/[tail $tail] /"
+  done
+fi
+if [[ " $SECTIONS " == *" groupedmm "* ]]; then
+  timeout ${GPU_TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_moe_grouped_mm.py tests/test_moe_combine.py 2>&1 \
+      | tee "$OUT/gpu_tests_grouped_mm.log" | tail -8
+  timeout ${KERNEL_TIMEOUT:-150} python3 bench/nvfp4_kernel_bench.py --groups grouped_mm --ms 2184,8192 \
+      --out "$OUT/grouped_mm_kernels.json" 2>&1 | tee "$OUT/grouped_mm_kernels.log" | grep -vE "^\[" | tail -16
+  for route in ${GROUPED_ROUTES:-grouped_mm triton}; do
+    FREETOKEN_BF16_MOE_GROUPED=$route timeout ${PREFILL_TIMEOUT:-300} python3 bench/profile_prefill.py --context 27816 \
+        --new 2184 --snapshots end --rounds 2 --host-profile 0 --profile-steps 1 --top 14 \
+        --out "$OUT/profile_prefill_$route.json" -- --dummy-weight --model-path configs/qwen3.6-35b-a3b \
+        --max-seq-len-override 32768 --moe-backend fused --max-prefill-length 8192 > "$OUT/profile_prefill_$route.log" 2>&1
+    grep -E "^step ms|^  routing|Captured MoE|MoE prefill|grouped|_moe_|nvjet|cutlass|Error|error" \
+        "$OUT/profile_prefill_$route.log" | grep -v "^  [a-z ]*  *[0-9.]* GiB" | head -30 | sed "s/^/[$route] /"
   done
 fi
 if [[ " $SECTIONS " == *" extend64 "* ]]; then

@@ -47,6 +47,15 @@ def combine_case(T, k, H, dtype, device, shared=True, seed=0, weighted=False):
         assert (out.float() - routed.float()).abs().max() > 0.1
     if weighted:  # and so are the weights
         assert (out.float() - moe_combine_torch(partial.float(), k, dtype, s, gate).float()).abs().max() > 0.1
+    # rows left in another order (expert order: moe_grouped_mm.py) and read through each pair's position
+    order = torch.randperm(T * k, generator=g).to(device)
+    position = torch.empty_like(order)
+    position[order] = torch.arange(T * k, device=device)
+    permuted = moe_combine_triton(partial[order], k, dtype, s, gate, weights=weights, rows_at=position.int())
+    assert torch.equal(permuted, out)
+    if T * k > 1:  # and the positions are really read
+        shuffled = moe_combine_triton(partial[order], k, dtype, s, gate, weights=weights)
+        assert not torch.equal(shuffled, out)
     if weighted and dtype != torch.float32:
         # fp32 weights are rounded to dtype where they are read (the router's softmax output, passed as it is):
         # fp32 values within a quarter unit of the dtype weights give the same bits

@@ -48,6 +48,7 @@ from ..kernels.moe_routing import topk_softmax
 from ..loading.copy_weight import copy_weight
 from ..moe import bench_routing
 from ..quant import nvfp4
+from ..tuning_env import choice_from_env
 from .fused_linear import FusedLinear, fuse_linears
 from .gemm_rows import padded_rows_linear
 from .moe_prefill_graphs import MoePrefillGraphs, drop_padding_rows
@@ -115,6 +116,14 @@ def write_into(out: Optional[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
     return y if out is None else out.copy_(y)
 
 
+def grouped_gemm_choice() -> str:
+    """Which grouped GEMMs run a BF16 step above the decode sizes: ``triton`` (``kernels/fused_moe.py``, the
+    default) or ``grouped_mm`` (torch's grouped GEMM, CUTLASS on sm_90: ``kernels/moe_grouped_mm.py``), from
+    ``FREETOKEN_BF16_MOE_GROUPED`` (an A/B until it is measured served; read at each call, a graph keeps its
+    capture's)."""
+    return choice_from_env("FREETOKEN_BF16_MOE_GROUPED", "triton", ("triton", "grouped_mm"))
+
+
 def run_experts(impl: str, x, w13, w2, topk_ids, topk_weights, shared: Optional[SharedExpertTerm] = None, out=None):
     """The weighted sum over the routed experts, ``topk_ids`` indexing the first dimension of ``w13``/``w2``
     (expert ids for resident weights, slot ids for an expert cache), plus ``shared`` when given. ``topk_weights``
@@ -129,9 +138,13 @@ def run_experts(impl: str, x, w13, w2, topk_ids, topk_weights, shared: Optional[
             args = shared.kernel_args() if shared else {}
             return write_into(out, moe_decode_triton(x, w13, w2, topk_ids, topk_weights, **args))
         from ..kernels.fused_moe import fused_moe_triton
+        from ..kernels.moe_grouped_mm import fused_moe_grouped_mm, grouped_mm_supported
 
         # fp32 weights as they are: the combine rounds each to x's dtype where it reads it (one launch fewer)
-        return fused_moe_triton(x, w13, w2, topk_ids, topk_weights, **grouped_shared_args(shared), out=out)
+        grouped = fused_moe_triton
+        if grouped_gemm_choice() == "grouped_mm" and grouped_mm_supported(x, w13, w2):
+            grouped = fused_moe_grouped_mm
+        return grouped(x, w13, w2, topk_ids, topk_weights, **grouped_shared_args(shared), out=out)
     y = fused_moe_torch(x, w13, w2, topk_ids, topk_weights.to(x.dtype))
     return write_into(out, y if shared is None else shared.add_to(y))
 
