@@ -17,6 +17,7 @@ from freetoken.layers.gated_deltanet import (
     gated_delta_rule,
     gated_delta_rule_in_rounds,
     l2norm,
+    token_by_token,
     torch_chunk_gated_delta_rule,
     torch_recurrent_gated_delta_rule,
 )
@@ -170,8 +171,10 @@ def test_rounds_of_one_sequence_run_on_views(captures):
 
     o, final, cap = gated_delta_rule_in_rounds(counted, *cat, init, cu, {0: captures + [100]}, short=short)
     bounds = [0, *captures, 100]
-    sizes = [z - a for a, z in zip(bounds[:-1], bounds[1:])]
-    assert sorted(shorts) == sorted(n for n in sizes if n < SHORT_PIECE)  # pieces under fla's chunk go token by token
+    pieces = list(zip(bounds[:-1], bounds[1:]))
+    # pieces under fla's chunk go token by token, unless they start on a chunk boundary after the first ([64, 100))
+    assert sorted(shorts) == sorted(z - a for a, z in pieces if token_by_token(a, z))
+    assert sorted(shorts) == {(37, 64): [27, 37], (64,): [], (99,): [1], (1, 2, 3): [1, 1, 1]}[tuple(captures)]
     assert len(calls) + len(shorts) == len(captures) + 1 and all(c[0] == 0 and len(c) == 2 for c in calls)
     q, k, v, g, beta, state = seqs[0]
     o_ref, s_ref = naive_gdn(q, k, v, g, beta, state)
@@ -450,6 +453,47 @@ def test_fla_single_sequence_captures_match_torch(n, captures):
     assert (o_f - o_t).abs().max() < 2e-3 and (f_f - f_t).abs().max() < 2e-3
     for key, state in c_t.items():
         assert (c_f[key] - state).abs().max() < 2e-3, key
+
+
+def test_which_pieces_go_token_by_token():
+    """Short pieces run token by token, except those that start on a chunk boundary of the call after its start
+    (a fresh prompt's tail after its last grid point: fla's chunks then are the uncut call's)."""
+    assert token_by_token(0, 37) and token_by_token(37, 64) and token_by_token(2136, 2184)  # an off-grid cached turn
+    assert not token_by_token(3968, 4000) and not token_by_token(64, 100)  # on a chunk boundary: chunked
+    assert not token_by_token(0, SHORT_PIECE) and not token_by_token(37, 37 + SHORT_PIECE)  # long: chunked
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("n, captures", [(4000, [3968, 4000]), (600, [576, 600]), (130, [64, 128, 130])])
+def test_fla_cut_on_chunk_boundaries_equals_the_uncut_call(n, captures, graphs):
+    """A fresh prompt's chunk cut at its grid points (snapshots) gives, bit for bit, the output and final state of
+    the same chunk uncut (what ``--cache-type naive`` runs), at Qwen3.6's GDN shape in bf16, with and without the
+    GDN prefill graphs: fla's chunks of the pieces are the uncut call's, and the state passes between them in fp32
+    as fla carries it between chunks. The captured states are the uncut call's states there (fla's, to rounding)."""
+    from freetoken.layers import gated_deltanet as gdn
+    from freetoken.layers.gdn_prefill_graphs import GdnPrefillGraphs
+
+    if gdn._fla_ops() is None or gdn._fla_direct_ops() is None:
+        pytest.skip("fla not importable, or internals this fla version does not have")
+    Hk, Hv, d = 16, 32, 128
+    pg = None
+    if graphs:
+        pg = GdnPrefillGraphs(gdn.fla_direct_prefill, Hk, Hv, d, d, torch.bfloat16, torch.device("cuda"), 4096)
+        pg.capture()
+    q, k, v, g, beta, init = (x.cuda() for x in rand_inputs(n, Hk, Hv, d, d, seed=83))
+    q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
+    zero = torch.zeros_like(init)[None]
+    o_u, f_u, _ = gdn.gated_delta_rule(q, k, v, g, beta, zero.clone(), [0, n], False, backend="fla", prefill_graphs=pg)
+    o_c, f_c, cap = gdn.gated_delta_rule(
+        q, k, v, g, beta, zero.clone(), [0, n], False, {0: captures}, backend="fla", prefill_graphs=pg
+    )
+    assert torch.equal(o_c.to(o_u.dtype), o_u) and torch.equal(f_c, f_u)
+    for at in captures[:-1]:
+        _, f_at, _ = gdn.gated_delta_rule(q[:at], k[:at], v[:at], g[:at], beta[:at], zero.clone(), [0, at], False,
+                                          backend="fla")  # fmt: skip
+        assert torch.equal(cap[(0, at)], f_at[0]), at
 
 
 @pytest.mark.gpu

@@ -307,8 +307,20 @@ def _fla_recurrent(recurrent, q, k, v, g, beta, initial_state):
     )
 
 
-# a piece shorter than this (fla's chunk length) runs token by token when the caller gives a ``short`` kernel
+# a piece shorter than this (fla's chunk length) runs token by token when the caller gives a ``short`` kernel,
+# unless it starts on a chunk boundary of the call (``token_by_token``)
 SHORT_PIECE = 64
+
+
+def token_by_token(start: int, end: int) -> bool:
+    """Whether the piece ``[start, end)`` of one sequence's snapshot rounds runs on the token-by-token kernel: when
+    it is shorter than fla's chunk and starts off the call's chunk boundaries. A tail that starts on one (a chunk
+    that begins on the snapshot grid, e.g. a fresh prompt's, cut at its last grid point) runs in fla's chunked form
+    instead: then fla's chunks of the two pieces are those of the uncut call, and so is every rounding (the state
+    between them passes in fp32, as fla carries it from chunk to chunk), so a fresh prompt's tokens with the radix
+    cache are those of ``--cache-type naive``. A tail after an off-grid start (a cached turn resumed at the last
+    turn's end) cannot match an uncut call anyway, and token by token it costs less."""
+    return end - start < SHORT_PIECE and (start == 0 or start % CHUNK_SIZE != 0)
 
 
 @functools.lru_cache(maxsize=4)
@@ -330,7 +342,7 @@ def gated_delta_rule_in_rounds(varlen, q, k, v, g, beta, initial_state, cu_seqle
     may be buffers its next call overwrites: the GDN prefill graphs' ``borrow``; every output is copied out or used
     before the next call); ``short(q, k, v, g, beta, init, out) -> (o, final)``, when given, runs a single
     sequence's pieces shorter than ``SHORT_PIECE`` tokens (the tail after a grid-point snapshot) in one cheap
-    launch, writing o into ``out`` (its rows of the whole output).
+    launch, writing o into ``out`` (its rows of the whole output), where ``token_by_token`` says so.
     Returns ``(o [T, Hv, dv] fp32 (the kernels' dtype when no sequence is cut or there is one sequence),
     final [N, Hv, dk, dv] fp32, {(seq, offset): state})``."""
     N = len(cu_seqlens) - 1
@@ -348,7 +360,7 @@ def gated_delta_rule_in_rounds(varlen, q, k, v, g, beta, initial_state, cu_seqle
         o = v.new_empty(v.shape)  # the pieces' dtype: no fp32 round trip of [T, Hv, dv]
         state = initial_state
         for a, z in pieces[0]:
-            if short is not None and z - a < SHORT_PIECE:  # writes its rows of o itself: no copy
+            if short is not None and token_by_token(a, z):  # writes its rows of o itself: no copy
                 _, final_r = short(q[a:z], k[a:z], v[a:z], g[a:z], beta[a:z], state, out=o[a:z])
             else:
                 o_r, final_r = varlen(q[a:z], k[a:z], v[a:z], g[a:z], beta[a:z], state, [0, z - a], False)
@@ -406,7 +418,8 @@ def gated_delta_rule(
         varlen = functools.partial(_fla_gated_delta_rule, graphs=prefill_graphs, borrow=True)
         if captures:
             # a tail shorter than fla's chunk (after a grid-point snapshot) runs token by token in one launch, with
-            # or without graphs: both then compute it alike, and it costs the host less than a padded replay
+            # or without graphs: both then compute it alike, and it costs the host less than a padded replay; one
+            # that starts on a chunk boundary runs chunked, as the uncut call would (``token_by_token``)
             return gated_delta_rule_in_rounds(
                 varlen, q, k, v, g, beta, initial_state, cu_seqlens, captures, short=gdn_recurrent_piece
             )
