@@ -105,7 +105,8 @@ def _stage(graphs, q, k, v, g, beta):
 def test_staged_chunk_runs_in_place_and_its_tail_keeps_its_gates():
     """A staged chunk's first piece replays from the buffers themselves (no copy in: the static inputs keep their
     addresses, a borrowed output is the graph's buffer); the padding zeroed for its bucket is the next piece's
-    gates, which come back after the replay; a later piece (a view inside the buffers) is declined."""
+    gates, which come back after the replay; a later piece (a view inside the buffers) is copied to the buffers'
+    head and replayed when it starts past the rows its bucket reads, else declined."""
     Hk, Hv, dk, dv, n, cut = 2, 4, 8, 6, 150, 100
     graphs = GdnPrefillGraphs(torch_prefill, Hk, Hv, dk, dv, torch.float32, torch.device("cpu"), 320, emulate=True)
     graphs.capture()
@@ -117,8 +118,10 @@ def test_staged_chunk_runs_in_place_and_its_tail_keeps_its_gates():
     o1, f1 = graphs.run(qs[:cut], ks[:cut], vs[:cut], gs[:cut], bs[:cut], state[None], borrow=True)
     assert not copies and o1.data_ptr() == graphs.o.data_ptr() and f1.data_ptr() == graphs.final.data_ptr()
     assert torch.equal(gs[cut:], g[cut:]) and torch.equal(bs[cut:], beta[cut:])  # bucket 128 zeroed 100..127
-    assert graphs.run(qs[cut:], ks[cut:], vs[cut:], gs[cut:], bs[cut:], f1) is None
-    o2, f2 = torch_prefill(qs[cut:], ks[cut:], vs[cut:], gs[cut:], bs[cut:], f1)
+    o1, f1 = o1.clone(), f1.clone()  # borrowed: the next replay overwrites them
+    assert graphs.run(qs[30:], ks[30:], vs[30:], gs[30:], bs[30:], f1) is None  # from row 30, bucket 128: declined
+    o2, f2 = graphs.run(qs[cut:], ks[cut:], vs[cut:], gs[cut:], bs[cut:], f1)  # 50 from row 100, bucket 64
+    assert graphs.replays == 2
     want_o, want_f = torch_prefill(q, k, v, g, beta, state[None])
     torch.testing.assert_close(torch.cat([o1, o2]), want_o, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(f2, want_f, atol=1e-5, rtol=1e-5)
@@ -150,7 +153,10 @@ def test_staged_chunk_through_the_snapshot_rounds(captures):
     assert set(cap) == set(c_t)
     for key, s in c_t.items():
         torch.testing.assert_close(cap[key], s, atol=1e-5, rtol=1e-5)
-    assert graphs.replays == int(captures[0] >= 64)  # the first piece from the buffers; a later long one eagerly
+    # the first piece from the buffers when long; a later long one eagerly (it starts inside the rows its replay
+    # reads); a short tail on a chunk boundary (128) copied to the buffers' head and replayed; other short tails
+    # token by token
+    assert graphs.replays == {(128, 150): 2, (100, 150): 1, (30, 100, 150): 0, (64, 140, 150): 1}[tuple(captures)]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -16,7 +16,9 @@ intermediates.
 The layer stages a chunk's inputs in those buffers itself (``staging``: the conv writes q | k | v there as three
 contiguous blocks, the gates kernel g and beta), so a replay copies nothing in; inputs given elsewhere are copied.
 A snapshot round runs the chunk's first piece from the staged buffers while later pieces (the tail after a grid
-point) still need theirs: the padding a replay zeroes is saved and put back around it. ``run(borrow=True)``
+point) still need theirs: the padding a replay zeroes is saved and put back around it. A later piece is copied to
+the buffers' head and replayed when it starts past the rows its bucket reads (a short tail after a fresh prompt's
+grid point: ``gated_deltanet.token_by_token``), else it runs eagerly. ``run(borrow=True)``
 returns views of the graph's outputs, valid until the next replay (the layer reads them first); else copies.
 
 Captured at start-up before the KV pool is sized (``startup.capture_gdn_prefill_graphs``): what they hold is in
@@ -133,15 +135,20 @@ class GdnPrefillGraphs:
         self.staged = tokens
         return self.qkv, self.gates[0, :tokens], self.gates[1, :tokens]
 
-    def _place(self, src: torch.Tensor, buf: torch.Tensor) -> Optional[bool]:
+    def _place(self, src: torch.Tensor, buf: torch.Tensor, Tb: int) -> Optional[bool]:
         """Whether ``src`` is already ``buf[:T]`` (True) or must be copied there (False); None when it lies
-        elsewhere in the static buffers (a later piece of a staged chunk: the caller runs it eagerly)."""
+        elsewhere in the static buffers where a copy would overwrite itself (a later piece of a staged chunk that
+        starts inside the rows a replay of bucket ``Tb`` reads: the caller runs it eagerly). A later piece that
+        starts at or past row ``Tb`` of its buffer (a short tail after a grid point) is copied to the head."""
         if src.data_ptr() == buf.data_ptr() and src.stride() == buf[: src.shape[0]].stride():
             return True
         for owner in (self.qkv, self.gates):
             lo = owner.data_ptr()
             if lo <= src.data_ptr() < lo + owner.numel() * owner.element_size():
-                return None
+                row_bytes = buf.stride(0) * buf.element_size()
+                offset = src.data_ptr() - buf.data_ptr()
+                in_buf = 0 <= offset < buf.numel() * buf.element_size() and src.stride() == buf.stride()
+                return False if in_buf and offset % row_bytes == 0 and offset // row_bytes >= Tb else None
         return False
 
     def run(self, q, k, v, g, beta, initial_state, borrow: bool = False):
@@ -154,7 +161,7 @@ class GdnPrefillGraphs:
         if Tb is None or initial_state.shape[0] != 1:
             return None
         pairs = ((q, self.q), (k, self.k), (v, self.v), (g, self.gates[0]), (beta, self.gates[1]))
-        placed = [self._place(src, buf) for src, buf in pairs]
+        placed = [self._place(src, buf, Tb) for src, buf in pairs]
         if None in placed:
             return None
         for (src, buf), in_place in zip(pairs, placed):
