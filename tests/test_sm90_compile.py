@@ -58,13 +58,18 @@ def compile_check(
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("shared", [True, False])
 @pytest.mark.parametrize("weighted", [True, False])
-def test_moe_combine_compiles_for_sm90(dtype, shared, weighted):
+def test_moe_combine_compiles_for_sm90(dtype, shared, weighted, rows_at=False):
     """Weighted: the BF16 grouped kernel's rows in the activation dtype, weights applied here; else NVFP4's fp32."""
-    ptr = {"partial_ptr": f"*{dtype}" if weighted else "*fp32", "weights_ptr": f"*{dtype}"}
+    ptr = {"partial_ptr": f"*{dtype}" if weighted else "*fp32", "rows_at_ptr": "*i32", "weights_ptr": f"*{dtype}"}
     ptr.update({"shared_ptr": f"*{dtype}", "gate_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"})
-    const = {"K": 8, "HAS_WEIGHTS": weighted, "HAS_SHARED": shared, "BLOCK_H": 1024}
+    const = {"K": 8, "HAS_WEIGHTS": weighted, "HAS_SHARED": shared, "ROWS_AT": rows_at, "BLOCK_H": 1024}
     div16 = "H,stride_p,stride_s,stride_o"
     assert compile_check("freetoken.kernels.moe_combine:_moe_combine_kernel", ptr, const, div16) == 0
+
+
+def test_moe_combine_reading_rows_through_positions_compiles_for_sm90():
+    """The combine of ``moe_grouped_mm`` (rows left in expert order, read through each pair's position)."""
+    test_moe_combine_compiles_for_sm90("bf16", True, True, rows_at=True)
 
 
 @pytest.mark.parametrize("tail,warps", [(0, 4), (16, 4), (32, 8)])
