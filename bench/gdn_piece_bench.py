@@ -131,7 +131,7 @@ def main(argv=None) -> int:
             f"{r['tokens']:>6}{r['warps']:>6}{r['us']:>9.1f}{r['us_per_token']:>10.2f}{r['host_us']:>9.1f}{r['hbm_fraction']:>8.1%}"
             f"{f(r['fla_recurrent_us'], '.1f'):>9}{f(r['ratio_to_fla'], '.2f'):>9}{f(r['max_abs_diff_vs_fla'], '.1e'):>10}"
         )
-    write_report(a.out, {"argv": sys.argv, "module": a.module, "gpu": torch.cuda.get_device_name(), "rows": rows})
+    write_report(a.out, {"module": a.module, "gpu": torch.cuda.get_device_name(), "rows": rows})
     return 0
 
 

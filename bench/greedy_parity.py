@@ -53,6 +53,9 @@ def truncated_config(src: str, layers: int, dst: str) -> str:
     return dst
 
 
+TOP = 5  # logprobs of each answer token's top candidates
+
+
 def complete(srv: ServerProcess, prompt: list[int], max_tokens: int) -> dict:
     """One greedy completion over token ids: its text, usage, tokens and each token's top-5 logprobs."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "logprobs": TOP}
@@ -83,9 +86,6 @@ def margin(chosen: float | None, other: float | None) -> str:
     if chosen is None:
         return "-"
     return "top5-" if other is None else f"{chosen - other:.3f}"
-
-
-TOP = 5  # logprobs of each answer token's top candidates
 
 
 def first_difference(a: str, b: str) -> int | None:
