@@ -563,10 +563,11 @@ def grouped_bf16_config(num_pairs: int, E: int, block_m: int | None = None, tune
     bm = block_m or _pick_block_m(num_pairs, E)
     # N tiles a down program walks in one pipelined loop (``_down_walk_rows``; 1: one tile a program), with 4
     # pipeline stages when it walks (unless ``tune`` sets ``down_stages``). Walking 4 on blocks of 64 rows and more
-    # measured 1.03x / 1.04x of one tile a program at 2,184 tokens and 1.08x / 1.02x at 8,192 (H100, uniform / Zipf routing; bench/results/2026-12-05-
-    # h100-qwen3.6-35b-a3b-moe-down-walk.txt) and its GPU tests pass with it on everywhere, but the served agent session
-    # did not move (turn 10 at 20k: 63.6 / 64.0 ms walking, 63.4 not; ...-2026-12-06-h100-...-20k-down-walk.txt), so
-    # it stays off (``_DOWN_WALK_PREFILL``). FREETOKEN_BF16_MOE_DOWN_WALK sets it (an end-to-end A/B)
+    # measured 1.03x / 1.04x of one tile a program at 2,184 tokens and 1.08x / 1.02x at 8,192 (H100, uniform / Zipf
+    # routing; bench/results/2026-12-05-h100-qwen3.6-35b-a3b-moe-down-walk.txt) and its GPU tests pass with it on
+    # everywhere, but the served agent session did not move (turn 10 at 20k: 63.6 / 64.0 ms walking, 63.4 not;
+    # ...-2026-12-06-h100-...-20k-down-walk.txt), so it stays off (``_DOWN_WALK_PREFILL``).
+    # FREETOKEN_BF16_MOE_DOWN_WALK sets it (an end-to-end A/B)
     walk = int_from_env("FREETOKEN_BF16_MOE_DOWN_WALK", _DOWN_WALK_PREFILL if bm >= 64 else 1, "tiles")
     cfg = {
         "block_m": bm,
