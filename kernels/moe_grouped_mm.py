@@ -2,9 +2,13 @@
 
 Why a library route beside ``fused_moe.py``: a cached agent turn (issue 12) runs ~2,200 tokens through every MoE
 layer, ~70 rows per expert, so each layer is one pass over all 256 experts' weights and the grouped GEMMs are bound
-by HBM; our Triton kernels read them at ~60 % of the bandwidth (bench/nvfp4_kernel_bench.py --groups bf16sweep).
-CUTLASS's grouped kernel (TMA loads, warp-specialized persistent programs) is the reference point for what the
-hardware gives at that shape, and if it is faster it can serve the prefill steps directly.
+by HBM; our Triton kernels read them at ~66 % of the copy bandwidth. CUTLASS's grouped kernel (TMA loads,
+warp-specialized persistent programs) is the reference point for what the hardware gives at that shape. Measured on
+the H200 (2026-12-06, bench/results/2026-12-06-h200-qwen3.6-35b-a3b-bf16-moe-grouped-mm.txt): at 2,184 tokens its two
+GEMMs alone take about what our whole MoE takes (1.11x uniform, 0.89x Zipf) and the route with its glue 0.83x / 0.70x;
+at 8,192 the GEMMs are 1.34-1.42x ours but the glue takes it back. So it stays an A/B
+(``FREETOKEN_BF16_MOE_GROUPED=grouped_mm``, ``layers/moe.grouped_gemm_choice``) and a benchmark baseline
+(``bench/nvfp4_kernel_bench.py --groups grouped_mm``).
 
 The pipeline (same contract as ``fused_moe_triton``, weights in the transformers layout ``w13 [E, 2I, H]``,
 ``w2 [E, H, I]``):

@@ -119,8 +119,8 @@ def write_into(out: Optional[torch.Tensor], y: torch.Tensor) -> torch.Tensor:
 def grouped_gemm_choice() -> str:
     """Which grouped GEMMs run a BF16 step above the decode sizes: ``triton`` (``kernels/fused_moe.py``, the
     default) or ``grouped_mm`` (torch's grouped GEMM, CUTLASS on sm_90: ``kernels/moe_grouped_mm.py``), from
-    ``FREETOKEN_BF16_MOE_GROUPED`` (an A/B until it is measured served; read at each call, a graph keeps its
-    capture's)."""
+    ``FREETOKEN_BF16_MOE_GROUPED`` (an A/B: slower at the agent turn on the H200, 2026-12-06; read at each call, a
+    graph keeps its capture's)."""
     return choice_from_env("FREETOKEN_BF16_MOE_GROUPED", "triton", ("triton", "grouped_mm"))
 
 
