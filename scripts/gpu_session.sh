@@ -77,6 +77,10 @@
 #            kernel bench against our Triton kernels at the agent turn's 2,184 tokens and 8,192 (uniform and Zipf),
 #            then the turn-10 chunk in process with FREETOKEN_BF16_MOE_GROUPED=grouped_mm and without (a process each:
 #            the MoE prefill graphs keep the route they were captured with)
+#   parity   issue 12's greedy parity at the real shape: the GDN GPU tests of the snapshot rounds (a fresh prompt's
+#            chunk cut at its grid point equals the uncut call bit for bit, with and without graphs), then
+#            bench/greedy_parity.py on the first 8 layers of the Qwen3.6 config (naive twice, radix cold and resumed,
+#            a second turn; logprob leads where answers part), then the hybrid radix GPU tests (tiny models)
 #   stress   issue 12's stress run (bench/radix_stress.py): 16 concurrent 4-turn sessions with hang-ups on the
 #            hybrid radix server, all resident, then with NVFP4 experts offloaded; every request answered and every
 #            slot and snapshot accounted for
@@ -222,6 +226,17 @@ if [[ " $SECTIONS " == *" moegraphs "* ]]; then
         --max-seq-len-override 32768 --moe-backend fused --max-prefill-length 8192 > "$OUT/profile_prefill_tail$tail.log" 2>&1
     grep -E "^step ms|^  routing|_moe_" "$OUT/profile_prefill_tail$tail.log" | sed "s/^/[tail $tail] /"
   done
+fi
+if [[ " $SECTIONS " == *" parity "* ]]; then
+  timeout ${GPU_TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_gated_deltanet.py tests/test_gdn_prefill_graphs.py \
+      -v -k "cut_on_chunk or snapshot_rounds or fla_single or graphs_equal" 2>&1 | tee "$OUT/gpu_tests_gdn_rounds.log" \
+      | grep -E "PASSED|FAILED|Error|passed|failed" | tail -20
+  timeout ${PARITY_TIMEOUT:-240} python3 bench/greedy_parity.py --layers 8 --prompt-tokens 4000 --second-tokens 500 \
+      --max-tokens 12 --out "$OUT/greedy_parity_8l.json" --server-args "--max-running-requests 4 --moe-backend fused \
+      --max-prefill-length 8192" > "$OUT/greedy_parity_8l.log" 2>&1
+  grep -v "^\[20\|^\[naive\] \[\|^\[radix\] \[" "$OUT/greedy_parity_8l.log" | tail -12
+  timeout ${GPU_TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_hybrid_radix.py 2>&1 \
+      | tee "$OUT/gpu_tests_hybrid_radix.log" | tail -4
 fi
 if [[ " $SECTIONS " == *" groupedmm "* ]]; then
   timeout ${GPU_TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_moe_grouped_mm.py tests/test_moe_combine.py 2>&1 \
