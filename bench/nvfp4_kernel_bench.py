@@ -439,18 +439,14 @@ BF16_MOE_SWEEP = [
 ]
 
 
-def bench_bf16_moe_sweep(a, device, dtype, bw) -> list:
-    """The BF16 grouped kernels (``fused_moe_triton``, what ``--moe-backend fused`` runs at prefill) at prefill
-    sizes under each of ``BF16_MOE_SWEEP``'s launch settings, per routing: where the default leaves the HBM
-    bandwidth behind (bytes: the distinct experts' BF16 weights once, activations in and out)."""
+def prefill_moe_cases(a, s, device, dtype):
+    """The grouped MoE's prefill cases of ``bf16sweep`` and ``grouped_mm``: per routing and token count (the ``--ms``
+    with more than 64 pairs), ``(mode, T, x, reps, routes, distinct, nbytes, flops)``: ``reps`` routings drawn for
+    the timed calls, the mean number of distinct experts they touch, the bytes a call must move (the distinct
+    experts' BF16 weights once, activations in and out) and its FLOPs."""
     import torch
 
-    from freetoken.kernels.fused_moe import fused_moe_triton
-
-    s = shapes(a.smoke)["moe"]
     E, k, H, I = s["E"], s["k"], s["H"], s["I"]
-    _, (w13, w2) = moe_banks(s, device, dtype)
-    rows = []
     for mode in a.routing:
         for T in [m for m in a.ms if m * k > 64] or a.ms[-1:]:
             x = torch.randn(T, H, device=device, dtype=dtype)
@@ -458,21 +454,33 @@ def bench_bf16_moe_sweep(a, device, dtype, bw) -> list:
             routes = [_routing(mode, T, E, k, device) for _ in range(reps)]
             distinct = statistics.mean(int(torch.unique(ids).numel()) for ids, _ in routes)
             nbytes = distinct * 3 * H * I * x.element_size() + 2 * T * H * x.element_size()
-            flops = 6 * T * k * H * I
-            t_default = None
-            for tune in BF16_MOE_SWEEP:
-                label = ",".join(f"{key}={v}" for key, v in tune.items()) or "default"
-                if tune and not sweep_selected(label, a.sweep_only):
-                    continue
-                call = lambda r, c=tune: fused_moe_triton(x, w13, w2, *r, tune=c)  # noqa: E731
-                try:
-                    t = time_calls(cycled(call, routes, reps), device)
-                except Exception as e:  # a setting that does not compile (registers, shared memory) is reported
-                    print(f"bf16sweep M={T} {label}: {type(e).__name__}: {str(e)[:160]}")
-                    continue
-                t_default = t_default or t  # "vs bf16" here: the default setting's time over this one's
-                rows.append(row("bf16sweep", f"bf16 {mode} {label}", T, t, nbytes, flops, bw, t_default,
-                                distinct_experts=distinct))  # fmt: skip
+            yield mode, T, x, reps, routes, distinct, nbytes, 6 * T * k * H * I
+
+
+def bench_bf16_moe_sweep(a, device, dtype, bw) -> list:
+    """The BF16 grouped kernels (``fused_moe_triton``, what ``--moe-backend fused`` runs at prefill) at prefill
+    sizes under each of ``BF16_MOE_SWEEP``'s launch settings, per routing: where the default leaves the HBM
+    bandwidth behind (bytes: the distinct experts' BF16 weights once, activations in and out)."""
+    from freetoken.kernels.fused_moe import fused_moe_triton
+
+    s = shapes(a.smoke)["moe"]
+    _, (w13, w2) = moe_banks(s, device, dtype)
+    rows = []
+    for mode, T, x, reps, routes, distinct, nbytes, flops in prefill_moe_cases(a, s, device, dtype):
+        t_default = None
+        for tune in BF16_MOE_SWEEP:
+            label = ",".join(f"{key}={v}" for key, v in tune.items()) or "default"
+            if tune and not sweep_selected(label, a.sweep_only):
+                continue
+            call = lambda r, c=tune: fused_moe_triton(x, w13, w2, *r, tune=c)  # noqa: E731
+            try:
+                t = time_calls(cycled(call, routes, reps), device)
+            except Exception as e:  # a setting that does not compile (registers, shared memory) is reported
+                print(f"bf16sweep M={T} {label}: {type(e).__name__}: {str(e)[:160]}")
+                continue
+            t_default = t_default or t  # "vs bf16" here: the default setting's time over this one's
+            rows.append(row("bf16sweep", f"bf16 {mode} {label}", T, t, nbytes, flops, bw, t_default,
+                            distinct_experts=distinct))  # fmt: skip
     return rows
 
 
@@ -491,36 +499,28 @@ def bench_grouped_mm(a, device, dtype, bw) -> list:
         print(f"grouped_mm: torch._grouped_mm does not take {dtype} on {device} (torch {torch.__version__})")
         return []
     rows = []
-    for mode in a.routing:
-        for T in [m for m in a.ms if m * k > 64] or a.ms[-1:]:
-            x = torch.randn(T, H, device=device, dtype=dtype)
-            reps = max(1, a.reps // 4)
-            routes = [_routing(mode, T, E, k, device) for _ in range(reps)]
-            distinct = statistics.mean(int(torch.unique(ids).numel()) for ids, _ in routes)
-            nbytes = distinct * 3 * H * I * x.element_size() + 2 * T * H * x.element_size()
-            flops = 6 * T * k * H * I
-            diff = (fused_moe_grouped_mm(x, w13, w2, *routes[0]) - fused_moe_triton(x, w13, w2, *routes[0])).abs()
-            t_triton = time_calls(cycled(lambda r: fused_moe_triton(x, w13, w2, *r), routes, reps), device)
-            t_lib = time_calls(cycled(lambda r: fused_moe_grouped_mm(x, w13, w2, *r), routes, reps), device)
-            # the two GEMMs alone, on rows already gathered in expert order
-            sorted_routes = []
-            for ids, _ in routes:
-                order, ends, _ = sort_pairs_by_expert(ids, E)
-                sorted_routes.append(
-                    (x.index_select(0, order // k), ends, torch.randn(T * k, I, device=device, dtype=dtype))
-                )
+    for mode, T, x, reps, routes, distinct, nbytes, flops in prefill_moe_cases(a, s, device, dtype):
+        diff = (fused_moe_grouped_mm(x, w13, w2, *routes[0]) - fused_moe_triton(x, w13, w2, *routes[0])).abs()
+        t_triton = time_calls(cycled(lambda r: fused_moe_triton(x, w13, w2, *r), routes, reps), device)
+        t_lib = time_calls(cycled(lambda r: fused_moe_grouped_mm(x, w13, w2, *r), routes, reps), device)
+        # the two GEMMs alone, on rows already gathered in expert order
+        sorted_routes = []
+        for ids, _ in routes:
+            order, ends, _ = sort_pairs_by_expert(ids, E)
+            inter = torch.randn(T * k, I, device=device, dtype=dtype)
+            sorted_routes.append((x.index_select(0, order // k), ends, inter))
 
-            def gemms(r):
-                xs, ends, inter = r
-                torch._grouped_mm(xs, w13.transpose(1, 2), offs=ends)
-                torch._grouped_mm(inter, w2.transpose(1, 2), offs=ends)
+        def gemms(r):
+            xs, ends, inter = r
+            torch._grouped_mm(xs, w13.transpose(1, 2), offs=ends)
+            torch._grouped_mm(inter, w2.transpose(1, 2), offs=ends)
 
-            t_gemms = time_calls(cycled(gemms, sorted_routes, reps), device)
-            extra = dict(distinct_experts=distinct, max_diff_vs_triton=diff.max().item())
-            rows.append(row("grouped_mm", f"bf16 {mode} triton", T, t_triton, nbytes, flops, bw, t_triton, **extra))
-            rows.append(row("grouped_mm", f"bf16 {mode} grouped_mm", T, t_lib, nbytes, flops, bw, t_triton, **extra))
-            rows.append(row("grouped_mm", f"bf16 {mode} 2 GEMMs", T, t_gemms, nbytes, flops, bw, t_triton, **extra))
-            print(f"grouped_mm {mode} M={T}: largest |grouped_mm - triton| {extra['max_diff_vs_triton']:.3g}")
+        t_gemms = time_calls(cycled(gemms, sorted_routes, reps), device)
+        extra = dict(distinct_experts=distinct, max_diff_vs_triton=diff.max().item())
+        rows.append(row("grouped_mm", f"bf16 {mode} triton", T, t_triton, nbytes, flops, bw, t_triton, **extra))
+        rows.append(row("grouped_mm", f"bf16 {mode} grouped_mm", T, t_lib, nbytes, flops, bw, t_triton, **extra))
+        rows.append(row("grouped_mm", f"bf16 {mode} 2 GEMMs", T, t_gemms, nbytes, flops, bw, t_triton, **extra))
+        print(f"grouped_mm {mode} M={T}: largest |grouped_mm - triton| {extra['max_diff_vs_triton']:.3g}")
     return rows
 
 
