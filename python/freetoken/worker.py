@@ -39,6 +39,7 @@ from .kernels.attention import lazy_rescale
 from .kernels.attention_cudnn import extend_attention_choice
 from .kernels.pdl import pdl_mode, pdl_requested
 from .layers.attention import make_attention_backend
+from .layers.moe import grouped_gemm_choice
 from .layers.sampler import apply_penalties, sample, token_logprobs
 from .loading.model_loader import load_model
 from .log import get_logger
@@ -101,6 +102,7 @@ class Worker:
         cache_type = "naive" if a["cache_type"] == "naive" else self.cache_types[0]
         extend_attention_choice()  # a bad FREETOKEN_EXTEND_ATTENTION stops start-up here, not the first prefill
         lazy_rescale()  # FREETOKEN_EXTEND_LAZY_RESCALE, the same
+        grouped_gemm_choice()  # FREETOKEN_BF16_MOE_GROUPED, the same
         if pdl_requested():  # a bad FREETOKEN_PDL, the same
             logger.info(f"Programmatic dependent launch on for our kernels (FREETOKEN_PDL={pdl_mode()}; sm_90+ only)")
         if self.model.state_layout:
