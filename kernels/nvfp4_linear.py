@@ -411,10 +411,12 @@ def _dot_config(M: int, N: int, K: int, half: bool = False) -> tuple[int, int, i
         # narrow programs, many of them in flight per SM to hide the decode's latency. H200 sweeps (2026-12-02,
         # lm_head 248320 x 2048): M <= 16 took 197-214 us with 32 output rows and 2 warps a program, 250 with 64
         # rows and 4 warps, 329 with 128 rows (the former default); M = 32 / 64: 278 / 371 us with 64 rows. The
-        # fp16 tiles (2026-12-04): 64 rows on 2 warps 111-112 us at M = 1 / 4, 32 rows 117-118
+        # fp16 tiles (2026-12-04): 64 rows on 2 warps 111-112 us at M = 1 / 4, 32 rows 117-118. Their K step 256
+        # (H100 sweep 2026-12-06, bench/results/2026-12-06-h100-nvfp4-sweep.txt): 114.7-118.7 us at M = 2..16
+        # against 137.5-142.0 with 128 (83-84 % of HBM against 68-70 %): twice the bytes in flight per program
         bm = max(16, triton.next_power_of_2(M))
         if bm == 16:
-            return bm, 64 if half else 32, bk, 2
+            return (bm, 64, max(32, min(256, triton.next_power_of_2(K))), 2) if half else (bm, 32, bk, 2)
         return bm, 64, bk, 4 if bm <= 32 else 8  # 4 warps at 64 rows spill registers on sm_80/89
     return 128, 128, min(bk, 64), 8
 

@@ -74,6 +74,9 @@ def test_configs():
     assert bm == 1 and split > 1 and 512 // bn * split >= nl._TARGET_PROGRAMS // 4
     assert nl._gemv_config(1, 248320, 2048)[3] == 1  # lm_head: rows enough
     assert nl._dot_config(16, 2048, 512)[0] == 16 and nl._dot_config(8192, 2048, 512)[:2] == (128, 128)
+    # the fp16 tiles at decode sizes: 64 weight rows, K steps of 256 (of K when it is shorter), 2 warps
+    assert nl._dot_config(16, 248320, 2048, half=True) == (16, 64, 256, 2)
+    assert nl._dot_config(4, 64, 96, half=True)[2] == 128
     # the path: the GEMV for one or two rows; up to 8 only where tensor-core programs would not fill the SMs
     assert [nl.pick_path(m, 248320) for m in (1, 2, 3, 8)] == ["gemv", "gemv", "dot", "dot"]
     assert [nl.pick_path(m, 512) for m in (1, 4, 8, 9, 16)] == ["gemv", "gemv", "gemv", "dot", "dot"]
@@ -127,6 +130,7 @@ _CPU_SCRIPT = textwrap.dedent(
         # tensor cores on fp16 tiles: unmasked (N, K multiples of the tile), masked N / K tails with bias and strided
         # x, 3-D x, the wide-M tiles, its settings
         (3, 64, 256, bf16, dict(path="half_dot")),
+        (6, 64, 768, bf16, dict(path="half_dot")),  # three K steps of the 256-wide default
         (5, 40, 160, f16, dict(path="half_dot", bias=True, strided=True)),
         (4, 32, 128, bf16, dict(path="half_dot", lead=(2,))),
         (70, 24, 64, bf16, dict(path="half_dot")),
