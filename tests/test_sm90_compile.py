@@ -216,7 +216,14 @@ def test_nvfp4_grouped_moe_down_walk_compiles_for_sm90(half, tail, walk):
 # (rows of x, rows a program, K step, warps, fp16 tiles, no masks): nvfp4_linear's tensor-core tiles at small M
 @pytest.mark.parametrize(
     "block_m,block_n,block_k,warps,half,even",
-    [(16, 64, 128, 2, True, True), (32, 64, 128, 4, True, False), (16, 32, 128, 2, False, False)],
+    # the fp16 tiles' default at M <= 16 (K steps of 256: 142 registers on sm_90, 128 on sm_80/89, no spills), their
+    # K step before it, the wide-M tiles, the bf16 tiles
+    [
+        (16, 64, 256, 2, True, True),
+        (16, 64, 128, 2, True, True),
+        (32, 64, 128, 4, True, False),
+        (16, 32, 128, 2, False, False),
+    ],
 )
 def test_nvfp4_dot_compiles_for_sm90(block_m, block_n, block_k, warps, half, even):
     """The tensor-core NVFP4 kernel with its fp16 tiles (inline ``mul.rn.f16x2``; mma.sync at 2 warps, wgmma at 4)
