@@ -13,7 +13,8 @@ the previous kernel's output, what it writes that kernel's input), then lets the
 neighbour, PDL-aware or not (a kernel that never calls ``launch_dependents`` releases its dependent when it ends, as
 without PDL), and at most one kernel's programs wait ahead of the running one.
 
-``FREETOKEN_PDL=1`` turns it on (CUDA, sm_90+); off by default until the H200 has measured it. ``prefetch`` also has
+``FREETOKEN_PDL=1`` turns it on (CUDA, sm_90+); off by default until alternating rounds confirm the first decode
+A/B (an H100, 2026-12-06: 1 stream +7.5 %, +10.4 % with ``prefetch``) and the GPU tests have passed in full. ``prefetch`` also has
 the decode GEMVs (the NVFP4 linear's GEMV and fp16-tile paths, the mixed projections) prefetch the first lines of
 their weight rows into L2 before they wait (``pdl_prefetch_rows``), so a GEMV's weight stream is under way when the
 kernel before it ends. Under the CPU interpreter, and where it is off, kernels take ``PDL=False`` and compile as
