@@ -60,9 +60,10 @@
 #            chunk in process (eager kernels; the start-up graphs keep their capture) and the NVFP4 dummy model's
 #            decode (1 and 32 streams, resident) with it off, on, and on with the GEMVs' L2 prefetch, alternating
 #            (PDL_KERNEL_MODES and PDL_DECODE_MODES list the modes, empty to skip; PDL_PREFILL=0 skips the chunk,
-#            PDL_TESTS=0 the tests). The tests (~7, tiny models built per test) and four decode servers (~90 s each)
-#            do not fit one 600 s call: run PDL_KERNEL_MODES= PDL_PREFILL=0 PDL_DECODE_MODES= PDL_TEST_TIMEOUT=540, then
-#            PDL_TESTS=0 PDL_KERNEL_MODES= PDL_PREFILL=0 (the decode A/B alternating off / prefetch)
+#            PDL_TESTS=0 the tests). The tests (5: a kernel chain, then the tiny models' workers with PDL and with
+#            prefetch, each mode compiling its own kernels) and four decode servers (~90 s each) do not fit one 600 s
+#            call: run PDL_KERNEL_MODES= PDL_PREFILL=0 PDL_DECODE_MODES= PDL_TEST_TIMEOUT=540, then PDL_TESTS=0
+#            PDL_KERNEL_MODES= PDL_PREFILL=0 (the decode A/B, alternating off / prefetch)
 #   agentpdl the served agent session, radix server only (bench/agent_session_bench.py --caches radix), with
 #            FREETOKEN_PDL (AGENT_PDL_MODES, default "0 1 0 1") in the servers' environment: every graph captured
 #            with it, the issue 12 figure (turn-10 TTFT) with and without; AGENT_ENV adds VAR=VALUE pairs to it
@@ -269,7 +270,7 @@ if [[ " $SECTIONS " == *" rescale "* ]]; then
 fi
 if [[ " $SECTIONS " == *" pdl "* ]]; then
   [[ ${PDL_TESTS:-1} == 1 ]] && timeout ${PDL_TEST_TIMEOUT:-300} python3 -m pytest -v -m gpu -p no:cacheprovider -rfs \
-      tests/test_pdl.py tests/test_decode_graphs.py -k "pdl or cuda_graphs" 2>&1 | tee "$OUT/pdl_tests.log" \
+      tests/test_pdl.py tests/test_decode_graphs.py -k pdl 2>&1 | tee "$OUT/pdl_tests.log" \
       | grep -E "PASSED|FAILED|passed|failed|error"
   for pdl in ${PDL_KERNEL_MODES-0 1 prefetch 0 1 prefetch}; do
     FREETOKEN_PDL=$pdl timeout ${PDL_BENCH_TIMEOUT:-200} python3 bench/nvfp4_kernel_bench.py --groups linear,mixed \
