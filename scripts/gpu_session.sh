@@ -291,10 +291,13 @@ if [[ " $SECTIONS " == *" pdl "* ]]; then
       --rounds 4 --env-ab FREETOKEN_PDL=1 --host-profile 0 --profile-steps 0 --out "$OUT/profile_prefill_pdl.json" -- \
       --dummy-weight --model-path configs/qwen3.6-35b-a3b --max-seq-len-override 32768 --moe-backend fused \
       --max-prefill-length 8192 2>&1 | grep -E "step ms|routing off|FREETOKEN_PDL"
+  round=0
   for pdl in ${PDL_DECODE_MODES-0 prefetch 0 prefetch}; do
+    round=$((round + 1))
     FREETOKEN_PDL=$pdl timeout ${PDL_DECODE_TIMEOUT:-300} python3 bench/decode_bench.py \
         --model-path configs/qwen3.6-35b-a3b-nvfp4 --skip-eager --skip-offload --skip-no-overlap \
-        --out "$OUT/decode_nvfp4_pdl$pdl.json" 2>&1 | grep -E "tok/s" | sed "s/^/[pdl $pdl] /"
+        --out "$OUT/decode_nvfp4_pdl${pdl}_$round.json" 2>&1 | grep -E "^resident|^  32 streams|^prefill" \
+        | sed "s/^/[pdl $pdl, round $round] /"
   done
 fi
 if [[ " $SECTIONS " == *" agentpdl "* ]]; then
