@@ -110,6 +110,21 @@ def make_tiny_llama_dir(path, seed: int = 0, **over) -> str:
     return str(path)
 
 
+def assert_start_up_refuses(monkeypatch, tmp_path, variable: str, value: str) -> None:
+    """A hybrid model's worker (a tiny ``qwen3_5_moe``) refuses to start with ``variable=value`` in its environment,
+    in one line naming the variable and the value: a bad kernel choice stops start-up, not the first prefill."""
+    import re
+
+    import hf_reference as R
+
+    from freetoken.worker import Worker
+
+    R.write_released_qwen3_5_moe(str(tmp_path), seed=3)
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=re.escape(f"{variable}={value!r}")):
+        Worker({"model_path": str(tmp_path), "device": "cpu", "num_tokens": 1024, "load_progress": False})
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> str:
     return make_tiny_llama_dir(tmp_path_factory.mktemp("tiny-llama"))

@@ -74,14 +74,9 @@ def test_a_failing_cudnn_op_keeps_the_triton_kernel(monkeypatch):
 def test_bad_choice_stops_start_up(monkeypatch, tmp_path):
     """``FREETOKEN_EXTEND_ATTENTION`` with an unknown value is refused when the worker starts, in one line naming the
     variable, not at its first prefill."""
-    import hf_reference as R
+    from conftest import assert_start_up_refuses
 
-    from freetoken.worker import Worker
-
-    R.write_released_qwen3_5_moe(str(tmp_path), seed=3)
-    monkeypatch.setenv("FREETOKEN_EXTEND_ATTENTION", "auto")
-    with pytest.raises(ValueError, match="FREETOKEN_EXTEND_ATTENTION='auto'"):
-        Worker({"model_path": str(tmp_path), "device": "cpu", "num_tokens": 1024, "load_progress": False})
+    assert_start_up_refuses(monkeypatch, tmp_path, "FREETOKEN_EXTEND_ATTENTION", "auto")
 
 
 _CPU_SCRIPT = textwrap.dedent(

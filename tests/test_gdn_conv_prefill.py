@@ -226,14 +226,10 @@ def test_dispatch_picks_torch_on_cpu(monkeypatch):
 def test_bad_impl_variable_stops_start_up(monkeypatch, tmp_path):
     """``FREETOKEN_GDN_CONV_IMPL`` with an unknown value is refused when a hybrid model's worker starts, in one line
     naming the variable, not at its first prefill."""
-    import hf_reference as R
+    from conftest import assert_start_up_refuses
 
-    from freetoken.worker import Worker
-
-    R.write_released_qwen3_5_moe(str(tmp_path), seed=3)
-    monkeypatch.setenv(IMPL_VAR, "cuda")
-    with pytest.raises(ValueError, match="FREETOKEN_GDN_CONV_IMPL='cuda'"):
-        Worker({"model_path": str(tmp_path), "device": "cpu", "num_tokens": 1024, "load_progress": False})
+    assert IMPL_VAR == "FREETOKEN_GDN_CONV_IMPL"
+    assert_start_up_refuses(monkeypatch, tmp_path, IMPL_VAR, "cuda")
 
 
 _CPU_SCRIPT = textwrap.dedent(

@@ -120,11 +120,6 @@ def test_layer_takes_the_library_route_when_asked(monkeypatch):
 def test_bad_grouped_gemm_variable_stops_start_up(monkeypatch, tmp_path):
     """``FREETOKEN_BF16_MOE_GROUPED`` with an unknown value is refused when a worker starts, in one line naming the
     variable, not at its first prefill."""
-    import hf_reference as R
+    from conftest import assert_start_up_refuses
 
-    from freetoken.worker import Worker
-
-    R.write_released_qwen3_5_moe(str(tmp_path), seed=3)
-    monkeypatch.setenv("FREETOKEN_BF16_MOE_GROUPED", "cutlass")
-    with pytest.raises(ValueError, match="FREETOKEN_BF16_MOE_GROUPED='cutlass'"):
-        Worker({"model_path": str(tmp_path), "device": "cpu", "num_tokens": 1024, "load_progress": False})
+    assert_start_up_refuses(monkeypatch, tmp_path, "FREETOKEN_BF16_MOE_GROUPED", "cutlass")
