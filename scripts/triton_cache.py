@@ -92,7 +92,7 @@ def restore(archive: str, cache_dir: str) -> int:
             parts = member.name.split("/")
             if not member.isfile() or len(parts) != 2 or not all(parts) or ".." in parts:
                 continue  # only entry/file, nothing that would leave the cache
-            if not parts[1].endswith(KEEP_SUFFIXES):
+            if not parts[1].endswith(KEEP_SUFFIXES):  # what save leaves behind
                 continue
             dest = os.path.join(cache_dir, *parts)
             if os.path.exists(dest):

@@ -35,8 +35,8 @@ def _sources() -> dict[str, ast.Module]:
     return out
 
 
-def _jit_functions(trees) -> dict[str, ast.FunctionDef]:
-    return {n.name: n for t in trees.values() for n in ast.walk(t) if isinstance(n, ast.FunctionDef) and _is_jit(n)}
+def _jit_functions(tree: ast.Module) -> dict[str, ast.FunctionDef]:
+    return {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and _is_jit(n)}
 
 
 def _pdl_launches(trees) -> list[tuple[str, str, int]]:
@@ -88,11 +88,14 @@ def _waits_first(fn: ast.FunctionDef, jitted: dict) -> str | None:
 
 def test_every_pdl_launched_kernel_waits_before_it_touches_memory():
     trees = _sources()
-    jitted = _jit_functions(trees)
+    # a name means the launching module's own function first (two modules have a ``_down_k_step``), else an
+    # imported one
+    everywhere = {name: fn for tree in trees.values() for name, fn in _jit_functions(tree).items()}
     launches = _pdl_launches(trees)
     assert len(launches) >= 30, "the scan found too few PDL launches: has the launch idiom changed?"
     wrong = []
     for module, kernel, line in launches:
+        jitted = {**everywhere, **_jit_functions(trees[module])}
         fn = jitted.get(kernel)
         if fn is None:
             wrong.append(f"{module}:{line}: {kernel} is not a @triton.jit function of kernels/")
