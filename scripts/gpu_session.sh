@@ -282,10 +282,12 @@ if [[ " $SECTIONS " == *" pdl "* ]]; then
   [[ ${PDL_TESTS:-1} == 1 ]] && timeout ${PDL_TEST_TIMEOUT:-300} python3 -m pytest -v -m gpu -p no:cacheprovider -rfs \
       tests/test_pdl.py tests/test_decode_graphs.py -k pdl 2>&1 | tee "$OUT/pdl_tests.log" \
       | grep -E "PASSED|FAILED|passed|failed|error"
+  round=0
   for pdl in ${PDL_KERNEL_MODES-0 1 prefetch 0 1 prefetch}; do
+    round=$((round + 1))
     FREETOKEN_PDL=$pdl timeout ${PDL_BENCH_TIMEOUT:-200} python3 bench/nvfp4_kernel_bench.py --groups linear,mixed \
-        --ms 1,2,4,8,16 --out "$OUT/nvfp4_kernels_pdl$pdl.json" 2>&1 | grep -E "\*|mixed dot|HBM copy" \
-        | sed "s/^/[pdl $pdl] /"
+        --ms 1,2,4,8,16 --out "$OUT/nvfp4_kernels_pdl${pdl}_$round.json" 2>&1 | grep -E "\*|mixed dot|HBM copy" \
+        | sed "s/^/[pdl $pdl, round $round] /"
   done
   [[ ${PDL_PREFILL:-1} == 1 ]] && timeout ${PDL_PREFILL_TIMEOUT:-300} python3 bench/profile_prefill.py --context 27816 --new 2184 --snapshots end \
       --rounds 4 --env-ab FREETOKEN_PDL=1 --host-profile 0 --profile-steps 0 --out "$OUT/profile_prefill_pdl.json" -- \
