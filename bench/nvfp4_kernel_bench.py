@@ -873,7 +873,9 @@ def main(argv=None) -> dict:
             rows += fn(a, device, dtype, bw)
     print_rows(rows, bw)
     info = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__)
-    info["pdl"] = os.environ.get("FREETOKEN_PDL", "0")  # programmatic dependent launch (kernels/pdl.py)
+    from freetoken.kernels.pdl import pdl_mode
+
+    info["pdl"] = pdl_mode()  # programmatic dependent launch (kernels/pdl.py; sm_90+ only)
     result = dict(info, smoke=a.smoke, hbm_copy_gb_s=bw / 1e9, rows=rows)
     write_report(a.out, result)
     return result

@@ -13,8 +13,9 @@ the previous kernel's output, what it writes that kernel's input), then lets the
 neighbour, PDL-aware or not (a kernel that never calls ``launch_dependents`` releases its dependent when it ends, as
 without PDL), and at most one kernel's programs wait ahead of the running one.
 
-``FREETOKEN_PDL=1`` turns it on (CUDA, sm_90+); off by default until alternating rounds confirm the first decode
-A/B (an H100, 2026-12-06: 1 stream +7.5 %, +10.4 % with ``prefetch``) and the GPU tests have passed in full. ``prefetch`` also has
+On by default as ``prefetch`` (CUDA, sm_90+): two alternating rounds on an H100 (2026-12-06) gave the NVFP4 model's
+1-stream decode 396.3 / 397.3 tok/s off and 439.3 / 437.8 with ``prefetch`` (+10.5 %), 32 streams +3.4 %, and its GPU
+tests pass; ``FREETOKEN_PDL=0`` turns it off, ``1`` keeps PDL without the prefetch. ``prefetch`` also has
 the decode GEMVs (the NVFP4 linear's GEMV and fp16-tile paths, the mixed projections) prefetch the first lines of
 their weight rows into L2 before they wait (``pdl_prefetch_rows``), so a GEMV's weight stream is under way when the
 kernel before it ends. Under the CPU interpreter, and where it is off, kernels take ``PDL=False`` and compile as
@@ -66,9 +67,9 @@ if triton is not None:
 
 
 def pdl_mode() -> str:
-    """``FREETOKEN_PDL``: ``0`` (the default), ``1`` (PDL), ``prefetch`` (PDL, and the decode GEMVs prefetch their
-    first weight lines into L2 before their wait); any other value is refused."""
-    return choice_from_env("FREETOKEN_PDL", "0", ("0", "1", "prefetch"))
+    """``FREETOKEN_PDL``: ``prefetch`` (the default: PDL, and the decode GEMVs prefetch their first weight lines into
+    L2 before their wait), ``1`` (PDL alone), ``0`` (off); any other value is refused."""
+    return choice_from_env("FREETOKEN_PDL", "prefetch", ("0", "1", "prefetch"))
 
 
 def pdl_requested() -> bool:
@@ -93,9 +94,9 @@ def pdl_launch(t: torch.Tensor) -> dict:
     (read at each call: an in-process A/B may switch it); the dicts returned are shared, never to be changed."""
     if not t.is_cuda:
         return _OFF
-    raw = os.environ.get("FREETOKEN_PDL")
+    raw = os.environ.get("FREETOKEN_PDL") or "prefetch"  # unset or empty: the default, as pdl_mode reads it
     if raw not in ("1", "prefetch"):
-        pdl_mode()  # refuses any value but 0 (or unset) here too
+        pdl_mode()  # refuses any value but 0 here too
         return _OFF
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     if not _device_takes_pdl(index):

@@ -55,7 +55,7 @@
 #   rescale  bench/extend_attention_bench.py with the running max rescaled per row without a branch
 #            (FREETOKEN_EXTEND_LAZY_RESCALE=row: no block-wide max, two barriers a tile fewer) beside the default,
 #            alternating twice (RESCALE_MODES), on the launcher's tiles and the 64-row ones
-#   pdl      programmatic dependent launch (kernels/pdl.py, FREETOKEN_PDL=1): its GPU tests (a kernel chain in a graph,
+#   pdl      programmatic dependent launch (kernels/pdl.py, on by default as FREETOKEN_PDL=prefetch): its GPU tests (a kernel chain in a graph,
 #            the tiny models' greedy tokens), then the NVFP4 linear and mixed kernels at decode sizes, the turn-10
 #            chunk in process (eager kernels; the start-up graphs keep their capture) and the NVFP4 dummy model's
 #            decode (1 and 32 streams, resident) with it off, on, and on with the GEMVs' L2 prefetch, alternating
@@ -289,7 +289,7 @@ if [[ " $SECTIONS " == *" pdl "* ]]; then
         --ms 1,2,4,8,16 --out "$OUT/nvfp4_kernels_pdl${pdl}_$round.json" 2>&1 | grep -E "\*|mixed dot|HBM copy" \
         | sed "s/^/[pdl $pdl, round $round] /"
   done
-  [[ ${PDL_PREFILL:-1} == 1 ]] && timeout ${PDL_PREFILL_TIMEOUT:-300} python3 bench/profile_prefill.py --context 27816 --new 2184 --snapshots end \
+  [[ ${PDL_PREFILL:-1} == 1 ]] && FREETOKEN_PDL=0 timeout ${PDL_PREFILL_TIMEOUT:-300} python3 bench/profile_prefill.py --context 27816 --new 2184 --snapshots end \
       --rounds 4 --env-ab FREETOKEN_PDL=1 --host-profile 0 --profile-steps 0 --out "$OUT/profile_prefill_pdl.json" -- \
       --dummy-weight --model-path configs/qwen3.6-35b-a3b --max-seq-len-override 32768 --moe-backend fused \
       --max-prefill-length 8192 2>&1 | grep -E "step ms|routing off|FREETOKEN_PDL"

@@ -244,6 +244,7 @@ def test_cuda_graphs_with_pdl_match_eager(model_dirs, family, mode, monkeypatch)
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("PDL needs sm_90+")
     kw = {"device": "cuda", "emulate_cuda_graphs": False}
+    monkeypatch.setenv("FREETOKEN_PDL", "0")  # the reference: no PDL (on by default)
     want = _drive(_worker(model_dirs[family], graphs=False, **kw))
     monkeypatch.setenv("FREETOKEN_PDL", mode)
     for graphs in (False, True):

@@ -9,12 +9,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken.kernels.pdl import pdl_launch, pdl_requested
+from freetoken.kernels.pdl import pdl_launch, pdl_mode, pdl_requested
 
 
 def test_pdl_switch(monkeypatch):
     monkeypatch.delenv("FREETOKEN_PDL", raising=False)
+    assert pdl_mode() == "prefetch" and pdl_requested()  # on by default (sm_90+ only: pdl_launch decides per device)
+    monkeypatch.setenv("FREETOKEN_PDL", "")
+    assert pdl_mode() == "prefetch"
+    monkeypatch.setenv("FREETOKEN_PDL", "0")
     assert not pdl_requested()
+    assert pdl_launch(torch.zeros(1)) == {}
     monkeypatch.setenv("FREETOKEN_PDL", "1")
     assert pdl_requested()
     assert pdl_launch(torch.zeros(1)) == {}  # the CPU (the interpreter) never takes it

@@ -103,8 +103,9 @@ class Worker:
         extend_attention_choice()  # a bad FREETOKEN_EXTEND_ATTENTION stops start-up here, not the first prefill
         lazy_rescale()  # FREETOKEN_EXTEND_LAZY_RESCALE, the same
         grouped_gemm_choice()  # FREETOKEN_BF16_MOE_GROUPED, the same
-        if pdl_requested():  # a bad FREETOKEN_PDL, the same
-            logger.info(f"Programmatic dependent launch on for our kernels (FREETOKEN_PDL={pdl_mode()}; sm_90+ only)")
+        # a bad FREETOKEN_PDL, the same; on by default, logged where the device takes it (sm_90+)
+        if pdl_requested() and self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) >= (9, 0):
+            logger.info(f"Programmatic dependent launch on for our kernels (FREETOKEN_PDL={pdl_mode()})")
         if self.model.state_layout:
             from .layers.gated_deltanet import gdn_backend, gdn_conv_impl
 
