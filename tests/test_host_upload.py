@@ -29,6 +29,16 @@ def test_upload_keeps_values_and_shapes_as_int64():
     assert upload_int_arrays([], torch.device("cpu")) == []
 
 
+def test_every_array_starts_16_byte_aligned():
+    """Triton specializes on each pointer's 16-byte divisibility: whatever the lengths before it (a step's token and
+    sequence counts), each array must start aligned, or an unseen specialization compiles on the request path."""
+    for lengths in ([1, 1, 3], [3, 33, 32, 32, 5], [2, 0, 7, 1], [4, 6]):
+        arrays = [torch.arange(n) + 10 * i for i, n in enumerate(lengths)]
+        out = upload_int_arrays(arrays, torch.device("cpu"))
+        assert all(o.data_ptr() % 16 == 0 for o in out), lengths
+        assert all(torch.equal(o, a) for o, a in zip(out, arrays))
+
+
 _GREEDY = dict(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, presence_penalty=0.0, frequency_penalty=0.0, seed=0)
 
 
@@ -68,6 +78,15 @@ def check_from_plan(device):
     assert batch.input_ids.tolist() == [5, 6, 7, 8]
     assert kv.req_to_token[0, :3].tolist() == [10, 11, 12] and kv.req_to_token[2, :5].tolist() == [30, 31, 32, 33, 40]
     assert batch.extend_lens_cpu == [3, 1] and batch.prefix_lens_cpu == [0, 4] and not batch.is_decode
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_every_array_starts_16_byte_aligned_on_cuda():
+    arrays = [torch.arange(n) for n in (3, 33, 32, 5)]
+    out = upload_int_arrays(arrays, torch.device("cuda"))
+    assert all(o.data_ptr() % 16 == 0 for o in out)
+    assert all(torch.equal(o.cpu(), a) for o, a in zip(out, arrays))
 
 
 def test_from_plan_cpu():
