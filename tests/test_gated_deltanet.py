@@ -21,6 +21,7 @@ from freetoken.layers.gated_deltanet import (
     torch_chunk_gated_delta_rule,
     torch_recurrent_gated_delta_rule,
 )
+from freetoken.layers.gdn_state_windows import window_host_arrays, window_index
 from freetoken.models.base import ModelConfig
 
 torch.set_num_threads(1)  # 2 shared cores: more threads only spin
@@ -224,9 +225,10 @@ def _hf_gdn(family, shape, seed=0):
 
 
 class _Batch:
-    """The fields of ForwardBatch the GDN layer reads."""
+    """The fields of ForwardBatch the GDN layer reads; ``gathered``: a step of several sequences carries its conv
+    windows' index as ``ForwardBatch.from_plan`` builds it (else the layer takes them one by one)."""
 
-    def __init__(self, pool, items, lens):
+    def __init__(self, pool, items, lens, snapshots=None, gathered=True):
         self.state = pool
         self.extend_lens_cpu = [len(x) for _, x in items]
         self.prefix_lens_cpu = [lens.get(s, 0) for s, _ in items]
@@ -235,17 +237,22 @@ class _Batch:
         self.cu_seqlens = torch.tensor([0, *self.extend_lens_cpu], dtype=torch.int32).cumsum(0).to(torch.int32)
         self.prefix_lens = torch.tensor(self.prefix_lens_cpu, dtype=torch.int32)
         self.is_decode = all(n == 1 for n in self.extend_lens_cpu) and all(p > 0 for p in self.prefix_lens_cpu)
-        self.snapshots = None
+        self.snapshots = snapshots
+        self.gdn_windows = None
+        if gathered and len(items) > 1:
+            arrays = window_host_arrays(
+                self.cu_seqlens.tolist(), self.prefix_lens_cpu, self.state_slots_cpu, snapshots or [], pool.conv_shape[-1]
+            )
+            self.gdn_windows = window_index(arrays, len(items))
 
     @property
     def has_initial_state_cpu(self):
         return [p > 0 for p in self.prefix_lens_cpu]
 
 
-def _run(ours, pool, lens, items, snapshots=None):
+def _run(ours, pool, lens, items, snapshots=None, gathered=True):
     """items: (seq, x [n, H]); returns per-item outputs."""
-    b = _Batch(pool, items, lens)
-    b.snapshots = snapshots
+    b = _Batch(pool, items, lens, snapshots, gathered)
     with torch.no_grad():
         out = ours(torch.cat([x for _, x in items]), b)
     res, at = [], 0
@@ -286,8 +293,9 @@ def test_layer_matches_hf_and_continues_across_chunks(family, shape):
     assert (got - ref).abs().max() < 1e-4 * max(1.0, ref.abs().max().item())
 
 
+@pytest.mark.parametrize("gathered", [True, False])
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
-def test_layer_mixed_batch_matches_separate_runs(family):
+def test_layer_mixed_batch_matches_separate_runs(family, gathered):
     hf, ours = _hf_gdn(family, LAYER_SHAPES["gva_r2_dk_ne_dv"], seed=4)
     gen = torch.Generator().manual_seed(5)
     xa, xb, xc = (
@@ -300,7 +308,7 @@ def test_layer_mixed_batch_matches_separate_runs(family):
     pool, lens = _pool(ours), {}
     out = {0: [], 1: [], 2: []}
     # step 1: a prefills 30, b prefills 5
-    for s, y in zip((0, 1), _run(ours, pool, lens, [(0, xa[:30]), (1, xb[:5])])):
+    for s, y in zip((0, 1), _run(ours, pool, lens, [(0, xa[:30]), (1, xb[:5])], gathered=gathered)):
         out[s].append(y)
     # steps: a decodes token by token while b prefills in pieces and c joins
     a_at, b_at, c_at = 30, 5, 0
@@ -317,7 +325,7 @@ def test_layer_mixed_batch_matches_separate_runs(family):
             n = 1 if c_at else 4
             items.append((2, xc[c_at : c_at + n]))
             c_at += n
-        for (s, _), y in zip(items, _run(ours, pool, lens, items)):
+        for (s, _), y in zip(items, _run(ours, pool, lens, items, gathered=gathered)):
             out[s].append(y)
     for s, ref in enumerate(refs):
         assert (torch.cat(out[s]) - ref).abs().max() < 1e-4 * max(1.0, ref.abs().max().item())
@@ -340,6 +348,28 @@ def test_layer_snapshots_restore_to_the_same_continuation():
     y = _run(ours, pool, lens, [(2, x[64:70])])[0]
     y_ref = _run(ours, ref, lens_ref, [(0, x[64:70])])[0]
     assert (y - y_ref).abs().max() < 1e-4
+
+
+def test_gathered_windows_equal_one_by_one():
+    """A step of several sequences gathers every conv window at once (``gdn_state_windows.py``): outputs and every
+    slot it writes (live windows and states, snapshots' windows and states) equal the one-by-one path's bit for bit,
+    with windows that reach into the slot's previous window (a decode token, a snapshot 1 or 2 tokens in) and a
+    fresh sequence's that reach into zeros (not into what its slot held)."""
+    _, ours = _hf_gdn("qwen3_5_moe", LAYER_SHAPES["gva_r2_dk_ne_dv"], seed=8)
+    x = torch.randn(6, 80, 64, generator=torch.Generator().manual_seed(9))
+    pools = {}
+    for gathered in (True, False):
+        pool, lens = _pool(ours, slots=24), {}
+        _run(ours, pool, lens, [(0, x[0, :20]), (1, x[1, :3]), (2, x[2, :40])], gathered=gathered)
+        for slot in (7, 9, 11):  # the fresh sequences' slots hold what an earlier request left: never read
+            pool.conv[0][slot] = 1.0 + slot
+            pool.ssm[0][slot] = 1.0 + slot
+        step = [(0, x[0, 20:21]), (1, x[1, 3:50]), (2, x[2, 40:42]), (3, x[3, :2]), (4, x[4, :70]), (5, x[5, :1])]
+        snaps = [(1, 4, 13), (1, 50, 15), (2, 41, 17), (3, 1, 19), (4, 64, 21), (4, 70, 23), (5, 1, 12)]
+        out = _run(ours, pool, lens, step, snapshots=snaps, gathered=gathered)
+        pools[gathered] = (torch.cat(out), pool.conv[0].clone(), pool.ssm[0].clone())
+    for got, want in zip(pools[True], pools[False]):
+        assert torch.equal(got, want)
 
 
 def test_hf_pitfall_blocked():

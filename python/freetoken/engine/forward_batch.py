@@ -15,11 +15,13 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from ..layers.gdn_state_windows import window_host_arrays, window_index
 from .host_upload import upload_int_arrays
 
 if TYPE_CHECKING:
     from ..cache.kv_pool import KVCachePool
     from ..layers.attention import AttentionBackend
+    from ..layers.gdn_state_windows import GdnWindowIndex
 
 
 @dataclass
@@ -46,6 +48,8 @@ class ForwardBatch:
     snapshots: Optional[list[tuple[int, int, int]]] = None  # (seq_index, upto, slot) recurrent-state captures
     # split-K count of decode attention: fixed per CUDA-graph bucket; None = chosen from the host lengths
     num_kv_splits: Optional[int] = None
+    # a hybrid model's step of several sequences: where its GDN conv windows come from (None otherwise)
+    gdn_windows: Optional["GdnWindowIndex"] = None
 
     @property
     def num_seqs(self) -> int:
@@ -90,14 +94,21 @@ class ForwardBatch:
         else:
             logits_idx = plan.cu_seqlens[1:][plan.sampling.seq_index] - 1
         table_rows, table_pos = kv.table_positions(plan.rows, plan.table_from, plan.table_indptr, plan.table_slots)
-        # every host array in one copy that does not stop the host (``host_upload.py``)
-        (input_ids, positions_d, cu, pre_d, ctx_d, rows_d, seq_d, slots_d, logits_d, t_rows, t_pos, t_slots) = (
-            upload_int_arrays(
-                [plan.input_ids, positions, plan.cu_seqlens, pre, pre + ext, plan.rows, seq_of_tok,
-                 plan.state_slots, logits_idx, table_rows, table_pos, plan.table_slots],
-                dev,
+        snapshots = list(zip(plan.snap_seq.tolist(), plan.snap_upto.tolist(), plan.snap_slot.tolist()))
+        windows = []  # a GDN step of several sequences: its conv windows' sources (``layers/gdn_state_windows.py``)
+        if state is not None and plan.num_seqs > 1:
+            windows = window_host_arrays(
+                plan.cu_seqlens.tolist(), pre.tolist(), plan.state_slots.tolist(), snapshots, state.conv_shape[-1]
             )
+        # every host array in one copy that does not stop the host (``host_upload.py``)
+        uploaded = upload_int_arrays(
+            [plan.input_ids, positions, plan.cu_seqlens, pre, pre + ext, plan.rows, seq_of_tok,
+             plan.state_slots, logits_idx, table_rows, table_pos, plan.table_slots, *windows],
+            dev,
         )  # fmt: skip
+        (input_ids, positions_d, cu, pre_d, ctx_d, rows_d, seq_d, slots_d, logits_d, t_rows, t_pos, t_slots) = (
+            uploaded[:12]
+        )
         kv.write_entries(t_rows, t_pos, t_slots)
         out_loc = kv.req_to_token[rows_d[seq_d], positions_d].to(torch.int64)
         return cls(
@@ -118,7 +129,8 @@ class ForwardBatch:
             kv=kv,
             attn=attn,
             state=state,
-            snapshots=list(zip(plan.snap_seq.tolist(), plan.snap_upto.tolist(), plan.snap_slot.tolist())) or None,
+            snapshots=snapshots or None,
+            gdn_windows=window_index(uploaded[12:], plan.num_seqs) if windows else None,
         )
 
     @classmethod

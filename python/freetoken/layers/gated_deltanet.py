@@ -33,6 +33,7 @@ from ..kernels.gdn_gates import gdn_gates
 from ..kernels.gdn_recurrent_piece import gdn_recurrent_piece
 from ..kernels.rms_norm import gated_rms_norm
 from .fused_linear import FusedLinear, fuse_linears
+from .gdn_state_windows import gather_windows
 from .gemm_rows import padded_rows_linear
 
 if TYPE_CHECKING:
@@ -354,7 +355,7 @@ def gated_delta_rule_in_rounds(varlen, q, k, v, g, beta, initial_state, cu_seqle
     if all(len(p) == 1 for p in pieces):  # snapshots at sequence ends only (chunk ends): one call, no gathers
         o, final = varlen(q, k, v, g, beta, initial_state, cu_seqlens, False)
         final = final.float()
-        return o, final, {(b, cu_seqlens[b + 1] - cu_seqlens[b]): final[b] for b in range(N)}
+        return o, final, {(b, cu_seqlens[b + 1] - cu_seqlens[b]): final[b] for b in captures}
     captured: dict[tuple[int, int], torch.Tensor] = {}
     if N == 1:  # one sequence (a cached turn's chunk): its pieces are views, no index tensors, gathers or scatters
         o = v.new_empty(v.shape)  # the pieces' dtype: no fp32 round trip of [T, Hv, dv]
@@ -628,11 +629,17 @@ class GatedDeltaNet(nn.Module):
             return torch.cat([prev[:, end:], qkv[at : at + end].t()], dim=-1)
 
         # every window is read before any slot is written (a snapshot window can reach into the previous state)
-        new_conv = [conv_window(s, n) for s, n in enumerate(lens)]
-        snap_conv = [conv_window(seq, upto - batch.prefix_lens_cpu[seq]) for seq, upto, _slot in snaps]
-        init = self._initial_states(ssm_pool, batch.state_slots_cpu, has_init, qkv.device)
-        for s, window in enumerate(new_conv):
-            conv_pool[batch.state_slots_cpu[s]] = window.to(conv_pool.dtype)
+        ix = batch.gdn_windows
+        if ix is None:  # one sequence: its window (and snapshots') one by one
+            new_conv = [conv_window(s, n) for s, n in enumerate(lens)]
+            snap_conv = [conv_window(seq, upto - batch.prefix_lens_cpu[seq]) for seq, upto, _slot in snaps]
+            init = self._initial_states(ssm_pool, batch.state_slots_cpu, has_init, qkv.device)
+            for s, window in enumerate(new_conv):
+                conv_pool[batch.state_slots_cpu[s]] = window.to(conv_pool.dtype)
+        else:  # several: all windows in a few ops, whatever their count (``gdn_state_windows.py``)
+            windows = gather_windows(qkv, conv_pool, ix).to(conv_pool.dtype)
+            init = torch.where((batch.prefix_lens > 0)[:, None, None, None], ssm_pool[slots].float(), 0.0)
+            conv_pool[ix.dst[: ix.num_seqs]] = windows[: ix.num_seqs]
 
         q, k, v = self._split_heads(y)
         g, beta = self._gates(b, a, out=staged[1:] if staged else None)
@@ -642,8 +649,14 @@ class GatedDeltaNet(nn.Module):
         ssm_pool[slots] = final.to(ssm_pool.dtype)
 
         # snapshots: state after `upto` tokens into the snapshot slot (conv window = the Kc-1 inputs before upto)
-        for (seq, upto, slot), window in zip(snaps, snap_conv):
-            rel = upto - batch.prefix_lens_cpu[seq]
-            conv_pool[slot] = window.to(conv_pool.dtype)
-            ssm_pool[slot] = captured[(seq, rel)].to(ssm_pool.dtype)
+        if ix is None:
+            for (seq, upto, slot), window in zip(snaps, snap_conv):
+                rel = upto - batch.prefix_lens_cpu[seq]
+                conv_pool[slot] = window.to(conv_pool.dtype)
+                ssm_pool[slot] = captured[(seq, rel)].to(ssm_pool.dtype)
+        elif snaps:
+            dst = ix.dst[ix.num_seqs :]
+            conv_pool[dst] = windows[ix.num_seqs :]
+            states = [captured[(seq, upto - batch.prefix_lens_cpu[seq])] for seq, upto, _slot in snaps]
+            ssm_pool[dst] = torch.stack(states).to(ssm_pool.dtype)
         return o.to(qkv.dtype)

@@ -1,0 +1,137 @@
+"""A prompt step of many sequences, in process: what 32 prompts arriving together, or one prompt beside 31 decoding
+streams, cost a step (each such step delays every stream in it: the first tokens of the prompts, the next token of
+the decode streams).
+
+Builds the worker in-process (no HTTP, no scheduler; the serve args after ``--``, whose ``--max-running-requests``
+must allow 32), then times, with the device synchronized around each step:
+
+- ``32 prompts``: 32 fresh prompts of ``--prompt-tokens`` (7) tokens in one step;
+- ``1 prompt + 31 decode``: a fresh ``--mixed-prompt-tokens`` (200) token prompt beside 31 sequences' decode tokens;
+- ``1 prompt``: one fresh prompt of as many tokens as the first shape has (the same work in one sequence).
+
+For a hybrid model each shape runs with the GDN conv windows gathered for all sequences at once (the default,
+``layers/gdn_state_windows.py``) and taken one by one (as before 2026-12-06; the bench drops the step's window
+index), alternating, ``--rounds`` times. Prints ms per step (median of ``--reps``) and writes JSON.
+
+    python bench/batch_prefill_step.py -- --dummy-weight --model-path configs/qwen3.6-35b-a3b-nvfp4 \\
+        --max-running-requests 32 --moe-backend fused
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+from profile_decode import worker_args  # noqa: E402
+from report import write_report  # noqa: E402
+
+from freetoken.engine import forward_batch  # noqa: E402
+from freetoken.engine.step_plan import StepPlan  # noqa: E402
+from freetoken.worker import Worker  # noqa: E402
+
+KV_STRIDE = 1024  # KV slots per sequence's region
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompt-tokens", type=int, default=7)
+    ap.add_argument("--mixed-prompt-tokens", type=int, default=200)
+    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--host-profile", type=int, default=0, help="cProfile one step, print this many functions")
+    ap.add_argument("--out", default="bench/out/batch_prefill_step.json")
+    ap.add_argument("serve_args", nargs=argparse.REMAINDER)
+    return ap.parse_args()
+
+
+def seq(row: int, tokens: list[int], prefix: int, state: bool) -> dict:
+    """Sequence ``row`` of a step: its KV slots in its own region, its state in slot ``row``, sampled greedily."""
+    base = row * KV_STRIDE + prefix
+    return {
+        "tokens": tokens,
+        "prefix_len": prefix,
+        "row": row,
+        "table_from": prefix,
+        "table_slots": list(range(base, base + len(tokens))),
+        "state_slot": row if state else -1,
+        "sample": {"temperature": 0.0},
+    }
+
+
+def shapes(a: argparse.Namespace, state: bool, vocab: int) -> dict[str, StepPlan]:
+    n, p = a.streams, a.prompt_tokens
+    prompts = [[(7 * r + i + 10) % vocab for i in range(p)] for r in range(n)]
+    return {
+        f"{n} prompts x {p}": StepPlan.build([seq(r, prompts[r], 0, state) for r in range(n)]),
+        f"1 prompt x {a.mixed_prompt_tokens} + {n - 1} decode": StepPlan.build(
+            [seq(0, [11 % vocab] * a.mixed_prompt_tokens, 0, state)]
+            + [seq(r, [12 % vocab], p, state) for r in range(1, n)]
+        ),
+        f"1 prompt x {n * p}": StepPlan.build([seq(0, [13 % vocab] * (n * p), 0, state)]),
+    }
+
+
+def timed(w: Worker, plan: StepPlan, reps: int, sync) -> float:
+    w.execute_plan(plan)  # its kernels compiled, its allocations made
+    times = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        w.execute_plan(plan)
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> int:
+    a = parse_args()
+    w = Worker(worker_args([x for x in a.serve_args if x != "--"]))
+    if w.max_running_requests < a.streams:
+        raise SystemExit(f"--max-running-requests {w.max_running_requests} < --streams {a.streams}")
+    hybrid = w.state is not None
+    sync = torch.cuda.synchronize if w.device.type == "cuda" else (lambda: None)
+    plans = shapes(a, hybrid, w.vocab_size)
+    # the decode sequences' prompts, so that their tokens continue something
+    w.execute_plan(
+        StepPlan.build([seq(r, [(5 * r + 10) % w.vocab_size] * a.prompt_tokens, 0, hybrid) for r in range(a.streams)])
+    )
+    paths = ["gathered", "one by one"] if hybrid else ["-"]
+    rows = []
+    for rnd in range(1, a.rounds + 1):
+        for path in paths:
+            one_by_one = mock.patch.object(forward_batch, "window_host_arrays", lambda *x: [])
+            with one_by_one if path == "one by one" else contextlib.nullcontext():
+                for name, plan in plans.items():
+                    ms = timed(w, plan, a.reps, sync)
+                    rows.append({"round": rnd, "path": path, "shape": name, "ms": ms, "tokens": plan.num_tokens})
+                    print(f"[round {rnd}] {path:<11} {name:<26} {ms:8.2f} ms ({plan.num_tokens} tokens)", flush=True)
+    print(f"\n{'shape':<26} " + " ".join(f"{p:>14}" for p in paths) + "   (ms per step, best round)")
+    for name in plans:
+        best = [min(r["ms"] for r in rows if r["shape"] == name and r["path"] == p) for p in paths]
+        print(f"{name:<26} " + " ".join(f"{b:14.2f}" for b in best))
+    if a.host_profile:  # where the host time of the first shape's step goes (the default path)
+        import cProfile
+        import pstats
+
+        plan = next(iter(plans.values()))
+        sync()
+        prof = cProfile.Profile()
+        prof.runcall(w.execute_plan, plan)
+        print(f"\nhost profile of one '{next(iter(plans))}' step (gathered), top {a.host_profile} by own time:")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(a.host_profile)
+    device = torch.cuda.get_device_name() if w.device.type == "cuda" else "cpu"
+    write_report(a.out, {"device": device, "serve_args": a.serve_args, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
