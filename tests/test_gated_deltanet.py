@@ -240,9 +240,8 @@ class _Batch:
         self.snapshots = snapshots
         self.gdn_windows = None
         if gathered and len(items) > 1:
-            arrays = window_host_arrays(
-                self.cu_seqlens.tolist(), self.prefix_lens_cpu, self.state_slots_cpu, snapshots or [], pool.conv_shape[-1]
-            )
+            cu, kc1 = self.cu_seqlens.tolist(), pool.conv_shape[-1]
+            arrays = window_host_arrays(cu, self.prefix_lens_cpu, self.state_slots_cpu, snapshots or [], kc1)
             self.gdn_windows = window_index(arrays, len(items))
 
     @property

@@ -106,9 +106,8 @@ class ForwardBatch:
              plan.state_slots, logits_idx, table_rows, table_pos, plan.table_slots, *windows],
             dev,
         )  # fmt: skip
-        (input_ids, positions_d, cu, pre_d, ctx_d, rows_d, seq_d, slots_d, logits_d, t_rows, t_pos, t_slots) = (
-            uploaded[:12]
-        )
+        input_ids, positions_d, cu, pre_d, ctx_d, rows_d, seq_d, slots_d, logits_d = uploaded[:9]
+        t_rows, t_pos, t_slots = uploaded[9:12]
         kv.write_entries(t_rows, t_pos, t_slots)
         out_loc = kv.req_to_token[rows_d[seq_d], positions_d].to(torch.int64)
         return cls(
