@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-
 ALIGN = 2  # int64 elements: every array starts on a 16-byte boundary of the buffer
 
 
