@@ -9,9 +9,11 @@ must allow 32), then times, with the device synchronized around each step:
 - ``1 prompt + 31 decode``: a fresh ``--mixed-prompt-tokens`` (200) token prompt beside 31 sequences' decode tokens;
 - ``1 prompt``: one fresh prompt of as many tokens as the first shape has (the same work in one sequence).
 
-For a hybrid model each shape runs with the GDN conv windows gathered for all sequences at once (the default,
-``layers/gdn_state_windows.py``) and taken one by one (as before 2026-12-06; the bench drops the step's window
-index), alternating, ``--rounds`` times. Prints ms per step (median of ``--reps``) and writes JSON.
+For a hybrid model each shape runs three ways, alternating, ``--rounds`` times: the default (the GDN conv windows
+gathered for all sequences at once, ``layers/gdn_state_windows.py``; fla's chunked forward called below its
+entry point with the step's varlen index, ``fla_direct_prefill``), ``one by one`` (the windows as before
+2026-12-06: the bench drops the step's window index) and ``fla public`` (several sequences through fla's public
+entry point, as before 2026-12-06). Prints ms per step (median of ``--reps``) and writes JSON.
 
     python bench/batch_prefill_step.py -- --dummy-weight --model-path configs/qwen3.6-35b-a3b-nvfp4 \\
         --max-running-requests 32 --moe-backend fused
@@ -35,6 +37,7 @@ from report import write_report  # noqa: E402
 
 from freetoken.engine import forward_batch  # noqa: E402
 from freetoken.engine.step_plan import StepPlan  # noqa: E402
+from freetoken.layers import gated_deltanet  # noqa: E402
 from freetoken.worker import Worker  # noqa: E402
 
 KV_STRIDE = 1024  # KV slots per sequence's region
@@ -104,16 +107,19 @@ def main() -> int:
     w.execute_plan(
         StepPlan.build([seq(r, [(5 * r + 10) % w.vocab_size] * a.prompt_tokens, 0, hybrid) for r in range(a.streams)])
     )
-    paths = ["gathered", "one by one"] if hybrid else ["-"]
+    paths = ["default", "one by one", "fla public"] if hybrid else ["-"]
     rows = []
     for rnd in range(1, a.rounds + 1):
         for path in paths:
-            one_by_one = mock.patch.object(forward_batch, "window_host_arrays", lambda *x: [])
-            with one_by_one if path == "one by one" else contextlib.nullcontext():
+            patch = {
+                "one by one": mock.patch.object(forward_batch, "window_host_arrays", lambda *x: []),
+                "fla public": mock.patch.object(gated_deltanet, "_fla_direct_varlen", lambda: False),
+            }.get(path, contextlib.nullcontext())
+            with patch:
                 for name, plan in plans.items():
                     ms = timed(w, plan, a.reps, sync)
                     rows.append({"round": rnd, "path": path, "shape": name, "ms": ms, "tokens": plan.num_tokens})
-                    print(f"[round {rnd}] {path:<11} {name:<26} {ms:8.2f} ms ({plan.num_tokens} tokens)", flush=True)
+                    print(f"[round {rnd}] {path:<10} {name:<26} {ms:8.2f} ms ({plan.num_tokens} tokens)", flush=True)
     print(f"\n{'shape':<26} " + " ".join(f"{p:>14}" for p in paths) + "   (ms per step, best round)")
     for name in plans:
         best = [min(r["ms"] for r in rows if r["shape"] == name and r["path"] == p) for p in paths]
@@ -126,7 +132,7 @@ def main() -> int:
         sync()
         prof = cProfile.Profile()
         prof.runcall(w.execute_plan, plan)
-        print(f"\nhost profile of one '{next(iter(plans))}' step (gathered), top {a.host_profile} by own time:")
+        print(f"\nhost profile of one '{next(iter(plans))}' step (default), top {a.host_profile} by own time:")
         pstats.Stats(prof).sort_stats("tottime").print_stats(a.host_profile)
     device = torch.cuda.get_device_name() if w.device.type == "cuda" else "cpu"
     write_report(a.out, {"device": device, "serve_args": a.serve_args, "rows": rows})

@@ -550,6 +550,30 @@ def test_fla_direct_matches_public(n):
     assert torch.equal(o_r, o_d) and torch.equal(f_r, f_d)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("lens", [[7] * 32, [200] + [1] * 31, [63, 64, 200, 5], [2184, 3]])
+def test_fla_direct_varlen_matches_public(lens):
+    """Several sequences run below fla's entry point too, with the step's varlen index (``_fla_varlen_index``):
+    the same output and final states, bit for bit, as fla's public varlen call; and the dispatch takes that route."""
+    from freetoken.layers import gated_deltanet as gdn
+
+    if gdn._fla_ops() is None or not gdn._fla_direct_varlen():
+        pytest.skip("fla not importable, or internals this fla version does not have")
+    T, N = sum(lens), len(lens)
+    q, k, v, g, beta, _ = (x.cuda() for x in rand_inputs(T, Hk=2, Hv=4, dk=64, dv=64, seed=81))
+    q, k, v = (x.to(torch.bfloat16).contiguous() for x in (q, k, v))
+    init = 0.3 * torch.randn(N, 4, 64, 64, generator=torch.Generator().manual_seed(82)).cuda()
+    cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    chunk, _, takes_cpu_cu = gdn._fla_ops()
+    o_p, f_p = gdn._fla_public_chunk(chunk, takes_cpu_cu, q, k, v, g, beta, init.clone(), cu)
+    o_d, f_d = gdn.fla_direct_prefill(q, k, v, g, beta, init.clone(), gdn._fla_varlen_index(tuple(cu), q.device))
+    assert o_d.dtype == o_p.dtype == torch.bfloat16
+    assert torch.equal(o_d, o_p) and torch.equal(f_d, f_p)
+    o_r, f_r = gdn._fla_gated_delta_rule(q, k, v, g, beta, init.clone(), cu, False)
+    assert torch.equal(o_r, o_d) and torch.equal(f_r, f_d)
+
+
 def test_fla_direct_refuses_a_result_of_another_shape(monkeypatch):
     """An fla whose ``chunk_gated_delta_rule_fwd`` takes the expected parameters but returns other than its six
     values is refused with a message, not read as the wrong tensors (stand-ins for fla's functions, on the CPU)."""

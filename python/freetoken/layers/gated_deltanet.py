@@ -219,6 +219,8 @@ def _fla_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, decode, g
         # one sequence runs as a batch of one (no varlen index tensors, no host syncs), below fla's entry point
         out = graphs.run(q, k, v, g, beta, initial_state, borrow=borrow) if graphs is not None else None
         return out if out is not None else fla_direct_prefill(q, k, v, g, beta, initial_state)
+    if not decode and _fla_direct_varlen():  # several: the same, with the step's varlen index
+        return fla_direct_prefill(q, k, v, g, beta, initial_state, _fla_varlen_index(tuple(cu_seqlens), q.device))
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # split views of the conv output are strided
     initial_state = initial_state.contiguous()
     if decode:
@@ -267,13 +269,16 @@ def _fla_direct_ops():
     return l2norm_fwd, chunk_gated_delta_rule_fwd
 
 
-def fla_direct_prefill(q, k, v, g, beta, initial_state):
+def fla_direct_prefill(q, k, v, g, beta, initial_state, varlen=None):
     """One sequence (``[T, H, *]``) through fla's chunked forward, called below its public entry point: the same
     kernels as ``chunk_gated_delta_rule(..., use_qk_l2norm_in_kernel=True)`` without the wrappers around them
     (backend dispatch, ``torch.compiler.disable``, ``input_guard``, the autograd Function), which are host time in
     every GDN layer of a prefill step. On the H200 (bench/fla_host_cost.py, 2,184 tokens at Qwen3.6's shape): 1.04
-    ms of host time a call against 1.37, bit-for-bit the same output and state. Needs ``_fla_direct_ops()``."""
+    ms of host time a call against 1.37, bit-for-bit the same output and state. Needs ``_fla_direct_ops()``.
+    ``varlen``: ``(cu_seqlens, chunk_indices)`` on the device (``_fla_varlen_index``) for several sequences, as the
+    public entry would pass them on (needs ``_fla_direct_varlen()``)."""
     l2norm_fwd, fwd = _fla_direct_ops()
+    kw = {} if varlen is None else {"cu_seqlens": varlen[0], "chunk_indices": varlen[1]}
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     qn, _ = l2norm_fwd(q[None])
     kn, _ = l2norm_fwd(k[None])
@@ -286,6 +291,7 @@ def fla_direct_prefill(q, k, v, g, beta, initial_state):
         scale=q.shape[-1] ** -0.5,
         initial_state=initial_state.contiguous(),
         output_final_state=True,
+        **kw,
     )
     if len(out) != 6:  # the signature matched but the result does not: never read the wrong tensors
         raise RuntimeError(f"fla's chunk_gated_delta_rule_fwd returned {len(out)} values, fla_direct_prefill reads 6")
@@ -328,9 +334,42 @@ def token_by_token(start: int, end: int) -> bool:
 def _fla_cu_seqlens(cu_seqlens: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The same ``cu_seqlens`` tensors for every GDN layer of a step: fla caches its varlen index tensors on the
     identity of the tensor it is given (``tensor_cache``), and building them reads the device tensor on the host,
-    so a fresh tensor per layer cost a host sync per layer (~35 ms of a 2k-token prefill step on the H200)."""
+    so a fresh tensor per layer cost a host sync per layer (~35 ms of a 2k-token prefill step on the H200). Sent
+    from pinned memory without waiting (a pageable copy waits for the device to finish the work queued before it)."""
     cu_cpu = torch.tensor(cu_seqlens, dtype=torch.int64)
-    return cu_cpu.to(device), cu_cpu
+    return _to_device_async(cu_cpu, device), cu_cpu
+
+
+def _to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
+@functools.lru_cache(maxsize=4)
+def _fla_varlen_index(cu_seqlens: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cu_seqlens, chunk_indices)`` on the device, once per step (every GDN layer of it passes the same tensors,
+    so fla's index caches keyed on them hit): the chunk indices built by fla's own ``prepare_chunk_indices`` on the
+    host copy, both sent without waiting."""
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    cu_cpu = torch.tensor(cu_seqlens, dtype=torch.int64)
+    chunk_indices = prepare_chunk_indices(cu_cpu, CHUNK_SIZE, cu_seqlens_cpu=cu_cpu)
+    return _to_device_async(cu_cpu, device), _to_device_async(chunk_indices, device)
+
+
+@functools.lru_cache(maxsize=None)
+def _fla_direct_varlen() -> bool:
+    """Whether ``fla_direct_prefill`` can pass several sequences: fla's chunked forward takes ``cu_seqlens`` and
+    ``chunk_indices`` and this fla has ``prepare_chunk_indices``."""
+    if _fla_direct_ops() is None:
+        return False
+    try:
+        from fla.ops.utils.index import prepare_chunk_indices
+    except Exception:
+        return False
+    fwd_params = inspect.signature(_fla_direct_ops()[1]).parameters
+    return {"cu_seqlens", "chunk_indices"} <= set(fwd_params) and "cu_seqlens_cpu" in str(
+        inspect.signature(prepare_chunk_indices)
+    )
 
 
 def gated_delta_rule_in_rounds(varlen, q, k, v, g, beta, initial_state, cu_seqlens, captures, short=None):
