@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 ALIGN = 2  # int64 elements: every array starts on a 16-byte boundary of the buffer
+_PAD = torch.zeros(ALIGN, dtype=torch.int64)
 
 
 def upload_int_arrays(arrays: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -36,6 +37,3 @@ def upload_int_arrays(arrays: list[torch.Tensor], device: torch.device) -> list[
         torch.cat(pieces, out=host)
     flat = host.to(device, non_blocking=True) if cuda else host
     return [part[:n].view(a.shape) for part, n, a in zip(flat.split(padded), sizes, arrays)]
-
-
-_PAD = torch.zeros(ALIGN, dtype=torch.int64)

@@ -367,9 +367,8 @@ def _fla_direct_varlen() -> bool:
     except Exception:
         return False
     fwd_params = inspect.signature(_fla_direct_ops()[1]).parameters
-    return {"cu_seqlens", "chunk_indices"} <= set(fwd_params) and "cu_seqlens_cpu" in str(
-        inspect.signature(prepare_chunk_indices)
-    )
+    index_params = inspect.signature(prepare_chunk_indices).parameters
+    return {"cu_seqlens", "chunk_indices"} <= set(fwd_params) and "cu_seqlens_cpu" in index_params
 
 
 def gated_delta_rule_in_rounds(varlen, q, k, v, g, beta, initial_state, cu_seqlens, captures, short=None):

@@ -7,11 +7,12 @@ along in a prompt step), and is zeros there for a fresh sequence.
 
 Taken one by one that is a few torch ops per sequence and per layer (a slice, a copy into the slot, the initial
 state's gather): a step of 32 short prompts arriving together, or of one prompt beside 31 decode tokens, ran some
-hundred small host-launched ops a GDN layer, about a tenth of a second of host time a step for the 30 layers of
-Qwen3.6 (2026-12-06, an H100: such 240-token steps took 120-260 ms, a lone 8,192-token chunk 190). Here the step
-computes, once on the host, where each window column comes from (``window_index``, uploaded with the step's other
-arrays), and each layer gathers all windows in a fixed handful of ops (``gather_windows``). A step of one sequence
-keeps the one-by-one path (``GatedDeltaNet._extend``): a few ops, and its CUDA-graph staging."""
+hundred small host-launched ops a GDN layer, for the 30 layers of Qwen3.6. Here the step computes, once on the
+host, where each window column comes from (``window_host_arrays``, uploaded with the step's other arrays;
+``window_index`` on the device), and each layer gathers all windows in a fixed handful of ops (``gather_windows``):
+1 prompt + 31 decode tokens 100.7 -> 79.1 ms a step on an H100, 32 prompts 83.1 -> 78.5 (2026-12-06,
+bench/batch_prefill_step.py). A step of one sequence keeps the one-by-one path (``GatedDeltaNet._extend``): a few
+ops, and its CUDA-graph staging."""
 
 from __future__ import annotations
 
