@@ -164,8 +164,7 @@ def check_layer(device, x_dtype, conv_dtype, impl="triton", seed=0):
         x = torch.randn(sum(lens), 32, generator=gen).to(device, x_dtype)
         out = {}
         for name, p in pools.items():
-            batch = _DecodeBatch(p, slots, prefix, lens, is_decode=False)
-            batch.snapshots = snaps
+            batch = _DecodeBatch(p, slots, prefix, lens, is_decode=False, snapshots=snaps)
             with conv_impl(name):
                 out[name] = layer(x, batch)
         got, ref = out[impl].float(), out["torch"].float()

@@ -127,7 +127,7 @@ class _DecodeBatch:
     """The fields of ForwardBatch the GDN layer reads, for one token per sequence (or a prefill when
     ``prefill_lens`` is given). ``is_decode=False`` with one token each sends the layer down its general path."""
 
-    def __init__(self, pool, slots, prefix_lens, extend_lens, is_decode):
+    def __init__(self, pool, slots, prefix_lens, extend_lens, is_decode, snapshots=None):
         self.state = pool
         self.state_slots_cpu = list(slots)
         self.state_slots = torch.tensor(slots, device=pool.device)
@@ -138,7 +138,14 @@ class _DecodeBatch:
         self.prefix_lens = torch.tensor(prefix_lens, dtype=torch.int32, device=dev)
         self.cu_seqlens = torch.tensor([0, *extend_lens], dtype=torch.int32).cumsum(0).to(dev, torch.int32)
         self.is_decode = is_decode
-        self.snapshots = None
+        self.snapshots = snapshots
+        self.gdn_windows = None  # several sequences: gathered conv windows, as ForwardBatch.from_plan has them
+        if not is_decode and len(slots) > 1:
+            from freetoken.layers.gdn_state_windows import window_host_arrays, window_index
+
+            cu, kc1 = self.cu_seqlens.tolist(), pool.conv_shape[-1]
+            arrays = window_host_arrays(cu, self.prefix_lens_cpu, self.state_slots_cpu, snapshots or [], kc1)
+            self.gdn_windows = window_index([a.to(dev) for a in arrays], len(slots))
 
 
 def _tiny_layer(interleaved, device, seed=0):
