@@ -95,8 +95,11 @@ class ForwardBatch:
             logits_idx = plan.cu_seqlens[1:][plan.sampling.seq_index] - 1
         table_rows, table_pos = kv.table_positions(plan.rows, plan.table_from, plan.table_indptr, plan.table_slots)
         snapshots = list(zip(plan.snap_seq.tolist(), plan.snap_upto.tolist(), plan.snap_slot.tolist()))
-        windows = []  # a GDN step of several sequences: its conv windows' sources (``layers/gdn_state_windows.py``)
-        if state is not None and plan.num_seqs > 1:
+        is_decode = bool((ext == 1).all()) and bool((pre > 0).all())
+        # a GDN prompt step of several sequences: its conv windows' sources (``layers/gdn_state_windows.py``); a
+        # decode step without snapshots updates its states in place and reads none
+        windows = []
+        if state is not None and plan.num_seqs > 1 and not (is_decode and not snapshots):
             windows = window_host_arrays(
                 plan.cu_seqlens.tolist(), pre.tolist(), plan.state_slots.tolist(), snapshots, state.conv_shape[-1]
             )
@@ -124,7 +127,7 @@ class ForwardBatch:
             prefix_lens_cpu=pre.tolist(),
             context_lens_cpu=(pre + ext).tolist(),
             state_slots_cpu=plan.state_slots.tolist(),
-            is_decode=bool((ext == 1).all()) and bool((pre > 0).all()),
+            is_decode=is_decode,
             kv=kv,
             attn=attn,
             state=state,

@@ -584,15 +584,17 @@ class GatedDeltaNet(nn.Module):
         """``(g, beta)`` fp32 ``[T, Hv]``: log-decay and write strength (one launch on CUDA), into ``out`` if given."""
         return gdn_gates(a, b, self.A_log, self.dt_bias, out=out)
 
-    def _initial_states(self, ssm_pool, slots: list[int], has_init: list[bool], device) -> torch.Tensor:
+    @staticmethod
+    def _initial_states(ssm_pool, batch) -> torch.Tensor:
         """``[N, Hv, dk, dv]`` fp32: each sequence's state before this step (its slot, or zeros when fresh). One
         sequence continuing from an fp32 slot reads the slot itself (a view: the kernels only read it, and the slot
-        is written after them), saving the copies of a per-sequence gather."""
+        is written after them), saving the copies of a gather; several take one gather, whatever their count."""
+        slots = batch.state_slots_cpu
         if len(slots) == 1 and ssm_pool.dtype == torch.float32:
             s = slots[0]
-            return ssm_pool[s : s + 1] if has_init[0] else torch.zeros_like(ssm_pool[s : s + 1])
-        zeros = torch.zeros(self.ssm_state_shape, dtype=torch.float32, device=device)
-        return torch.stack([ssm_pool[s].float() if h else zeros for s, h in zip(slots, has_init)])
+            return ssm_pool[s : s + 1] if batch.prefix_lens_cpu[0] > 0 else torch.zeros_like(ssm_pool[s : s + 1])
+        fresh = (batch.prefix_lens == 0)[:, None, None, None]
+        return torch.where(fresh, 0.0, ssm_pool[batch.state_slots].float())
 
     def _split_heads(self, y):
         """``[T, H, d]`` q, k, v from the conv output: ``[T, C]`` (views of its columns) or its three parts."""
@@ -671,13 +673,12 @@ class GatedDeltaNet(nn.Module):
         if ix is None:  # one sequence: its window (and snapshots') one by one
             new_conv = [conv_window(s, n) for s, n in enumerate(lens)]
             snap_conv = [conv_window(seq, upto - batch.prefix_lens_cpu[seq]) for seq, upto, _slot in snaps]
-            init = self._initial_states(ssm_pool, batch.state_slots_cpu, has_init, qkv.device)
             for s, window in enumerate(new_conv):
                 conv_pool[batch.state_slots_cpu[s]] = window.to(conv_pool.dtype)
         else:  # several: all windows in a few ops, whatever their count (``gdn_state_windows.py``)
             windows = gather_windows(qkv, conv_pool, ix).to(conv_pool.dtype)
-            init = torch.where((batch.prefix_lens > 0)[:, None, None, None], ssm_pool[slots].float(), 0.0)
             conv_pool[ix.dst[: ix.num_seqs]] = windows[: ix.num_seqs]
+        init = self._initial_states(ssm_pool, batch)
 
         q, k, v = self._split_heads(y)
         g, beta = self._gates(b, a, out=staged[1:] if staged else None)
