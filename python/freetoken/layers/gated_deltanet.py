@@ -211,15 +211,27 @@ def stage_inputs() -> bool:
     return os.environ.get("FREETOKEN_GDN_STAGE_INPUTS", "1") != "0"
 
 
+def batch_graphs_on() -> bool:
+    """Whether steps of several sequences replay the GDN batch graphs (``layers/gdn_batch_graphs.py``) where start-up
+    captured them; ``FREETOKEN_GDN_BATCH_GRAPHS=0`` runs them eagerly (in-process A/B, read every step)."""
+    return os.environ.get("FREETOKEN_GDN_BATCH_GRAPHS", "1") != "0"
+
+
 def _fla_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, decode, graphs=None, borrow=False):
-    """``graphs`` (a ``GdnPrefillGraphs``): one sequence replays the graph of its padded length when one holds it;
-    ``borrow``: its outputs may be the graph's buffers (valid until the next replay)."""
+    """``graphs`` (a ``GdnPrefillGraphs``): one sequence replays the graph of its padded length when one holds it,
+    several the graph of their bucket (``graphs.batch``); ``borrow``: the outputs may be the graphs' buffers (valid
+    until the next replay)."""
     chunk, recurrent, takes_cpu_cu = _fla_ops()
     if not decode and len(cu_seqlens) <= 2 and _fla_direct_ops() is not None:
         # one sequence runs as a batch of one (no varlen index tensors, no host syncs), below fla's entry point
         out = graphs.run(q, k, v, g, beta, initial_state, borrow=borrow) if graphs is not None else None
         return out if out is not None else fla_direct_prefill(q, k, v, g, beta, initial_state)
     if not decode and _fla_direct_varlen():  # several: the same, with the step's varlen index
+        batch_graphs = graphs.batch if graphs is not None and batch_graphs_on() else None
+        lens = [b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+        out = batch_graphs.run(q, k, v, g, beta, initial_state, lens) if batch_graphs is not None else None
+        if out is not None:
+            return out if borrow else (out[0].clone(), out[1].clone())
         return fla_direct_prefill(q, k, v, g, beta, initial_state, _fla_varlen_index(tuple(cu_seqlens), q.device))
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # split views of the conv output are strided
     initial_state = initial_state.contiguous()
@@ -606,6 +618,20 @@ class GatedDeltaNet(nn.Module):
             v.reshape(T, self.num_v_heads, self.head_v_dim),
         )
 
+    def _staging(self, lens: list[int], captures: dict[int, list[int]]):
+        """Where the conv and the gates write a step's inputs: in place into the prefill graphs' buffers when its
+        graph holds it (one sequence, or several cut only at their ends: cut ones gather their pieces out of the
+        inputs round by round, which a replay's copies into the buffers would overwrite), else None."""
+        graphs = self.prefill_graphs
+        if graphs is None:
+            return None
+        if len(lens) == 1:
+            return graphs.staging(lens[0])
+        cut = any(rel < lens[seq] for seq, rels in captures.items() for rel in rels)
+        if graphs.batch is None or cut or not batch_graphs_on() or gdn_backend(graphs.device) != "fla":
+            return None
+        return graphs.batch.staging(lens)
+
     def _decode(self, qkv, b, a, batch) -> torch.Tensor:
         """One token per sequence, every sequence continuing from its slot: two kernels batched over sequences,
         working in place on the state pools (``kernels/gdn_decode.py``), device tensors only (CUDA-graph
@@ -643,11 +669,8 @@ class GatedDeltaNet(nn.Module):
         cu_list = [0]
         for n in lens:
             cu_list.append(cu_list[-1] + n)
-        T = qkv.shape[0]
         stage = stage_inputs()
-        # one sequence that fits the prefill graphs: the conv and the gates write their inputs in place
-        graphs = self.prefill_graphs if len(lens) == 1 and stage else None
-        staged = graphs.staging(T) if graphs is not None else None
+        staged = self._staging(lens, captures) if stage else None
         # device offsets from the ForwardBatch: no copies; prefix_lens > 0 is what has_initial_state means. q | k | v
         # come out as three contiguous blocks (what fla's kernels read without a copy)
         y = gdn_conv_prefill(

@@ -22,8 +22,9 @@ grid point: ``gated_deltanet.token_by_token``), else it runs eagerly. ``run(borr
 returns views of the graph's outputs, valid until the next replay (the layer reads them first); else copies.
 
 Captured at start-up before the KV pool is sized (``startup.capture_gdn_prefill_graphs``): what they hold is in
-the memory plan. ``--gdn-prefill-graph-tokens`` is the largest bucket (0: none); a longer piece, several
-sequences in one step, or a snapshot round runs eagerly where it does not fit a bucket.
+the memory plan. ``--gdn-prefill-graph-tokens`` is the largest bucket (0: none); a longer piece or a snapshot round runs
+eagerly where it does not fit a bucket. Steps of several sequences replay the graphs of ``gdn_batch_graphs.py``
+(``batch``), which share these buffers and this pool.
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ class GdnPrefillGraphs:
         self.replay_fns: dict[int, Callable[[], None]] = {}  # bucket -> its graph's replay
         self.pool = None
         self.replays = 0
+        # steps of several sequences (``gdn_batch_graphs.GdnBatchGraphs``, on these buffers), set at start-up
+        self.batch = None
 
     def bucket(self, tokens: int) -> Optional[int]:
         """The smallest bucket holding ``tokens`` (None: longer than the largest, or nothing captured)."""

@@ -1,0 +1,192 @@
+"""CUDA graphs of a Gated DeltaNet prefill step of several sequences (fla's varlen chunked forward), by bucket.
+
+A step of several sequences (prompts arriving together, a prompt joining running decode streams, decode steps with
+snapshots) ran fla's varlen forward eagerly: ~17 Triton launches and their Python per GDN layer, ~1 ms of host time
+a layer, 30 layers a step, where one sequence replays a graph (``gdn_prefill_graphs.py``). On the H100 a step of one
+224-token prompt and 31 decode tokens took 79 ms where the prompt alone took 47 (``bench/batch_prefill_step.py``).
+
+A graph fixes every grid, and fla's varlen grids depend on two numbers only: the sequence count N (the state
+kernel's programs) and the total chunk count NT (everything else: one program per 64-token chunk of a sequence).
+So a step of ``n`` sequences whose chunks number ``C = Σ ceil(len/64)`` runs in the graph of bucket ``(Nb, NTb)``,
+``Nb > n`` and ``NTb >= C``, with its varlen index padded (``padded_varlen_index``): after the real sequences, one
+padding sequence of ``NTb - C`` whole chunks, then empty sequences up to ``Nb``. Each sequence's chunks are computed
+as in the unpadded call (fla's tiles never cross a sequence), so the real sequences' outputs and final states are
+those of the eager varlen call, bit for bit. The padding sequence's rows get ``g = 0, beta = 0`` and start from a
+zero state: it stays finite, and nothing reads it.
+
+The index (``cu_seqlens [Nb+1]``, ``chunk_indices [NTb, 2]``) lives in static buffers, refilled once per step (every
+GDN layer of a step has the same one). fla derives its chunk offsets from ``cu_seqlens`` through a cache keyed on the
+tensor object, so every call passes a fresh view of the buffer: the derivation is recorded in the graph and replayed
+on the step's values. q | k | v and the gates share the one-sequence graphs' staged buffers (the conv writes there
+when the step fits), the outputs their ``o``; graphs of both kinds come from one private pool and never overlap.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+
+from .gated_deltanet import CHUNK_SIZE
+
+if TYPE_CHECKING:
+    from .gdn_prefill_graphs import GdnPrefillGraphs
+
+# fn(q, k, v, g, beta, initial_state [N, ...], varlen=(cu_seqlens, chunk_indices)) -> (o [T, Hv, dv], final [N, ...])
+VarlenFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+# the most sequences a captured step holds (the padding sequence included): a larger step runs eagerly, its host
+# cost then spread over many sequences, and the static states stay small (64 x 2 MiB at Qwen3.6's shape)
+MAX_SEQS = 64
+
+
+def seq_buckets(max_seqs: int) -> list[int]:
+    """Sequence-count buckets: powers of two from 2 up to the first that holds ``max_seqs`` real sequences and the
+    padding one, at most ``MAX_SEQS``; none when steps hold one sequence."""
+    if max_seqs < 2:
+        return []
+    out, n = [], 2
+    while n <= MAX_SEQS:
+        out.append(n)
+        if n > max_seqs:
+            break
+        n *= 2
+    return out
+
+
+def chunk_count(lens: list[int]) -> int:
+    """fla's chunks of a varlen step: each sequence rounded up to whole chunks."""
+    return sum(-(-n // CHUNK_SIZE) for n in lens)
+
+
+def padded_varlen_index(lens: list[int], num_seqs: int, num_chunks: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """``(cu_seqlens [num_seqs + 1], chunk_indices [num_chunks] of (sequence, chunk))`` for sequences of ``lens``
+    packed from row 0, padded to the bucket: one padding sequence of the missing whole chunks right after the real
+    rows, then empty sequences. Its rows end at most at ``num_chunks * CHUNK_SIZE``."""
+    n, real = len(lens), chunk_count(lens)
+    if n + 1 > num_seqs or real > num_chunks:
+        raise ValueError(f"{n} sequences of {real} chunks do not fit the bucket ({num_seqs}, {num_chunks})")
+    cu = [0]
+    for length in lens:
+        cu.append(cu[-1] + length)
+    cu += [cu[-1] + (num_chunks - real) * CHUNK_SIZE] * (num_seqs - n)
+    index = [(s, c) for s, length in enumerate(lens) for c in range(-(-length // CHUNK_SIZE))]
+    index += [(n, c) for c in range(num_chunks - real)]
+    return cu, index
+
+
+class GdnBatchGraphs:
+    """The several-sequence graphs beside one ``GdnPrefillGraphs`` (``single``: its buffers, chunk buckets and pool).
+    ``emulate`` replays by calling the function again (CPU tests of the index and padding logic)."""
+
+    def __init__(self, fn: VarlenFn, single: "GdnPrefillGraphs", max_seqs: int, emulate: bool = False):
+        self.fn = fn
+        self.single = single
+        self.emulate = emulate
+        self.seq_sizes = seq_buckets(max_seqs)
+        self.chunk_sizes = [s // CHUNK_SIZE for s in single.sizes]
+        n_max = self.seq_sizes[-1] if self.seq_sizes else 0
+        nt_max = self.chunk_sizes[-1] if self.chunk_sizes else 0
+        device, hv, dk, dv = single.device, *single.state.shape[1:]
+        self.cu = torch.zeros(n_max + 1, dtype=torch.int64, device=device)
+        self.chunk_index = torch.zeros(nt_max, 2, dtype=torch.int64, device=device)
+        self.states = torch.zeros(n_max, hv, dk, dv, dtype=torch.float32, device=device)
+        self.final = torch.zeros(n_max, hv, dk, dv, dtype=torch.float32, device=device)
+        self.replay_fns: dict[tuple[int, int], Callable[[], None]] = {}
+        self.loaded: Optional[tuple] = None  # (lens, bucket) whose index the buffers hold
+        self.replays = 0
+
+    def buckets(self) -> list[tuple[int, int]]:
+        """Every ``(Nb, NTb)`` a step can land in: a step of ``n >= Nb / 2`` sequences has at least that many chunks."""
+        return [(n, nt) for n in self.seq_sizes for nt in self.chunk_sizes if nt >= n // 2]
+
+    def bucket(self, lens: list[int]) -> Optional[tuple[int, int]]:
+        """The smallest captured bucket holding sequences of ``lens`` (None: too many sequences, chunks or tokens)."""
+        n, chunks = len(lens), chunk_count(lens)
+        nb = next((s for s in self.seq_sizes if s > n), None)
+        nt = next((s for s in self.chunk_sizes if s >= chunks), None)
+        if nb is None or nt is None or (nb, nt) not in self.replay_fns:
+            return None
+        return nb, nt
+
+    def _body(self, nb: int, nt: int) -> Callable[[], None]:
+        rows = nt * CHUNK_SIZE
+        s = self.single
+
+        def body() -> None:
+            # fresh views of the index every call: fla caches what it derives from cu_seqlens on the tensor object
+            varlen = (self.cu[: nb + 1], self.chunk_index[:nt])
+            o, final = self.fn(s.q[:rows], s.k[:rows], s.v[:rows], s.gates[0, :rows], s.gates[1, :rows],
+                               self.states[:nb], varlen=varlen)  # fmt: skip
+            s.o[:rows].copy_(o)
+            self.final[:nb].copy_(final)
+
+        return body
+
+    def capture(self) -> None:
+        """Record every bucket, largest first, into the one-sequence graphs' pool. The warm-up runs see a valid index
+        (one sequence of every chunk, the rest empty)."""
+        side = torch.cuda.Stream(self.single.device) if not self.emulate else None
+        for nb, nt in sorted(self.buckets(), reverse=True):
+            self._load([nt * CHUNK_SIZE - 1], (nb, nt))
+            body = self._body(nb, nt)
+            if self.emulate:
+                self.replay_fns[(nb, nt)] = body
+                continue
+            side.wait_stream(torch.cuda.current_stream(self.single.device))
+            with torch.cuda.stream(side), torch.inference_mode():
+                for _ in range(2):  # compile and autotune outside the capture
+                    body()
+            torch.cuda.current_stream(self.single.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            if self.single.pool is None:
+                self.single.pool = torch.cuda.graph_pool_handle()
+            with torch.inference_mode(), torch.cuda.graph(graph, pool=self.single.pool):
+                body()
+            self.replay_fns[(nb, nt)] = graph.replay
+        self.loaded = None
+        if not self.emulate:
+            torch.cuda.synchronize(self.single.device)
+
+    def _load(self, lens: list[int], bucket: tuple[int, int]) -> None:
+        """The step's padded index into the static buffers (skipped when they hold it: the step's later layers)."""
+        key = (tuple(lens), bucket)
+        if self.loaded == key:
+            return
+        cu, index = padded_varlen_index(lens, *bucket)
+        pinned = self.single.device.type == "cuda"
+        host_cu = torch.tensor(cu, dtype=torch.int64, pin_memory=pinned)
+        host_index = torch.tensor(index, dtype=torch.int64, pin_memory=pinned).view(-1, 2)
+        self.cu[: len(cu)].copy_(host_cu, non_blocking=pinned)
+        self.chunk_index[: len(index)].copy_(host_index, non_blocking=pinned)
+        self._host = (host_cu, host_index)  # alive until the next load, by when the copies have long run
+        self.loaded = key
+
+    def staging(self, lens: list[int]) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``(qkv, g, beta)`` for the step's conv and gates to write in place (as ``GdnPrefillGraphs.staging``), or
+        None when no bucket holds the step."""
+        if self.bucket(lens) is None:
+            return None
+        tokens = sum(lens)
+        s = self.single
+        return s.qkv, s.gates[0, :tokens], s.gates[1, :tokens]
+
+    def run(self, q, k, v, g, beta, initial_state, lens: list[int]):
+        """The step's ``(o [T, Hv, dv], final [n, Hv, dk, dv] fp32)`` from its bucket's graph, both views of the
+        graphs' buffers (valid until the next replay); None when no bucket holds it (the caller runs eagerly).
+        Inputs as the varlen function takes them (``[T, H, *]``, the staged buffers or anywhere else)."""
+        bucket = self.bucket(lens)
+        if bucket is None:
+            return None
+        n, T, s = len(lens), q.shape[0], self.single
+        for src, buf in ((q, s.q), (k, s.k), (v, s.v), (g, s.gates[0]), (beta, s.gates[1])):
+            if src.data_ptr() != buf.data_ptr() or src.stride() != buf[:T].stride():
+                buf[:T].copy_(src)
+        rows = bucket[1] * CHUNK_SIZE
+        s.gates[:, T:rows].zero_()  # the padding sequence: no decay, no write
+        self.states[:n].copy_(initial_state)
+        self.states[n : n + 1].zero_()
+        self._load(lens, bucket)
+        self.replay_fns[bucket]()
+        self.replays += 1
+        return s.o[:T], self.final[:n]
