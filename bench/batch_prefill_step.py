@@ -32,7 +32,7 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-from profile_decode import worker_args  # noqa: E402
+from profile_decode import profile_steps, worker_args  # noqa: E402
 from report import write_report  # noqa: E402
 
 from freetoken.engine.step_plan import StepPlan  # noqa: E402
@@ -50,6 +50,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--host-profile", type=int, default=0, help="cProfile one step, print this many functions")
+    ap.add_argument(
+        "--device-profile", type=int, default=0, help="each shape's step under the torch profiler: top N by device time"
+    )
     ap.add_argument("--out", default="bench/out/batch_prefill_step.json")
     ap.add_argument("serve_args", nargs=argparse.REMAINDER)
     return ap.parse_args()
@@ -133,8 +136,17 @@ def main() -> int:
         prof.runcall(w.execute_plan, plan)
         print(f"\nhost profile of one '{next(iter(plans))}' step (default), top {a.host_profile} by own time:")
         pstats.Stats(prof).sort_stats("tottime").print_stats(a.host_profile)
+    profiles = {}
+    for name, plan in plans.items() if a.device_profile else ():  # the default path: where each step's device time goes
+        timeline: dict = {}
+        _, by_dev, busy = profile_steps(lambda: w.execute_plan(plan), sync, w.device, 1, a.device_profile, timeline)
+        profiles[name] = {"device_busy_ms": busy, "timeline": timeline, "by_device": by_dev}
+        span = timeline.get("span_ms")
+        print(f"\n'{name}' (default): device busy {busy:.2f} ms" + (f" of a {span:.2f} ms span" if span else ""))
+        for r in by_dev:
+            print(f"  {r['op'][:70]:<72}{r['calls_per_step']:>6.0f}{r['self_device_ms_per_step']:>9.3f} ms")
     device = torch.cuda.get_device_name() if w.device.type == "cuda" else "cpu"
-    write_report(a.out, {"device": device, "serve_args": a.serve_args, "rows": rows})
+    write_report(a.out, {"device": device, "serve_args": a.serve_args, "rows": rows, "device_profiles": profiles})
     return 0
 
 

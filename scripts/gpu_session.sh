@@ -128,12 +128,14 @@ if [[ " $SECTIONS " == *" tests "* ]]; then
   grep -cE " PASSED" "$OUT/gpu_tests.log" | sed 's/^/tests passed: /'; grep -E "^tests/.*(FAILED|ERROR)" "$OUT/gpu_tests.log" | head
 fi
 if [[ " $SECTIONS " == *" batchstep "* ]]; then
-  timeout ${BATCHSTEP_TEST_TIMEOUT:-240} python3 -m pytest -v -m gpu -p no:cacheprovider -rfs \
-      tests/test_gdn_batch_graphs.py tests/test_gdn_prefill_graphs.py 2>&1 | tee "$OUT/batchstep_tests.log" \
+  timeout ${BATCHSTEP_TEST_TIMEOUT:-300} python3 -m pytest -v -m gpu -p no:cacheprovider -rfs --tb=short \
+      ${BATCHSTEP_TESTS:-tests/test_gdn_batch_graphs.py tests/test_gdn_prefill_graphs.py} 2>&1 | tee "$OUT/batchstep_tests.log" \
       | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | tail -20
   timeout ${BATCHSTEP_TIMEOUT:-300} python3 bench/batch_prefill_step.py --rounds ${BATCHSTEP_ROUNDS:-2} \
+      --reps ${BATCHSTEP_REPS:-5} --host-profile ${BATCHSTEP_HOST_PROFILE:-0} \
+      --device-profile ${BATCHSTEP_DEVICE_PROFILE:-0} \
       --out "$OUT/batch_prefill_step.json" -- --dummy-weight --model-path configs/qwen3.6-35b-a3b-nvfp4 \
-      --max-running-requests 32 --moe-backend fused 2>&1 | grep -vE "^\s*$" | tail -40
+      --max-running-requests 32 --moe-backend fused 2>&1 | grep -vE "^\s*$" | tail -${BATCHSTEP_TAIL:-40}
 fi
 if [[ " $SECTIONS " == *" profile "* ]]; then
   timeout ${PROFILE_TIMEOUT:-300} python3 bench/profile_decode.py --out "$OUT/profile_decode.json" -- \
