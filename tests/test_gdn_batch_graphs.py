@@ -45,10 +45,15 @@ def step_inputs(lens, Hk, Hv, dk, dv, seed):
 
 def test_seq_buckets_hold_the_running_sequences_and_the_padding_one():
     assert seq_buckets(1) == []
-    assert seq_buckets(2) == [2, 4]
-    assert seq_buckets(3) == [2, 4]
-    assert seq_buckets(32) == [2, 4, 8, 16, 32, 64]
+    assert seq_buckets(2) == [2, 3]
+    assert seq_buckets(7) == [2, 3, 4, 5, 6, 7, 8]
+    assert seq_buckets(32) == [2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 33]  # a full batch: no empty one
     assert seq_buckets(1000)[-1] == MAX_SEQS
+    for m in (2, 5, 9, 20, 63, 1000):
+        sizes = seq_buckets(m)
+        for n in range(1, min(m, MAX_SEQS - 1) + 1):  # every step of several sequences has a bucket, padded little
+            nb = next(s for s in sizes if s > n)
+            assert nb - (n + 1) <= max(0, (n + 1) // 4), (m, n, nb)
 
 
 def test_padded_index_adds_one_padding_sequence_of_whole_chunks_then_empty_ones():
@@ -79,9 +84,9 @@ def test_emulated_steps_equal_the_eager_varlen_call_across_buckets_and_stale_buf
     """Steps of several sequences, larger first so the buffers past each step hold stale rows, states and index
     entries, from non-zero initial states: outputs and final states equal the unpadded eager call's."""
     single, batch = _graphs(max_tokens=640)
-    assert batch.seq_sizes == [2, 4, 8, 16] and batch.chunk_sizes == [1, 2, 3, 4, 5, 6, 7, 8, 10]
-    assert (16, 5) not in batch.replay_fns and (2, 1) in batch.replay_fns and (8, 4) in batch.replay_fns
-    steps = [[100, 64, 1, 40], [7] * 5, [1, 1], [130, 2], [64, 64, 64], [1] * 3, [200, 1, 1, 1, 1, 1, 1], [1] * 9]
+    assert batch.seq_sizes == [2, 3, 4, 5, 6, 7, 8, 9] and batch.chunk_sizes == [1, 2, 3, 4, 5, 6, 7, 8, 10]
+    assert (9, 7) not in batch.replay_fns and (2, 1) in batch.replay_fns and (9, 8) in batch.replay_fns
+    steps = [[100, 64, 1, 40], [7] * 5, [1, 1], [130, 2], [64, 64, 64], [1] * 3, [200, 1, 1, 1, 1, 1, 1], [1] * 8]
     for i, lens in enumerate(steps):
         q, k, v, g, beta, init = step_inputs(lens, 2, 4, 8, 6, seed=10 * i)
         cu = [0]
@@ -100,7 +105,7 @@ def test_emulated_steps_equal_the_eager_varlen_call_across_buckets_and_stale_buf
 def test_misfits_are_declined_and_the_index_loads_once_per_step():
     """Too many sequences (none left for padding) or chunks: None (the caller runs eagerly). The same step's later
     layers reuse the loaded index; staging hands out the shared buffers for fitting steps only."""
-    single, batch = _graphs(max_seqs=3)  # buckets 2, 4: at most 3 real sequences
+    single, batch = _graphs(max_seqs=3)  # buckets 2, 3, 4: at most 3 real sequences
     q, k, v, g, beta, init = step_inputs([1] * 4, 2, 4, 8, 6, seed=3)
     assert batch.bucket([1] * 4) is None and batch.run(q, k, v, g, beta, init, [1] * 4) is None
     assert batch.bucket([300, 30]) is None  # 6 chunks > 5
@@ -116,8 +121,32 @@ def test_misfits_are_declined_and_the_index_loads_once_per_step():
     batch._load = lambda *a: (loads.append(a), real(*a))
     first = [x.clone() for x in batch.run(q, k, v, g, beta, init, lens)]
     second = batch.run(q, k, v, g, beta, init, lens)  # the next layer: same index, no refill
-    assert len(loads) == 2 and batch.loaded == ((100, 20), (4, 3))
+    assert len(loads) == 2 and batch.loaded == ((100, 20), (3, 3))
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+@pytest.mark.parametrize("prefix_lens", [[0, 0, 0], [5, 9, 2], [0, 7, 0], [0] * 6 + [3]])
+def test_states_gathered_into_the_static_rows_equal_the_eager_gather(prefix_lens):
+    """``GatedDeltaNet._initial_states(..., out=)`` (the batch graphs' static states): all fresh (zeros, no read),
+    none fresh (one gather), a few fresh (rows zeroed one by one), many (one masked fill): the eager gather's values, in
+    the given rows, whatever they held before."""
+    from types import SimpleNamespace
+
+    from freetoken.layers.gated_deltanet import GatedDeltaNet
+
+    gen = torch.Generator().manual_seed(5)
+    pool = torch.randn(12, 4, 8, 6, generator=gen)
+    slots = [11, 3, 7, 0, 5, 8, 2][: len(prefix_lens)]
+    batch = SimpleNamespace(
+        state_slots_cpu=slots,
+        state_slots=torch.tensor(slots),
+        prefix_lens_cpu=prefix_lens,
+        prefix_lens=torch.tensor(prefix_lens),
+    )
+    want = GatedDeltaNet._initial_states(pool, batch)
+    out = torch.full((len(slots), 4, 8, 6), float("nan"))
+    got = GatedDeltaNet._initial_states(pool, batch, out=out)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(got, want)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -597,14 +597,27 @@ class GatedDeltaNet(nn.Module):
         return gdn_gates(a, b, self.A_log, self.dt_bias, out=out)
 
     @staticmethod
-    def _initial_states(ssm_pool, batch) -> torch.Tensor:
+    def _initial_states(ssm_pool, batch, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``[N, Hv, dk, dv]`` fp32: each sequence's state before this step (its slot, or zeros when fresh). One
         sequence continuing from an fp32 slot reads the slot itself (a view: the kernels only read it, and the slot
-        is written after them), saving the copies of a gather; several take one gather, whatever their count."""
+        is written after them), saving the copies of a gather; several take one gather, whatever their count.
+        ``out`` (the batch graphs' static states, fp32 pools): gathered straight into it, fresh rows zeroed there,
+        no state of an all-fresh step read at all."""
         slots = batch.state_slots_cpu
         if len(slots) == 1 and ssm_pool.dtype == torch.float32:
             s = slots[0]
             return ssm_pool[s : s + 1] if batch.prefix_lens_cpu[0] > 0 else torch.zeros_like(ssm_pool[s : s + 1])
+        if out is not None and ssm_pool.dtype == torch.float32:
+            fresh = [i for i, p in enumerate(batch.prefix_lens_cpu) if p == 0]
+            if len(fresh) == len(slots):
+                return out.zero_()
+            torch.index_select(ssm_pool, 0, batch.state_slots, out=out)
+            if len(fresh) > 4:
+                out.masked_fill_((batch.prefix_lens == 0)[:, None, None, None], 0.0)
+            else:
+                for i in fresh:
+                    out[i].zero_()
+            return out
         fresh = (batch.prefix_lens == 0)[:, None, None, None]
         return torch.where(fresh, 0.0, ssm_pool[batch.state_slots].float())
 
@@ -618,19 +631,18 @@ class GatedDeltaNet(nn.Module):
             v.reshape(T, self.num_v_heads, self.head_v_dim),
         )
 
-    def _staging(self, lens: list[int], captures: dict[int, list[int]]):
-        """Where the conv and the gates write a step's inputs: in place into the prefill graphs' buffers when its
-        graph holds it (one sequence, or several cut only at their ends: cut ones gather their pieces out of the
-        inputs round by round, which a replay's copies into the buffers would overwrite), else None."""
+    def _batch_graphs(self, lens: list[int], captures: dict[int, list[int]]):
+        """The GDN batch graphs (``gdn_batch_graphs.py``) when this step of several sequences replays them and may
+        stage its inputs in their buffers and gather its states into them: cut only at sequence ends (sequences cut
+        inside gather their pieces out of the inputs round by round, which a replay's copies would overwrite) and
+        held by a bucket; else None."""
         graphs = self.prefill_graphs
-        if graphs is None:
+        batch = graphs.batch if graphs is not None and len(lens) > 1 else None
+        if batch is None or not batch_graphs_on() or not _fla_direct_varlen():
             return None
-        if len(lens) == 1:
-            return graphs.staging(lens[0])
-        cut = any(rel < lens[seq] for seq, rels in captures.items() for rel in rels)
-        if graphs.batch is None or cut or not batch_graphs_on() or gdn_backend(graphs.device) != "fla":
+        if any(rel < lens[seq] for seq, rels in captures.items() for rel in rels):
             return None
-        return graphs.batch.staging(lens)
+        return batch if batch.bucket(lens) is not None else None
 
     def _decode(self, qkv, b, a, batch) -> torch.Tensor:
         """One token per sequence, every sequence continuing from its slot: two kernels batched over sequences,
@@ -670,7 +682,13 @@ class GatedDeltaNet(nn.Module):
         for n in lens:
             cu_list.append(cu_list[-1] + n)
         stage = stage_inputs()
-        staged = self._staging(lens, captures) if stage else None
+        batch_graphs = self._batch_graphs(lens, captures)
+        if not stage:
+            staged = None
+        elif len(lens) == 1:  # one sequence that fits the prefill graphs: the conv and the gates write in place
+            staged = self.prefill_graphs.staging(lens[0]) if self.prefill_graphs is not None else None
+        else:
+            staged = batch_graphs.staging(lens) if batch_graphs is not None else None
         # device offsets from the ForwardBatch: no copies; prefix_lens > 0 is what has_initial_state means. q | k | v
         # come out as three contiguous blocks (what fla's kernels read without a copy)
         y = gdn_conv_prefill(
@@ -701,7 +719,7 @@ class GatedDeltaNet(nn.Module):
         else:  # several: all windows in a few ops, whatever their count (``gdn_state_windows.py``)
             windows = gather_windows(qkv, conv_pool, ix).to(conv_pool.dtype)
             conv_pool[ix.dst[: ix.num_seqs]] = windows[: ix.num_seqs]
-        init = self._initial_states(ssm_pool, batch)
+        init = self._initial_states(ssm_pool, batch, batch_graphs.states_for(lens) if batch_graphs else None)
 
         q, k, v = self._split_heads(y)
         g, beta = self._gates(b, a, out=staged[1:] if staged else None)

@@ -41,17 +41,18 @@ MAX_SEQS = 64
 
 
 def seq_buckets(max_seqs: int) -> list[int]:
-    """Sequence-count buckets: powers of two from 2 up to the first that holds ``max_seqs`` real sequences and the
-    padding one, at most ``MAX_SEQS``; none when steps hold one sequence."""
+    """Sequence-count buckets (the padding sequence included): every count up to 8, then four steps per doubling
+    (10, 12, 14, 16, 20, ...), up to ``max_seqs + 1`` (a full batch pads no empty sequence), at most ``MAX_SEQS``;
+    none when steps hold one sequence. Fine steps because every sequence of a bucket costs the state kernel a read
+    and a write of its state (2 MiB at Qwen3.6's shape) and the step's state copies as much, real or empty."""
     if max_seqs < 2:
         return []
-    out, n = [], 2
-    while n <= MAX_SEQS:
-        out.append(n)
-        if n > max_seqs:
-            break
-        n *= 2
-    return out
+    top = min(max_seqs + 1, MAX_SEQS)
+    sizes, n = [], 2
+    while n < top:
+        sizes.append(n)
+        n += 1 if n < 8 else (1 << (n.bit_length() - 1)) // 4
+    return sizes + [top]
 
 
 def chunk_count(lens: list[int]) -> int:
@@ -97,8 +98,13 @@ class GdnBatchGraphs:
         self.replays = 0
 
     def buckets(self) -> list[tuple[int, int]]:
-        """Every ``(Nb, NTb)`` a step can land in: a step of ``n >= Nb / 2`` sequences has at least that many chunks."""
-        return [(n, nt) for n in self.seq_sizes for nt in self.chunk_sizes if nt >= n // 2]
+        """Every ``(Nb, NTb)`` a step can land in: a step in ``Nb`` holds at least as many sequences as the bucket
+        below it, so at least as many chunks."""
+        out = []
+        for i, nb in enumerate(self.seq_sizes):
+            least = self.seq_sizes[i - 1] if i else 1
+            out += [(nb, nt) for nt in self.chunk_sizes if nt >= least]
+        return out
 
     def bucket(self, lens: list[int]) -> Optional[tuple[int, int]]:
         """The smallest captured bucket holding sequences of ``lens`` (None: too many sequences, chunks or tokens)."""
@@ -162,6 +168,11 @@ class GdnBatchGraphs:
         self._host = (host_cu, host_index)  # alive until the next load, by when the copies have long run
         self.loaded = key
 
+    def states_for(self, lens: list[int]) -> Optional[torch.Tensor]:
+        """``[n, Hv, dk, dv]`` fp32 rows of the static initial states for the layer to gather a step's states into
+        (one copy fewer per layer), or None when no bucket holds the step."""
+        return self.states[: len(lens)] if self.bucket(lens) is not None else None
+
     def staging(self, lens: list[int]) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """``(qkv, g, beta)`` for the step's conv and gates to write in place (as ``GdnPrefillGraphs.staging``), or
         None when no bucket holds the step."""
@@ -184,7 +195,8 @@ class GdnBatchGraphs:
                 buf[:T].copy_(src)
         rows = bucket[1] * CHUNK_SIZE
         s.gates[:, T:rows].zero_()  # the padding sequence: no decay, no write
-        self.states[:n].copy_(initial_state)
+        if initial_state.data_ptr() != self.states.data_ptr():  # else gathered in place (``states_for``)
+            self.states[:n].copy_(initial_state)
         self.states[n : n + 1].zero_()
         self._load(lens, bucket)
         self.replay_fns[bucket]()
