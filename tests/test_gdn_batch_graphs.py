@@ -106,6 +106,7 @@ def test_misfits_are_declined_and_the_index_loads_once_per_step():
     """Too many sequences (none left for padding) or chunks: None (the caller runs eagerly). The same step's later
     layers reuse the loaded index; staging hands out the shared buffers for fitting steps only."""
     single, batch = _graphs(max_seqs=3)  # buckets 2, 3, 4: at most 3 real sequences
+    assert all(value is not single for value in vars(batch).values())  # no cycle with the graphs that hold it
     q, k, v, g, beta, init = step_inputs([1] * 4, 2, 4, 8, 6, seed=3)
     assert batch.bucket([1] * 4) is None and batch.run(q, k, v, g, beta, init, [1] * 4) is None
     assert batch.bucket([300, 30]) is None  # 6 chunks > 5
@@ -174,7 +175,7 @@ def test_cuda_batch_graphs_equal_fla_varlen_at_qwen_shape():
     single = GdnPrefillGraphs(gdn.fla_direct_prefill, Hk, Hv, d, d, torch.bfloat16, torch.device("cuda"), 4096)
     single.capture()
     batch = GdnBatchGraphs(gdn.fla_direct_prefill, single, 32)
-    batch.capture()
+    batch.capture(single.graph_pool())
     steps = [[1500, 300, 1, 1], [224] + [1] * 31, [7] * 32, [64, 128, 1], [1, 1], [63, 65]]
     for i, lens in enumerate(steps):
         q, k, v, g, beta, init = (x.cuda() for x in step_inputs(lens, Hk, Hv, d, d, seed=50 + i))

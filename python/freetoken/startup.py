@@ -271,7 +271,7 @@ def capture_gdn_prefill_graphs(w: "Worker") -> tuple[int, tuple[int, ...]]:
     graphs.capture()
     if _fla_direct_varlen():  # steps of several sequences, by (sequence count, chunk count) bucket
         graphs.batch = GdnBatchGraphs(fla_direct_prefill, graphs, w.max_running_requests)
-        graphs.batch.capture()
+        graphs.batch.capture(graphs.graph_pool())
     torch.cuda.empty_cache()  # the warm-up runs' blocks, outside the graphs' pool
     held = torch.cuda.memory_reserved(w.device) - before
     for layer in layers:

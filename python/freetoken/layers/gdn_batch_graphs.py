@@ -77,13 +77,22 @@ def padded_varlen_index(lens: list[int], num_seqs: int, num_chunks: int) -> tupl
 
 
 class GdnBatchGraphs:
-    """The several-sequence graphs beside one ``GdnPrefillGraphs`` (``single``: its buffers, chunk buckets and pool).
-    ``emulate`` replays by calling the function again (CPU tests of the index and padding logic)."""
+    """The several-sequence graphs beside one ``GdnPrefillGraphs`` (``single``): its staged buffers and chunk buckets
+    (no reference to ``single`` itself, which holds this object: no cycle to keep both alive). ``emulate`` replays by
+    calling the function again (CPU tests of the index and padding logic)."""
 
     def __init__(self, fn: VarlenFn, single: "GdnPrefillGraphs", max_seqs: int, emulate: bool = False):
         self.fn = fn
-        self.single = single
         self.emulate = emulate
+        self.device = single.device
+        self.qkv, self.q, self.k, self.v, self.gates, self.o = (
+            single.qkv,
+            single.q,
+            single.k,
+            single.v,
+            single.gates,
+            single.o,
+        )
         self.seq_sizes = seq_buckets(max_seqs)
         self.chunk_sizes = [s // CHUNK_SIZE for s in single.sizes]
         n_max = self.seq_sizes[-1] if self.seq_sizes else 0
@@ -117,42 +126,39 @@ class GdnBatchGraphs:
 
     def _body(self, nb: int, nt: int) -> Callable[[], None]:
         rows = nt * CHUNK_SIZE
-        s = self.single
 
         def body() -> None:
             # fresh views of the index every call: fla caches what it derives from cu_seqlens on the tensor object
             varlen = (self.cu[: nb + 1], self.chunk_index[:nt])
-            o, final = self.fn(s.q[:rows], s.k[:rows], s.v[:rows], s.gates[0, :rows], s.gates[1, :rows],
+            o, final = self.fn(self.q[:rows], self.k[:rows], self.v[:rows], self.gates[0, :rows], self.gates[1, :rows],
                                self.states[:nb], varlen=varlen)  # fmt: skip
-            s.o[:rows].copy_(o)
+            self.o[:rows].copy_(o)
             self.final[:nb].copy_(final)
 
         return body
 
-    def capture(self) -> None:
-        """Record every bucket, largest first, into the one-sequence graphs' pool. The warm-up runs see a valid index
-        (one sequence of every chunk, the rest empty)."""
-        side = torch.cuda.Stream(self.single.device) if not self.emulate else None
+    def capture(self, pool=None) -> None:
+        """Record every bucket, largest first, into ``pool`` (the one-sequence graphs', ``GdnPrefillGraphs.graph_pool``).
+        The warm-up runs see a valid index (one sequence of every chunk, the rest empty)."""
+        side = torch.cuda.Stream(self.device) if not self.emulate else None
         for nb, nt in sorted(self.buckets(), reverse=True):
             self._load([nt * CHUNK_SIZE - 1], (nb, nt))
             body = self._body(nb, nt)
             if self.emulate:
                 self.replay_fns[(nb, nt)] = body
                 continue
-            side.wait_stream(torch.cuda.current_stream(self.single.device))
+            side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side), torch.inference_mode():
                 for _ in range(2):  # compile and autotune outside the capture
                     body()
-            torch.cuda.current_stream(self.single.device).wait_stream(side)
+            torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            if self.single.pool is None:
-                self.single.pool = torch.cuda.graph_pool_handle()
-            with torch.inference_mode(), torch.cuda.graph(graph, pool=self.single.pool):
+            with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
                 body()
             self.replay_fns[(nb, nt)] = graph.replay
         self.loaded = None
         if not self.emulate:
-            torch.cuda.synchronize(self.single.device)
+            torch.cuda.synchronize(self.device)
 
     def _load(self, lens: list[int], bucket: tuple[int, int]) -> None:
         """The step's padded index into the static buffers (skipped when they hold it: the step's later layers)."""
@@ -160,7 +166,7 @@ class GdnBatchGraphs:
         if self.loaded == key:
             return
         cu, index = padded_varlen_index(lens, *bucket)
-        pinned = self.single.device.type == "cuda"
+        pinned = self.device.type == "cuda"
         host_cu = torch.tensor(cu, dtype=torch.int64, pin_memory=pinned)
         host_index = torch.tensor(index, dtype=torch.int64, pin_memory=pinned).view(-1, 2)
         self.cu[: len(cu)].copy_(host_cu, non_blocking=pinned)
@@ -179,8 +185,7 @@ class GdnBatchGraphs:
         if self.bucket(lens) is None:
             return None
         tokens = sum(lens)
-        s = self.single
-        return s.qkv, s.gates[0, :tokens], s.gates[1, :tokens]
+        return self.qkv, self.gates[0, :tokens], self.gates[1, :tokens]
 
     def run(self, q, k, v, g, beta, initial_state, lens: list[int]):
         """The step's ``(o [T, Hv, dv], final [n, Hv, dk, dv] fp32)`` from its bucket's graph, both views of the
@@ -189,16 +194,16 @@ class GdnBatchGraphs:
         bucket = self.bucket(lens)
         if bucket is None:
             return None
-        n, T, s = len(lens), q.shape[0], self.single
-        for src, buf in ((q, s.q), (k, s.k), (v, s.v), (g, s.gates[0]), (beta, s.gates[1])):
+        n, T = len(lens), q.shape[0]
+        for src, buf in ((q, self.q), (k, self.k), (v, self.v), (g, self.gates[0]), (beta, self.gates[1])):
             if src.data_ptr() != buf.data_ptr() or src.stride() != buf[:T].stride():
                 buf[:T].copy_(src)
         rows = bucket[1] * CHUNK_SIZE
-        s.gates[:, T:rows].zero_()  # the padding sequence: no decay, no write
+        self.gates[:, T:rows].zero_()  # the padding sequence: no decay, no write
         if initial_state.data_ptr() != self.states.data_ptr():  # else gathered in place (``states_for``)
             self.states[:n].copy_(initial_state)
         self.states[n : n + 1].zero_()
         self._load(lens, bucket)
         self.replay_fns[bucket]()
         self.replays += 1
-        return s.o[:T], self.final[:n]
+        return self.o[:T], self.final[:n]

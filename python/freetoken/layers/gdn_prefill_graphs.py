@@ -122,13 +122,17 @@ class GdnPrefillGraphs:
                     body()
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
-            with torch.inference_mode(), torch.cuda.graph(graph, pool=self.pool):
+            with torch.inference_mode(), torch.cuda.graph(graph, pool=self.graph_pool()):
                 body()
             self.replay_fns[T] = graph.replay  # the bound method keeps the graph alive
         if not self.emulate:
             torch.cuda.synchronize(self.device)
+
+    def graph_pool(self):
+        """The private memory pool of these graphs (and the batch graphs'), made on first use."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        return self.pool
 
     def staging(self, tokens: int) -> Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """``(qkv, g, beta)`` for a chunk of ``tokens`` to be written in place (``qkv``: the conv's flat ``parts``
