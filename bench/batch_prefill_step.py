@@ -9,11 +9,12 @@ must allow 32), then times, with the device synchronized around each step:
 - ``1 prompt + 31 decode``: a fresh ``--mixed-prompt-tokens`` (200) token prompt beside 31 sequences' decode tokens;
 - ``1 prompt``: one fresh prompt of as many tokens as the first shape has (the same work in one sequence).
 
-For a hybrid model each shape runs three ways, alternating, ``--rounds`` times: the default (a step of several
-sequences replays the GDN batch graphs, ``layers/gdn_batch_graphs.py``), ``eager varlen`` (as before 2026-12-07:
-``FREETOKEN_GDN_BATCH_GRAPHS=0``, fla's chunked forward called eagerly below its entry point with the step's varlen
-index, ``fla_direct_prefill``) and ``fla public`` (several sequences through fla's public entry point, as before
-2026-12-06). Prints ms per step (median of ``--reps``) and writes JSON.
+For a hybrid model each shape runs three ways, taking turns step by step, ``--rounds`` times: the default (a step
+of several sequences replays the GDN batch graphs, ``layers/gdn_batch_graphs.py``), ``eager varlen`` (as before
+2026-12-06 noon: ``FREETOKEN_GDN_BATCH_GRAPHS=0``, fla's chunked forward called eagerly below its entry point with
+the step's varlen index, ``fla_direct_prefill``) and ``fla public`` (several sequences through fla's public entry
+point, as before 2026-12-06 morning). Prints ms per step (median of ``--reps``), the default's paired ratio to ``eager varlen``, and
+writes JSON.
 
     python bench/batch_prefill_step.py -- --dummy-weight --model-path configs/qwen3.6-35b-a3b-nvfp4 \\
         --max-running-requests 32 --moe-backend fused
@@ -85,16 +86,20 @@ def shapes(a: argparse.Namespace, state: bool, vocab: int) -> dict[str, StepPlan
     }
 
 
-def timed(w: Worker, plan: StepPlan, reps: int, sync) -> float:
-    w.execute_plan(plan)  # its kernels compiled, its allocations made
-    times = []
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        w.execute_plan(plan)
-        sync()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+def step_ms(w: Worker, plan: StepPlan, sync) -> float:
+    sync()
+    t0 = time.perf_counter()
+    w.execute_plan(plan)
+    sync()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def path_patch(path: str):
+    """The environment of one compared path (``default``: as served)."""
+    return {
+        "eager varlen": mock.patch.dict(os.environ, {"FREETOKEN_GDN_BATCH_GRAPHS": "0"}),
+        "fla public": mock.patch.object(gated_deltanet, "_fla_direct_varlen", lambda: False),
+    }.get(path, contextlib.nullcontext())
 
 
 def main() -> int:
@@ -111,21 +116,35 @@ def main() -> int:
     )
     paths = ["default", "eager varlen", "fla public"] if hybrid else ["-"]
     rows = []
+    # the paths take turns step by step (the order rotating), so that the host's drifts (these steps are host-bound
+    # in part, and the machine is shared) fall on every path alike; each round reports medians
     for rnd in range(1, a.rounds + 1):
-        for path in paths:
-            patch = {
-                "eager varlen": mock.patch.dict(os.environ, {"FREETOKEN_GDN_BATCH_GRAPHS": "0"}),
-                "fla public": mock.patch.object(gated_deltanet, "_fla_direct_varlen", lambda: False),
-            }.get(path, contextlib.nullcontext())
-            with patch:
-                for name, plan in plans.items():
-                    ms = timed(w, plan, a.reps, sync)
-                    rows.append({"round": rnd, "path": path, "shape": name, "ms": ms, "tokens": plan.num_tokens})
-                    print(f"[round {rnd}] {path:<10} {name:<26} {ms:8.2f} ms ({plan.num_tokens} tokens)", flush=True)
+        for name, plan in plans.items():
+            for path in paths:  # its kernels compiled, its allocations made
+                with path_patch(path):
+                    w.execute_plan(plan)
+            samples: dict[str, list[float]] = {p: [] for p in paths}
+            for rep in range(a.reps):
+                for path in paths[rep % len(paths) :] + paths[: rep % len(paths)]:
+                    with path_patch(path):
+                        samples[path].append(step_ms(w, plan, sync))
+            for path in paths:
+                ms = statistics.median(samples[path])
+                rows.append({"round": rnd, "path": path, "shape": name, "ms": ms, "samples_ms": samples[path],
+                             "tokens": plan.num_tokens})  # fmt: skip
+                print(f"[round {rnd}] {path:<12} {name:<26} {ms:8.2f} ms ({plan.num_tokens} tokens)", flush=True)
     print(f"\n{'shape':<26} " + " ".join(f"{p:>14}" for p in paths) + "   (ms per step, best round)")
     for name in plans:
         best = [min(r["ms"] for r in rows if r["shape"] == name and r["path"] == p) for p in paths]
         print(f"{name:<26} " + " ".join(f"{b:14.2f}" for b in best))
+    if len(paths) > 1:  # each step beside the one the next path took right after or before it
+        print(f"\npaired ratio to '{paths[1]}' (median over every round's steps, taken in turns):")
+        for name in plans:
+            ratios = []
+            for rnd in range(1, a.rounds + 1):
+                per = {r["path"]: r["samples_ms"] for r in rows if r["shape"] == name and r["round"] == rnd}
+                ratios += [x / y for x, y in zip(per[paths[0]], per[paths[1]])]
+            print(f"  {name:<26} {paths[0]} / {paths[1]} = {statistics.median(ratios):.3f}")
     if a.host_profile:  # where the host time of the first shape's step goes (the default path)
         import cProfile
         import pstats
