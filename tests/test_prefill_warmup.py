@@ -152,6 +152,28 @@ def test_batch_step_rows_start_over(hybrid_checkpoint):
     assert torch.equal(_chunk(warmed, ids[40:], 40), _chunk(plain, ids[40:], 40))
 
 
+def test_batch_step_also_runs_eagerly_where_batch_graphs_hold_it(hybrid_checkpoint, monkeypatch):
+    """With GDN batch graphs the batched step runs as served (from its graph) and then eagerly, as the steps no batch
+    graph holds (their kernels specialize on other token counts); without them once. The switch is restored."""
+    from freetoken.engine import prefill_warmup
+    from freetoken.layers import gated_deltanet as gdn
+
+    w = _worker(hybrid_checkpoint, max_prefill_length=512)
+    seen, real = [], w.execute_plan
+
+    def spy(plan, **kw):
+        if plan.num_seqs > 1:
+            seen.append(gdn.batch_graphs_on())
+        return real(plan, **kw)
+
+    monkeypatch.setattr(w, "execute_plan", spy)
+    for has, want in ((True, [True, False]), (False, [True])):
+        monkeypatch.setattr(prefill_warmup, "_has_batch_graphs", lambda _w, has=has: has)
+        seen.clear()
+        run_prefill_warmup(w)
+        assert seen == want and gdn.batch_graphs_on()
+
+
 def test_gemm_warmup_runs_last_and_a_failure_in_it_is_only_a_warning(hybrid_checkpoint, monkeypatch, caplog):
     """After the chunks, each dense GEMM they made is called at every multiple of 64 rows (``engine/gemm_warmup.py``;
     logged); a GEMM warm-up that fails is logged as a warning and the start-up goes on (it is an optimization)."""

@@ -20,7 +20,9 @@ on the CPU nothing is compiled.
 Then, where more than one request may run, one step of several sequences (``batch_step_plan``): prompts that arrive
 together, with a decode token riding along. One sequence and several take different kernels (fla's varlen
 chunk kernels, autotuned on their first call: on the H200 the first step of 32 concurrent prompts waited 38.6 s
-for them, 2026-12-04 ``bench/results/2026-12-04-h200-qwen3.6-35b-a3b-nvfp4-decode-stall.txt``). Its extra sequences
+for them, 2026-12-04 ``bench/results/2026-12-04-h200-qwen3.6-35b-a3b-nvfp4-decode-stall.txt``). Where the GDN
+batch graphs hold it, the step runs twice: from its graph, as served, and eagerly (``eager_batch_steps``), as the
+steps no batch graph holds run (their token counts specialize fla's kernels differently from the graphs' padded ones). Its extra sequences
 use live rows and state slots: before the server answers no request holds them, and a request starting on them
 writes its page-table entries from position 0 and starts from a zero state (``prefix_len`` 0), so nothing they
 leave is read.
@@ -38,6 +40,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from ..layers.gated_deltanet import eager_batch_steps
 from ..log import get_logger
 from ..startup_progress import phase
 from .gemm_warmup import GemmRecorder, warm_gemms, warmup_rows, warmup_rows_step
@@ -137,6 +140,10 @@ def batch_step_plan(w: "Worker", scratch_prefix: int) -> Optional[StepPlan]:
     return StepPlan.build(specs)
 
 
+def _has_batch_graphs(w: "Worker") -> bool:
+    return any(getattr(getattr(m, "prefill_graphs", None), "batch", None) is not None for m in w.model.modules())
+
+
 def run_prefill_warmup(w: "Worker") -> float:
     """Runs the warm-up chunks on ``w`` (see the module doc); returns the seconds it took."""
     chunks = warmup_chunks(w.max_prefill_length, w.scratch_tokens, w.max_context)
@@ -151,7 +158,10 @@ def run_prefill_warmup(w: "Worker") -> float:
         for prefix, new in chunks:
             w.execute_plan(scratch_chunk_plan(w, prefix, new), _allow_scratch=True)
     if batch is not None:
-        w.execute_plan(batch, _allow_scratch=True)
+        w.execute_plan(batch, _allow_scratch=True)  # as served: a GDN batch graph where one holds the step
+        if _has_batch_graphs(w):
+            with eager_batch_steps():  # and eagerly, as steps that no batch graph holds run
+                w.execute_plan(batch, _allow_scratch=True)
     took = time.perf_counter() - t0
     logger.info(f"Prefill warm-up done in {took:.1f} s")
     step = warmup_rows_step()

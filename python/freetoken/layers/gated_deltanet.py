@@ -18,6 +18,7 @@ recurrent form for decode).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -211,10 +212,25 @@ def stage_inputs() -> bool:
     return os.environ.get("FREETOKEN_GDN_STAGE_INPUTS", "1") != "0"
 
 
+_batch_graphs_held_off = False  # ``eager_batch_steps``
+
+
 def batch_graphs_on() -> bool:
     """Whether steps of several sequences replay the GDN batch graphs (``layers/gdn_batch_graphs.py``) where start-up
     captured them; ``FREETOKEN_GDN_BATCH_GRAPHS=0`` runs them eagerly (in-process A/B, read every step)."""
-    return os.environ.get("FREETOKEN_GDN_BATCH_GRAPHS", "1") != "0"
+    return not _batch_graphs_held_off and os.environ.get("FREETOKEN_GDN_BATCH_GRAPHS", "1") != "0"
+
+
+@contextlib.contextmanager
+def eager_batch_steps():
+    """Steps of several sequences run eagerly inside (the prefill warm-up compiles the kernels of the steps no batch
+    graph holds: more sequences than the largest bucket, or sequences cut inside for snapshots)."""
+    global _batch_graphs_held_off
+    held, _batch_graphs_held_off = _batch_graphs_held_off, True
+    try:
+        yield
+    finally:
+        _batch_graphs_held_off = held
 
 
 def _fla_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, decode, graphs=None, borrow=False):
