@@ -137,6 +137,31 @@ def test_emulated_graphs_match_eager(model_dirs, family):
         np.testing.assert_allclose(gl, wl, atol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3_5_moe"])
+def test_a_deleted_worker_with_graphs_frees_its_pools_without_a_collection(model_dirs, family):
+    """The graphs' recorded functions hold no reference back to the graphs object: with the garbage collector off
+    (as for everything start-up froze: ``gc_control``), deleting a worker that drove its graphs frees the worker,
+    its graphs, KV pool, state pool and model by reference counting alone (a cycle there kept a deleted engine's
+    KV pool, most of the card on CUDA, for good)."""
+    import gc
+    import weakref
+
+    w = _worker(model_dirs[family], graphs=True)
+    _drive(w)
+    held = {name: weakref.ref(getattr(w, name)) for name in ("graphs", "kv", "model")}
+    held["worker"] = weakref.ref(w)
+    if w.state is not None:
+        held["state"] = weakref.ref(w.state)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del w
+        assert [name for name, ref in held.items() if ref() is not None] == []
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def _top(extra: dict) -> tuple[np.ndarray, np.ndarray]:
     k = extra["top_k"]
     ids = np.frombuffer(extra["top_ids"], dtype="<i4").reshape(-1, k)

@@ -242,35 +242,46 @@ class DecodeGraphs:
             num_kv_splits=splits,
         )
 
+    # The recorded functions below read what they need from locals, never ``self``: this object keeps them (the
+    # graphs, ``_recorded``), and a function holding it back would make a reference cycle, which only the garbage
+    # collector frees; after the start-up freeze (``gc_control``) it never does, so a deleted engine kept its KV pool.
+
     def _forward_fn(self, bs: int) -> Callable[[], None]:
         batch = self._batch(bs)
-        i = self.inputs
+        i, kv, model, logits_by_bs = self.inputs, self.kv, self.model, self.logits
+        prefix_lens, context_lens, tokens, logprobs = self.prefix_lens, self.context_lens, self.tokens, self.logprobs
 
         def step() -> None:
             pos = i["positions"][:bs]
-            self.prefix_lens[:bs].copy_(pos)
-            self.context_lens[:bs].copy_(pos + 1)
-            self.kv.req_to_token[batch.rows, pos] = batch.out_cache_loc.to(torch.int32)  # the new token's slot
-            logits = self.model(batch)
+            prefix_lens[:bs].copy_(pos)
+            context_lens[:bs].copy_(pos + 1)
+            kv.req_to_token[batch.rows, pos] = batch.out_cache_loc.to(torch.int32)  # the new token's slot
+            logits = model(batch)
             tok, lp = greedy_tokens(logits)
-            self.tokens[:bs].copy_(tok)
-            self.logprobs[:bs].copy_(lp)
-            self.logits[bs] = logits
+            tokens[:bs].copy_(tok)
+            logprobs[:bs].copy_(lp)
+            logits_by_bs[bs] = logits
 
         return step
 
     def _sampler_fn(self, bs: int) -> Callable[[], None]:
-        i = self.inputs
+        i, token_counts, logits_by_bs, tokens, logprobs = (
+            self.inputs,
+            self.counts,
+            self.logits,
+            self.tokens,
+            self.logprobs,
+        )
 
         def draw() -> None:
-            logits = self.logits[bs]
-            counts = self.counts.counts[i["rows"][:bs]]
+            logits = logits_by_bs[bs]
+            counts = token_counts.counts[i["rows"][:bs]]
             penalized = apply_penalties(logits, counts, i["presence_penalty"][:bs], i["frequency_penalty"][:bs])
             temp, top_k = i["temperature"][:bs], i["top_k"][:bs]
             drawn = draw_tokens(penalized, temp, i["top_p"][:bs], top_k, i["min_p"][:bs], i["seeds"][:bs])
             tok = torch.where(is_greedy(temp, top_k), torch.argmax(penalized, dim=-1), drawn)
-            self.tokens[:bs].copy_(tok)
-            self.logprobs[:bs].copy_(token_logprobs(logits, tok))
+            tokens[:bs].copy_(tok)
+            logprobs[:bs].copy_(token_logprobs(logits, tok))
 
         return draw
 
@@ -283,10 +294,12 @@ class DecodeGraphs:
             self._outs_top_ids = [torch.zeros(self.max_bs, k, dtype=torch.int64, pin_memory=pin) for _ in (0, 1)]
             self._outs_top_lps = [torch.zeros(self.max_bs, k, dtype=torch.float32, pin_memory=pin) for _ in (0, 1)]
 
+        logits_by_bs, top_ids, top_lps = self.logits, self.top_ids, self.top_lps
+
         def top() -> None:
-            ids, lps = top_logprobs(self.logits[bs], self.top_ids.shape[1])
-            self.top_ids[:bs].copy_(ids)
-            self.top_lps[:bs].copy_(lps)
+            ids, lps = top_logprobs(logits_by_bs[bs], top_ids.shape[1])
+            top_ids[:bs].copy_(ids)
+            top_lps[:bs].copy_(lps)
 
         return top
 
