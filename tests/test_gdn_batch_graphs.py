@@ -17,6 +17,7 @@ from freetoken.layers.gated_deltanet import CHUNK_SIZE, _torch_gated_delta_rule
 from freetoken.layers.gdn_batch_graphs import (
     MAX_SEQS,
     GdnBatchGraphs,
+    capture_batch_graphs,
     chunk_count,
     padded_varlen_index,
     seq_buckets,
@@ -125,6 +126,26 @@ def test_misfits_are_declined_and_the_index_loads_once_per_step():
     second = batch.run(q, k, v, g, beta, init, lens)  # the next layer: same index, no refill
     assert len(loads) == 2 and batch.loaded == ((100, 20), (3, 3))
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_a_failed_capture_is_an_error_and_steps_run_eagerly(monkeypatch, caplog):
+    """``capture_batch_graphs``: a capture that raises is logged as an error and gives no batch graphs (steps of
+    several sequences then run eagerly); one running request or no one-sequence buckets: none, silently."""
+    import logging
+
+    single = GdnPrefillGraphs(torch_single, 2, 4, 8, 6, torch.float32, torch.device("cpu"), 256, emulate=True)
+    single.capture()
+    assert capture_batch_graphs(torch_varlen, single, 4).replay_fns
+    assert capture_batch_graphs(torch_varlen, single, 1) is None
+
+    def broken(self, pool=None):
+        raise RuntimeError("operation not permitted when stream is capturing\ndetails")
+
+    monkeypatch.setattr(GdnBatchGraphs, "capture", broken)
+    with caplog.at_level(logging.ERROR):
+        assert capture_batch_graphs(torch_varlen, single, 4) is None
+    assert "GDN batch graphs not captured (RuntimeError: operation not permitted" in caplog.text
+    assert "details" not in caplog.text
 
 
 @pytest.mark.parametrize("prefix_lens", [[0, 0, 0], [5, 9, 2], [0, 7, 0], [0] * 6 + [3]])

@@ -250,7 +250,7 @@ def capture_gdn_prefill_graphs(w: "Worker") -> tuple[int, tuple[int, ...]]:
         if tokens != serve_defaults()["gdn_prefill_graph_tokens"]:
             logger.warning(f"--gdn-prefill-graph-tokens {tokens}: no effect, {why}")
         return 0, ()
-    from .layers.gdn_batch_graphs import GdnBatchGraphs
+    from .layers.gdn_batch_graphs import capture_batch_graphs
     from .layers.gdn_prefill_graphs import GdnPrefillGraphs
 
     first = layers[0]
@@ -270,8 +270,7 @@ def capture_gdn_prefill_graphs(w: "Worker") -> tuple[int, tuple[int, ...]]:
     )
     graphs.capture()
     if _fla_direct_varlen():  # steps of several sequences, by (sequence count, chunk count) bucket
-        graphs.batch = GdnBatchGraphs(fla_direct_prefill, graphs, w.max_running_requests)
-        graphs.batch.capture(graphs.graph_pool())
+        graphs.batch = capture_batch_graphs(fla_direct_prefill, graphs, w.max_running_requests)
     torch.cuda.empty_cache()  # the warm-up runs' blocks, outside the graphs' pool
     held = torch.cuda.memory_reserved(w.device) - before
     for layer in layers:

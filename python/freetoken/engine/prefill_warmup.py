@@ -22,10 +22,10 @@ together, with a decode token riding along. One sequence and several take differ
 chunk kernels, autotuned on their first call: on the H200 the first step of 32 concurrent prompts waited 38.6 s
 for them, 2026-12-04 ``bench/results/2026-12-04-h200-qwen3.6-35b-a3b-nvfp4-decode-stall.txt``). Where the GDN
 batch graphs hold it, the step runs twice: from its graph, as served, and eagerly (``eager_batch_steps``), as the
-steps no batch graph holds run (their token counts specialize fla's kernels differently from the graphs' padded ones). Its extra sequences
-use live rows and state slots: before the server answers no request holds them, and a request starting on them
-writes its page-table entries from position 0 and starts from a zero state (``prefix_len`` 0), so nothing they
-leave is read.
+steps no batch graph holds run (their token counts specialize fla's kernels differently from the graphs' padded
+ones). Its extra sequences use live rows and state slots: before the server answers no request holds them, and a
+request starting on them writes its page-table entries from position 0 and starts from a zero state
+(``prefix_len`` 0), so nothing they leave is read.
 
 Last, cuBLAS's first call at each GEMM shape (``gemm_warmup.py``): the dense GEMMs the chunks made, each called once
 at every multiple of ``FREETOKEN_GEMM_WARMUP_ROWS`` (64) rows up to the chunk length, so that a served turn's new
