@@ -224,7 +224,7 @@ def batch_graphs_on() -> bool:
 @contextlib.contextmanager
 def eager_batch_steps():
     """Steps of several sequences run eagerly inside (the prefill warm-up compiles the kernels of the steps no batch
-    graph holds: more sequences than the largest bucket, or sequences cut inside for snapshots)."""
+    graph holds: more sequences or chunks than the largest bucket)."""
     global _batch_graphs_held_off
     held, _batch_graphs_held_off = _batch_graphs_held_off, True
     try:
