@@ -104,7 +104,7 @@ def test_emulated_steps_equal_the_eager_varlen_call_across_buckets_and_stale_buf
     assert batch.replays == len(steps) and single.replays == 0
 
 
-def test_misfits_are_declined_and_the_index_loads_once_per_step():
+def test_misfits_are_declined_and_the_index_loads_once_per_step(monkeypatch):
     """Too many sequences (none left for padding) or chunks: None (the caller runs eagerly). The same step's later
     layers reuse the loaded index; staging hands out the shared buffers for fitting steps only."""
     single, batch = _graphs(max_seqs=3)  # buckets 2, 3, 4: at most 3 real sequences
@@ -119,13 +119,18 @@ def test_misfits_are_declined_and_the_index_loads_once_per_step():
     )
     lens = [100, 20]
     q, k, v, g, beta, init = step_inputs(lens, 2, 4, 8, 6, seed=4)
-    loads = []
-    real = batch._load
-    batch._load = lambda *a: (loads.append(a), real(*a))
+    from freetoken.layers import gdn_batch_graphs
+
+    built = []
+    monkeypatch.setattr(
+        gdn_batch_graphs, "padded_varlen_index", lambda *a: (built.append(a), padded_varlen_index(*a))[1]
+    )
     first = [x.clone() for x in batch.run(q, k, v, g, beta, init, lens)]
-    second = batch.run(q, k, v, g, beta, init, lens)  # the next layer: same index, no refill
-    assert len(loads) == 2 and batch.loaded == ((100, 20), (3, 3))
+    second = batch.run(q, k, v, g, beta, init, lens)  # the next layer: same index, not rebuilt nor sent again
+    assert built == [([100, 20], 3, 3)] and batch.loaded == ((100, 20), (3, 3))
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+    batch.run(q[:100], k[:100], v[:100], g[:100], beta[:100], init, [60, 40])  # another step: rebuilt
+    assert built[-1] == ([60, 40], 3, 2)
 
 
 def test_a_failed_capture_is_an_error_and_steps_run_eagerly(monkeypatch, caplog):
