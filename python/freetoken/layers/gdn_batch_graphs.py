@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 
 from .gated_deltanet import CHUNK_SIZE
+from .gdn_prefill_graphs import record_graph
 
 if TYPE_CHECKING:
     from .gdn_prefill_graphs import GdnPrefillGraphs
@@ -149,15 +150,7 @@ class GdnBatchGraphs:
             if self.emulate:
                 self.replay_fns[(nb, nt)] = body
                 continue
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side), torch.inference_mode():
-                for _ in range(2):  # compile and autotune outside the capture
-                    body()
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
-                body()
-            self.replay_fns[(nb, nt)] = graph.replay
+            self.replay_fns[(nb, nt)] = record_graph(body, side, self.device, pool)
         self.loaded = None
         if not self.emulate:
             torch.cuda.synchronize(self.device)

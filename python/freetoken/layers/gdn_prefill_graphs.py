@@ -52,6 +52,20 @@ def bucket_sizes(max_tokens: int) -> list[int]:
     return sizes
 
 
+def record_graph(body: Callable[[], None], side, device: torch.device, pool) -> Callable[[], None]:
+    """``body`` run twice on the ``side`` stream (Triton compiles and fla's autotuning happen outside the capture),
+    then captured into ``pool``; returns the graph's replay (the bound method keeps the graph alive)."""
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side), torch.inference_mode():
+        for _ in range(2):
+            body()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.inference_mode(), torch.cuda.graph(graph, pool=pool):
+        body()
+    return graph.replay
+
+
 class GdnPrefillGraphs:
     """The graphs of one GDN shape (``Hk`` key heads, ``Hv`` value heads, ``dk x dv`` state) on one device.
     ``emulate`` replays by calling the function again (CPU tests of the buffer and padding logic)."""
@@ -116,15 +130,7 @@ class GdnPrefillGraphs:
             if self.emulate:
                 self.replay_fns[T] = body
                 continue
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side), torch.inference_mode():
-                for _ in range(2):  # compile and autotune outside the capture
-                    body()
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.inference_mode(), torch.cuda.graph(graph, pool=self.graph_pool()):
-                body()
-            self.replay_fns[T] = graph.replay  # the bound method keeps the graph alive
+            self.replay_fns[T] = record_graph(body, side, self.device, self.graph_pool())
         if not self.emulate:
             torch.cuda.synchronize(self.device)
 
