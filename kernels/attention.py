@@ -23,12 +23,11 @@ the dots in IEEE precision, never TF32). Accumulation is fp32; outputs are in q'
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from freetoken.layers.attention import AttentionBackend, gate_output, register_attention_backend
-from freetoken.tuning_env import choice_from_env
+from freetoken.tuning_env import choice_from_env, switch_from_env
 
 from .attention_cudnn import extend_attention_cudnn, use_cudnn_extend
 from .device_sms import sm_count
@@ -384,7 +383,7 @@ def int32_key_offsets(k_cache, v_cache) -> bool:
     """Every element offset of the K and V pools fits int32, so the extend kernel forms its gathered key addresses
     from int32 offsets (one wide multiply-add an element instead of 64-bit arithmetic), unless
     ``FREETOKEN_EXTEND_SLOT_INT32=0`` (A/B runs)."""
-    if os.environ.get("FREETOKEN_EXTEND_SLOT_INT32", "1") == "0":
+    if not switch_from_env("FREETOKEN_EXTEND_SLOT_INT32"):
         return False
 
     def last_offset(t) -> int:

@@ -1,5 +1,5 @@
 """Kernel-dispatch cuts and policies that an A/B benchmark run moves through the environment (``FREETOKEN_NVFP4_*``,
-``FREETOKEN_MOE_CACHE_POLICY``), read at start-up. The one place that parses them, so a bad value is refused the
+``FREETOKEN_MOE_CACHE_POLICY``, the graphs' on/off switches), read at start-up (the switches again at every step). The one place that parses them, so a bad value is refused the
 same way everywhere; also the one check of a launcher's ``tune`` overrides (benchmark sweeps, tests)."""
 
 from __future__ import annotations
@@ -28,6 +28,15 @@ def choice_from_env(name: str, default: str, choices: tuple) -> str:
     if raw not in choices:
         raise ValueError(f"{name}={raw!r}: expected one of {', '.join(choices)}")
     return raw
+
+
+def switch_from_env(name: str) -> bool:
+    """An on/off switch that is on unless ``$name`` is ``0`` (A/B runs switch an optimization off, some read at every
+    step); ``1``, empty or unset is on, anything else is refused in one line (a typo must not silently keep it on)."""
+    raw = os.environ.get(name, "").strip() or "1"
+    if raw not in ("0", "1"):
+        raise ValueError(f"{name}={raw!r}: expected 1 (on, the default) or 0 (off)")
+    return raw == "1"
 
 
 def with_overrides(defaults: dict, tune: Optional[dict], what: str) -> dict:

@@ -46,6 +46,7 @@ from .log import get_logger
 from .moe.bench_routing import BenchRoutingControl
 from .scripted_output import force as force_scripted_tokens
 from .serve_defaults import normalize_args
+from .tuning_env import switch_from_env
 
 logger = get_logger(__name__)
 
@@ -103,13 +104,16 @@ class Worker:
         extend_attention_choice()  # a bad FREETOKEN_EXTEND_ATTENTION stops start-up here, not the first prefill
         lazy_rescale()  # FREETOKEN_EXTEND_LAZY_RESCALE, the same
         grouped_gemm_choice()  # FREETOKEN_BF16_MOE_GROUPED, the same
+        for switch in ("FREETOKEN_MOE_PREFILL_GRAPHS", "FREETOKEN_EXTEND_SLOT_INT32"):
+            switch_from_env(switch)  # an on/off switch that is not 0 or 1, the same
         # a bad FREETOKEN_PDL, the same; on by default, logged where the device takes it (sm_90+)
         if pdl_requested() and self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) >= (9, 0):
             logger.info(f"Programmatic dependent launch on for our kernels (FREETOKEN_PDL={pdl_mode()})")
         if self.model.state_layout:
-            from .layers.gated_deltanet import gdn_backend, gdn_conv_impl
+            from .layers.gated_deltanet import batch_graphs_on, gdn_backend, gdn_conv_impl, stage_inputs
 
             gdn_conv_impl()  # a bad FREETOKEN_GDN_CONV_IMPL stops start-up here, not the first prefill
+            stage_inputs(), batch_graphs_on()  # FREETOKEN_GDN_STAGE_INPUTS, FREETOKEN_GDN_BATCH_GRAPHS, the same
             gdn = f", gdn_backend={gdn_backend(self.device)!r}"
         overlap = not a.get("disable_overlap_schedule", False)
         logger.info(

@@ -33,6 +33,7 @@ from ..kernels.gdn_decode import gdn_conv_decode, gdn_recurrent_decode
 from ..kernels.gdn_gates import gdn_gates
 from ..kernels.gdn_recurrent_piece import gdn_recurrent_piece
 from ..kernels.rms_norm import gated_rms_norm
+from ..tuning_env import switch_from_env
 from .fused_linear import FusedLinear, fuse_linears
 from .gdn_state_windows import gather_windows
 from .gemm_rows import padded_rows_linear
@@ -209,7 +210,7 @@ def stage_inputs() -> bool:
     """Whether the prefill conv writes q | k | v as contiguous blocks, into the GDN prefill graphs' buffers when a
     chunk fits them (the gates too); ``FREETOKEN_GDN_STAGE_INPUTS=0`` keeps the former ``[T, C]`` output and the
     copies into the graphs (A/B runs)."""
-    return os.environ.get("FREETOKEN_GDN_STAGE_INPUTS", "1") != "0"
+    return switch_from_env("FREETOKEN_GDN_STAGE_INPUTS")
 
 
 _batch_graphs_held_off = False  # ``eager_batch_steps``
@@ -218,7 +219,7 @@ _batch_graphs_held_off = False  # ``eager_batch_steps``
 def batch_graphs_on() -> bool:
     """Whether steps of several sequences replay the GDN batch graphs (``layers/gdn_batch_graphs.py``) where start-up
     captured them; ``FREETOKEN_GDN_BATCH_GRAPHS=0`` runs them eagerly (in-process A/B, read every step)."""
-    return not _batch_graphs_held_off and os.environ.get("FREETOKEN_GDN_BATCH_GRAPHS", "1") != "0"
+    return switch_from_env("FREETOKEN_GDN_BATCH_GRAPHS") and not _batch_graphs_held_off
 
 
 @contextlib.contextmanager

@@ -30,12 +30,12 @@ another graph's capture, a benchmark routing mode changed since capture, or ``FR
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
 from ..moe import bench_routing
+from ..tuning_env import switch_from_env
 from .gdn_prefill_graphs import bucket_sizes
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 def graphs_switched_on() -> bool:
     """``FREETOKEN_MOE_PREFILL_GRAPHS=0`` runs the blocks eagerly, graphs captured or not: an in-process A/B switch
     (``bench/profile_prefill.py --env-ab``), read at every step."""
-    return os.environ.get("FREETOKEN_MOE_PREFILL_GRAPHS", "1") != "0"
+    return switch_from_env("FREETOKEN_MOE_PREFILL_GRAPHS")
 
 
 def drop_padding_rows(ids: torch.Tensor, valid_rows: torch.Tensor, num_experts: int) -> torch.Tensor:
