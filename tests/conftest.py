@@ -125,6 +125,20 @@ def assert_start_up_refuses(monkeypatch, tmp_path, variable: str, value: str) ->
         Worker({"model_path": str(tmp_path), "device": "cpu", "num_tokens": 1024, "load_progress": False})
 
 
+@pytest.fixture
+def freetoken_caplog(caplog):
+    """``caplog`` that sees the ``freetoken`` loggers' records: their root logger does not propagate once the server's
+    logging is set up (``log.py``), so whether plain ``caplog`` saw them depended on which test ran first."""
+    import logging
+
+    logger = logging.getLogger("freetoken")
+    logger.addHandler(caplog.handler)
+    try:
+        yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> str:
     return make_tiny_llama_dir(tmp_path_factory.mktemp("tiny-llama"))

@@ -113,27 +113,32 @@ def test_misfits_are_declined_and_the_index_loads_once_per_step(monkeypatch):
     assert batch.bucket([1] * 4) is None and batch.run(q, k, v, g, beta, init, [1] * 4) is None
     assert batch.bucket([300, 30]) is None  # 6 chunks > 5
     assert batch.staging([300, 30]) is None
+    from freetoken.layers import gdn_batch_graphs
+
+    looked_up = []  # the bucket lookups (the step's later layers and their four questions ask the remembered one)
+    monkeypatch.setattr(gdn_batch_graphs, "chunk_count", lambda ls: (looked_up.append(ls), chunk_count(ls))[1])
     qkv, gs, bs = batch.staging([100, 20])
     assert (
         qkv.data_ptr() == single.qkv.data_ptr() and gs.shape[0] == 120 and bs.data_ptr() == single.gates[1].data_ptr()
     )
     lens = [100, 20]
     q, k, v, g, beta, init = step_inputs(lens, 2, 4, 8, 6, seed=4)
-    from freetoken.layers import gdn_batch_graphs
-
     built = []
     monkeypatch.setattr(
         gdn_batch_graphs, "padded_varlen_index", lambda *a: (built.append(a), padded_varlen_index(*a))[1]
     )
+    assert batch.states_for(lens) is not None
     first = [x.clone() for x in batch.run(q, k, v, g, beta, init, lens)]
     second = batch.run(q, k, v, g, beta, init, lens)  # the next layer: same index, not rebuilt nor sent again
     assert built == [([100, 20], 3, 3)] and batch.loaded == ((100, 20), (3, 3))
+    # one bucket lookup for the step's staging, states and both runs (the later layer's), one in the index's build
+    assert looked_up == [[100, 20], [100, 20]]
     assert all(torch.equal(a, b) for a, b in zip(first, second))
     batch.run(q[:100], k[:100], v[:100], g[:100], beta[:100], init, [60, 40])  # another step: rebuilt
     assert built[-1] == ([60, 40], 3, 2)
 
 
-def test_a_failed_capture_is_an_error_and_steps_run_eagerly(monkeypatch, caplog):
+def test_a_failed_capture_is_an_error_and_steps_run_eagerly(monkeypatch, freetoken_caplog):
     """``capture_batch_graphs``: a capture that raises is logged as an error and gives no batch graphs (steps of
     several sequences then run eagerly); one running request or no one-sequence buckets: none, silently."""
     import logging
@@ -147,10 +152,10 @@ def test_a_failed_capture_is_an_error_and_steps_run_eagerly(monkeypatch, caplog)
         raise RuntimeError("operation not permitted when stream is capturing\ndetails")
 
     monkeypatch.setattr(GdnBatchGraphs, "capture", broken)
-    with caplog.at_level(logging.ERROR):
+    with freetoken_caplog.at_level(logging.ERROR):
         assert capture_batch_graphs(torch_varlen, single, 4) is None
-    assert "GDN batch graphs not captured (RuntimeError: operation not permitted" in caplog.text
-    assert "details" not in caplog.text
+    assert "GDN batch graphs not captured (RuntimeError: operation not permitted" in freetoken_caplog.text
+    assert "details" not in freetoken_caplog.text
 
 
 @pytest.mark.parametrize("prefix_lens", [[0, 0, 0], [5, 9, 2], [0, 7, 0], [0] * 6 + [3]])

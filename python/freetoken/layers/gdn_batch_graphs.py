@@ -107,6 +107,7 @@ class GdnBatchGraphs:
         self.final = torch.zeros(n_max, hv, dk, dv, dtype=torch.float32, device=device)
         self.replay_fns: dict[tuple[int, int], Callable[[], None]] = {}
         self.loaded: Optional[tuple] = None  # (lens, bucket) whose index the buffers hold
+        self._lookup: tuple = ((), None)  # the last step's (lens, bucket): its layers ask four times each
         self.replays = 0
 
     def buckets(self) -> list[tuple[int, int]]:
@@ -120,12 +121,15 @@ class GdnBatchGraphs:
 
     def bucket(self, lens: list[int]) -> Optional[tuple[int, int]]:
         """The smallest captured bucket holding sequences of ``lens`` (None: too many sequences, chunks or tokens)."""
+        key = tuple(lens)
+        if self._lookup[0] == key:
+            return self._lookup[1]
         n, chunks = len(lens), chunk_count(lens)
         nb = next((s for s in self.seq_sizes if s > n), None)
         nt = next((s for s in self.chunk_sizes if s >= chunks), None)
-        if nb is None or nt is None or (nb, nt) not in self.replay_fns:
-            return None
-        return nb, nt
+        found = None if nb is None or nt is None or (nb, nt) not in self.replay_fns else (nb, nt)
+        self._lookup = (key, found)
+        return found
 
     def _body(self, nb: int, nt: int) -> Callable[[], None]:
         rows = nt * CHUNK_SIZE
@@ -151,7 +155,7 @@ class GdnBatchGraphs:
                 self.replay_fns[(nb, nt)] = body
                 continue
             self.replay_fns[(nb, nt)] = record_graph(body, side, self.device, pool)
-        self.loaded = None
+        self.loaded, self._lookup = None, ((), None)
         if not self.emulate:
             torch.cuda.synchronize(self.device)
 
