@@ -91,6 +91,8 @@
 #   batchstep steps of several sequences (layers/gdn_batch_graphs.py): its GPU tests and the one-sequence graphs',
 #            then bench/batch_prefill_step.py on the NVFP4 dummy config (32 prompts, 1 prompt + 31 decode, the
 #            control prompt) with the batch graphs, eager varlen and fla's public entry, alternating
+#   kernels  bench/nvfp4_kernel_bench.py --groups KERNELS_GROUPS (default linear,mixed: issue 11's decode GEMVs, lm_head
+#            and the mixed projections) at KERNELS_MS (default 1,2,3,4,8,16)
 #   concurrent  bench/concurrent_prompts_bench.py: 32 prompts sent together and prompts joining 31 decode streams,
 #            through HTTP, on a server with the GDN batch graphs and one without (FREETOKEN_GDN_BATCH_GRAPHS=0), NVFP4
 #            dummy config resident, uniform routing (CONCURRENT_ARGS adds bench flags, CONCURRENT_TIMEOUT)
@@ -372,6 +374,10 @@ fi
 if [[ " $SECTIONS " == *" sweep "* ]]; then
   timeout ${SWEEP_TIMEOUT:-300} python3 bench/nvfp4_kernel_bench.py --groups sweep --ms 1,2,4,8,16 \
       --out "$OUT/nvfp4_sweep.json" 2>&1 | tee "$OUT/nvfp4_sweep.log" | tail -80
+fi
+if [[ " $SECTIONS " == *" kernels "* ]]; then
+  timeout ${KERNELS_TIMEOUT:-300} python3 bench/nvfp4_kernel_bench.py --groups ${KERNELS_GROUPS:-linear,mixed} \
+      --ms ${KERNELS_MS:-1,2,3,4,8,16} --out "$OUT/nvfp4_kernels.json" 2>&1 | tee "$OUT/nvfp4_kernels.log" | tail -80
 fi
 if [[ " $SECTIONS " == *" stress "* ]]; then
   timeout ${STRESS_TIMEOUT:-300} python3 bench/radix_stress.py --out "$OUT/radix_stress.json" 2>&1 \
