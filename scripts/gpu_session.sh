@@ -136,7 +136,7 @@ if [[ " $SECTIONS " == *" batchstep "* ]]; then
   timeout ${BATCHSTEP_TEST_TIMEOUT:-300} python3 -m pytest -v -m gpu -p no:cacheprovider -rfs --tb=short \
       ${BATCHSTEP_TESTS:-tests/test_gdn_batch_graphs.py tests/test_gdn_prefill_graphs.py} 2>&1 | tee "$OUT/batchstep_tests.log" \
       | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | tail -20
-  timeout ${BATCHSTEP_TIMEOUT:-300} python3 bench/batch_prefill_step.py --rounds ${BATCHSTEP_ROUNDS:-2} \
+  FREETOKEN_BENCH_ROUTING=${BATCHSTEP_ROUTING:-uniform} timeout ${BATCHSTEP_TIMEOUT:-300} python3 bench/batch_prefill_step.py --rounds ${BATCHSTEP_ROUNDS:-2} \
       --reps ${BATCHSTEP_REPS:-5} --host-profile ${BATCHSTEP_HOST_PROFILE:-0} \
       --device-profile ${BATCHSTEP_DEVICE_PROFILE:-0} \
       --out "$OUT/batch_prefill_step.json" -- --dummy-weight --model-path configs/qwen3.6-35b-a3b-nvfp4 \
