@@ -1,6 +1,7 @@
 """Kernel-dispatch cuts and policies that an A/B benchmark run moves through the environment (``FREETOKEN_NVFP4_*``,
-``FREETOKEN_MOE_CACHE_POLICY``, the graphs' on/off switches), read at start-up (the switches again at every step). The one place that parses them, so a bad value is refused the
-same way everywhere; also the one check of a launcher's ``tune`` overrides (benchmark sweeps, tests)."""
+``FREETOKEN_MOE_CACHE_POLICY``, the graphs' on/off switches), read at start-up (the switches again at every step).
+The one place that parses them, so a bad value is refused the same way everywhere; also the one check of a
+launcher's ``tune`` overrides (benchmark sweeps, tests)."""
 
 from __future__ import annotations
 
