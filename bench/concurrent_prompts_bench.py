@@ -30,7 +30,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import write_report  # noqa: E402
-from serve_bench import WORDS, stream_completion  # noqa: E402
+from serve_bench import WORDS, stream_completion, stream_together  # noqa: E402
 from server_harness import ServerProcess  # noqa: E402
 
 MODES = {"batch graphs": {}, "eager varlen": {"FREETOKEN_GDN_BATCH_GRAPHS": "0"}}
@@ -41,27 +41,9 @@ def fresh_prompt(rng: random.Random, words: int) -> str:
     return f"{rng.randrange(10**9)}: " + " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-def run_together(url: str, prompts: list[str], max_tokens: int) -> list[dict]:
-    """Every prompt streamed at once, one thread each; a failed request stops the benchmark."""
-    results: list = [None] * len(prompts)
-
-    def run(i: int) -> None:
-        results[i] = stream_completion(url, prompts[i], max_tokens)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    bad = [r for r in results if "error" in r]
-    if bad:
-        raise RuntimeError(f"{len(bad)} of {len(prompts)} requests failed: {bad[0]}")
-    return results
-
-
 def burst(url: str, rng: random.Random, n: int, words: int) -> dict:
     """``n`` prompts sent together, 2 tokens each: their TTFTs."""
-    results = run_together(url, [fresh_prompt(rng, words) for _ in range(n)], 2)
+    results = stream_together(url, [fresh_prompt(rng, words) for _ in range(n)], 2)
     ttfts = sorted(r["ttft_s"] * 1e3 for r in results)
     return {
         "prompts": n,
@@ -71,14 +53,27 @@ def burst(url: str, rng: random.Random, n: int, words: int) -> dict:
     }
 
 
+def gaps_around_joins(running: list[dict], joined: list[dict]) -> tuple[list[float], list[float]]:
+    """From the decode streams' token times and the joiners' send and first-token times: the streams' gaps before the
+    first join (steady decode), and per joiner the longest gap of any stream that overlaps its wait (from its send to
+    its first token: the step that held its prompt delayed that stream's next token); 0 when none overlaps."""
+    first_join = joined[0]["sent"]
+    pairs = [(a, b) for s in running for a, b in zip(s["stamps"], s["stamps"][1:])]
+    steady = [b - a for a, b in pairs if b < first_join]
+    stalls = []
+    for r in joined:
+        lo, hi = r["sent"], r["stamps"][0]
+        stalls.append(max((b - a for a, b in pairs if b > lo and a < hi), default=0.0))
+    return steady, stalls
+
+
 def join(url: str, rng: random.Random, streams: int, joins: int, words: int) -> dict:
     """``streams`` decode streams, then ``joins`` prompts one after another while they run: each joiner's TTFT and
     the longest gap any stream saw between the joiner's send and its first token (the step that prefilled it)."""
     running: list = []
     tokens = 64 + joins * 48  # the streams outlive the joins (a joiner's round takes a few dozen decode steps)
-    holder = threading.Thread(
-        target=lambda: running.extend(run_together(url, [fresh_prompt(rng, 8) for _ in range(streams)], tokens))
-    )
+    prompts = [fresh_prompt(rng, 8) for _ in range(streams)]
+    holder = threading.Thread(target=lambda: running.extend(stream_together(url, prompts, tokens)))
     holder.start()
     time.sleep(1.5)  # every stream past its prefill, decoding
     joined = []
@@ -89,14 +84,7 @@ def join(url: str, rng: random.Random, streams: int, joins: int, words: int) -> 
         joined.append(r)
         time.sleep(0.25)
     holder.join()
-    first_join = joined[0]["sent"]
-    steady = [b - a for s in running for a, b in zip(s["stamps"], s["stamps"][1:]) if b < first_join]
-    stalls = []
-    for r in joined:
-        lo, hi = r["sent"], r["stamps"][0]
-        # a stream's gap that overlaps the joiner's prefill: the step it waited on held the new prompt
-        gaps = [b - a for s in running for a, b in zip(s["stamps"], s["stamps"][1:]) if b > lo and a < hi]
-        stalls.append(max(gaps) if gaps else 0.0)
+    steady, stalls = gaps_around_joins(running, joined)
     return {
         "streams": streams,
         "joins": joins,
@@ -105,6 +93,7 @@ def join(url: str, rng: random.Random, streams: int, joins: int, words: int) -> 
         "stream_gap_ms_p50_before": statistics.median(steady) * 1e3 if steady else None,
         "stream_gap_ms_at_join_p50": statistics.median(stalls) * 1e3,
         "stream_gap_ms_at_join_max": max(stalls) * 1e3,
+        "joins_after_the_streams": sum(1 for r in joined if r["stamps"][0] > max(x["stamps"][-1] for x in running)),
     }
 
 
@@ -116,7 +105,9 @@ def bench_server(serve_args: list[str], env: dict, a: argparse.Namespace) -> dic
         line = next((ln for ln in srv.log().splitlines() if "Gated DeltaNet prefill CUDA graphs" in ln), "")
         out["graphs_line"] = line[line.find("Captured") :] if "Captured" in line else line
         rng = random.Random(a.seed)
-        run_together(srv.url, [fresh_prompt(rng, a.burst_words) for _ in range(a.burst)], 2)  # what JIT start-up left
+        stream_together(
+            srv.url, [fresh_prompt(rng, a.burst_words) for _ in range(a.burst)], 2
+        )  # what JIT start-up left
         for _ in range(a.rounds):
             out["rounds"].append(
                 {

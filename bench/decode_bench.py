@@ -33,7 +33,6 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -41,7 +40,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 from hardware_bandwidth import measure_bandwidth  # noqa: E402
 from report import write_report  # noqa: E402
-from serve_bench import long_prompt, stream_completion  # noqa: E402
+from serve_bench import long_prompt, stream_completion, stream_together  # noqa: E402
 from server_harness import ServerProcess  # noqa: E402
 
 FREETOKEN_012 = {"resident_bs1": 262.7, "offload_all_hit_bs1": 174.6}  # tok/s, REFERENCES §5.4
@@ -186,19 +185,7 @@ def one_stream(srv, tokens: int) -> dict:
 
 
 def many_streams(srv, streams: int, tokens: int) -> dict:
-    results: list = [None] * streams
-
-    def run(i):
-        results[i] = stream_completion(srv.url, f"Count slowly, stream {i}:", tokens)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(streams)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    bad = [r for r in results if "error" in r]
-    if bad:
-        raise RuntimeError(f"{len(bad)} of {streams} streams failed: {bad[0]}")
+    results = stream_together(srv.url, [f"Count slowly, stream {i}:" for i in range(streams)], tokens)
     gaps = sorted(g for r in results for g in r["gaps"])
     decoded = sum(r["usage"]["completion_tokens"] - 1 for r in results)
     span = statistics.mean(sum(r["gaps"]) for r in results)

@@ -16,6 +16,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 
 import requests
@@ -69,6 +70,24 @@ def stream_completion(url: str, prompt: str, max_tokens: int, timeout: float = 6
         "sent": t0,
         "stamps": stamps,
     }
+
+
+def stream_together(url: str, prompts: list[str], max_tokens: int) -> list[dict]:
+    """Every prompt streamed at once, one thread each; a failed request stops the benchmark."""
+    results: list = [None] * len(prompts)
+
+    def run(i: int) -> None:
+        results[i] = stream_completion(url, prompts[i], max_tokens)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    bad = [r for r in results if "error" in r]
+    if bad:
+        raise RuntimeError(f"{len(bad)} of {len(prompts)} requests failed: {bad[0]}")
+    return results
 
 
 def parse_args() -> argparse.Namespace:
