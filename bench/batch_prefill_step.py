@@ -7,6 +7,8 @@ must allow 32), then times, with the device synchronized around each step:
 
 - ``32 prompts``: 32 fresh prompts of ``--prompt-tokens`` (7) tokens in one step;
 - ``1 prompt + 31 decode``: a fresh ``--mixed-prompt-tokens`` (200) token prompt beside 31 sequences' decode tokens;
+- ``+ snapshots``: the second shape with the prompt's state captured at its last grid point and its end, as the
+  hybrid radix cache serves it (its GDN layers run in rounds; hybrid models only);
 - ``1 prompt``: one fresh prompt of as many tokens as the first shape has (the same work in one sequence; the
   32 prompts' tokens, one after another).
 
@@ -77,7 +79,7 @@ def seq(row: int, tokens: list[int], prefix: int, state: bool) -> dict:
     }
 
 
-def shapes(a: argparse.Namespace, state: bool, vocab: int) -> dict[str, StepPlan]:
+def shapes(a: argparse.Namespace, state: bool, vocab: int, snap_slot: int) -> dict[str, StepPlan]:
     n, p = a.streams, a.prompt_tokens
 
     def distinct(count: int, start: int) -> list[int]:
@@ -85,13 +87,24 @@ def shapes(a: argparse.Namespace, state: bool, vocab: int) -> dict[str, StepPlan
         # control's MoE ran 9.7 ms against 16.1 for the 32 prompts on 2026-12-06, all of it that artefact)
         return [(start + 7 * i) % vocab for i in range(count)]
 
+    m = a.mixed_prompt_tokens
+    mixed = [seq(0, distinct(m, 11), 0, state)] + [seq(r, [(12 + r) % vocab], p, state) for r in range(1, n)]
+    grid = (m - 1) // 64 * 64
+
+    def joined_with_snapshots(seqs: list[dict], grid: int, end: int) -> StepPlan:
+        # the served form of the joining prompt's step under the hybrid radix cache: its state captured at its
+        # last grid point and at its end (into the last snapshot slot), so its GDN layers run in rounds
+        plan = StepPlan.build(seqs)
+        plan.snap_seq = torch.zeros(2, dtype=torch.int64)
+        plan.snap_upto = torch.tensor([grid, end], dtype=torch.int64)
+        plan.snap_slot = torch.full((2,), snap_slot, dtype=torch.int64)
+        return plan
+
     return {
         f"{n} prompts x {p}": StepPlan.build([seq(r, distinct(p, 10 + 7 * p * r), 0, state) for r in range(n)]),
-        f"1 prompt x {a.mixed_prompt_tokens} + {n - 1} decode": StepPlan.build(
-            [seq(0, distinct(a.mixed_prompt_tokens, 11), 0, state)]
-            + [seq(r, [(12 + r) % vocab], p, state) for r in range(1, n)]
-        ),
+        f"1 prompt x {m} + {n - 1} decode": StepPlan.build(mixed),
         f"1 prompt x {n * p}": StepPlan.build([seq(0, distinct(n * p, 10), 0, state)]),
+        **({f"+ snapshots at {grid}, {m}": joined_with_snapshots(mixed, grid, m)} if state else {}),
     }
 
 
@@ -118,7 +131,7 @@ def main() -> int:
         raise SystemExit(f"--max-running-requests {w.max_running_requests} < --streams {a.streams}")
     hybrid = w.state is not None
     sync = torch.cuda.synchronize if w.device.type == "cuda" else (lambda: None)
-    plans = shapes(a, hybrid, w.vocab_size)
+    plans = shapes(a, hybrid, w.vocab_size, w.num_state_slots - 1 if hybrid else -1)
     # the decode sequences' prompts, so that their tokens continue something
     w.execute_plan(
         StepPlan.build([seq(r, [(5 * r + 10) % w.vocab_size] * a.prompt_tokens, 0, hybrid) for r in range(a.streams)])

@@ -412,7 +412,8 @@ def gated_delta_rule_in_rounds(varlen, q, k, v, g, beta, initial_state, cu_seqle
     sequence's pieces shorter than ``SHORT_PIECE`` tokens (the tail after a grid-point snapshot) in one cheap
     launch, writing o into ``out`` (its rows of the whole output), where ``token_by_token`` says so.
     Returns ``(o [T, Hv, dv] fp32 (the kernels' dtype when no sequence is cut or there is one sequence),
-    final [N, Hv, dk, dv] fp32, {(seq, offset): state})``."""
+    final [N, Hv, dk, dv] fp32, {(seq, offset): state})``, the states at every piece end of the sequences
+    ``captures`` names."""
     N = len(cu_seqlens) - 1
     pieces = []  # per sequence: [(start, end)] token ranges, relative to the sequence
     for b in range(N):
@@ -436,22 +437,32 @@ def gated_delta_rule_in_rounds(varlen, q, k, v, g, beta, initial_state, cu_seqle
             state = final_r  # the next piece reads it before varlen runs again
             captured[(0, z)] = final_r[0].to(torch.float32, copy=True)
         return o, state.float(), captured
-    state = [initial_state[b].float() for b in range(N)]
+    # several sequences (a prompt cut at its grid point beside decode tokens): a fixed handful of ops a round
+    # whatever the sequence count (one gather per input, one index for them built on the host, the states of the
+    # round's sequences as one tensor), where per-sequence ops cost the host ~0.1 ms a sequence and layer
     o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    init, prev_seqs, final = initial_state, list(range(N)), None
     for r in range(max(len(p) for p in pieces)):
-        seqs = [b for b in range(N) if r < len(pieces[b])]
+        seqs = [b for b in range(N) if r < len(pieces[b])]  # a subset of the previous round's
         ranges = [(cu_seqlens[b] + pieces[b][r][0], cu_seqlens[b] + pieces[b][r][1]) for b in seqs]
-        idx = torch.cat([torch.arange(a, z, device=q.device) for a, z in ranges])
         cu = [0]
         for a, z in ranges:
             cu.append(cu[-1] + z - a)
-        init = torch.stack([state[b] for b in seqs]).to(initial_state.dtype)
-        o_r, final_r = varlen(q[idx], k[idx], v[idx], g[idx], beta[idx], init, cu, False)
-        o[idx] = o_r.float()
+        idx = _to_device_async(torch.tensor([t for a, z in ranges for t in range(a, z)]), q.device)
+        if seqs != prev_seqs:
+            init = init[_to_device_async(torch.tensor([prev_seqs.index(b) for b in seqs]), q.device)]
+        o_r, final_r = varlen(q[idx], k[idx], v[idx], g[idx], beta[idx], init.to(initial_state.dtype), cu, False)
+        o.index_copy_(0, idx, o_r.float())
+        init = final_r.to(torch.float32, copy=True)  # the varlen outputs may be buffers its next call overwrites
+        if final is None:  # round 0 holds every sequence; later rounds overwrite the rows of the cut ones
+            final = init
+        else:
+            final.index_copy_(0, _to_device_async(torch.tensor(seqs), q.device), init)
         for i, b in enumerate(seqs):
-            state[b] = final_r[i].to(torch.float32, copy=True)
-            captured[(b, pieces[b][r][1])] = state[b]
-    return o, torch.stack(state), captured
+            if b in captures:  # a cut sequence's round-0 row of ``final`` is overwritten later: its own copy
+                captured[(b, pieces[b][r][1])] = init[i].clone() if r == 0 and len(pieces[b]) > 1 else init[i]
+        prev_seqs = seqs
+    return o, final, captured
 
 
 # ----------------------------------------------------------------------------------------------------------------
