@@ -11,7 +11,8 @@ cannot shorten them):
   (the last TTFT) and the median TTFT;
 - join: ``--burst - 1`` streams decoding (``ignore_eos``), then ``--joins`` prompts of ``--join-words`` words, one at a
   time: the joiner's TTFT, and the longest gap each running stream saw while the joiner prefilled, beside the
-  streams' median gap before the first join.
+  streams' median gap before the first join; and the joiner's step from ``/v1/stats`` (engine, worker, device and
+  host-launch ms: is it host-bound).
 The servers differ only in the switch, so the ratio is the batch graphs' (the routing, driven by
 ``FREETOKEN_BENCH_ROUTING``, is the same in both). With ``--moe-backend fused`` every expert is resident: there is no
 expert cache and no hit rate (the table says so).
@@ -26,6 +27,8 @@ import statistics
 import sys
 import threading
 import time
+
+import requests
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -53,6 +56,14 @@ def burst(url: str, rng: random.Random, n: int, words: int) -> dict:
     }
 
 
+def last_prefill_step(url: str) -> dict:
+    """The last step that computed prompt tokens, from ``/v1/stats``: its new tokens (the prompt's, plus the decode
+    tokens beside it), the engine's, the worker's, the device's time and the host's time to enqueue it (ms)."""
+    stats = requests.get(url + "/v1/stats", timeout=30).json()
+    keys = ("tokens", "engine_ms", "forward_ms", "device_ms", "launch_ms")
+    return {k: float(stats.get(f"last_prefill_{k}") or 0.0) for k in keys}
+
+
 def gaps_around_joins(running: list[dict], joined: list[dict]) -> tuple[list[float], list[float]]:
     """From the decode streams' token times and the joiners' send and first-token times: the streams' gaps before the
     first join (steady decode), and per joiner the longest gap of any stream that overlaps its wait (from its send to
@@ -76,12 +87,13 @@ def join(url: str, rng: random.Random, streams: int, joins: int, words: int) -> 
     holder = threading.Thread(target=lambda: running.extend(stream_together(url, prompts, tokens)))
     holder.start()
     time.sleep(1.5)  # every stream past its prefill, decoding
-    joined = []
+    joined, steps = [], []
     for _ in range(joins):
         r = stream_completion(url, fresh_prompt(rng, words), 2)
         if "error" in r:
             raise RuntimeError(f"joining prompt failed: {r}")
         joined.append(r)
+        steps.append(last_prefill_step(url))  # the joiner's step (no other prompt came since)
         time.sleep(0.25)
     holder.join()
     steady, stalls = gaps_around_joins(running, joined)
@@ -93,6 +105,7 @@ def join(url: str, rng: random.Random, streams: int, joins: int, words: int) -> 
         "stream_gap_ms_p50_before": statistics.median(steady) * 1e3 if steady else None,
         "stream_gap_ms_at_join_p50": statistics.median(stalls) * 1e3,
         "stream_gap_ms_at_join_max": max(stalls) * 1e3,
+        "join_step": {key: statistics.median(st[key] for st in steps) for key in steps[0]},
         "joins_after_the_streams": sum(1 for r in joined if r["stamps"][0] > max(x["stamps"][-1] for x in running)),
     }
 
@@ -122,6 +135,8 @@ def bench_server(serve_args: list[str], env: dict, a: argparse.Namespace) -> dic
 
 
 def best(rounds: list[dict], scenario: str, key: str) -> float:
+    if scenario == "join_step":
+        return min(r["join"]["join_step"][key] for r in rounds)
     return min(r[scenario][key] for r in rounds)
 
 
@@ -138,6 +153,10 @@ def print_table(report: dict) -> None:
         ("join: stream gap before ms", "join", "stream_gap_ms_p50_before"),
         ("join: stream gap at join p50 ms", "join", "stream_gap_ms_at_join_p50"),
         ("join: stream gap at join max ms", "join", "stream_gap_ms_at_join_max"),
+        ("join step: engine ms", "join_step", "engine_ms"),
+        ("join step: worker ms", "join_step", "forward_ms"),
+        ("join step: device ms", "join_step", "device_ms"),
+        ("join step: host launch ms", "join_step", "launch_ms"),
     ]
     names = list(modes)
     print(f"{'':34}" + "".join(f"{n:>16}" for n in names) + f"{'ratio':>10}")

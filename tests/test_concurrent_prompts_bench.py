@@ -45,4 +45,5 @@ def test_end_to_end_on_a_tiny_hybrid_model(tmp_path):
         (rnd,) = server["rounds"]
         assert rnd["burst"]["prompts"] == 3 and rnd["burst"]["ttft_ms_last"] >= rnd["burst"]["ttft_ms_p50"] > 0
         assert rnd["join"]["streams"] == 2 and rnd["join"]["join_ttft_ms_p50"] > 0
+        assert rnd["join"]["join_step"]["tokens"] > 30 and rnd["join"]["join_step"]["engine_ms"] > 0
     assert "burst: TTFT p50 ms" in done.stdout
