@@ -187,7 +187,15 @@ def main() -> int:
         for r in by_dev:
             print(f"  {r['op'][:70]:<72}{r['calls_per_step']:>6.0f}{r['self_device_ms_per_step']:>9.3f} ms")
     device = torch.cuda.get_device_name() if w.device.type == "cuda" else "cpu"
-    write_report(a.out, {"device": device, "serve_args": a.serve_args, "rows": rows, "device_profiles": profiles})
+    routing = os.environ.get("FREETOKEN_BENCH_ROUTING") or "the router's own"
+    report = {
+        "device": device,
+        "routing": routing,
+        "serve_args": a.serve_args,
+        "rows": rows,
+        "device_profiles": profiles,
+    }
+    write_report(a.out, report)
     return 0
 
 
