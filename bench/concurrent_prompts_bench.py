@@ -57,8 +57,8 @@ def burst(url: str, rng: random.Random, n: int, words: int) -> dict:
 
 
 def last_prefill_step(url: str) -> dict:
-    """The last step that computed prompt tokens, from ``/v1/stats``: its new tokens (the prompt's, plus the decode
-    tokens beside it), the engine's, the worker's, the device's time and the host's time to enqueue it (ms)."""
+    """The last step that computed prompt tokens, from ``/v1/stats``: its prompt tokens (the decode tokens beside
+    them not counted), the engine's, the worker's, the device's time and the host's time to enqueue it (ms)."""
     stats = requests.get(url + "/v1/stats", timeout=30).json()
     keys = ("tokens", "engine_ms", "forward_ms", "device_ms", "launch_ms")
     return {k: float(stats.get(f"last_prefill_{k}") or 0.0) for k in keys}
