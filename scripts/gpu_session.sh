@@ -90,7 +90,8 @@
 #            slot and snapshot accounted for
 #   batchstep steps of several sequences (layers/gdn_batch_graphs.py): its GPU tests and the one-sequence graphs',
 #            then bench/batch_prefill_step.py on the NVFP4 dummy config (32 prompts, 1 prompt + 31 decode, the
-#            control prompt) with the batch graphs, eager varlen and fla's public entry, alternating
+#            control prompt, the joined prompt with its hybrid-radix snapshots) with the batch graphs, eager varlen
+#            and fla's public entry, alternating; BATCHSTEP_ROUTING (default uniform) drives the routing
 #   kernels  bench/nvfp4_kernel_bench.py --groups KERNELS_GROUPS (default linear,mixed: issue 11's decode GEMVs, lm_head
 #            and the mixed projections) at KERNELS_MS (default 1,2,3,4,8,16)
 #   concurrent  bench/concurrent_prompts_bench.py: 32 prompts sent together and prompts joining 31 decode streams,
