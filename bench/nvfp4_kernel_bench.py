@@ -688,7 +688,13 @@ def fp8_prefill_rows(group, name, x, bank, routes, reps, nbytes, flops, bw, t_bf
     import torch
 
     from freetoken.kernels.moe_grouped_mm import sort_pairs_by_expert
-    from freetoken.kernels.nvfp4_fp8_moe import fp8_prefill_supported, nvfp4_fp8_moe, nvfp4_to_fp8, quantize_rows_fp8
+    from freetoken.kernels.nvfp4_fp8_moe import (
+        CHUNK_TOKENS,
+        fp8_prefill_supported,
+        nvfp4_fp8_moe,
+        nvfp4_to_fp8,
+        quantize_rows_fp8,
+    )
 
     if not fp8_prefill_supported(x):
         print(f"{group}: no FP8 prefill rows (torch {torch.__version__}, {x.device})")
@@ -697,6 +703,10 @@ def fp8_prefill_rows(group, name, x, bank, routes, reps, nbytes, flops, bw, t_bf
     E, I = bank[0].shape[0], bank[3].shape[2] * 2
     t = time_calls(cycled(lambda r: nvfp4_fp8_moe(x, *bank, *r), routes, reps), device=x.device)
     out = [row(group, f"{name} fp8 (W8A8)", T, t, nbytes, flops, bw, t_bf16, distinct_experts=E)]
+    if T > CHUNK_TOKENS:  # the same step in one piece
+        whole = lambda r: nvfp4_fp8_moe(x, *bank, *r, chunk_tokens=T)  # noqa: E731
+        t = time_calls(cycled(whole, routes, reps), device=x.device)
+        out.append(row(group, f"{name} fp8 one piece", T, t, nbytes, flops, bw, t_bf16, distinct_experts=E))
     t_conv = time_calls([lambda: (nvfp4_to_fp8(*bank[:3]), nvfp4_to_fp8(*bank[3:]))] * reps, device=x.device)
     out.append(row(group, f"{name} fp8 convert", T, t_conv, nbytes, flops, bw, t_bf16, distinct_experts=E))
     (w13, s13), (w2, s2) = nvfp4_to_fp8(*bank[:3]), nvfp4_to_fp8(*bank[3:])

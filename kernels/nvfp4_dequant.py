@@ -26,7 +26,6 @@ try:  # keep the reference importable without triton
     import triton
     import triton.language as tl
 
-    from .e4m3 import round_to_e4m3
     from .nvfp4_tiles import dequant_tile_words
     from .pdl import pdl_launch, pdl_wait_then_release
 except Exception:  # pragma: no cover
@@ -62,7 +61,6 @@ if triton is not None:
         stride_on,
         ROWS: tl.constexpr,
         WORDS: tl.constexpr,
-        E4M3_OUT: tl.constexpr = False,  # out is E4M3 (nvfp4_fp8_moe): round first, so the cast is exact
         PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
         pdl_wait_then_release(PDL)
@@ -82,8 +80,6 @@ if triton is not None:
             w = tl.load(w_row + kw0 + offs_w[None, :], mask=w_mask, other=0)
             s = tl.load(s_row + kw0 // 2 + offs_s[None, :], mask=s_mask, other=0)
             tile = dequant_tile_words(w, s, ROWS, WORDS, tl.float32) * g[:, None]  # code * scale exact in fp32
-            if E4M3_OUT:
-                tile = round_to_e4m3(tile)
             k_mask = n_mask[:, None] & ((8 * kw0 + offs_k) < 8 * KW)[None, :]
             tl.store(o_row + 8 * kw0 + offs_k[None, :], tile.to(out_ptr.dtype.element_ty), mask=k_mask)
 
@@ -104,7 +100,7 @@ def nvfp4_dequantize_triton(packed, scale, glob, dtype: torch.dtype, out=None) -
     _nvfp4_dequant_kernel[(S, triton.cdiv(N, _ROWS))](
         words, sbytes, glob, out, N, K // 8,
         words.stride(0), words.stride(1), sbytes.stride(0), sbytes.stride(1), glob.stride(0), glob.stride(1),
-        out.stride(0), out.stride(1), ROWS=_ROWS, WORDS=_WORDS, E4M3_OUT=dtype == torch.float8_e4m3fn, num_warps=4,
+        out.stride(0), out.stride(1), ROWS=_ROWS, WORDS=_WORDS, num_warps=4,
         **pdl_launch(words),
     )  # fmt: skip
     return out

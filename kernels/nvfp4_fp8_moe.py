@@ -32,13 +32,14 @@ import torch
 
 from .moe_combine import moe_combine_torch, moe_combine_triton
 from .moe_grouped_mm import sort_pairs_by_expert
-from .nvfp4_dequant import nvfp4_dequantize_torch, nvfp4_dequantize_triton
+from .nvfp4_dequant import nvfp4_dequantize_torch
 
 try:  # keep the reference importable without triton
     import triton
     import triton.language as tl
 
     from .e4m3 import round_to_e4m3
+    from .nvfp4_tiles import dequant_tile_words
     from .pdl import pdl_launch, pdl_wait_then_release
 except Exception:  # pragma: no cover
     triton = None
@@ -67,14 +68,88 @@ def fp8_row_factors(scale: torch.Tensor, glob: torch.Tensor) -> tuple[torch.Tens
     return f, glob.float() / f
 
 
+if triton is not None:
+
+    @triton.jit
+    def _nvfp4_to_fp8_kernel(
+        w_ptr,  # int32 words [S, N, K/8]
+        s_ptr,  # uint8 (E4M3 bits) [S, N, K/16]
+        g_ptr,  # fp32 [S, N]
+        q_ptr,  # uint8 (E4M3 bits) [S, N, K], contiguous
+        ws_ptr,  # fp32 [S, N], contiguous
+        N,
+        KW,  # words per row
+        stride_ws,
+        stride_wn,
+        stride_ss,
+        stride_sn,
+        stride_gs,
+        stride_gn,
+        ROWS: tl.constexpr,
+        WORDS: tl.constexpr,
+        SCALES: tl.constexpr,  # a power of two >= K/16: the whole row's block scales in one load
+        PDL: tl.constexpr = False,  # kernels/pdl.py
+    ):
+        pdl_wait_then_release(PDL)
+        e = tl.program_id(0).to(tl.int64)
+        offs_n = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+        n_mask = offs_n < N
+        # the rows' factors (fp8_row_factors): the power of two at or below 448 / (6 * the row's largest block scale)
+        offs_all = tl.arange(0, SCALES)
+        s_row = s_ptr + e * stride_ss + offs_n[:, None].to(tl.int64) * stride_sn
+        all_s = tl.load(s_row + offs_all[None, :], mask=n_mask[:, None] & (offs_all < KW // 2)[None, :], other=0)
+        rowmax = tl.max(all_s.to(tl.float8e4nv, bitcast=True).to(tl.float32), axis=1)
+        room = 448.0 / (6.0 * tl.maximum(rowmax, 1e-30))
+        f = tl.where(rowmax > 0, (room.to(tl.uint32, bitcast=True) & 0xFF800000).to(tl.float32, bitcast=True), 1.0)
+        g = tl.load(g_ptr + e * stride_gs + offs_n * stride_gn, mask=n_mask, other=0.0)
+        tl.store(ws_ptr + e * N + offs_n, g / f, mask=n_mask)
+        offs_w = tl.arange(0, WORDS)
+        offs_s = tl.arange(0, WORDS // 2)
+        offs_k = tl.arange(0, 8 * WORDS)
+        w_row = w_ptr + e * stride_ws + offs_n[:, None].to(tl.int64) * stride_wn
+        q_row = q_ptr + e * N * KW * 8 + offs_n[:, None].to(tl.int64) * KW * 8
+        for kw0 in range(0, KW, WORDS):
+            w_mask = n_mask[:, None] & ((kw0 + offs_w) < KW)[None, :]
+            s_mask = n_mask[:, None] & ((kw0 // 2 + offs_s) < KW // 2)[None, :]
+            w = tl.load(w_row + kw0 + offs_w[None, :], mask=w_mask, other=0)
+            s = tl.load(s_row + kw0 // 2 + offs_s[None, :], mask=s_mask, other=0)
+            tile = dequant_tile_words(w, s, ROWS, WORDS, tl.float32) * f[:, None]  # exact: f a power of two
+            q = round_to_e4m3(tile).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            k_mask = n_mask[:, None] & ((8 * kw0 + offs_k) < 8 * KW)[None, :]
+            tl.store(q_row + 8 * kw0 + offs_k[None, :], q, mask=k_mask)
+
+
+_ROWS = 16  # rows of a bank part per program
+_WORDS = 32  # words (8 weights each) of a row per step: 256 weights
+
+
+def nvfp4_to_fp8_triton(packed, scale, glob) -> tuple[torch.Tensor, torch.Tensor]:
+    """``nvfp4_to_fp8``'s Triton kernel: one pass over a bank part (its rows' factors from their block scales in the
+    same program). Strided bank views (the offload stream's rows) are read as they are; last dims contiguous."""
+    assert triton is not None, "triton is not installed"
+    S, N, half = packed.shape
+    K = 2 * half
+    assert K % 16 == 0 and scale.shape == (S, N, K // 16) and glob.shape == (S, N)
+    assert packed.stride(-1) == 1 and scale.stride(-1) == 1, "rows must be contiguous"
+    q = torch.empty(S, N, K, dtype=torch.uint8, device=packed.device)
+    w_scale = torch.empty(S, N, dtype=torch.float32, device=packed.device)
+    if S and N:
+        words, sbytes = packed.view(torch.int32), scale.view(torch.uint8)
+        _nvfp4_to_fp8_kernel[(S, triton.cdiv(N, _ROWS))](
+            words, sbytes, glob, q, w_scale, N, K // 8,
+            words.stride(0), words.stride(1), sbytes.stride(0), sbytes.stride(1), glob.stride(0), glob.stride(1),
+            ROWS=_ROWS, WORDS=_WORDS, SCALES=triton.next_power_of_2(K // 16), num_warps=4, **pdl_launch(words),
+        )  # fmt: skip
+    return q.view(FP8), w_scale
+
+
 def nvfp4_to_fp8(packed, scale, glob, impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """A bank part ``[S, N, K/2]`` codes, ``[S, N, K/16]`` block scales, ``[S, N]`` globals -> ``(Wq [S, N, K] E4M3,
-    w_scale [S, N] fp32)``. ``impl``: ``torch`` (the reference), ``triton`` (``nvfp4_dequant``'s kernel with the
-    factors as its per-row globals and an E4M3 output), ``auto`` (Triton on CUDA)."""
+    w_scale [S, N] fp32)``. ``impl``: ``torch`` (the reference: ``fp8_row_factors``, then the bank dequantized with
+    the factors as its per-row globals, cast), ``triton`` (``nvfp4_to_fp8_triton``), ``auto`` (Triton on CUDA)."""
+    if impl == "triton" or (impl == "auto" and packed.is_cuda):
+        return nvfp4_to_fp8_triton(packed, scale, glob)
     f, w_scale = fp8_row_factors(scale, glob)
-    use_triton = impl == "triton" or (impl == "auto" and packed.is_cuda)
-    if use_triton:
-        return nvfp4_dequantize_triton(packed, scale, f, FP8), w_scale
     return nvfp4_dequantize_torch(packed, scale, f, torch.float32).to(FP8), w_scale
 
 
@@ -169,6 +244,12 @@ def _gather_rows(q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return q.view(torch.uint8).index_select(0, rows).view(FP8)
 
 
+# Tokens a grouped GEMM call takes at most: a longer step runs in pieces of this many over the bank converted once.
+# On the H100 (2026-12-06) the two FP8 GEMMs took 579 us at 4,096 tokens and 2,051 us at 8,192 (the library's tile
+# choice at ~256 rows an expert), so an 8k step as two 4k pieces is the first guess.
+CHUNK_TOKENS = 4096
+
+
 def nvfp4_fp8_moe(
     x,
     w13,
@@ -182,28 +263,36 @@ def nvfp4_fp8_moe(
     shared=None,
     shared_gate=None,
     out=None,
+    chunk_tokens: int = CHUNK_TOKENS,
 ):
     """The routed experts of a prefill-sized step as FP8 grouped GEMMs (the module's docstring): same contract as
-    ``nvfp4_dequant_moe`` (bank in ``Nvfp4Experts``' layout, expert or slot ids, the shared term when given). On
-    CUDA: Triton conversion and quantization, ``torch._scaled_grouped_mm``, the Triton combine; elsewhere the torch
-    references of each (tests)."""
+    ``nvfp4_dequant_moe`` (bank in ``Nvfp4Experts``' layout, expert or slot ids, the shared term when given). The
+    bank is converted once, then the tokens run ``chunk_tokens`` at a time (sort, GEMMs, combine into their rows of
+    ``out``). On CUDA: the Triton conversion and quantization, ``torch._scaled_grouped_mm``, the Triton combine;
+    elsewhere the torch references of each (tests)."""
     T, H = x.shape
     S, k = w13.shape[0], topk_ids.shape[1]
+    out = torch.empty_like(x) if out is None else out
     if T == 0:
-        return torch.zeros_like(x) if out is None else out.zero_()
+        return out
     valid = (topk_ids >= 0) & (topk_ids < S)
     ids = torch.where(valid, topk_ids, 0)
     weights = torch.where(valid, topk_weights, 0).to(x.dtype)
-    order, ends, position = sort_pairs_by_expert(ids, S)
     w13_q, w13_s = nvfp4_to_fp8(w13, w13_scale, w13_global)
     w2_q, w2_s = nvfp4_to_fp8(w2, w2_scale, w2_global)
     xq, x_s = quantize_rows_fp8(x)
-    tokens = order // k
-    h = _scaled_grouped_mm(_gather_rows(xq, tokens), w13_q.transpose(1, 2), x_s.index_select(0, tokens), w13_s,
-                           ends, x.dtype)  # fmt: skip
-    iq, i_s = quantize_rows_fp8(h, silu_mul=True)
-    rows = _scaled_grouped_mm(iq, w2_q.transpose(1, 2), i_s, w2_s, ends, x.dtype)
-    if x.is_cuda:
-        return moe_combine_triton(rows, k, x.dtype, shared, shared_gate, weights=weights, out=out, rows_at=position)
-    result = moe_combine_torch(rows[position.long()], k, x.dtype, shared, shared_gate, weights=weights)
-    return result if out is None else out.copy_(result)
+    for t0 in range(0, T, chunk_tokens):
+        t1 = min(T, t0 + chunk_tokens)
+        order, ends, position = sort_pairs_by_expert(ids[t0:t1], S)
+        tokens = t0 + order // k
+        a, a_s = _gather_rows(xq, tokens), x_s.index_select(0, tokens)
+        h = _scaled_grouped_mm(a, w13_q.transpose(1, 2), a_s, w13_s, ends, x.dtype)
+        iq, i_s = quantize_rows_fp8(h, silu_mul=True)
+        rows = _scaled_grouped_mm(iq, w2_q.transpose(1, 2), i_s, w2_s, ends, x.dtype)
+        sh = None if shared is None else shared[t0:t1]
+        gate = None if shared_gate is None else shared_gate[t0:t1]
+        if x.is_cuda:
+            moe_combine_triton(rows, k, x.dtype, sh, gate, weights=weights[t0:t1], out=out[t0:t1], rows_at=position)
+        else:
+            out[t0:t1] = moe_combine_torch(rows[position.long()], k, x.dtype, sh, gate, weights=weights[t0:t1])
+    return out

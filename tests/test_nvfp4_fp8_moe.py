@@ -85,7 +85,7 @@ def test_scaled_grouped_mm_reference_reads_groups_and_scales():
 
 
 def check_step(T, E, k, H, I, device, seed=0, invalid=False, one_expert=False, shared=False, strided=False,
-               dtype=torch.bfloat16):  # fmt: skip
+               dtype=torch.bfloat16, chunk_tokens=None):  # fmt: skip
     """``nvfp4_fp8_moe`` against ``nvfp4_moe_torch`` (the W4A16 reference) within ``_STEP_TOL`` of the reference's
     norm; returns the relative error."""
     from freetoken.kernels.nvfp4_moe import nvfp4_moe_torch
@@ -113,6 +113,9 @@ def check_step(T, E, k, H, I, device, seed=0, invalid=False, one_expert=False, s
         kw = dict(shared=torch.randn(T, H, generator=g).to(device, dtype),
                   shared_gate=torch.randn(T, 1, generator=g).to(device, dtype))  # fmt: skip
     out = nvfp4_fp8_moe(x, *bank, ids, w, **kw)
+    if chunk_tokens:  # the tokens in pieces over the bank converted once: each row as in one piece
+        pieces = nvfp4_fp8_moe(x, *bank, ids, w, **kw, chunk_tokens=chunk_tokens)
+        torch.testing.assert_close(pieces, out, rtol=1e-2, atol=1e-3)
     valid = (ids >= 0) & (ids < E)
     ref = nvfp4_moe_torch(x, *bank, torch.where(valid, ids, 0), torch.where(valid, w, 0)).float()
     if shared:
@@ -129,7 +132,7 @@ def check_step(T, E, k, H, I, device, seed=0, invalid=False, one_expert=False, s
         dict(T=40, E=8, k=2, H=64, I=32),
         dict(T=33, E=16, k=4, H=64, I=48, invalid=True, seed=1),
         dict(T=12, E=8, k=3, H=32, I=32, one_expert=True, seed=2),
-        dict(T=20, E=8, k=2, H=64, I=32, shared=True, strided=True, seed=3),
+        dict(T=20, E=8, k=2, H=64, I=32, shared=True, strided=True, seed=3, chunk_tokens=7),
     ],
 )
 def test_step_against_the_w4a16_reference_cpu(case):
@@ -143,10 +146,17 @@ _CPU_SCRIPT = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from nvfp4_cases import random_bank
     from freetoken.kernels import nvfp4_fp8_moe as m
-    packed, scale, glob, *_ = random_bank(3, 64, 48, seed=5)
-    q, s = m.nvfp4_to_fp8(packed, scale, glob, impl="triton")
-    rq, rs = m.nvfp4_to_fp8(packed, scale, glob, impl="torch")
-    assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), "conversion"
+    from freetoken.moe.nvfp4_rows import Nvfp4Rows
+    bank = random_bank(3, 64, 48, seed=5)
+    bank[1][1, 7] = 0  # an all-zero row of block scales
+    layout = Nvfp4Rows(64, 48)
+    views = layout.views(*layout.allocate(3))
+    for v, t in zip(views, bank):
+        v.copy_(t)
+    for part in (bank[:3], bank[3:], views[:3], views[3:]):  # contiguous, and the offload stream's strided rows
+        q, s = m.nvfp4_to_fp8(*part, impl="triton")
+        rq, rs = m.nvfp4_to_fp8(*part, impl="torch")
+        assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), "conversion"
     g = torch.Generator().manual_seed(6)
     x = torch.randn(11, 80, generator=g).to(torch.bfloat16)
     for silu in (False, True):
@@ -169,8 +179,8 @@ def test_fp8_kernels_interpreter_cpu():
 
 @pytest.mark.gpu
 def test_fp8_kernels_match_references_cuda():
-    packed, scale, glob, *_ = random_bank(5, 256, 128, seed=7, device="cuda")
-    for part in ((packed, scale, glob),):
+    bank = random_bank(5, 2048, 512, seed=7, device="cuda")  # Qwen3.6's expert widths: 128 and 32 scales a row
+    for part in (bank[:3], bank[3:]):
         q, s = nvfp4_to_fp8(*part, impl="triton")
         rq, rs = nvfp4_to_fp8(*part, impl="torch")
         assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
@@ -206,7 +216,7 @@ def test_scaled_grouped_mm_matches_reference_cuda():
         dict(T=300, E=16, k=4, H=256, I=128),
         dict(T=257, E=32, k=8, H=512, I=256, invalid=True, seed=1),
         dict(T=64, E=8, k=2, H=256, I=128, one_expert=True, seed=2),
-        dict(T=200, E=16, k=4, H=256, I=128, shared=True, strided=True, seed=3),
+        dict(T=200, E=16, k=4, H=256, I=128, shared=True, strided=True, seed=3, chunk_tokens=64),
         dict(T=2048, E=64, k=8, H=2048, I=512, seed=4),  # Qwen3.6's expert shapes
     ],
 )
