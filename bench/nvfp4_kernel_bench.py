@@ -390,7 +390,6 @@ def bench_moe_sweep(a, device, dtype, bw) -> list:
                 print(f"moesweep M={T} {label}: {type(e).__name__}: {str(e)[:160]}")
                 continue
             rows.append(row("moesweep", f"grouped {label}", T, t, nbytes, flops, bw, t_bf16, kernel=""))
-        rows += fp8_prefill_rows("moesweep", "experts uniform", x, bank, routes, reps, nbytes, flops, bw, t_bf16)
     return rows
 
 
@@ -677,55 +676,7 @@ def bench_moe(a, device, dtype, bw) -> list:
                 row("moe", f"{name} dequant{'*' if picked_dequant else ''}", T, t_deq, nbytes, flops, bw, t_bf16,
                     distinct_experts=E)
             )  # fmt: skip
-            rows += fp8_prefill_rows("moe", name, x, bank, routes, reps, nbytes, flops, bw, t_bf16)
     return rows
-
-
-def fp8_prefill_rows(group, name, x, bank, routes, reps, nbytes, flops, bw, t_bf16) -> list:
-    """The FP8 prefill path (``kernels/nvfp4_fp8_moe.py``, opt-in: W8A8 numerics) beside the grouped kernels: the
-    whole step, then its parts alone (the bank's conversion, the two FP8 grouped GEMMs on rows already in expert
-    order), so a figure says where its time goes. Needs ``torch._scaled_grouped_mm`` on sm_90."""
-    import torch
-
-    from freetoken.kernels.moe_grouped_mm import sort_pairs_by_expert
-    from freetoken.kernels.nvfp4_fp8_moe import (
-        CHUNK_TOKENS,
-        fp8_prefill_supported,
-        nvfp4_fp8_moe,
-        nvfp4_to_fp8,
-        quantize_rows_fp8,
-    )
-
-    if not fp8_prefill_supported(x):
-        print(f"{group}: no FP8 prefill rows (torch {torch.__version__}, {x.device})")
-        return []
-    T, k = routes[0][0].shape
-    E, I = bank[0].shape[0], bank[3].shape[2] * 2
-    t = time_calls(cycled(lambda r: nvfp4_fp8_moe(x, *bank, *r), routes, reps), device=x.device)
-    out = [row(group, f"{name} fp8 (W8A8)", T, t, nbytes, flops, bw, t_bf16, distinct_experts=E)]
-    if T > CHUNK_TOKENS:  # the same step in one piece
-        whole = lambda r: nvfp4_fp8_moe(x, *bank, *r, chunk_tokens=T)  # noqa: E731
-        t = time_calls(cycled(whole, routes, reps), device=x.device)
-        out.append(row(group, f"{name} fp8 one piece", T, t, nbytes, flops, bw, t_bf16, distinct_experts=E))
-    t_conv = time_calls([lambda: (nvfp4_to_fp8(*bank[:3]), nvfp4_to_fp8(*bank[3:]))] * reps, device=x.device)
-    out.append(row(group, f"{name} fp8 convert", T, t_conv, nbytes, flops, bw, t_bf16, distinct_experts=E))
-    (w13, s13), (w2, s2) = nvfp4_to_fp8(*bank[:3]), nvfp4_to_fp8(*bank[3:])
-    xq, xs = quantize_rows_fp8(x)
-    cases = []
-    for ids, _ in routes:
-        order, ends, _ = sort_pairs_by_expert(ids, E)
-        iq, i_s = quantize_rows_fp8(torch.randn(T * k, 2 * I, device=x.device, dtype=x.dtype), silu_mul=True)
-        tok = order // k
-        cases.append((xq.view(torch.uint8)[tok].view(xq.dtype), xs[tok], ends, iq, i_s))
-
-    def gemms(c):
-        a, a_s, ends, iq, i_s = c
-        torch._scaled_grouped_mm(a, w13.transpose(1, 2), a_s, s13, offs=ends, out_dtype=x.dtype)
-        torch._scaled_grouped_mm(iq, w2.transpose(1, 2), i_s, s2, offs=ends, out_dtype=x.dtype)
-
-    t_gemms = time_calls(cycled(gemms, cases, reps), device=x.device)
-    out.append(row(group, f"{name} fp8 2 GEMMs", T, t_gemms, nbytes, flops, bw, t_bf16, distinct_experts=E))
-    return out
 
 
 def bench_fp8(a, device, dtype, bw) -> list:

@@ -361,7 +361,7 @@ if [[ " $SECTIONS " == *" decsweep "* ]]; then
 fi
 if [[ " $SECTIONS " == *" moesweep "* ]]; then
   timeout ${SWEEP_TIMEOUT:-300} python3 bench/nvfp4_kernel_bench.py --groups moesweep --ms ${MOESWEEP_MS:-1024,2048,4096,8192} \
-      --sweep-only "${MOESWEEP_ONLY:-}" --out "$OUT/nvfp4_moesweep.json" 2>&1 | tee "$OUT/nvfp4_moesweep.log" | grep -E "grouped|HBM copy|moesweep|fp8"
+      --sweep-only "${MOESWEEP_ONLY:-}" --out "$OUT/nvfp4_moesweep.json" 2>&1 | tee "$OUT/nvfp4_moesweep.log" | grep -E "grouped|HBM copy|moesweep"
 fi
 if [[ " $SECTIONS " == *" gemmfirst "* ]]; then
   timeout ${SWEEP_TIMEOUT:-300} python3 bench/gemm_first_call.py --out "$OUT/gemm_first_call.json" 2>&1 \

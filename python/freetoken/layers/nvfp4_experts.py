@@ -165,27 +165,18 @@ def _dequant_min_pairs(default: int = 8192 * 8 + 1) -> int:
 
 DEQUANT_MIN_PAIRS = _dequant_min_pairs()
 
-# From this many pairs a step on sm_90 runs as FP8 grouped GEMMs (``kernels/nvfp4_fp8_moe.py``: the bank converted to
-# E4M3 once a step, x and the intermediate rows quantized per row). Opt-in: its numerics are W8A8 FP8, not the
-# checkpoint's W4A16; 0 (the default) never. It takes precedence over the dequantized-bank path.
-FP8_PREFILL_MIN_PAIRS = int_from_env("FREETOKEN_NVFP4_FP8_PREFILL_MIN_PAIRS", 0)
-
 
 def run_nvfp4_experts(x, bank, topk_ids, topk_weights, shared=None, out=None):
     """The Triton kernels over a bank in this layout (six tensors, ``Nvfp4Experts.bank()``'s order; expert or slot
     ids): the decode GEMVs for steps of at most ``DECODE_MAX_PAIRS`` pairs (shared expert in their epilogue), the
-    grouped kernels above (shared expert added after), from ``DEQUANT_MIN_PAIRS`` pairs over the bank dequantized, from
-    ``FP8_PREFILL_MIN_PAIRS`` (opt-in; sm_90) as FP8 grouped GEMMs. On CPU this runs under TRITON_INTERPRET=1 only."""
+    grouped kernels above (shared expert added after), from ``DEQUANT_MIN_PAIRS`` pairs over the bank dequantized.
+    On CPU this runs under TRITON_INTERPRET=1 only."""
     from ..kernels.nvfp4_dequant import nvfp4_dequant_moe
-    from ..kernels.nvfp4_fp8_moe import fp8_prefill_supported, nvfp4_fp8_moe
     from ..kernels.nvfp4_moe import nvfp4_fused_moe_triton, nvfp4_moe_decode_triton
 
     T, k = topk_ids.shape
     if T * k <= DECODE_MAX_PAIRS:
         args = shared.kernel_args() if shared else {}
         return write_into(out, nvfp4_moe_decode_triton(x, *bank, topk_ids, topk_weights, **args))
-    if 0 < FP8_PREFILL_MIN_PAIRS <= T * k and fp8_prefill_supported(x):
-        grouped = nvfp4_fp8_moe
-    else:
-        grouped = nvfp4_dequant_moe if T * k >= DEQUANT_MIN_PAIRS else nvfp4_fused_moe_triton
+    grouped = nvfp4_dequant_moe if T * k >= DEQUANT_MIN_PAIRS else nvfp4_fused_moe_triton
     return grouped(x, *bank, topk_ids, topk_weights.to(x.dtype), **grouped_shared_args(shared), out=out)
