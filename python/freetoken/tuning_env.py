@@ -6,7 +6,7 @@ launcher's ``tune`` overrides (benchmark sweeps, tests)."""
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Mapping, Optional
 
 
 def int_from_env(name: str, default: int, unit: str = "pairs") -> int:
@@ -31,10 +31,11 @@ def choice_from_env(name: str, default: str, choices: tuple) -> str:
     return raw
 
 
-def switch_from_env(name: str) -> bool:
+def switch_from_env(name: str, env: Optional[Mapping[str, str]] = None) -> bool:
     """An on/off switch that is on unless ``$name`` is ``0`` (A/B runs switch an optimization off, some read at every
-    step); ``1``, empty or unset is on, anything else is refused in one line (a typo must not silently keep it on)."""
-    raw = os.environ.get(name, "").strip() or "1"
+    step); ``1``, empty or unset is on, anything else is refused in one line (a typo must not silently keep it on).
+    ``env``: where to read it (tests), ``os.environ`` by default."""
+    raw = (os.environ if env is None else env).get(name, "").strip() or "1"
     if raw not in ("0", "1"):
         raise ValueError(f"{name}={raw!r}: expected 1 (on, the default) or 0 (off)")
     return raw == "1"

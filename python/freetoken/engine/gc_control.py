@@ -16,22 +16,18 @@ can say how much of a step was the collector's.
 from __future__ import annotations
 
 import gc
-import os
 import time
 from typing import Optional
 
 from ..log import get_logger
+from ..tuning_env import switch_from_env
 
 logger = get_logger(__name__)
 
 
 def freeze_startup_objects(env: Optional[dict] = None) -> int:
     """Collect, then freeze everything that survives; returns the number of objects frozen (0 when disabled)."""
-    env = os.environ if env is None else env
-    raw = env.get("FREETOKEN_GC_FREEZE", "1").strip()
-    if raw not in ("0", "1"):
-        raise ValueError(f"FREETOKEN_GC_FREEZE={raw!r}: expected 1 (freeze start-up objects, the default) or 0")
-    if raw == "0":
+    if not switch_from_env("FREETOKEN_GC_FREEZE", env):
         return 0
     t0 = time.perf_counter()
     gc.collect()

@@ -34,7 +34,6 @@ token count does not stop the device for a few milliseconds before its first GEM
 
 from __future__ import annotations
 
-import os
 import time
 from typing import TYPE_CHECKING, Optional
 
@@ -43,6 +42,7 @@ import torch
 from ..layers.gated_deltanet import eager_batch_steps
 from ..log import get_logger
 from ..startup_progress import phase
+from ..tuning_env import switch_from_env
 from .gemm_warmup import GemmRecorder, warm_gemms, warmup_rows, warmup_rows_step
 from .step_plan import StepPlan
 
@@ -68,11 +68,8 @@ BATCH_FRESH_LENGTHS = (9, 27)
 def warmup_enabled(args: dict, device: torch.device, env: Optional[dict] = None) -> bool:
     """CUDA, without ``--skip-prefill-warmup`` and without ``FREETOKEN_PREFILL_WARMUP=0`` (any other value than 0
     or 1 is refused)."""
-    env = os.environ if env is None else env
-    raw = env.get("FREETOKEN_PREFILL_WARMUP", "1").strip()
-    if raw not in ("0", "1"):
-        raise ValueError(f"FREETOKEN_PREFILL_WARMUP={raw!r}: expected 1 (warm up on CUDA, the default) or 0")
-    return device.type == "cuda" and not args["skip_prefill_warmup"] and raw == "1"
+    on = switch_from_env("FREETOKEN_PREFILL_WARMUP", env)
+    return device.type == "cuda" and not args["skip_prefill_warmup"] and on
 
 
 def warmup_chunks(max_prefill_length: int, scratch_tokens: int, max_context: int) -> list[tuple[int, int]]:
