@@ -6,7 +6,8 @@ Builds the worker in-process (no HTTP, no scheduler; the serve args after ``--``
 must allow 32), then times, with the device synchronized around each step:
 
 - ``32 prompts``: 32 fresh prompts of ``--prompt-tokens`` (7) tokens in one step;
-- ``1 prompt + 31 decode``: a fresh ``--mixed-prompt-tokens`` (200) token prompt beside 31 sequences' decode tokens;
+- ``1 prompt + 31 decode``: a fresh ``--mixed-prompt-tokens`` (200) token prompt after 31 sequences' decode tokens
+  (the scheduler's order; before 2026-12-06 evening the prompt came first);
 - ``+ snapshots``: the second shape with the prompt's state captured at its last grid point and its end, as the
   hybrid radix cache serves it (its GDN layers run in rounds; hybrid models only);
 - ``1 prompt``: one fresh prompt of as many tokens as the first shape has (the same work in one sequence; the
@@ -88,14 +89,16 @@ def shapes(a: argparse.Namespace, state: bool, vocab: int, snap_slot: int) -> di
         return [(start + 7 * i) % vocab for i in range(count)]
 
     m = a.mixed_prompt_tokens
-    mixed = [seq(0, distinct(m, 11), 0, state)] + [seq(r, [(12 + r) % vocab], p, state) for r in range(1, n)]
+    # the decode tokens first, the prompt last: the scheduler's order (decoders, then prefills), which decides how the
+    # snapshot rounds take the prompt (``gated_delta_rule_in_rounds``: views when the only cut sequence is last)
+    mixed = [seq(r, [(12 + r) % vocab], p, state) for r in range(1, n)] + [seq(0, distinct(m, 11), 0, state)]
     grid = (m - 1) // 64 * 64
 
     def joined_with_snapshots(seqs: list[dict], grid: int, end: int) -> StepPlan:
         # the served form of the joining prompt's step under the hybrid radix cache: its state captured at its
         # last grid point and at its end (into the last snapshot slot), so its GDN layers run in rounds
         plan = StepPlan.build(seqs)
-        plan.snap_seq = torch.zeros(2, dtype=torch.int64)
+        plan.snap_seq = torch.full((2,), len(seqs) - 1, dtype=torch.int64)
         plan.snap_upto = torch.tensor([grid, end], dtype=torch.int64)
         plan.snap_slot = torch.full((2,), snap_slot, dtype=torch.int64)
         return plan

@@ -5,6 +5,8 @@ fp32 on CPU, tiny shapes."""
 
 from __future__ import annotations
 
+import itertools
+
 import hf_reference as R  # noqa: F401  (blocks fla before transformers is imported)
 import numpy as np
 import pytest
@@ -183,6 +185,56 @@ def test_rounds_of_many_sequences_cost_the_same_ops_as_of_few():
             o_ref, s_ref = naive_gdn(*sq)
             assert (o[cu[i] : cu[i + 1]] - o_ref).abs().max() < 2e-5 and (final[i] - s_ref).abs().max() < 2e-5
     assert counts[0] == counts[1], counts
+
+
+@pytest.mark.parametrize("captures", [{3: [64, 100]}, {3: [37]}, {0: [1], 2: [1], 3: [64]}])
+def test_a_prompt_cut_after_decode_tokens_runs_its_rounds_on_views(captures):
+    """The served join: decode tokens first (the scheduler's order), then a prompt cut once. Its two rounds take
+    views (each call gets a prefix or the rest of the batch, and the tail starts from the prompt's round-0 state):
+    against the formula, and in fewer torch ops than the general rounds take for the same batch with the prompt
+    first."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountOps(TorchDispatchMode):
+        """Ops that run something (views only make tensor headers), and the names of those that run."""
+
+        def __init__(self):
+            super().__init__()
+            self.ops, self.names = 0, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view:
+                self.ops += 1
+                self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    calls = []
+
+    def kernel(*a):  # the varlen kernel's own ops are not the rounds' cost
+        calls.append(list(a[6]))
+        with torch.utils._python_dispatch._disable_current_modes():
+            return _torch_varlen(*a)
+
+    lens = [1, 1, 1, 100]
+    seqs, cat, init, cu = varlen_batch(lens, seed=43)
+    with CountOps() as views:
+        o, final, cap = gated_delta_rule_in_rounds(kernel, *cat, init, cu, captures)
+    cut = [c for c in captures[3] if c < 100][0]
+    assert calls == [[0, 1, 2, 3, 3 + cut], [0, 100 - cut]]
+    for i, sq in enumerate(seqs):
+        o_ref, s_ref = naive_gdn(*sq)
+        assert (o[cu[i] : cu[i + 1]] - o_ref).abs().max() < 2e-5 and (final[i] - s_ref).abs().max() < 2e-5
+    for b, offsets in captures.items():
+        q, k, v, g, beta, state = seqs[b]
+        for at in offsets:
+            _, s_ref = naive_gdn(q[:at], k[:at], v[:at], g[:at], beta[:at], state)
+            assert (cap[(b, at)] - s_ref).abs().max() < 2e-5, (b, at)
+    # the same batch with the prompt first takes the general rounds (gathers, an index, scatters)
+    order = [3, 0, 1, 2]
+    _, cat_first, init_first, cu_first = varlen_batch([lens[i] for i in order], seed=43)
+    with CountOps() as general:
+        gated_delta_rule_in_rounds(kernel, *cat_first, init_first, cu_first, {0: [cut]})
+    assert views.ops < general.ops / 2, (views.names, general.names)
 
 
 @pytest.mark.parametrize("captures", [[37, 64], [64], [99], [1, 2, 3]])
@@ -481,17 +533,22 @@ def test_fla_matches_torch(decode):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_fla_captures_match_torch():
+@pytest.mark.parametrize(
+    "lens, captures",
+    [
+        ([130, 64, 9], {0: [64, 100], 1: [64], 2: [1]}),  # the general rounds
+        ([1, 1, 1, 130], {0: [1], 3: [64, 130]}),  # a prompt joining decode tokens: the rounds on views
+    ],
+)
+def test_fla_captures_match_torch(lens, captures):
     from freetoken.layers.gated_deltanet import _fla_ops
 
     if _fla_ops() is None:
         pytest.skip("fla not importable")
-    lens = [130, 64, 9]
     seqs = [rand_inputs(n, Hk=2, Hv=4, dk=64, dv=64, seed=60 + i) for i, n in enumerate(lens)]
     cat = [torch.cat([s[j] for s in seqs]).cuda() for j in range(5)]
     init = torch.stack([s[5] for s in seqs]).cuda()
-    cu = [0, 130, 194, 203]
-    captures = {0: [64, 100], 1: [64], 2: [1]}
+    cu = [0, *itertools.accumulate(lens)]
     o_t, f_t, c_t = gated_delta_rule(*cat, init.clone(), cu, False, captures=captures, backend="torch")
     o_f, f_f, c_f = gated_delta_rule(*cat, init.clone(), cu, False, captures=captures, backend="fla")
     assert (o_f - o_t).abs().max() < 2e-3 and (f_f - f_t).abs().max() < 2e-3

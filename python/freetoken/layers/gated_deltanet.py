@@ -437,6 +437,10 @@ def gated_delta_rule_in_rounds(varlen, q, k, v, g, beta, initial_state, cu_seqle
             state = final_r  # the next piece reads it before varlen runs again
             captured[(0, z)] = final_r[0].to(torch.float32, copy=True)
         return o, state.float(), captured
+    cut = [b for b in range(N) if len(pieces[b]) > 1]
+    if cut == [N - 1] and len(pieces[-1]) == 2:  # a prompt joining decode streams (the scheduler puts it last)
+        return _rounds_with_the_last_sequence_cut_once(varlen, q, k, v, g, beta, initial_state, cu_seqlens, captures,
+                                                       pieces[-1][0][1])  # fmt: skip
     # several sequences (a prompt cut at its grid point beside decode tokens): a fixed handful of ops a round
     # whatever the sequence count (one gather per input, one index for them built on the host, the states of the
     # round's sequences as one tensor), where per-sequence ops cost the host ~0.1 ms a sequence and layer
@@ -462,6 +466,30 @@ def gated_delta_rule_in_rounds(varlen, q, k, v, g, beta, initial_state, cu_seqle
             if b in captures:  # a cut sequence's round-0 row of ``final`` is overwritten later: its own copy
                 captured[(b, pieces[b][r][1])] = init[i].clone() if r == 0 and len(pieces[b]) > 1 else init[i]
         prev_seqs = seqs
+    return o, final, captured
+
+
+def _rounds_with_the_last_sequence_cut_once(varlen, q, k, v, g, beta, initial_state, cu_seqlens, captures, cut):
+    """``gated_delta_rule_in_rounds`` when only the batch's last sequence is cut, once, at ``cut`` (relative to it):
+    round 0's tokens (every sequence, the last one up to its cut) are a prefix of the batch and round 1's (the last
+    sequence's tail) the rest, so both rounds run on views: no token index, gathers or scatters (~20 host ops a GDN
+    layer fewer than the general rounds; the same kernels on the same tokens, so the same numbers)."""
+    N = len(cu_seqlens) - 1
+    split = cu_seqlens[-2] + cut
+    o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    o_0, final_0 = varlen(q[:split], k[:split], v[:split], g[:split], beta[:split], initial_state,
+                          [*cu_seqlens[:-1], split], False)  # fmt: skip
+    o[:split] = o_0  # the varlen outputs may be buffers its next call overwrites
+    final = final_0.to(torch.float32, copy=True)
+    captured = {(b, cu_seqlens[b + 1] - cu_seqlens[b]): final[b] for b in captures if b != N - 1}
+    if N - 1 in captures:
+        captured[(N - 1, cut)] = final[N - 1].clone()  # its row of ``final`` is overwritten below
+    o_1, final_1 = varlen(q[split:], k[split:], v[split:], g[split:], beta[split:],
+                          final[N - 1 :].to(initial_state.dtype), [0, len(q) - split], False)  # fmt: skip
+    o[split:] = o_1
+    final[N - 1 :] = final_1  # after round 1 was enqueued reading the row (same stream)
+    if N - 1 in captures:
+        captured[(N - 1, cu_seqlens[-1] - cu_seqlens[-2])] = final[N - 1]
     return o, final, captured
 
 
