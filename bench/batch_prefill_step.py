@@ -59,6 +59,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--host-profile", type=int, default=0, help="cProfile one step, print this many functions")
     ap.add_argument(
+        "--host-profile-shapes",
+        default="",
+        help="'|'-separated texts: profile the step of every shape whose name holds one (default: the first shape)",
+    )
+    ap.add_argument(
         "--device-profile", type=int, default=0, help="each shape's step under the torch profiler: top N by device time"
     )
     ap.add_argument("--out", default="bench/out/batch_prefill_step.json")
@@ -170,16 +175,21 @@ def main() -> int:
                 per = {r["path"]: r["samples_ms"] for r in rows if r["shape"] == name and r["round"] == rnd}
                 ratios += [x / y for x, y in zip(per[paths[0]], per[paths[1]])]
             print(f"  {name:<26} {paths[0]} / {paths[1]} = {statistics.median(ratios):.3f}")
-    if a.host_profile:  # where the host time of the first shape's step goes (the default path)
+    if a.host_profile:  # where the host time of a shape's step goes (the default path)
         import cProfile
         import pstats
 
-        plan = next(iter(plans.values()))
-        sync()
-        prof = cProfile.Profile()
-        prof.runcall(w.execute_plan, plan)
-        print(f"\nhost profile of one '{next(iter(plans))}' step (default), top {a.host_profile} by own time:")
-        pstats.Stats(prof).sort_stats("tottime").print_stats(a.host_profile)
+        texts = [t for t in a.host_profile_shapes.split("|") if t]
+        chosen = [n for n in plans if any(t in n for t in texts)] if texts else [next(iter(plans))]
+        for name in chosen:
+            sync()
+            prof = cProfile.Profile()
+            prof.runcall(w.execute_plan, plans[name])
+            print(f"\nhost profile of one '{name}' step (default), top {a.host_profile} by own time:")
+            stats = pstats.Stats(prof)
+            stats.sort_stats("tottime").print_stats(a.host_profile)
+            print("the GDN functions of that step by cumulative time:")
+            stats.sort_stats("cumulative").print_stats("gated_deltanet|gdn_", a.host_profile)
     profiles = {}
     for name, plan in plans.items() if a.device_profile else ():  # the default path: where each step's device time goes
         timeline: dict = {}

@@ -138,10 +138,11 @@ if [[ " $SECTIONS " == *" batchstep "* ]]; then
       ${BATCHSTEP_TESTS:-tests/test_gdn_batch_graphs.py tests/test_gdn_prefill_graphs.py} 2>&1 | tee "$OUT/batchstep_tests.log" \
       | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | tail -20
   FREETOKEN_BENCH_ROUTING=${BATCHSTEP_ROUTING:-uniform} timeout ${BATCHSTEP_TIMEOUT:-300} python3 bench/batch_prefill_step.py --rounds ${BATCHSTEP_ROUNDS:-2} \
-      --reps ${BATCHSTEP_REPS:-5} --host-profile ${BATCHSTEP_HOST_PROFILE:-0} \
+      --reps ${BATCHSTEP_REPS:-5} --host-profile ${BATCHSTEP_HOST_PROFILE:-0} --host-profile-shapes "${BATCHSTEP_PROFILE_SHAPES:-}" \
       --device-profile ${BATCHSTEP_DEVICE_PROFILE:-0} \
       --out "$OUT/batch_prefill_step.json" -- --dummy-weight --model-path configs/qwen3.6-35b-a3b-nvfp4 \
-      --max-running-requests 32 --moe-backend fused 2>&1 | grep -vE "^\s*$" | tail -${BATCHSTEP_TAIL:-40}
+      --max-running-requests 32 --moe-backend fused 2>&1 | tee "$OUT/batch_prefill_step.log" | grep -vE "^\s*$" \
+      | tail -${BATCHSTEP_TAIL:-40}
 fi
 if [[ " $SECTIONS " == *" concurrent "* ]]; then
   FREETOKEN_BENCH_ROUTING=uniform timeout ${CONCURRENT_TIMEOUT:-540} python3 bench/concurrent_prompts_bench.py \
