@@ -191,8 +191,8 @@ def test_rounds_of_many_sequences_cost_the_same_ops_as_of_few():
 def test_a_prompt_cut_after_decode_tokens_runs_its_rounds_on_views(captures):
     """The served join: decode tokens first (the scheduler's order), then a prompt cut once. Its two rounds take
     views (each call gets a prefix or the rest of the batch, and the tail starts from the prompt's round-0 state):
-    against the formula, and in fewer torch ops than the general rounds take for the same batch with the prompt
-    first."""
+    against the formula, with no gather or scatter, and in fewer torch ops than the same batch with the prompt first
+    (whose round 0 gathers)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class CountOps(TorchDispatchMode):
@@ -229,12 +229,14 @@ def test_a_prompt_cut_after_decode_tokens_runs_its_rounds_on_views(captures):
         for at in offsets:
             _, s_ref = naive_gdn(q[:at], k[:at], v[:at], g[:at], beta[:at], state)
             assert (cap[(b, at)] - s_ref).abs().max() < 2e-5, (b, at)
-    # the same batch with the prompt first takes the general rounds (gathers, an index, scatters)
+    assert not {"index.Tensor", "index_copy_.default"} & set(views.names), views.names  # no gathers or scatters
+    # the same batch with the prompt first: its round 0 is not consecutive tokens, so it gathers and scatters
     order = [3, 0, 1, 2]
     _, cat_first, init_first, cu_first = varlen_batch([lens[i] for i in order], seed=43)
     with CountOps() as general:
         gated_delta_rule_in_rounds(kernel, *cat_first, init_first, cu_first, {0: [cut]})
-    assert views.ops < general.ops / 2, (views.names, general.names)
+    assert {"index.Tensor", "index_copy_.default"} <= set(general.names), general.names
+    assert views.ops < general.ops, (views.names, general.names)
 
 
 @pytest.mark.parametrize("captures", [[37, 64], [64], [99], [1, 2, 3]])

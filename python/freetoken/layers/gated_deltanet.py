@@ -437,13 +437,11 @@ def gated_delta_rule_in_rounds(varlen, q, k, v, g, beta, initial_state, cu_seqle
             state = final_r  # the next piece reads it before varlen runs again
             captured[(0, z)] = final_r[0].to(torch.float32, copy=True)
         return o, state.float(), captured
-    cut = [b for b in range(N) if len(pieces[b]) > 1]
-    if cut == [N - 1] and len(pieces[-1]) == 2:  # a prompt joining decode streams (the scheduler puts it last)
-        return _rounds_with_the_last_sequence_cut_once(varlen, q, k, v, g, beta, initial_state, cu_seqlens, captures,
-                                                       pieces[-1][0][1])  # fmt: skip
     # several sequences (a prompt cut at its grid point beside decode tokens): a fixed handful of ops a round
     # whatever the sequence count (one gather per input, one index for them built on the host, the states of the
-    # round's sequences as one tensor), where per-sequence ops cost the host ~0.1 ms a sequence and layer
+    # round's sequences as one tensor), where per-sequence ops cost the host ~0.1 ms a sequence and layer; a round
+    # whose tokens (or state rows) are consecutive takes them as a view instead (the served join: decode tokens,
+    # then one prompt cut once, so round 0 is a prefix of the batch and round 1 the rest)
     o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     init, prev_seqs, final = initial_state, list(range(N)), None
     for r in range(max(len(p) for p in pieces)):
@@ -452,16 +450,16 @@ def gated_delta_rule_in_rounds(varlen, q, k, v, g, beta, initial_state, cu_seqle
         cu = [0]
         for a, z in ranges:
             cu.append(cu[-1] + z - a)
-        idx = _to_device_async(torch.tensor([t for a, z in ranges for t in range(a, z)]), q.device)
+        idx = _rows_of(ranges, q.device)
         if seqs != prev_seqs:
-            init = init[_to_device_async(torch.tensor([prev_seqs.index(b) for b in seqs]), q.device)]
+            init = init[_rows_of([(prev_seqs.index(b), prev_seqs.index(b) + 1) for b in seqs], q.device)]
         o_r, final_r = varlen(q[idx], k[idx], v[idx], g[idx], beta[idx], init.to(initial_state.dtype), cu, False)
-        o.index_copy_(0, idx, o_r.float())
+        _put_rows(o, idx, o_r.float())
         init = final_r.to(torch.float32, copy=True)  # the varlen outputs may be buffers its next call overwrites
         if final is None:  # round 0 holds every sequence; later rounds overwrite the rows of the cut ones
             final = init
-        else:
-            final.index_copy_(0, _to_device_async(torch.tensor(seqs), q.device), init)
+        else:  # after this round was enqueued reading its rows of ``final`` (a view when they are consecutive)
+            _put_rows(final, _rows_of([(b, b + 1) for b in seqs], q.device), init)
         for i, b in enumerate(seqs):
             if b in captures:  # a cut sequence's round-0 row of ``final`` is overwritten later: its own copy
                 captured[(b, pieces[b][r][1])] = init[i].clone() if r == 0 and len(pieces[b]) > 1 else init[i]
@@ -469,29 +467,20 @@ def gated_delta_rule_in_rounds(varlen, q, k, v, g, beta, initial_state, cu_seqle
     return o, final, captured
 
 
-def _rounds_with_the_last_sequence_cut_once(varlen, q, k, v, g, beta, initial_state, cu_seqlens, captures, cut):
-    """``gated_delta_rule_in_rounds`` when only the batch's last sequence is cut, once, at ``cut`` (relative to it):
-    round 0's tokens (every sequence, the last one up to its cut) are a prefix of the batch and round 1's (the last
-    sequence's tail) the rest, so both rounds run on views: no token index, gathers or scatters (6 torch ops a GDN
-    layer against the general rounds' 18 and their index uploads; the same kernels on the same tokens, so the same
-    numbers)."""
-    N = len(cu_seqlens) - 1
-    split = cu_seqlens[-2] + cut
-    o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    o_0, final_0 = varlen(q[:split], k[:split], v[:split], g[:split], beta[:split], initial_state,
-                          [*cu_seqlens[:-1], split], False)  # fmt: skip
-    o[:split] = o_0  # the varlen outputs may be buffers its next call overwrites
-    final = final_0.to(torch.float32, copy=True)
-    captured = {(b, cu_seqlens[b + 1] - cu_seqlens[b]): final[b] for b in captures if b != N - 1}
-    if N - 1 in captures:
-        captured[(N - 1, cut)] = final[N - 1].clone()  # its row of ``final`` is overwritten below
-    o_1, final_1 = varlen(q[split:], k[split:], v[split:], g[split:], beta[split:],
-                          final[N - 1 :].to(initial_state.dtype), [0, len(q) - split], False)  # fmt: skip
-    o[split:] = o_1
-    final[N - 1 :] = final_1  # after round 1 was enqueued reading the row (same stream)
-    if N - 1 in captures:
-        captured[(N - 1, cu_seqlens[-1] - cu_seqlens[-2])] = final[N - 1]
-    return o, final, captured
+def _rows_of(ranges: list[tuple[int, int]], device: torch.device):
+    """The rows ``[a, z)`` of ``ranges`` (ascending), as a slice when each range starts where the last ended (a view:
+    no index upload, no gather), else as an index tensor sent without waiting."""
+    if all(z == a for (_, z), (a, _) in zip(ranges, ranges[1:])):
+        return slice(ranges[0][0], ranges[-1][1])
+    return _to_device_async(torch.tensor([t for a, z in ranges for t in range(a, z)]), device)
+
+
+def _put_rows(dst: torch.Tensor, rows, src: torch.Tensor) -> None:
+    """``dst[rows] = src`` for ``_rows_of``'s slice or index."""
+    if isinstance(rows, slice):
+        dst[rows] = src
+    else:
+        dst.index_copy_(0, rows, src)
 
 
 # ----------------------------------------------------------------------------------------------------------------
