@@ -13,7 +13,9 @@ One call, exactly like the host ``ExpertSlotCache.lookup``: the clock ticks (and
 a hit (its slot is stamped with the clock) or a miss; the missing experts, in ascending expert id, take the slots
 of smallest eviction key in ascending (key, slot index) order. The key is the slot's stamp (``lru``) or its
 owner's ``freq`` (``lfu``; -1 for an empty slot), and a slot this call uses is never a victim (newest stamp;
-excluded under ``lfu``). Returns ``(slot_ids [T, k] int64`` (0 on padding rows),
+excluded under ``lfu``). ``max_fetch`` (the hybrid backend; None: no cap) admits at most that many misses, the most
+routed first (``freq`` after this call's count; ties: lowest expert id); the others stay out of the cache, their
+pairs get slot id -1 (the host computes them) and ``spilled [1] int64`` counts them (among the misses too). Returns ``(slot_ids [T, k] int64`` (0 on padding rows),
 ``job_src [P]``, ``job_dst [P]``, ``num_jobs``): miss r copies bank row ``job_src[r]`` into slot ``job_dst[r]`` for
 ``r < num_jobs`` (``kernels/expert_gather.py``). Entries past ``num_jobs`` are unspecified.
 
@@ -72,6 +74,8 @@ def admit_experts_torch(
     num_valid_tokens: Optional[torch.Tensor] = None,
     lfu: bool = True,
     age_every: int = 1 << 20,
+    max_fetch: Optional[int] = None,
+    spilled: Optional[torch.Tensor] = None,
 ):
     """Reference admission; see the module docstring."""
     T, k = topk_ids.shape
@@ -98,6 +102,8 @@ def admit_experts_torch(
     counts += torch.stack((hit.sum(), miss.sum()))
     freq.index_add_(0, torch.where(first, flat, trash_id), torch.ones(P, dtype=freq.dtype, device=dev))
     stamp.index_put_((torch.where(hit, current, S),), clock)
+    if max_fetch is not None:
+        miss = _fetched_misses(miss, expert, freq[flat].long(), max_fetch, spilled)
 
     # missing expert of rank r (ascending expert id) takes the r-th slot in ascending (eviction key, slot) order
     rank = (miss[None, :] & (expert[None, :] < expert[:, None])).sum(1)
@@ -125,6 +131,19 @@ def admit_experts_torch(
     return slot_ids, job_src[:P], job_dst, miss.sum()
 
 
+def _fetched_misses(miss, expert, routed, max_fetch: int, spilled) -> torch.Tensor:
+    """The misses ``max_fetch`` admits: a miss is ranked by the misses routed more often, or as often with a lower
+    expert id (the host reference's lexsort); ranks from ``max_fetch`` on spill to the host."""
+    ahead = (routed[None, :] > routed[:, None]) | (
+        (routed[None, :] == routed[:, None]) & (expert[None, :] < expert[:, None])
+    )
+    priority = (miss[None, :] & ahead).sum(1)
+    spill = miss & (priority >= max_fetch)
+    if spilled is not None:
+        spilled += spill.sum()
+    return miss & ~spill
+
+
 if triton is not None:
     _NEVER_EVICT = tl.constexpr(NEVER_EVICT)
 
@@ -142,18 +161,21 @@ if triton is not None:
         job_src_ptr,
         job_dst_ptr,
         num_jobs_ptr,  # outputs
-        miss_expert_ptr,  # [P] scratch: the expert of each first-occurrence miss, -1 elsewhere
+        miss_expert_ptr,  # [P] scratch: the expert of each first-occurrence miss (fetched ones, with CAP), -1 elsewhere
+        spilled_ptr,  # [1] misses left to the host (CAP)
         layer_base,
         P,
         S,
         num_flat,
         age_every,
+        max_fetch,  # CAP: misses admitted at most
         K: tl.constexpr,
         LFU: tl.constexpr,
         HAS_VALID: tl.constexpr,
         PB: tl.constexpr,
         JB: tl.constexpr,
         SB: tl.constexpr,
+        CAP: tl.constexpr = False,  # max_fetch applies (the hybrid backend)
         PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
         pdl_wait_then_release(PDL)
@@ -186,12 +208,12 @@ if triton is not None:
         clock = tl.load(clock_ptr) + 1
         hits_before = tl.load(counts_ptr)
         misses_before = tl.load(counts_ptr + 1)
+        spilled_before = tl.load(spilled_ptr) if CAP else 0
         # warps run unsynchronised and replicate scalars: all must read before one of them writes
         tl.debug_barrier()
         tl.store(clock_ptr, clock)
         tl.store(counts_ptr, hits_before + num_hits)
         tl.store(counts_ptr + 1, misses_before + num_misses)
-        tl.store(num_jobs_ptr, num_misses)
         tl.store(stamp_ptr + current, clock, mask=hit)  # before the search below: a hit is never a victim
         tl.store(miss_expert_ptr + offs, tl.where(miss, expert, -1), mask=in_range)
         if clock % age_every == 0:
@@ -203,6 +225,26 @@ if triton is not None:
         tl.debug_barrier()  # every copy of a count is read before one is written (the first occurrences differ)
         tl.store(freq_ptr + flat, routed + 1, mask=first)
         tl.debug_barrier()
+        if CAP:
+            # a miss's priority: the misses routed more often, or as often with a lower expert id, ahead of it
+            mine = routed + 1
+            priority = tl.zeros([PB], dtype=tl.int32)
+            for j0 in range(0, P, JB):
+                oj = j0 + tl.arange(0, JB)
+                mj = tl.load(miss_expert_ptr + oj, mask=oj < P, other=-1)
+                rj = tl.load(freq_ptr + layer_base + mj, mask=mj >= 0, other=0)
+                ahead = (rj[None, :] > mine[:, None]) | (
+                    (rj[None, :] == mine[:, None]) & (mj[None, :] < expert[:, None])
+                )
+                priority += tl.sum(((mj[None, :] >= 0) & ahead).to(tl.int32), axis=1)
+            spill = miss & (priority >= max_fetch)
+            miss = miss & ~spill
+            tl.debug_barrier()  # every warp has read the miss list before it shrinks to the fetched misses
+            tl.store(miss_expert_ptr + offs, tl.where(miss, expert, -1), mask=in_range)
+            tl.store(spilled_ptr, spilled_before + tl.sum(spill.to(tl.int64), axis=0))
+            tl.debug_barrier()
+        num_fetched = tl.sum(miss.to(tl.int64), axis=0)
+        tl.store(num_jobs_ptr, num_fetched)
 
         rank = tl.zeros([PB], dtype=tl.int32)
         for j0 in range(0, P, JB):
@@ -214,7 +256,7 @@ if triton is not None:
         # are distinct). One pass over the pool per miss; a decode step misses a few experts per layer.
         never = 0x7FFFFFFFFFFFFFFF
         previous = tl.full([], -1, dtype=tl.int64)
-        for r in range(num_misses.to(tl.int32)):
+        for r in range(num_fetched.to(tl.int32)):
             best = tl.full([], never, dtype=tl.int64)
             for s0 in range(0, S, SB):
                 slots = s0 + tl.arange(0, SB)
@@ -258,6 +300,8 @@ def admit_experts_triton(
     num_valid_tokens: Optional[torch.Tensor] = None,
     lfu: bool = True,
     age_every: int = 1 << 20,
+    max_fetch: Optional[int] = None,
+    spilled: Optional[torch.Tensor] = None,
 ):
     """Same contract as ``admit_experts_torch``, one kernel launch. Works on CUDA, or on CPU under
     TRITON_INTERPRET=1."""
@@ -291,17 +335,20 @@ def admit_experts_triton(
         job_dst,
         num_jobs,
         miss_expert,
+        spilled if spilled is not None else torch.zeros(1, dtype=torch.int64, device=dev),
         layer * num_experts,
         P,
         S,
         freq.numel() - 1,
         age_every,
+        max_fetch if max_fetch is not None else P,
         K=k,
         LFU=lfu,
         HAS_VALID=num_valid_tokens is not None,
         PB=pb,
         JB=min(pb, PAIR_TILE),
         SB=SLOT_BLOCK,
+        CAP=max_fetch is not None,
         num_warps=4,
         **pdl_launch(ids),
     )

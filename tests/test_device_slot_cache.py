@@ -60,7 +60,7 @@ def assert_same_state(device_cache: DeviceExpertCache, host: ExpertSlotCache, ba
     assert device_cache.owner[:-1].tolist() == host.owner.tolist()
     assert device_cache.stamp[:-1].tolist() == host.last_used.tolist()
     assert device_cache.freq[:-1].tolist() == host.freq.tolist()
-    assert (device_cache.hits, device_cache.misses) == (host.hits, host.misses)
+    assert (device_cache.hits, device_cache.misses, device_cache.spilled) == (host.hits, host.misses, host.spilled)
     for slot, flat in enumerate(device_cache.owner[:-1].tolist()):
         if flat >= 0:
             gate_up, down = banks[flat // host.num_experts]
@@ -69,14 +69,15 @@ def assert_same_state(device_cache: DeviceExpertCache, host: ExpertSlotCache, ba
 
 
 def replay_against_host(
-    T, k, S, calls, seed=0, padded=False, impl="auto", device="cpu", banks=None, policy="lfu", age_every=7
-):
+    T, k, S, calls, seed=0, padded=False, impl="auto", device="cpu", banks=None, policy="lfu", age_every=7,
+    max_fetch=None,
+):  # fmt: skip
     """Runs one routing sequence through both caches, comparing after every call. Returns (hits, misses).
     ``age_every`` small by default: the counts are halved many times in a replay."""
     banks = banks or make_banks(seed)
     gate_up, down = tuple(banks[0][0].shape[1:]), tuple(banks[0][1].shape[1:])
     dtype = banks[0][0].dtype
-    policy_args = dict(policy=policy, age_every=age_every)
+    policy_args = dict(policy=policy, age_every=age_every, max_fetch=max_fetch)
     host = ExpertSlotCache(S, L, E, gate_up, down, dtype, torch.device("cpu"), **policy_args)
     cache = DeviceExpertCache(S, L, E, gate_up, down, dtype, torch.device(device), impl=impl, **policy_args)
     for layer, ids, n in routing_sequence(T, k, S, calls, seed, padded):
@@ -113,6 +114,27 @@ CASES = [
 def test_device_cache_makes_the_host_caches_decisions(T, k, S, policy):
     hits, misses = replay_against_host(T, k, S, calls=250, seed=T * 100 + k * 10 + S, policy=policy)
     assert misses > 0 and (hits > 0 or S == k)
+
+
+@pytest.mark.parametrize("max_fetch", [0, 1, 3])
+@pytest.mark.parametrize("T,k,S", [(1, 4, 9), (3, 2, 6), (8, 4, 16), (8, 2, 5)])
+def test_capped_admission_spills_the_least_routed_misses_to_the_host(T, k, S, max_fetch):
+    """The hybrid backend's cap: at most ``max_fetch`` misses a call are admitted, the most routed first; the
+    others keep slot id -1 and are counted as spilled, exactly as the host reference decides."""
+    for policy in ("lfu", "lru"):
+        replay_against_host(T, k, S, calls=200, seed=S + max_fetch, padded=True, policy=policy,
+                            max_fetch=max_fetch)  # fmt: skip
+    banks = make_banks(1)
+    cache = DeviceExpertCache(S, L, E, GATE_UP, DOWN, torch.float32, torch.device("cpu"), max_fetch=max_fetch)
+    ids = torch.arange(T * k).remainder(E).view(T, k)  # a cold cache: every expert a miss
+    slots = cache.ensure(0, *banks[0], ids)
+    assert len(set(ids[slots >= 0].tolist())) == min(max_fetch, cache.misses)
+    assert cache.spilled == cache.misses - min(max_fetch, cache.misses) and cache.spilled > 0
+
+
+def test_a_negative_fetch_cap_is_refused():
+    with pytest.raises(ValueError, match="max_fetch"):
+        DeviceExpertCache(4, L, E, GATE_UP, DOWN, torch.float32, torch.device("cpu"), max_fetch=-1)
 
 
 @pytest.mark.parametrize("T,k,S", [(3, 2, 6), (8, 4, 10), (8, 2, 5)])
@@ -208,6 +230,9 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
         for policy in ("lfu", "lru"):
             replay_against_host(T, k, S, calls=40, seed=S, padded=padded, impl="triton", banks=banks, policy=policy,
                                 age_every=5)
+            for max_fetch in (0, 2):  # the hybrid backend's cap
+                replay_against_host(T, k, S, calls=25, seed=S, padded=padded, impl="triton", banks=banks,
+                                    policy=policy, age_every=5, max_fetch=max_fetch)
     print("OK")
     """
 )

@@ -39,7 +39,7 @@ import torch
 from ..kernels.expert_admission import admit_experts_torch, admit_experts_triton
 from ..kernels.expert_gather import gather_experts_torch, gather_experts_triton
 from ..log import get_logger
-from .slot_cache import check_policy, default_age_every
+from .slot_cache import check_max_fetch, check_policy, default_age_every
 
 logger = get_logger(__name__)
 
@@ -57,15 +57,18 @@ class DeviceExpertCache:
         impl: str = "auto",
         policy: str = "lfu",
         age_every: Optional[int] = None,
+        max_fetch: Optional[int] = None,
     ):
         """``impl``: ``auto`` (Triton on CUDA, torch elsewhere), ``triton`` (also on CPU under TRITON_INTERPRET=1,
         in tests) or ``torch``: the admission, and on CPU the gather too (on CUDA the gather is always the Triton
-        kernel: nothing else reads a host bank without the host). ``policy``, ``age_every``: ``ExpertSlotCache``."""
+        kernel: nothing else reads a host bank without the host). ``policy``, ``age_every``, ``max_fetch``:
+        ``ExpertSlotCache``."""
         if num_slots < 1:
             raise ValueError("the expert cache needs at least one slot")
         if impl not in ("auto", "triton", "torch"):
             raise ValueError(f"unknown expert cache implementation {impl!r}")
         self.policy = check_policy(policy)
+        self.max_fetch = check_max_fetch(max_fetch)
         self.age_every = age_every or default_age_every(num_layers)
         self.num_slots, self.num_layers, self.num_experts = num_slots, num_layers, num_experts
         self.device = torch.device(device)
@@ -79,6 +82,7 @@ class DeviceExpertCache:
         self.stamp = torch.full((S + 1,), -1, dtype=torch.int64, device=dev)
         self.clock = torch.zeros(1, dtype=torch.int64, device=dev)
         self.counts = torch.zeros(2, dtype=torch.int64, device=dev)  # hits, misses
+        self.spilled_count = torch.zeros(1, dtype=torch.int64, device=dev)  # misses left to the host (max_fetch)
         self.freq = torch.zeros(self.trash_id + 1, dtype=torch.int32, device=dev)
         self._pinned: dict[int, bool] = {}  # bank data_ptr -> readable by the gather kernel
 
@@ -91,6 +95,10 @@ class DeviceExpertCache:
     @property
     def misses(self) -> int:
         return int(self.counts[1])
+
+    @property
+    def spilled(self) -> int:
+        return int(self.spilled_count[0])
 
     def counters(self) -> tuple[int, int]:
         """(hits, misses) in one read."""
@@ -129,7 +137,8 @@ class DeviceExpertCache:
         num_valid_tokens: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``topk_ids [T, k]`` (expert ids of ``layer``) -> slot ids ``[T, k]`` int64, every expert of the first
-        ``num_valid_tokens`` rows resident (all rows when None). No host sync; capturable on CUDA."""
+        ``num_valid_tokens`` rows resident (all rows when None; with ``max_fetch``, those it spills get slot id -1).
+        No host sync; capturable on CUDA."""
         slot_ids, job_src, job_dst, num_jobs = self.admit(layer, topk_ids, num_valid_tokens)
         self.fetch(bank_gate_up, bank_down, job_src, job_dst, num_jobs)
         return slot_ids
@@ -152,6 +161,8 @@ class DeviceExpertCache:
             num_valid_tokens,
             lfu=self.policy == "lfu",
             age_every=self.age_every,
+            max_fetch=self.max_fetch,
+            spilled=self.spilled_count,
         )
 
     @torch.no_grad()

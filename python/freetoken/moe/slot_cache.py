@@ -9,7 +9,9 @@ step can be, because its kernel is already queued on the same stream before the 
 Eviction (``policy``): ``lfu`` (the default) evicts the slot whose expert was routed to least often, counting every
 routing since start-up, resident or not, halved every ``age_every`` lookups (about 256 decode steps) so the
 counts follow a changing workload; ties go to the lowest slot. ``lru`` evicts the least recently used slot. Every
-miss is admitted either way (the kernels read experts from slots only). Under skewed routing LFU keeps each
+miss is admitted either way (the kernels read experts from slots only), unless ``max_fetch`` caps the misses a
+lookup admits (the hybrid backend: the rest are computed on the host CPU): then the most often routed misses are
+fetched (ties: lowest expert id) and the others keep slot id -1. Under skewed routing LFU keeps each
 layer's popular experts: on ``FREETOKEN_BENCH_ROUTING=zipf`` (40 layers x 256 experts, top-8, 1,024 slots) it hits
 0.565 of lookups against LRU's 0.41, the best fixed choice of experts being 0.568 (a replay of the bench's draws,
 2026-12-02); under uniform routing the two are alike. ``FREETOKEN_MOE_CACHE_POLICY`` picks it (benchmarks A/B).
@@ -36,6 +38,12 @@ def check_policy(policy: str) -> str:
     return policy
 
 
+def check_max_fetch(max_fetch: Optional[int]) -> Optional[int]:
+    if max_fetch is not None and max_fetch < 0:
+        raise ValueError(f"max_fetch must be None (no cap) or >= 0, got {max_fetch}")
+    return max_fetch
+
+
 def default_age_every(num_layers: int) -> int:
     """Lookups between two halvings of the routing counts: 256 decode steps (one lookup per MoE layer a step)."""
     return 256 * max(1, num_layers)
@@ -53,10 +61,12 @@ class ExpertSlotCache:
         device: torch.device,
         policy: str = "lfu",
         age_every: Optional[int] = None,
+        max_fetch: Optional[int] = None,
     ):
         if num_slots < 1:
             raise ValueError("the expert cache needs at least one slot")
         self.policy = check_policy(policy)
+        self.max_fetch = check_max_fetch(max_fetch)
         self.age_every = age_every or default_age_every(num_layers)
         self.num_slots, self.num_layers, self.num_experts = num_slots, num_layers, num_experts
         self.device = device
@@ -69,6 +79,7 @@ class ExpertSlotCache:
         self.clock = 0
         self.hits = 0
         self.misses = 0
+        self.spilled = 0  # misses left to the host (max_fetch), counted among the misses too
 
     @property
     def nbytes(self) -> int:
@@ -77,8 +88,9 @@ class ExpertSlotCache:
     def lookup(
         self, layer: int, bank_gate_up: torch.Tensor, bank_down: torch.Tensor, topk_ids: torch.Tensor
     ) -> Optional[torch.Tensor]:
-        """``topk_ids [T, k]`` (expert ids of ``layer``) -> slot ids of the same shape, every expert resident.
-        None when the layer needs more distinct experts than there are slots (the caller streams the layer)."""
+        """``topk_ids [T, k]`` (expert ids of ``layer``) -> slot ids of the same shape, every expert resident
+        (but those past ``max_fetch``: -1). None when the layer needs more distinct experts than there are slots
+        (the caller streams the layer)."""
         needed = np.unique(topk_ids.detach().cpu().numpy())
         if len(needed) > self.num_slots:
             return None
@@ -92,6 +104,11 @@ class ExpertSlotCache:
         missing = needed[~hit]
         self.hits += int(hit.sum())
         self.misses += len(missing)
+        if self.max_fetch is not None and len(missing) > self.max_fetch:
+            flat = layer * self.num_experts + missing
+            fetched = np.lexsort((missing, -self.freq[flat]))[: self.max_fetch]  # most routed first, then lowest id
+            self.spilled += len(missing) - self.max_fetch
+            missing = np.sort(missing[fetched])
         if len(missing):
             # Everything this lookup uses is stamped with the current clock and sorts last: the len(missing) first
             # slots are all free to take (len(needed) <= num_slots guarantees there are that many).
