@@ -1,0 +1,159 @@
+//! `experts_forward`: one MoE layer's routed experts for a few tokens, in two phases on the executor's pool.
+//!
+//! Phase 1, gate|up: a task per (expert, chunk of the I gate rows) computes those gate rows and the matching up rows
+//! for every token routed to the expert and writes `silu(gate) * up`. Phase 2, down: a task per chunk of the H output
+//! rows goes over every expert's down rows of that chunk and accumulates `weight * value` into `out`, so no two
+//! threads write one element of `out` and nothing is summed after. Every output buffer is cut into the tasks'
+//! disjoint slices beforehand: no locks, no unsafe.
+
+use rayon::prelude::*;
+
+use crate::executor::Scratch;
+use crate::matrix::Matrix;
+use crate::plan::{group_by_expert, rows_per_task, Group};
+use crate::{Bank, Executor, Pair, Shape};
+
+/// `out[t] += sum over pairs (t, e, w) of w * down_e(silu(gate_e x_t) * up_e x_t)`, in f32.
+///
+/// `x` is `[T, H]` BF16 bits, `out` `[T, H]` f32. Every length, token and expert is checked first; an error
+/// leaves `out` as it was.
+pub fn experts_forward(
+    bank: &Bank,
+    shape: Shape,
+    x: &[u16],
+    pairs: &[Pair],
+    out: &mut [f32],
+    exec: &Executor,
+) -> Result<(), String> {
+    bank.check(shape)?;
+    let (h, i) = (shape.hidden, shape.intermediate);
+    if !x.len().is_multiple_of(h) {
+        return Err(format!("x has {} elements, not a whole number of rows of hidden size {h}", x.len()));
+    }
+    let tokens = x.len() / h;
+    if out.len() != x.len() {
+        return Err(format!("out has {} elements, x {} (both [T, H])", out.len(), x.len()));
+    }
+    if let Some((n, p)) = pairs.iter().enumerate().find(|(_, p)| p.token as usize >= tokens) {
+        return Err(format!("pair {n}: token {} is outside the {tokens} tokens of x", p.token));
+    }
+    if let Some((n, p)) = pairs.iter().enumerate().find(|(_, p)| p.expert as usize >= shape.experts) {
+        return Err(format!("pair {n}: expert {} is outside the bank's {} experts", p.expert, shape.experts));
+    }
+    if pairs.is_empty() {
+        return Ok(());
+    }
+    let layout = bank.layout();
+    let (order, groups) = group_by_expert(pairs);
+    let mut scratch = exec.scratch.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let Scratch { x: x_laid, act, act_laid } = &mut *scratch;
+    let (hp, ip, np) = (layout.padded(h), layout.padded(i), pairs.len());
+    x_laid.resize(tokens * hp, 0.0);
+    act.resize(np * i, 0.0);
+    act_laid.resize(np * ip, 0.0);
+    let threads = exec.threads();
+    let rows1 = rows_per_task(i, groups.len(), threads);
+    let run = Run { bank, shape, pairs, order: &order, simd: exec.simd };
+    exec.pool.install(|| {
+        x_laid.par_chunks_mut(hp).zip(x.par_chunks(h)).for_each(|(dst, src)| {
+            layout.lay_out(h, |j| f32::from_bits((src[j] as u32) << 16), dst);
+        });
+        run.gate_up(&groups, rows1, x_laid, hp, act);
+        // the activations by pair, laid out for the down kernels; chunk a's region is [np, len] from np * a
+        act_laid.par_chunks_mut(ip).enumerate().for_each(|(q, dst)| {
+            layout.lay_out(
+                i,
+                |j| {
+                    let a = j / rows1 * rows1;
+                    act[np * a + q * rows1.min(i - a) + j - a]
+                },
+                dst,
+            );
+        });
+        run.down(&groups, rows_per_task(h, 1, threads), act_laid, ip, out, tokens);
+    });
+    Ok(())
+}
+
+/// What both phases read.
+struct Run<'a> {
+    bank: &'a Bank<'a>,
+    shape: Shape,
+    pairs: &'a [Pair],
+    order: &'a [usize],
+    simd: bool,
+}
+
+fn silu(v: f32) -> f32 {
+    v / (1.0 + (-v).exp())
+}
+
+impl Run<'_> {
+    /// Phase 1: `act`, cut by chunks of `rows` gate rows (chunk a: `[pairs, len]` at `pairs * a`, by group inside).
+    fn gate_up(&self, groups: &[Group], rows: usize, x_laid: &[f32], hp: usize, act: &mut [f32]) {
+        let i = self.shape.intermediate;
+        let mut tasks = Vec::with_capacity(groups.len() * i.div_ceil(rows));
+        let mut rest = act;
+        for a in (0..i).step_by(rows) {
+            let len = rows.min(i - a);
+            for g in groups {
+                let (region, tail) = rest.split_at_mut((g.end - g.start) * len);
+                rest = tail;
+                tasks.push((g, a, len, region));
+            }
+        }
+        tasks.into_par_iter().with_max_len(1).for_each(|(g, a, len, region)| {
+            // a row at a time, each token of the expert on it while it is in L1; the gate rows, then the up rows:
+            // the task reads two linear runs of memory (interleaved rows read markedly slower)
+            let m = self.bank.gate_up(g.expert, self.shape);
+            let members = &self.order[g.start..g.end];
+            for (part, first) in [(0, a), (1, i + a)] {
+                for r in 0..len {
+                    for (q, &p) in members.iter().enumerate() {
+                        let t = self.pairs[p].token as usize;
+                        let v = m.dot(first + r, &x_laid[t * hp..(t + 1) * hp], self.simd);
+                        let o = &mut region[q * len + r];
+                        *o = if part == 0 { v } else { silu(*o) * v };
+                    }
+                }
+            }
+        });
+    }
+
+    /// Phase 2: `out[t, rows of the chunk] += weight * down rows . act` for every pair, a task per chunk of `rows`.
+    fn down(&self, groups: &[Group], rows: usize, act_laid: &[f32], ip: usize, out: &mut [f32], tokens: usize) {
+        let h = self.shape.hidden;
+        // out's pieces ordered by chunk, then token: a task takes `tokens` consecutive ones
+        let mut by_token: Vec<_> = out.chunks_mut(h).map(|row| row.chunks_mut(rows)).collect();
+        let mut pieces: Vec<&mut [f32]> = Vec::with_capacity(tokens * h.div_ceil(rows));
+        for _ in 0..h.div_ceil(rows) {
+            pieces.extend(by_token.iter_mut().map(|row| row.next().expect("one piece a chunk")));
+        }
+        pieces.par_chunks_mut(tokens).with_max_len(1).enumerate().for_each(|(c, outs)| {
+            let (a, len) = (c * rows, outs[0].len());
+            for g in groups {
+                self.down_group(self.bank.down(g.expert, self.shape), g, a, len, act_laid, ip, outs);
+            }
+        });
+    }
+
+    #[allow(clippy::too_many_arguments, clippy::needless_range_loop)] // r: a row of the chunk, in every token's piece
+    fn down_group(
+        &self,
+        m: Matrix,
+        g: &Group,
+        a: usize,
+        len: usize,
+        act_laid: &[f32],
+        ip: usize,
+        outs: &mut [&mut [f32]],
+    ) {
+        for r in 0..len {
+            for q in g.start..g.end {
+                let p = &self.pairs[self.order[q]];
+                let v = m.dot(a + r, &act_laid[q * ip..(q + 1) * ip], self.simd);
+                outs[p.token as usize][r] += p.weight * v;
+            }
+        }
+    }
+}

@@ -1,0 +1,62 @@
+//! One expert's projection (`[rows, k]`, BF16 or NVFP4) and the layout of the vectors it multiplies.
+
+use crate::{bf16_dot, nvfp4_dot};
+
+/// How the kernels of a weight format want x laid out (`bf16_dot.rs`, `nvfp4_dot.rs` say why).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Layout {
+    Bf16,
+    Nvfp4,
+}
+
+impl Layout {
+    fn chunk(self) -> usize {
+        match self {
+            Layout::Bf16 => bf16_dot::CHUNK,
+            Layout::Nvfp4 => nvfp4_dot::CHUNK,
+        }
+    }
+
+    /// Length of a laid-out vector of `k` elements (whole chunks).
+    pub(crate) fn padded(self, k: usize) -> usize {
+        k.div_ceil(self.chunk()) * self.chunk()
+    }
+
+    /// Where element `j` goes.
+    pub(crate) fn position(self, j: usize) -> usize {
+        match self {
+            Layout::Bf16 => bf16_dot::position(j),
+            Layout::Nvfp4 => nvfp4_dot::position(j),
+        }
+    }
+
+    /// `dst[position(j)] = value(j)` for `j < k`; the padding zeroed. `dst.len() == padded(k)`.
+    pub(crate) fn lay_out(self, k: usize, value: impl Fn(usize) -> f32, dst: &mut [f32]) {
+        debug_assert_eq!(dst.len(), self.padded(k));
+        dst[k - k % self.chunk()..].fill(0.0);
+        for j in 0..k {
+            dst[self.position(j)] = value(j);
+        }
+    }
+}
+
+/// One expert's `[rows, k]` weights, row-major; `Nvfp4` with its per-row global scales.
+#[derive(Clone, Copy)]
+pub(crate) enum Matrix<'a> {
+    Bf16 { weights: &'a [u16], k: usize },
+    Nvfp4 { codes: &'a [u8], scales: &'a [u8], globals: &'a [f32], k: usize },
+}
+
+impl Matrix<'_> {
+    /// `dot(row, x)`, x laid out for this format.
+    pub(crate) fn dot(&self, row: usize, x: &[f32], simd: bool) -> f32 {
+        match *self {
+            Matrix::Bf16 { weights, k } => bf16_dot::dot(&weights[row * k..(row + 1) * k], x, simd),
+            Matrix::Nvfp4 { codes, scales, globals, k } => {
+                let (kc, ks) = (k / 2, k / nvfp4_dot::BLOCK);
+                let dot = nvfp4_dot::dot(&codes[row * kc..(row + 1) * kc], &scales[row * ks..(row + 1) * ks], x, simd);
+                dot * globals[row]
+            }
+        }
+    }
+}
