@@ -5,7 +5,10 @@
 //!   engine thread takes the GIL once per step), the same path as the `ft-server` binary.
 //! - `ft quantize` runs the Python quantizer (`freetoken.quant.quantize_checkpoint.main`) with the parsed flags.
 //! - `OfflineEngine` runs the same scheduler and worker synchronously for `freetoken.LLM` (tests, notebooks).
+//! - `CpuExpertExecutor` and `CpuExpertBank` run MoE routed experts on the host CPU (`ft-cpu-experts`) for
+//!   `freetoken.moe.cpu_experts`.
 
+mod cpu_experts;
 mod offline;
 
 // The worker adapter and the engine description are ft-server's (`ft_server::python`), shared with the
@@ -68,5 +71,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(main, m)?)?;
     m.add_function(wrap_pyfunction!(serve_defaults, m)?)?;
     m.add_class::<offline::OfflineEngine>()?;
+    m.add_class::<cpu_experts::CpuExpertBank>()?;
+    m.add_class::<cpu_experts::CpuExpertExecutor>()?;
     Ok(())
 }
