@@ -4,7 +4,12 @@ experts of Qwen3.6-35B-A3B's shape (gate|up 1024 x 2048, down 2048 x 512, 6 MiB 
 (what the GPU's expert cache fetches at) and the host's plain read bandwidth (a sum over 1 GiB). A ``hybrid``
 expert backend (misses computed where they live) only pays where the first beats the second.
 
-    python3 bench/cpu_expert_bench.py [--threads N] [--out bench/out/cpu_expert.json]
+Then the same through FreeToken's CPU expert executor (``freetoken.moe.cpu_experts``, ``crates/ft-cpu-experts``)
+on a BF16 and an NVFP4 bank of 64 experts (1.70 MiB an expert in NVFP4), for 1 token and ``--tokens`` tokens routed
+to the same experts (each expert read once for all of them): weight GB/s, its share of the host's read bandwidth
+(``of read``) and the ratio to pinned H2D. Every call takes the next experts of the bank, so weights come from memory.
+
+    python3 bench/cpu_expert_bench.py [--threads N] [--tokens 1,4] [--out bench/out/cpu_expert.json]
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--experts", default="1,2,4,8")
+    ap.add_argument(
+        "--tokens", default="1,4", help="tokens a call for the executor's rows (routed to the same experts)"
+    )
     ap.add_argument("--out", default="bench/out/cpu_expert.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -70,8 +78,60 @@ def main() -> int:
         gbs = n * per_expert / s / 1e9
         rows.append({"experts": n, "ms": s * 1e3, "gb_s": gbs})
         print(f"{n:>8}{s * 1e3:>10.3f}{gbs:>8.1f}{(gbs / pcie if pcie else float('nan')):>8.2f}")
-    write_report(a.out, {"threads": a.threads, "host_read_gb_s": read_gbs, "hardware": hw, "rows": rows})
+    executor_rows = executor_table(a, w13, w2, read_gbs, pcie)
+    report = {"threads": a.threads, "host_read_gb_s": read_gbs, "hardware": hw, "rows": rows}
+    write_report(a.out, report | {"executor_rows": executor_rows})
     return 0
+
+
+def nvfp4_bank(experts: int) -> tuple:
+    """Random NVFP4 bytes in the bank layout (``layers/nvfp4_experts.py``), block scales in [1, 2)."""
+    g = torch.Generator().manual_seed(0)
+    codes = lambda rows, k: torch.randint(0, 256, (experts, rows, k // 2), generator=g, dtype=torch.uint8)
+    scales = lambda rows, k: (torch.rand(experts, rows, k // 16, generator=g) + 1).to(torch.float8_e4m3fn)
+    glob = lambda rows, k: torch.full((experts, rows), 0.3 / k**0.5)
+    return tuple(f(*shape) for shape in ((2 * I, H), (H, I)) for f in (codes, scales, glob))
+
+
+def executor_table(a, w13, w2, read_gbs: float, pcie) -> list:
+    """The CPU expert executor on BF16 (the torch rows' bank) and NVFP4 banks: a row per (format, tokens, experts)."""
+    from freetoken.moe.cpu_experts import CpuExperts
+
+    banks = {"bf16": (w13, w2), "nvfp4": nvfp4_bank(EXPERTS)}
+    experts = {name: CpuExperts(bank, threads=a.threads) for name, bank in banks.items()}
+    simd = next(iter(experts.values())).executor.simd
+    print(f"CPU expert executor: {a.threads} threads, {'AVX-512' if simd else 'portable'} kernels")
+    print(f"{'format':>8}{'tokens':>8}{'experts':>8}{'ms':>10}{'GB/s':>8}{'of read':>9}{'vs H2D':>8}")
+    rows, turn = [], [0]
+    for name, ex in experts.items():
+        per_expert = sum(t[0].numel() * t.element_size() for t in banks[name])
+        for tokens in (int(v) for v in a.tokens.split(",")):
+            x = torch.randn(tokens, H).bfloat16()
+            weights = torch.full((tokens, 1), 1.0)
+            out = torch.zeros(tokens, H)
+            for n in (int(v) for v in a.experts.split(",")):
+
+                def step(n=n, ex=ex, x=x, weights=weights, out=out):
+                    base = turn[0] % (EXPERTS // n) * n
+                    turn[0] += 1
+                    ids = torch.arange(base, base + n).expand(x.shape[0], n)
+                    ex.forward(x, ids, weights.expand(x.shape[0], n), out)
+
+                s = median_s(step)
+                gbs = n * per_expert / s / 1e9
+                rows.append(
+                    {
+                        "format": name,
+                        "tokens": tokens,
+                        "experts": n,
+                        "ms": s * 1e3,
+                        "gb_s": gbs,
+                        "of_read": gbs / read_gbs,
+                    }
+                )
+                h2d = gbs / pcie if pcie else float("nan")
+                print(f"{name:>8}{tokens:>8}{n:>8}{s * 1e3:>10.3f}{gbs:>8.1f}{gbs / read_gbs:>9.2f}{h2d:>8.2f}")
+    return rows
 
 
 if __name__ == "__main__":

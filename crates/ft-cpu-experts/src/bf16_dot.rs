@@ -1,4 +1,5 @@
-//! Dot products of a BF16 weight row with an f32 vector.
+//! Dot products of a BF16 weight row with a few f32 vectors (the tokens routed to one expert): the row is read
+//! and converted once for all of them.
 //!
 //! x is laid out for the kernel (`position`): each chunk of 32 elements as its 16 even elements, then its 16 odd
 //! ones, zero-padded to whole chunks. A 64-byte load of 32 BF16 weights is 16 dwords of (even, odd) pairs: the even
@@ -16,16 +17,30 @@ fn to_f32(bits: u16) -> f32 {
     f32::from_bits((bits as u32) << 16)
 }
 
-/// `dot(row, x)`: `row` `k` BF16 weights, `x` laid out (`position`) and at least `k` rounded up to a chunk.
-pub(crate) fn dot(row: &[u16], x: &[f32], simd: bool) -> f32 {
-    assert!(x.len() >= row.len().div_ceil(CHUNK) * CHUNK, "x too short");
+/// `out[t] = dot(row, xs[t])`: `row` `k` BF16 weights, each x laid out (`position`) and at least `k` rounded up to
+/// a chunk.
+pub(crate) fn dot_many(row: &[u16], xs: &[&[f32]], out: &mut [f32], simd: bool) {
+    assert!(out.len() == xs.len() && xs.iter().all(|x| x.len() >= row.len().div_ceil(CHUNK) * CHUNK), "x lengths");
     #[cfg(target_arch = "x86_64")]
     if simd {
-        // SAFETY: `simd` is only set where the Executor detected avx512f and avx512bw; x's length is checked above.
-        return unsafe { dot_avx512(row, x) };
+        // the tokens four at a time (as many FMA chains as fit the registers)
+        for (xs, out) in xs.chunks(4).zip(out.chunks_mut(4)) {
+            // SAFETY: `simd` is only set where the Executor detected avx512f and avx512bw; lengths checked above.
+            unsafe {
+                match xs.len() {
+                    4 => out.copy_from_slice(&dot_avx512::<4>(row, [xs[0], xs[1], xs[2], xs[3]])),
+                    3 => out.copy_from_slice(&dot_avx512::<3>(row, [xs[0], xs[1], xs[2]])),
+                    2 => out.copy_from_slice(&dot_avx512::<2>(row, [xs[0], xs[1]])),
+                    _ => out.copy_from_slice(&dot_avx512::<1>(row, [xs[0]])),
+                }
+            }
+        }
+        return;
     }
     let _ = simd;
-    dot_portable(row, x)
+    for (x, o) in xs.iter().zip(out) {
+        *o = dot_portable(row, x);
+    }
 }
 
 /// The portable path: 16 lanes of partial sums, as the AVX-512 one keeps them (LLVM vectorizes the lane loops).
@@ -44,43 +59,59 @@ fn dot_portable(row: &[u16], x: &[f32]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn dot_avx512(row: &[u16], x: &[f32]) -> f32 {
+unsafe fn dot_avx512<const N: usize>(row: &[u16], xs: [&[f32]; N]) -> [f32; N] {
     use std::arch::x86_64::*;
     let k = row.len();
     let full = k / CHUNK;
-    // two chunks a step into separate sums: four FMA chains
-    let (mut a, mut b) = ([_mm512_setzero_ps(); 2], [_mm512_setzero_ps(); 2]);
+    // two chunks a step into separate sums: four FMA chains a token
+    let mut acc = [[_mm512_setzero_ps(); 4]; N];
     let mut c = 0;
     while c + 2 <= full {
         // in bounds: chunks c and c+1 are whole
         let w0 = _mm512_loadu_si512(row.as_ptr().add(c * CHUNK) as *const __m512i);
         let w1 = _mm512_loadu_si512(row.as_ptr().add((c + 1) * CHUNK) as *const __m512i);
-        accumulate(w0, x.as_ptr().add(c * CHUNK), &mut a);
-        accumulate(w1, x.as_ptr().add((c + 1) * CHUNK), &mut b);
+        accumulate(w0, xs, c * CHUNK, &mut acc, 0);
+        accumulate(w1, xs, (c + 1) * CHUNK, &mut acc, 2);
         c += 2;
     }
     if c < full {
         let w = _mm512_loadu_si512(row.as_ptr().add(c * CHUNK) as *const __m512i);
-        accumulate(w, x.as_ptr().add(c * CHUNK), &mut a);
+        accumulate(w, xs, c * CHUNK, &mut acc, 0);
     }
     let rest = k - full * CHUNK;
     if rest > 0 {
         // the last, partial chunk: the weights past the row's end are masked off (never read), x is zero there
         let w = _mm512_maskz_loadu_epi16((1u32 << rest) - 1, row.as_ptr().add(full * CHUNK) as *const i16);
-        accumulate(w, x.as_ptr().add(full * CHUNK), &mut b);
+        accumulate(w, xs, full * CHUNK, &mut acc, 2);
     }
-    _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(b[0], b[1])))
+    let mut out = [0f32; N];
+    for t in 0..N {
+        let [a, b, c, d] = acc[t];
+        out[t] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a, b), _mm512_add_ps(c, d)));
+    }
+    out
 }
 
-/// One chunk: `w` its 32 weights, `x` its 16 even then 16 odd elements, into (even, odd) sums.
+/// One chunk: `w` its 32 weights; each x's chunk at `at` (16 even then 16 odd elements) into the token's (even,
+/// odd) sums `acc[t][sums]`, `acc[t][sums + 1]`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn accumulate(w: std::arch::x86_64::__m512i, x: *const f32, acc: &mut [std::arch::x86_64::__m512; 2]) {
+unsafe fn accumulate<const N: usize>(
+    w: std::arch::x86_64::__m512i,
+    xs: [&[f32]; N],
+    at: usize,
+    acc: &mut [[std::arch::x86_64::__m512; 4]; N],
+    sums: usize,
+) {
     use std::arch::x86_64::*;
-    let odd_mask = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
-    acc[0] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32::<16>(w)), _mm512_loadu_ps(x), acc[0]);
-    acc[1] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(w, odd_mask)), _mm512_loadu_ps(x.add(16)), acc[1]);
+    let even = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(w));
+    let odd = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(0xFFFF_0000u32 as i32)));
+    for t in 0..N {
+        let x = xs[t].as_ptr().add(at);
+        acc[t][sums] = _mm512_fmadd_ps(even, _mm512_loadu_ps(x), acc[t][sums]);
+        acc[t][sums + 1] = _mm512_fmadd_ps(odd, _mm512_loadu_ps(x.add(16)), acc[t][sums + 1]);
+    }
 }
 
 #[cfg(test)]
@@ -96,20 +127,27 @@ mod tests {
     fn simd_equals_portable_and_the_plain_sum() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(1);
         for k in [1usize, 7, 16, 31, 32, 33, 64, 100, 2048, 2051] {
-            let rows: Vec<Vec<u16>> = (0..4)
-                .map(|_| (0..k).map(|_| (rng.gen_range(-1.0f32..1.0).to_bits() >> 16) as u16).collect())
+            let row: Vec<u16> = (0..k).map(|_| (rng.gen_range(-1.0f32..1.0).to_bits() >> 16) as u16).collect();
+            let xs: Vec<Vec<f32>> = (0..6).map(|_| (0..k).map(|_| rng.gen_range(-1.0..1.0)).collect()).collect();
+            let laid: Vec<Vec<f32>> = xs
+                .iter()
+                .map(|x| {
+                    let mut l = vec![0f32; k.div_ceil(CHUNK) * CHUNK];
+                    x.iter().enumerate().for_each(|(j, v)| l[position(j)] = *v);
+                    l
+                })
                 .collect();
-            let xs: Vec<f32> = (0..k).map(|_| rng.gen_range(-1.0..1.0)).collect();
-            let mut laid = vec![0f32; k.div_ceil(CHUNK) * CHUNK];
-            for (j, v) in xs.iter().enumerate() {
-                laid[position(j)] = *v;
-            }
-            for row in &rows {
-                let (portable, fast) = (dot(row, &laid, false), dot(row, &laid, simd()));
-                let plain: f64 = row.iter().zip(&xs).map(|(w, x)| to_f32(*w) as f64 * *x as f64).sum();
-                let tol = 1e-5 * (1.0 + (k as f64).sqrt());
-                assert!((portable as f64 - plain).abs() < tol, "k={k} portable {portable} vs {plain}");
-                assert!(((fast - portable) as f64).abs() <= tol, "k={k} simd {fast} vs {portable}");
+            for n in 1..=6 {
+                let refs: Vec<&[f32]> = laid[..n].iter().map(|l| &l[..]).collect();
+                let (mut portable, mut fast) = (vec![0f32; n], vec![0f32; n]);
+                dot_many(&row, &refs, &mut portable, false);
+                dot_many(&row, &refs, &mut fast, simd());
+                for t in 0..n {
+                    let plain: f64 = row.iter().zip(&xs[t]).map(|(w, x)| to_f32(*w) as f64 * *x as f64).sum();
+                    let tol = 1e-5 * (1.0 + (k as f64).sqrt());
+                    assert!((portable[t] as f64 - plain).abs() < tol, "k={k} portable {} vs {plain}", portable[t]);
+                    assert!(((fast[t] - portable[t]) as f64).abs() <= tol, "k={k} simd {} vs {}", fast[t], portable[t]);
+                }
             }
         }
     }

@@ -3,6 +3,8 @@
 
 use std::sync::Mutex;
 
+use crate::pool::Pool;
+
 /// Whether this CPU runs the AVX-512 kernels (AVX-512F for the arithmetic, BW for the masked 16-bit tail loads).
 pub(crate) fn has_avx512() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -16,7 +18,7 @@ pub(crate) fn has_avx512() -> bool {
 }
 
 pub struct Executor {
-    pub(crate) pool: rayon::ThreadPool,
+    pub(crate) pool: Pool,
     /// The AVX-512 kernels: detected at construction, off when `portable` was asked for.
     pub(crate) simd: bool,
     /// Buffers reused across calls (sized by the largest call so far), so that a decode step allocates nothing.
@@ -34,20 +36,17 @@ pub(crate) struct Scratch {
 }
 
 impl Executor {
-    /// `threads` workers (0: the available parallelism); `portable` forces the portable kernels (tests, and hosts
+    /// `threads` threads, the caller's included (0: the available parallelism); `portable` forces the portable kernels (tests, and hosts
     /// where AVX-512 is slow).
     pub fn new(threads: usize, portable: bool) -> Result<Executor, String> {
         let threads = if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads };
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("ft-cpu-experts-{i}"))
-            .build()
-            .map_err(|e| format!("cannot start {threads} CPU expert threads: {e}"))?;
+        let pool = Pool::new(threads).map_err(|e| format!("cannot start {threads} CPU expert threads: {e}"))?;
         Ok(Executor { pool, simd: !portable && has_avx512(), scratch: Mutex::new(Scratch::default()) })
     }
 
+    /// Threads a call runs on (the caller's included).
     pub fn threads(&self) -> usize {
-        self.pool.current_num_threads()
+        self.pool.threads()
     }
 
     /// Whether calls run the AVX-512 kernels.

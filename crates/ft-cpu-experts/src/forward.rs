@@ -1,16 +1,16 @@
 //! `experts_forward`: one MoE layer's routed experts for a few tokens, in two phases on the executor's pool.
 //!
 //! Phase 1, gate|up: a task per (expert, chunk of the I gate rows) computes those gate rows and the matching up rows
-//! for every token routed to the expert and writes `silu(gate) * up`. Phase 2, down: a task per chunk of the H output
+//! for every token routed to the expert and writes `silu(gate) * up`. The activations are then laid out a vector a
+//! pair for the down kernels. Phase 2, down: a task per chunk of the H output
 //! rows goes over every expert's down rows of that chunk and accumulates `weight * value` into `out`, so no two
 //! threads write one element of `out` and nothing is summed after. Every output buffer is cut into the tasks'
-//! disjoint slices beforehand: no locks, no unsafe.
-
-use rayon::prelude::*;
+//! disjoint slices beforehand (`pool.rs` runs the tasks).
 
 use crate::executor::Scratch;
 use crate::matrix::Matrix;
 use crate::plan::{group_by_expert, rows_per_task, Group};
+use crate::pool::Pool;
 use crate::{Bank, Executor, Pair, Shape};
 
 /// `out[t] += sum over pairs (t, e, w) of w * down_e(silu(gate_e x_t) * up_e x_t)`, in f32.
@@ -54,24 +54,23 @@ pub fn experts_forward(
     let threads = exec.threads();
     let rows1 = rows_per_task(i, groups.len(), threads);
     let run = Run { bank, shape, pairs, order: &order, simd: exec.simd };
-    exec.pool.install(|| {
-        x_laid.par_chunks_mut(hp).zip(x.par_chunks(h)).for_each(|(dst, src)| {
-            layout.lay_out(h, |j| f32::from_bits((src[j] as u32) << 16), dst);
-        });
-        run.gate_up(&groups, rows1, x_laid, hp, act);
-        // the activations by pair, laid out for the down kernels; chunk a's region is [np, len] from np * a
-        act_laid.par_chunks_mut(ip).enumerate().for_each(|(q, dst)| {
-            layout.lay_out(
-                i,
-                |j| {
-                    let a = j / rows1 * rows1;
-                    act[np * a + q * rows1.min(i - a) + j - a]
-                },
-                dst,
-            );
-        });
-        run.down(&groups, rows_per_task(h, 1, threads), act_laid, ip, out, tokens);
+    let pool = &exec.pool;
+    let to_lay_out: Vec<_> = x_laid.chunks_mut(hp).zip(x.chunks(h)).collect();
+    pool.for_each(to_lay_out, |(dst, src)| layout.lay_out(h, |j| f32::from_bits((src[j] as u32) << 16), dst));
+    run.gate_up(pool, &groups, rows1, x_laid, hp, act);
+    // the activations by pair, laid out for the down kernels; chunk a's region is [np, len] from np * a
+    let to_lay_out: Vec<_> = act_laid.chunks_mut(ip).enumerate().collect();
+    pool.for_each(to_lay_out, |(q, dst)| {
+        layout.lay_out(
+            i,
+            |j| {
+                let a = j / rows1 * rows1;
+                act[np * a + q * rows1.min(i - a) + j - a]
+            },
+            dst,
+        );
     });
+    run.down(pool, &groups, rows_per_task(h, 1, threads), act_laid, ip, out, tokens);
     Ok(())
 }
 
@@ -90,7 +89,7 @@ fn silu(v: f32) -> f32 {
 
 impl Run<'_> {
     /// Phase 1: `act`, cut by chunks of `rows` gate rows (chunk a: `[pairs, len]` at `pairs * a`, by group inside).
-    fn gate_up(&self, groups: &[Group], rows: usize, x_laid: &[f32], hp: usize, act: &mut [f32]) {
+    fn gate_up(&self, pool: &Pool, groups: &[Group], rows: usize, x_laid: &[f32], hp: usize, act: &mut [f32]) {
         let i = self.shape.intermediate;
         let mut tasks = Vec::with_capacity(groups.len() * i.div_ceil(rows));
         let mut rest = act;
@@ -102,18 +101,24 @@ impl Run<'_> {
                 tasks.push((g, a, len, region));
             }
         }
-        tasks.into_par_iter().with_max_len(1).for_each(|(g, a, len, region)| {
-            // a row at a time, each token of the expert on it while it is in L1; the gate rows, then the up rows:
-            // the task reads two linear runs of memory (interleaved rows read markedly slower)
+        pool.for_each(tasks, |(g, a, len, region)| {
+            // a row at a time, for all the expert's tokens at once; the gate rows, then the up rows: the task reads
+            // two linear runs of memory (rows read interleaved came in at under half the rate on the first host)
             let m = self.bank.gate_up(g.expert, self.shape);
-            let members = &self.order[g.start..g.end];
+            let xs: Vec<&[f32]> = self.order[g.start..g.end]
+                .iter()
+                .map(|&p| {
+                    let t = self.pairs[p].token as usize;
+                    &x_laid[t * hp..(t + 1) * hp]
+                })
+                .collect();
+            let mut values = vec![0f32; xs.len()];
             for (part, first) in [(0, a), (1, i + a)] {
                 for r in 0..len {
-                    for (q, &p) in members.iter().enumerate() {
-                        let t = self.pairs[p].token as usize;
-                        let v = m.dot(first + r, &x_laid[t * hp..(t + 1) * hp], self.simd);
+                    m.dot_many(first + r, &xs, &mut values, self.simd);
+                    for (q, v) in values.iter().enumerate() {
                         let o = &mut region[q * len + r];
-                        *o = if part == 0 { v } else { silu(*o) * v };
+                        *o = if part == 0 { *v } else { silu(*o) * v };
                     }
                 }
             }
@@ -121,7 +126,17 @@ impl Run<'_> {
     }
 
     /// Phase 2: `out[t, rows of the chunk] += weight * down rows . act` for every pair, a task per chunk of `rows`.
-    fn down(&self, groups: &[Group], rows: usize, act_laid: &[f32], ip: usize, out: &mut [f32], tokens: usize) {
+    #[allow(clippy::too_many_arguments)]
+    fn down(
+        &self,
+        pool: &Pool,
+        groups: &[Group],
+        rows: usize,
+        act_laid: &[f32],
+        ip: usize,
+        out: &mut [f32],
+        tokens: usize,
+    ) {
         let h = self.shape.hidden;
         // out's pieces ordered by chunk, then token: a task takes `tokens` consecutive ones
         let mut by_token: Vec<_> = out.chunks_mut(h).map(|row| row.chunks_mut(rows)).collect();
@@ -129,7 +144,7 @@ impl Run<'_> {
         for _ in 0..h.div_ceil(rows) {
             pieces.extend(by_token.iter_mut().map(|row| row.next().expect("one piece a chunk")));
         }
-        pieces.par_chunks_mut(tokens).with_max_len(1).enumerate().for_each(|(c, outs)| {
+        pool.for_each(pieces.chunks_mut(tokens).enumerate().collect(), |(c, outs): (usize, &mut [&mut [f32]])| {
             let (a, len) = (c * rows, outs[0].len());
             for g in groups {
                 self.down_group(self.bank.down(g.expert, self.shape), g, a, len, act_laid, ip, outs);
@@ -137,7 +152,7 @@ impl Run<'_> {
         });
     }
 
-    #[allow(clippy::too_many_arguments, clippy::needless_range_loop)] // r: a row of the chunk, in every token's piece
+    #[allow(clippy::too_many_arguments, clippy::needless_range_loop)] // r: a row of every token's piece
     fn down_group(
         &self,
         m: Matrix,
@@ -148,10 +163,12 @@ impl Run<'_> {
         ip: usize,
         outs: &mut [&mut [f32]],
     ) {
+        let xs: Vec<&[f32]> = (g.start..g.end).map(|q| &act_laid[q * ip..(q + 1) * ip]).collect();
+        let mut values = vec![0f32; xs.len()];
         for r in 0..len {
-            for q in g.start..g.end {
+            m.dot_many(a + r, &xs, &mut values, self.simd);
+            for (q, v) in (g.start..g.end).zip(&values) {
                 let p = &self.pairs[self.order[q]];
-                let v = m.dot(a + r, &act_laid[q * ip..(q + 1) * ip], self.simd);
                 outs[p.token as usize][r] += p.weight * v;
             }
         }

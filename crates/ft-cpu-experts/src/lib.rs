@@ -16,6 +16,7 @@
 //! - `bank.rs`: `Bank` (BF16 `gate_up [E, 2I, H]` and `down [E, H, I]`, or NVFP4 in ModelOpt's layout: codes, E4M3
 //!   block scales, per-row globals), each tensor a slice with its expert stride; `Shape`.
 //! - `executor.rs`: `Executor`, the thread pool (keep one: every layer shares it), the kernel path, the scratch.
+//! - `pool.rs`: the threads, with the caller's, and the low-latency hand-off a decode step needs.
 //! - `forward.rs`: the two phases (gate|up by expert and row chunk, then down by chunk of output rows).
 //! - `plan.rs`: pairs grouped by expert (each expert's rows read once for all its tokens), rows cut into tasks.
 //! - `matrix.rs`: one expert's projection and the layout of the vectors its kernels take.
@@ -31,6 +32,7 @@ mod forward;
 mod matrix;
 mod nvfp4_dot;
 mod plan;
+mod pool;
 
 pub use bank::{Bank, Nvfp4Projection, Shape, Strided};
 pub use executor::Executor;

@@ -48,14 +48,15 @@ pub(crate) enum Matrix<'a> {
 }
 
 impl Matrix<'_> {
-    /// `dot(row, x)`, x laid out for this format.
-    pub(crate) fn dot(&self, row: usize, x: &[f32], simd: bool) -> f32 {
+    /// `out[t] = dot(row, xs[t])`, each x laid out for this format.
+    pub(crate) fn dot_many(&self, row: usize, xs: &[&[f32]], out: &mut [f32], simd: bool) {
         match *self {
-            Matrix::Bf16 { weights, k } => bf16_dot::dot(&weights[row * k..(row + 1) * k], x, simd),
+            Matrix::Bf16 { weights, k } => bf16_dot::dot_many(&weights[row * k..(row + 1) * k], xs, out, simd),
             Matrix::Nvfp4 { codes, scales, globals, k } => {
                 let (kc, ks) = (k / 2, k / nvfp4_dot::BLOCK);
-                let dot = nvfp4_dot::dot(&codes[row * kc..(row + 1) * kc], &scales[row * ks..(row + 1) * ks], x, simd);
-                dot * globals[row]
+                let (c, s) = (&codes[row * kc..(row + 1) * kc], &scales[row * ks..(row + 1) * ks]);
+                nvfp4_dot::dot_many(c, s, xs, out, simd);
+                out.iter_mut().for_each(|o| *o *= globals[row]);
             }
         }
     }

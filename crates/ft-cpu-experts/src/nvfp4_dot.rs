@@ -1,6 +1,6 @@
 //! Dot products of NVFP4 weight rows (E2M1 codes and E4M3 block scales, ModelOpt's layout: element 2j in the low
-//! nibble of byte j, one scale per 16 elements) with an f32 vector. The per-row global scale is the
-//! caller's (`matrix.rs`).
+//! nibble of byte j, one scale per 16 elements) with a few f32 vectors (the tokens routed to one expert):
+//! each chunk is decoded once for all of them. The per-row global scale is the caller's (`matrix.rs`).
 //!
 //! The AVX-512 path works on chunks of 16 blocks (256 elements, 128 code bytes, 16 scale bytes). Two 64-byte loads
 //! are de-interleaved into A (lane d: the first 4 bytes of block d) and B (its last 4), so that lane d of every
@@ -26,18 +26,35 @@ pub(crate) fn position(j: usize) -> usize {
     c * CHUNK + h * 128 + n * 16 + d
 }
 
-/// `sum over blocks of scale * dot(codes, x)` of one row: `codes` `k/2` bytes, `scales` `k/16` bytes (`k` a multiple
-/// of 16), x laid out (`position`) and at least `k` rounded up to a chunk.
-pub(crate) fn dot(codes: &[u8], scales: &[u8], x: &[f32], simd: bool) -> f32 {
+/// `out[t] = sum over blocks of scale * dot(codes, xs[t])` of one row: `codes` `k/2` bytes, `scales` `k/16` bytes
+/// (`k` a multiple of 16), each x laid out (`position`) and at least `k` rounded up to a chunk.
+pub(crate) fn dot_many(codes: &[u8], scales: &[u8], xs: &[&[f32]], out: &mut [f32], simd: bool) {
     let blocks = scales.len();
-    assert!(codes.len() == blocks * BLOCK / 2 && x.len() >= (blocks * BLOCK).div_ceil(CHUNK) * CHUNK, "lengths");
+    let padded = (blocks * BLOCK).div_ceil(CHUNK) * CHUNK;
+    assert!(
+        codes.len() == blocks * BLOCK / 2 && out.len() == xs.len() && xs.iter().all(|x| x.len() >= padded),
+        "lengths"
+    );
     #[cfg(target_arch = "x86_64")]
     if simd {
-        // SAFETY: `simd` is only set where the Executor detected avx512f and avx512bw; the lengths are checked above.
-        return unsafe { dot_avx512(codes, scales, x) };
+        // the tokens four at a time, each chunk decoded once for them (as many FMA chains as fit the registers)
+        for (xs, out) in xs.chunks(4).zip(out.chunks_mut(4)) {
+            // SAFETY: `simd` is only set where the Executor detected avx512f and avx512bw; lengths checked above.
+            unsafe {
+                match xs.len() {
+                    4 => out.copy_from_slice(&dot_avx512::<4>(codes, scales, [xs[0], xs[1], xs[2], xs[3]])),
+                    3 => out.copy_from_slice(&dot_avx512::<3>(codes, scales, [xs[0], xs[1], xs[2]])),
+                    2 => out.copy_from_slice(&dot_avx512::<2>(codes, scales, [xs[0], xs[1]])),
+                    _ => out.copy_from_slice(&dot_avx512::<1>(codes, scales, [xs[0]])),
+                }
+            }
+        }
+        return;
     }
     let _ = simd;
-    dot_portable(codes, scales, x)
+    for (x, o) in xs.iter().zip(out) {
+        *o = dot_portable(codes, scales, x);
+    }
 }
 
 /// The portable path, block by block in the same layout.
@@ -70,14 +87,55 @@ fn prefetch(p: *const u8) {
     unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p as *const i8) }
 }
 
+/// One chunk: `$lo`, `$hi` its 128 code bytes, `$scales` its 16 scale bytes; each x's 256 laid-out elements at
+/// `$at`. Adds `scales * (per-block dot products)` to `$acc[t]`, lane d for block d. A macro, not a function: with
+/// four tokens LLVM left a function out of line (its vectors through memory), and `#[inline(always)]` is not
+/// allowed on `#[target_feature]` functions.
+#[cfg(target_arch = "x86_64")]
+macro_rules! chunk {
+    ($lo:expr, $hi:expr, $scales:expr, $xs:expr, $at:expr, $lut:expr, $acc:expr) => {{
+        // dword 2d of (lo, hi) is block d's first half (elements 0..8), dword 2d+1 its second
+        let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        let first = _mm512_permutex2var_epi32($lo, even, $hi);
+        let second = _mm512_permutex2var_epi32($lo, _mm512_add_epi32(even, _mm512_set1_epi32(1)), $hi);
+        // nibble n of a half times each x's vector of (half, n); four sums a token, so the FMA chains are short
+        let mut sums = [[_mm512_setzero_ps(); 4]; N];
+        macro_rules! nibble {
+            ($n:literal) => {
+                let a = _mm512_permutexvar_ps(_mm512_srli_epi32::<{ 4 * $n }>(first), $lut);
+                let b = _mm512_permutexvar_ps(_mm512_srli_epi32::<{ 4 * $n }>(second), $lut);
+                for t in 0..N {
+                    let x = $xs[t].as_ptr().add($at);
+                    sums[t][$n % 2] = _mm512_fmadd_ps(a, _mm512_loadu_ps(x.add(16 * $n)), sums[t][$n % 2]);
+                    sums[t][2 + $n % 2] =
+                        _mm512_fmadd_ps(b, _mm512_loadu_ps(x.add(128 + 16 * $n)), sums[t][2 + $n % 2]);
+                }
+            };
+        }
+        nibble!(0);
+        nibble!(1);
+        nibble!(2);
+        nibble!(3);
+        nibble!(4);
+        nibble!(5);
+        nibble!(6);
+        nibble!(7);
+        let s = crate::e4m3::decode16_avx512($scales);
+        for t in 0..N {
+            let [p, q, r, u] = sums[t];
+            $acc[t] = _mm512_fmadd_ps(_mm512_add_ps(_mm512_add_ps(p, q), _mm512_add_ps(r, u)), s, $acc[t]);
+        }
+    }};
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn dot_avx512(codes: &[u8], scales: &[u8], x: &[f32]) -> f32 {
+unsafe fn dot_avx512<const N: usize>(codes: &[u8], scales: &[u8], xs: [&[f32]; N]) -> [f32; N] {
     use std::arch::x86_64::*;
     let blocks = scales.len();
     let full = blocks / 16;
     let lut = _mm512_loadu_ps(E2M1.as_ptr());
-    let mut acc = _mm512_setzero_ps();
+    let mut acc = [_mm512_setzero_ps(); N];
     for c in 0..full {
         // in bounds: chunk c is whole (128 code bytes, 16 scale bytes)
         let lo = _mm512_loadu_si512(codes.as_ptr().add(c * 128) as *const __m512i);
@@ -86,7 +144,7 @@ unsafe fn dot_avx512(codes: &[u8], scales: &[u8], x: &[f32]) -> f32 {
         prefetch(codes.as_ptr().wrapping_add(c * 128 + PREFETCH_CODES));
         prefetch(codes.as_ptr().wrapping_add(c * 128 + PREFETCH_CODES + 64));
         prefetch(scales.as_ptr().wrapping_add(c * 16 + PREFETCH_SCALES));
-        acc = chunk(lo, hi, s, x.as_ptr().add(c * CHUNK), lut, acc);
+        chunk!(lo, hi, s, xs, c * CHUNK, lut, acc);
     }
     let rest = blocks - full * 16;
     if rest > 0 {
@@ -105,49 +163,13 @@ unsafe fn dot_avx512(codes: &[u8], scales: &[u8], x: &[f32]) -> f32 {
         let mut tail = [0u8; 16];
         tail[..rest].copy_from_slice(&scales[full * 16..]);
         let s = _mm_loadu_si128(tail.as_ptr() as *const __m128i);
-        acc = chunk(lo, hi, s, x.as_ptr().add(full * CHUNK), lut, acc);
+        chunk!(lo, hi, s, xs, full * CHUNK, lut, acc);
     }
-    _mm512_reduce_add_ps(acc)
-}
-
-/// One chunk: `lo`, `hi` its 128 code bytes, `scales` its 16 scale bytes, `x` its 256 laid-out elements. Returns
-/// `acc + scales * (per-block dot products)`, lane d for block d.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[inline]
-unsafe fn chunk(
-    lo: std::arch::x86_64::__m512i,
-    hi: std::arch::x86_64::__m512i,
-    scales: std::arch::x86_64::__m128i,
-    x: *const f32,
-    lut: std::arch::x86_64::__m512,
-    acc: std::arch::x86_64::__m512,
-) -> std::arch::x86_64::__m512 {
-    use std::arch::x86_64::*;
-    // dword 2d of (lo, hi) is block d's first half (elements 0..8), dword 2d+1 its second
-    let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    let first = _mm512_permutex2var_epi32(lo, even, hi);
-    let second = _mm512_permutex2var_epi32(lo, _mm512_add_epi32(even, _mm512_set1_epi32(1)), hi);
-    // nibble n of a half times x's vector of (half, n); four sums, so that the FMA chains are four deep
-    let mut sums = [_mm512_setzero_ps(); 4];
-    macro_rules! nibble {
-        ($n:literal) => {
-            let a = _mm512_permutexvar_ps(_mm512_srli_epi32::<{ 4 * $n }>(first), lut);
-            let b = _mm512_permutexvar_ps(_mm512_srli_epi32::<{ 4 * $n }>(second), lut);
-            sums[$n % 2] = _mm512_fmadd_ps(a, _mm512_loadu_ps(x.add(16 * $n)), sums[$n % 2]);
-            sums[2 + $n % 2] = _mm512_fmadd_ps(b, _mm512_loadu_ps(x.add(128 + 16 * $n)), sums[2 + $n % 2]);
-        };
+    let mut out = [0f32; N];
+    for t in 0..N {
+        out[t] = _mm512_reduce_add_ps(acc[t]);
     }
-    nibble!(0);
-    nibble!(1);
-    nibble!(2);
-    nibble!(3);
-    nibble!(4);
-    nibble!(5);
-    nibble!(6);
-    nibble!(7);
-    let sum = _mm512_add_ps(_mm512_add_ps(sums[0], sums[1]), _mm512_add_ps(sums[2], sums[3]));
-    _mm512_fmadd_ps(sum, crate::e4m3::decode16_avx512(scales), acc)
+    out
 }
 
 #[cfg(test)]
@@ -173,26 +195,35 @@ mod tests {
     fn simd_equals_portable_and_the_plain_sum() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(2);
         for k in [16usize, 32, 128, 144, 240, 256, 272, 512, 2048, 2064, 4096 + 128] {
-            let codes: Vec<Vec<u8>> = (0..4).map(|_| (0..k / 2).map(|_| rng.gen()).collect()).collect();
-            let scales: Vec<Vec<u8>> = (0..4).map(|_| (0..k / 16).map(|_| rng.gen_range(0..0x7F)).collect()).collect();
-            let xs: Vec<f32> = (0..k).map(|_| rng.gen_range(-1.0..1.0)).collect();
-            let mut laid = vec![0f32; k.div_ceil(CHUNK) * CHUNK];
-            for (j, v) in xs.iter().enumerate() {
-                laid[position(j)] = *v;
-            }
-            for r in 0..4 {
-                let portable = dot(&codes[r], &scales[r], &laid, false);
-                let fast = dot(&codes[r], &scales[r], &laid, simd());
-                let plain: f64 = (0..k)
-                    .map(|j| {
-                        let code = (codes[r][j / 2] >> (4 * (j % 2))) & 15;
-                        E2M1[code as usize] as f64 * E4M3[scales[r][j / 16] as usize] as f64 * xs[j] as f64
-                    })
-                    .sum();
-                let size: f64 = (0..k / 16).map(|b| (E4M3[scales[r][b] as usize] as f64).powi(2)).sum::<f64>().sqrt();
-                let tol = 1e-5 * size * 6.0;
-                assert!((portable as f64 - plain).abs() < tol, "k={k} portable {portable} vs {plain}");
-                assert!(((fast - portable) as f64).abs() < tol, "k={k} simd {fast} vs {portable}");
+            let codes: Vec<u8> = (0..k / 2).map(|_| rng.gen()).collect();
+            let scales: Vec<u8> = (0..k / 16).map(|_| rng.gen_range(0..0x7F)).collect();
+            let xs: Vec<Vec<f32>> = (0..6).map(|_| (0..k).map(|_| rng.gen_range(-1.0..1.0)).collect()).collect();
+            let laid: Vec<Vec<f32>> = xs
+                .iter()
+                .map(|x| {
+                    let mut l = vec![0f32; k.div_ceil(CHUNK) * CHUNK];
+                    x.iter().enumerate().for_each(|(j, v)| l[position(j)] = *v);
+                    l
+                })
+                .collect();
+            let size: f64 = scales.iter().map(|s| (E4M3[*s as usize] as f64).powi(2)).sum::<f64>().sqrt();
+            let tol = 1e-5 * size * 6.0;
+            for n in 1..=6 {
+                let refs: Vec<&[f32]> = laid[..n].iter().map(|l| &l[..]).collect();
+                let (mut portable, mut fast) = (vec![0f32; n], vec![0f32; n]);
+                dot_many(&codes, &scales, &refs, &mut portable, false);
+                dot_many(&codes, &scales, &refs, &mut fast, simd());
+                for t in 0..n {
+                    let plain: f64 = (0..k)
+                        .map(|j| {
+                            let code = (codes[j / 2] >> (4 * (j % 2))) & 15;
+                            E2M1[code as usize] as f64 * E4M3[scales[j / 16] as usize] as f64 * xs[t][j] as f64
+                        })
+                        .sum();
+                    let (p, f) = (portable[t], fast[t]);
+                    assert!((p as f64 - plain).abs() < tol, "k={k} portable {p} vs {plain}");
+                    assert!(((f - p) as f64).abs() < tol, "k={k} simd {f} vs {p}");
+                }
             }
         }
     }
