@@ -29,12 +29,11 @@ impl<'a, T> Strided<'a, T> {
     /// That `experts` experts of `per_expert` elements each are inside `data`.
     fn check(&self, name: &str, experts: usize, per_expert: usize) -> Result<(), String> {
         let span = (experts - 1).checked_mul(self.expert_stride).and_then(|s| s.checked_add(per_expert));
+        let (stride, len) = (self.expert_stride, self.data.len());
         match span {
-            Some(span) if span <= self.data.len() => Ok(()),
+            Some(span) if span <= len => Ok(()),
             _ => Err(format!(
-                "{name}: {experts} experts of {per_expert} elements with expert stride {} need more than the {} elements given",
-                self.expert_stride,
-                self.data.len()
+                "{name}: {experts} experts of {per_expert} elements at stride {stride} need more than {len}"
             )),
         }
     }

@@ -36,8 +36,8 @@ pub(crate) struct Scratch {
 }
 
 impl Executor {
-    /// `threads` threads, the caller's included (0: the available parallelism); `portable` forces the portable kernels (tests, and hosts
-    /// where AVX-512 is slow).
+    /// `threads` threads, the caller's included (0: the available parallelism); `portable` forces the portable
+    /// kernels (tests, and hosts where AVX-512 is slow).
     pub fn new(threads: usize, portable: bool) -> Result<Executor, String> {
         let threads = if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads };
         let pool = Pool::new(threads).map_err(|e| format!("cannot start {threads} CPU expert threads: {e}"))?;

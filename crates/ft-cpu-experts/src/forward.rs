@@ -2,10 +2,10 @@
 //!
 //! Phase 1, gate|up: a task per (expert, chunk of the I gate rows) computes those gate rows and the matching up rows
 //! for every token routed to the expert and writes `silu(gate) * up`. The activations are then laid out a vector a
-//! pair for the down kernels. Phase 2, down: a task per chunk of the H output
-//! rows goes over every expert's down rows of that chunk and accumulates `weight * value` into `out`, so no two
-//! threads write one element of `out` and nothing is summed after. Every output buffer is cut into the tasks'
-//! disjoint slices beforehand (`pool.rs` runs the tasks).
+//! pair for the down kernels. Phase 2, down: a task per chunk of the H output rows goes over every expert's down
+//! rows of that chunk and accumulates `weight * value` into `out`, so no two threads write one element of `out` and
+//! nothing is summed after. Every output buffer is cut into the tasks' disjoint slices beforehand (`pool.rs` runs
+//! the tasks; x is laid out for the kernels first, `matrix.rs`).
 
 use crate::executor::Scratch;
 use crate::matrix::Matrix;

@@ -5,8 +5,10 @@
 //! A decode-sized expert step is a few GEMVs over weights that are not in any cache, so it is bound by how fast
 //! the host reads memory. torch's CPU BF16 matmul reads expert weights at about a third of the host's bandwidth;
 //! these kernels aim at all of it: BF16 rows become f32 with a shift and a mask (`bf16_dot.rs`), NVFP4 rows decode
-//! 16 E2M1 codes with one `_mm512_permutexvar_ps` and one E4M3 scale a block (`nvfp4_dot.rs`), four rows a pass
-//! over x, on AVX-512 where the CPU has it (detected at run time) and portable Rust elsewhere.
+//! 16 E2M1 codes with one `_mm512_permutexvar_ps` and one E4M3 scale a block (`nvfp4_dot.rs`), on AVX-512 where
+//! the CPU has it (detected at run time) and portable Rust elsewhere. A task reads its rows one after another (one
+//! linear run of memory, which the prefetchers follow) and decodes each row once for all the tokens routed to the
+//! expert.
 //!
 //! ```text
 //! experts_forward(bank, shape, x [T, H] bf16, pairs [(token, expert, weight)], out [T, H] f32, executor)

@@ -203,7 +203,7 @@ fn bad_inputs_are_errors() {
     let err = run(shape, &x, &[ok], &mut out[..32]);
     assert!(err.contains("out has 32 elements"), "{err}");
     let err = run(Shape { experts: 3, ..shape }, &x, &[ok], &mut out);
-    assert!(err.contains("w13: 3 experts"), "{err}");
+    assert!(err.contains("w13: 3 experts of 512 elements at stride 512 need more than 1024"), "{err}");
     let err = run(Shape { hidden: 40, ..shape }, &x, &[ok], &mut out);
     assert!(err.contains("divisible by 16"), "{err}");
     let err = run(Shape { experts: usize::MAX / 4, ..shape }, &x, &[ok], &mut out);
