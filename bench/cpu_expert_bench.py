@@ -78,9 +78,9 @@ def main() -> int:
         gbs = n * per_expert / s / 1e9
         rows.append({"experts": n, "ms": s * 1e3, "gb_s": gbs})
         print(f"{n:>8}{s * 1e3:>10.3f}{gbs:>8.1f}{(gbs / pcie if pcie else float('nan')):>8.2f}")
-    executor_rows = executor_table(a, w13, w2, read_gbs, pcie)
+    kernels, executor_rows = executor_table(a, w13, w2, read_gbs, pcie)
     report = {"threads": a.threads, "host_read_gb_s": read_gbs, "hardware": hw, "rows": rows}
-    write_report(a.out, report | {"executor_rows": executor_rows})
+    write_report(a.out, report | {"executor_kernels": kernels, "executor_rows": executor_rows})
     return 0
 
 
@@ -93,14 +93,15 @@ def nvfp4_bank(experts: int) -> tuple:
     return tuple(f(*shape) for shape in ((2 * I, H), (H, I)) for f in (codes, scales, glob))
 
 
-def executor_table(a, w13, w2, read_gbs: float, pcie) -> list:
-    """The CPU expert executor on BF16 (the torch rows' bank) and NVFP4 banks: a row per (format, tokens, experts)."""
+def executor_table(a, w13, w2, read_gbs: float, pcie) -> tuple[str, list]:
+    """The CPU expert executor on BF16 (the torch rows' bank) and NVFP4 banks: its kernels and a row per (format,
+    tokens, experts)."""
     from freetoken.moe.cpu_experts import CpuExperts
 
     banks = {"bf16": (w13, w2), "nvfp4": nvfp4_bank(EXPERTS)}
     experts = {name: CpuExperts(bank, threads=a.threads) for name, bank in banks.items()}
-    simd = next(iter(experts.values())).executor.simd
-    print(f"CPU expert executor: {a.threads} threads, {'AVX-512' if simd else 'portable'} kernels")
+    kernels = next(iter(experts.values())).executor.kernels
+    print(f"CPU expert executor: {a.threads} threads, {kernels} kernels")
     print(f"{'format':>8}{'tokens':>8}{'experts':>8}{'ms':>10}{'GB/s':>8}{'of read':>9}{'vs H2D':>8}")
     rows, turn = [], [0]
     for name, ex in experts.items():
@@ -131,7 +132,7 @@ def executor_table(a, w13, w2, read_gbs: float, pcie) -> list:
                 )
                 h2d = gbs / pcie if pcie else float("nan")
                 print(f"{name:>8}{tokens:>8}{n:>8}{s * 1e3:>10.3f}{gbs:>8.1f}{gbs / read_gbs:>9.2f}{h2d:>8.2f}")
-    return rows
+    return kernels, rows
 
 
 if __name__ == "__main__":

@@ -141,7 +141,8 @@ def test_id_dtypes_weight_dtypes_and_empty_steps():
 
 def test_the_executor_is_shared_and_says_its_path():
     assert executor(THREADS) is executor(THREADS)
-    assert executor(THREADS, True).simd is False
+    assert executor(THREADS, True).simd is False and executor(THREADS, True).kernels == "portable"
+    assert executor(THREADS).kernels in ("portable", "avx512", "avx512_bf16")
     assert executor(THREADS).threads == THREADS
     assert executor().threads >= 1
 

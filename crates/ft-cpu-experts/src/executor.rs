@@ -1,5 +1,5 @@
-//! `Executor`: the thread pool the experts run on, the kernel path (AVX-512 or portable) and the scratch memory a
-//! call reuses. Build one per process (or per thread count) and keep it: every MoE layer shares it.
+//! `Executor`: the thread pool the experts run on, the kernels (AVX-512 or portable) and the scratch memory a call
+//! reuses. Build one per process (or per thread count) and keep it: every MoE layer shares it.
 
 use std::sync::Mutex;
 
@@ -17,10 +17,41 @@ pub(crate) fn has_avx512() -> bool {
     }
 }
 
+/// Which kernels a call runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernels {
+    /// Plain Rust (any CPU).
+    Portable,
+    /// AVX-512F/BW (`bf16_dot.rs`, `nvfp4_dot.rs`).
+    Avx512,
+    /// AVX-512 and, for the NVFP4 gate|up projection, AVX512-BF16's dot products (`nvfp4_bf16_dot.rs`).
+    Avx512Bf16,
+}
+
+impl Kernels {
+    /// The fastest this CPU runs.
+    pub fn best() -> Kernels {
+        if crate::nvfp4_bf16_dot::available() {
+            Kernels::Avx512Bf16
+        } else if has_avx512() {
+            Kernels::Avx512
+        } else {
+            Kernels::Portable
+        }
+    }
+
+    fn runs_here(self) -> bool {
+        match self {
+            Kernels::Portable => true,
+            Kernels::Avx512 => has_avx512(),
+            Kernels::Avx512Bf16 => crate::nvfp4_bf16_dot::available(),
+        }
+    }
+}
+
 pub struct Executor {
     pub(crate) pool: Pool,
-    /// The AVX-512 kernels: detected at construction, off when `portable` was asked for.
-    pub(crate) simd: bool,
+    pub(crate) kernels: Kernels,
     /// Buffers reused across calls (sized by the largest call so far), so that a decode step allocates nothing.
     pub(crate) scratch: Mutex<Scratch>,
 }
@@ -29,6 +60,8 @@ pub struct Executor {
 pub(crate) struct Scratch {
     /// Each token's x in f32, laid out for the gate|up kernels: `[T, padded(H)]`.
     pub(crate) x: Vec<f32>,
+    /// The same as BF16 bits, for the AVX512-BF16 kernels (NVFP4 banks).
+    pub(crate) x_bf16: Vec<u16>,
     /// Phase 1's output, `silu(gate) * up` of every pair, by row chunk (`forward.rs`): `[P * I]`.
     pub(crate) act: Vec<f32>,
     /// The same, one laid-out vector a pair for the down kernels: `[P, padded(I)]`.
@@ -39,9 +72,17 @@ impl Executor {
     /// `threads` threads, the caller's included (0: the available parallelism); `portable` forces the portable
     /// kernels (tests, and hosts where AVX-512 is slow).
     pub fn new(threads: usize, portable: bool) -> Result<Executor, String> {
+        Executor::with_kernels(threads, if portable { Kernels::Portable } else { Kernels::best() })
+    }
+
+    /// As `new`, with these kernels (an error where the CPU lacks them).
+    pub fn with_kernels(threads: usize, kernels: Kernels) -> Result<Executor, String> {
+        if !kernels.runs_here() {
+            return Err(format!("this CPU cannot run the {kernels:?} kernels"));
+        }
         let threads = if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads };
         let pool = Pool::new(threads).map_err(|e| format!("cannot start {threads} CPU expert threads: {e}"))?;
-        Ok(Executor { pool, simd: !portable && has_avx512(), scratch: Mutex::new(Scratch::default()) })
+        Ok(Executor { pool, kernels, scratch: Mutex::new(Scratch::default()) })
     }
 
     /// Threads a call runs on (the caller's included).
@@ -49,8 +90,12 @@ impl Executor {
         self.pool.threads()
     }
 
+    pub fn kernels(&self) -> Kernels {
+        self.kernels
+    }
+
     /// Whether calls run the AVX-512 kernels.
     pub fn simd(&self) -> bool {
-        self.simd
+        self.kernels != Kernels::Portable
     }
 }

@@ -7,8 +7,8 @@
 //! nothing is summed after. Every output buffer is cut into the tasks' disjoint slices beforehand (`pool.rs` runs
 //! the tasks; x is laid out for the kernels first, `matrix.rs`).
 
-use crate::executor::Scratch;
-use crate::matrix::Matrix;
+use crate::executor::{Kernels, Scratch};
+use crate::matrix::{Layout, Matrix, Vectors};
 use crate::plan::{group_by_expert, rows_per_task, Group};
 use crate::pool::Pool;
 use crate::{Bank, Executor, Pair, Shape};
@@ -46,18 +46,27 @@ pub fn experts_forward(
     let layout = bank.layout();
     let (order, groups) = group_by_expert(pairs);
     let mut scratch = exec.scratch.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    let Scratch { x: x_laid, act, act_laid } = &mut *scratch;
+    let Scratch { x: x_f32, x_bf16, act, act_laid } = &mut *scratch;
     let (hp, ip, np) = (layout.padded(h), layout.padded(i), pairs.len());
-    x_laid.resize(tokens * hp, 0.0);
     act.resize(np * i, 0.0);
     act_laid.resize(np * ip, 0.0);
     let threads = exec.threads();
     let rows1 = rows_per_task(i, groups.len(), threads);
-    let run = Run { bank, shape, pairs, order: &order, simd: exec.simd };
+    let run = Run { bank, shape, pairs, order: &order, simd: exec.simd() };
     let pool = &exec.pool;
-    let to_lay_out: Vec<_> = x_laid.chunks_mut(hp).zip(x.chunks(h)).collect();
-    pool.for_each(to_lay_out, |(dst, src)| layout.lay_out(h, |j| f32::from_bits((src[j] as u32) << 16), dst));
-    run.gate_up(pool, &groups, rows1, x_laid, hp, act);
+    // x as the gate|up kernels take it: BF16 bits as they are for NVFP4 rows on AVX512-BF16, else f32
+    let x_laid = if layout == Layout::Nvfp4 && exec.kernels == Kernels::Avx512Bf16 {
+        x_bf16.resize(tokens * hp, 0);
+        let to_lay_out: Vec<_> = x_bf16.chunks_mut(hp).zip(x.chunks(h)).collect();
+        pool.for_each(to_lay_out, |(dst, src)| Layout::Nvfp4Bf16.lay_out(h, |j| src[j], dst));
+        Laid::Bf16(x_bf16)
+    } else {
+        x_f32.resize(tokens * hp, 0.0);
+        let to_lay_out: Vec<_> = x_f32.chunks_mut(hp).zip(x.chunks(h)).collect();
+        pool.for_each(to_lay_out, |(dst, src)| layout.lay_out(h, |j| f32::from_bits((src[j] as u32) << 16), dst));
+        Laid::F32(x_f32)
+    };
+    run.gate_up(pool, &groups, rows1, &x_laid, hp, act);
     // the activations by pair, laid out for the down kernels; chunk a's region is [np, len] from np * a
     let to_lay_out: Vec<_> = act_laid.chunks_mut(ip).enumerate().collect();
     pool.for_each(to_lay_out, |(q, dst)| {
@@ -72,6 +81,22 @@ pub fn experts_forward(
     });
     run.down(pool, &groups, rows_per_task(h, 1, threads), act_laid, ip, out, tokens);
     Ok(())
+}
+
+/// Every token's x, laid out (`[T, hp]`).
+enum Laid<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+}
+
+impl<'a> Laid<'a> {
+    /// The vectors of these tokens.
+    fn tokens(&self, tokens: impl Iterator<Item = usize>, hp: usize) -> Vectors<'a> {
+        match *self {
+            Laid::F32(x) => Vectors::F32(tokens.map(|t| &x[t * hp..(t + 1) * hp]).collect()),
+            Laid::Bf16(x) => Vectors::Bf16(tokens.map(|t| &x[t * hp..(t + 1) * hp]).collect()),
+        }
+    }
 }
 
 /// What both phases read.
@@ -89,7 +114,7 @@ fn silu(v: f32) -> f32 {
 
 impl Run<'_> {
     /// Phase 1: `act`, cut by chunks of `rows` gate rows (chunk a: `[pairs, len]` at `pairs * a`, by group inside).
-    fn gate_up(&self, pool: &Pool, groups: &[Group], rows: usize, x_laid: &[f32], hp: usize, act: &mut [f32]) {
+    fn gate_up(&self, pool: &Pool, groups: &[Group], rows: usize, x_laid: &Laid, hp: usize, act: &mut [f32]) {
         let i = self.shape.intermediate;
         let mut tasks = Vec::with_capacity(groups.len() * i.div_ceil(rows));
         let mut rest = act;
@@ -105,13 +130,7 @@ impl Run<'_> {
             // a row at a time, for all the expert's tokens at once; the gate rows, then the up rows: the task reads
             // two linear runs of memory (rows read interleaved came in at under half the rate on the first host)
             let m = self.bank.gate_up(g.expert, self.shape);
-            let xs: Vec<&[f32]> = self.order[g.start..g.end]
-                .iter()
-                .map(|&p| {
-                    let t = self.pairs[p].token as usize;
-                    &x_laid[t * hp..(t + 1) * hp]
-                })
-                .collect();
+            let xs = x_laid.tokens(self.order[g.start..g.end].iter().map(|&p| self.pairs[p].token as usize), hp);
             let mut values = vec![0f32; xs.len()];
             for (part, first) in [(0, a), (1, i + a)] {
                 for r in 0..len {
@@ -163,7 +182,7 @@ impl Run<'_> {
         ip: usize,
         outs: &mut [&mut [f32]],
     ) {
-        let xs: Vec<&[f32]> = (g.start..g.end).map(|q| &act_laid[q * ip..(q + 1) * ip]).collect();
+        let xs = Vectors::F32((g.start..g.end).map(|q| &act_laid[q * ip..(q + 1) * ip]).collect());
         let mut values = vec![0f32; xs.len()];
         for r in 0..len {
             m.dot_many(a + r, &xs, &mut values, self.simd);

@@ -22,7 +22,7 @@
 //! - `forward.rs`: the two phases (gate|up by expert and row chunk, then down by chunk of output rows).
 //! - `plan.rs`: pairs grouped by expert (each expert's rows read once for all its tokens), rows cut into tasks.
 //! - `matrix.rs`: one expert's projection and the layout of the vectors its kernels take.
-//! - `bf16_dot.rs`, `nvfp4_dot.rs`, `e4m3.rs`: the kernels and the scale decoding.
+//! - `bf16_dot.rs`, `nvfp4_dot.rs`, `nvfp4_bf16_dot.rs`, `e4m3.rs`: the kernels and the scale decoding.
 //!
 //! NVFP4 banks need H and I to be multiples of 16 (one scale block); BF16 banks take any size.
 
@@ -32,12 +32,13 @@ mod e4m3;
 mod executor;
 mod forward;
 mod matrix;
+mod nvfp4_bf16_dot;
 mod nvfp4_dot;
 mod plan;
 mod pool;
 
 pub use bank::{Bank, Nvfp4Projection, Shape, Strided};
-pub use executor::Executor;
+pub use executor::{Executor, Kernels};
 pub use forward::experts_forward;
 
 /// One routed (token, expert) pair of a step: token `token` of x goes through expert `expert`, its output scaled by

@@ -1,19 +1,21 @@
 //! One expert's projection (`[rows, k]`, BF16 or NVFP4) and the layout of the vectors it multiplies.
 
-use crate::{bf16_dot, nvfp4_dot};
+use crate::{bf16_dot, nvfp4_bf16_dot, nvfp4_dot};
 
-/// How the kernels of a weight format want x laid out (`bf16_dot.rs`, `nvfp4_dot.rs` say why).
+/// How the kernels of a weight format want x laid out (`bf16_dot.rs`, `nvfp4_dot.rs`, `nvfp4_bf16_dot.rs` say why).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Layout {
     Bf16,
     Nvfp4,
+    /// NVFP4 rows times BF16 x (AVX512-BF16).
+    Nvfp4Bf16,
 }
 
 impl Layout {
     fn chunk(self) -> usize {
         match self {
             Layout::Bf16 => bf16_dot::CHUNK,
-            Layout::Nvfp4 => nvfp4_dot::CHUNK,
+            Layout::Nvfp4 | Layout::Nvfp4Bf16 => nvfp4_dot::CHUNK,
         }
     }
 
@@ -27,13 +29,14 @@ impl Layout {
         match self {
             Layout::Bf16 => bf16_dot::position(j),
             Layout::Nvfp4 => nvfp4_dot::position(j),
+            Layout::Nvfp4Bf16 => nvfp4_bf16_dot::position(j),
         }
     }
 
     /// `dst[position(j)] = value(j)` for `j < k`; the padding zeroed. `dst.len() == padded(k)`.
-    pub(crate) fn lay_out(self, k: usize, value: impl Fn(usize) -> f32, dst: &mut [f32]) {
+    pub(crate) fn lay_out<T: Copy + Default>(self, k: usize, value: impl Fn(usize) -> T, dst: &mut [T]) {
         debug_assert_eq!(dst.len(), self.padded(k));
-        dst[k - k % self.chunk()..].fill(0.0);
+        dst[k - k % self.chunk()..].fill(T::default());
         for j in 0..k {
             dst[self.position(j)] = value(j);
         }
@@ -47,17 +50,39 @@ pub(crate) enum Matrix<'a> {
     Nvfp4 { codes: &'a [u8], scales: &'a [u8], globals: &'a [f32], k: usize },
 }
 
+/// The vectors a row multiplies (a task's tokens), laid out for its kernels: f32, or BF16 bits
+/// (`Layout::Nvfp4Bf16`).
+pub(crate) enum Vectors<'a> {
+    F32(Vec<&'a [f32]>),
+    Bf16(Vec<&'a [u16]>),
+}
+
+impl Vectors<'_> {
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Vectors::F32(v) => v.len(),
+            Vectors::Bf16(v) => v.len(),
+        }
+    }
+}
+
 impl Matrix<'_> {
-    /// `out[t] = dot(row, xs[t])`, each x laid out for this format.
-    pub(crate) fn dot_many(&self, row: usize, xs: &[&[f32]], out: &mut [f32], simd: bool) {
-        match *self {
-            Matrix::Bf16 { weights, k } => bf16_dot::dot_many(&weights[row * k..(row + 1) * k], xs, out, simd),
-            Matrix::Nvfp4 { codes, scales, globals, k } => {
+    /// `out[t] = dot(row, xs[t])`; `simd`: the AVX-512 kernels (BF16 vectors always take theirs).
+    pub(crate) fn dot_many(&self, row: usize, xs: &Vectors, out: &mut [f32], simd: bool) {
+        match (*self, xs) {
+            (Matrix::Bf16 { weights, k }, Vectors::F32(xs)) => {
+                bf16_dot::dot_many(&weights[row * k..(row + 1) * k], xs, out, simd)
+            }
+            (Matrix::Nvfp4 { codes, scales, globals, k }, xs) => {
                 let (kc, ks) = (k / 2, k / nvfp4_dot::BLOCK);
                 let (c, s) = (&codes[row * kc..(row + 1) * kc], &scales[row * ks..(row + 1) * ks]);
-                nvfp4_dot::dot_many(c, s, xs, out, simd);
+                match xs {
+                    Vectors::F32(xs) => nvfp4_dot::dot_many(c, s, xs, out, simd),
+                    Vectors::Bf16(xs) => nvfp4_bf16_dot::dot_many(c, s, xs, out),
+                }
                 out.iter_mut().for_each(|o| *o *= globals[row]);
             }
+            (Matrix::Bf16 { .. }, Vectors::Bf16(_)) => unreachable!("BF16 x is for NVFP4 rows"),
         }
     }
 }

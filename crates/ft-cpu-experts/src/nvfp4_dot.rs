@@ -17,7 +17,8 @@ pub(crate) const BLOCK: usize = 16;
 pub(crate) const CHUNK: usize = 256;
 
 /// The E2M1 value of each 4-bit code (bit 3 the sign).
-static E2M1: [f32; 16] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
+pub(crate) static E2M1: [f32; 16] =
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
 
 /// Where element `j` of x goes in the kernel's layout.
 pub(crate) fn position(j: usize) -> usize {
@@ -80,11 +81,15 @@ fn dot_portable(codes: &[u8], scales: &[u8], x: &[f32]) -> f32 {
 const PREFETCH_CODES: usize = 2048;
 const PREFETCH_SCALES: usize = 512;
 
+/// Prefetches what chunk `c` of the row is `PREFETCH_CODES` / `PREFETCH_SCALES` bytes ahead of.
 #[cfg(target_arch = "x86_64")]
 #[inline]
-fn prefetch(p: *const u8) {
-    // SAFETY: a prefetch is a hint: it reads nothing into the program and never faults, whatever the address
-    unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p as *const i8) }
+pub(crate) fn prefetch_chunk(codes: &[u8], scales: &[u8], c: usize) {
+    let codes = codes.as_ptr().wrapping_add(c * 128 + PREFETCH_CODES);
+    for p in [codes, codes.wrapping_add(64), scales.as_ptr().wrapping_add(c * 16 + PREFETCH_SCALES)] {
+        // SAFETY: a prefetch is a hint: it reads nothing into the program and never faults, whatever the address
+        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p as *const i8) }
+    }
 }
 
 /// One chunk: `$lo`, `$hi` its 128 code bytes, `$scales` its 16 scale bytes; each x's 256 laid-out elements at
@@ -141,9 +146,7 @@ unsafe fn dot_avx512<const N: usize>(codes: &[u8], scales: &[u8], xs: [&[f32]; N
         let lo = _mm512_loadu_si512(codes.as_ptr().add(c * 128) as *const __m512i);
         let hi = _mm512_loadu_si512(codes.as_ptr().add(c * 128 + 64) as *const __m512i);
         let s = _mm_loadu_si128(scales.as_ptr().add(c * 16) as *const __m128i);
-        prefetch(codes.as_ptr().wrapping_add(c * 128 + PREFETCH_CODES));
-        prefetch(codes.as_ptr().wrapping_add(c * 128 + PREFETCH_CODES + 64));
-        prefetch(scales.as_ptr().wrapping_add(c * 16 + PREFETCH_SCALES));
+        prefetch_chunk(codes, scales, c);
         chunk!(lo, hi, s, xs, c * CHUNK, lut, acc);
     }
     let rest = blocks - full * 16;

@@ -123,15 +123,18 @@ fn check(bank: &Owned, tokens: usize, k: usize, seed: u64) {
     bank.reference(&x, &pairs, &mut want);
     let norm = want.iter().map(|v| v * v).sum::<f64>().sqrt();
     let mut results = Vec::new();
-    for (threads, portable) in [(1, true), (3, false), (2, true), (2, false)] {
-        let exec = Executor::new(threads, portable).unwrap();
+    // every kernel set this CPU runs, on a few thread counts
+    for (threads, kernels) in
+        [(1, Kernels::Portable), (3, Kernels::Avx512), (2, Kernels::Avx512Bf16), (2, Kernels::Portable)]
+    {
+        let Ok(exec) = Executor::with_kernels(threads, kernels) else { continue };
         let mut out = start.clone();
         experts_forward(&bank.bank(), bank.shape, &x, &pairs, &mut out, &exec).unwrap();
         let err = out.iter().zip(&want).map(|(o, w)| (*o as f64 - w).powi(2)).sum::<f64>().sqrt() / norm;
-        assert!(err < 1e-5, "{:?} T={tokens} threads={threads} portable={portable}: error {err}", bank.shape);
+        assert!(err < 1e-5, "{:?} T={tokens} threads={threads} {kernels:?}: error {err}", bank.shape);
         results.push(out);
     }
-    // the two paths agree element by element (to a rounding of the output's size), whatever the thread count
+    // the kernels agree element by element (to a rounding of the output's size), whatever the thread count
     let rms = norm / (want.len() as f64).sqrt();
     for out in &results[1..] {
         for (a, b) in out.iter().zip(&results[0]) {

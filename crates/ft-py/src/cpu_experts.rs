@@ -7,7 +7,7 @@
 //! it alive as long as the bank object. Here every address is checked for alignment and every extent against the
 //! layer's shape; a call checks every token and expert id and runs with the GIL released.
 
-use ft_cpu_experts::{experts_forward, Bank, Executor, Nvfp4Projection, Pair, Shape, Strided};
+use ft_cpu_experts::{experts_forward, Bank, Executor, Kernels, Nvfp4Projection, Pair, Shape, Strided};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
@@ -131,6 +131,16 @@ impl CpuExpertExecutor {
     #[getter]
     fn simd(&self) -> bool {
         self.exec.simd()
+    }
+
+    /// The kernels calls run: "portable", "avx512" or "avx512_bf16" (AVX512-BF16 for NVFP4 gate|up rows too).
+    #[getter]
+    fn kernels(&self) -> &'static str {
+        match self.exec.kernels() {
+            Kernels::Portable => "portable",
+            Kernels::Avx512 => "avx512",
+            Kernels::Avx512Bf16 => "avx512_bf16",
+        }
     }
 
     /// `out[t] += w * expert(x[t])` for each routed pair. Addresses of contiguous CPU tensors: `x` bf16
