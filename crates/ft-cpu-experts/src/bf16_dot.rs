@@ -1,9 +1,12 @@
-//! Dot products of a BF16 weight row with a few f32 vectors (the tokens routed to one expert): the row is read
-//! and converted once for all of them.
+//! Dot products of a BF16 weight row with a few vectors (the tokens routed to one expert): the row is read and
+//! converted once for all of them.
 //!
-//! x is laid out for the kernel (`position`): each chunk of 32 elements as its 16 even elements, then its 16 odd
-//! ones, zero-padded to whole chunks. A 64-byte load of 32 BF16 weights is 16 dwords of (even, odd) pairs: the even
-//! weights become f32 with a left shift by 16, the odd ones with a mask, so the AVX-512 loop has no shuffle at all.
+//! f32 x (`dot_many`) is laid out for the kernel (`position`): each chunk of 32 elements as its 16 even elements,
+//! then its 16 odd ones, zero-padded to whole chunks. A 64-byte load of 32 BF16 weights is 16 dwords of (even, odd)
+//! pairs: the even weights become f32 with a left shift by 16, the odd ones with a mask, so the AVX-512 loop has no
+//! shuffle at all. BF16 x (`dot_many_bf16`, the gate|up projection's input as it is, on AVX512-BF16) stays in
+//! order, zero-padded: `_mm512_dpbf16_ps` multiplies the 32 weights of a load by it directly (products of two BF16
+//! are exact in f32), twice the multiply-adds an instruction.
 
 /// Elements per chunk of x's layout.
 pub(crate) const CHUNK: usize = 32;
@@ -40,6 +43,25 @@ pub(crate) fn dot_many(row: &[u16], xs: &[&[f32]], out: &mut [f32], simd: bool) 
     let _ = simd;
     for (x, o) in xs.iter().zip(out) {
         *o = dot_portable(row, x);
+    }
+}
+
+/// `out[t] = dot(row, xs[t])` with BF16 x, in order and zero-padded to whole chunks. Only where
+/// `nvfp4_bf16_dot::available()` (AVX512-BF16).
+pub(crate) fn dot_many_bf16(row: &[u16], xs: &[&[u16]], out: &mut [f32]) {
+    assert!(out.len() == xs.len() && xs.iter().all(|x| x.len() >= row.len().div_ceil(CHUNK) * CHUNK), "x lengths");
+    assert!(crate::nvfp4_bf16_dot::available(), "AVX512-BF16 kernels on a CPU without them");
+    #[cfg(target_arch = "x86_64")]
+    for (xs, out) in xs.chunks(4).zip(out.chunks_mut(4)) {
+        // SAFETY: the features are checked above, and the lengths.
+        unsafe {
+            match xs.len() {
+                4 => out.copy_from_slice(&dot_bf16_avx512::<4>(row, [xs[0], xs[1], xs[2], xs[3]])),
+                3 => out.copy_from_slice(&dot_bf16_avx512::<3>(row, [xs[0], xs[1], xs[2]])),
+                2 => out.copy_from_slice(&dot_bf16_avx512::<2>(row, [xs[0], xs[1]])),
+                _ => out.copy_from_slice(&dot_bf16_avx512::<1>(row, [xs[0]])),
+            }
+        }
     }
 }
 
@@ -92,6 +114,46 @@ unsafe fn dot_avx512<const N: usize>(row: &[u16], xs: [&[f32]; N]) -> [f32; N] {
     out
 }
 
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn dot_bf16_avx512<const N: usize>(row: &[u16], xs: [&[u16]; N]) -> [f32; N] {
+    use std::arch::x86_64::*;
+    let k = row.len();
+    let full = k / CHUNK;
+    // two chunks a step into separate sums: two dot-product chains a token
+    let mut acc = [[_mm512_setzero_ps(); 2]; N];
+    let mut c = 0;
+    while c + 2 <= full {
+        // in bounds: chunks c and c+1 are whole
+        let w0: __m512bh = std::mem::transmute(_mm512_loadu_si512(row.as_ptr().add(c * CHUNK) as *const __m512i));
+        let w1: __m512bh = std::mem::transmute(_mm512_loadu_si512(row.as_ptr().add((c + 1) * CHUNK) as *const __m512i));
+        for t in 0..N {
+            let x = xs[t].as_ptr().add(c * CHUNK);
+            let x0: __m512bh = std::mem::transmute(_mm512_loadu_si512(x as *const __m512i));
+            let x1: __m512bh = std::mem::transmute(_mm512_loadu_si512(x.add(CHUNK) as *const __m512i));
+            acc[t][0] = _mm512_dpbf16_ps(acc[t][0], w0, x0);
+            acc[t][1] = _mm512_dpbf16_ps(acc[t][1], w1, x1);
+        }
+        c += 2;
+    }
+    // the odd chunk and the partial one: the weights past the row's end are masked off (never read), x is zero there
+    while c * CHUNK < k {
+        let mask: __mmask32 = if k - c * CHUNK >= CHUNK { u32::MAX } else { (1u32 << (k - c * CHUNK)) - 1 };
+        let w: __m512bh =
+            std::mem::transmute(_mm512_maskz_loadu_epi16(mask, row.as_ptr().add(c * CHUNK) as *const i16));
+        for t in 0..N {
+            let x: __m512bh = std::mem::transmute(_mm512_loadu_si512(xs[t].as_ptr().add(c * CHUNK) as *const __m512i));
+            acc[t][0] = _mm512_dpbf16_ps(acc[t][0], w, x);
+        }
+        c += 1;
+    }
+    let mut out = [0f32; N];
+    for t in 0..N {
+        out[t] = _mm512_reduce_add_ps(_mm512_add_ps(acc[t][0], acc[t][1]));
+    }
+    out
+}
+
 /// One chunk: `w` its 32 weights; each x's chunk at `at` (16 even then 16 odd elements) into the token's (even,
 /// odd) sums `acc[t][sums]`, `acc[t][sums + 1]`.
 #[cfg(target_arch = "x86_64")]
@@ -137,12 +199,31 @@ mod tests {
                     l
                 })
                 .collect();
+            // BF16 x (the same values) through the AVX512-BF16 kernel
+            let in_order: Vec<Vec<u16>> = xs
+                .iter()
+                .map(|x| {
+                    let mut l: Vec<u16> = x.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+                    l.resize(k.div_ceil(CHUNK) * CHUNK, 0);
+                    l
+                })
+                .collect();
             for n in 1..=6 {
                 let refs: Vec<&[f32]> = laid[..n].iter().map(|l| &l[..]).collect();
                 let (mut portable, mut fast) = (vec![0f32; n], vec![0f32; n]);
                 dot_many(&row, &refs, &mut portable, false);
                 dot_many(&row, &refs, &mut fast, simd());
+                let mut bf16x = vec![0f32; n];
+                if crate::nvfp4_bf16_dot::available() {
+                    dot_many_bf16(&row, &in_order[..n].iter().map(|l| &l[..]).collect::<Vec<_>>(), &mut bf16x);
+                }
                 for t in 0..n {
+                    if crate::nvfp4_bf16_dot::available() {
+                        let plain: f64 =
+                            row.iter().zip(&in_order[t]).map(|(w, x)| to_f32(*w) as f64 * to_f32(*x) as f64).sum();
+                        let tol = 1e-5 * (1.0 + (k as f64).sqrt());
+                        assert!((bf16x[t] as f64 - plain).abs() < tol, "k={k} bf16 x {} vs {plain}", bf16x[t]);
+                    }
                     let plain: f64 = row.iter().zip(&xs[t]).map(|(w, x)| to_f32(*w) as f64 * *x as f64).sum();
                     let tol = 1e-5 * (1.0 + (k as f64).sqrt());
                     assert!((portable[t] as f64 - plain).abs() < tol, "k={k} portable {} vs {plain}", portable[t]);

@@ -24,7 +24,8 @@ pub enum Kernels {
     Portable,
     /// AVX-512F/BW (`bf16_dot.rs`, `nvfp4_dot.rs`).
     Avx512,
-    /// AVX-512 and, for the NVFP4 gate|up projection, AVX512-BF16's dot products (`nvfp4_bf16_dot.rs`).
+    /// AVX-512 and, for the gate|up projection (its x is BF16), AVX512-BF16's dot products (`nvfp4_bf16_dot.rs`,
+    /// `bf16_dot.rs`).
     Avx512Bf16,
 }
 

@@ -54,11 +54,12 @@ pub fn experts_forward(
     let rows1 = rows_per_task(i, groups.len(), threads);
     let run = Run { bank, shape, pairs, order: &order, simd: exec.simd() };
     let pool = &exec.pool;
-    // x as the gate|up kernels take it: BF16 bits as they are for NVFP4 rows on AVX512-BF16, else f32
-    let x_laid = if layout == Layout::Nvfp4 && exec.kernels == Kernels::Avx512Bf16 {
+    // x as the gate|up kernels take it: BF16 bits as they are on AVX512-BF16, else f32
+    let x_laid = if exec.kernels == Kernels::Avx512Bf16 {
+        let pairs_layout = if layout == Layout::Nvfp4 { Layout::Nvfp4Bf16 } else { Layout::Bf16Pairs };
         x_bf16.resize(tokens * hp, 0);
         let to_lay_out: Vec<_> = x_bf16.chunks_mut(hp).zip(x.chunks(h)).collect();
-        pool.for_each(to_lay_out, |(dst, src)| Layout::Nvfp4Bf16.lay_out(h, |j| src[j], dst));
+        pool.for_each(to_lay_out, |(dst, src)| pairs_layout.lay_out(h, |j| src[j], dst));
         Laid::Bf16(x_bf16)
     } else {
         x_f32.resize(tokens * hp, 0.0);

@@ -7,6 +7,8 @@ use crate::{bf16_dot, nvfp4_bf16_dot, nvfp4_dot};
 pub(crate) enum Layout {
     Bf16,
     Nvfp4,
+    /// BF16 rows times BF16 x (AVX512-BF16): x in order.
+    Bf16Pairs,
     /// NVFP4 rows times BF16 x (AVX512-BF16).
     Nvfp4Bf16,
 }
@@ -14,7 +16,7 @@ pub(crate) enum Layout {
 impl Layout {
     fn chunk(self) -> usize {
         match self {
-            Layout::Bf16 => bf16_dot::CHUNK,
+            Layout::Bf16 | Layout::Bf16Pairs => bf16_dot::CHUNK,
             Layout::Nvfp4 | Layout::Nvfp4Bf16 => nvfp4_dot::CHUNK,
         }
     }
@@ -28,6 +30,7 @@ impl Layout {
     pub(crate) fn position(self, j: usize) -> usize {
         match self {
             Layout::Bf16 => bf16_dot::position(j),
+            Layout::Bf16Pairs => j,
             Layout::Nvfp4 => nvfp4_dot::position(j),
             Layout::Nvfp4Bf16 => nvfp4_bf16_dot::position(j),
         }
@@ -67,7 +70,7 @@ impl Vectors<'_> {
 }
 
 impl Matrix<'_> {
-    /// `out[t] = dot(row, xs[t])`; `simd`: the AVX-512 kernels (BF16 vectors always take theirs).
+    /// `out[t] = dot(row, xs[t])`; `simd`: the AVX-512 kernels (BF16 vectors always take the AVX512-BF16 ones).
     pub(crate) fn dot_many(&self, row: usize, xs: &Vectors, out: &mut [f32], simd: bool) {
         match (*self, xs) {
             (Matrix::Bf16 { weights, k }, Vectors::F32(xs)) => {
@@ -82,7 +85,9 @@ impl Matrix<'_> {
                 }
                 out.iter_mut().for_each(|o| *o *= globals[row]);
             }
-            (Matrix::Bf16 { .. }, Vectors::Bf16(_)) => unreachable!("BF16 x is for NVFP4 rows"),
+            (Matrix::Bf16 { weights, k }, Vectors::Bf16(xs)) => {
+                bf16_dot::dot_many_bf16(&weights[row * k..(row + 1) * k], xs, out)
+            }
         }
     }
 }
