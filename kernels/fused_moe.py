@@ -73,7 +73,9 @@ def _moe_gather_torch(x, w13, w2, topk_ids, topk_weights) -> torch.Tensor:
     xs = x.repeat_interleave(k, dim=0)[:, :, None]  # [P, H, 1]
     gate, up = torch.bmm(w13[ids], xs)[..., 0].chunk(2, dim=-1)
     h = torch.bmm(w2[ids], (F.silu(gate) * up)[:, :, None])[..., 0]  # [P, H]
-    h = h * topk_weights.reshape(-1, 1) * valid[:, None]
+    # where, not a product: an invalid pair's clamped weights may be unwritten memory (a slot nothing was fetched
+    # into, the hybrid backend's host pairs), and NaN * 0 is NaN
+    h = torch.where(valid[:, None], h * topk_weights.reshape(-1, 1), 0)
     return h.view(T, k, -1).sum(dim=1).to(x.dtype)
 
 

@@ -301,8 +301,9 @@ def test_auto_backend_offloads_only_a_model_that_does_not_fit_on_cuda():
     assert resolve_moe_backend("auto", True, cpu, model_bytes=10, available_bytes=9) == "fused"
     assert resolve_moe_backend("offload", False, cuda) == "fused"  # dense: nothing to offload
     assert resolve_moe_backend("offload", True, cpu) == "offload"
-    with pytest.raises(UnsupportedModel, match="not built"):
-        resolve_moe_backend("hybrid", True, cuda)
+    assert resolve_moe_backend("hybrid", True, cuda) == "hybrid" and resolve_moe_backend("cpu", True, cpu) == "cpu"
+    with pytest.raises(UnsupportedModel, match="unknown --moe-backend magic"):
+        resolve_moe_backend("magic", True, cuda)
     cfg = ModelConfig.from_dict(CONFIG)
     weights_only = device_bytes_needed(model_class(cfg), cfg, torch.bfloat16, 0)
     with torch.device("meta"):

@@ -30,16 +30,15 @@ def _ft(*args: str) -> subprocess.CompletedProcess:
         # a feature that is not built
         (["--nvfp4-backend", "marlin"], "--nvfp4-backend marlin is not supported: it needs vLLM's Marlin"),
         (["--nvfp4-backend", "flashinfer"], "--nvfp4-backend flashinfer is not supported: it needs FlashInfer"),
-        (["--moe-backend", "cpu"], "--moe-backend cpu is not supported yet"),
-        (["--moe-cpu-threads", "8"], "--moe-cpu-threads 8 is not supported yet"),
         (["--moe-cpu-layers", "3,7"], "--moe-cpu-layers 3,7 is not supported yet"),
-        (["--moe-hybrid-max-fetch", "4"], "--moe-hybrid-max-fetch 4 is not supported yet"),
         (["--expert-load", "serial"], "--expert-load serial is not supported yet"),
         (["--tp-size", "2"], "--tensor-parallel-size 2 is not supported yet"),
         # a feature that does not apply (nothing is downloaded)
         (["--model-source", "modelscope"], "--model-source modelscope is not supported"),
         # flags that contradict each other
         (["--moe-backend", "fused", "--moe-cache-size", "64"], "--moe-cache-size applies to expert offload"),
+        (["--moe-cpu-threads", "8"], "--moe-cpu-threads applies to --moe-backend hybrid or cpu, not auto"),
+        (["--moe-hybrid-max-fetch", "4"], "--moe-hybrid-max-fetch applies to --moe-backend hybrid, not auto"),
     ],
 )
 def test_refused_flags_exit_2_in_one_line(flags, needle):
@@ -86,7 +85,7 @@ def test_unused_offload_flags_are_logged(tiny_llama_dir, caplog):
 def test_offline_llm_refuses_the_same_settings(tiny_llama_dir):
     from freetoken import LLM
 
-    with pytest.raises(ValueError, match="--moe-cpu-threads 4 is not supported yet"):
+    with pytest.raises(ValueError, match="--moe-cpu-threads applies to --moe-backend hybrid or cpu"):
         LLM(tiny_llama_dir, device="cpu", num_tokens=256, load_progress=False, moe_cpu_threads=4)
 
 

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from .errors import StartupRefused
+from .moe.backend_choice import offloads_experts
 
 GiB = 1 << 30
 
@@ -43,7 +44,7 @@ def host_bytes_needed(cls, config, dtype, device, moe_backend: str, quant=None) 
         from .moe.backend_choice import device_bytes_needed
 
         return device_bytes_needed(cls, config, dtype, 0, quant), f"the weights ({name}, on the CPU)"
-    if moe_backend == "offload":
+    if offloads_experts(moe_backend):
         needed = routed_expert_bytes(cls, config, dtype, quant)
         return needed, "the routed experts (pinned host memory, offload)"
     return 0, ""

@@ -280,6 +280,8 @@ class Worker:
     def _new_expert_counts(self, cumulative: Optional[tuple[int, int]] = None) -> tuple[int, int]:
         """Expert-cache (hits, misses) not yet reported, from the cache's cumulative counters (read now when not
         given). Each lookup is reported once, by the first step to see it."""
+        if self.offload.hybrid is not None:  # a CPU expert call that failed wrote zeros: fail the step instead
+            self.offload.hybrid.check_errors()
         hits, misses = cumulative if cumulative is not None else self.offload.counters()
         h0, m0 = self._experts_reported
         self._experts_reported = (max(h0, hits), max(m0, misses))

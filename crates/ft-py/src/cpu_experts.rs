@@ -7,13 +7,15 @@
 //! it alive as long as the bank object. Here every address is checked for alignment and every extent against the
 //! layer's shape; a call checks every token and expert id and runs with the GIL released.
 
+use std::sync::Arc;
+
 use ft_cpu_experts::{experts_forward, Bank, Executor, Kernels, Nvfp4Projection, Pair, Shape, Strided};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 /// One tensor: `(address, elements from the address to the end of the last expert, stride(0) in elements)`.
 #[derive(Clone, Copy, Debug)]
-struct Raw {
+pub(crate) struct Raw {
     addr: usize,
     len: usize,
     expert_stride: usize,
@@ -37,14 +39,14 @@ impl Raw {
 /// A MoE layer's expert bank in host memory (see the module docs).
 #[pyclass(frozen, module = "freetoken._core")]
 pub struct CpuExpertBank {
-    shape: Shape,
+    pub(crate) shape: Shape,
     /// BF16: gate_up, down. NVFP4: w13, w13_scale, w13_global, w2, w2_scale, w2_global.
-    tensors: Vec<Raw>,
+    pub(crate) tensors: Vec<Raw>,
 }
 
 impl CpuExpertBank {
     /// SAFETY: as `Raw::strided`.
-    unsafe fn bank(&self) -> Bank<'_> {
+    pub(crate) unsafe fn bank(&self) -> Bank<'_> {
         match self.tensors[..] {
             [gate_up, down] => Bank::Bf16 { gate_up: gate_up.strided(), down: down.strided() },
             [w13, s13, g13, w2, s2, g2] => Bank::Nvfp4 {
@@ -110,7 +112,8 @@ impl CpuExpertBank {
 /// The thread pool and kernels the experts run on; one serves every layer.
 #[pyclass(frozen, module = "freetoken._core")]
 pub struct CpuExpertExecutor {
-    exec: Executor,
+    /// Shared with the host calls made from it (`cpu_expert_host_call.rs`).
+    pub(crate) exec: Arc<Executor>,
 }
 
 #[pymethods]
@@ -119,7 +122,7 @@ impl CpuExpertExecutor {
     #[new]
     #[pyo3(signature = (threads = 0, portable = false))]
     fn new(threads: usize, portable: bool) -> PyResult<Self> {
-        Ok(CpuExpertExecutor { exec: Executor::new(threads, portable).map_err(PyRuntimeError::new_err)? })
+        Ok(CpuExpertExecutor { exec: Arc::new(Executor::new(threads, portable).map_err(PyRuntimeError::new_err)?) })
     }
 
     #[getter]
@@ -158,43 +161,89 @@ impl CpuExpertExecutor {
         k: usize,
         out: usize,
     ) -> PyResult<()> {
-        let h = bank.shape.hidden;
-        let (n, elems) = (tokens.checked_mul(k), tokens.checked_mul(h));
-        let (Some(n), Some(elems), true) = (n, elems, tokens <= u32::MAX as usize) else {
-            return Err(PyValueError::new_err(format!("{tokens} tokens of {k} pairs are too many")));
+        let step =
+            StepBuffers::new(bank.shape.hidden, x, tokens, ids, weights, k, out).map_err(PyValueError::new_err)?;
+        let exec = &*self.exec;
+        // SAFETY: the caller passes live, contiguous tensors of these sizes and dtypes (checked by the wrapper);
+        // the bank's tensors are held by the wrapper
+        py.allow_threads(|| unsafe { step.run(bank, exec, false) }).map_err(PyValueError::new_err)
+    }
+}
+
+/// A step's inputs and output: addresses of contiguous CPU tensors, `x` bf16 `[tokens, H]`, `ids` int64
+/// `[tokens, k]` (an id < 0 is no pair), `weights` f32 `[tokens, k]`, `out` f32 `[tokens, H]`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct StepBuffers {
+    x: usize,
+    ids: usize,
+    weights: usize,
+    out: usize,
+    tokens: usize,
+    k: usize,
+    hidden: usize,
+}
+
+impl StepBuffers {
+    /// Checks the sizes and the addresses' alignment.
+    pub(crate) fn new(
+        hidden: usize,
+        x: usize,
+        tokens: usize,
+        ids: usize,
+        weights: usize,
+        k: usize,
+        out: usize,
+    ) -> Result<Self, String> {
+        let (n, elems) = (tokens.checked_mul(k), tokens.checked_mul(hidden));
+        let (Some(_), Some(_), true) = (n, elems, tokens <= u32::MAX as usize) else {
+            return Err(format!("{tokens} tokens of {k} pairs are too many"));
         };
         for (name, addr, align) in [("x", x, 2), ("topk_ids", ids, 8), ("topk_weights", weights, 4), ("out", out, 4)] {
             if addr == 0 || addr % align != 0 {
-                return Err(PyValueError::new_err(format!("{name}: address {addr:#x} is not usable")));
+                return Err(format!("{name}: address {addr:#x} is not usable"));
             }
         }
-        // SAFETY: the caller passes live, contiguous tensors of these sizes and dtypes (checked by the wrapper),
-        // aligned (checked above); `out` is not aliased by the others.
-        let (x, ids, weights, out) = unsafe {
-            (
-                std::slice::from_raw_parts(x as *const u16, elems),
-                std::slice::from_raw_parts(ids as *const i64, n),
-                std::slice::from_raw_parts(weights as *const f32, n),
-                std::slice::from_raw_parts_mut(out as *mut f32, elems),
-            )
-        };
-        let mut pairs = Vec::with_capacity(n);
-        for (j, (&id, &weight)) in ids.iter().zip(weights).enumerate() {
-            if id < 0 {
-                continue;
-            }
-            if id as u64 >= bank.shape.experts as u64 {
-                let (t, slot) = (j / k, j % k);
-                let e = bank.shape.experts;
-                return Err(PyValueError::new_err(format!(
-                    "topk_ids[{t}, {slot}] = {id} is outside the bank's {e} experts"
-                )));
-            }
-            pairs.push(Pair { token: (j / k) as u32, expert: id as u32, weight });
-        }
-        // SAFETY: as above for the bank's tensors (the wrapper holds them)
-        let b = unsafe { bank.bank() };
-        let exec = &self.exec;
-        py.allow_threads(|| experts_forward(&b, bank.shape, x, &pairs, out, exec)).map_err(PyValueError::new_err)
+        Ok(StepBuffers { x, ids, weights, out, tokens, k, hidden })
     }
+
+    /// `out[t] += w * expert(x[t])` for each routed pair (`out` zeroed first when `overwrite`). An id at or past the
+    /// bank's experts is an error, and `out` is left as it was.
+    ///
+    /// SAFETY: the addresses are live tensors of these sizes and dtypes that nothing else touches during the call,
+    /// `out` aliased by none of the others, and the bank's tensors are live (the wrappers' contracts).
+    pub(crate) unsafe fn run(&self, bank: &CpuExpertBank, exec: &Executor, overwrite: bool) -> Result<(), String> {
+        let (n, elems) = (self.tokens * self.k, self.tokens * self.hidden);
+        let x = std::slice::from_raw_parts(self.x as *const u16, elems);
+        let ids = std::slice::from_raw_parts(self.ids as *const i64, n);
+        let weights = std::slice::from_raw_parts(self.weights as *const f32, n);
+        let out = std::slice::from_raw_parts_mut(self.out as *mut f32, elems);
+        let pairs = routed_pairs(ids, weights, self.k, bank.shape.experts)?;
+        if overwrite {
+            out.fill(0.0);
+        }
+        experts_forward(&bank.bank(), bank.shape, x, &pairs, out, exec)
+    }
+}
+
+impl StepBuffers {
+    /// `out = 0`. SAFETY: as `run`.
+    pub(crate) unsafe fn zero_out(&self) {
+        std::slice::from_raw_parts_mut(self.out as *mut f32, self.tokens * self.hidden).fill(0.0);
+    }
+}
+
+/// The pairs of `ids [tokens, k]` (an id < 0 is no pair); an id at or past `experts` is an error.
+fn routed_pairs(ids: &[i64], weights: &[f32], k: usize, experts: usize) -> Result<Vec<Pair>, String> {
+    let mut pairs = Vec::with_capacity(ids.len());
+    for (j, (&id, &weight)) in ids.iter().zip(weights).enumerate() {
+        if id < 0 {
+            continue;
+        }
+        if id as u64 >= experts as u64 {
+            let (t, slot) = (j / k, j % k);
+            return Err(format!("topk_ids[{t}, {slot}] = {id} is outside the bank's {experts} experts"));
+        }
+        pairs.push(Pair { token: (j / k) as u32, expert: id as u32, weight });
+    }
+    Ok(pairs)
 }

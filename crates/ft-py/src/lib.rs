@@ -6,8 +6,10 @@
 //! - `ft quantize` runs the Python quantizer (`freetoken.quant.quantize_checkpoint.main`) with the parsed flags.
 //! - `OfflineEngine` runs the same scheduler and worker synchronously for `freetoken.LLM` (tests, notebooks).
 //! - `CpuExpertExecutor` and `CpuExpertBank` run MoE routed experts on the host CPU (`ft-cpu-experts`) for
-//!   `freetoken.moe.cpu_experts`.
+//!   `freetoken.moe.cpu_experts`; `CpuExpertHostCall` is one layer's call of them as a CUDA host function (the
+//!   hybrid backend's host nodes).
 
+mod cpu_expert_host_call;
 mod cpu_experts;
 mod offline;
 
@@ -73,5 +75,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<offline::OfflineEngine>()?;
     m.add_class::<cpu_experts::CpuExpertBank>()?;
     m.add_class::<cpu_experts::CpuExpertExecutor>()?;
+    m.add_class::<cpu_expert_host_call::CpuExpertHostCall>()?;
+    m.add_function(wrap_pyfunction!(cpu_expert_host_call::cpu_expert_host_call_failed, m)?)?;
     Ok(())
 }

@@ -371,7 +371,7 @@ pub struct ServeArgs {
     #[arg(help_heading = MOE, long, value_enum, default_value_t = ExpertLoad::Auto)]
     pub expert_load: ExpertLoad,
 
-    /// CPU expert-executor threads (0 = physical cores); the executor is not built, so only 0 is accepted.
+    /// CPU expert-executor threads of --moe-backend hybrid / cpu (0 = physical cores).
     #[arg(help_heading = MOE, long, default_value_t = 0)]
     pub moe_cpu_threads: usize,
 
@@ -379,8 +379,8 @@ pub struct ServeArgs {
     #[arg(help_heading = MOE, long)]
     pub moe_cpu_layers: Option<String>,
 
-    /// Hybrid backend: most experts fetched over PCIe per layer per step (-1 = auto, 0 = never); the hybrid
-    /// backend is not built, so only -1 is accepted.
+    /// Hybrid backend: most expert misses fetched over PCIe per layer per decode step, the rest computed on the
+    /// CPU (-1 = auto: 1; 0 = never, as --moe-backend cpu).
     #[arg(help_heading = MOE, long, default_value_t = -1, allow_negative_numbers = true)]
     pub moe_hybrid_max_fetch: i64,
 
@@ -600,6 +600,18 @@ impl ServeArgs {
         if self.moe_hybrid_max_fetch < -1 {
             return Err(format!("--moe-hybrid-max-fetch must be -1 (auto) or >= 0, got {}", self.moe_hybrid_max_fetch));
         }
+        if self.moe_hybrid_max_fetch != -1 && self.moe_backend != MoeBackend::Hybrid {
+            return Err(format!(
+                "--moe-hybrid-max-fetch applies to --moe-backend hybrid, not {} (cpu fetches none)",
+                self.moe_backend.as_str()
+            ));
+        }
+        if self.moe_cpu_threads != 0 && !matches!(self.moe_backend, MoeBackend::Hybrid | MoeBackend::Cpu) {
+            return Err(format!(
+                "--moe-cpu-threads applies to --moe-backend hybrid or cpu, not {}",
+                self.moe_backend.as_str()
+            ));
+        }
         Ok(())
     }
 
@@ -667,33 +679,16 @@ fn unsupported_parallelism_or_kernel(args: &ServeArgs) -> Option<String> {
     None
 }
 
-/// MoE backends and expert-execution knobs that are not built (the CPU expert executor's knobs would do
-/// nothing without it).
+/// Expert-execution knobs that are not built.
 fn unsupported_expert_execution(args: &ServeArgs) -> Option<String> {
-    if matches!(args.moe_backend, MoeBackend::Cpu | MoeBackend::Hybrid) {
-        let name = args.moe_backend.as_str();
-        return Some(format!(
-            "--moe-backend {name} is not supported yet: the CPU expert executor is not built (use auto, fused or offload)"
-        ));
-    }
     if args.moe_prefill_hit_d2d {
         return Some(
             "--moe-prefill-hit-d2d is not supported yet: device-to-device prefill expert copies are not built".into(),
         );
     }
-    if args.moe_cpu_threads != 0 {
-        return Some(format!(
-            "--moe-cpu-threads {} is not supported yet: the CPU expert executor is not built (leave it 0)",
-            args.moe_cpu_threads
-        ));
-    }
     if let Some(layers) = &args.moe_cpu_layers {
-        return Some(format!("--moe-cpu-layers {layers} is not supported yet: the CPU expert executor is not built"));
-    }
-    if args.moe_hybrid_max_fetch != -1 {
         return Some(format!(
-            "--moe-hybrid-max-fetch {} is not supported yet: the hybrid MoE backend is not built (leave it -1)",
-            args.moe_hybrid_max_fetch
+            "--moe-cpu-layers {layers} is not supported yet: whole layers are not pinned to the CPU (--moe-backend cpu runs every decode miss there)"
         ));
     }
     None
@@ -922,6 +917,24 @@ mod tests {
     }
 
     #[test]
+    fn hybrid_and_cpu_backends_take_their_knobs_and_nothing_else_does() {
+        let a = serve(&["--moe-backend", "hybrid", "--moe-hybrid-max-fetch", "3", "--moe-cpu-threads", "8"]).unwrap();
+        assert_eq!((a.moe_backend.as_str(), a.moe_hybrid_max_fetch, a.moe_cpu_threads), ("hybrid".to_string(), 3, 8));
+        let a = serve(&["--moe-backend", "cpu", "--moe-cpu-threads", "4", "--moe-cache-size", "64"]).unwrap();
+        assert_eq!((a.moe_backend.as_str(), a.moe_cpu_threads), ("cpu".to_string(), 4));
+        for (flags, needle) in [
+            (&["--moe-backend", "offload", "--moe-hybrid-max-fetch", "2"][..], "applies to --moe-backend hybrid"),
+            (&["--moe-backend", "cpu", "--moe-hybrid-max-fetch", "2"], "cpu fetches none"),
+            (&["--moe-backend", "offload", "--moe-cpu-threads", "8"], "applies to --moe-backend hybrid or cpu"),
+            (&["--moe-backend", "hybrid", "--moe-hybrid-max-fetch", "-2"], "-1 (auto) or >= 0"),
+        ] {
+            let (msg, code) = serve(flags).unwrap_err();
+            assert_eq!(code, 2, "{msg}");
+            assert!(msg.contains(needle), "{msg}");
+        }
+    }
+
+    #[test]
     fn unbuilt_features_are_rejected_by_name() {
         for (flags, needle) in [
             (&["--tp-size", "2"][..], "--tensor-parallel-size"),
@@ -930,12 +943,8 @@ mod tests {
             (&["--attention-backend", "fa"], "--attention-backend fa"),
             (&["--nvfp4-backend", "marlin"], "--nvfp4-backend marlin"),
             (&["--nvfp4-backend", "flashinfer"], "--nvfp4-backend flashinfer"),
-            (&["--moe-backend", "cpu"], "--moe-backend cpu"),
-            (&["--moe-backend", "hybrid"], "--moe-backend hybrid"),
             (&["--moe-prefill-hit-d2d"], "--moe-prefill-hit-d2d"),
-            (&["--moe-cpu-threads", "8"], "--moe-cpu-threads 8"),
             (&["--moe-cpu-layers", "3,7"], "--moe-cpu-layers 3,7"),
-            (&["--moe-hybrid-max-fetch", "0"], "--moe-hybrid-max-fetch 0"),
             (&["--expert-load", "parallel"], "--expert-load parallel"),
             (&["--model-source", "modelscope"], "--model-source modelscope"),
         ] {

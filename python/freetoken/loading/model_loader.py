@@ -23,7 +23,7 @@ from ..layers.fused_linear import fuse_projections
 from ..log import get_logger
 from ..models.base import CausalLM, ModelConfig
 from ..models.registry import model_class
-from ..moe.backend_choice import device_bytes_needed, resolve_moe_backend
+from ..moe.backend_choice import device_bytes_needed, hybrid_max_fetch, offloads_experts, resolve_moe_backend
 from ..moe.offload import ExpertOffload
 from ..quant.backend import apply_nvfp4_backend, resolve_nvfp4_backend
 from ..quant.config import QuantConfig, find_quant_config
@@ -47,7 +47,7 @@ class LoadedModel:
     served_names: list[str]  # the names the API answers to, primary first
     max_context: int
     kv_floor_tokens: int  # KV the expert cache never takes (--kv-reserve-tokens, at least one full context)
-    moe_backend: str  # fused | offload
+    moe_backend: str  # fused | offload | hybrid | cpu
     offload: Optional[ExpertOffload]
     model: CausalLM
     weights_bytes: int  # on the device (offloaded experts not counted)
@@ -93,7 +93,7 @@ def load_model(a: dict) -> LoadedModel:
         logger.info(f"Quantized checkpoint: {quant.describe()}, nvfp4_backend={nvfp4_backend!r}")
     t0 = time.perf_counter()
     offload = None
-    if moe_backend == "offload":
+    if offloads_experts(moe_backend):
         offload = ExpertOffload(
             device, dtype, int(config.num_experts_per_tok), overlap=not a["disable_moe_prefill_overlap"]
         )
@@ -105,6 +105,13 @@ def load_model(a: dict) -> LoadedModel:
     weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if offload is not None:
         weights_bytes -= _finish_offload(offload)  # the banks stay on the host; the plan lists them apart
+        max_fetch = hybrid_max_fetch(moe_backend, int(a.get("moe_hybrid_max_fetch", -1)))
+        if max_fetch is not None:
+            offload.enable_hybrid(max_fetch, int(a.get("moe_cpu_threads") or 0))
+            logger.info(
+                f"Hybrid experts ({moe_backend}): at most {max_fetch} misses a layer fetched per decode step, the "
+                f"rest computed on {offload.hybrid.threads} CPU threads"
+            )
     source = "dummy weights" if a["dummy_weight"] else os.path.basename(checkpoint.path)
     logger.info(
         f"Loaded {type(model).__name__} ({weights_bytes / GiB:.2f} GiB, {dtype}, {source}) "
@@ -158,7 +165,7 @@ def _finish_offload(offload: ExpertOffload) -> int:
 def _warn_unused_offload_flags(a: dict, moe_backend: str, has_experts: bool) -> None:
     """The expert-offload flags do nothing when the experts stay on the device (a dense model, or ``auto`` picked
     fused; an explicit ``--moe-backend fused`` with them is refused by the CLI): say so rather than ignore them."""
-    if moe_backend == "offload":
+    if offloads_experts(moe_backend):
         return
     given = [
         flag

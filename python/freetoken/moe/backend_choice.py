@@ -1,6 +1,8 @@
 """Which ``--moe-backend`` a model runs with.
 
-``fused`` keeps every expert on the device; ``offload`` keeps them in pinned host memory behind a GPU cache.
+``fused`` keeps every expert on the device; ``offload`` keeps them in pinned host memory behind a GPU cache;
+``hybrid`` is ``offload`` with at most ``--moe-hybrid-max-fetch`` misses a layer fetched per decode step and the
+others computed on the host CPU; ``cpu`` fetches none (every decode miss on the CPU; the cache stays empty).
 ``auto`` picks ``fused`` when the whole model fits in ``memory_ratio`` of free device memory with room left for the
 KV floor (``--kv-reserve-tokens``, at least one full context), else ``offload`` (the point of this engine: MoE models larger than the GPU).
 On CPU there is nothing to offload to, so ``auto`` is ``fused`` there. Dense models are always ``fused``.
@@ -15,7 +17,24 @@ from ..log import get_logger
 
 logger = get_logger(__name__)
 
-BUILT_MOE_BACKENDS = ("auto", "fused", "offload")
+BUILT_MOE_BACKENDS = ("auto", "fused", "offload", "hybrid", "cpu")
+OFFLOADED = ("offload", "hybrid", "cpu")  # the experts' banks live in host memory
+# --moe-hybrid-max-fetch -1 (auto) without a bandwidth profile: one miss a layer per step over PCIe, as FreeToken
+AUTO_MAX_FETCH = 1
+
+
+def offloads_experts(moe_backend: str) -> bool:
+    return moe_backend in OFFLOADED
+
+
+def hybrid_max_fetch(moe_backend: str, flag: int) -> int | None:
+    """Misses a layer's cache admits per decode step: None (no cap) for ``offload``, 0 for ``cpu``, the flag
+    (``--moe-hybrid-max-fetch``; -1: ``AUTO_MAX_FETCH``) for ``hybrid``."""
+    if moe_backend == "cpu":
+        return 0
+    if moe_backend == "hybrid":
+        return AUTO_MAX_FETCH if flag < 0 else flag
+    return None
 
 
 def device_bytes_needed(model_class, config, dtype: torch.dtype, kv_floor_tokens: int, quant=None) -> int:
@@ -39,16 +58,13 @@ def device_bytes_needed(model_class, config, dtype: torch.dtype, kv_floor_tokens
 def resolve_moe_backend(
     requested: str, has_experts: bool, device: torch.device, model_bytes: int = 0, available_bytes: int = 0
 ) -> str:
-    """``requested`` (the flag) -> ``fused`` | ``offload``. ``model_bytes``: weights plus the KV floor
+    """``requested`` (the flag) -> ``fused`` | ``offload`` | ``hybrid`` | ``cpu``. ``model_bytes``: weights plus the KV floor
     (``device_bytes_needed``); ``available_bytes``: ``memory_ratio`` of free device memory. Both are read only
     for ``auto`` on CUDA."""
     if not has_experts:
         return "fused"
     if requested not in BUILT_MOE_BACKENDS:
-        raise UnsupportedModel(
-            f"--moe-backend {requested} is not built yet (the CPU expert executor is a later issue); "
-            "use --moe-backend offload or fused"
-        )
+        raise UnsupportedModel(f"unknown --moe-backend {requested}: expected one of {', '.join(BUILT_MOE_BACKENDS)}")
     if requested != "auto":
         return requested
     if device.type == "cuda" and model_bytes > available_bytes:

@@ -138,3 +138,27 @@ class CpuExperts:
         weights = topk_weights.to(torch.float32).contiguous()
         self.executor.forward(self.native, x.data_ptr(), T, ids.data_ptr(), weights.data_ptr(), k, out.data_ptr())
         return out
+
+    def host_call(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor):
+        """These experts over fixed buffers as a native CUDA host function (``_core.CpuExpertHostCall``: its
+        ``function_address`` / ``context_address`` go to ``engine.host_functions.launch_host_function``; ``run()``
+        calls it here): ``out = sum_j weights[t, j] * expert_{ids[t, j]}(x[t])``, zeroed first (zero and an error
+        for ``take_error()`` on failure). ``x`` bf16 [T, H], ``ids`` int64 [T, k], ``weights`` fp32 [T, k], ``out``
+        fp32 [T, H]: contiguous CPU tensors (pinned, for a device's copies) that the caller keeps alive as long as
+        the call."""
+        from .. import _core
+
+        H = self.hidden_size
+        T, k = ids.shape if ids.dim() == 2 else (-1, -1)
+        for name, t, dtype, shape in (
+            ("x", x, torch.bfloat16, (T, H)),
+            ("ids", ids, torch.int64, (T, k)),
+            ("weights", weights, torch.float32, (T, k)),
+            ("out", out, torch.float32, (T, H)),
+        ):
+            ok = isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous()
+            if not ok or t.dtype != dtype or tuple(t.shape) != shape:
+                raise ValueError(f"{name} must be a contiguous {dtype} CPU tensor of shape {list(shape)}")
+        return _core.CpuExpertHostCall(
+            self.executor, self.native, x.data_ptr(), T, ids.data_ptr(), weights.data_ptr(), k, out.data_ptr()
+        )

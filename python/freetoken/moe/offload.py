@@ -20,6 +20,10 @@ real tokens; the rows after them are padding) before capturing and leaves it set
 means every row is real. Set it back to None for eager steps.
 
 Hit and miss counters feed each step's ``expert_hits`` / ``expert_misses``.
+
+``--moe-backend hybrid`` / ``cpu`` (``enable_hybrid``): the cache admits at most ``max_fetch`` misses a layer per
+decode step (``cpu``: none) and the host CPU computes the pairs of the others (``hybrid_experts.py``); prefill
+steps stream layers as with ``offload``.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class ExpertOffload:
         self.num_valid_tokens: Optional[torch.Tensor] = None  # CUDA-graph padding: see the module docstring
         self.stream: Optional[PrefillExpertStream] = None
         self.pinned = False
+        self.hybrid = None  # HybridExperts (enable_hybrid): --moe-backend hybrid / cpu
         # read before any weight loads, so a bad value is refused at once
         self.cache_policy = choice_from_env("FREETOKEN_MOE_CACHE_POLICY", "lfu", POLICIES)
 
@@ -87,6 +92,13 @@ class ExpertOffload:
             overlap=self.overlap,
         )
 
+    def enable_hybrid(self, max_fetch: int, threads: int = 0) -> None:
+        """After ``finish_loading``: decode misses past ``max_fetch`` a layer go to the host CPU (``threads``:
+        ``--moe-cpu-threads``, 0 = the physical cores)."""
+        from .hybrid_experts import HybridExperts
+
+        self.hybrid = HybridExperts([e.cpu_bank() for e in self.layers], self.device, max_fetch, threads)
+
     def allocate_cache(self, num_slots: int) -> None:
         first = self.layers[0]
         gate_up, down = first.host_banks()
@@ -99,6 +111,7 @@ class ExpertOffload:
             gate_up.dtype,
             self.device,
             policy=self.cache_policy,
+            max_fetch=self.hybrid.max_fetch if self.hybrid is not None else None,
         )
 
     @property

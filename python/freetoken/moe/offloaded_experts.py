@@ -40,23 +40,36 @@ class OffloadedExperts(FusedExperts):
     def prefill_capturable(self, device: torch.device) -> bool:
         return False  # the cache and the layer stream are planned on the host, step by step
 
+    def cpu_bank(self) -> tuple[torch.Tensor, ...]:
+        """The bank as the CPU expert executor reads it (``moe/cpu_experts.py``)."""
+        return self.gate_up_proj, self.down_proj
+
     def forward(self, x, topk_ids, topk_weights, shared=None, out=None):
-        gate_up, down, ids = device_weights(self.offload, self.index, self.host_banks(), topk_ids)
-        return run_experts(self.impl, x, gate_up, down, ids, topk_weights, shared, out)
+        gate_up, down, ids, host = device_weights(
+            self.offload, self.index, self.host_banks(), x, topk_ids, topk_weights
+        )
+        y = run_experts(self.impl, x, gate_up, down, ids, topk_weights, shared, out)
+        return y if host is None else self.offload.hybrid.finish(host, y)
 
 
-def device_weights(offload, index: int, banks, topk_ids: torch.Tensor):
-    """``(gate_up, down, ids)`` on the device for MoE layer ``index``: the slot pool and slot ids when the step's
-    ``T * k`` pairs fit the cache (``ExpertOffload.uses_cache``), else the layer streamed whole with the expert ids.
-    Decided by shapes only (see the module docstring); shared by the BF16 and NVFP4 banks."""
+def device_weights(offload, index: int, banks, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+    """``(gate_up, down, ids, host)`` on the device for MoE layer ``index``: the slot pool and slot ids when the
+    step's ``T * k`` pairs fit the cache (``ExpertOffload.uses_cache``), else the layer streamed whole with the
+    expert ids. Decided by shapes only (see the module docstring); shared by the BF16 and NVFP4 banks. ``host``:
+    with the hybrid backend, the pairs the cache left out, handed to the host before the misses are fetched (the
+    caller adds them with ``offload.hybrid.finish``); else None."""
     cache = offload.cache
     if offload.uses_cache(topk_ids.shape[0] * topk_ids.shape[1], banks[0].shape[0]):
-        slot_ids = cache.ensure(index, banks[0], banks[1], topk_ids, offload.num_valid_tokens)
-        return cache.gate_up, cache.down, slot_ids
+        slot_ids, job_src, job_dst, num_jobs = cache.admit(index, topk_ids, offload.num_valid_tokens)
+        host = None
+        if offload.hybrid is not None:
+            host = offload.hybrid.start(index, x, topk_ids, slot_ids, topk_weights)
+        cache.fetch(banks[0], banks[1], job_src, job_dst, num_jobs)
+        return cache.gate_up, cache.down, slot_ids, host
     if offload.num_valid_tokens is not None:  # set only while decode CUDA graphs are captured
         raise RuntimeError(
             f"a decode CUDA graph of {topk_ids.shape[0]} tokens would stream MoE layer {index} (copy-stream events "
             "cannot be captured): the graphs must stop at ExpertOffload.max_cached_batch()"
         )
     gate_up, down = offload.stream.layer_weights(index)
-    return gate_up, down, topk_ids
+    return gate_up, down, topk_ids, None

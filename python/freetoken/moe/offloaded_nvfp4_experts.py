@@ -57,10 +57,17 @@ class OffloadedNvfp4Experts(Nvfp4Experts):
     def prefill_capturable(self, device: torch.device) -> bool:
         return False  # the cache and the layer stream are planned on the host, step by step
 
+    def cpu_bank(self) -> tuple[torch.Tensor, ...]:
+        """The bank as the CPU expert executor reads it: the six views of the host rows (``moe/cpu_experts.py``)."""
+        return tuple(self.rows.views(*self.host_banks()))
+
     def forward(self, x, topk_ids, topk_weights, shared=None, out=None):
-        gate_up, down, ids = device_weights(self.offload, self.index, self.host_banks(), topk_ids)
+        gate_up, down, ids, host = device_weights(
+            self.offload, self.index, self.host_banks(), x, topk_ids, topk_weights
+        )
         bank = self.rows.views(gate_up, down)
-        return nvfp4_experts_forward(self.impl, x, bank, ids, topk_weights, shared, out)
+        y = nvfp4_experts_forward(self.impl, x, bank, ids, topk_weights, shared, out)
+        return y if host is None else self.offload.hybrid.finish(host, y)
 
     @torch.no_grad()
     def fill_dummy(self, std: float, gen: torch.Generator) -> None:

@@ -1,0 +1,119 @@
+"""``HybridExperts``: the host half of ``--moe-backend hybrid`` and ``cpu``: the misses the expert cache does not
+fetch are computed on the host CPU, beside the GPU, inside the decode step (and its CUDA graph).
+
+A decode step's MoE layer with hybrid on (``OffloadedExperts.forward`` through ``device_weights``):
+
+1. the cache admits at most ``max_fetch`` misses (``DeviceExpertCache``; ``cpu``: none); the pairs of the others
+   get slot id -1;
+2. ``start``: those pairs' expert ids, their weights and x go to pinned host buffers (copies on the step's stream),
+   then a side stream runs the layer's native host function (``freetoken._core`` ``CpuExpertHostCall``: the CPU
+   expert executor, no GIL) on them: the host computes while the GPU fetches its misses and runs the other pairs;
+3. ``finish``: the step's stream waits for the side stream, brings the host's fp32 sums over and adds them to the
+   layer's output.
+
+Every buffer and native call has a fixed address per (layer, batch size), so the copies, the host node and the add
+are captured once in a decode CUDA graph and replay with new routing. Consecutive layers share the pinned buffers:
+a layer's copies into them are queued after the previous layer's ``finish`` waited for its host function. On a CPU
+device there is no stream: ``start`` computes at once and ``finish`` adds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .cpu_experts import CpuExperts
+
+
+@dataclass
+class _Buffers:
+    """One batch size's host inputs and output (pinned) and the output's device copy."""
+
+    x: torch.Tensor  # [T, H] bf16
+    ids: torch.Tensor  # [T, k] int64, -1: not the host's pair
+    weights: torch.Tensor  # [T, k] fp32
+    out: torch.Tensor  # [T, H] fp32, written by the host function
+    out_device: torch.Tensor  # [T, H] fp32
+
+
+@dataclass
+class HostWork:
+    """What ``start`` leaves for ``finish``: the host's sums (CPU device), or the buffers whose ``out`` the host
+    function writes (CUDA)."""
+
+    out: Optional[torch.Tensor] = None
+    buffers: Optional[_Buffers] = None
+
+
+class HybridExperts:
+    def __init__(self, banks: list, device: torch.device, max_fetch: int, threads: int = 0):
+        """``banks``: each MoE layer's host bank (``OffloadedExperts.cpu_bank()``), in order. ``max_fetch``: misses
+        a layer's cache admits per step (0: the ``cpu`` backend). ``threads``: ``--moe-cpu-threads``."""
+        self.layers = [CpuExperts(bank, threads) for bank in banks]
+        self.threads = self.layers[0].executor.threads if self.layers else 0
+        self.device = torch.device(device)
+        self.max_fetch = max_fetch
+        self._buffers: dict[tuple[int, int], _Buffers] = {}
+        self._calls: dict[tuple[int, int, int], object] = {}  # (layer, T, k) -> native host call
+        self.side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    def start(self, index: int, x: torch.Tensor, topk_ids: torch.Tensor, slot_ids: torch.Tensor, topk_weights):
+        """Hands layer ``index``'s pairs whose slot id is -1 to the host (see the module docstring)."""
+        host_ids = torch.where(slot_ids < 0, topk_ids.to(slot_ids.dtype), -1)
+        if self.side is None:
+            out = self.layers[index].forward(x.to(torch.bfloat16).contiguous(), host_ids, topk_weights)
+            return HostWork(out=out)
+        T, k = topk_ids.shape
+        buf = self._buffers_for(T, k, x.shape[1])
+        buf.x.copy_(x, non_blocking=True)
+        buf.ids.copy_(host_ids, non_blocking=True)
+        buf.weights.copy_(topk_weights, non_blocking=True)
+        call = self._call_for(index, buf)
+        self.side.wait_stream(torch.cuda.current_stream(self.device))
+        from ..engine.host_functions import launch_host_function
+
+        launch_host_function(call.function_address, call.context_address, self.side)
+        return HostWork(buffers=buf)
+
+    def finish(self, work: HostWork, y: torch.Tensor) -> torch.Tensor:
+        """Adds the host's sums to the layer's output ``y [T, H]`` (in place) and returns it."""
+        if work.out is not None:
+            return y.add_(work.out.to(y.dtype))
+        buf = work.buffers
+        torch.cuda.current_stream(self.device).wait_stream(self.side)
+        buf.out_device.copy_(buf.out, non_blocking=True)
+        return y.add_(buf.out_device.to(y.dtype))
+
+    def check_errors(self) -> None:
+        """Raises what a native host function met since the last check (it cannot raise on the driver's thread;
+        it wrote zeros instead). Each step: one flag read when nothing failed."""
+        from .. import _core
+
+        if not _core.cpu_expert_host_call_failed():
+            return
+        for (layer, T, _), call in self._calls.items():
+            message = call.take_error()
+            if message:
+                raise RuntimeError(f"CPU experts of MoE layer {layer} ({T} tokens): {message}")
+
+    def _buffers_for(self, T: int, k: int, H: int) -> _Buffers:
+        key = (T, k)
+        if key not in self._buffers:
+            pinned = dict(pin_memory=True)
+            self._buffers[key] = _Buffers(
+                x=torch.empty(T, H, dtype=torch.bfloat16, **pinned),
+                ids=torch.empty(T, k, dtype=torch.int64, **pinned),
+                weights=torch.empty(T, k, dtype=torch.float32, **pinned),
+                out=torch.zeros(T, H, dtype=torch.float32, **pinned),
+                out_device=torch.zeros(T, H, dtype=torch.float32, device=self.device),
+            )
+        return self._buffers[key]
+
+    def _call_for(self, index: int, buf: _Buffers):
+        T, k = buf.ids.shape
+        key = (index, T, k)
+        if key not in self._calls:
+            self._calls[key] = self.layers[index].host_call(buf.x, buf.ids, buf.weights, buf.out)
+        return self._calls[key]

@@ -1,0 +1,191 @@
+"""The hybrid and cpu MoE backends (``moe/hybrid_experts.py``): the expert cache admits at most ``max_fetch`` misses
+a layer and the host CPU computes the pairs of the others. A tiny Qwen3.5-MoE through them against all-resident
+experts, the native host call against the executor's forward, and on CUDA the host function inside a captured
+decode graph replayed with new routing."""
+
+from __future__ import annotations
+
+import hf_reference as R
+import pytest
+import torch
+
+from freetoken.kernels.fused_moe import fused_moe_torch
+from freetoken.layers.fused_linear import fuse_projections
+from freetoken.models.base import ModelConfig
+from freetoken.models.registry import model_class
+from freetoken.moe.cpu_experts import CpuExperts
+from freetoken.moe.offload import ExpertOffload
+
+CONFIG = R.qwen3_5_moe_config(num_experts=16, num_experts_per_tok=2)
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return R.build_hf_model(CONFIG, seed=3)
+
+
+def _hybrid(hf, slots: int, max_fetch, device: str = "cpu"):
+    cfg = ModelConfig.from_dict(CONFIG)
+    off = ExpertOffload(torch.device(device), BF16, top_k=2)
+    with torch.device(device):
+        model = model_class(cfg)(cfg, experts_factory=off.make_experts).to(BF16).eval()
+    model.load_weights(list(hf.state_dict().items()))
+    fuse_projections(model)
+    off.finish_loading()
+    if max_fetch is not None:
+        off.enable_hybrid(max_fetch, threads=2)
+    off.allocate_cache(slots)
+    return model, off
+
+
+def _decode(model, prompts, steps, device="cpu"):
+    """Prefill each prompt (a streamed layer: no host work), then greedy decode of every sequence batched
+    together (the cache path, with the host's pairs). Returns the decode steps' logits and the tokens."""
+    eng = R.TinyEngine(model, max_seqs=len(prompts), device=device)
+    logits, out = [], {s: [] for s in range(len(prompts))}
+    for s, p in enumerate(prompts):
+        out[s].append(int(eng.step([(s, p)])[0].argmax()))
+    for _ in range(steps):
+        rows = torch.stack(eng.step([(s, [out[s][-1]]) for s in out]))
+        logits.append(rows.float())
+        for s, row in zip(out, rows):
+            out[s].append(int(row.argmax()))
+    return logits, out
+
+
+def _max_error(logits, ref_logits) -> float:
+    return max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(logits, ref_logits))
+
+
+@pytest.mark.parametrize("slots,max_fetch", [(6, 0), (6, 1), (16, 1), (48, 2)])
+def test_hybrid_matches_offload(hf, slots, max_fetch):
+    """The same decode with and without the cap (``offload``, bf16 both): the pairs the cache leaves out come back
+    from the host. Each decode step's logits match within bf16 rounding (the host sums in fp32; leaving its pairs
+    out is off by far more, checked below), and the host took pairs at every cap."""
+    prompts = [R.prompt(13, seed=1), R.prompt(9, seed=2), R.prompt(17, seed=3)]
+    ref_model, _ = _hybrid(hf, slots, None)
+    ref_logits, ref_tokens = _decode(ref_model, prompts, steps=8)
+    model, off = _hybrid(hf, slots, max_fetch)
+    logits, tokens = _decode(model, prompts, steps=8)
+    hits, misses = off.counters()
+    assert off.cache.spilled > 0 and misses >= off.cache.spilled
+    if max_fetch == 0:  # the cpu backend: nothing is ever admitted
+        assert hits == 0 and misses == off.cache.spilled and off.cache.resident(0) == []
+    assert _max_error(logits, ref_logits) < 0.03, _max_error(logits, ref_logits)
+    assert tokens[0][:4] == ref_tokens[0][:4]
+    off.cache.check_integrity()
+    off.hybrid.check_errors()
+
+
+def test_leaving_the_host_pairs_out_is_caught(hf, monkeypatch):
+    """What the tolerance above guards against: without the host's sums the logits are far off."""
+    from freetoken.moe.hybrid_experts import HybridExperts
+
+    prompts = [R.prompt(13, seed=1), R.prompt(9, seed=2)]
+    ref_logits, _ = _decode(_hybrid(hf, 6, None)[0], prompts, steps=4)
+    monkeypatch.setattr(HybridExperts, "finish", lambda self, work, y: y)
+    logits, _ = _decode(_hybrid(hf, 6, 0)[0], prompts, steps=4)
+    assert _max_error(logits, ref_logits) > 0.1
+
+
+def _bank(E=6, H=64, I=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(E, 2 * I, H, generator=g) * 0.1).to(BF16), (torch.randn(E, H, I, generator=g) * 0.1).to(BF16)
+
+
+def test_host_call_overwrites_its_output_and_keeps_its_errors():
+    gate_up, down = _bank()
+    experts = CpuExperts((gate_up, down), threads=2)
+    T, k, H = 3, 2, 64
+    x = torch.randn(T, H).to(BF16)
+    ids = torch.tensor([[0, 5], [-1, 2], [3, 3]])
+    w = torch.rand(T, k)
+    out = torch.full((T, H), 7.0)
+    call = experts.host_call(x, ids, w, out)
+    call.run()
+    want = fused_moe_torch(x.float(), gate_up.float(), down.float(), ids.clamp(min=0), torch.where(ids < 0, 0, w))
+    torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+    assert call.take_error() is None and call.function_address and call.context_address
+    ids[1, 0] = 6  # outside the bank
+    with pytest.raises(ValueError, match="outside the bank's 6 experts"):
+        call.run()
+    assert call.take_error() and call.take_error() is None and torch.equal(out, torch.zeros_like(out))
+    with pytest.raises(ValueError, match="ids must be a contiguous torch.int64"):
+        experts.host_call(x, ids.int(), w, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("max_fetch", [0, 1, 3])
+def test_hybrid_layers_captured_in_a_cuda_graph(max_fetch):
+    """Two offloaded layers in one CUDA graph (admission with the cap, the host node on its side stream, the fetch,
+    the GPU kernel, the host's sums added); each replay gets new routing. Every layer's output equals the
+    all-resident reference within bf16 rounding, and the host took pairs."""
+    E, H, I, T, k = 16, 256, 128, 4, 4
+    off = ExpertOffload(torch.device("cuda"), BF16, top_k=k)
+    banks = []
+    for layer in range(2):
+        experts = off.make_experts(layer, E, H, I)
+        gate_up, down = _bank(E, H, I, seed=layer)
+        experts.gate_up_proj.data.copy_(gate_up)
+        experts.down_proj.data.copy_(down)
+        banks.append((gate_up.cuda(), down.cuda()))
+    off.finish_loading()
+    off.enable_hybrid(max_fetch, threads=4)
+    off.allocate_cache(3 * T * k)
+    x = torch.randn(T, H, device="cuda", dtype=BF16)
+    ids = torch.zeros(2, T, k, dtype=torch.int64, device="cuda")
+    w = torch.rand(2, T, k, device="cuda")
+    gen = torch.Generator().manual_seed(0)
+
+    def new_routing():
+        for layer in range(2):
+            ids[layer].copy_(torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]))
+        x.copy_(torch.randn(T, H, generator=gen).to(BF16))
+
+    def step():
+        return [off.layers[layer](x, ids[layer], w[layer]) for layer in range(2)]
+
+    new_routing()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up: Triton compiles, native calls made
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for _ in range(4):
+        new_routing()
+        graph.replay()
+        torch.cuda.synchronize()
+        off.hybrid.check_errors()
+        for layer in range(2):
+            want = fused_moe_torch(x.float(), *(b.float() for b in banks[layer]), ids[layer], w[layer])
+            torch.testing.assert_close(outs[layer].float(), want, atol=2e-2, rtol=2e-2)
+    assert off.cache.spilled > 0
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Served: freetoken.LLM with an NVFP4 checkpoint (the offload host rows, read in place by the executor)
+# ------------------------------------------------------------------------------------------------------------
+
+from test_nvfp4_offload import LLM_ARGS, PROMPT, nvfp4_dir, resident  # noqa: E402, F401 (fixtures)
+
+
+@pytest.mark.parametrize("backend,max_fetch", [("cpu", -1), ("hybrid", 1)])
+def test_llm_with_hybrid_nvfp4_experts_gives_the_resident_tokens(nvfp4_dir, resident, backend, max_fetch):  # noqa: F811 (fixtures)
+    from freetoken import LLM, SamplingParams
+
+    args = dict(moe_hybrid_max_fetch=max_fetch) if backend == "hybrid" else {}
+    llm = LLM(nvfp4_dir, moe_backend=backend, moe_cache_size=6, moe_cpu_threads=2, **args, **LLM_ARGS)
+    off = llm.worker.offload
+    assert off.hybrid is not None and off.cache.max_fetch == (0 if backend == "cpu" else 1)
+    assert off.hybrid.layers[0].format == "nvfp4"
+    # 5 tokens: the 6th of the first prompt is a near-tie on the resident model (its top two logits 5e-5 apart
+    # at ~15), which the host's fp32 sums (no bf16 rounding of gate, up and the product) may break the other way
+    sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    tokens = [o.token_ids for o in llm.generate([PROMPT, PROMPT[:9]], sp)]
+    assert tokens == [t[:5] for t in resident[1]]
+    assert off.cache.spilled > 0
