@@ -18,6 +18,9 @@ Runs, one server at a time:
   measured hit rate and the PCIe floor (misses per token x expert bytes / measured PCIe bandwidth); once per
   expert cache policy of ``--offload-policies`` (``lfu,lru``: the eviction A/B on the same card, one server each);
   ``--offload-streams N`` adds N concurrent streams under Zipf and uniform routing, with their hit rate.
+- ``hybrid`` runs (``--hybrid 1,2,cpu``): the same as ``offload`` with ``--moe-backend hybrid
+  --moe-hybrid-max-fetch N`` (``cpu``: ``--moe-backend cpu``): at most N misses a layer per step fetched, the host CPU
+  computing the rest (``--moe-cpu-threads`` from the server args), beside the offload run on the same card.
 
 Against the hardware: the HBM roofline of a batch-1 step is the bytes a decode token must read (every dense
 weight, lm_head, top-k experts per MoE layer, the recurrent state read and written) over the measured
@@ -260,9 +263,11 @@ def resident_run(label: str, args: list[str], env: dict, a, routing_file: str, w
     return row
 
 
-def offload_run(args: list[str], env: dict, a, routing_file: str, policy: str, with_prefill: bool) -> dict:
-    srv, row = start(f"offload {policy}", args, {**env, "FREETOKEN_MOE_CACHE_POLICY": policy})
-    row["cache_size"], row["policy"] = a.cache_size, policy
+def offload_run(
+    args: list[str], env: dict, a, routing_file: str, policy: str, with_prefill: bool, backend: str = "offload"
+) -> dict:
+    srv, row = start(f"{backend} {policy}", args, {**env, "FREETOKEN_MOE_CACHE_POLICY": policy})
+    row["cache_size"], row["policy"], row["backend"] = a.cache_size, policy, backend
     try:
         for mode in ("zipf", "uniform", "hot"):
             set_routing(routing_file, mode)
@@ -313,6 +318,12 @@ def parse_args() -> argparse.Namespace:
         "--offload-policies",
         default="lfu",
         help="expert cache policies to run offload decode with, one server each (e.g. lfu,lru: the A/B)",
+    )
+    ap.add_argument(
+        "--hybrid",
+        default="",
+        help="also decode with --moe-backend hybrid at these --moe-hybrid-max-fetch values, one server each "
+        "(comma list; 'cpu' for --moe-backend cpu)",
     )
     ap.add_argument("--out", default="bench/out/decode.json")
     ap.add_argument("serve_args", nargs=argparse.REMAINDER)
@@ -375,6 +386,19 @@ def main() -> int:
         for i, policy in enumerate(a.offload_policies.split(",")):
             name = "offload" if i == 0 else f"offload_{policy}"
             attempt(name, offload_run, common + off, env, a, routing_file, policy, with_prefill=i == 0)
+    for fetch in filter(None, a.hybrid.split(",")):
+        backend = (
+            ["--moe-backend", "cpu"] if fetch == "cpu" else ["--moe-backend", "hybrid", "--moe-hybrid-max-fetch", fetch]
+        )
+        label = "cpu" if fetch == "cpu" else f"hybrid fetch {fetch}"
+        hybrid = backend + [
+            "--moe-cache-size",
+            str(a.cache_size),
+            "--max-running-requests",
+            str(max(4, a.offload_streams)),
+        ]
+        policy = a.offload_policies.split(",")[0]
+        attempt(label, offload_run, common + hybrid, env, a, routing_file, policy, False, label)
     print_table(report)
     return 1 if report.get("errors") else 0
 
@@ -385,7 +409,7 @@ def print_table(report: dict) -> None:
     if "graphs" in runs:
         print_resident(runs, hw, need, roof_ms)
     for name in runs:
-        if name.startswith("offload"):
+        if name.startswith(("offload", "hybrid", "cpu")):
             print_offload(runs[name], hw, need)
     for name, run in runs.items():  # one-off stalls inside the timed runs (a compile, an allocator growth)
         for line in run.get("request_path_events", []):
@@ -457,7 +481,7 @@ def print_resident(runs: dict, hw: dict, need: dict, roof_ms) -> None:
 def print_offload(off: dict, hw: dict, need: dict) -> None:
     if True:
         pcie = hw.get("pcie_h2d_gb_s", 55.0) * 1e9
-        title = f"offload, cache {off['cache_size']}, {off.get('policy', 'lru')}"
+        title = f"{off.get('backend', 'offload')}, cache {off['cache_size']}, {off.get('policy', 'lru')}"
         print(
             f"\n{title:<34}{'tok/s':>10}{'hit rate':>10}{'miss/tok':>10}"
             f"{'PCIe floor ms':>15}{'floor/ITL':>11}{'vs FT all-hit':>15}"

@@ -373,6 +373,19 @@ if [[ " $SECTIONS " == *" shutdown "* ]]; then
       --model-path configs/qwen3.6-35b-a3b --dummy-weight --moe-backend fused --max-seq-len-override 8192 \
       --max-running-requests 2 2>&1 | grep -vE "leaked|nanobind" | tail -9
 fi
+if [[ " $SECTIONS " == *" hybrid "* ]]; then
+  # the hybrid / cpu MoE backends: their GPU tests, the CPU expert executor on this host, then decode served with
+  # offload and with hybrid (HYBRID_FETCH: --moe-hybrid-max-fetch values, 'cpu' for --moe-backend cpu) beside it
+  lscpu | grep -E "Model name|^CPU\(s\)|Thread\(s\)|Core\(s\)|Socket|NUMA node\(s\)|Flags" | cut -c1-160
+  timeout ${HYBRID_TEST_TIMEOUT:-200} python3 -m pytest -v -p no:cacheprovider -rfs --tb=short tests/test_host_functions.py \
+      tests/test_hybrid_experts.py tests/test_cpu_experts.py 2>&1 | tee "$OUT/hybrid_tests.log" \
+      | grep -E "FAILED|ERROR|passed|failed|host nodes|Error" | tail -20
+  timeout ${CPU_BENCH_TIMEOUT:-90} python3 bench/cpu_expert_bench.py --out "$OUT/cpu_expert.json" 2>&1 \
+      | tee "$OUT/cpu_expert_bench.log" | tail -30
+  timeout ${HYBRID_DECODE_TIMEOUT:-400} python3 bench/decode_bench.py \
+      --model-path configs/qwen3.6-35b-a3b-nvfp4 --skip-resident --decode-tokens ${HYBRID_TOKENS:-64} \
+      --hybrid ${HYBRID_FETCH:-1,cpu} --out "$OUT/decode_hybrid.json" 2>&1 | tee "$OUT/decode_hybrid.log" | tail -40
+fi
 if [[ " $SECTIONS " == *" sweep "* ]]; then
   timeout ${SWEEP_TIMEOUT:-300} python3 bench/nvfp4_kernel_bench.py --groups sweep --ms 1,2,4,8,16 \
       --out "$OUT/nvfp4_sweep.json" 2>&1 | tee "$OUT/nvfp4_sweep.log" | tail -80
