@@ -207,11 +207,12 @@ def test_the_cache_takes_decode_batches_whose_pairs_fit_the_slots_and_the_layer(
     # a graph capture (num_valid_tokens set) that would stream a layer is refused, not recorded
     from freetoken.moe.offloaded_experts import device_weights
 
+    x, ids, w = torch.zeros(fits + 1, 4), torch.zeros(fits + 1, 2, dtype=torch.long), torch.ones(fits + 1, 2)
     off.num_valid_tokens = torch.tensor(fits + 1)
     with pytest.raises(RuntimeError, match="max_cached_batch"):
-        device_weights(off, 0, off.layers[0].host_banks(), torch.zeros(fits + 1, 2, dtype=torch.long))
+        device_weights(off, 0, off.layers[0].host_banks(), x, ids, w)
     off.num_valid_tokens = None
-    assert device_weights(off, 0, off.layers[0].host_banks(), torch.zeros(fits + 1, 2, dtype=torch.long))[2].shape
+    assert device_weights(off, 0, off.layers[0].host_banks(), x, ids, w)[2].shape
 
 
 def test_cache_policy_from_the_environment_and_a_bad_one_refused_before_loading(monkeypatch):
