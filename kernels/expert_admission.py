@@ -4,7 +4,7 @@
 State (device tensors, updated in place; see ``freetoken.moe.device_slot_cache``): ``slot_of [L*E + 1] int32``
 (flat id ``layer*E + expert`` -> slot, -1 = not resident), ``owner [S + 1] int32`` (slot -> flat id, -1 = empty),
 ``stamp [S + 1] int64`` (the call that last used the slot, -1 = empty), ``clock [1] int64``, ``counts [2] int64``
-(hits, misses), ``freq [L*E + 1] int32`` (how often each expert was routed to, resident or not, halved every
+(hits, misses; a third entry, if any, is not touched here), ``freq [L*E + 1] int32`` (how often each expert was routed to, resident or not, halved every
 ``age_every`` calls). The last entries of ``slot_of``, ``owner``, ``stamp`` and ``freq`` are trash: the torch
 version sends masked-out updates there.
 
@@ -99,7 +99,7 @@ def admit_experts_torch(
     current = slot_of[flat].long()
     hit = first & (current >= 0)
     miss = first & (current < 0)
-    counts += torch.stack((hit.sum(), miss.sum()))
+    counts[:2] += torch.stack((hit.sum(), miss.sum()))
     freq.index_add_(0, torch.where(first, flat, trash_id), torch.ones(P, dtype=freq.dtype, device=dev))
     stamp.index_put_((torch.where(hit, current, S),), clock)
     if max_fetch is not None:

@@ -189,3 +189,5 @@ def test_llm_with_hybrid_nvfp4_experts_gives_the_resident_tokens(nvfp4_dir, resi
     tokens = [o.token_ids for o in llm.generate([PROMPT, PROMPT[:9]], sp)]
     assert tokens == [t[:5] for t in resident[1]]
     assert off.cache.spilled > 0
+    # every host miss went into some step's statistics (expert_host_misses: /v1/stats, the metrics)
+    assert llm.worker._experts_reported == off.all_counters()

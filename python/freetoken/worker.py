@@ -90,7 +90,8 @@ class Worker:
         self.cache_types = ["hybrid_radix" if self.model.state_layout else "radix", "naive"]
         self._launched: deque = deque()  # steps launched and not collected: StepResult or (LaunchedDecode, stats)
         self._prev_sampled: Optional[torch.Tensor] = None  # the last launched step's sampled tokens (device)
-        self._experts_reported = (0, 0)  # expert-cache (hits, misses) already reported in some step's statistics
+        # expert-cache (hits, misses, host misses) already reported in some step's statistics
+        self._experts_reported = (0, 0, 0)
         self._log_resolved_config()
         startup.allocate_pools(self)
         if warmup_enabled(a, self.device):
@@ -194,7 +195,8 @@ class Worker:
         out = self.graphs.collect(step)
         stats["forward_ms"] += (time.perf_counter() - t0) * 1e3
         if self.offload is not None:  # the counters copied out behind the step, else one read (a sync)
-            stats["expert_hits"], stats["expert_misses"] = self._new_expert_counts(out.expert_counts)
+            new = self._new_expert_counts(out.expert_counts)
+            stats["expert_hits"], stats["expert_misses"], stats["expert_host_misses"] = new
         return out.tokens, out.logprobs, stats, out.extra
 
     def _launch_replay(self, inputs: dict) -> LaunchedDecode:
@@ -275,17 +277,17 @@ class Worker:
     def _skip_expert_counts(self) -> None:
         """Expert-cache lookups so far are reported by no step (start-up, graph capture)."""
         if self.offload is not None:
-            self._experts_reported = self.offload.counters()
+            self._experts_reported = self.offload.all_counters()
 
-    def _new_expert_counts(self, cumulative: Optional[tuple[int, int]] = None) -> tuple[int, int]:
-        """Expert-cache (hits, misses) not yet reported, from the cache's cumulative counters (read now when not
-        given). Each lookup is reported once, by the first step to see it."""
+    def _new_expert_counts(self, cumulative: Optional[tuple[int, ...]] = None) -> tuple[int, int, int]:
+        """Expert-cache (hits, misses, misses computed on the host) not yet reported, from the cache's cumulative
+        counters (read now when not given). Each lookup is reported once, by the first step to see it."""
         if self.offload.hybrid is not None:  # a CPU expert call that failed wrote zeros: fail the step instead
             self.offload.hybrid.check_errors()
-        hits, misses = cumulative if cumulative is not None else self.offload.counters()
-        h0, m0 = self._experts_reported
-        self._experts_reported = (max(h0, hits), max(m0, misses))
-        return max(0, hits - h0), max(0, misses - m0)
+        now = cumulative if cumulative is not None else self.offload.all_counters()
+        before = self._experts_reported
+        self._experts_reported = tuple(max(b, n) for b, n in zip(before, now))
+        return tuple(max(0, n - b) for b, n in zip(before, now))
 
     def _guarded(
         self,
@@ -332,7 +334,7 @@ class Worker:
             raise WorkerOutOfMemory(f"step {step_id} ({num_tokens} tokens): {oom}")
         workspace = max(0, torch.cuda.max_memory_allocated(self.device) - allocated_before) if on_cuda else 0
         count_experts = count_experts and self.offload is not None
-        hits, misses = self._new_expert_counts() if count_experts else (0, 0)
+        hits, misses, host_misses = self._new_expert_counts() if count_experts else (0, 0, 0)
         step_ms = (time.perf_counter() - t0) * 1e3
         if count:
             report_step_compiles(self.compiles, compiles_mark, step_id, num_tokens, step_ms)
@@ -343,6 +345,7 @@ class Worker:
             "num_tokens": num_tokens,
             "expert_hits": hits,
             "expert_misses": misses,
+            "expert_host_misses": host_misses,
             "workspace_bytes": workspace,
         }
         if events is not None:  # (run waited for its tokens: the end event is done, or nearly)

@@ -163,6 +163,8 @@ pub struct StepStats {
     pub forward_ms: f64,
     pub expert_hits: u64,
     pub expert_misses: u64,
+    /// Of the misses, those computed on the host CPU (`--moe-backend hybrid` / `cpu`).
+    pub expert_host_misses: u64,
     /// Peak transient device bytes the step allocated above what was allocated before it (CUDA; 0 where not
     /// measured). The engine reports the largest beside the memory plan's workspace in `/v1/stats`.
     pub workspace_bytes: u64,

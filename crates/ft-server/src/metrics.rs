@@ -18,7 +18,7 @@
 //! | `freetoken_num_requests_running`, `_waiting` | gauge | engine: [`Metrics::set_gauges`] |
 //! | `freetoken_kv_cache_usage_perc`, `_used_tokens`, `_capacity_tokens` | gauge | [`Metrics::set_gauges`] |
 //! | `freetoken_state_slot_usage_perc` (recurrent-state models only) | gauge | [`Metrics::set_gauges`] |
-//! | `freetoken_expert_cache_hits_total`, `_misses_total` | counter | engine: [`Metrics::set_expert_cache_totals`] |
+//! | `freetoken_expert_cache_hits_total`, `_misses_total`, `_host_misses_total` | counter | engine: [`Metrics::set_expert_cache_totals`] |
 //! | `freetoken_step_time_seconds{kind}` | histogram | engine: [`Metrics::observe_step`] |
 //! | `freetoken_engine_health{state}` | gauge (1 for the current state) | [`Metrics::set_health`] (the watchdog's verdict shows as `unhealthy`) |
 //!
@@ -172,6 +172,7 @@ pub struct Metrics {
     prefix_cache_hits: AtomicU64,
     expert_cache_hits: AtomicU64,
     expert_cache_misses: AtomicU64,
+    expert_cache_host_misses: AtomicU64,
     steps: [Histogram; 3],
     gauges: Mutex<EngineGauges>,
     health: Mutex<HealthState>,
@@ -200,6 +201,7 @@ impl Metrics {
             prefix_cache_hits: AtomicU64::new(0),
             expert_cache_hits: AtomicU64::new(0),
             expert_cache_misses: AtomicU64::new(0),
+            expert_cache_host_misses: AtomicU64::new(0),
             steps: [Histogram::new(STEP_BUCKETS), Histogram::new(STEP_BUCKETS), Histogram::new(STEP_BUCKETS)],
             gauges: Mutex::new(EngineGauges::default()),
             health: Mutex::new(HealthState::Loading),
@@ -249,9 +251,10 @@ impl Metrics {
 
     /// The expert cache's running totals, as the engine counts them (a counter never goes back, so a
     /// smaller value, e.g. after a reset, is ignored).
-    pub fn set_expert_cache_totals(&self, hits: u64, misses: u64) {
+    pub fn set_expert_cache_totals(&self, hits: u64, misses: u64, host_misses: u64) {
         self.expert_cache_hits.fetch_max(hits, Ordering::Relaxed);
         self.expert_cache_misses.fetch_max(misses, Ordering::Relaxed);
+        self.expert_cache_host_misses.fetch_max(host_misses, Ordering::Relaxed);
     }
 
     /// One engine step's wall time.
@@ -307,6 +310,11 @@ impl Metrics {
                 "freetoken_expert_cache_misses_total",
                 "Routed-expert lookups read from host memory.",
                 &self.expert_cache_misses,
+            ),
+            (
+                "freetoken_expert_cache_host_misses_total",
+                "Of the misses, those computed on the host CPU (--moe-backend hybrid / cpu).",
+                &self.expert_cache_host_misses,
             ),
         ];
         for (name, help, value) in counters {
@@ -715,8 +723,8 @@ mod tests {
             kv_capacity_tokens: 1000,
             state_slots: Some((1, 4)),
         });
-        m.set_expert_cache_totals(90, 10);
-        m.set_expert_cache_totals(80, 5); // older totals do not move a counter back
+        m.set_expert_cache_totals(90, 10, 4);
+        m.set_expert_cache_totals(80, 5, 2); // older totals do not move a counter back
         m.observe_step(StepKind::Decode, 0.004);
         m.observe_step(StepKind::Prefill, 0.5);
         m.set_health(&HealthState::Unhealthy("step 7 overran --step-timeout".into()));
@@ -727,6 +735,7 @@ mod tests {
         assert_eq!(value(&samples, "freetoken_state_slot_usage_perc", &[]), 0.25);
         assert_eq!(value(&samples, "freetoken_expert_cache_hits_total", &[]), 90.0);
         assert_eq!(value(&samples, "freetoken_expert_cache_misses_total", &[]), 10.0);
+        assert_eq!(value(&samples, "freetoken_expert_cache_host_misses_total", &[]), 4.0);
         assert_eq!(value(&samples, "freetoken_step_time_seconds_count", &[("kind", "decode")]), 1.0);
         assert_eq!(value(&samples, "freetoken_step_time_seconds_count", &[("kind", "prefill")]), 1.0);
         assert_eq!(value(&samples, "freetoken_step_time_seconds_count", &[("kind", "mixed")]), 0.0);

@@ -136,7 +136,7 @@ class LaunchedDecode:
     batch_size: int
     num_top_logprobs: Optional[np.ndarray]  # the rows' requests when one asked, else None
     done: Optional[object]  # torch.cuda.Event recorded after the copies (None on CPU: already done)
-    expert_counts: bool = False  # the expert cache's cumulative (hits, misses) were copied out after the step
+    expert_counts: bool = False  # the expert cache's cumulative counts were copied out after the step
 
 
 @dataclass
@@ -144,7 +144,7 @@ class DecodeResult:
     tokens: list[int]
     logprobs: list[float]
     extra: dict = field(default_factory=dict)  # top logprobs when a row asked (engine/logprobs.py)
-    expert_counts: Optional[tuple[int, int]] = None  # the expert cache's cumulative (hits, misses) after the step
+    expert_counts: Optional[tuple[int, ...]] = None  # the expert cache's cumulative (hits, misses, host) after it
 
 
 class DecodeGraphs:
@@ -445,7 +445,7 @@ class DecodeGraphs:
         return LaunchedDecode(k, n, tops_of, self._done[k], expert_counts=experts is not None)
 
     def _expert_counters(self) -> Optional[torch.Tensor]:
-        """The device expert cache's cumulative (hits, misses) tensor (``--moe-backend offload``), if any."""
+        """The device expert cache's cumulative (hits, misses, host misses) tensor (offload backends), if any."""
         counts = getattr(getattr(self.offload, "cache", None), "counts", None)
         return counts if isinstance(counts, torch.Tensor) else None
 

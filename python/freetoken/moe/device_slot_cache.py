@@ -81,8 +81,9 @@ class DeviceExpertCache:
         self.owner = torch.full((S + 1,), -1, dtype=torch.int32, device=dev)
         self.stamp = torch.full((S + 1,), -1, dtype=torch.int64, device=dev)
         self.clock = torch.zeros(1, dtype=torch.int64, device=dev)
-        self.counts = torch.zeros(2, dtype=torch.int64, device=dev)  # hits, misses
-        self.spilled_count = torch.zeros(1, dtype=torch.int64, device=dev)  # misses left to the host (max_fetch)
+        # hits, misses, and of the misses those left to the host (max_fetch): one tensor, so that the decode
+        # graphs copy all three out behind each step
+        self.counts = torch.zeros(3, dtype=torch.int64, device=dev)
         self.freq = torch.zeros(self.trash_id + 1, dtype=torch.int32, device=dev)
         self._pinned: dict[int, bool] = {}  # bank data_ptr -> readable by the gather kernel
 
@@ -98,11 +99,11 @@ class DeviceExpertCache:
 
     @property
     def spilled(self) -> int:
-        return int(self.spilled_count[0])
+        return int(self.counts[2])
 
     def counters(self) -> tuple[int, int]:
         """(hits, misses) in one read."""
-        hits, misses = self.counts.tolist()
+        hits, misses, _ = self.counts.tolist()
         return hits, misses
 
     @property
@@ -162,7 +163,7 @@ class DeviceExpertCache:
             lfu=self.policy == "lfu",
             age_every=self.age_every,
             max_fetch=self.max_fetch,
-            spilled=self.spilled_count,
+            spilled=self.counts[2:],
         )
 
     @torch.no_grad()

@@ -19,7 +19,7 @@ real tokens; the rows after them are padding) before capturing and leaves it set
 ``OffloadedExperts`` passes it to the cache, so padding rows neither count nor fetch experts. None (the default)
 means every row is real. Set it back to None for eager steps.
 
-Hit and miss counters feed each step's ``expert_hits`` / ``expert_misses``.
+Hit and miss counters feed each step's ``expert_hits`` / ``expert_misses`` / ``expert_host_misses``.
 
 ``--moe-backend hybrid`` / ``cpu`` (``enable_hybrid``): the cache admits at most ``max_fetch`` misses a layer per
 decode step (``cpu``: none) and the host CPU computes the pairs of the others (``hybrid_experts.py``); prefill
@@ -184,6 +184,10 @@ class ExpertOffload:
     def counters(self) -> tuple[int, int]:
         """(hits, misses) so far (reads the device counters: one sync)."""
         return self.cache.counters() if self.cache is not None else (0, 0)
+
+    def all_counters(self) -> tuple[int, int, int]:
+        """(hits, misses, misses computed on the host) so far: the cache's ``counts`` (one sync)."""
+        return tuple(self.cache.counts.tolist()) if self.cache is not None else (0, 0, 0)
 
 
 def _layout(banks) -> tuple:

@@ -37,6 +37,7 @@ pub(super) struct EngineLoop {
     /// Expert-cache lookups since start (`--moe-backend offload`): routed experts found resident / copied in.
     expert_hits: u64,
     expert_misses: u64,
+    expert_host_misses: u64,
     /// Decode-only steps so far, with the worker's own time for them and the engine's whole time (planning,
     /// the worker call, commit and handing tokens to the HTTP side): benchmarks read the per-token cost of each
     /// layer from these (`/v1/stats`).
@@ -76,6 +77,7 @@ impl EngineLoop {
             max_step_workspace_bytes: 0,
             expert_hits: 0,
             expert_misses: 0,
+            expert_host_misses: 0,
             decode_steps: 0,
             decode_forward_ms: 0.0,
             decode_engine_ms: 0.0,
@@ -254,6 +256,7 @@ impl EngineLoop {
         self.max_step_workspace_bytes = self.max_step_workspace_bytes.max(out.stats.workspace_bytes);
         self.expert_hits += out.stats.expert_hits;
         self.expert_misses += out.stats.expert_misses;
+        self.expert_host_misses += out.stats.expert_host_misses;
         self.scheduler.commit(plan, out);
         self.status.record(summary, &self.scheduler.stats(), elapsed);
     }
@@ -298,6 +301,7 @@ impl EngineLoop {
             max_step_workspace_bytes: self.max_step_workspace_bytes,
             expert_hits: self.expert_hits,
             expert_misses: self.expert_misses,
+            expert_host_misses: self.expert_host_misses,
             decode_steps: self.decode_steps,
             decode_forward_ms_total: self.decode_forward_ms,
             decode_engine_ms_total: self.decode_engine_ms,
@@ -318,7 +322,7 @@ impl EngineLoop {
             state_slots: (stats.state_slots_total > 0)
                 .then_some((stats.state_slots_used as u64, stats.state_slots_total as u64)),
         });
-        self.metrics.set_expert_cache_totals(self.expert_hits, self.expert_misses);
+        self.metrics.set_expert_cache_totals(self.expert_hits, self.expert_misses, self.expert_host_misses);
         *self.shared.stats.lock().unwrap() = stats;
     }
 

@@ -35,9 +35,11 @@ pub struct EngineStats {
     /// The memory plan's step workspace (prefill chunk + sampling) and the largest any step allocated (CUDA).
     pub planned_workspace_bytes: Option<u64>,
     pub max_step_workspace_bytes: u64,
-    /// Expert-cache lookups since start (`--moe-backend offload`): found resident / copied in.
+    /// Expert-cache lookups since start (`--moe-backend offload`): found resident / copied in (or, of those,
+    /// computed on the host CPU: `--moe-backend hybrid` / `cpu`).
     pub expert_hits: u64,
     pub expert_misses: u64,
+    pub expert_host_misses: u64,
     /// Decode-only steps since start, the worker's time in them and the engine's whole time (planning, the worker
     /// call, commit, handing tokens to HTTP): the per-token cost of each layer of the stack.
     pub decode_steps: u64,
