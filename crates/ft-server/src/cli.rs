@@ -371,7 +371,7 @@ pub struct ServeArgs {
     #[arg(help_heading = MOE, long, value_enum, default_value_t = ExpertLoad::Auto)]
     pub expert_load: ExpertLoad,
 
-    /// CPU expert-executor threads of --moe-backend hybrid / cpu (0 = physical cores).
+    /// CPU expert-executor threads of --moe-backend hybrid / cpu (0 = the physical cores less 4 for the engine).
     #[arg(help_heading = MOE, long, default_value_t = 0)]
     pub moe_cpu_threads: usize,
 
@@ -380,7 +380,7 @@ pub struct ServeArgs {
     pub moe_cpu_layers: Option<String>,
 
     /// Hybrid backend: most expert misses fetched over PCIe per layer per decode step, the rest computed on the
-    /// CPU (-1 = auto: 1; 0 = never, as --moe-backend cpu).
+    /// CPU (-1 = auto: 3; 0 = never, as --moe-backend cpu).
     #[arg(help_heading = MOE, long, default_value_t = -1, allow_negative_numbers = true)]
     pub moe_hybrid_max_fetch: i64,
 

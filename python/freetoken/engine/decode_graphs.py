@@ -210,7 +210,8 @@ class DecodeGraphs:
         self._outs_logprobs = [torch.zeros(B, dtype=torch.float32, pin_memory=pin) for _ in (0, 1)]
         self._done = [torch.cuda.Event() for _ in (0, 1)] if device.type == "cuda" else [None, None]
         # the expert cache's device counters, copied out behind each step (reading them directly would sync)
-        self._outs_counts = [torch.zeros(2, dtype=torch.int64, pin_memory=pin) for _ in (0, 1)]
+        # the expert cache's counts: hits, misses, host misses (DeviceExpertCache.counts)
+        self._outs_counts = [torch.zeros(3, dtype=torch.int64, pin_memory=pin) for _ in (0, 1)]
         self._pad = self._padding_values()
 
     # ------------------------------------------------------------------ capture

@@ -24,7 +24,17 @@ from typing import Optional
 
 import torch
 
-from .cpu_experts import CpuExperts
+from .cpu_experts import CpuExperts, physical_cores
+
+# cores left to the engine beside a GPU (its step thread, the HTTP server, the CUDA driver's callback thread) when
+# --moe-cpu-threads is 0: the executor's workers spin between calls. 12 of 16 ran the H100 host's better hybrid
+# decode (bench/results/2026-12-06-h100-qwen3.6-35b-a3b-nvfp4-decode-hybrid.txt; not isolated from its cap of 3)
+ENGINE_CORES = 4
+
+
+def engine_side_threads() -> int:
+    """The executor's threads beside a GPU: the physical cores less ``ENGINE_CORES`` (at least 1)."""
+    return max(1, physical_cores() - ENGINE_CORES)
 
 
 @dataclass
@@ -51,9 +61,11 @@ class HybridExperts:
     def __init__(self, banks: list, device: torch.device, max_fetch: int, threads: int = 0):
         """``banks``: each MoE layer's host bank (``OffloadedExperts.cpu_bank()``), in order. ``max_fetch``: misses
         a layer's cache admits per step (0: the ``cpu`` backend). ``threads``: ``--moe-cpu-threads``."""
+        self.device = torch.device(device)
+        if threads == 0 and self.device.type == "cuda":
+            threads = engine_side_threads()
         self.layers = [CpuExperts(bank, threads) for bank in banks]
         self.threads = self.layers[0].executor.threads if self.layers else 0
-        self.device = torch.device(device)
         self.max_fetch = max_fetch
         self._buffers: dict[tuple[int, int], _Buffers] = {}
         self._calls: dict[tuple[int, int, int], object] = {}  # (layer, T, k) -> native host call

@@ -94,7 +94,7 @@ class ExpertOffload:
 
     def enable_hybrid(self, max_fetch: int, threads: int = 0) -> None:
         """After ``finish_loading``: decode misses past ``max_fetch`` a layer go to the host CPU (``threads``:
-        ``--moe-cpu-threads``, 0 = the physical cores)."""
+        ``--moe-cpu-threads``, 0 = the physical cores less ``hybrid_experts.ENGINE_CORES`` beside a GPU)."""
         from .hybrid_experts import HybridExperts
 
         self.hybrid = HybridExperts([e.cpu_bank() for e in self.layers], self.device, max_fetch, threads)
