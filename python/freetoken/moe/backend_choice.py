@@ -62,9 +62,9 @@ def device_bytes_needed(model_class, config, dtype: torch.dtype, kv_floor_tokens
 def resolve_moe_backend(
     requested: str, has_experts: bool, device: torch.device, model_bytes: int = 0, available_bytes: int = 0
 ) -> str:
-    """``requested`` (the flag) -> ``fused`` | ``offload`` | ``hybrid`` | ``cpu``. ``model_bytes``: weights plus the KV floor
-    (``device_bytes_needed``); ``available_bytes``: ``memory_ratio`` of free device memory. Both are read only
-    for ``auto`` on CUDA."""
+    """``requested`` (the flag) -> ``fused`` | ``offload`` | ``hybrid`` | ``cpu``. ``model_bytes``: weights plus
+    the KV floor (``device_bytes_needed``); ``available_bytes``: ``memory_ratio`` of free device memory. Both are
+    read only for ``auto`` on CUDA."""
     if not has_experts:
         return "fused"
     if requested not in BUILT_MOE_BACKENDS:
