@@ -94,46 +94,15 @@ macro_rules! chunk {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
 unsafe fn dot_avx512<const N: usize>(codes: &[u8], scales: &[u8], xs: [&[u16]; N]) -> [f32; N] {
-    use crate::nvfp4_dot::prefetch_chunk;
+    use crate::nvfp4_dot::walk_row;
     use std::arch::x86_64::*;
-    let blocks = scales.len();
-    let full = blocks / 16;
     let mut table = [0u16; 32];
     for (i, t) in table.iter_mut().enumerate() {
         *t = (E2M1[i % 16].to_bits() >> 16) as u16; // exact: E2M1 values have two significant bits
     }
     let lut = _mm512_loadu_si512(table.as_ptr() as *const __m512i);
     let mut acc = [_mm512_setzero_ps(); N];
-    for c in 0..full {
-        // in bounds: chunk c is whole (128 code bytes, 16 scale bytes)
-        let lo = _mm512_loadu_si512(codes.as_ptr().add(c * 128) as *const __m512i);
-        let hi = _mm512_loadu_si512(codes.as_ptr().add(c * 128 + 64) as *const __m512i);
-        let s = _mm_loadu_si128(scales.as_ptr().add(c * 16) as *const __m128i);
-        prefetch_chunk(codes, scales, c);
-        chunk!(lo, hi, s, xs, c * CHUNK, lut, acc);
-    }
-    let rest = blocks - full * 16;
-    if rest > 0 {
-        // the last, partial chunk, as in `nvfp4_dot`: masked code loads (code 0 past the row), zero scales past it
-        let dwords = 2 * rest;
-        let base = codes.as_ptr().add(full * 128);
-        let lo = _mm512_maskz_loadu_epi32(((1u32 << dwords.min(16)) - 1) as u16, base as *const i32);
-        let hi_mask = ((1u32 << dwords.saturating_sub(16)) - 1) as u16;
-        let hi = if hi_mask == 0 {
-            _mm512_setzero_si512()
-        } else {
-            _mm512_maskz_loadu_epi32(hi_mask, base.add(64) as *const i32)
-        };
-        let mut tail = [0u8; 16];
-        tail[..rest].copy_from_slice(&scales[full * 16..]);
-        let s = _mm_loadu_si128(tail.as_ptr() as *const __m128i);
-        chunk!(lo, hi, s, xs, full * CHUNK, lut, acc);
-    }
-    let mut out = [0f32; N];
-    for t in 0..N {
-        out[t] = _mm512_reduce_add_ps(acc[t]);
-    }
-    out
+    walk_row!(chunk, codes, scales, xs, lut, acc)
 }
 
 #[cfg(test)]

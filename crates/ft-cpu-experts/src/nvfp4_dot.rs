@@ -133,46 +133,58 @@ macro_rules! chunk {
     }};
 }
 
+/// One row's walk over its chunks, shared by both NVFP4 kernels (this one and `nvfp4_bf16_dot.rs`): each whole
+/// chunk with a prefetch of the ones ahead, then the last, partial chunk, whose code dwords past the row's end are
+/// masked off (never read, read as code 0) and whose missing scales are 0 (x is zero there); then each token's sum.
+/// `$chunk` is the kernel's chunk macro, `$lut` its code table, `$acc` its `N` accumulators. Expands to `[f32; N]`.
+#[cfg(target_arch = "x86_64")]
+macro_rules! walk_row {
+    ($chunk:ident, $codes:expr, $scales:expr, $xs:expr, $lut:expr, $acc:ident) => {{
+        let (codes, scales): (&[u8], &[u8]) = ($codes, $scales);
+        let blocks = scales.len();
+        let full = blocks / 16;
+        for c in 0..full {
+            // in bounds: chunk c is whole (128 code bytes, 16 scale bytes)
+            let lo = _mm512_loadu_si512(codes.as_ptr().add(c * 128) as *const __m512i);
+            let hi = _mm512_loadu_si512(codes.as_ptr().add(c * 128 + 64) as *const __m512i);
+            let s = _mm_loadu_si128(scales.as_ptr().add(c * 16) as *const __m128i);
+            crate::nvfp4_dot::prefetch_chunk(codes, scales, c);
+            $chunk!(lo, hi, s, $xs, c * CHUNK, $lut, $acc);
+        }
+        let rest = blocks - full * 16;
+        if rest > 0 {
+            let dwords = 2 * rest;
+            let base = codes.as_ptr().add(full * 128);
+            let lo = _mm512_maskz_loadu_epi32(((1u32 << dwords.min(16)) - 1) as u16, base as *const i32);
+            let hi_mask = ((1u32 << dwords.saturating_sub(16)) - 1) as u16;
+            // the high half's address is only formed when some of it is in the row
+            let hi = if hi_mask == 0 {
+                _mm512_setzero_si512()
+            } else {
+                _mm512_maskz_loadu_epi32(hi_mask, base.add(64) as *const i32)
+            };
+            let mut tail = [0u8; 16];
+            tail[..rest].copy_from_slice(&scales[full * 16..]);
+            let s = _mm_loadu_si128(tail.as_ptr() as *const __m128i);
+            $chunk!(lo, hi, s, $xs, full * CHUNK, $lut, $acc);
+        }
+        let mut out = [0f32; N];
+        for t in 0..N {
+            out[t] = _mm512_reduce_add_ps($acc[t]);
+        }
+        out
+    }};
+}
+#[cfg(target_arch = "x86_64")]
+pub(crate) use walk_row;
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn dot_avx512<const N: usize>(codes: &[u8], scales: &[u8], xs: [&[f32]; N]) -> [f32; N] {
     use std::arch::x86_64::*;
-    let blocks = scales.len();
-    let full = blocks / 16;
     let lut = _mm512_loadu_ps(E2M1.as_ptr());
     let mut acc = [_mm512_setzero_ps(); N];
-    for c in 0..full {
-        // in bounds: chunk c is whole (128 code bytes, 16 scale bytes)
-        let lo = _mm512_loadu_si512(codes.as_ptr().add(c * 128) as *const __m512i);
-        let hi = _mm512_loadu_si512(codes.as_ptr().add(c * 128 + 64) as *const __m512i);
-        let s = _mm_loadu_si128(scales.as_ptr().add(c * 16) as *const __m128i);
-        prefetch_chunk(codes, scales, c);
-        chunk!(lo, hi, s, xs, c * CHUNK, lut, acc);
-    }
-    let rest = blocks - full * 16;
-    if rest > 0 {
-        // the last, partial chunk: code dwords past the row's end are masked off (never read) and read as code 0,
-        // the missing scales as 0, x is zero there
-        let dwords = 2 * rest;
-        let base = codes.as_ptr().add(full * 128);
-        let lo = _mm512_maskz_loadu_epi32(((1u32 << dwords.min(16)) - 1) as u16, base as *const i32);
-        let hi_mask = ((1u32 << dwords.saturating_sub(16)) - 1) as u16;
-        // the high half's address is only formed when some of it is in the row
-        let hi = if hi_mask == 0 {
-            _mm512_setzero_si512()
-        } else {
-            _mm512_maskz_loadu_epi32(hi_mask, base.add(64) as *const i32)
-        };
-        let mut tail = [0u8; 16];
-        tail[..rest].copy_from_slice(&scales[full * 16..]);
-        let s = _mm_loadu_si128(tail.as_ptr() as *const __m128i);
-        chunk!(lo, hi, s, xs, full * CHUNK, lut, acc);
-    }
-    let mut out = [0f32; N];
-    for t in 0..N {
-        out[t] = _mm512_reduce_add_ps(acc[t]);
-    }
-    out
+    walk_row!(chunk, codes, scales, xs, lut, acc)
 }
 
 #[cfg(test)]
