@@ -194,3 +194,21 @@ def test_llm_with_hybrid_nvfp4_experts_gives_the_resident_tokens(nvfp4_dir, resi
     assert off.cache.spilled > 0
     # every host miss went into some step's statistics (expert_host_misses: /v1/stats, the metrics)
     assert llm.worker._experts_reported == off.all_counters()
+
+
+def test_a_failed_host_call_fails_the_next_check():
+    """A host function cannot raise on the driver's thread: it writes zeros and keeps its error, and the worker's
+    per-step ``check_errors`` raises it (the step fails instead of decoding on zeros)."""
+    from freetoken.moe.hybrid_experts import HybridExperts
+
+    gate_up, down = _bank()
+    hybrid = HybridExperts([(gate_up, down)], torch.device("cpu"), max_fetch=0, threads=2)
+    hybrid.check_errors()  # nothing failed (or only calls of other objects, whose errors were taken)
+    x, ids, w, out = torch.randn(2, 64).to(BF16), torch.tensor([[1, 2], [3, 9]]), torch.rand(2, 2), torch.ones(2, 64)
+    call = hybrid._calls[(0, 2, 2)] = hybrid.layers[0].host_call(x, ids, w, out)
+    with pytest.raises(ValueError):
+        call.run()  # what the driver runs, raising here as well
+    assert torch.equal(out, torch.zeros_like(out))
+    with pytest.raises(RuntimeError, match="CPU experts of MoE layer 0 \\(2 tokens\\): .*outside the bank"):
+        hybrid.check_errors()
+    hybrid.check_errors()  # reported once
