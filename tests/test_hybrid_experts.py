@@ -1,7 +1,7 @@
 """The hybrid and cpu MoE backends (``moe/hybrid_experts.py``): the expert cache admits at most ``max_fetch`` misses
 a layer and the host CPU computes the pairs of the others. A tiny Qwen3.5-MoE through them against all-resident
-experts, the native host call against the executor's forward, and on CUDA the host function inside a captured
-decode graph replayed with new routing."""
+experts, the native host call against the executor's forward, and on CUDA the hand-off (the mailbox or a host
+node) inside a captured decode graph replayed with new routing. The mailbox alone: ``test_host_expert_mailbox.py``."""
 
 from __future__ import annotations
 
@@ -117,11 +117,14 @@ def test_host_call_overwrites_its_output_and_keeps_its_errors():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("signal", ["mailbox", "host_node"])
 @pytest.mark.parametrize("max_fetch", [0, 1, 3])
-def test_hybrid_layers_captured_in_a_cuda_graph(max_fetch):
-    """Two offloaded layers in one CUDA graph (admission with the cap, the host node on its side stream, the fetch,
-    the GPU kernel, the host's sums added); each replay gets new routing. Every layer's output equals the
-    all-resident reference within bf16 rounding, and the host took pairs."""
+def test_hybrid_layers_captured_in_a_cuda_graph(max_fetch, signal, monkeypatch):
+    """Two offloaded layers in one CUDA graph (admission with the cap, the hand-off to the host: the mailbox's
+    kernels or a host node on a side stream, the fetch, the GPU kernel, the host's sums added); each replay gets new
+    routing. Every layer's output equals the all-resident reference within bf16 rounding, and the host took
+    pairs."""
+    monkeypatch.setenv("FREETOKEN_HYBRID_SIGNAL", signal)
     E, H, I, T, k = 16, 256, 128, 4, 4
     off = ExpertOffload(torch.device("cuda"), BF16, top_k=k)
     banks = []
@@ -133,6 +136,7 @@ def test_hybrid_layers_captured_in_a_cuda_graph(max_fetch):
         banks.append((gate_up.cuda(), down.cuda()))
     off.finish_loading()
     off.enable_hybrid(max_fetch, threads=4)
+    assert off.hybrid.signal == signal and (off.hybrid.mailbox is not None) == (signal == "mailbox")
     off.allocate_cache(3 * T * k)
     x = torch.randn(T, H, device="cuda", dtype=BF16)
     ids = torch.zeros(2, T, k, dtype=torch.int64, device="cuda")

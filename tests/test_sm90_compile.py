@@ -328,3 +328,19 @@ def test_pdl_kernels_compile_for_sm90(pdl):
     div16 = "K,stride_xm,stride_om,stride_d,stride_f,stride_n,stride_ns"
     kernel = "freetoken.kernels.mixed_dot:_mixed_dot_kernel"
     assert compile_check(kernel, ptr, const, div16, warps=2, ptx_has="prefetch.global.L2") == (0 if pdl == 2 else 3)
+
+
+def test_host_expert_mailbox_kernels_compile_with_their_system_scope_instructions():
+    """The mailbox's pack and wait kernels (``kernels/host_expert_mailbox.py``): the fence before the request, the
+    write-through stores to host memory, the acquire polls and the re-fetched host sums are in the PTX (the
+    interpreter runs plain loads and stores in their place)."""
+    mailbox = "freetoken.kernels.host_expert_mailbox"
+    pack_ptrs = dict(x_ptr="*bf16", topk_ptr="*i64", slot_ptr="*i32", weight_ptr="*fp32", host_x_ptr="*bf16",
+                     host_ids_ptr="*i64", host_weight_ptr="*fp32", control_ptr="*i64", state_ptr="*i64")  # fmt: skip
+    pack = dict(PAIRS=8, BLOCK_P=16, BLOCK_H=1024, SYSTEM=True)
+    has = "fence.acq_rel.sys,st.relaxed.sys.global.b64,st.global.wt,bar.sync"
+    assert compile_check(f"{mailbox}:_pack_kernel", pack_ptrs, pack, div16="H,stride_x", ptx_has=has) == 0
+    wait_ptrs = dict(y_ptr="*bf16", host_out_ptr="*fp32", control_ptr="*i64", state_ptr="*i64")
+    has = "ld.acquire.sys.global.b64,ld.global.cv"
+    assert compile_check(f"{mailbox}:_wait_add_kernel", wait_ptrs, dict(BLOCK_H=1024, SYSTEM=True),
+                         div16="H,stride_y", ptx_has=has) == 0  # fmt: skip

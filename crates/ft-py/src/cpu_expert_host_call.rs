@@ -27,7 +27,9 @@ pub fn cpu_expert_host_call_failed() -> bool {
     ANY_FAILED.swap(false, Ordering::AcqRel)
 }
 
-struct Context {
+/// One layer's experts over fixed buffers: what a host node (here) or the mailbox's thread
+/// (`cpu_expert_mailbox.rs`) runs.
+pub(crate) struct Context {
     exec: Arc<Executor>,
     bank: CpuExpertBank,
     step: StepBuffers,
@@ -35,8 +37,26 @@ struct Context {
 }
 
 impl Context {
+    /// Checks the buffers against the bank (see `CpuExpertHostCall::new`).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        executor: &CpuExpertExecutor,
+        bank: &CpuExpertBank,
+        x: usize,
+        tokens: usize,
+        ids: usize,
+        weights: usize,
+        k: usize,
+        out: usize,
+    ) -> PyResult<Context> {
+        let step =
+            StepBuffers::new(bank.shape.hidden, x, tokens, ids, weights, k, out).map_err(PyValueError::new_err)?;
+        let bank = CpuExpertBank { shape: bank.shape, tensors: bank.tensors.clone() };
+        Ok(Context { exec: executor.exec.clone(), bank, step, error: Mutex::new(None) })
+    }
+
     /// `out = sum over pairs` (zeroed first; zero on failure), the error kept.
-    fn run(&self) -> Result<(), String> {
+    pub(crate) fn run(&self) -> Result<(), String> {
         // SAFETY: the Python side keeps the bank's tensors and the step buffers alive as long as this object,
         // and the stream order (copies, this call, the copy out) keeps anything else from touching them meanwhile
         let result = catch_unwind(AssertUnwindSafe(|| unsafe { self.step.run(&self.bank, &self.exec, true) }))
@@ -81,11 +101,7 @@ impl CpuExpertHostCall {
         k: usize,
         out: usize,
     ) -> PyResult<Self> {
-        let step =
-            StepBuffers::new(bank.shape.hidden, x, tokens, ids, weights, k, out).map_err(PyValueError::new_err)?;
-        let bank = CpuExpertBank { shape: bank.shape, tensors: bank.tensors.clone() };
-        let exec = executor.exec.clone();
-        Ok(CpuExpertHostCall { context: Box::new(Context { exec, bank, step, error: Mutex::new(None) }) })
+        Ok(CpuExpertHostCall { context: Box::new(Context::new(executor, bank, x, tokens, ids, weights, k, out)?) })
     }
 
     /// The host function's address (`void (*)(void *)`), the same for every call.
@@ -108,6 +124,13 @@ impl CpuExpertHostCall {
 
     /// The message of the last failed call since the last look, if any.
     fn take_error(&self) -> Option<String> {
-        self.context.error.lock().unwrap_or_else(|e| e.into_inner()).take()
+        self.context.take_error()
+    }
+}
+
+impl Context {
+    /// The message of the last failed run since the last look, if any.
+    pub(crate) fn take_error(&self) -> Option<String> {
+        self.error.lock().unwrap_or_else(|e| e.into_inner()).take()
     }
 }

@@ -7,9 +7,10 @@
 //! - `OfflineEngine` runs the same scheduler and worker synchronously for `freetoken.LLM` (tests, notebooks).
 //! - `CpuExpertExecutor` and `CpuExpertBank` run MoE routed experts on the host CPU (`ft-cpu-experts`) for
 //!   `freetoken.moe.cpu_experts`; `CpuExpertHostCall` is one layer's call of them as a CUDA host function (the
-//!   hybrid backend's host nodes).
+//!   hybrid backend's host nodes), `CpuExpertMailbox` the same calls answered by a polling thread (no host nodes).
 
 mod cpu_expert_host_call;
+mod cpu_expert_mailbox;
 mod cpu_experts;
 mod offline;
 
@@ -77,5 +78,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<cpu_experts::CpuExpertExecutor>()?;
     m.add_class::<cpu_expert_host_call::CpuExpertHostCall>()?;
     m.add_function(wrap_pyfunction!(cpu_expert_host_call::cpu_expert_host_call_failed, m)?)?;
+    m.add_class::<cpu_expert_mailbox::CpuExpertMailbox>()?;
     Ok(())
 }

@@ -148,6 +148,15 @@ class CpuExperts:
         the call."""
         from .. import _core
 
+        return _core.CpuExpertHostCall(self.executor, self.native, *self._fixed_buffers(x, ids, weights, out))
+
+    def mailbox_call(self, mailbox, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor):
+        """The same call registered with ``mailbox`` (``_core.CpuExpertMailbox``: its thread runs it when the GPU
+        asks, ``mailbox.run(index)`` here); returns its index. Buffers as ``host_call``'s."""
+        return mailbox.add_call(self.executor, self.native, *self._fixed_buffers(x, ids, weights, out))
+
+    def _fixed_buffers(self, x, ids, weights, out) -> tuple:
+        """The native call's buffer arguments, checked: ``(x, T, ids, weights, k, out)``."""
         H = self.hidden_size
         T, k = ids.shape if ids.dim() == 2 else (-1, -1)
         for name, t, dtype, shape in (
@@ -159,6 +168,4 @@ class CpuExperts:
             ok = isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous()
             if not ok or t.dtype != dtype or tuple(t.shape) != shape:
                 raise ValueError(f"{name} must be a contiguous {dtype} CPU tensor of shape {list(shape)}")
-        return _core.CpuExpertHostCall(
-            self.executor, self.native, x.data_ptr(), T, ids.data_ptr(), weights.data_ptr(), k, out.data_ptr()
-        )
+        return x.data_ptr(), T, ids.data_ptr(), weights.data_ptr(), k, out.data_ptr()

@@ -5,16 +5,25 @@ A decode step's MoE layer with hybrid on (``OffloadedExperts.forward`` through `
 
 1. the cache admits at most ``max_fetch`` misses (``DeviceExpertCache``; ``cpu``: none); the pairs of the others
    get slot id -1;
-2. ``start``: those pairs' expert ids, their weights and x go to pinned host buffers (copies on the step's stream),
-   then a side stream runs the layer's native host function (``freetoken._core`` ``CpuExpertHostCall``: the CPU
-   expert executor, no GIL) on them: the host computes while the GPU fetches its misses and runs the other pairs;
-3. ``finish``: the step's stream waits for the side stream, brings the host's fp32 sums over and adds them to the
-   layer's output.
+2. ``start``: those pairs' expert ids, their weights and x go to pinned host buffers and the host is told; it
+   computes (the CPU expert executor, native, no GIL) while the GPU fetches its misses and runs the other pairs;
+3. ``finish``: the GPU waits for the host's fp32 sums and adds them to the layer's output.
 
-Every buffer and native call has a fixed address per (layer, batch size), so the copies, the host node and the add
-are captured once in a decode CUDA graph and replay with new routing. Consecutive layers share the pinned buffers:
-a layer's copies into them are queued after the previous layer's ``finish`` waited for its host function. On a CPU
-device there is no stream: ``start`` computes at once and ``finish`` adds.
+How the GPU and the host signal each other (``FREETOKEN_HYBRID_SIGNAL``):
+
+- ``mailbox`` (the default): one kernel packs the buffers through UVA and writes a request into a pinned control
+  block that a polling thread of ours reads (``freetoken._core.CpuExpertMailbox``); one kernel spins until the host
+  answered and adds its sums (``kernels/host_expert_mailbox.py``). A layer without host pairs rings nothing and
+  waits for nothing: two short kernels a layer.
+- ``host_node``: copies to the pinned buffers on the step's stream, then a side stream runs the layer's native host
+  function (``CpuExpertHostCall`` through ``cuLaunchHostFunc``), then the step's stream joins it and copies the sums
+  back: ~49 us a layer even with nothing for the host (the driver's host-node latency, three copies, the join;
+  H100, 2026-12-06).
+
+Every buffer and native call has a fixed address per (layer, batch size), so either is captured once in a decode
+CUDA graph and replays with new routing. Consecutive layers share the pinned buffers: a layer writes them only after
+the previous layer's ``finish`` waited for the host. On a CPU device there is no stream: ``start`` computes at once
+and ``finish`` adds.
 """
 
 from __future__ import annotations
@@ -24,7 +33,10 @@ from typing import Optional
 
 import torch
 
+from ..tuning_env import choice_from_env
 from .cpu_experts import CpuExperts, physical_cores
+
+SIGNALS = ("mailbox", "host_node")
 
 # cores left to the engine beside a GPU (its step thread, the HTTP server, the CUDA driver's callback thread) when
 # --moe-cpu-threads is 0: the executor's workers spin between calls. 12 of 16 ran the H100 host's better hybrid
@@ -68,11 +80,28 @@ class HybridExperts:
         self.threads = self.layers[0].executor.threads if self.layers else 0
         self.max_fetch = max_fetch
         self._buffers: dict[tuple[int, int], _Buffers] = {}
-        self._calls: dict[tuple[int, int, int], object] = {}  # (layer, T, k) -> native host call
-        self.side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._calls: dict[tuple[int, int, int], object] = {}  # (layer, T, k) -> native host call | mailbox index
+        self.signal = choice_from_env("FREETOKEN_HYBRID_SIGNAL", "mailbox", SIGNALS)
+        self.side = self.mailbox = None
+        if self.device.type == "cuda" and self.signal == "host_node":
+            self.side = torch.cuda.Stream(self.device)
+        elif self.device.type == "cuda":
+            self._open_mailbox(self.device)
+
+    def _open_mailbox(self, device: torch.device, start: bool = True) -> None:
+        """The control block (pinned), the device's words and the polling thread (``start``; tests leave it off
+        for a host that never answers, or open one on the CPU under ``TRITON_INTERPRET=1``)."""
+        from .. import _core
+        from ..kernels import host_expert_mailbox
+
+        self.control = torch.zeros(3, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.state = host_expert_mailbox.new_state(device)
+        self.mailbox = _core.CpuExpertMailbox(self.control, self.control.data_ptr(), start)
 
     def start(self, index: int, x: torch.Tensor, topk_ids: torch.Tensor, slot_ids: torch.Tensor, topk_weights):
         """Hands layer ``index``'s pairs whose slot id is -1 to the host (see the module docstring)."""
+        if self.mailbox is not None:
+            return self._pack(index, x, topk_ids, slot_ids, topk_weights)
         host_ids = torch.where(slot_ids < 0, topk_ids.to(slot_ids.dtype), -1)
         if self.side is None:
             out = self.layers[index].forward(x.to(torch.bfloat16).contiguous(), host_ids, topk_weights)
@@ -94,6 +123,10 @@ class HybridExperts:
         if work.out is not None:
             return y.add_(work.out.to(y.dtype))
         buf = work.buffers
+        if self.mailbox is not None:
+            from ..kernels.host_expert_mailbox import wait_and_add
+
+            return wait_and_add(y, buf.out, self.control, self.state)
         torch.cuda.current_stream(self.device).wait_stream(self.side)
         buf.out_device.copy_(buf.out, non_blocking=True)
         return y.add_(buf.out_device.to(y.dtype))
@@ -103,17 +136,35 @@ class HybridExperts:
         it wrote zeros instead). Each step: one flag read when nothing failed."""
         from .. import _core
 
+        if self.mailbox is not None and int(self.control[2]) != 0:
+            raise RuntimeError(
+                "the CPU experts' mailbox thread did not answer a MoE layer's request in time: hybrid MoE is stuck "
+                f"(thread running: {self.mailbox.polling})"
+            )
         if not _core.cpu_expert_host_call_failed():
             return
+        errors = dict(self.mailbox.take_errors()) if self.mailbox is not None else {}
         for (layer, T, _), call in self._calls.items():
-            message = call.take_error()
+            message = errors.get(call) if self.mailbox is not None else call.take_error()
             if message:
                 raise RuntimeError(f"CPU experts of MoE layer {layer} ({T} tokens): {message}")
+
+    def _pack(self, index: int, x, topk_ids, slot_ids, topk_weights) -> HostWork:
+        from ..kernels.host_expert_mailbox import pack_for_host
+
+        T, k = topk_ids.shape
+        buf = self._buffers_for(T, k, x.shape[1])
+        key = (index, T, k)
+        if key not in self._calls:
+            self._calls[key] = self.layers[index].mailbox_call(self.mailbox, buf.x, buf.ids, buf.weights, buf.out)
+        pack_for_host(x, topk_ids.contiguous(), slot_ids.contiguous(), topk_weights.contiguous(), buf.x, buf.ids,
+                      buf.weights, self.control, self.state, self._calls[key])  # fmt: skip
+        return HostWork(buffers=buf)
 
     def _buffers_for(self, T: int, k: int, H: int) -> _Buffers:
         key = (T, k)
         if key not in self._buffers:
-            pinned = dict(pin_memory=True)
+            pinned = dict(pin_memory=self.device.type == "cuda")
             self._buffers[key] = _Buffers(
                 x=torch.empty(T, H, dtype=torch.bfloat16, **pinned),
                 ids=torch.empty(T, k, dtype=torch.int64, **pinned),
