@@ -69,6 +69,9 @@ def test_the_thread_answers_requests_written_by_hand():
     with pytest.raises(ValueError, match="outside the bank's 6 experts"):
         mailbox.run(0)  # here and now, as the thread runs it
     mailbox.take_errors()
+    control[0] = request = (4 << 16) | 5  # no call 5: answered all the same (the GPU must not wait), and reported
+    _wait_for(lambda: int(control[1]) == request)
+    assert mailbox.take_errors() == [(5, f"request {request:#x} names no call")]
     mailbox.close()
     assert not mailbox.polling
     with pytest.raises(ValueError, match="control"):
@@ -107,6 +110,14 @@ def check_mailbox_against_direct(device: str, seed: int = 0):
             torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
     hybrid.check_errors()
     assert int(hybrid.state[0]) == hybrid.mailbox.answered > 0
+    # a failed host call (an expert id outside the bank): zeros added, and the worker's check names the layer
+    bad = torch.full((T, k), E, device=device)
+    y = torch.ones(T, H, dtype=BF16, device=device)
+    hybrid.finish(hybrid.start(1, x.to(device), bad, torch.full((T, k), -1, device=device), w.to(device)), y)
+    assert torch.equal(y.cpu(), torch.ones(T, H, dtype=BF16))
+    with pytest.raises(RuntimeError, match=f"MoE layer 1 \\({T} tokens\\): .*outside the bank's {E} experts"):
+        hybrid.check_errors()
+    hybrid.check_errors()  # reported once
 
 
 def check_a_silent_host_faults_the_step(device: str):

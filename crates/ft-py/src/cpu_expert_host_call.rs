@@ -19,7 +19,7 @@ use pyo3::prelude::*;
 use crate::cpu_experts::{CpuExpertBank, CpuExpertExecutor, StepBuffers};
 
 /// Set by any failed call: the worker's per-step check reads this flag, and looks at the calls only when it is set.
-static ANY_FAILED: AtomicBool = AtomicBool::new(false);
+pub(crate) static ANY_FAILED: AtomicBool = AtomicBool::new(false);
 
 /// Whether a host call failed since the last look (and clears the flag); `take_error` says which and why.
 #[pyfunction]

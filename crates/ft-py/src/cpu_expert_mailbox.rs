@@ -12,7 +12,7 @@
 //! The GPU's wait kernel spins on `done` before it adds `out` to the layer's output. Calls are registered once
 //! (`add_call`) with fixed buffers, so the kernels and their pointers sit in a decode CUDA graph. A failed call
 //! writes zeros and keeps its error, as a host node does (`take_errors`); the thread always answers, so the GPU
-//! never waits on a failure.
+//! never waits on a failure (a request naming no call is answered too, and reported).
 
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
-use crate::cpu_expert_host_call::Context;
+use crate::cpu_expert_host_call::{Context, ANY_FAILED};
 use crate::cpu_experts::{CpuExpertBank, CpuExpertExecutor};
 
 /// Bits of a request that name the call.
@@ -37,6 +37,8 @@ struct Shared {
     /// The control block: three i64 words of pinned memory (see the module docs), alive as long as the mailbox.
     control: usize,
     calls: Mutex<Vec<Arc<Context>>>,
+    /// Requests that named no call (a corrupted request word), for `take_errors`.
+    stray: Mutex<Vec<i64>>,
     stop: AtomicBool,
     answered: AtomicU64,
 }
@@ -55,7 +57,10 @@ impl Shared {
             Some(call) => {
                 let _ = call.run();
             }
-            None => tracing::error!("CPU expert mailbox: request {request:#x} names no call"),
+            None => {
+                self.stray.lock().unwrap_or_else(|e| e.into_inner()).push(request);
+                ANY_FAILED.store(true, Ordering::Release);
+            }
         }
         self.answered.fetch_add(1, Ordering::Relaxed);
         self.word(1).store(request, Ordering::Release);
@@ -95,12 +100,13 @@ impl CpuExpertMailbox {
     #[new]
     #[pyo3(signature = (owner, control, start = true))]
     fn new(owner: PyObject, control: usize, start: bool) -> PyResult<Self> {
-        if control == 0 || control % 8 != 0 {
+        if control == 0 || !control.is_multiple_of(8) {
             return Err(PyValueError::new_err(format!("control: address {control:#x} is not usable")));
         }
         let shared = Arc::new(Shared {
             control,
             calls: Mutex::new(Vec::new()),
+            stray: Mutex::new(Vec::new()),
             stop: AtomicBool::new(false),
             answered: AtomicU64::new(0),
         });
@@ -145,10 +151,14 @@ impl CpuExpertMailbox {
         py.allow_threads(|| call.run()).map_err(PyValueError::new_err)
     }
 
-    /// `(index, message)` of each call that failed since the last look.
+    /// `(index, message)` of each call that failed since the last look, and of each request that named no call.
     fn take_errors(&self) -> Vec<(usize, String)> {
         let calls = self.shared.calls.lock().unwrap_or_else(|e| e.into_inner());
-        calls.iter().enumerate().filter_map(|(i, c)| c.take_error().map(|m| (i, m))).collect()
+        let mut errors: Vec<_> = calls.iter().enumerate().filter_map(|(i, c)| c.take_error().map(|m| (i, m))).collect();
+        let stray = std::mem::take(&mut *self.shared.stray.lock().unwrap_or_else(|e| e.into_inner()));
+        let mask = (1 << CALL_BITS) - 1;
+        errors.extend(stray.iter().map(|r| ((r & mask) as usize, format!("request {r:#x} names no call"))));
+        errors
     }
 
     /// Requests answered so far.

@@ -143,9 +143,15 @@ class HybridExperts:
             )
         if not _core.cpu_expert_host_call_failed():
             return
-        errors = dict(self.mailbox.take_errors()) if self.mailbox is not None else {}
+        if self.mailbox is not None:
+            errors = dict(self.mailbox.take_errors())
+            where = {call: (layer, T) for (layer, T, _), call in self._calls.items()}
+            for call, message in errors.items():
+                layer, T = where.get(call, ("?", "?"))
+                raise RuntimeError(f"CPU experts of MoE layer {layer} ({T} tokens): {message}")
+            return
         for (layer, T, _), call in self._calls.items():
-            message = errors.get(call) if self.mailbox is not None else call.take_error()
+            message = call.take_error()
             if message:
                 raise RuntimeError(f"CPU experts of MoE layer {layer} ({T} tokens): {message}")
 
