@@ -10,7 +10,7 @@ import torch
 from nvfp4_cases import random_bank
 
 from freetoken.kernels.fused_moe import fused_moe_torch
-from freetoken.kernels.nvfp4_moe import nvfp4_moe_torch
+from freetoken.kernels.nvfp4_moe import dequantize_experts, nvfp4_moe_torch
 from freetoken.layers.nvfp4_experts import Nvfp4Experts
 from freetoken.moe.cpu_experts import CpuExperts, executor
 from freetoken.moe.nvfp4_rows import Nvfp4Rows
@@ -48,10 +48,25 @@ def routing(T, k, E, seed=0):
     return ids, torch.rand(T, k, generator=g) + 0.1
 
 
-def reference(bank, x, ids, weights):
+def reference(bank, x, ids, weights, bf16_act=False):
+    """fp32 over the (dequantized) bank; ``bf16_act``: the activations rounded to bf16 before the down projection,
+    as the AVX512-BF16 kernels (and the GPU's) round them."""
+    if not bf16_act:
+        if len(bank) == 2:
+            return fused_moe_torch(x.float(), bank[0].float(), bank[1].float(), ids, weights.float())
+        return nvfp4_moe_torch(x.float(), *bank, ids, weights.float())
     if len(bank) == 2:
-        return fused_moe_torch(x.float(), bank[0].float(), bank[1].float(), ids, weights.float())
-    return nvfp4_moe_torch(x.float(), *bank, ids, weights.float())
+        gate_up, down = bank[0].float(), bank[1].float()
+    else:
+        every = torch.arange(bank[0].shape[0])
+        gate_up, down = (dequantize_experts(*bank[i : i + 3], every, torch.float32) for i in (0, 3))
+    out, I = torch.zeros(x.shape[0], down.shape[1]), down.shape[2]
+    for t, j in (ids >= 0).nonzero().tolist():
+        e = int(ids[t, j])
+        h = gate_up[e] @ x[t].float()
+        act = (torch.nn.functional.silu(h[:I]) * h[I:]).bfloat16().float()
+        out[t] += float(weights[t, j]) * (down[e] @ act)
+    return out
 
 
 def check(bank, T, k, portable, seed=0, tol=1e-4):
@@ -61,7 +76,7 @@ def check(bank, T, k, portable, seed=0, tol=1e-4):
     x = torch.randn(T, H, generator=g).bfloat16()
     ids, weights = routing(T, k, E, seed)
     start = torch.randn(T, H, generator=g)
-    want = start + reference(bank, x, ids, weights)
+    want = start + reference(bank, x, ids, weights, bf16_act=experts.executor.kernels == "avx512_bf16")
     out = start.clone()
     got = experts.forward(x, ids, weights, out)
     assert got is out
@@ -103,7 +118,9 @@ def test_every_code_and_scale():
     bank = random_bank(6, 512, 256, seed=3)
     simd = check(bank, 5, 6, portable=False, seed=3)
     portable = check(bank, 5, 6, portable=True, seed=3)
-    assert float((simd - portable).norm() / portable.norm()) < 1e-5
+    # each is checked against its reference above; between them, the AVX512-BF16 kernels' bf16 activations
+    bf16_act = executor(THREADS).kernels == "avx512_bf16"
+    assert float((simd - portable).norm() / portable.norm()) < (4e-3 if bf16_act else 1e-5)
 
 
 def test_offload_rows_and_scale_bits():

@@ -67,6 +67,8 @@ pub(crate) struct Scratch {
     pub(crate) act: Vec<f32>,
     /// The same, one laid-out vector a pair for the down kernels: `[P, padded(I)]`.
     pub(crate) act_laid: Vec<f32>,
+    /// The same rounded to BF16, for the AVX512-BF16 kernels.
+    pub(crate) act_bf16: Vec<u16>,
 }
 
 impl Executor {

@@ -46,17 +46,16 @@ pub fn experts_forward(
     let layout = bank.layout();
     let (order, groups) = group_by_expert(pairs);
     let mut scratch = exec.scratch.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    let Scratch { x: x_f32, x_bf16, act, act_laid } = &mut *scratch;
+    let Scratch { x: x_f32, x_bf16, act, act_laid, act_bf16 } = &mut *scratch;
     let (hp, ip, np) = (layout.padded(h), layout.padded(i), pairs.len());
     act.resize(np * i, 0.0);
-    act_laid.resize(np * ip, 0.0);
     let threads = exec.threads();
     let rows1 = rows_per_task(i, groups.len(), threads);
     let run = Run { bank, shape, pairs, order: &order, simd: exec.simd() };
     let pool = &exec.pool;
     // x as the gate|up kernels take it: BF16 bits as they are on AVX512-BF16, else f32
+    let pairs_layout = if layout == Layout::Nvfp4 { Layout::Nvfp4Bf16 } else { Layout::Bf16Pairs };
     let x_laid = if exec.kernels == Kernels::Avx512Bf16 {
-        let pairs_layout = if layout == Layout::Nvfp4 { Layout::Nvfp4Bf16 } else { Layout::Bf16Pairs };
         x_bf16.resize(tokens * hp, 0);
         let to_lay_out: Vec<_> = x_bf16.chunks_mut(hp).zip(x.chunks(h)).collect();
         pool.for_each(to_lay_out, |(dst, src)| pairs_layout.lay_out(h, |j| src[j], dst));
@@ -68,30 +67,42 @@ pub fn experts_forward(
         Laid::F32(x_f32)
     };
     run.gate_up(pool, &groups, rows1, &x_laid, hp, act);
-    // the activations by pair, laid out for the down kernels; chunk a's region is [np, len] from np * a
-    let to_lay_out: Vec<_> = act_laid.chunks_mut(ip).enumerate().collect();
-    pool.for_each(to_lay_out, |(q, dst)| {
-        layout.lay_out(
-            i,
-            |j| {
-                let a = j / rows1 * rows1;
-                act[np * a + q * rows1.min(i - a) + j - a]
-            },
-            dst,
-        );
-    });
-    run.down(pool, &groups, rows_per_task(h, 1, threads), act_laid, ip, out, tokens);
+    // the activations by pair, laid out for the down kernels; chunk a's region is [np, len] from np * a. With
+    // AVX512-BF16 they are rounded to BF16, as the GPU's kernels round their intermediate rows, so the down rows run
+    // the dot-product instruction too (half the instructions of the f32 kernels, which bound NVFP4 on the host)
+    let value = |q: usize, j: usize| {
+        let a = j / rows1 * rows1;
+        act[np * a + q * rows1.min(i - a) + j - a]
+    };
+    let acts = if exec.kernels == Kernels::Avx512Bf16 {
+        act_bf16.resize(np * ip, 0);
+        let to_lay_out: Vec<_> = act_bf16.chunks_mut(ip).enumerate().collect();
+        pool.for_each(to_lay_out, |(q, dst)| pairs_layout.lay_out(i, |j| round_to_bf16(value(q, j)), dst));
+        Laid::Bf16(act_bf16)
+    } else {
+        act_laid.resize(np * ip, 0.0);
+        let to_lay_out: Vec<_> = act_laid.chunks_mut(ip).enumerate().collect();
+        pool.for_each(to_lay_out, |(q, dst)| layout.lay_out(i, |j| value(q, j), dst));
+        Laid::F32(act_laid)
+    };
+    run.down(pool, &groups, rows_per_task(h, 1, threads), &acts, ip, out, tokens);
     Ok(())
 }
 
-/// Every token's x, laid out (`[T, hp]`).
+/// BF16 bits of `v`, rounded to nearest even (the activations are finite).
+pub(crate) fn round_to_bf16(v: f32) -> u16 {
+    let bits = v.to_bits();
+    ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) as u16
+}
+
+/// Every token's x, or every pair's activations, laid out (`[rows, padded]`).
 enum Laid<'a> {
     F32(&'a [f32]),
     Bf16(&'a [u16]),
 }
 
 impl<'a> Laid<'a> {
-    /// The vectors of these tokens.
+    /// The vectors of these rows (tokens of x, pairs of the activations).
     fn tokens(&self, tokens: impl Iterator<Item = usize>, hp: usize) -> Vectors<'a> {
         match *self {
             Laid::F32(x) => Vectors::F32(tokens.map(|t| &x[t * hp..(t + 1) * hp]).collect()),
@@ -147,16 +158,7 @@ impl Run<'_> {
 
     /// Phase 2: `out[t, rows of the chunk] += weight * down rows . act` for every pair, a task per chunk of `rows`.
     #[allow(clippy::too_many_arguments)]
-    fn down(
-        &self,
-        pool: &Pool,
-        groups: &[Group],
-        rows: usize,
-        act_laid: &[f32],
-        ip: usize,
-        out: &mut [f32],
-        tokens: usize,
-    ) {
+    fn down(&self, pool: &Pool, groups: &[Group], rows: usize, acts: &Laid, ip: usize, out: &mut [f32], tokens: usize) {
         let h = self.shape.hidden;
         // out's pieces ordered by chunk, then token: a task takes `tokens` consecutive ones
         let mut by_token: Vec<_> = out.chunks_mut(h).map(|row| row.chunks_mut(rows)).collect();
@@ -167,23 +169,14 @@ impl Run<'_> {
         pool.for_each(pieces.chunks_mut(tokens).enumerate().collect(), |(c, outs): (usize, &mut [&mut [f32]])| {
             let (a, len) = (c * rows, outs[0].len());
             for g in groups {
-                self.down_group(self.bank.down(g.expert, self.shape), g, a, len, act_laid, ip, outs);
+                self.down_group(self.bank.down(g.expert, self.shape), g, a, len, acts, ip, outs);
             }
         });
     }
 
     #[allow(clippy::too_many_arguments, clippy::needless_range_loop)] // r: a row of every token's piece
-    fn down_group(
-        &self,
-        m: Matrix,
-        g: &Group,
-        a: usize,
-        len: usize,
-        act_laid: &[f32],
-        ip: usize,
-        outs: &mut [&mut [f32]],
-    ) {
-        let xs = Vectors::F32((g.start..g.end).map(|q| &act_laid[q * ip..(q + 1) * ip]).collect());
+    fn down_group(&self, m: Matrix, g: &Group, a: usize, len: usize, acts: &Laid, ip: usize, outs: &mut [&mut [f32]]) {
+        let xs = acts.tokens(g.start..g.end, ip);
         let mut values = vec![0f32; xs.len()];
         for r in 0..len {
             m.dot_many(a + r, &xs, &mut values, self.simd);

@@ -86,13 +86,15 @@ impl Owned {
         value * scale * globals[e * (rows + self.pad) + row] as f64
     }
 
-    fn reference(&self, x: &[u16], pairs: &[Pair], out: &mut [f64]) {
+    /// `bf16_act`: the activations rounded to BF16 before the down projection (the AVX512-BF16 kernels do).
+    fn reference(&self, x: &[u16], pairs: &[Pair], out: &mut [f64], bf16_act: bool) {
         let Shape { hidden: h, intermediate: i, .. } = self.shape;
+        let round = |v: f64| if bf16_act { from_bf16(crate::forward::round_to_bf16(v as f32)) } else { v };
         for p in pairs {
             let (t, e) = (p.token as usize, p.expert as usize);
             let xt: Vec<f64> = x[t * h..(t + 1) * h].iter().map(|b| from_bf16(*b)).collect();
             let dot = |row: usize| (0..h).map(|c| self.weight(false, e, row, c) * xt[c]).sum::<f64>();
-            let act: Vec<f64> = (0..i).map(|r| (dot(r) / (1.0 + (-dot(r)).exp())) * dot(i + r)).collect();
+            let act: Vec<f64> = (0..i).map(|r| round((dot(r) / (1.0 + (-dot(r)).exp())) * dot(i + r))).collect();
             for r in 0..h {
                 let v: f64 = (0..i).map(|c| self.weight(true, e, r, c) * act[c]).sum();
                 out[t * h + r] += p.weight as f64 * v;
@@ -120,21 +122,28 @@ fn check(bank: &Owned, tokens: usize, k: usize, seed: u64) {
     let pairs = random_pairs(tokens, k, bank.shape.experts, &mut rng);
     let start: Vec<f32> = (0..tokens * h).map(|_| rng.gen_range(-1.0..1.0)).collect();
     let mut want: Vec<f64> = start.iter().map(|v| *v as f64).collect();
-    bank.reference(&x, &pairs, &mut want);
+    let mut want_bf16_act = want.clone();
+    bank.reference(&x, &pairs, &mut want, false);
+    bank.reference(&x, &pairs, &mut want_bf16_act, true);
     let norm = want.iter().map(|v| v * v).sum::<f64>().sqrt();
     let mut results = Vec::new();
-    // every kernel set this CPU runs, on a few thread counts
+    // every kernel set this CPU runs, on a few thread counts; AVX512-BF16 rounds the activations to BF16 (its
+    // reference does too; 1e-4: where f32 and f64 activations sit on two sides of a BF16 rounding boundary)
     for (threads, kernels) in
         [(1, Kernels::Portable), (3, Kernels::Avx512), (2, Kernels::Avx512Bf16), (2, Kernels::Portable)]
     {
         let Ok(exec) = Executor::with_kernels(threads, kernels) else { continue };
         let mut out = start.clone();
         experts_forward(&bank.bank(), bank.shape, &x, &pairs, &mut out, &exec).unwrap();
-        let err = out.iter().zip(&want).map(|(o, w)| (*o as f64 - w).powi(2)).sum::<f64>().sqrt() / norm;
-        assert!(err < 1e-5, "{:?} T={tokens} threads={threads} {kernels:?}: error {err}", bank.shape);
-        results.push(out);
+        let bf16_act = kernels == Kernels::Avx512Bf16;
+        let (want, tol) = if bf16_act { (&want_bf16_act, 1e-4) } else { (&want, 1e-5) };
+        let err = out.iter().zip(want).map(|(o, w)| (*o as f64 - w).powi(2)).sum::<f64>().sqrt() / norm;
+        assert!(err < tol, "{:?} T={tokens} threads={threads} {kernels:?}: error {err}", bank.shape);
+        if !bf16_act {
+            results.push(out);
+        }
     }
-    // the kernels agree element by element (to a rounding of the output's size), whatever the thread count
+    // the f32 kernels agree element by element (to a rounding of the output's size), whatever the thread count
     let rms = norm / (want.len() as f64).sqrt();
     for out in &results[1..] {
         for (a, b) in out.iter().zip(&results[0]) {
@@ -177,11 +186,12 @@ fn nvfp4_bank_views_with_a_stride() {
     let x: Vec<u16> = (0..2 * 64).map(|_| bf16(rng.gen_range(-1.0..1.0))).collect();
     let pairs = [Pair { token: 0, expert: 2, weight: 0.5 }, Pair { token: 1, expert: 1, weight: 1.0 }];
     let mut want = vec![0f64; 2 * 64];
-    owned.reference(&x, &pairs, &mut want);
+    let exec = Executor::new(2, false).unwrap();
+    owned.reference(&x, &pairs, &mut want, exec.kernels() == Kernels::Avx512Bf16);
     let mut out = vec![0f32; 2 * 64];
-    experts_forward(&bank, shape, &x, &pairs, &mut out, &Executor::new(2, false).unwrap()).unwrap();
+    experts_forward(&bank, shape, &x, &pairs, &mut out, &exec).unwrap();
     for (o, w) in out.iter().zip(&want) {
-        assert!((*o as f64 - w).abs() < 1e-5 * (1.0 + w.abs()), "{o} vs {w}");
+        assert!((*o as f64 - w).abs() < 1e-4 * (1.0 + w.abs()), "{o} vs {w}");
     }
 }
 
