@@ -55,10 +55,17 @@ impl Context {
         Ok(Context { exec: executor.exec.clone(), bank, step, error: Mutex::new(None) })
     }
 
+    /// The message of the last failed run since the last look, if any.
+    pub(crate) fn take_error(&self) -> Option<String> {
+        self.error.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+
     /// `out = sum over pairs` (zeroed first; zero on failure), the error kept.
     pub(crate) fn run(&self) -> Result<(), String> {
-        // SAFETY: the Python side keeps the bank's tensors and the step buffers alive as long as this object,
-        // and the stream order (copies, this call, the copy out) keeps anything else from touching them meanwhile
+        // SAFETY: the Python side keeps the bank's tensors and the step buffers alive as long as this object, and
+        // the hand-off's order keeps anything else from touching them meanwhile (a host node: the copies, this
+        // call, the copy out on one stream; the mailbox: the GPU writes them before its request and reads `out`
+        // after the answer)
         let result = catch_unwind(AssertUnwindSafe(|| unsafe { self.step.run(&self.bank, &self.exec, true) }))
             .unwrap_or_else(|_| Err("the CPU expert executor panicked".to_string()));
         if let Err(message) = &result {
@@ -125,12 +132,5 @@ impl CpuExpertHostCall {
     /// The message of the last failed call since the last look, if any.
     fn take_error(&self) -> Option<String> {
         self.context.take_error()
-    }
-}
-
-impl Context {
-    /// The message of the last failed run since the last look, if any.
-    pub(crate) fn take_error(&self) -> Option<String> {
-        self.error.lock().unwrap_or_else(|e| e.into_inner()).take()
     }
 }
