@@ -11,14 +11,15 @@ A decode step's MoE layer with hybrid on (``OffloadedExperts.forward`` through `
 
 How the GPU and the host signal each other (``FREETOKEN_HYBRID_SIGNAL``):
 
-- ``mailbox`` (the default): one kernel packs the buffers through UVA and writes a request into a pinned control
-  block that a polling thread of ours reads (``freetoken._core.CpuExpertMailbox``); one kernel spins until the host
-  answered and adds its sums (``kernels/host_expert_mailbox.py``). A layer without host pairs rings nothing and
-  waits for nothing: two short kernels a layer.
-- ``host_node``: copies to the pinned buffers on the step's stream, then a side stream runs the layer's native host
-  function (``CpuExpertHostCall`` through ``cuLaunchHostFunc``), then the step's stream joins it and copies the sums
-  back: ~49 us a layer even with nothing for the host (the driver's host-node latency, three copies, the join;
-  H100, 2026-12-06).
+- ``mailbox``: one kernel packs the buffers through UVA and writes a request into a pinned control block that a
+  polling thread of ours reads (``freetoken._core.CpuExpertMailbox``); one kernel spins until the host answered and
+  adds its sums (``kernels/host_expert_mailbox.py``). A layer without host pairs rings nothing and waits for
+  nothing: two short kernels a layer.
+- ``host_node`` (the default until the mailbox has run on a GPU: its kernels' system-scope instructions are checked
+  in their sm_90 PTX and its protocol under the interpreter, not yet on a device): copies to the pinned buffers on
+  the step's stream, then a side stream runs the layer's native host function (``CpuExpertHostCall`` through
+  ``cuLaunchHostFunc``), then the step's stream joins it and copies the sums back: ~49 us a layer even with nothing
+  for the host (the driver's host-node latency, three copies, the join; H100, 2026-12-06).
 
 Every buffer and native call has a fixed address per (layer, batch size), so either is captured once in a decode
 CUDA graph and replays with new routing. Consecutive layers share the pinned buffers: a layer writes them only after
@@ -37,6 +38,7 @@ from ..tuning_env import choice_from_env
 from .cpu_experts import CpuExperts, physical_cores
 
 SIGNALS = ("mailbox", "host_node")
+DEFAULT_SIGNAL = "host_node"
 
 # cores left to the engine beside a GPU (its step thread, the HTTP server, the CUDA driver's threads) when
 # --moe-cpu-threads is 0: the executor's workers spin between calls (the mailbox's polling thread is the executor's
@@ -82,7 +84,7 @@ class HybridExperts:
         self.max_fetch = max_fetch
         self._buffers: dict[tuple[int, int], _Buffers] = {}
         self._calls: dict[tuple[int, int, int], object] = {}  # (layer, T, k) -> native host call | mailbox index
-        self.signal = choice_from_env("FREETOKEN_HYBRID_SIGNAL", "mailbox", SIGNALS)
+        self.signal = choice_from_env("FREETOKEN_HYBRID_SIGNAL", DEFAULT_SIGNAL, SIGNALS)
         self.side = self.mailbox = None
         if self.device.type == "cuda" and self.signal == "host_node":
             self.side = torch.cuda.Stream(self.device)
