@@ -15,6 +15,9 @@
 //!     out[t] += weight * down_e(silu(gate_e x_t) * up_e x_t)     for every pair (t, e, weight), in f32
 //! ```
 //!
+//! On AVX512-BF16 the activations `silu(gate) * up` are rounded to BF16 before the down projection, as the GPU's
+//! kernels round their intermediate rows, and both projections run the BF16 dot-product instruction.
+//!
 //! - `bank.rs`: `Bank` (BF16 `gate_up [E, 2I, H]` and `down [E, H, I]`, or NVFP4 in ModelOpt's layout: codes, E4M3
 //!   block scales, per-row globals), each tensor a slice with its expert stride; `Shape`.
 //! - `executor.rs`: `Executor`, the thread pool (keep one: every layer shares it), the kernel path, the scratch.
