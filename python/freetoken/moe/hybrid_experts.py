@@ -42,8 +42,8 @@ DEFAULT_SIGNAL = "host_node"
 
 # cores left to the engine beside a GPU (its step thread, the HTTP server, the CUDA driver's threads) when
 # --moe-cpu-threads is 0: the executor's workers spin between calls (the mailbox's polling thread is the executor's
-# calling thread, one of its threads). 12 of 16 ran the H100 host's better hybrid
-# decode (bench/results/2026-12-06-h100-qwen3.6-35b-a3b-nvfp4-decode-hybrid.txt; not isolated from its cap of 3)
+# calling thread, one of its threads). 12 of 16 ran the H100 host's better hybrid decode
+# (bench/results/2026-12-06-h100-qwen3.6-35b-a3b-nvfp4-decode-hybrid.txt; not isolated from its cap of 3)
 ENGINE_CORES = 4
 
 
