@@ -60,7 +60,7 @@ class _Buffers:
     ids: torch.Tensor  # [T, k] int64, -1: not the host's pair
     weights: torch.Tensor  # [T, k] fp32
     out: torch.Tensor  # [T, H] fp32, written by the host function
-    out_device: torch.Tensor  # [T, H] fp32
+    out_device: Optional[torch.Tensor]  # [T, H] fp32 (host_node)
 
 
 @dataclass
@@ -163,11 +163,8 @@ class HybridExperts:
 
         T, k = topk_ids.shape
         buf = self._buffers_for(T, k, x.shape[1])
-        key = (index, T, k)
-        if key not in self._calls:
-            self._calls[key] = self.layers[index].mailbox_call(self.mailbox, buf.x, buf.ids, buf.weights, buf.out)
         pack_for_host(x, topk_ids.contiguous(), slot_ids.contiguous(), topk_weights.contiguous(), buf.x, buf.ids,
-                      buf.weights, self.control, self.state, self._calls[key])  # fmt: skip
+                      buf.weights, self.control, self.state, self._call_for(index, buf))  # fmt: skip
         return HostWork(buffers=buf)
 
     def _buffers_for(self, T: int, k: int, H: int) -> _Buffers:
@@ -179,13 +176,20 @@ class HybridExperts:
                 ids=torch.empty(T, k, dtype=torch.int64, **pinned),
                 weights=torch.empty(T, k, dtype=torch.float32, **pinned),
                 out=torch.zeros(T, H, dtype=torch.float32, **pinned),
-                out_device=torch.zeros(T, H, dtype=torch.float32, device=self.device),
+                # host_node copies the sums here; the mailbox's wait kernel reads them from pinned memory
+                out_device=torch.zeros(T, H, dtype=torch.float32, device=self.device)
+                if self.side is not None
+                else None,
             )
         return self._buffers[key]
 
     def _call_for(self, index: int, buf: _Buffers):
+        """Layer ``index``'s native call over ``buf``, made once: its mailbox index, or its host call."""
         T, k = buf.ids.shape
         key = (index, T, k)
         if key not in self._calls:
-            self._calls[key] = self.layers[index].host_call(buf.x, buf.ids, buf.weights, buf.out)
+            experts = self.layers[index]
+            args = (buf.x, buf.ids, buf.weights, buf.out)
+            made = experts.mailbox_call(self.mailbox, *args) if self.mailbox is not None else experts.host_call(*args)
+            self._calls[key] = made
         return self._calls[key]
