@@ -1,6 +1,8 @@
 """Expert-offload benchmark: the same model served with every expert resident (``--moe-backend fused``, the
-baseline) and offloaded with GPU expert caches of several sizes, through the HTTP API. For each: prefill
-throughput, batch-1 decode, and the expert-cache hit rate measured over the decode (from ``/v1/stats``).
+baseline) and offloaded with GPU expert caches of several sizes, through the HTTP API. For each: batch-1 decode and
+the expert-cache hit rate measured over it (from ``/v1/stats``), then prefill throughput with the cache as decode
+left it; ``--hit-d2d`` adds each size with ``--moe-prefill-hit-d2d`` beside it, and ``from cache`` is the share of
+the prefill's streamed experts copied from the cache's slots instead of over PCIe.
 Against the hardware: every miss copies one expert over PCIe, so decode cannot beat
 ``misses/token × expert bytes / PCIe bandwidth``; the table prints that floor and how close decode gets.
 
@@ -51,12 +53,17 @@ def run_one(label: str, serve_args: list[str], env: dict, a) -> dict:
         warm = stream_completion(srv.url, long_prompt(a.prefill_words // 4), 2)
         if "error" in warm:
             raise RuntimeError(f"{label}: warm-up failed: {warm}")
-        pre = stream_completion(srv.url, long_prompt(a.prefill_words) + " end", 2)
-        row["prefill_tokens"] = pre["usage"]["prompt_tokens"]
-        row["prefill_tok_s"] = pre["usage"]["prompt_tokens"] / pre["ttft_s"]
         before = srv.get("/v1/stats").json()
         dec = stream_completion(srv.url, "Count slowly:", a.decode_tokens)
         after = srv.get("/v1/stats").json()
+        # the prefill after the decode, so that the cache holds decode's experts (--moe-prefill-hit-d2d reads them)
+        pre = stream_completion(srv.url, long_prompt(a.prefill_words) + " end", 2)
+        row["prefill_tokens"] = pre["usage"]["prompt_tokens"]
+        row["prefill_tok_s"] = pre["usage"]["prompt_tokens"] / pre["ttft_s"]
+        streamed = srv.get("/v1/stats").json()
+        from_cache = streamed.get("prefill_experts_from_cache", 0) - after.get("prefill_experts_from_cache", 0)
+        from_host = streamed.get("prefill_experts_from_host", 0) - after.get("prefill_experts_from_host", 0)
+        row["prefill_from_cache"] = from_cache / (from_cache + from_host) if from_cache + from_host else None
         itl = statistics.median(dec["gaps"])
         row["decode_tok_s"] = 1 / itl
         row["decode_median_itl_ms"] = itl * 1e3
@@ -85,6 +92,9 @@ def main() -> int:
     ap.add_argument("--decode-tokens", type=int, default=96)
     ap.add_argument("--pcie-gb-s", type=float, default=55.0, help="host-to-device bandwidth for the floor")
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument(
+        "--hit-d2d", action="store_true", help="each cache size also with --moe-prefill-hit-d2d (the run beside it)"
+    )
     ap.add_argument("--out", default="bench/out/offload.json")
     ap.add_argument("serve_args", nargs=argparse.REMAINDER)
     a = ap.parse_args()
@@ -95,6 +105,10 @@ def main() -> int:
     for size in a.cache_sizes.split(","):
         flag = [] if size == "auto" else ["--moe-cache-size", size]
         configs.append((f"offload, cache {size}", ["--moe-backend", "offload"] + flag))
+        if a.hit_d2d:
+            configs.append(
+                (f"offload, cache {size}, d2d", ["--moe-backend", "offload", "--moe-prefill-hit-d2d"] + flag)
+            )
     runs, base = [], None
     for label, extra in configs:
         r = run_one(label, common + extra, env, a)
@@ -111,6 +125,7 @@ def main() -> int:
         "run",
         "start s",
         "prefill tok/s",
+        "from cache",
         "decode tok/s",
         "vs fused",
         "hit rate",
@@ -124,6 +139,7 @@ def main() -> int:
             r["label"],
             f"{r['startup_s']:.1f}",
             f"{r['prefill_tok_s']:.0f}",
+            "-" if r["prefill_from_cache"] is None else f"{r['prefill_from_cache']:.3f}",
             f"{r['decode_tok_s']:.1f}",
             "-" if r["decode_vs_baseline"] is None else f"{r['decode_vs_baseline']:.2f}",
             "-" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}",

@@ -10,7 +10,8 @@
 #   serve    the serving benchmark of the Qwen3.6-35B-A3B config with dummy weights: an out-of-memory error
 #            injected into its first long prefill, then prefill/decode figures and a near-context-limit prompt
 #            against the memory plan's workspace
-#   offload  bench/offload_bench.py on the same config: all-resident baseline vs expert caches (ROUTING=zipf)
+#   offload  bench/offload_bench.py on the same config (OFFLOAD_MODEL): all-resident baseline vs expert caches
+#            (ROUTING=zipf; OFFLOAD_BENCH_ARGS="--hit-d2d" adds each size with --moe-prefill-hit-d2d)
 #   nvfp4    issue 11: the gpu-marked NVFP4/FP8 kernel, layer, offload and checkpoint tests, bench/nvfp4_kernel_bench.py
 #            at the real shapes, then bench/decode_bench.py on the NVFP4 dummy config (configs/qwen3.6-35b-a3b-nvfp4):
 #            resident with graphs, and offloaded (--moe-cache-size 1024: decode under three routings, the 8k-token
@@ -173,8 +174,10 @@ if [[ " $SECTIONS " == *" serve "* ]]; then
       "$OUT/serve_qwen36_dummy.json" | grep -E "Memory plan|  |Resolved config|Allocating|Free memory|Prefill batch|Decode batch|failed|WARNING|ERROR" | head -40
 fi
 if [[ " $SECTIONS " == *" offload "* ]]; then
-  timeout ${OFFLOAD_TIMEOUT:-400} python3 bench/offload_bench.py --model-path configs/qwen3.6-35b-a3b \
-      --cache-sizes ${CACHE_SIZES:-1024,auto} --routing ${ROUTING:-zipf} --out "$OUT/offload_qwen36_dummy.json" -- \
+  # OFFLOAD_MODEL: the config (default BF16); OFFLOAD_BENCH_ARGS: e.g. "--hit-d2d --no-baseline"
+  timeout ${OFFLOAD_TIMEOUT:-400} python3 bench/offload_bench.py --model-path ${OFFLOAD_MODEL:-configs/qwen3.6-35b-a3b} \
+      --cache-sizes ${CACHE_SIZES:-1024,auto} --routing ${ROUTING:-zipf} ${OFFLOAD_BENCH_ARGS:-} \
+      --out "$OUT/offload_qwen36_dummy.json" -- \
       --dummy-weight --max-seq-len-override 32768 --max-prefill-length 8192 2>&1 | tee "$OUT/offload_bench.log" | tail -12
   python3 -c "import json,sys; [print(r['label'], *r['log_excerpt'], sep='\n  ') for r in json.load(open(sys.argv[1]))['runs']]" \
       "$OUT/offload_qwen36_dummy.json"

@@ -135,9 +135,9 @@ def hf():
     return R.build_hf_model(CONFIG, seed=3)
 
 
-def _offloaded(hf, slots: int, device: str = "cpu"):
+def _offloaded(hf, slots: int, device: str = "cpu", hit_d2d: bool = False):
     cfg = ModelConfig.from_dict(CONFIG)
-    off = ExpertOffload(torch.device(device), torch.float32, top_k=2)
+    off = ExpertOffload(torch.device(device), torch.float32, top_k=2, hit_d2d=hit_d2d)
     with torch.device(device):
         model = model_class(cfg)(cfg, experts_factory=off.make_experts).float().eval()
     model.load_weights(list(hf.state_dict().items()))
@@ -147,18 +147,26 @@ def _offloaded(hf, slots: int, device: str = "cpu"):
     return model, off
 
 
-def _run(model, prompts, steps, device="cpu"):
+def _run(model, prompts, steps, device="cpu", late_prompts=()):
     """Prefill (two chunks per prompt, so a chunk continues from a cached prefix), then greedy decode of every
-    sequence batched together. Returns the logits of every step and the generated tokens."""
-    eng = R.TinyEngine(model, max_seqs=len(prompts), device=device)
-    logits, out = [], {s: [] for s in range(len(prompts))}
-    for s, p in enumerate(prompts):
+    sequence batched together; ``late_prompts`` are prefilled after half the decode steps (a prefill streamed
+    while decode has filled the cache). Returns the logits of every step and the generated tokens."""
+    eng = R.TinyEngine(model, max_seqs=len(prompts) + len(late_prompts), device=device)
+    logits, out = [], {}
+
+    def prefill(s, p):
         half = len(p) // 2
         eng.step([(s, p[:half], False)], all_logits=True)
         last = eng.step([(s, p[half:])], all_logits=True)[0]
         logits.append(last)
-        out[s].append(int(last[-1].argmax()))
-    for _ in range(steps):
+        out[s] = [int(last[-1].argmax())]
+
+    for s, p in enumerate(prompts):
+        prefill(s, p)
+    for step in range(steps):
+        if step == steps // 2:
+            for s, p in enumerate(late_prompts, start=len(prompts)):
+                prefill(s, p)
         rows = eng.step([(s, [out[s][-1]]) for s in out])
         logits.append(torch.stack(rows))
         for s, row in zip(out, rows):
@@ -188,6 +196,46 @@ def test_offload_matches_resident_experts(hf, slots):
         assert (hits, misses) == (0, 0)  # nothing fit: every layer streamed
     assert off.stream.layers_copied > 0  # prefill chunks streamed whole layers
     off.cache.check_integrity()
+
+
+def test_prefill_stream_copies_what_the_cache_holds_from_its_slots():
+    """``--moe-prefill-hit-d2d``: after decode-like admissions the streamed layers still equal the banks, the
+    cache's experts came from their slots (a slot read under a stale map would hold another expert's weights), and
+    a later forward reads the map again after the cache moved."""
+    from freetoken.moe.device_slot_cache import DeviceExpertCache
+
+    banks = _banks()
+    cache = DeviceExpertCache(10, L, E, (6, 4), (4, 3), torch.float32, torch.device("cpu"))
+    stream = PrefillExpertStream(banks, (E, 6, 4), (E, 4, 3), torch.float32, torch.device("cpu"))
+    stream.use_cache(cache)
+    g = torch.Generator().manual_seed(5)
+    for round_ in range(4):
+        for _ in range(6):  # decode steps: every layer admits a few experts, evicting others
+            for layer in range(L):
+                cache.ensure(layer, *banks[layer], torch.randint(0, E, (2, 2), generator=g))
+        resident = sum(len(cache.resident(layer)) for layer in range(L))
+        assert resident > 0
+        before = (stream.experts_from_cache, stream.experts_from_host)
+        for layer in range(L):  # one streamed forward
+            gate_up, down = stream.layer_weights(layer)
+            assert torch.equal(gate_up, banks[layer][0]) and torch.equal(down, banks[layer][1]), (round_, layer)
+        assert stream.experts_from_cache - before[0] == resident
+        assert stream.experts_from_host - before[1] == L * E - resident
+    assert stream.resident.refreshes == 4
+
+
+@pytest.mark.parametrize("hit_d2d", [False, True])
+def test_offload_prefill_after_decode_matches_resident_experts(hf, hit_d2d):
+    """A prompt prefilled (streamed) while the cache holds decode's experts, with and without copying those from
+    their slots: logits and greedy tokens equal the all-resident model's."""
+    prompts, late = [R.prompt(24, seed=1), R.prompt(9, seed=2)], [R.prompt(31, seed=4)]
+    ref_logits, ref_tokens = _run(R.build_ours(CONFIG, hf), prompts, steps=10, late_prompts=late)
+    model, off = _offloaded(hf, 12, hit_d2d=hit_d2d)
+    logits, tokens = _run(model, prompts, steps=10, late_prompts=late)
+    assert tokens == ref_tokens
+    for a, b in zip(logits, ref_logits):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+    assert (off.stream.experts_from_cache > 0) == hit_d2d
 
 
 @pytest.mark.parametrize("slots,fits", [(5, 2), (6, 3), (8, 4), (64, 4)])
@@ -277,19 +325,22 @@ def test_bench_routing_mode_switches_through_its_file(tmp_path, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_offload_matches_resident_experts_on_cuda(hf):
-    """The CUDA paths: pinned banks, the two-buffer stream with its side-stream copies and events, the Triton
+@pytest.mark.parametrize("hit_d2d", [False, True])
+def test_offload_matches_resident_experts_on_cuda(hf, hit_d2d):
+    """The CUDA paths: pinned banks, the two-buffer stream with its side-stream copies and events (with
+    ``hit_d2d``, the gather kernel copying the cache's experts from their slots on the copy stream), the Triton
     grouped kernel over the slot pool."""
-    prompts = [R.prompt(40, seed=1), R.prompt(23, seed=2)]
+    prompts, late = [R.prompt(40, seed=1), R.prompt(23, seed=2)], [R.prompt(37, seed=4)]
     ref = R.build_ours(CONFIG, hf).cuda()
-    model, off = _offloaded(hf, 5, "cuda")
+    model, off = _offloaded(hf, 5, "cuda", hit_d2d=hit_d2d)
     assert off.pinned and off.stream.overlap
-    a_logits, a_tokens = _run(ref, prompts, 10, "cuda")
-    b_logits, b_tokens = _run(model, prompts, 10, "cuda")
+    a_logits, a_tokens = _run(ref, prompts, 10, "cuda", late_prompts=late)
+    b_logits, b_tokens = _run(model, prompts, 10, "cuda", late_prompts=late)
     assert a_tokens == b_tokens
     for a, b in zip(a_logits, b_logits):  # (the H200 showed one logit of 3200 off by 1.17e-3 at this scale)
         torch.testing.assert_close(a, b, atol=2e-3, rtol=1e-3)
     assert off.counters()[1] > 0 and off.stream.layers_copied >= 2 * len(off.layers)
+    assert (off.stream.experts_from_cache > 0) == hit_d2d
 
 
 def test_auto_backend_offloads_only_a_model_that_does_not_fit_on_cuda():

@@ -43,10 +43,11 @@ def checkpoint_tensors(seed: int, experts: int = E, hidden: int = H, inter: int 
     return out
 
 
-def layer_pair(slots: int, seed: int = 0):
-    """A resident ``Nvfp4Experts`` and the same weights offloaded, with a ``slots``-slot cache."""
+def layer_pair(slots: int, seed: int = 0, hit_d2d: bool = False):
+    """A resident ``Nvfp4Experts`` and the same weights offloaded, with a ``slots``-slot cache (``hit_d2d``: the
+    prefill stream copies the cache's experts from their slots)."""
     resident = Nvfp4Experts(E, H, I)
-    off = ExpertOffload(torch.device("cpu"), torch.float32, top_k=K)
+    off = ExpertOffload(torch.device("cpu"), torch.float32, top_k=K, hit_d2d=hit_d2d)
     offloaded = off.make_nvfp4_experts(0, E, H, I)
     for name, t in checkpoint_tensors(seed):
         resident.load_expert_weight(name, t)
@@ -71,11 +72,12 @@ def test_rows_hold_the_bank_and_are_nvfp4_sized():
     assert real == 1_781_760 and 3 * 2048 * 512 * 2 / real > 3.5
 
 
-@pytest.mark.parametrize("slots", [2, 4, 6, E])
-def test_offloaded_layer_equals_resident(slots):
-    """Decode-sized steps through the cache (churn with 2..6 slots: evictions), prefill-sized ones streamed;
-    every output equals the resident layer's, repeats hit, the first sight of an expert misses."""
-    resident, offloaded, off = layer_pair(slots)
+@pytest.mark.parametrize("slots,hit_d2d", [(2, False), (4, False), (6, False), (E, False), (4, True), (6, True)])
+def test_offloaded_layer_equals_resident(slots, hit_d2d):
+    """Decode-sized steps through the cache (churn with 2..6 slots: evictions), prefill-sized ones streamed
+    (``hit_d2d``: the NVFP4 bytes of the cache's experts copied from their slots); every output equals the
+    resident layer's, repeats hit, the first sight of an expert misses."""
+    resident, offloaded, off = layer_pair(slots, hit_d2d=hit_d2d)
     g = torch.Generator().manual_seed(1)
     for step in range(30):
         T = 24 if step % 10 == 9 else 1 + step % 3  # a prefill-sized step now and then
@@ -88,6 +90,7 @@ def test_offloaded_layer_equals_resident(slots):
     assert misses >= min(slots, E) and off.stream.layers_copied >= 1
     if slots >= 4:
         assert hits > 0
+    assert (off.stream.experts_from_cache > 0) == hit_d2d
     off.cache.check_integrity()
 
 

@@ -132,7 +132,9 @@ def test_tool_call_round_trip_reuses_the_history_and_equals_naive(server, checkp
 
 def test_expert_offload_launch_line_serves_the_same_greedy_tokens(checkpoint):
     """The brief's launch line shape (--moe-backend offload --moe-cache-size N), with a cache far smaller than the
-    model's 32 experts: greedy completions still equal HF's, and /v1/stats counts the cache's hits and misses."""
+    model's 32 experts, and --moe-prefill-hit-d2d: greedy completions still equal HF's (the second prompt's prefill
+    streamed while decode had filled the cache), and /v1/stats counts the cache's hits and misses and the streamed
+    experts taken from the cache."""
     _, hf = checkpoint
     srv = ServerProcess(
         [
@@ -150,23 +152,26 @@ def test_expert_offload_launch_line_serves_the_same_greedy_tokens(checkpoint):
             "6",
             "--num-tokens",
             "4096",
+            "--moe-prefill-hit-d2d",
         ]
     )
     try:
         log = srv.log()
         assert "moe_backend='offload'" in log and "Expert cache: 6 of 32 experts" in log, log[-3000:]
-        prompt = [9707, 11, 1879, 0, 3555, 374, 220, 17, 10, 17, 30]
-        r = srv.post(
-            "/v1/completions",
-            {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True},
-        )
-        assert r.status_code == 200, r.text
-        expected, _ = R.hf_greedy(hf, prompt, 8)
+        assert "hit_d2d=True" in log, log[-3000:]
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_file(os.path.join(checkpoint[0], "tokenizer.json"))
-        assert r.json()["choices"][0]["text"] == tok.decode(expected, skip_special_tokens=True)
+        for prompt in ([9707, 11, 1879, 0, 3555, 374, 220, 17, 10, 17, 30], [785, 6722, 315, 9625, 374, 12095, 13]):
+            r = srv.post(
+                "/v1/completions",
+                {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+            )
+            assert r.status_code == 200, r.text
+            expected, _ = R.hf_greedy(hf, prompt, 8)
+            assert r.json()["choices"][0]["text"] == tok.decode(expected, skip_special_tokens=True)
         stats = srv.get("/v1/stats").json()
         assert stats["expert_misses"] > 0 and stats["expert_hits"] + stats["expert_misses"] >= 7 * 4, stats
+        assert stats["prefill_experts_from_cache"] > 0 and stats["prefill_experts_from_host"] > 0, stats
     finally:
         assert srv.stop() == 0, srv.log()[-3000:]

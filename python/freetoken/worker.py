@@ -92,6 +92,7 @@ class Worker:
         self._prev_sampled: Optional[torch.Tensor] = None  # the last launched step's sampled tokens (device)
         # expert-cache (hits, misses, host misses) already reported in some step's statistics
         self._experts_reported = (0, 0, 0)
+        self._streamed_reported = (0, 0)  # the same for experts streamed for prefill (from the cache, the host)
         self._log_resolved_config()
         startup.allocate_pools(self)
         if warmup_enabled(a, self.device):
@@ -278,6 +279,7 @@ class Worker:
         """Expert-cache lookups so far are reported by no step (start-up, graph capture)."""
         if self.offload is not None:
             self._experts_reported = self.offload.all_counters()
+            self._streamed_reported = self.offload.streamed_counters()
 
     def _new_expert_counts(self, cumulative: Optional[tuple[int, ...]] = None) -> tuple[int, int, int]:
         """Expert-cache (hits, misses, misses computed on the host) not yet reported, from the cache's cumulative
@@ -288,6 +290,13 @@ class Worker:
         before = self._experts_reported
         self._experts_reported = tuple(max(b, n) for b, n in zip(before, now))
         return tuple(max(0, n - b) for b, n in zip(before, now))
+
+    def _new_streamed_counts(self) -> tuple[int, int]:
+        """Experts the prefill stream copied (from the cache's slots, over PCIe) since the last report: host
+        counters, no sync."""
+        now = self.offload.streamed_counters()
+        before, self._streamed_reported = self._streamed_reported, now
+        return now[0] - before[0], now[1] - before[1]
 
     def _guarded(
         self,
@@ -335,6 +344,7 @@ class Worker:
         workspace = max(0, torch.cuda.max_memory_allocated(self.device) - allocated_before) if on_cuda else 0
         count_experts = count_experts and self.offload is not None
         hits, misses, host_misses = self._new_expert_counts() if count_experts else (0, 0, 0)
+        from_cache, from_host = self._new_streamed_counts() if count_experts else (0, 0)
         step_ms = (time.perf_counter() - t0) * 1e3
         if count:
             report_step_compiles(self.compiles, compiles_mark, step_id, num_tokens, step_ms)
@@ -346,6 +356,8 @@ class Worker:
             "expert_hits": hits,
             "expert_misses": misses,
             "expert_host_misses": host_misses,
+            "prefill_experts_from_cache": from_cache,
+            "prefill_experts_from_host": from_host,
             "workspace_bytes": workspace,
         }
         if events is not None:  # (run waited for its tokens: the end event is done, or nearly)

@@ -165,6 +165,10 @@ pub struct StepStats {
     pub expert_misses: u64,
     /// Of the misses, those computed on the host CPU (`--moe-backend hybrid` / `cpu`).
     pub expert_host_misses: u64,
+    /// Experts the prefill stream copied whole into its buffers: from the expert cache's slots on the device
+    /// (`--moe-prefill-hit-d2d`) and over PCIe.
+    pub prefill_experts_from_cache: u64,
+    pub prefill_experts_from_host: u64,
     /// Peak transient device bytes the step allocated above what was allocated before it (CUDA; 0 where not
     /// measured). The engine reports the largest beside the memory plan's workspace in `/v1/stats`.
     pub workspace_bytes: u64,

@@ -362,7 +362,8 @@ pub struct ServeArgs {
     #[arg(help_heading = MOE, long)]
     pub disable_moe_prefill_overlap: bool,
 
-    /// Prefill: copy resident experts device-to-device into the double buffer.
+    /// Prefill: copy the experts the GPU expert cache holds device-to-device into the stream buffers (only the
+    /// others cross PCIe); one host sync per streamed forward.
     #[arg(help_heading = MOE, long)]
     pub moe_prefill_hit_d2d: bool,
 
@@ -588,6 +589,7 @@ impl ServeArgs {
                 (self.moe_cache_rate.is_some(), "--moe-cache-rate"),
                 (self.moe_cache_auto, "--moe-cache-auto"),
                 (self.disable_moe_prefill_overlap, "--disable-moe-prefill-overlap"),
+                (self.moe_prefill_hit_d2d, "--moe-prefill-hit-d2d"),
             ]
             .into_iter()
             .find_map(|(set, flag)| set.then_some(flag));
@@ -681,11 +683,6 @@ fn unsupported_parallelism_or_kernel(args: &ServeArgs) -> Option<String> {
 
 /// Expert-execution knobs that are not built.
 fn unsupported_expert_execution(args: &ServeArgs) -> Option<String> {
-    if args.moe_prefill_hit_d2d {
-        return Some(
-            "--moe-prefill-hit-d2d is not supported yet: device-to-device prefill expert copies are not built".into(),
-        );
-    }
     if let Some(layers) = &args.moe_cpu_layers {
         return Some(format!(
             "--moe-cpu-layers {layers} is not supported yet: whole layers are not pinned to the CPU (--moe-backend cpu runs every decode miss there)"
@@ -943,7 +940,6 @@ mod tests {
             (&["--attention-backend", "fa"], "--attention-backend fa"),
             (&["--nvfp4-backend", "marlin"], "--nvfp4-backend marlin"),
             (&["--nvfp4-backend", "flashinfer"], "--nvfp4-backend flashinfer"),
-            (&["--moe-prefill-hit-d2d"], "--moe-prefill-hit-d2d"),
             (&["--moe-cpu-layers", "3,7"], "--moe-cpu-layers 3,7"),
             (&["--expert-load", "parallel"], "--expert-load parallel"),
             (&["--model-source", "modelscope"], "--model-source modelscope"),
@@ -988,6 +984,7 @@ mod tests {
             &["--moe-backend", "fused", "--moe-cache-rate", "0.5"],
             &["--moe-backend", "fused", "--moe-cache-auto"],
             &["--moe-backend", "fused", "--disable-moe-prefill-overlap"],
+            &["--moe-backend", "fused", "--moe-prefill-hit-d2d"],
         ] {
             let (msg, code) = serve(flags).unwrap_err();
             assert_eq!(code, 2);
@@ -996,6 +993,7 @@ mod tests {
         }
         for backend in ["offload", "auto"] {
             serve(&["--moe-backend", backend, "--moe-cache-size", "64", "--disable-moe-prefill-overlap"]).unwrap();
+            serve(&["--moe-backend", backend, "--moe-prefill-hit-d2d"]).unwrap();
         }
     }
 

@@ -95,7 +95,11 @@ def load_model(a: dict) -> LoadedModel:
     offload = None
     if offloads_experts(moe_backend):
         offload = ExpertOffload(
-            device, dtype, int(config.num_experts_per_tok), overlap=not a["disable_moe_prefill_overlap"]
+            device,
+            dtype,
+            int(config.num_experts_per_tok),
+            overlap=not a["disable_moe_prefill_overlap"],
+            hit_d2d=bool(a.get("moe_prefill_hit_d2d")),
         )
     phase(f"Loading weights ({'dummy' if a['dummy_weight'] else os.path.basename(checkpoint.path)}, {dtype})")
     model = build_model(cls, config, dtype, device, offload, quant)
@@ -157,7 +161,8 @@ def _finish_offload(offload: ExpertOffload) -> int:
     logger.info(
         f"Expert offload: {offload.total_experts} experts ({offload.format}, {offload.expert_bytes / 2**20:.2f} "
         f"MiB each) in {'pinned ' if offload.pinned else ''}host memory ({offload.host_bytes / GiB:.2f} GiB), "
-        f"prefill stream buffers {offload.stream.nbytes / GiB:.2f} GiB (overlap={offload.stream.overlap})"
+        f"prefill stream buffers {offload.stream.nbytes / GiB:.2f} GiB (overlap={offload.stream.overlap}, "
+        f"hit_d2d={offload.hit_d2d})"
     )
     return offload.host_bytes
 
@@ -174,6 +179,7 @@ def _warn_unused_offload_flags(a: dict, moe_backend: str, has_experts: bool) -> 
             ("--moe-cache-rate", "moe_cache_rate"),
             ("--moe-cache-auto", "moe_cache_auto"),
             ("--disable-moe-prefill-overlap", "disable_moe_prefill_overlap"),
+            ("--moe-prefill-hit-d2d", "moe_prefill_hit_d2d"),
         )
         if a.get(key)
     ]

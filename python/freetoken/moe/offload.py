@@ -12,7 +12,7 @@ Lifecycle (``worker.py``):
    prefill stream buffers.
 4. After the start-up dry run has measured the workspace, ``allocate_cache(num_slots)`` creates the GPU slot
    cache (``DeviceExpertCache``: bookkeeping on the device, capturable in a CUDA graph) from what the memory plan
-   leaves (``cache_slots``).
+   leaves (``cache_slots``); with ``hit_d2d`` the prefill stream then copies the experts it holds from their slots.
 
 CUDA graphs: a graph runner that pads a decode batch sets ``num_valid_tokens`` (a device int tensor, the number of
 real tokens; the rows after them are padding) before capturing and leaves it set for the replays; every
@@ -46,8 +46,12 @@ GiB = 1 << 30
 
 
 class ExpertOffload:
-    def __init__(self, device: torch.device, dtype: torch.dtype, top_k: int, overlap: bool = True):
-        self.device, self.dtype, self.top_k, self.overlap = device, dtype, top_k, overlap
+    def __init__(
+        self, device: torch.device, dtype: torch.dtype, top_k: int, overlap: bool = True, hit_d2d: bool = False
+    ):
+        """``overlap``: two prefill stream buffers, copies beside compute; ``hit_d2d`` (``--moe-prefill-hit-d2d``):
+        the prefill stream copies the experts the cache holds from their slots (``resident_experts.py``)."""
+        self.device, self.dtype, self.top_k, self.overlap, self.hit_d2d = device, dtype, top_k, overlap, hit_d2d
         self.layers: list[OffloadedExperts] = []
         self.cache: Optional[DeviceExpertCache] = None
         self.num_valid_tokens: Optional[torch.Tensor] = None  # CUDA-graph padding: see the module docstring
@@ -113,6 +117,8 @@ class ExpertOffload:
             policy=self.cache_policy,
             max_fetch=self.hybrid.max_fetch if self.hybrid is not None else None,
         )
+        if self.hit_d2d:
+            self.stream.use_cache(self.cache)
 
     @property
     def format(self) -> str:
@@ -184,6 +190,10 @@ class ExpertOffload:
     def counters(self) -> tuple[int, int]:
         """(hits, misses) so far (reads the device counters: one sync)."""
         return self.cache.counters() if self.cache is not None else (0, 0)
+
+    def streamed_counters(self) -> tuple[int, int]:
+        """Experts the prefill stream copied so far: (from the cache's slots, over PCIe); host counters."""
+        return self.stream.experts_from_cache, self.stream.experts_from_host
 
     def all_counters(self) -> tuple[int, int, int]:
         """(hits, misses, misses computed on the host) so far: the cache's ``counts`` (one sync)."""

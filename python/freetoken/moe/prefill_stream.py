@@ -12,6 +12,9 @@ copied into the other buffer on a side stream. Events order it::
 
 PCIe is the limit either way (a BF16 Qwen3.6-35B-A3B layer is 1.6 GB, ≈ 30 ms at 55 GB/s); the overlap hides the
 compute behind it. On CPU, or with one buffer, the copy is synchronous on the current stream.
+
+With ``use_cache`` (``--moe-prefill-hit-d2d``) the experts the decode cache holds are copied from their slots on the
+device and only the others cross PCIe (``resident_experts.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+from ..kernels.expert_gather import gather_experts_torch, gather_experts_triton
+from .resident_experts import ResidentExperts
 
 
 class PrefillExpertStream:
@@ -45,6 +51,13 @@ class PrefillExpertStream:
             self.ready = [torch.cuda.Event() for _ in range(n)]
             self.released = [torch.cuda.Event() for _ in range(n)]
         self.layers_copied = 0
+        self.resident: Optional[ResidentExperts] = None  # use_cache: copy the cache's experts device-to-device
+        self.experts_from_cache = 0  # experts copied from the slot cache (use_cache) ...
+        self.experts_from_host = 0  # ... and over PCIe
+
+    def use_cache(self, cache) -> None:
+        """Copy the experts ``cache`` (a ``DeviceExpertCache`` over the same layers) holds from its slots."""
+        self.resident = ResidentExperts(cache, len(self.banks), self.gate_up[0].shape[0])
 
     @property
     def nbytes(self) -> int:
@@ -52,11 +65,11 @@ class PrefillExpertStream:
 
     def layer_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Device copies of ``layer``'s whole bank, ready for kernels queued on the current stream next."""
+        if layer == 0 and self.resident is not None:
+            self.resident.refresh()  # a new forward: decode steps since the last one may have moved the cache
         if not self.overlap:
             if self.holds[0] != layer:
-                gate_up, down = self.banks[layer]
-                self.gate_up[0].copy_(gate_up, non_blocking=True)
-                self.down[0].copy_(down, non_blocking=True)
+                self._fill(layer, 0)
                 self.holds[0] = layer
                 self.layers_copied += 1
             return self.gate_up[0], self.down[0]
@@ -75,11 +88,28 @@ class PrefillExpertStream:
         return self.gate_up[b], self.down[b]
 
     def _copy(self, layer: int, b: int) -> None:
-        gate_up, down = self.banks[layer]
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(self.released[b])
-            self.gate_up[b].copy_(gate_up, non_blocking=True)
-            self.down[b].copy_(down, non_blocking=True)
+            self._fill(layer, b)
             self.ready[b].record(self.copy_stream)
         self.holds[b] = layer
         self.layers_copied += 1
+
+    def _fill(self, layer: int, b: int) -> None:
+        """Queues the copies of ``layer``'s bank into buffer ``b`` on the current stream."""
+        gate_up, down = self.banks[layer]
+        if self.resident is None:
+            self.gate_up[b].copy_(gate_up, non_blocking=True)
+            self.down[b].copy_(down, non_blocking=True)
+            self.experts_from_host += gate_up.shape[0]
+            return
+        jobs = self.resident.jobs(layer)
+        if jobs is not None:
+            cache = self.resident.cache
+            gather = gather_experts_triton if self.device.type == "cuda" else gather_experts_torch
+            gather(cache.gate_up, cache.down, self.gate_up[b], self.down[b], *jobs)
+            self.experts_from_cache += len(self.resident.slots[layer])
+        for lo, hi in self.resident.runs[layer]:
+            self.gate_up[b][lo:hi].copy_(gate_up[lo:hi], non_blocking=True)
+            self.down[b][lo:hi].copy_(down[lo:hi], non_blocking=True)
+            self.experts_from_host += hi - lo

@@ -38,6 +38,8 @@ pub(super) struct EngineLoop {
     expert_hits: u64,
     expert_misses: u64,
     expert_host_misses: u64,
+    prefill_experts_from_cache: u64,
+    prefill_experts_from_host: u64,
     /// Decode-only steps so far, with the worker's own time for them and the engine's whole time (planning,
     /// the worker call, commit and handing tokens to the HTTP side): benchmarks read the per-token cost of each
     /// layer from these (`/v1/stats`).
@@ -78,6 +80,8 @@ impl EngineLoop {
             expert_hits: 0,
             expert_misses: 0,
             expert_host_misses: 0,
+            prefill_experts_from_cache: 0,
+            prefill_experts_from_host: 0,
             decode_steps: 0,
             decode_forward_ms: 0.0,
             decode_engine_ms: 0.0,
@@ -257,6 +261,8 @@ impl EngineLoop {
         self.expert_hits += out.stats.expert_hits;
         self.expert_misses += out.stats.expert_misses;
         self.expert_host_misses += out.stats.expert_host_misses;
+        self.prefill_experts_from_cache += out.stats.prefill_experts_from_cache;
+        self.prefill_experts_from_host += out.stats.prefill_experts_from_host;
         self.scheduler.commit(plan, out);
         self.status.record(summary, &self.scheduler.stats(), elapsed);
     }
@@ -302,6 +308,8 @@ impl EngineLoop {
             expert_hits: self.expert_hits,
             expert_misses: self.expert_misses,
             expert_host_misses: self.expert_host_misses,
+            prefill_experts_from_cache: self.prefill_experts_from_cache,
+            prefill_experts_from_host: self.prefill_experts_from_host,
             decode_steps: self.decode_steps,
             decode_forward_ms_total: self.decode_forward_ms,
             decode_engine_ms_total: self.decode_engine_ms,

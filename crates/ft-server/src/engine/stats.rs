@@ -40,6 +40,10 @@ pub struct EngineStats {
     pub expert_hits: u64,
     pub expert_misses: u64,
     pub expert_host_misses: u64,
+    /// Experts the prefill stream copied since start: from the expert cache's slots (`--moe-prefill-hit-d2d`)
+    /// and over PCIe.
+    pub prefill_experts_from_cache: u64,
+    pub prefill_experts_from_host: u64,
     /// Decode-only steps since start, the worker's time in them and the engine's whole time (planning, the worker
     /// call, commit, handing tokens to HTTP): the per-token cost of each layer of the stack.
     pub decode_steps: u64,
