@@ -105,8 +105,12 @@ if triton is not None:
                     keep = cols < H
                     row = tl.load(x_ptr + t * stride_x + cols, mask=keep)
                     tl.store(host_x_ptr + t * H + cols, row.to(tl.bfloat16), mask=keep, cache_modifier=".wt")
-            request = (tl.load(state_ptr) + 1) * (1 << 16) + call
-            tl.store(state_ptr, request >> 16)
+            seq = tl.load(state_ptr) + 1
+            # warps run unsynchronised and each computes the scalars: all must read the counter before one of them
+            # writes it back, or a late warp would count twice and ring a request nobody waits for
+            tl.debug_barrier()
+            request = seq * (1 << 16) + call
+            tl.store(state_ptr, seq)
             tl.store(state_ptr + 1, request)
             tl.debug_barrier()  # every thread's writes, then the one request
             _release_store_sys(control_ptr, request, SYSTEM)

@@ -71,6 +71,7 @@ def main(argv=None) -> int:
         "occupancy a launcher's tiles were chosen for",
     )
     p.add_argument("--max-shared", type=int, default=0, help="exit 4 above this many bytes of shared memory a program")
+    p.add_argument("--ptx-out", default="", help="write the PTX to this file (tests read its instruction order)")
     a = p.parse_args(argv)
     sys.path.insert(0, os.path.join(ROOT, "python"))
     import triton
@@ -104,6 +105,9 @@ def main(argv=None) -> int:
             inner = inner.__cause__
         print(f"{name} does not compile for sm_{a.arch}: {e}" + "".join(causes))
         return 1
+    if a.ptx_out:
+        with open(a.ptx_out, "w") as f:
+            f.write(compiled.asm["ptx"])
     usage, advisories, registers = _ptxas_usage(compiled.asm["ptx"], a.arch)
     shared = getattr(compiled.metadata, "shared", None)  # bytes a program: with registers, what sets occupancy
     usage += f", {shared} bytes of shared memory" if shared is not None else ""

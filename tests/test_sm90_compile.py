@@ -25,12 +25,13 @@ def compile_check(
     ptx_has: str = "",
     max_registers: int = 0,
     max_shared: int = 0,
+    ptx_out: str = "",
 ) -> int:
     """The script's exit status for ``kernel`` with ``ptr`` types (scalars too), ``const`` constexprs and the
     integer arguments ``div16`` marks as multiples of 16 (as the JIT marks them at Qwen3.6's shapes).
     ``async_wgmma``: 2 when ptxas serializes the kernel's wgmmas; ``ptx_has``: 3 when the PTX lacks one of these
     comma-separated strings; ``max_registers`` / ``max_shared``: 4 above that many registers a thread / bytes of
-    shared memory a program."""
+    shared memory a program; ``ptx_out``: a file the PTX is written to."""
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
         pytest.skip("this triton wheel has no ptxas")
     spec = importlib.util.spec_from_file_location("triton_compile_check", f"{ROOT}/scripts/triton_compile_check.py")
@@ -51,6 +52,7 @@ def compile_check(
             f"--ptx-has={ptx_has}",
             f"--max-registers={max_registers}",
             f"--max-shared={max_shared}",
+            f"--ptx-out={ptx_out}",
         ]
     )
 
@@ -330,16 +332,27 @@ def test_pdl_kernels_compile_for_sm90(pdl):
     assert compile_check(kernel, ptr, const, div16, warps=2, ptx_has="prefetch.global.L2") == (0 if pdl == 2 else 3)
 
 
-def test_host_expert_mailbox_kernels_compile_with_their_system_scope_instructions():
+def test_host_expert_mailbox_kernels_compile_with_their_system_scope_instructions(tmp_path):
     """The mailbox's pack and wait kernels (``kernels/host_expert_mailbox.py``): the fence before the request, the
     write-through stores to host memory, the acquire polls and the re-fetched host sums are in the PTX (the
-    interpreter runs plain loads and stores in their place)."""
+    interpreter runs plain loads and stores in their place). In the pack kernel every warp has read the request
+    counter before one thread writes it back: a barrier between the counter's load and the stores before the
+    request (without it a late warp counts twice and rings a request no wait kernel expects; the interpreter has
+    no warps to show it)."""
     mailbox = "freetoken.kernels.host_expert_mailbox"
     pack_ptrs = dict(x_ptr="*bf16", topk_ptr="*i64", slot_ptr="*i32", weight_ptr="*fp32", host_x_ptr="*bf16",
                      host_ids_ptr="*i64", host_weight_ptr="*fp32", control_ptr="*i64", state_ptr="*i64")  # fmt: skip
     pack = dict(PAIRS=8, BLOCK_P=16, BLOCK_H=1024, SYSTEM=True)
     has = "fence.acq_rel.sys,st.relaxed.sys.global.b64,st.global.wt,bar.sync"
-    assert compile_check(f"{mailbox}:_pack_kernel", pack_ptrs, pack, div16="H,stride_x", ptx_has=has) == 0
+    ptx = tmp_path / "pack.ptx"
+    assert compile_check(f"{mailbox}:_pack_kernel", pack_ptrs, pack, div16="H,stride_x", ptx_has=has,
+                         ptx_out=str(ptx)) == 0  # fmt: skip
+    ops = [op for line in ptx.read_text().splitlines() for op in ("ld.global.b64", "st.global.b64", "bar.sync",
+           "fence.acq_rel.sys") if op in line]  # fmt: skip
+    before_request = ops[: ops.index("fence.acq_rel.sys")]
+    last_load = len(before_request) - 1 - before_request[::-1].index("ld.global.b64")
+    after_load = before_request[last_load + 1 :]
+    assert "st.global.b64" in after_load and after_load.index("bar.sync") < after_load.index("st.global.b64"), ops
     wait_ptrs = dict(y_ptr="*bf16", host_out_ptr="*fp32", control_ptr="*i64", state_ptr="*i64")
     has = "ld.acquire.sys.global.b64,ld.global.cv"
     assert compile_check(f"{mailbox}:_wait_add_kernel", wait_ptrs, dict(BLOCK_H=1024, SYSTEM=True),
