@@ -15,7 +15,9 @@ of smallest eviction key in ascending (key, slot index) order. The key is the sl
 owner's ``freq`` (``lfu``; -1 for an empty slot), and a slot this call uses is never a victim (newest stamp;
 excluded under ``lfu``). ``max_fetch`` (the hybrid backend; None: no cap) admits at most that many misses, the most
 routed first (``freq`` after this call's count; ties: lowest expert id); the others stay out of the cache, their
-pairs get slot id -1 (the host computes them) and ``spilled [1] int64`` counts them (among the misses too). Returns ``(slot_ids [T, k] int64`` (0 on padding rows),
+pairs get slot id -1 (the host computes them) and ``spilled [1] int64`` counts them (among the misses too). With
+``fetch_share`` (per mille, 0: off) the cap is ``max(max_fetch, ceil(share * misses / 1000))`` of this call's
+misses (``moe/slot_cache.fetch_cap``). Returns ``(slot_ids [T, k] int64`` (0 on padding rows),
 ``job_src [P]``, ``job_dst [P]``, ``num_jobs``): miss r copies bank row ``job_src[r]`` into slot ``job_dst[r]`` for
 ``r < num_jobs`` (``kernels/expert_gather.py``). Entries past ``num_jobs`` are unspecified.
 
@@ -76,6 +78,7 @@ def admit_experts_torch(
     age_every: int = 1 << 20,
     max_fetch: Optional[int] = None,
     spilled: Optional[torch.Tensor] = None,
+    fetch_share: int = 0,
 ):
     """Reference admission; see the module docstring."""
     T, k = topk_ids.shape
@@ -103,7 +106,8 @@ def admit_experts_torch(
     freq.index_add_(0, torch.where(first, flat, trash_id), torch.ones(P, dtype=freq.dtype, device=dev))
     stamp.index_put_((torch.where(hit, current, S),), clock)
     if max_fetch is not None:
-        miss = _fetched_misses(miss, expert, freq[flat].long(), max_fetch, spilled)
+        cap = torch.clamp((fetch_share * miss.sum() + 999) // 1000, min=max_fetch)
+        miss = _fetched_misses(miss, expert, freq[flat].long(), cap, spilled)
 
     # missing expert of rank r (ascending expert id) takes the r-th slot in ascending (eviction key, slot) order
     rank = (miss[None, :] & (expert[None, :] < expert[:, None])).sum(1)
@@ -131,14 +135,14 @@ def admit_experts_torch(
     return slot_ids, job_src[:P], job_dst, miss.sum()
 
 
-def _fetched_misses(miss, expert, routed, max_fetch: int, spilled) -> torch.Tensor:
-    """The misses ``max_fetch`` admits: a miss is ranked by the misses routed more often, or as often with a lower
-    expert id (the host reference's lexsort); ranks from ``max_fetch`` on spill to the host."""
+def _fetched_misses(miss, expert, routed, cap, spilled) -> torch.Tensor:
+    """The misses ``cap`` (a device scalar) admits: a miss is ranked by the misses routed more often, or as often
+    with a lower expert id (the host reference's lexsort); ranks from ``cap`` on spill to the host."""
     ahead = (routed[None, :] > routed[:, None]) | (
         (routed[None, :] == routed[:, None]) & (expert[None, :] < expert[:, None])
     )
     priority = (miss[None, :] & ahead).sum(1)
-    spill = miss & (priority >= max_fetch)
+    spill = miss & (priority >= cap)
     if spilled is not None:
         spilled += spill.sum()
     return miss & ~spill
@@ -168,7 +172,8 @@ if triton is not None:
         S,
         num_flat,
         age_every,
-        max_fetch,  # CAP: misses admitted at most
+        max_fetch,  # CAP: misses admitted at most (at least, with a share)
+        fetch_share,  # CAP: per mille of the call's misses admitted, if more than max_fetch
         K: tl.constexpr,
         LFU: tl.constexpr,
         HAS_VALID: tl.constexpr,
@@ -237,7 +242,9 @@ if triton is not None:
                     (rj[None, :] == mine[:, None]) & (mj[None, :] < expert[:, None])
                 )
                 priority += tl.sum(((mj[None, :] >= 0) & ahead).to(tl.int32), axis=1)
-            spill = miss & (priority >= max_fetch)
+            share_cap = (fetch_share * num_misses + 999) // 1000
+            cap = tl.where(share_cap > max_fetch, share_cap, max_fetch)
+            spill = miss & (priority >= cap)
             miss = miss & ~spill
             tl.debug_barrier()  # every warp has read the miss list before it shrinks to the fetched misses
             tl.store(miss_expert_ptr + offs, tl.where(miss, expert, -1), mask=in_range)
@@ -302,6 +309,7 @@ def admit_experts_triton(
     age_every: int = 1 << 20,
     max_fetch: Optional[int] = None,
     spilled: Optional[torch.Tensor] = None,
+    fetch_share: int = 0,
 ):
     """Same contract as ``admit_experts_torch``, one kernel launch. Works on CUDA, or on CPU under
     TRITON_INTERPRET=1."""
@@ -342,6 +350,7 @@ def admit_experts_triton(
         freq.numel() - 1,
         age_every,
         max_fetch if max_fetch is not None else P,
+        fetch_share,
         K=k,
         LFU=lfu,
         HAS_VALID=num_valid_tokens is not None,

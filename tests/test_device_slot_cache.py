@@ -70,14 +70,14 @@ def assert_same_state(device_cache: DeviceExpertCache, host: ExpertSlotCache, ba
 
 def replay_against_host(
     T, k, S, calls, seed=0, padded=False, impl="auto", device="cpu", banks=None, policy="lfu", age_every=7,
-    max_fetch=None,
+    max_fetch=None, fetch_share=0,
 ):  # fmt: skip
     """Runs one routing sequence through both caches, comparing after every call. Returns (hits, misses).
     ``age_every`` small by default: the counts are halved many times in a replay."""
     banks = banks or make_banks(seed)
     gate_up, down = tuple(banks[0][0].shape[1:]), tuple(banks[0][1].shape[1:])
     dtype = banks[0][0].dtype
-    policy_args = dict(policy=policy, age_every=age_every, max_fetch=max_fetch)
+    policy_args = dict(policy=policy, age_every=age_every, max_fetch=max_fetch, fetch_share=fetch_share)
     host = ExpertSlotCache(S, L, E, gate_up, down, dtype, torch.device("cpu"), **policy_args)
     cache = DeviceExpertCache(S, L, E, gate_up, down, dtype, torch.device(device), impl=impl, **policy_args)
     for layer, ids, n in routing_sequence(T, k, S, calls, seed, padded):
@@ -132,9 +132,30 @@ def test_capped_admission_spills_the_least_routed_misses_to_the_host(T, k, S, ma
     assert cache.spilled == cache.misses - min(max_fetch, cache.misses) and cache.spilled > 0
 
 
-def test_a_negative_fetch_cap_is_refused():
+@pytest.mark.parametrize("max_fetch,share", [(0, 500), (1, 334), (2, 1000), (3, 250)])
+@pytest.mark.parametrize("T,k,S", [(1, 4, 9), (3, 2, 6), (8, 4, 16), (8, 2, 5)])
+def test_a_fetch_share_admits_its_part_of_each_calls_misses(T, k, S, max_fetch, share):
+    """``fetch_share``: a call admits ``max(max_fetch, ceil(share * misses))`` of its misses (the hybrid backend's
+    auto cap, so that both sides of a layer finish together at any batch), as the host reference decides."""
+    from freetoken.moe.slot_cache import fetch_cap
+
+    for policy in ("lfu", "lru"):
+        replay_against_host(T, k, S, calls=150, seed=S + share, padded=True, policy=policy, max_fetch=max_fetch,
+                            fetch_share=share)  # fmt: skip
+    cache = DeviceExpertCache(S, L, E, GATE_UP, DOWN, torch.float32, torch.device("cpu"), max_fetch=max_fetch,
+                              fetch_share=share)  # fmt: skip
+    ids = torch.arange(T * k).remainder(E).view(T, k)  # a cold cache: every distinct expert a miss
+    slots = cache.ensure(0, *make_banks(1)[0], ids)
+    admitted = len(set(ids[slots >= 0].tolist()))
+    assert admitted == min(cache.misses, fetch_cap(max_fetch, share, cache.misses))
+    assert fetch_cap(1, 334, 7) == 3 and fetch_cap(3, 250, 7) == 3 and fetch_cap(0, 1000, 7) == 7
+
+
+def test_a_negative_fetch_cap_or_a_share_past_1000_is_refused():
     with pytest.raises(ValueError, match="max_fetch"):
         DeviceExpertCache(4, L, E, GATE_UP, DOWN, torch.float32, torch.device("cpu"), max_fetch=-1)
+    with pytest.raises(ValueError, match="fetch_share"):
+        DeviceExpertCache(4, L, E, GATE_UP, DOWN, torch.float32, torch.device("cpu"), max_fetch=1, fetch_share=1001)
 
 
 @pytest.mark.parametrize("T,k,S", [(3, 2, 6), (8, 4, 10), (8, 2, 5)])
@@ -230,9 +251,9 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
         for policy in ("lfu", "lru"):
             replay_against_host(T, k, S, calls=40, seed=S, padded=padded, impl="triton", banks=banks, policy=policy,
                                 age_every=5)
-            for max_fetch in (0, 2):  # the hybrid backend's cap
+            for max_fetch, share in ((0, 0), (2, 0), (1, 500)):  # the hybrid backend's cap, with a share
                 replay_against_host(T, k, S, calls=25, seed=S, padded=padded, impl="triton", banks=banks,
-                                    policy=policy, age_every=5, max_fetch=max_fetch)
+                                    policy=policy, age_every=5, max_fetch=max_fetch, fetch_share=share)
     print("OK")
     """
 )

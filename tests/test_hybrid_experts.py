@@ -118,12 +118,12 @@ def test_host_call_overwrites_its_output_and_keeps_its_errors():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("signal", ["mailbox", "host_node"])
-@pytest.mark.parametrize("max_fetch", [0, 1, 3])
+@pytest.mark.parametrize("max_fetch", [0, 1, 3, "auto"])
 def test_hybrid_layers_captured_in_a_cuda_graph(max_fetch, signal, monkeypatch):
     """Two offloaded layers in one CUDA graph (admission with the cap, the hand-off to the host: the mailbox's
     kernels or a host node on a side stream, the fetch, the GPU kernel, the host's sums added); each replay gets new
     routing. Every layer's output equals the all-resident reference within bf16 rounding, and the host took
-    pairs."""
+    pairs. ``auto``: a floor of 1 and the share measured at start-up (``hybrid_fetch_share.py``)."""
     monkeypatch.setenv("FREETOKEN_HYBRID_SIGNAL", signal)
     E, H, I, T, k = 16, 256, 128, 4, 4
     off = ExpertOffload(torch.device("cuda"), BF16, top_k=k)
@@ -135,9 +135,12 @@ def test_hybrid_layers_captured_in_a_cuda_graph(max_fetch, signal, monkeypatch):
         experts.down_proj.data.copy_(down)
         banks.append((gate_up.cuda(), down.cuda()))
     off.finish_loading()
-    off.enable_hybrid(max_fetch, threads=4)
+    share = off.enable_hybrid(1 if max_fetch == "auto" else max_fetch, threads=4, auto_share=max_fetch == "auto")
     assert off.hybrid.signal == signal and (off.hybrid.mailbox is not None) == (signal == "mailbox")
     off.allocate_cache(3 * T * k)
+    if max_fetch == "auto":  # both sides measured (a few GB/s at least), the cache admits by the share
+        assert share.pcie_gb_s > 1 and share.cpu_gb_s > 0.1 and 0 < share.per_mille < 1000, share
+        assert off.cache.fetch_share == share.per_mille
     x = torch.randn(T, H, device="cuda", dtype=BF16)
     ids = torch.zeros(2, T, k, dtype=torch.int64, device="cuda")
     w = torch.rand(2, T, k, device="cuda")
@@ -198,6 +201,21 @@ def test_llm_with_hybrid_nvfp4_experts_gives_the_resident_tokens(nvfp4_dir, resi
     assert off.cache.spilled > 0
     # every host miss went into some step's statistics (expert_host_misses: /v1/stats, the metrics)
     assert llm.worker._experts_reported == off.all_counters()
+
+
+def test_the_auto_share_balances_the_two_bandwidths():
+    """q* = pcie / (pcie + cpu): the fetched misses take as long over PCIe as the others on the host. On a CPU
+    device there is no PCIe to measure: the fixed floor alone (no share)."""
+    from freetoken.moe.hybrid_fetch_share import share_of
+    from freetoken.moe.slot_cache import fetch_cap
+
+    assert share_of(55.0, 40.0) == 579 and share_of(20.0, 0.0) == 1000 and share_of(0.0, 0.0) == 1000
+    # 26 misses at 4 streams: 16 fetched (16 / 55 ~ 10 / 40), where a fixed cap of 3 left 23 to the host
+    assert fetch_cap(3, share_of(55.0, 40.0), 26) == 16 and fetch_cap(3, share_of(55.0, 40.0), 4) == 3
+    off = ExpertOffload(torch.device("cpu"), BF16, top_k=2)
+    off.make_experts(0, 8, 64, 32)
+    off.finish_loading()
+    assert off.enable_hybrid(3, threads=2, auto_share=True) is None and off.hybrid.fetch_share == 0
 
 
 def test_a_failed_host_call_fails_the_next_check():

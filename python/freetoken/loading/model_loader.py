@@ -109,12 +109,14 @@ def load_model(a: dict) -> LoadedModel:
     weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if offload is not None:
         weights_bytes -= _finish_offload(offload)  # the banks stay on the host; the plan lists them apart
-        max_fetch = hybrid_max_fetch(moe_backend, int(a.get("moe_hybrid_max_fetch", -1)))
+        flag = int(a.get("moe_hybrid_max_fetch", -1))
+        max_fetch = hybrid_max_fetch(moe_backend, flag)
         if max_fetch is not None:
-            offload.enable_hybrid(max_fetch, int(a.get("moe_cpu_threads") or 0))
+            share = offload.enable_hybrid(max_fetch, int(a.get("moe_cpu_threads") or 0), auto_share=flag < 0)
+            cap = f"at most {max_fetch}" if share is None else f"at least {max_fetch}, or {share.describe()},"
             logger.info(
-                f"Hybrid experts ({moe_backend}): at most {max_fetch} misses a layer fetched per decode step, the "
-                f"rest computed on {offload.hybrid.threads} CPU threads"
+                f"Hybrid experts ({moe_backend}): {cap} misses a layer fetched per decode step, the rest computed "
+                f"on {offload.hybrid.threads} CPU threads"
             )
     source = "dummy weights" if a["dummy_weight"] else os.path.basename(checkpoint.path)
     logger.info(

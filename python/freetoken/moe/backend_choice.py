@@ -19,11 +19,12 @@ logger = get_logger(__name__)
 
 BUILT_MOE_BACKENDS = ("auto", "fused", "offload", "hybrid", "cpu")
 OFFLOADED = ("offload", "hybrid", "cpu")  # the experts' banks live in host memory
-# --moe-hybrid-max-fetch -1 (auto): 3 misses a layer per step over PCIe. H100 host, Qwen3.6 NVFP4, top-8, 1 stream
-# (bench/results/2026-12-06-h100-qwen3.6-35b-a3b-nvfp4-decode-hybrid.txt): a cap of 3 decoded 80.9 tok/s under Zipf
-# (offload 79.1) and 75.7 under uniform routing (offload 46.3); a cap of 1 (FreeToken's no-profile default) 36.0 and
-# 30.8: the host reads NVFP4 experts at 34-58 GB/s, below PCIe's 55, so most misses belong on PCIe. A cap from
-# measured bandwidths (FreeToken's q* = pcie / (pcie + cpu) of the misses) is not built.
+# --moe-hybrid-max-fetch -1 (auto): at least 3 misses a layer per step over PCIe, more where the layer misses more
+# (on CUDA: q* = pcie / (pcie + cpu) of its misses, the bandwidths measured at start-up; hybrid_fetch_share.py). The
+# floor: H100 host, Qwen3.6 NVFP4, top-8, 1 stream (bench/results/2026-12-06-h100-qwen3.6-35b-a3b-nvfp4-decode-
+# hybrid.txt): a cap of 3 decoded 80.9 tok/s under Zipf (offload 79.1) and 75.7 under uniform routing (offload
+# 46.3); a cap of 1 (FreeToken's no-profile default) 36.0 and 30.8: the host reads NVFP4 experts at 34-58 GB/s,
+# below PCIe's 55, so most misses belong on PCIe.
 AUTO_MAX_FETCH = 3
 
 
@@ -33,7 +34,7 @@ def offloads_experts(moe_backend: str) -> bool:
 
 def hybrid_max_fetch(moe_backend: str, flag: int) -> int | None:
     """Misses a layer's cache admits per decode step: None (no cap) for ``offload``, 0 for ``cpu``, the flag
-    (``--moe-hybrid-max-fetch``; -1: ``AUTO_MAX_FETCH``) for ``hybrid``."""
+    (``--moe-hybrid-max-fetch``; -1: ``AUTO_MAX_FETCH``, the floor of the measured share on CUDA) for ``hybrid``."""
     if moe_backend == "cpu":
         return 0
     if moe_backend == "hybrid":

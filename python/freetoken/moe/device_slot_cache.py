@@ -39,7 +39,7 @@ import torch
 from ..kernels.expert_admission import admit_experts_torch, admit_experts_triton
 from ..kernels.expert_gather import gather_experts_torch, gather_experts_triton
 from ..log import get_logger
-from .slot_cache import check_max_fetch, check_policy, default_age_every
+from .slot_cache import check_fetch_share, check_max_fetch, check_policy, default_age_every
 
 logger = get_logger(__name__)
 
@@ -58,17 +58,19 @@ class DeviceExpertCache:
         policy: str = "lfu",
         age_every: Optional[int] = None,
         max_fetch: Optional[int] = None,
+        fetch_share: int = 0,
     ):
         """``impl``: ``auto`` (Triton on CUDA, torch elsewhere), ``triton`` (also on CPU under TRITON_INTERPRET=1,
         in tests) or ``torch``: the admission, and on CPU the gather too (on CUDA the gather is always the Triton
-        kernel: nothing else reads a host bank without the host). ``policy``, ``age_every``, ``max_fetch``:
-        ``ExpertSlotCache``."""
+        kernel: nothing else reads a host bank without the host). ``policy``, ``age_every``, ``max_fetch``,
+        ``fetch_share``: ``ExpertSlotCache``."""
         if num_slots < 1:
             raise ValueError("the expert cache needs at least one slot")
         if impl not in ("auto", "triton", "torch"):
             raise ValueError(f"unknown expert cache implementation {impl!r}")
         self.policy = check_policy(policy)
         self.max_fetch = check_max_fetch(max_fetch)
+        self.fetch_share = check_fetch_share(fetch_share)
         self.age_every = age_every or default_age_every(num_layers)
         self.num_slots, self.num_layers, self.num_experts = num_slots, num_layers, num_experts
         self.device = torch.device(device)
@@ -164,6 +166,7 @@ class DeviceExpertCache:
             age_every=self.age_every,
             max_fetch=self.max_fetch,
             spilled=self.counts[2:],
+            fetch_share=self.fetch_share,
         )
 
     @torch.no_grad()

@@ -82,6 +82,7 @@ class HybridExperts:
         self.layers = [CpuExperts(bank, threads) for bank in banks]
         self.threads = self.layers[0].executor.threads if self.layers else 0
         self.max_fetch = max_fetch
+        self.fetch_share = 0  # per mille of a layer's misses fetched above max_fetch (the auto cap; offload.py)
         self._buffers: dict[tuple[int, int], _Buffers] = {}
         self._calls: dict[tuple[int, int, int], object] = {}  # (layer, T, k) -> native host call | mailbox index
         self.signal = choice_from_env("FREETOKEN_HYBRID_SIGNAL", DEFAULT_SIGNAL, SIGNALS)

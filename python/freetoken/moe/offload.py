@@ -96,12 +96,25 @@ class ExpertOffload:
             overlap=self.overlap,
         )
 
-    def enable_hybrid(self, max_fetch: int, threads: int = 0) -> None:
+    def enable_hybrid(self, max_fetch: int, threads: int = 0, auto_share: bool = False):
         """After ``finish_loading``: decode misses past ``max_fetch`` a layer go to the host CPU (``threads``:
-        ``--moe-cpu-threads``, 0 = the physical cores less ``hybrid_experts.ENGINE_CORES`` beside a GPU)."""
+        ``--moe-cpu-threads``, 0 = the physical cores less ``hybrid_experts.ENGINE_CORES`` beside a GPU).
+        ``auto_share`` (on CUDA): ``max_fetch`` becomes the floor of a cap that follows each layer's misses by the
+        measured bandwidths (``hybrid_fetch_share.py``); returns that ``FetchShare``, else None."""
         from .hybrid_experts import HybridExperts
 
         self.hybrid = HybridExperts([e.cpu_bank() for e in self.layers], self.device, max_fetch, threads)
+        if not (auto_share and self.device.type == "cuda" and max_fetch > 0):
+            return None
+        from . import hybrid_fetch_share
+
+        try:
+            share = hybrid_fetch_share.measure(self, self.top_k)
+        except Exception as e:  # a measurement must not stop the server: the fixed cap still serves
+            logger.warning(f"Hybrid experts: measuring the fetch share failed ({e!r}); the cap stays {max_fetch}")
+            return None
+        self.hybrid.fetch_share = share.per_mille
+        return share
 
     def allocate_cache(self, num_slots: int) -> None:
         first = self.layers[0]
@@ -116,6 +129,7 @@ class ExpertOffload:
             self.device,
             policy=self.cache_policy,
             max_fetch=self.hybrid.max_fetch if self.hybrid is not None else None,
+            fetch_share=self.hybrid.fetch_share if self.hybrid is not None else 0,
         )
         if self.hit_d2d:
             self.stream.use_cache(self.cache)

@@ -11,7 +11,9 @@ routing since start-up, resident or not, halved every ``age_every`` lookups (abo
 counts follow a changing workload; ties go to the lowest slot. ``lru`` evicts the least recently used slot. Every
 miss is admitted either way (the kernels read experts from slots only), unless ``max_fetch`` caps the misses a
 lookup admits (the hybrid backend: the rest are computed on the host CPU): then the most often routed misses are
-fetched (ties: lowest expert id) and the others keep slot id -1. Under skewed routing LFU keeps each
+fetched (ties: lowest expert id) and the others keep slot id -1. With ``fetch_share`` (per mille) the cap grows
+with the lookup's misses: ``max(max_fetch, ceil(share * misses))`` (``fetch_cap``), so that the PCIe and the host
+side of a layer finish together whatever the batch. Under skewed routing LFU keeps each
 layer's popular experts: on ``FREETOKEN_BENCH_ROUTING=zipf`` (40 layers x 256 experts, top-8, 1,024 slots) it hits
 0.565 of lookups against LRU's 0.41, the best fixed choice of experts being 0.568 (a replay of the bench's draws,
 2026-12-02); under uniform routing the two are alike. ``FREETOKEN_MOE_CACHE_POLICY`` picks it (benchmarks A/B).
@@ -44,6 +46,18 @@ def check_max_fetch(max_fetch: Optional[int]) -> Optional[int]:
     return max_fetch
 
 
+def check_fetch_share(share: int) -> int:
+    if not 0 <= share <= 1000:
+        raise ValueError(f"fetch_share is per mille of a lookup's misses, 0..1000, got {share}")
+    return share
+
+
+def fetch_cap(max_fetch: int, share: int, misses: int) -> int:
+    """Misses a lookup admits: at least ``max_fetch``, or ``share`` per mille of its ``misses`` (rounded up) if
+    more. Integer arithmetic, as the device kernels compute it."""
+    return max(max_fetch, (share * misses + 999) // 1000)
+
+
 def default_age_every(num_layers: int) -> int:
     """Lookups between two halvings of the routing counts: 256 decode steps (one lookup per MoE layer a step)."""
     return 256 * max(1, num_layers)
@@ -62,11 +76,13 @@ class ExpertSlotCache:
         policy: str = "lfu",
         age_every: Optional[int] = None,
         max_fetch: Optional[int] = None,
+        fetch_share: int = 0,
     ):
         if num_slots < 1:
             raise ValueError("the expert cache needs at least one slot")
         self.policy = check_policy(policy)
         self.max_fetch = check_max_fetch(max_fetch)
+        self.fetch_share = check_fetch_share(fetch_share)
         self.age_every = age_every or default_age_every(num_layers)
         self.num_slots, self.num_layers, self.num_experts = num_slots, num_layers, num_experts
         self.device = device
@@ -104,10 +120,11 @@ class ExpertSlotCache:
         missing = needed[~hit]
         self.hits += int(hit.sum())
         self.misses += len(missing)
-        if self.max_fetch is not None and len(missing) > self.max_fetch:
+        cap = None if self.max_fetch is None else fetch_cap(self.max_fetch, self.fetch_share, len(missing))
+        if cap is not None and len(missing) > cap:
             flat = layer * self.num_experts + missing
-            fetched = np.lexsort((missing, -self.freq[flat]))[: self.max_fetch]  # most routed first, then lowest id
-            self.spilled += len(missing) - self.max_fetch
+            fetched = np.lexsort((missing, -self.freq[flat]))[:cap]  # most routed first, then lowest id
+            self.spilled += len(missing) - cap
             missing = np.sort(missing[fetched])
         if len(missing):
             # Everything this lookup uses is stamped with the current clock and sorts last: the len(missing) first
