@@ -2,7 +2,8 @@
 baseline) and offloaded with GPU expert caches of several sizes, through the HTTP API. For each: batch-1 decode and
 the expert-cache hit rate measured over it (from ``/v1/stats``), then prefill throughput with the cache as decode
 left it; ``--hit-d2d`` adds each size with ``--moe-prefill-hit-d2d`` beside it, and ``from cache`` is the share of
-the prefill's streamed experts copied from the cache's slots instead of over PCIe.
+the prefill's streamed experts copied from the cache's slots instead of over PCIe, ``of floor`` its throughput
+against the PCIe floor of the experts it did copy over PCIe (their bytes at ``--pcie-gb-s``).
 Against the hardware: every miss copies one expert over PCIe, so decode cannot beat
 ``misses/token × expert bytes / PCIe bandwidth``; the table prints that floor and how close decode gets.
 
@@ -64,6 +65,7 @@ def run_one(label: str, serve_args: list[str], env: dict, a) -> dict:
         from_cache = streamed.get("prefill_experts_from_cache", 0) - after.get("prefill_experts_from_cache", 0)
         from_host = streamed.get("prefill_experts_from_host", 0) - after.get("prefill_experts_from_host", 0)
         row["prefill_from_cache"] = from_cache / (from_cache + from_host) if from_cache + from_host else None
+        row["prefill_experts_from_host"] = from_host
         itl = statistics.median(dec["gaps"])
         row["decode_tok_s"] = 1 / itl
         row["decode_median_itl_ms"] = itl * 1e3
@@ -117,6 +119,9 @@ def main() -> int:
         r["pcie_floor_ms_per_token"] = floor_s * 1e3
         r["pcie_share_of_itl"] = floor_s * 1e3 / r["decode_median_itl_ms"]
         r["decode_vs_baseline"] = r["decode_tok_s"] / base if base else None
+        # the prefill's PCIe floor: the experts its stream copied over PCIe (/v1/stats), at the link's rate
+        pcie_s = r["prefill_experts_from_host"] * eb / (a.pcie_gb_s * 1e9)
+        r["prefill_of_pcie_floor"] = r["prefill_tok_s"] * pcie_s / r["prefill_tokens"] if pcie_s else None
         runs.append(r)
         # after every run: a later run that times out keeps the earlier ones
         write_report(a.out, {"routing": a.routing, "expert_bytes": eb, "pcie_gb_s": a.pcie_gb_s, "runs": runs})
@@ -126,6 +131,7 @@ def main() -> int:
         "start s",
         "prefill tok/s",
         "from cache",
+        "of floor",
         "decode tok/s",
         "vs fused",
         "hit rate",
@@ -140,6 +146,7 @@ def main() -> int:
             f"{r['startup_s']:.1f}",
             f"{r['prefill_tok_s']:.0f}",
             "-" if r["prefill_from_cache"] is None else f"{r['prefill_from_cache']:.3f}",
+            "-" if r["prefill_of_pcie_floor"] is None else f"{r['prefill_of_pcie_floor']:.2f}",
             f"{r['decode_tok_s']:.1f}",
             "-" if r["decode_vs_baseline"] is None else f"{r['decode_vs_baseline']:.2f}",
             "-" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}",

@@ -384,7 +384,8 @@ if [[ " $SECTIONS " == *" hybrid "* ]]; then
   # the hybrid / cpu MoE backends: their GPU tests, the CPU expert executor on this host (HYBRID_CPU_BENCH=0 skips
   # it), then decode served with offload and with hybrid (HYBRID_FETCH: --moe-hybrid-max-fetch values, 'cpu' for
   # --moe-backend cpu) beside it, once per hand-off in HYBRID_SIGNALS (FREETOKEN_HYBRID_SIGNAL; offload only in the
-  # first); HYBRID_SERVER_ARGS go to every server (e.g. --moe-cpu-threads 12)
+  # first); HYBRID_SERVER_ARGS go to every server (e.g. --moe-cpu-threads 12); HYBRID_STREAMS=N adds N concurrent
+  # streams to each run (the auto cap's share: HYBRID_FETCH=3,-1)
   lscpu | grep -E "Model name|^CPU\(s\)|Thread\(s\)|Core\(s\)|Socket|NUMA node\(s\)|Flags" | cut -c1-160
   if [[ "${HYBRID_TESTS:-1}" != 0 ]]; then
     timeout ${HYBRID_TEST_TIMEOUT:-300} python3 -m pytest -v -p no:cacheprovider -rfs --tb=short \
@@ -400,7 +401,8 @@ if [[ " $SECTIONS " == *" hybrid "* ]]; then
     echo "--- FREETOKEN_HYBRID_SIGNAL=$signal"
     FREETOKEN_HYBRID_SIGNAL=$signal timeout ${HYBRID_DECODE_TIMEOUT:-400} python3 bench/decode_bench.py \
         --model-path configs/qwen3.6-35b-a3b-nvfp4 --skip-resident $skip_offload --decode-tokens ${HYBRID_TOKENS:-64} \
-        --hybrid ${HYBRID_FETCH:-1,cpu} --out "$OUT/decode_hybrid_$signal.json" -- ${HYBRID_SERVER_ARGS:-} 2>&1 \
+        --hybrid ${HYBRID_FETCH:-1,cpu} ${HYBRID_STREAMS:+--offload-streams $HYBRID_STREAMS} \
+        --out "$OUT/decode_hybrid_$signal.json" -- ${HYBRID_SERVER_ARGS:-} 2>&1 \
         | tee "$OUT/decode_hybrid_$signal.log" | tail -40
     skip_offload="--skip-offload"
   done
