@@ -113,10 +113,11 @@ def load_model(a: dict) -> LoadedModel:
         max_fetch = hybrid_max_fetch(moe_backend, flag)
         if max_fetch is not None:
             share = offload.enable_hybrid(max_fetch, int(a.get("moe_cpu_threads") or 0), auto_share=flag < 0)
-            cap = f"at most {max_fetch}" if share is None else f"at least {max_fetch}, or {share.describe()},"
+            cap = f"at most {max_fetch}" if share is None else f"at least {max_fetch}"
             logger.info(
-                f"Hybrid experts ({moe_backend}): {cap} misses a layer fetched per decode step, the rest computed "
-                f"on {offload.hybrid.threads} CPU threads"
+                f"Hybrid experts ({moe_backend}): {cap} misses a layer fetched per decode step"
+                + ("" if share is None else f", {share.describe()}")
+                + f"; the rest computed on {offload.hybrid.threads} CPU threads"
             )
     source = "dummy weights" if a["dummy_weight"] else os.path.basename(checkpoint.path)
     logger.info(

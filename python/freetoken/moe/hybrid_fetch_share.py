@@ -29,8 +29,8 @@ class FetchShare:
 
     def describe(self) -> str:
         return (
-            f"{self.per_mille / 10:.0f}% of a layer's misses fetched (PCIe {self.pcie_gb_s:.1f} GB/s beside the "
-            f"CPU experts' {self.cpu_gb_s:.1f} GB/s, measured at start-up)"
+            f"or {self.per_mille / 10:.0f}% of its misses where more (PCIe {self.pcie_gb_s:.1f} GB/s beside the CPU "
+            f"experts' {self.cpu_gb_s:.1f} GB/s, measured at start-up)"
         )
 
 
