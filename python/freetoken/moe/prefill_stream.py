@@ -57,7 +57,9 @@ class PrefillExpertStream:
 
     def use_cache(self, cache) -> None:
         """Copy the experts ``cache`` (a ``DeviceExpertCache`` over the same layers) holds from its slots."""
-        self.resident = ResidentExperts(cache, len(self.banks), self.gate_up[0].shape[0])
+        if (cache.num_layers, cache.num_experts) != (len(self.banks), self.gate_up[0].shape[0]):
+            raise ValueError("the expert cache's layers and experts are not the stream's")
+        self.resident = ResidentExperts(cache)
 
     @property
     def nbytes(self) -> int:

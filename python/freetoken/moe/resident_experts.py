@@ -21,18 +21,20 @@ import torch
 
 
 class ResidentExperts:
-    def __init__(self, cache, num_layers: int, num_experts: int):
-        """``cache``: the ``DeviceExpertCache`` (its ``slot_of`` table, pool ``gate_up`` / ``down``)."""
-        self.cache, self.num_layers, self.num_experts = cache, num_layers, num_experts
-        self.slots: list[list[tuple[int, int]]] = [[] for _ in range(num_layers)]  # (expert, slot) per layer
-        self.runs: list[list[tuple[int, int]]] = [[(0, num_experts)] for _ in range(num_layers)]  # [lo, hi) missing
-        self._jobs: list = [None] * num_layers  # device (slot ids, expert ids, count) per layer, built on demand
+    def __init__(self, cache):
+        """``cache``: the ``DeviceExpertCache`` (its ``slot_of`` table, pool ``gate_up`` / ``down``, its layers and
+        experts are the stream's)."""
+        self.cache = cache
+        L, E = cache.num_layers, cache.num_experts
+        self.slots: list[list[tuple[int, int]]] = [[] for _ in range(L)]  # (expert, slot) per layer
+        self.runs: list[list[tuple[int, int]]] = [[(0, E)] for _ in range(L)]  # [lo, hi) of missing experts
+        self._jobs: list = [None] * L  # device (slot ids, expert ids, count) per layer, built on demand
         self.refreshes = 0
 
     @torch.no_grad()
     def refresh(self) -> None:
         """Reads the cache's map (syncs the current stream). Call before the first layer of a streamed forward."""
-        L, E = self.num_layers, self.num_experts
+        L, E = self.cache.num_layers, self.cache.num_experts
         table = self.cache.slot_of[: L * E].view(L, E).cpu().tolist()
         for layer, row in enumerate(table):
             self.slots[layer] = [(e, s) for e, s in enumerate(row) if s >= 0]
