@@ -218,6 +218,33 @@ def test_the_auto_share_balances_the_two_bandwidths():
     assert off.enable_hybrid(3, threads=2, auto_share=True) is None and off.hybrid.fetch_share == 0
 
 
+def test_a_failed_share_measurement_keeps_the_fixed_cap(monkeypatch, caplog):
+    """The start-up measurement (CUDA only) failing is injected: the server goes on with the fixed floor as its
+    cap, and says so in one warning."""
+    import logging
+
+    from freetoken.moe import hybrid_fetch_share
+
+    def fail(offload, k):
+        raise RuntimeError("injected: no copy engine")
+
+    monkeypatch.setattr(hybrid_fetch_share, "measure", fail)
+    off = ExpertOffload(torch.device("cpu"), BF16, top_k=2)
+    off.make_experts(0, 8, 64, 32)
+    off.finish_loading()
+    off.enable_hybrid(3, threads=2)
+    logging.getLogger("freetoken").addHandler(caplog.handler)
+    try:
+        assert off._measure_fetch_share(3) is None
+    finally:
+        logging.getLogger("freetoken").removeHandler(caplog.handler)
+    assert off.hybrid.fetch_share == 0
+    assert any("measuring the fetch share failed" in m and "injected" in m and "the cap stays 3" in m
+               for m in caplog.messages), caplog.messages  # fmt: skip
+    off.allocate_cache(4)
+    assert off.cache.max_fetch == 3 and off.cache.fetch_share == 0
+
+
 def test_a_failed_host_call_fails_the_next_check():
     """A host function cannot raise on the driver's thread: it writes zeros and keeps its error, and the worker's
     per-step ``check_errors`` raises it (the step fails instead of decoding on zeros)."""

@@ -106,11 +106,16 @@ class ExpertOffload:
         self.hybrid = HybridExperts([e.cpu_bank() for e in self.layers], self.device, max_fetch, threads)
         if not (auto_share and self.device.type == "cuda" and max_fetch > 0):
             return None
+        return self._measure_fetch_share(max_fetch)
+
+    def _measure_fetch_share(self, max_fetch: int):
+        """The auto cap's share, measured and set on the hybrid experts; None (and a warning) when the measurement
+        fails: it must not stop the server, the fixed cap still serves."""
         from . import hybrid_fetch_share
 
         try:
             share = hybrid_fetch_share.measure(self, self.top_k)
-        except Exception as e:  # a measurement must not stop the server: the fixed cap still serves
+        except Exception as e:
             logger.warning(f"Hybrid experts: measuring the fetch share failed ({e!r}); the cap stays {max_fetch}")
             return None
         self.hybrid.fetch_share = share.per_mille
