@@ -299,9 +299,10 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def _pinned(banks):
-    # torch's pinned allocator (cudaHostAlloc: mapped under UVA). The engine's cudaHostRegister-ed banks go through
-    # the same kernel in test_expert_offload.py::test_offload_matches_resident_experts_on_cuda; registering small
-    # test tensors here could fail on pages they share with other allocations.
+    # torch's pinned allocator (cudaHostAlloc: mapped under UVA). The engine's banks, registered in place
+    # (moe/host_pinning.py), go through the same kernel in
+    # test_expert_offload.py::test_offload_matches_resident_experts_on_cuda; registering small test tensors here
+    # could fail on pages they share with other allocations.
     return [(gate_up.pin_memory(), down.pin_memory()) for gate_up, down in banks]
 
 

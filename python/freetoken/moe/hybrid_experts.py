@@ -94,11 +94,13 @@ class HybridExperts:
 
     def _open_mailbox(self, device: torch.device, start: bool = True) -> None:
         """The control block (pinned), the device's words and the polling thread (``start``; tests leave it off
-        for a host that never answers, or open one on the CPU under ``TRITON_INTERPRET=1``)."""
+        for a host that never answers, or open one on the CPU under ``TRITON_INTERPRET=1``): the experts then
+        hand off to ``device`` (their buffers pinned where it is CUDA)."""
         from .. import _core
         from ..kernels import host_expert_mailbox
 
-        self.control = torch.zeros(3, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.device = torch.device(device)
+        self.control = torch.zeros(3, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         self.state = host_expert_mailbox.new_state(device)
         self.mailbox = _core.CpuExpertMailbox(self.control, self.control.data_ptr(), start)
 

@@ -36,6 +36,7 @@ import torch
 from ..log import get_logger
 from ..tuning_env import choice_from_env
 from .device_slot_cache import DeviceExpertCache
+from .host_pinning import pin_in_place
 from .offloaded_experts import OffloadedExperts
 from .prefill_stream import PrefillExpertStream
 from .slot_cache import POLICIES
@@ -84,7 +85,7 @@ class ExpertOffload:
         if any(_layout(e.host_banks()) != _layout((gate_up, down)) for e in self.layers):
             raise ValueError("--moe-backend offload: the MoE layers' experts differ in shape or quantization")
         if self.device.type == "cuda":
-            self.pinned = all(_pin_in_place(t) for e in self.layers for t in e.host_banks())
+            self.pinned = all(pin_in_place(t, self.device) for e in self.layers for t in e.host_banks())
             if not self.pinned:
                 logger.warning("Could not pin the host expert banks; expert copies will be synchronous and slower")
         self.stream = PrefillExpertStream(
@@ -221,13 +222,3 @@ class ExpertOffload:
 
 def _layout(banks) -> tuple:
     return tuple((tuple(t.shape), t.dtype) for t in banks)
-
-
-def _pin_in_place(t: torch.Tensor) -> bool:
-    """Page-locks ``t``'s storage (cudaHostRegister) so copies from it are asynchronous DMA. The default flags map
-    it into the device's address space too (under UVA, i.e. 64-bit Linux): the expert gather kernel reads the banks
-    through that address."""
-    if t.is_pinned():
-        return True
-    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-    return int(rc) == 0
