@@ -50,7 +50,9 @@ def routing(T, k, E, seed=0):
 
 def reference(bank, x, ids, weights, bf16_act=False):
     """fp32 over the (dequantized) bank; ``bf16_act``: the activations rounded to bf16 before the down projection,
-    as the AVX512-BF16 kernels (and the GPU's) round them."""
+    as the AVX512-BF16 kernels (and the GPU's) round them, computed in fp64 up to that rounding: an fp32 reference
+    rounds an element the other way wherever its own summation order lands near a tie, and one large element's flip
+    moved a whole output by 6e-4 (a Sapphire Rapids host, 2026-12-07: torch's fp32 products differ by CPU)."""
     if not bf16_act:
         if len(bank) == 2:
             return fused_moe_torch(x.float(), bank[0].float(), bank[1].float(), ids, weights.float())
@@ -60,13 +62,13 @@ def reference(bank, x, ids, weights, bf16_act=False):
     else:
         every = torch.arange(bank[0].shape[0])
         gate_up, down = (dequantize_experts(*bank[i : i + 3], every, torch.float32) for i in (0, 3))
-    out, I = torch.zeros(x.shape[0], down.shape[1]), down.shape[2]
+    out, I = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float64), down.shape[2]
     for t, j in (ids >= 0).nonzero().tolist():
         e = int(ids[t, j])
-        h = gate_up[e] @ x[t].float()
-        act = (torch.nn.functional.silu(h[:I]) * h[I:]).bfloat16().float()
-        out[t] += float(weights[t, j]) * (down[e] @ act)
-    return out
+        h = gate_up[e].double() @ x[t].double()
+        act = (torch.nn.functional.silu(h[:I]) * h[I:]).float().bfloat16().double()
+        out[t] += float(weights[t, j]) * (down[e].double() @ act)
+    return out.float()
 
 
 def check(bank, T, k, portable, seed=0, tol=1e-4):
