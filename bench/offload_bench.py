@@ -1,9 +1,10 @@
 """Expert-offload benchmark: the same model served with every expert resident (``--moe-backend fused``, the
 baseline) and offloaded with GPU expert caches of several sizes, through the HTTP API. For each: batch-1 decode and
 the expert-cache hit rate measured over it (from ``/v1/stats``), then prefill throughput with the cache as decode
-left it; ``--hit-d2d`` adds each size with ``--moe-prefill-hit-d2d`` beside it, and ``from cache`` is the share of
-the prefill's streamed experts copied from the cache's slots instead of over PCIe, ``of floor`` its throughput
-against the PCIe floor of the experts it did copy over PCIe (their bytes at ``--pcie-gb-s``).
+left it. ``from cache`` is the share of the prefill's streamed experts copied from the cache's slots instead of over
+PCIe (``--moe-prefill-hit-d2d``, the default), ``of floor`` its throughput against the PCIe floor of the experts it
+did copy over PCIe (their bytes at ``--pcie-gb-s``); ``--hit-d2d`` adds each size with
+``--disable-moe-prefill-hit-d2d`` beside it (every expert over PCIe: the A/B).
 Against the hardware: every miss copies one expert over PCIe, so decode cannot beat
 ``misses/token × expert bytes / PCIe bandwidth``; the table prints that floor and how close decode gets.
 
@@ -95,7 +96,9 @@ def main() -> int:
     ap.add_argument("--pcie-gb-s", type=float, default=55.0, help="host-to-device bandwidth for the floor")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument(
-        "--hit-d2d", action="store_true", help="each cache size also with --moe-prefill-hit-d2d (the run beside it)"
+        "--hit-d2d",
+        action="store_true",
+        help="each cache size also with --disable-moe-prefill-hit-d2d (every expert over PCIe: the run beside it)",
     )
     ap.add_argument("--out", default="bench/out/offload.json")
     ap.add_argument("serve_args", nargs=argparse.REMAINDER)
@@ -106,11 +109,10 @@ def main() -> int:
     configs = [] if a.no_baseline else [("fused (all resident)", ["--moe-backend", "fused"])]
     for size in a.cache_sizes.split(","):
         flag = [] if size == "auto" else ["--moe-cache-size", size]
-        configs.append((f"offload, cache {size}", ["--moe-backend", "offload"] + flag))
         if a.hit_d2d:
-            configs.append(
-                (f"offload, cache {size}, d2d", ["--moe-backend", "offload", "--moe-prefill-hit-d2d"] + flag)
-            )
+            no_d2d = ["--moe-backend", "offload", "--disable-moe-prefill-hit-d2d"] + flag
+            configs.append((f"offload, cache {size}, no d2d", no_d2d))
+        configs.append((f"offload, cache {size}", ["--moe-backend", "offload"] + flag))
     runs, base = [], None
     for label, extra in configs:
         r = run_one(label, common + extra, env, a)

@@ -132,9 +132,9 @@ def test_tool_call_round_trip_reuses_the_history_and_equals_naive(server, checkp
 
 def test_expert_offload_launch_line_serves_the_same_greedy_tokens(checkpoint):
     """The brief's launch line shape (--moe-backend offload --moe-cache-size N), with a cache far smaller than the
-    model's 32 experts, and --moe-prefill-hit-d2d: greedy completions still equal HF's (the second prompt's prefill
-    streamed while decode had filled the cache), and /v1/stats counts the cache's hits and misses and the streamed
-    experts taken from the cache."""
+    model's 32 experts (and --moe-prefill-hit-d2d by default): greedy completions still equal HF's (the second
+    prompt's prefill streamed while decode had filled the cache), and /v1/stats counts the cache's hits and misses
+    and the streamed experts taken from the cache."""
     _, hf = checkpoint
     srv = ServerProcess(
         [
@@ -152,7 +152,6 @@ def test_expert_offload_launch_line_serves_the_same_greedy_tokens(checkpoint):
             "6",
             "--num-tokens",
             "4096",
-            "--moe-prefill-hit-d2d",
         ]
     )
     try:

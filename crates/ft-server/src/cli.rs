@@ -363,9 +363,13 @@ pub struct ServeArgs {
     pub disable_moe_prefill_overlap: bool,
 
     /// Prefill: copy the experts the GPU expert cache holds device-to-device into the stream buffers (only the
-    /// others cross PCIe); one host sync per streamed forward.
+    /// others cross PCIe); one host sync per streamed forward. The default (FreeToken's opt-in flag is accepted).
     #[arg(help_heading = MOE, long)]
     pub moe_prefill_hit_d2d: bool,
+
+    /// Prefill: stream every expert over PCIe, those the GPU expert cache holds too.
+    #[arg(help_heading = MOE, long, conflicts_with = "moe_prefill_hit_d2d")]
+    pub disable_moe_prefill_hit_d2d: bool,
 
     /// How host expert banks are read (FreeToken: serial / parallel O_DIRECT); only auto (the checkpoint
     /// reader's own) is built.
@@ -591,6 +595,7 @@ impl ServeArgs {
                 (self.moe_cache_auto, "--moe-cache-auto"),
                 (self.disable_moe_prefill_overlap, "--disable-moe-prefill-overlap"),
                 (self.moe_prefill_hit_d2d, "--moe-prefill-hit-d2d"),
+                (self.disable_moe_prefill_hit_d2d, "--disable-moe-prefill-hit-d2d"),
             ]
             .into_iter()
             .find_map(|(set, flag)| set.then_some(flag));
@@ -986,6 +991,7 @@ mod tests {
             &["--moe-backend", "fused", "--moe-cache-auto"],
             &["--moe-backend", "fused", "--disable-moe-prefill-overlap"],
             &["--moe-backend", "fused", "--moe-prefill-hit-d2d"],
+            &["--moe-backend", "fused", "--disable-moe-prefill-hit-d2d"],
         ] {
             let (msg, code) = serve(flags).unwrap_err();
             assert_eq!(code, 2);
@@ -995,7 +1001,15 @@ mod tests {
         for backend in ["offload", "auto"] {
             serve(&["--moe-backend", backend, "--moe-cache-size", "64", "--disable-moe-prefill-overlap"]).unwrap();
             serve(&["--moe-backend", backend, "--moe-prefill-hit-d2d"]).unwrap();
+            let off = serve(&["--moe-backend", backend, "--disable-moe-prefill-hit-d2d"]).unwrap();
+            assert!(off.disable_moe_prefill_hit_d2d && !off.moe_prefill_hit_d2d);
         }
+        // on by default: neither flag set; both at once is a contradiction
+        let a = serve(&["--moe-backend", "offload"]).unwrap();
+        assert!(!a.moe_prefill_hit_d2d && !a.disable_moe_prefill_hit_d2d);
+        let (msg, code) = serve(&["--moe-prefill-hit-d2d", "--disable-moe-prefill-hit-d2d"]).unwrap_err();
+        assert_eq!(code, 2);
+        assert!(msg.contains("cannot be used with"), "{msg}");
     }
 
     #[test]

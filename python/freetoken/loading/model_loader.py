@@ -99,7 +99,7 @@ def load_model(a: dict) -> LoadedModel:
             dtype,
             int(config.num_experts_per_tok),
             overlap=not a["disable_moe_prefill_overlap"],
-            hit_d2d=bool(a.get("moe_prefill_hit_d2d")),
+            hit_d2d=not a.get("disable_moe_prefill_hit_d2d"),  # the default: --moe-prefill-hit-d2d is implied
         )
     phase(f"Loading weights ({'dummy' if a['dummy_weight'] else os.path.basename(checkpoint.path)}, {dtype})")
     model = build_model(cls, config, dtype, device, offload, quant)
@@ -183,6 +183,7 @@ def _warn_unused_offload_flags(a: dict, moe_backend: str, has_experts: bool) -> 
             ("--moe-cache-auto", "moe_cache_auto"),
             ("--disable-moe-prefill-overlap", "disable_moe_prefill_overlap"),
             ("--moe-prefill-hit-d2d", "moe_prefill_hit_d2d"),
+            ("--disable-moe-prefill-hit-d2d", "disable_moe_prefill_hit_d2d"),
         )
         if a.get(key)
     ]
