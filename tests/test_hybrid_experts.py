@@ -1,7 +1,7 @@
 """The hybrid and cpu MoE backends (``moe/hybrid_experts.py``): the expert cache admits at most ``max_fetch`` misses
 a layer and the host CPU computes the pairs of the others. A tiny Qwen3.5-MoE through them against all-resident
-experts, the native host call against the executor's forward, and on CUDA the hand-off (the mailbox or a host
-node) inside a captured decode graph replayed with new routing. The mailbox alone: ``test_host_expert_mailbox.py``."""
+experts, a call with wrong buffers refused, and on CUDA the hand-off (the mailbox's kernels and thread) inside a
+captured decode graph replayed with new routing. The mailbox alone: ``test_host_expert_mailbox.py``."""
 
 from __future__ import annotations
 
@@ -94,37 +94,39 @@ def _bank(E=6, H=64, I=32, seed=0):
     return (torch.randn(E, 2 * I, H, generator=g) * 0.1).to(BF16), (torch.randn(E, H, I, generator=g) * 0.1).to(BF16)
 
 
-def test_host_call_overwrites_its_output_and_keeps_its_errors():
-    gate_up, down = _bank()
-    experts = CpuExperts((gate_up, down), threads=2)
+def test_a_call_over_wrong_buffers_is_refused():
+    """The native call reads its buffers by address for as long as the mailbox lives: anything but the contiguous
+    CPU tensors of the layer's shapes and dtypes is refused when it is registered."""
+    from freetoken import _core
+
+    experts = CpuExperts(_bank(), threads=2)
+    control = torch.zeros(3, dtype=torch.int64)
+    mailbox = _core.CpuExpertMailbox(control, control.data_ptr(), False)
     T, k, H = 3, 2, 64
-    x = torch.randn(T, H).to(BF16)
-    ids = torch.tensor([[0, 5], [-1, 2], [3, 3]])
-    w = torch.rand(T, k)
-    out = torch.full((T, H), 7.0)
-    call = experts.host_call(x, ids, w, out)
-    call.run()
-    # what the executor's forward computes (against the torch references: test_cpu_experts.py), overwritten
-    torch.testing.assert_close(out, experts.forward(x, ids, w), atol=1e-6, rtol=1e-6)
-    assert call.take_error() is None and call.function_address and call.context_address
-    ids[1, 0] = 6  # outside the bank
-    with pytest.raises(ValueError, match="outside the bank's 6 experts"):
-        call.run()
-    assert call.take_error() and call.take_error() is None and torch.equal(out, torch.zeros_like(out))
-    with pytest.raises(ValueError, match="ids must be a contiguous torch.int64"):
-        experts.host_call(x, ids.int(), w, out)
+    x, ids, w, out = (
+        torch.randn(T, H).to(BF16),
+        torch.zeros(T, k, dtype=torch.int64),
+        torch.rand(T, k),
+        torch.ones(T, H),
+    )
+    assert experts.mailbox_call(mailbox, x, ids, w, out) == 0
+    for bad, message in (
+        ((x, ids.int(), w, out), "ids must be a contiguous torch.int64"),
+        ((x, ids, w, torch.ones(T, H + 1)), "out must be a contiguous torch.float32 CPU tensor of shape \\[3, 64\\]"),
+        ((x.t().contiguous().t(), ids, w, out), "x must be a contiguous torch.bfloat16"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            experts.mailbox_call(mailbox, *bad)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("signal", ["mailbox", "host_node"])
 @pytest.mark.parametrize("max_fetch", [0, 1, 3, "auto"])
-def test_hybrid_layers_captured_in_a_cuda_graph(max_fetch, signal, monkeypatch):
+def test_hybrid_layers_captured_in_a_cuda_graph(max_fetch):
     """Two offloaded layers in one CUDA graph (admission with the cap, the hand-off to the host: the mailbox's
-    kernels or a host node on a side stream, the fetch, the GPU kernel, the host's sums added); each replay gets new
-    routing. Every layer's output equals the all-resident reference within bf16 rounding, and the host took
-    pairs. ``auto``: a floor of 1 and the share measured at start-up (``hybrid_fetch_share.py``)."""
-    monkeypatch.setenv("FREETOKEN_HYBRID_SIGNAL", signal)
+    kernels, the fetch, the GPU kernel, the host's sums added); each replay gets new routing. Every layer's output
+    equals the all-resident reference within bf16 rounding, and the host took pairs. ``auto``: a floor of 1 and the
+    share measured at start-up (``hybrid_fetch_share.py``)."""
     E, H, I, T, k = 16, 256, 128, 4, 4
     off = ExpertOffload(torch.device("cuda"), BF16, top_k=k)
     banks = []
@@ -136,7 +138,7 @@ def test_hybrid_layers_captured_in_a_cuda_graph(max_fetch, signal, monkeypatch):
         banks.append((gate_up.cuda(), down.cuda()))
     off.finish_loading()
     share = off.enable_hybrid(1 if max_fetch == "auto" else max_fetch, threads=4, auto_share=max_fetch == "auto")
-    assert off.hybrid.signal == signal and (off.hybrid.mailbox is not None) == (signal == "mailbox")
+    assert off.hybrid.mailbox is not None and off.hybrid.mailbox.polling
     if max_fetch == "auto":  # both sides measured (a few GB/s at least)
         assert share.pcie_gb_s > 1 and share.cpu_gb_s > 0.1 and 0 < share.per_mille < 1000, share
         assert off.hybrid.fetch_share == share.per_mille
@@ -250,17 +252,18 @@ def test_a_failed_share_measurement_keeps_the_fixed_cap(monkeypatch, caplog):
 
 
 def test_a_failed_host_call_fails_the_next_check():
-    """A host function cannot raise on the driver's thread: it writes zeros and keeps its error, and the worker's
-    per-step ``check_errors`` raises it (the step fails instead of decoding on zeros)."""
+    """The mailbox's thread cannot raise: a failed call writes zeros and keeps its error, and the worker's per-step
+    ``check_errors`` raises it, naming the layer (the step fails instead of decoding on zeros)."""
     from freetoken.moe.hybrid_experts import HybridExperts
 
     gate_up, down = _bank()
     hybrid = HybridExperts([(gate_up, down)], torch.device("cpu"), max_fetch=0, threads=2)
+    hybrid._open_mailbox(torch.device("cpu"), start=False)  # the call is run below, as the thread would
     hybrid.check_errors()  # nothing failed (or only calls of other objects, whose errors were taken)
     x, ids, w, out = torch.randn(2, 64).to(BF16), torch.tensor([[1, 2], [3, 9]]), torch.rand(2, 2), torch.ones(2, 64)
-    call = hybrid._calls[(0, 2, 2)] = hybrid.layers[0].host_call(x, ids, w, out)
+    call = hybrid._calls[(0, 2, 2)] = hybrid.layers[0].mailbox_call(hybrid.mailbox, x, ids, w, out)
     with pytest.raises(ValueError):
-        call.run()  # what the driver runs, raising here as well
+        hybrid.mailbox.run(call)  # what the thread runs, raising here as well
     assert torch.equal(out, torch.zeros_like(out))
     with pytest.raises(RuntimeError, match="CPU experts of MoE layer 0 \\(2 tokens\\): .*outside the bank"):
         hybrid.check_errors()

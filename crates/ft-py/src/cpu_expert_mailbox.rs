@@ -1,8 +1,8 @@
-//! `CpuExpertMailbox`: the host half of the hybrid backend's GPU-to-CPU hand-off without host nodes.
+//! `CpuExpertMailbox`: the host half of the hybrid backend's GPU-to-CPU hand-off.
 //!
-//! A host node (`cpu_expert_host_call.rs`) costs ~17 us of driver latency a layer on the step's critical path, even
-//! when the layer has nothing for the host. Here a thread of ours polls a small control block in pinned memory
-//! instead, which the GPU writes and reads through UVA (`kernels/host_expert_mailbox.py`):
+//! A CUDA host node (`cuLaunchHostFunc`, the hand-off until 2026-12-07) cost ~17 us of driver latency a layer on the
+//! step's critical path, even when the layer had nothing for the host. Here a thread of ours polls a small control
+//! block in pinned memory instead, which the GPU writes and reads through UVA (`kernels/host_expert_mailbox.py`):
 //!
 //! - word 0, `request`: `(seq << 16) | call`, written by the GPU's pack kernel after the call's pinned inputs
 //!   (`x`, `ids`, `weights`), and only when the layer has host pairs; `seq` grows by one a request;
@@ -11,8 +11,8 @@
 //!
 //! The GPU's wait kernel spins on `done` before it adds `out` to the layer's output. Calls are registered once
 //! (`add_call`) with fixed buffers, so the kernels and their pointers sit in a decode CUDA graph. A failed call
-//! writes zeros and keeps its error, as a host node does (`take_errors`); the thread always answers, so the GPU
-//! never waits on a failure (a request naming no call is answered too, and reported).
+//! writes zeros and keeps its error (`take_errors`); the thread always answers, so the GPU never waits on a failure
+//! (a request naming no call is answered too, and reported).
 
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
-use crate::cpu_expert_host_call::{Context, ANY_FAILED};
+use crate::cpu_expert_call::{CpuExpertCall, ANY_FAILED};
 use crate::cpu_experts::{CpuExpertBank, CpuExpertExecutor};
 
 /// Bits of a request that name the call.
@@ -36,7 +36,7 @@ const NAP: Duration = Duration::from_micros(100);
 struct Shared {
     /// The control block: three i64 words of pinned memory (see the module docs), alive as long as the mailbox.
     control: usize,
-    calls: Mutex<Vec<Arc<Context>>>,
+    calls: Mutex<Vec<Arc<CpuExpertCall>>>,
     /// Requests that named no call (a corrupted request word), for `take_errors`.
     stray: Mutex<Vec<i64>>,
     stop: AtomicBool,
@@ -121,8 +121,8 @@ impl CpuExpertMailbox {
         Ok(CpuExpertMailbox { shared, thread: Mutex::new(thread), _owner: owner })
     }
 
-    /// Registers `bank`'s experts on `executor` over these buffers (as `CpuExpertHostCall`'s) and returns the
-    /// call's index, the low bits of its requests.
+    /// Registers `bank`'s experts on `executor` over these buffers (`CpuExpertCall::new`) and returns the call's
+    /// index, the low bits of its requests.
     #[allow(clippy::too_many_arguments)]
     fn add_call(
         &self,
@@ -135,12 +135,12 @@ impl CpuExpertMailbox {
         k: usize,
         out: usize,
     ) -> PyResult<usize> {
-        let context = Context::new(executor, bank, x, tokens, ids, weights, k, out)?;
+        let call = CpuExpertCall::new(executor, bank, x, tokens, ids, weights, k, out)?;
         let mut calls = self.shared.calls.lock().unwrap_or_else(|e| e.into_inner());
         if calls.len() >= 1 << CALL_BITS {
             return Err(PyValueError::new_err(format!("a mailbox holds at most {} calls", 1 << CALL_BITS)));
         }
-        calls.push(Arc::new(context));
+        calls.push(Arc::new(call));
         Ok(calls.len() - 1)
     }
 

@@ -112,7 +112,7 @@ impl CpuExpertBank {
 /// The thread pool and kernels the experts run on; one serves every layer.
 #[pyclass(frozen, module = "freetoken._core")]
 pub struct CpuExpertExecutor {
-    /// Shared with the host calls made from it (`cpu_expert_host_call.rs`).
+    /// Shared with the calls made from it (`cpu_expert_call.rs`).
     pub(crate) exec: Arc<Executor>,
 }
 

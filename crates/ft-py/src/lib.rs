@@ -6,10 +6,10 @@
 //! - `ft quantize` runs the Python quantizer (`freetoken.quant.quantize_checkpoint.main`) with the parsed flags.
 //! - `OfflineEngine` runs the same scheduler and worker synchronously for `freetoken.LLM` (tests, notebooks).
 //! - `CpuExpertExecutor` and `CpuExpertBank` run MoE routed experts on the host CPU (`ft-cpu-experts`) for
-//!   `freetoken.moe.cpu_experts`; `CpuExpertHostCall` is one layer's call of them as a CUDA host function (the
-//!   hybrid backend's host nodes), `CpuExpertMailbox` the same calls answered by a polling thread (no host nodes).
+//!   `freetoken.moe.cpu_experts`; `CpuExpertMailbox` runs one layer's call of them (`cpu_expert_call.rs`) when the
+//!   GPU asks, from a thread polling pinned memory (the hybrid backend's hand-off).
 
-mod cpu_expert_host_call;
+mod cpu_expert_call;
 mod cpu_expert_mailbox;
 mod cpu_experts;
 mod offline;
@@ -76,8 +76,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<offline::OfflineEngine>()?;
     m.add_class::<cpu_experts::CpuExpertBank>()?;
     m.add_class::<cpu_experts::CpuExpertExecutor>()?;
-    m.add_class::<cpu_expert_host_call::CpuExpertHostCall>()?;
-    m.add_function(wrap_pyfunction!(cpu_expert_host_call::cpu_expert_host_call_failed, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_expert_call::cpu_expert_call_failed, m)?)?;
     m.add_class::<cpu_expert_mailbox::CpuExpertMailbox>()?;
     Ok(())
 }

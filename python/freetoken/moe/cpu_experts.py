@@ -139,20 +139,13 @@ class CpuExperts:
         self.executor.forward(self.native, x.data_ptr(), T, ids.data_ptr(), weights.data_ptr(), k, out.data_ptr())
         return out
 
-    def host_call(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor):
-        """These experts over fixed buffers as a native CUDA host function (``_core.CpuExpertHostCall``: its
-        ``function_address`` / ``context_address`` go to ``engine.host_functions.launch_host_function``; ``run()``
-        calls it here): ``out = sum_j weights[t, j] * expert_{ids[t, j]}(x[t])``, zeroed first (zero and an error
-        for ``take_error()`` on failure). ``x`` bf16 [T, H], ``ids`` int64 [T, k], ``weights`` fp32 [T, k], ``out``
-        fp32 [T, H]: contiguous CPU tensors (pinned, for a device's copies) that the caller keeps alive as long as
-        the call."""
-        from .. import _core
-
-        return _core.CpuExpertHostCall(self.executor, self.native, *self._fixed_buffers(x, ids, weights, out))
-
     def mailbox_call(self, mailbox, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor):
-        """The same call registered with ``mailbox`` (``_core.CpuExpertMailbox``: its thread runs it when the GPU
-        asks, ``mailbox.run(index)`` here); returns its index. Buffers as ``host_call``'s."""
+        """These experts over fixed buffers, registered with ``mailbox`` (``_core.CpuExpertMailbox``: its thread
+        runs the call when the GPU asks, ``mailbox.run(index)`` here); returns its index. The call computes
+        ``out = sum_j weights[t, j] * expert_{ids[t, j]}(x[t])``, zeroed first (zero and an error for the mailbox's
+        ``take_errors()`` on failure). ``x`` bf16 [T, H], ``ids`` int64 [T, k], ``weights`` fp32 [T, k], ``out``
+        fp32 [T, H]: contiguous CPU tensors (pinned, for a device's kernels) that the caller keeps alive as long as
+        the mailbox."""
         return mailbox.add_call(self.executor, self.native, *self._fixed_buffers(x, ids, weights, out))
 
     def _fixed_buffers(self, x, ids, weights, out) -> tuple:

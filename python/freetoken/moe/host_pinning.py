@@ -3,7 +3,7 @@
 Why in place: registering filled pages is faster than a pinned allocation and exact-size, where torch's pinned
 allocator rounds up to a power of two (a 60 GB bank set would take up to twice that).
 
-Why the driver API (``cuMemHostRegister``, through ctypes as ``engine/host_functions.py`` does) and not torch's
+Why the driver API (``cuMemHostRegister``, through ctypes as ``version_info.py`` reads the driver) and not torch's
 ``cudaHostRegister``: a failed runtime call stays the runtime's last error, and torch raises it at its next kernel
 launch, far from the cause (an H100, 2026-12-07: "part or all of the requested memory range is already mapped" out
 of a ``torch.full`` after the warning that pinning had failed). A failed driver call leaves nothing behind: the

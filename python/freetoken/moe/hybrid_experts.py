@@ -9,20 +9,16 @@ A decode step's MoE layer with hybrid on (``OffloadedExperts.forward`` through `
    computes (the CPU expert executor, native, no GIL) while the GPU fetches its misses and runs the other pairs;
 3. ``finish``: the GPU waits for the host's fp32 sums and adds them to the layer's output.
 
-How the GPU and the host signal each other (``FREETOKEN_HYBRID_SIGNAL``):
+How the GPU and the host signal each other: a mailbox. One kernel packs the buffers through UVA and writes a
+request into a pinned control block that a polling thread of ours reads (``freetoken._core.CpuExpertMailbox``); one
+kernel spins until the host answered and adds its sums (``kernels/host_expert_mailbox.py``). A layer without host
+pairs rings nothing and waits for nothing: two short kernels a layer. (Until 2026-12-07 a CUDA host node on a side
+stream, ``cuLaunchHostFunc``, could do it instead, at ~49 us a layer even with nothing for the host; beside it on an
+H100 the mailbox decoded 23 % faster under Zipf routing, 25 % under uniform, 96 % when every expert hits:
+``bench/results/2026-12-07-h100-qwen3.6-35b-a3b-nvfp4-decode-hybrid-mailbox.txt``.)
 
-- ``mailbox``: one kernel packs the buffers through UVA and writes a request into a pinned control block that a
-  polling thread of ours reads (``freetoken._core.CpuExpertMailbox``); one kernel spins until the host answered and
-  adds its sums (``kernels/host_expert_mailbox.py``). A layer without host pairs rings nothing and waits for
-  nothing: two short kernels a layer.
-- ``host_node`` (the default until the mailbox has run on a GPU: its kernels' system-scope instructions are checked
-  in their sm_90 PTX and its protocol under the interpreter, not yet on a device): copies to the pinned buffers on
-  the step's stream, then a side stream runs the layer's native host function (``CpuExpertHostCall`` through
-  ``cuLaunchHostFunc``), then the step's stream joins it and copies the sums back: ~49 us a layer even with nothing
-  for the host (the driver's host-node latency, three copies, the join; H100, 2026-12-06).
-
-Every buffer and native call has a fixed address per (layer, batch size), so either is captured once in a decode
-CUDA graph and replays with new routing. Consecutive layers share the pinned buffers: a layer writes them only after
+Every buffer and native call has a fixed address per (layer, batch size), so both kernels are captured once in a
+decode CUDA graph and replay with new routing. Consecutive layers share the pinned buffers: a layer writes them only after
 the previous layer's ``finish`` waited for the host. On a CPU device there is no stream: ``start`` computes at once
 and ``finish`` adds.
 """
@@ -34,11 +30,7 @@ from typing import Optional
 
 import torch
 
-from ..tuning_env import choice_from_env
 from .cpu_experts import CpuExperts, physical_cores
-
-SIGNALS = ("mailbox", "host_node")
-DEFAULT_SIGNAL = "host_node"
 
 # cores left to the engine beside a GPU (its step thread, the HTTP server, the CUDA driver's threads) when
 # --moe-cpu-threads is 0: the executor's workers spin between calls (the mailbox's polling thread is the executor's
@@ -54,19 +46,18 @@ def engine_side_threads() -> int:
 
 @dataclass
 class _Buffers:
-    """One batch size's host inputs and output (pinned) and the output's device copy."""
+    """One batch size's host inputs and output (pinned on CUDA: the mailbox's kernels read and write them)."""
 
     x: torch.Tensor  # [T, H] bf16
     ids: torch.Tensor  # [T, k] int64, -1: not the host's pair
     weights: torch.Tensor  # [T, k] fp32
-    out: torch.Tensor  # [T, H] fp32, written by the host function
-    out_device: Optional[torch.Tensor]  # [T, H] fp32 (host_node)
+    out: torch.Tensor  # [T, H] fp32, written by the host's call
 
 
 @dataclass
 class HostWork:
-    """What ``start`` leaves for ``finish``: the host's sums (CPU device), or the buffers whose ``out`` the host
-    function writes (CUDA)."""
+    """What ``start`` leaves for ``finish``: the host's sums (CPU device), or the buffers whose ``out`` the host's
+    call writes (CUDA)."""
 
     out: Optional[torch.Tensor] = None
     buffers: Optional[_Buffers] = None
@@ -84,12 +75,9 @@ class HybridExperts:
         self.max_fetch = max_fetch
         self.fetch_share = 0  # per mille of a layer's misses fetched above max_fetch (the auto cap; offload.py)
         self._buffers: dict[tuple[int, int], _Buffers] = {}
-        self._calls: dict[tuple[int, int, int], object] = {}  # (layer, T, k) -> native host call | mailbox index
-        self.signal = choice_from_env("FREETOKEN_HYBRID_SIGNAL", DEFAULT_SIGNAL, SIGNALS)
-        self.side = self.mailbox = None
-        if self.device.type == "cuda" and self.signal == "host_node":
-            self.side = torch.cuda.Stream(self.device)
-        elif self.device.type == "cuda":
+        self._calls: dict[tuple[int, int, int], int] = {}  # (layer, T, k) -> the call's index in the mailbox
+        self.mailbox = None
+        if self.device.type == "cuda":
             self._open_mailbox(self.device)
 
     def _open_mailbox(self, device: torch.device, start: bool = True) -> None:
@@ -109,37 +97,19 @@ class HybridExperts:
         if self.mailbox is not None:
             return self._pack(index, x, topk_ids, slot_ids, topk_weights)
         host_ids = torch.where(slot_ids < 0, topk_ids.to(slot_ids.dtype), -1)
-        if self.side is None:
-            out = self.layers[index].forward(x.to(torch.bfloat16).contiguous(), host_ids, topk_weights)
-            return HostWork(out=out)
-        T, k = topk_ids.shape
-        buf = self._buffers_for(T, k, x.shape[1])
-        buf.x.copy_(x, non_blocking=True)
-        buf.ids.copy_(host_ids, non_blocking=True)
-        buf.weights.copy_(topk_weights, non_blocking=True)
-        call = self._call_for(index, buf)
-        self.side.wait_stream(torch.cuda.current_stream(self.device))
-        from ..engine.host_functions import launch_host_function
-
-        launch_host_function(call.function_address, call.context_address, self.side)
-        return HostWork(buffers=buf)
+        return HostWork(out=self.layers[index].forward(x.to(torch.bfloat16).contiguous(), host_ids, topk_weights))
 
     def finish(self, work: HostWork, y: torch.Tensor) -> torch.Tensor:
         """Adds the host's sums to the layer's output ``y [T, H]`` (in place) and returns it."""
         if work.out is not None:
             return y.add_(work.out.to(y.dtype))
-        buf = work.buffers
-        if self.mailbox is not None:
-            from ..kernels.host_expert_mailbox import wait_and_add
+        from ..kernels.host_expert_mailbox import wait_and_add
 
-            return wait_and_add(y, buf.out, self.control, self.state)
-        torch.cuda.current_stream(self.device).wait_stream(self.side)
-        buf.out_device.copy_(buf.out, non_blocking=True)
-        return y.add_(buf.out_device.to(y.dtype))
+        return wait_and_add(y, work.buffers.out, self.control, self.state)
 
     def check_errors(self) -> None:
-        """Raises what a native host function met since the last check (it cannot raise on the driver's thread;
-        it wrote zeros instead). Each step: one flag read when nothing failed."""
+        """Raises what the host's calls met since the last check (the mailbox's thread cannot raise; a failed call
+        wrote zeros instead), or a mailbox that stopped answering. Each step: two word reads when nothing failed."""
         from .. import _core
 
         if self.mailbox is not None and int(self.control[2]) != 0:
@@ -147,19 +117,13 @@ class HybridExperts:
                 "the CPU experts' mailbox thread did not answer a MoE layer's request in time: hybrid MoE is stuck "
                 f"(thread running: {self.mailbox.polling})"
             )
-        if not _core.cpu_expert_host_call_failed():
-            return
-        if self.mailbox is not None:
-            errors = dict(self.mailbox.take_errors())
-            where = {call: (layer, T) for (layer, T, _), call in self._calls.items()}
-            for call, message in errors.items():
-                layer, T = where.get(call, ("?", "?"))
-                raise RuntimeError(f"CPU experts of MoE layer {layer} ({T} tokens): {message}")
-            return
-        for (layer, T, _), call in self._calls.items():
-            message = call.take_error()
-            if message:
-                raise RuntimeError(f"CPU experts of MoE layer {layer} ({T} tokens): {message}")
+        if self.mailbox is None or not _core.cpu_expert_call_failed():
+            return  # (without a mailbox the host's experts run in ``start`` and raise there)
+        errors = dict(self.mailbox.take_errors())
+        where = {call: (layer, T) for (layer, T, _), call in self._calls.items()}
+        for call, message in errors.items():
+            layer, T = where.get(call, ("?", "?"))
+            raise RuntimeError(f"CPU experts of MoE layer {layer} ({T} tokens): {message}")
 
     def _pack(self, index: int, x, topk_ids, slot_ids, topk_weights) -> HostWork:
         from ..kernels.host_expert_mailbox import pack_for_host
@@ -179,20 +143,13 @@ class HybridExperts:
                 ids=torch.empty(T, k, dtype=torch.int64, **pinned),
                 weights=torch.empty(T, k, dtype=torch.float32, **pinned),
                 out=torch.zeros(T, H, dtype=torch.float32, **pinned),
-                # host_node copies the sums here; the mailbox's wait kernel reads them from pinned memory
-                out_device=torch.zeros(T, H, dtype=torch.float32, device=self.device)
-                if self.side is not None
-                else None,
             )
         return self._buffers[key]
 
-    def _call_for(self, index: int, buf: _Buffers):
-        """Layer ``index``'s native call over ``buf``, made once: its mailbox index, or its host call."""
+    def _call_for(self, index: int, buf: _Buffers) -> int:
+        """Layer ``index``'s native call over ``buf``, registered once: its index in the mailbox."""
         T, k = buf.ids.shape
         key = (index, T, k)
         if key not in self._calls:
-            experts = self.layers[index]
-            args = (buf.x, buf.ids, buf.weights, buf.out)
-            made = experts.mailbox_call(self.mailbox, *args) if self.mailbox is not None else experts.host_call(*args)
-            self._calls[key] = made
+            self._calls[key] = self.layers[index].mailbox_call(self.mailbox, buf.x, buf.ids, buf.weights, buf.out)
         return self._calls[key]
