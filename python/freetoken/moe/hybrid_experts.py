@@ -18,9 +18,9 @@ H100 the mailbox decoded 23 % faster under Zipf routing, 25 % under uniform, 96 
 ``bench/results/2026-12-07-h100-qwen3.6-35b-a3b-nvfp4-decode-hybrid-mailbox.txt``.)
 
 Every buffer and native call has a fixed address per (layer, batch size), so both kernels are captured once in a
-decode CUDA graph and replay with new routing. Consecutive layers share the pinned buffers: a layer writes them only after
-the previous layer's ``finish`` waited for the host. On a CPU device there is no stream: ``start`` computes at once
-and ``finish`` adds.
+decode CUDA graph and replay with new routing. Consecutive layers share the pinned buffers: a layer writes them only
+after the previous layer's ``finish`` waited for the host. On a CPU device there is no mailbox: ``start`` computes at
+once and ``finish`` adds.
 """
 
 from __future__ import annotations
