@@ -199,6 +199,8 @@ def test_llm_with_hybrid_nvfp4_experts_gives_the_resident_tokens(nvfp4_dir, resi
     off = llm.worker.offload
     assert off.hybrid is not None and off.cache.max_fetch == (0 if backend == "cpu" else 1)
     assert off.hybrid.layers[0].format == "nvfp4"
+    # prefill copies the cache's experts on the device by default; the cpu backend's cache stays empty: no map read
+    assert off.hit_d2d and (off.stream.resident is None) == (backend == "cpu")
     # 5 tokens: the 6th of the first prompt is a near-tie on the resident model (its top two logits 5e-5 apart
     # at ~15), which the host's fp32 sums (no bf16 rounding of gate, up and the product) may break the other way
     sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
