@@ -12,7 +12,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use ft_cpu_experts::Executor;
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::cpu_experts::{CpuExpertBank, CpuExpertExecutor, StepBuffers};
@@ -35,24 +34,10 @@ pub(crate) struct CpuExpertCall {
 }
 
 impl CpuExpertCall {
-    /// The call of `bank`'s experts on `executor` over these buffers (addresses of contiguous pinned CPU tensors:
-    /// `x` bf16 `[tokens, H]`, `ids` int64 `[tokens, k]`, `weights` f32 `[tokens, k]`, `out` f32 `[tokens, H]`),
-    /// checked against the bank.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn new(
-        executor: &CpuExpertExecutor,
-        bank: &CpuExpertBank,
-        x: usize,
-        tokens: usize,
-        ids: usize,
-        weights: usize,
-        k: usize,
-        out: usize,
-    ) -> PyResult<CpuExpertCall> {
-        let step =
-            StepBuffers::new(bank.shape.hidden, x, tokens, ids, weights, k, out).map_err(PyValueError::new_err)?;
+    /// The call of `bank`'s experts on `executor` over `step`'s buffers (pinned, for the GPU's kernels).
+    pub(crate) fn new(executor: &CpuExpertExecutor, bank: &CpuExpertBank, step: StepBuffers) -> CpuExpertCall {
         let bank = CpuExpertBank { shape: bank.shape, tensors: bank.tensors.clone() };
-        Ok(CpuExpertCall { exec: executor.exec.clone(), bank, step, error: Mutex::new(None) })
+        CpuExpertCall { exec: executor.exec.clone(), bank, step, error: Mutex::new(None) }
     }
 
     /// The message of the last failed run since the last look, if any.

@@ -23,7 +23,7 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 use crate::cpu_expert_call::{CpuExpertCall, ANY_FAILED};
-use crate::cpu_experts::{CpuExpertBank, CpuExpertExecutor};
+use crate::cpu_experts::{CpuExpertBank, CpuExpertExecutor, StepBuffers};
 
 /// Bits of a request that name the call.
 const CALL_BITS: u32 = 16;
@@ -121,8 +121,8 @@ impl CpuExpertMailbox {
         Ok(CpuExpertMailbox { shared, thread: Mutex::new(thread), _owner: owner })
     }
 
-    /// Registers `bank`'s experts on `executor` over these buffers (`CpuExpertCall::new`) and returns the call's
-    /// index, the low bits of its requests.
+    /// Registers `bank`'s experts on `executor` over these buffers (as `CpuExpertExecutor.forward` takes them,
+    /// fixed for the mailbox's life) and returns the call's index, the low bits of its requests.
     #[allow(clippy::too_many_arguments)]
     fn add_call(
         &self,
@@ -135,7 +135,9 @@ impl CpuExpertMailbox {
         k: usize,
         out: usize,
     ) -> PyResult<usize> {
-        let call = CpuExpertCall::new(executor, bank, x, tokens, ids, weights, k, out)?;
+        let step =
+            StepBuffers::new(bank.shape.hidden, x, tokens, ids, weights, k, out).map_err(PyValueError::new_err)?;
+        let call = CpuExpertCall::new(executor, bank, step);
         let mut calls = self.shared.calls.lock().unwrap_or_else(|e| e.into_inner());
         if calls.len() >= 1 << CALL_BITS {
             return Err(PyValueError::new_err(format!("a mailbox holds at most {} calls", 1 << CALL_BITS)));

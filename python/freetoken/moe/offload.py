@@ -137,8 +137,8 @@ class ExpertOffload:
             max_fetch=self.hybrid.max_fetch if self.hybrid is not None else None,
             fetch_share=self.hybrid.fetch_share if self.hybrid is not None else 0,
         )
-        if self.hit_d2d and not (self.hybrid is not None and self.hybrid.max_fetch == 0):
-            self.stream.use_cache(self.cache)  # (--moe-backend cpu fetches nothing: its cache stays empty)
+        if self.hit_d2d and self.cache.max_fetch != 0:  # (a cap of 0, --moe-backend cpu: the cache stays empty)
+            self.stream.use_cache(self.cache)
 
     @property
     def format(self) -> str:
