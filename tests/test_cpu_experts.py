@@ -48,12 +48,33 @@ def routing(T, k, E, seed=0):
     return ids, torch.rand(T, k, generator=g) + 0.1
 
 
-def reference(bank, x, ids, weights, bf16_act=False):
-    """fp32 over the (dequantized) bank; ``bf16_act``: the activations rounded to bf16 before the down projection,
-    as the AVX512-BF16 kernels (and the GPU's) round them, computed in fp64 up to that rounding: an fp32 reference
+def form(kernels: str, bank) -> str:
+    """What the executor's kernels hand the rows of ``bank`` (``executor.rs``'s ``Form``): int16 blocks for NVFP4
+    rows on VNNI, BF16 for BF16 rows on AVX512-BF16, else f32."""
+    nvfp4 = len(bank) == 6
+    if nvfp4 and kernels in ("avx512_vnni", "avx512_bf16"):
+        return "int16"
+    return "bf16" if not nvfp4 and kernels == "avx512_bf16" else "f32"
+
+
+def through_int16_blocks(v: torch.Tensor) -> torch.Tensor:
+    """``v`` (fp64, last dimension a multiple of 16) as the VNNI kernels take it (``nvfp4_int16_dot::quantize``):
+    each block of 16 as int16 times a power of two that puts its largest in [2^14, 2^15), ties to even."""
+    b = v.reshape(*v.shape[:-1], -1, 16)
+    largest = b.abs().amax(-1, keepdim=True)
+    e = (torch.frexp(largest).exponent - 1).clamp(min=-100).double()
+    up = torch.exp2(14 - e)
+    q = torch.round(b * up).clamp(-32767, 32767) / up
+    return torch.where(largest > 0, q, torch.zeros_like(q)).reshape(v.shape)
+
+
+def reference(bank, x, ids, weights, form="f32"):
+    """fp32 over the (dequantized) bank for the f32 form. Otherwise (``form``) the activations are rounded to bf16
+    before the down projection, as the kernels (and the GPU's) round them, and for "int16" x and the activations go
+    through int16 blocks first, as the kernels take them; computed in fp64 up to those roundings: an fp32 reference
     rounds an element the other way wherever its own summation order lands near a tie, and one large element's flip
     moved a whole output by 6e-4 (a Sapphire Rapids host, 2026-12-07: torch's fp32 products differ by CPU)."""
-    if not bf16_act:
+    if form == "f32":
         if len(bank) == 2:
             return fused_moe_torch(x.float(), bank[0].float(), bank[1].float(), ids, weights.float())
         return nvfp4_moe_torch(x.float(), *bank, ids, weights.float())
@@ -63,10 +84,11 @@ def reference(bank, x, ids, weights, bf16_act=False):
         every = torch.arange(bank[0].shape[0])
         gate_up, down = (dequantize_experts(*bank[i : i + 3], every, torch.float32) for i in (0, 3))
     out, I = torch.zeros(x.shape[0], down.shape[1], dtype=torch.float64), down.shape[2]
+    blocks = through_int16_blocks if form == "int16" else (lambda v: v)
     for t, j in (ids >= 0).nonzero().tolist():
         e = int(ids[t, j])
-        h = gate_up[e].double() @ x[t].double()
-        act = (torch.nn.functional.silu(h[:I]) * h[I:]).float().bfloat16().double()
+        h = gate_up[e].double() @ blocks(x[t].double())
+        act = blocks((torch.nn.functional.silu(h[:I]) * h[I:]).float().bfloat16().double())
         out[t] += float(weights[t, j]) * (down[e].double() @ act)
     return out.float()
 
@@ -78,7 +100,7 @@ def check(bank, T, k, portable, seed=0, tol=1e-4):
     x = torch.randn(T, H, generator=g).bfloat16()
     ids, weights = routing(T, k, E, seed)
     start = torch.randn(T, H, generator=g)
-    want = start + reference(bank, x, ids, weights, bf16_act=experts.executor.kernels == "avx512_bf16")
+    want = start + reference(bank, x, ids, weights, form(experts.executor.kernels, bank))
     out = start.clone()
     got = experts.forward(x, ids, weights, out)
     assert got is out
@@ -120,8 +142,8 @@ def test_every_code_and_scale():
     bank = random_bank(6, 512, 256, seed=3)
     simd = check(bank, 5, 6, portable=False, seed=3)
     portable = check(bank, 5, 6, portable=True, seed=3)
-    # each is checked against its reference above; between them, the AVX512-BF16 kernels' bf16 activations
-    bf16_act = executor(THREADS).kernels == "avx512_bf16"
+    # each is checked against its reference above; between them, the bf16 activations of the int16 form
+    bf16_act = form(executor(THREADS).kernels, bank) != "f32"
     assert float((simd - portable).norm() / portable.norm()) < (4e-3 if bf16_act else 1e-5)
 
 
@@ -161,7 +183,7 @@ def test_id_dtypes_weight_dtypes_and_empty_steps():
 def test_the_executor_is_shared_and_says_its_path():
     assert executor(THREADS) is executor(THREADS)
     assert executor(THREADS, True).simd is False and executor(THREADS, True).kernels == "portable"
-    assert executor(THREADS).kernels in ("portable", "avx512", "avx512_bf16")
+    assert executor(THREADS).kernels in ("portable", "avx512", "avx512_vnni", "avx512_bf16")
     assert executor(THREADS).threads == THREADS
     assert executor().threads >= 1
 

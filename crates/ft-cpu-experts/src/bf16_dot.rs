@@ -47,10 +47,10 @@ pub(crate) fn dot_many(row: &[u16], xs: &[&[f32]], out: &mut [f32], simd: bool) 
 }
 
 /// `out[t] = dot(row, xs[t])` with BF16 x, in order and zero-padded to whole chunks. Only where
-/// `nvfp4_bf16_dot::available()` (AVX512-BF16).
+/// `executor::has_avx512_bf16()`.
 pub(crate) fn dot_many_bf16(row: &[u16], xs: &[&[u16]], out: &mut [f32]) {
     assert!(out.len() == xs.len() && xs.iter().all(|x| x.len() >= row.len().div_ceil(CHUNK) * CHUNK), "x lengths");
-    assert!(crate::nvfp4_bf16_dot::available(), "AVX512-BF16 kernels on a CPU without them");
+    assert!(crate::executor::has_avx512_bf16(), "AVX512-BF16 kernels on a CPU without them");
     #[cfg(target_arch = "x86_64")]
     for (xs, out) in xs.chunks(4).zip(out.chunks_mut(4)) {
         // SAFETY: the features are checked above, and the lengths.
@@ -214,11 +214,11 @@ mod tests {
                 dot_many(&row, &refs, &mut portable, false);
                 dot_many(&row, &refs, &mut fast, simd());
                 let mut bf16x = vec![0f32; n];
-                if crate::nvfp4_bf16_dot::available() {
+                if crate::executor::has_avx512_bf16() {
                     dot_many_bf16(&row, &in_order[..n].iter().map(|l| &l[..]).collect::<Vec<_>>(), &mut bf16x);
                 }
                 for t in 0..n {
-                    if crate::nvfp4_bf16_dot::available() {
+                    if crate::executor::has_avx512_bf16() {
                         let plain: f64 =
                             row.iter().zip(&in_order[t]).map(|(w, x)| to_f32(*w) as f64 * to_f32(*x) as f64).sum();
                         let tol = 1e-5 * (1.0 + (k as f64).sqrt());

@@ -7,8 +7,10 @@
 //! nothing is summed after. Every output buffer is cut into the tasks' disjoint slices beforehand (`pool.rs` runs
 //! the tasks; x is laid out for the kernels first, `matrix.rs`).
 
-use crate::executor::{Kernels, Scratch};
+use crate::executor::{Form, Scratch};
 use crate::matrix::{Layout, Matrix, Vectors};
+use crate::nvfp4_dot::BLOCK;
+use crate::nvfp4_int16_dot::{quantize, Quantized};
 use crate::plan::{group_by_expert, rows_per_task, Group};
 use crate::pool::Pool;
 use crate::{Bank, Executor, Pair, Shape};
@@ -46,47 +48,73 @@ pub fn experts_forward(
     let layout = bank.layout();
     let (order, groups) = group_by_expert(pairs);
     let mut scratch = exec.scratch.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    let Scratch { x: x_f32, x_bf16, act, act_laid, act_bf16 } = &mut *scratch;
+    let Scratch { x: x_f32, x_bf16, x_i16, x_factors, act, act_laid, act_bf16, act_i16, act_factors } = &mut *scratch;
     let (hp, ip, np) = (layout.padded(h), layout.padded(i), pairs.len());
     act.resize(np * i, 0.0);
     let threads = exec.threads();
     let rows1 = rows_per_task(i, groups.len(), threads);
     let run = Run { bank, shape, pairs, order: &order, simd: exec.simd() };
     let pool = &exec.pool;
-    // x as the gate|up kernels take it: BF16 bits as they are on AVX512-BF16, else f32
-    let pairs_layout = if layout == Layout::Nvfp4 { Layout::Nvfp4Bf16 } else { Layout::Bf16Pairs };
-    let x_laid = if exec.kernels == Kernels::Avx512Bf16 {
-        x_bf16.resize(tokens * hp, 0);
-        let to_lay_out: Vec<_> = x_bf16.chunks_mut(hp).zip(x.chunks(h)).collect();
-        pool.for_each(to_lay_out, |(dst, src)| pairs_layout.lay_out(h, |j| src[j], dst));
-        Laid::Bf16(x_bf16)
-    } else {
-        x_f32.resize(tokens * hp, 0.0);
-        let to_lay_out: Vec<_> = x_f32.chunks_mut(hp).zip(x.chunks(h)).collect();
-        pool.for_each(to_lay_out, |(dst, src)| layout.lay_out(h, |j| f32::from_bits((src[j] as u32) << 16), dst));
-        Laid::F32(x_f32)
+    let form = exec.kernels.form(layout);
+    // x as the gate|up kernels take it: int16 blocks (NVFP4 on VNNI), BF16 bits as they are (BF16 on AVX512-BF16),
+    // else f32
+    let x_laid = match form {
+        Form::Int16 => {
+            let values = x_i16.first(tokens * hp);
+            x_factors.resize(tokens * hp / BLOCK, 0.0);
+            let to_quantize: Vec<_> =
+                values.chunks_mut(hp).zip(x_factors.chunks_mut(hp / BLOCK)).zip(x.chunks(h)).collect();
+            pool.for_each(to_quantize, |((v, f), src)| quantize(h, |j| bf16_to_f32(src[j]), v, f));
+            Laid::Int16 { values, factors: x_factors }
+        }
+        Form::Bf16 => {
+            x_bf16.resize(tokens * hp, 0);
+            let to_lay_out: Vec<_> = x_bf16.chunks_mut(hp).zip(x.chunks(h)).collect();
+            pool.for_each(to_lay_out, |(dst, src)| Layout::Bf16Pairs.lay_out(h, |j| src[j], dst));
+            Laid::Bf16(x_bf16)
+        }
+        Form::F32 => {
+            x_f32.resize(tokens * hp, 0.0);
+            let to_lay_out: Vec<_> = x_f32.chunks_mut(hp).zip(x.chunks(h)).collect();
+            pool.for_each(to_lay_out, |(dst, src)| layout.lay_out(h, |j| bf16_to_f32(src[j]), dst));
+            Laid::F32(x_f32)
+        }
     };
     run.gate_up(pool, &groups, rows1, &x_laid, hp, act);
-    // the activations by pair, laid out for the down kernels; chunk a's region is [np, len] from np * a. With
-    // AVX512-BF16 they are rounded to BF16, as the GPU's kernels round their intermediate rows, so the down rows run
-    // the dot-product instruction too (half the instructions of the f32 kernels, which bound NVFP4 on the host)
+    // the activations by pair, laid out for the down kernels; chunk a's region is [np, len] from np * a. Outside the
+    // f32 form they are rounded to BF16, as the GPU's kernels round their intermediate rows
     let value = |q: usize, j: usize| {
         let a = j / rows1 * rows1;
         act[np * a + q * rows1.min(i - a) + j - a]
     };
-    let acts = if exec.kernels == Kernels::Avx512Bf16 {
-        act_bf16.resize(np * ip, 0);
-        let to_lay_out: Vec<_> = act_bf16.chunks_mut(ip).enumerate().collect();
-        pool.for_each(to_lay_out, |(q, dst)| pairs_layout.lay_out(i, |j| round_to_bf16(value(q, j)), dst));
-        Laid::Bf16(act_bf16)
-    } else {
-        act_laid.resize(np * ip, 0.0);
-        let to_lay_out: Vec<_> = act_laid.chunks_mut(ip).enumerate().collect();
-        pool.for_each(to_lay_out, |(q, dst)| layout.lay_out(i, |j| value(q, j), dst));
-        Laid::F32(act_laid)
+    let acts = match form {
+        Form::Int16 => {
+            let values = act_i16.first(np * ip);
+            act_factors.resize(np * ip / BLOCK, 0.0);
+            let to_quantize: Vec<_> =
+                values.chunks_mut(ip).zip(act_factors.chunks_mut(ip / BLOCK)).enumerate().collect();
+            pool.for_each(to_quantize, |(q, (v, f))| quantize(i, |j| bf16_to_f32(round_to_bf16(value(q, j))), v, f));
+            Laid::Int16 { values, factors: act_factors }
+        }
+        Form::Bf16 => {
+            act_bf16.resize(np * ip, 0);
+            let to_lay_out: Vec<_> = act_bf16.chunks_mut(ip).enumerate().collect();
+            pool.for_each(to_lay_out, |(q, dst)| Layout::Bf16Pairs.lay_out(i, |j| round_to_bf16(value(q, j)), dst));
+            Laid::Bf16(act_bf16)
+        }
+        Form::F32 => {
+            act_laid.resize(np * ip, 0.0);
+            let to_lay_out: Vec<_> = act_laid.chunks_mut(ip).enumerate().collect();
+            pool.for_each(to_lay_out, |(q, dst)| layout.lay_out(i, |j| value(q, j), dst));
+            Laid::F32(act_laid)
+        }
     };
     run.down(pool, &groups, rows_per_task(h, 1, threads), &acts, ip, out, tokens);
     Ok(())
+}
+
+fn bf16_to_f32(bits: u16) -> f32 {
+    f32::from_bits((bits as u32) << 16)
 }
 
 /// BF16 bits of `v`, rounded to nearest even (the activations are finite).
@@ -95,10 +123,11 @@ pub(crate) fn round_to_bf16(v: f32) -> u16 {
     ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) as u16
 }
 
-/// Every token's x, or every pair's activations, laid out (`[rows, padded]`).
+/// Every token's x, or every pair's activations, laid out (`[rows, padded]`; int16 factors `[rows, padded / 16]`).
 enum Laid<'a> {
     F32(&'a [f32]),
     Bf16(&'a [u16]),
+    Int16 { values: &'a [i16], factors: &'a [f32] },
 }
 
 impl<'a> Laid<'a> {
@@ -107,6 +136,14 @@ impl<'a> Laid<'a> {
         match *self {
             Laid::F32(x) => Vectors::F32(tokens.map(|t| &x[t * hp..(t + 1) * hp]).collect()),
             Laid::Bf16(x) => Vectors::Bf16(tokens.map(|t| &x[t * hp..(t + 1) * hp]).collect()),
+            Laid::Int16 { values, factors } => Vectors::Int16(
+                tokens
+                    .map(|t| Quantized {
+                        values: &values[t * hp..(t + 1) * hp],
+                        factors: &factors[t * hp / BLOCK..(t + 1) * hp / BLOCK],
+                    })
+                    .collect(),
+            ),
         }
     }
 }

@@ -15,8 +15,10 @@
 //!     out[t] += weight * down_e(silu(gate_e x_t) * up_e x_t)     for every pair (t, e, weight), in f32
 //! ```
 //!
-//! On AVX512-BF16 the activations `silu(gate) * up` are rounded to BF16 before the down projection, as the GPU's
-//! kernels round their intermediate rows, and both projections run the BF16 dot-product instruction.
+//! Where the CPU has VNNI, NVFP4 rows decode to exact int16 (twice the E2M1 values) and meet x cut into int16 blocks
+//! (`vpdpwssd`); where it has AVX512-BF16, BF16 rows take the BF16 dot-product instruction. On both the activations
+//! `silu(gate) * up` are rounded to BF16 before the down projection, as the GPU's kernels round their intermediate
+//! rows.
 //!
 //! - `bank.rs`: `Bank` (BF16 `gate_up [E, 2I, H]` and `down [E, H, I]`, or NVFP4 in ModelOpt's layout: codes, E4M3
 //!   block scales, per-row globals), each tensor a slice with its expert stride; `Shape`.
@@ -25,18 +27,20 @@
 //! - `forward.rs`: the two phases (gate|up by expert and row chunk, then down by chunk of output rows).
 //! - `plan.rs`: pairs grouped by expert (each expert's rows read once for all its tokens), rows cut into tasks.
 //! - `matrix.rs`: one expert's projection and the layout of the vectors its kernels take.
-//! - `bf16_dot.rs`, `nvfp4_dot.rs`, `nvfp4_bf16_dot.rs`, `e4m3.rs`: the kernels and the scale decoding.
+//! - `bf16_dot.rs`, `nvfp4_dot.rs`, `nvfp4_int16_dot.rs`, `e4m3.rs`: the kernels and the scale decoding.
+//! - `aligned.rs`: the int16 vectors' buffers, on whole cache lines.
 //!
 //! NVFP4 banks need H and I to be multiples of 16 (one scale block); BF16 banks take any size.
 
+mod aligned;
 mod bank;
 mod bf16_dot;
 mod e4m3;
 mod executor;
 mod forward;
 mod matrix;
-mod nvfp4_bf16_dot;
 mod nvfp4_dot;
+mod nvfp4_int16_dot;
 mod plan;
 mod pool;
 

@@ -1,23 +1,24 @@
 //! One expert's projection (`[rows, k]`, BF16 or NVFP4) and the layout of the vectors it multiplies.
 
-use crate::{bf16_dot, nvfp4_bf16_dot, nvfp4_dot};
+use crate::nvfp4_int16_dot::{self, Quantized};
+use crate::{bf16_dot, nvfp4_dot};
 
-/// How the kernels of a weight format want x laid out (`bf16_dot.rs`, `nvfp4_dot.rs`, `nvfp4_bf16_dot.rs` say why).
+/// How the f32 and BF16 kernels of a weight format want x laid out (`bf16_dot.rs`, `nvfp4_dot.rs` say why); `Bf16`
+/// and `Nvfp4` also name the weight formats (`Bank::layout`). The int16 vectors are laid out as they are quantized
+/// (`nvfp4_int16_dot::quantize`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Layout {
     Bf16,
     Nvfp4,
     /// BF16 rows times BF16 x (AVX512-BF16): x in order.
     Bf16Pairs,
-    /// NVFP4 rows times BF16 x (AVX512-BF16).
-    Nvfp4Bf16,
 }
 
 impl Layout {
     fn chunk(self) -> usize {
         match self {
             Layout::Bf16 | Layout::Bf16Pairs => bf16_dot::CHUNK,
-            Layout::Nvfp4 | Layout::Nvfp4Bf16 => nvfp4_dot::CHUNK,
+            Layout::Nvfp4 => nvfp4_dot::CHUNK,
         }
     }
 
@@ -32,7 +33,6 @@ impl Layout {
             Layout::Bf16 => bf16_dot::position(j),
             Layout::Bf16Pairs => j,
             Layout::Nvfp4 => nvfp4_dot::position(j),
-            Layout::Nvfp4Bf16 => nvfp4_bf16_dot::position(j),
         }
     }
 
@@ -53,11 +53,12 @@ pub(crate) enum Matrix<'a> {
     Nvfp4 { codes: &'a [u8], scales: &'a [u8], globals: &'a [f32], k: usize },
 }
 
-/// The vectors a row multiplies (a task's tokens), laid out for its kernels: f32, or BF16 bits
-/// (`Layout::Nvfp4Bf16`).
+/// The vectors a row multiplies (a task's tokens), laid out for its kernels (`executor::Form`): f32, BF16 bits
+/// (`Layout::Bf16Pairs`) or int16 blocks (`nvfp4_int16_dot::quantize`).
 pub(crate) enum Vectors<'a> {
     F32(Vec<&'a [f32]>),
     Bf16(Vec<&'a [u16]>),
+    Int16(Vec<Quantized<'a>>),
 }
 
 impl Vectors<'_> {
@@ -65,12 +66,14 @@ impl Vectors<'_> {
         match self {
             Vectors::F32(v) => v.len(),
             Vectors::Bf16(v) => v.len(),
+            Vectors::Int16(v) => v.len(),
         }
     }
 }
 
 impl Matrix<'_> {
-    /// `out[t] = dot(row, xs[t])`; `simd`: the AVX-512 kernels (BF16 vectors always take the AVX512-BF16 ones).
+    /// `out[t] = dot(row, xs[t])`; `simd`: the AVX-512 kernels (BF16 and int16 vectors always take the AVX512-BF16
+    /// and VNNI ones).
     pub(crate) fn dot_many(&self, row: usize, xs: &Vectors, out: &mut [f32], simd: bool) {
         match (*self, xs) {
             (Matrix::Bf16 { weights, k }, Vectors::F32(xs)) => {
@@ -81,12 +84,16 @@ impl Matrix<'_> {
                 let (c, s) = (&codes[row * kc..(row + 1) * kc], &scales[row * ks..(row + 1) * ks]);
                 match xs {
                     Vectors::F32(xs) => nvfp4_dot::dot_many(c, s, xs, out, simd),
-                    Vectors::Bf16(xs) => nvfp4_bf16_dot::dot_many(c, s, xs, out),
+                    Vectors::Int16(xs) => nvfp4_int16_dot::dot_many(c, s, xs, out),
+                    Vectors::Bf16(_) => unreachable!("NVFP4 rows take f32 or int16 vectors (Kernels::form)"),
                 }
                 out.iter_mut().for_each(|o| *o *= globals[row]);
             }
             (Matrix::Bf16 { weights, k }, Vectors::Bf16(xs)) => {
                 bf16_dot::dot_many_bf16(&weights[row * k..(row + 1) * k], xs, out)
+            }
+            (Matrix::Bf16 { .. }, Vectors::Int16(_)) => {
+                unreachable!("BF16 rows take f32 or BF16 vectors (Kernels::form)")
             }
         }
     }

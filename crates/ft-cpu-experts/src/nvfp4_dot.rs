@@ -133,7 +133,7 @@ macro_rules! chunk {
     }};
 }
 
-/// One row's walk over its chunks, shared by both NVFP4 kernels (this one and `nvfp4_bf16_dot.rs`): each whole
+/// One row's walk over its chunks, shared by both NVFP4 kernels (this one and `nvfp4_int16_dot.rs`): each whole
 /// chunk with a prefetch of the ones ahead, then the last, partial chunk, whose code dwords past the row's end are
 /// masked off (never read, read as code 0) and whose missing scales are 0 (x is zero there); then each token's sum.
 /// `$chunk` is the kernel's chunk macro, `$lut` its code table, `$acc` its `N` accumulators. Expands to `[f32; N]`.

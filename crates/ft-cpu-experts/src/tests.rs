@@ -4,6 +4,7 @@
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 use crate::e4m3::E4M3;
+use crate::executor::Form;
 use crate::*;
 
 const E2M1: [f64; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
@@ -86,21 +87,32 @@ impl Owned {
         value * scale * globals[e * (rows + self.pad) + row] as f64
     }
 
-    /// `bf16_act`: the activations rounded to BF16 before the down projection (the AVX512-BF16 kernels do).
-    fn reference(&self, x: &[u16], pairs: &[Pair], out: &mut [f64], bf16_act: bool) {
+    /// What the kernels of `form` compute, in f64: every form but f32 rounds the activations to BF16 before the
+    /// down projection, and the int16 form takes x and the activations through its blocks.
+    fn reference(&self, x: &[u16], pairs: &[Pair], out: &mut [f64], form: Form) {
         let Shape { hidden: h, intermediate: i, .. } = self.shape;
-        let round = |v: f64| if bf16_act { from_bf16(crate::forward::round_to_bf16(v as f32)) } else { v };
+        let round = |v: f64| if form != Form::F32 { from_bf16(crate::forward::round_to_bf16(v as f32)) } else { v };
+        let blocks = |v: Vec<f64>| if form == Form::Int16 { through_int16(&v) } else { v };
         for p in pairs {
             let (t, e) = (p.token as usize, p.expert as usize);
-            let xt: Vec<f64> = x[t * h..(t + 1) * h].iter().map(|b| from_bf16(*b)).collect();
+            let xt = blocks(x[t * h..(t + 1) * h].iter().map(|b| from_bf16(*b)).collect());
             let dot = |row: usize| (0..h).map(|c| self.weight(false, e, row, c) * xt[c]).sum::<f64>();
-            let act: Vec<f64> = (0..i).map(|r| round((dot(r) / (1.0 + (-dot(r)).exp())) * dot(i + r))).collect();
+            let act = blocks((0..i).map(|r| round((dot(r) / (1.0 + (-dot(r)).exp())) * dot(i + r))).collect());
             for r in 0..h {
                 let v: f64 = (0..i).map(|c| self.weight(true, e, r, c) * act[c]).sum();
                 out[t * h + r] += p.weight as f64 * v;
             }
         }
     }
+}
+
+/// `v` quantized to int16 blocks and back (`nvfp4_int16_dot::quantize`; its own tests check it against exact
+/// values).
+fn through_int16(v: &[f64]) -> Vec<f64> {
+    let pad = v.len().div_ceil(256) * 256;
+    let (mut values, mut factors) = (vec![0i16; pad], vec![0f32; pad / 16]);
+    crate::nvfp4_int16_dot::quantize(v.len(), |j| v[j] as f32, &mut values, &mut factors);
+    (0..v.len()).map(|j| values[crate::nvfp4_int16_dot::position(j)] as f64 * factors[j / 16] as f64 * 2.0).collect()
 }
 
 fn random_pairs(tokens: usize, k: usize, experts: usize, rng: &mut StdRng) -> Vec<Pair> {
@@ -121,25 +133,35 @@ fn check(bank: &Owned, tokens: usize, k: usize, seed: u64) {
     let x: Vec<u16> = (0..tokens * h).map(|_| bf16(rng.gen_range(-1.0..1.0))).collect();
     let pairs = random_pairs(tokens, k, bank.shape.experts, &mut rng);
     let start: Vec<f32> = (0..tokens * h).map(|_| rng.gen_range(-1.0..1.0)).collect();
-    let mut want: Vec<f64> = start.iter().map(|v| *v as f64).collect();
-    let mut want_bf16_act = want.clone();
-    bank.reference(&x, &pairs, &mut want, false);
-    bank.reference(&x, &pairs, &mut want_bf16_act, true);
+    let wants: Vec<(Form, Vec<f64>)> = [Form::F32, Form::Bf16, Form::Int16]
+        .into_iter()
+        .map(|form| {
+            let mut want: Vec<f64> = start.iter().map(|v| *v as f64).collect();
+            bank.reference(&x, &pairs, &mut want, form);
+            (form, want)
+        })
+        .collect();
+    let want = &wants[0].1;
     let norm = want.iter().map(|v| v * v).sum::<f64>().sqrt();
     let mut results = Vec::new();
-    // every kernel set this CPU runs, on a few thread counts; AVX512-BF16 rounds the activations to BF16 (its
-    // reference does too; 1e-4: where f32 and f64 activations sit on two sides of a BF16 rounding boundary)
-    for (threads, kernels) in
-        [(1, Kernels::Portable), (3, Kernels::Avx512), (2, Kernels::Avx512Bf16), (2, Kernels::Portable)]
-    {
+    // every kernel set this CPU runs, on a few thread counts, against the reference of its form (1e-4 outside the f32
+    // form: where the kernel's and the reference's activations sit on two sides of a BF16 rounding boundary)
+    for (threads, kernels) in [
+        (1, Kernels::Portable),
+        (3, Kernels::Avx512),
+        (2, Kernels::Avx512Vnni),
+        (3, Kernels::Avx512Bf16),
+        (2, Kernels::Portable),
+    ] {
         let Ok(exec) = Executor::with_kernels(threads, kernels) else { continue };
         let mut out = start.clone();
         experts_forward(&bank.bank(), bank.shape, &x, &pairs, &mut out, &exec).unwrap();
-        let bf16_act = kernels == Kernels::Avx512Bf16;
-        let (want, tol) = if bf16_act { (&want_bf16_act, 1e-4) } else { (&want, 1e-5) };
+        let form = kernels.form(bank.bank().layout());
+        let want = &wants.iter().find(|(f, _)| *f == form).unwrap().1;
+        let tol = if form == Form::F32 { 1e-5 } else { 1e-4 };
         let err = out.iter().zip(want).map(|(o, w)| (*o as f64 - w).powi(2)).sum::<f64>().sqrt() / norm;
         assert!(err < tol, "{:?} T={tokens} threads={threads} {kernels:?}: error {err}", bank.shape);
-        if !bf16_act {
+        if form == Form::F32 {
             results.push(out);
         }
     }
@@ -187,7 +209,7 @@ fn nvfp4_bank_views_with_a_stride() {
     let pairs = [Pair { token: 0, expert: 2, weight: 0.5 }, Pair { token: 1, expert: 1, weight: 1.0 }];
     let mut want = vec![0f64; 2 * 64];
     let exec = Executor::new(2, false).unwrap();
-    owned.reference(&x, &pairs, &mut want, exec.kernels() == Kernels::Avx512Bf16);
+    owned.reference(&x, &pairs, &mut want, exec.kernels().form(bank.layout()));
     let mut out = vec![0f32; 2 * 64];
     experts_forward(&bank, shape, &x, &pairs, &mut out, &exec).unwrap();
     for (o, w) in out.iter().zip(&want) {

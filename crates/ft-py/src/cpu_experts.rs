@@ -136,12 +136,14 @@ impl CpuExpertExecutor {
         self.exec.simd()
     }
 
-    /// The kernels calls run: "portable", "avx512" or "avx512_bf16" (AVX512-BF16 for NVFP4 gate|up rows too).
+    /// The kernels calls run: "portable", "avx512", "avx512_vnni" (int16 dot products for NVFP4 rows) or
+    /// "avx512_bf16" (VNNI's for NVFP4 rows, AVX512-BF16's for BF16 rows).
     #[getter]
     fn kernels(&self) -> &'static str {
         match self.exec.kernels() {
             Kernels::Portable => "portable",
             Kernels::Avx512 => "avx512",
+            Kernels::Avx512Vnni => "avx512_vnni",
             Kernels::Avx512Bf16 => "avx512_bf16",
         }
     }

@@ -4,8 +4,8 @@ computed here instead of fetched over PCIe).
 
 The work is native (``crates/ft-cpu-experts`` through ``freetoken._core``): the gate|up rows of each routed expert,
 then its down rows, split over a thread pool, with AVX-512 kernels where the CPU has them (BF16 rows, and NVFP4 rows
-decoded 16 codes at a time; with AVX512-BF16, NVFP4 gate|up rows times the BF16 x through its dot products) and
-portable ones elsewhere; everything in fp32, the GIL released::
+decoded 16 codes at a time; with VNNI, NVFP4 rows as exact int16 times x in int16 blocks; with AVX512-BF16, BF16 rows
+times the BF16 x through its dot products) and portable ones elsewhere; sums in fp32, the GIL released::
 
     experts = CpuExperts((gate_up, down))                                       # BF16: [E, 2I, H], [E, H, I]
     experts = CpuExperts((w13, w13_scale, w13_global, w2, w2_scale, w2_global))  # NVFP4 (layers/nvfp4_experts.py)
