@@ -180,11 +180,12 @@ impl Run<'_> {
             // two linear runs of memory (rows read interleaved came in at under half the rate on the first host)
             let m = self.bank.gate_up(g.expert, self.shape);
             let xs = x_laid.tokens(self.order[g.start..g.end].iter().map(|&p| self.pairs[p].token as usize), hp);
-            let mut values = vec![0f32; xs.len()];
+            let n = xs.len();
+            let mut values = vec![0f32; len * n];
             for (part, first) in [(0, a), (1, i + a)] {
-                for r in 0..len {
-                    m.dot_many(first + r, &xs, &mut values, self.simd);
-                    for (q, v) in values.iter().enumerate() {
+                m.dot_rows(first, &xs, &mut values, self.simd);
+                for (r, row) in values.chunks(n).enumerate() {
+                    for (q, v) in row.iter().enumerate() {
                         let o = &mut region[q * len + r];
                         *o = if part == 0 { *v } else { silu(*o) * v };
                     }
@@ -214,10 +215,10 @@ impl Run<'_> {
     #[allow(clippy::too_many_arguments, clippy::needless_range_loop)] // r: a row of every token's piece
     fn down_group(&self, m: Matrix, g: &Group, a: usize, len: usize, acts: &Laid, ip: usize, outs: &mut [&mut [f32]]) {
         let xs = acts.tokens(g.start..g.end, ip);
-        let mut values = vec![0f32; xs.len()];
-        for r in 0..len {
-            m.dot_many(a + r, &xs, &mut values, self.simd);
-            for (q, v) in (g.start..g.end).zip(&values) {
+        let mut values = vec![0f32; len * xs.len()];
+        m.dot_rows(a, &xs, &mut values, self.simd);
+        for (r, row) in values.chunks(xs.len()).enumerate() {
+            for (q, v) in (g.start..g.end).zip(row) {
                 let p = &self.pairs[self.order[q]];
                 outs[p.token as usize][r] += p.weight * v;
             }

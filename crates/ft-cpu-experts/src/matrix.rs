@@ -72,28 +72,44 @@ impl Vectors<'_> {
 }
 
 impl Matrix<'_> {
-    /// `out[t] = dot(row, xs[t])`; `simd`: the AVX-512 kernels (BF16 and int16 vectors always take the AVX512-BF16
-    /// and VNNI ones).
-    pub(crate) fn dot_many(&self, row: usize, xs: &Vectors, out: &mut [f32], simd: bool) {
+    /// `out[r * n + t] = dot(row first + r, xs[t])` for `out.len() / n` rows, `n = xs.len()`; `simd`: the AVX-512
+    /// kernels (BF16 and int16 vectors always take the AVX512-BF16 and VNNI ones). The int16 kernel takes the rows
+    /// in one call; the others a row at a time.
+    pub(crate) fn dot_rows(&self, first: usize, xs: &Vectors, out: &mut [f32], simd: bool) {
+        let n = xs.len();
+        if n == 0 {
+            return;
+        }
+        let rows = first..first + out.len() / n;
         match (*self, xs) {
-            (Matrix::Bf16 { weights, k }, Vectors::F32(xs)) => {
-                bf16_dot::dot_many(&weights[row * k..(row + 1) * k], xs, out, simd)
-            }
-            (Matrix::Nvfp4 { codes, scales, globals, k }, xs) => {
+            (Matrix::Nvfp4 { codes, scales, globals, k }, Vectors::Int16(xs)) => {
                 let (kc, ks) = (k / 2, k / nvfp4_dot::BLOCK);
-                let (c, s) = (&codes[row * kc..(row + 1) * kc], &scales[row * ks..(row + 1) * ks]);
-                match xs {
-                    Vectors::F32(xs) => nvfp4_dot::dot_many(c, s, xs, out, simd),
-                    Vectors::Int16(xs) => nvfp4_int16_dot::dot_many(c, s, xs, out),
-                    Vectors::Bf16(_) => unreachable!("NVFP4 rows take f32 or int16 vectors (Kernels::form)"),
+                let (c, s) = (&codes[rows.start * kc..rows.end * kc], &scales[rows.start * ks..rows.end * ks]);
+                nvfp4_int16_dot::dot_rows(c, s, k, xs, out);
+                for (out, global) in out.chunks_mut(n).zip(&globals[rows]) {
+                    out.iter_mut().for_each(|o| *o *= global);
                 }
-                out.iter_mut().for_each(|o| *o *= globals[row]);
+            }
+            (Matrix::Nvfp4 { codes, scales, globals, k }, Vectors::F32(xs)) => {
+                let (kc, ks) = (k / 2, k / nvfp4_dot::BLOCK);
+                for (row, out) in rows.zip(out.chunks_mut(n)) {
+                    let (c, s) = (&codes[row * kc..(row + 1) * kc], &scales[row * ks..(row + 1) * ks]);
+                    nvfp4_dot::dot_many(c, s, xs, out, simd);
+                    out.iter_mut().for_each(|o| *o *= globals[row]);
+                }
+            }
+            (Matrix::Bf16 { weights, k }, Vectors::F32(xs)) => {
+                for (row, out) in rows.zip(out.chunks_mut(n)) {
+                    bf16_dot::dot_many(&weights[row * k..(row + 1) * k], xs, out, simd)
+                }
             }
             (Matrix::Bf16 { weights, k }, Vectors::Bf16(xs)) => {
-                bf16_dot::dot_many_bf16(&weights[row * k..(row + 1) * k], xs, out)
+                for (row, out) in rows.zip(out.chunks_mut(n)) {
+                    bf16_dot::dot_many_bf16(&weights[row * k..(row + 1) * k], xs, out)
+                }
             }
-            (Matrix::Bf16 { .. }, Vectors::Int16(_)) => {
-                unreachable!("BF16 rows take f32 or BF16 vectors (Kernels::form)")
+            (Matrix::Nvfp4 { .. }, Vectors::Bf16(_)) | (Matrix::Bf16 { .. }, Vectors::Int16(_)) => {
+                unreachable!("NVFP4 rows take f32 or int16 vectors, BF16 rows f32 or BF16 ones (Kernels::form)")
             }
         }
     }

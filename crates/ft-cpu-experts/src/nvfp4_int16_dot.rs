@@ -22,7 +22,8 @@
 
 use crate::nvfp4_dot::{BLOCK, CHUNK};
 
-/// Where element `j` of x goes in the kernel's layout.
+/// Where element `j` of x goes in the kernel's layout (the definition; `quantize` writes it through `IN_BLOCK`).
+#[cfg_attr(not(test), allow(dead_code))]
 pub(crate) fn position(j: usize) -> usize {
     let (c, r) = (j / CHUNK, j % CHUNK);
     let (d, e) = (r / BLOCK, r % BLOCK);
@@ -76,37 +77,65 @@ pub(crate) fn quantize(k: usize, value: impl Fn(usize) -> f32, values: &mut [i16
             continue;
         }
         // 2^(14 - e) for the largest's binary exponent e (its exponent bits): the largest lands in [2^14, 2^15);
-        // blocks of subnormals keep fewer bits (the factor stays a normal f32). Ties round to even, as torch does.
+        // blocks of subnormals keep fewer bits (the factor stays a normal f32)
         let e = (((largest.to_bits() >> 23) & 0xFF) as i32 - 127).max(-100);
-        let up = 2f32.powi(14 - e);
-        for (i, v) in block[..n].iter().enumerate() {
-            values[position(b * BLOCK + i)] = (v * up).round_ties_even().clamp(-32767.0, 32767.0) as i16;
+        let up = f32::from_bits(((127 + 14 - e) as u32) << 23);
+        let at = b / BLOCK * CHUNK + 2 * (b % BLOCK); // block b's lane in its chunk (`position`)
+        for (v, offset) in block[..n].iter().zip(IN_BLOCK) {
+            values[at + offset] = round_ties_even(v * up) as i16;
         }
         *factor = 0.5 / up;
     }
 }
 
-/// `out[t] = sum over blocks of scale * dot(codes, xs[t])` of one row, as `nvfp4_dot::dot_many`, each x quantized
-/// (`quantize`). Only where `available()`.
-pub(crate) fn dot_many(codes: &[u8], scales: &[u8], xs: &[Quantized], out: &mut [f32]) {
-    let blocks = scales.len();
-    let padded = (blocks * BLOCK).div_ceil(CHUNK) * CHUNK;
+/// Where element i of a block sits in its chunk, past the block's lane (`position` of `16d + i`, less `2d`).
+const IN_BLOCK: [usize; BLOCK] = {
+    let mut t = [0; BLOCK];
+    let mut i = 0;
+    while i < BLOCK {
+        t[i] = i / 8 * 128 + i % 4 * 32 + i % 8 / 4;
+        i += 1;
+    }
+    t
+};
+
+/// `v` (|v| < 2^15) to the nearest integer, ties to even as torch rounds: adding 1.5 * 2^23 leaves no fraction bits,
+/// and the hardware's default rounding is to nearest even (`f32::round_ties_even` is a libm call on this target).
+fn round_ties_even(v: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0;
+    (v + MAGIC) - MAGIC
+}
+
+/// `out[r * n + t] = sum over blocks of scale * dot(row r, xs[t])` for `n = xs.len()` vectors and the
+/// `out.len() / n` rows stored one after another in `codes` (`k / 2` bytes a row) and `scales` (`k / 16`), each x
+/// quantized (`quantize`); a row as `nvfp4_dot::dot_many`. Many rows a call: a decode step's down rows are short (two
+/// chunks for Qwen3.6), and a call a row cost about a third of the kernel's time (2026-12-07, the local host). Only
+/// where `available()`.
+pub(crate) fn dot_rows(codes: &[u8], scales: &[u8], k: usize, xs: &[Quantized], out: &mut [f32]) {
+    let n = xs.len();
+    if n == 0 {
+        return;
+    }
+    let rows = out.len() / n;
+    let padded = k.div_ceil(CHUNK) * CHUNK;
     assert!(
-        codes.len() == blocks * BLOCK / 2
-            && out.len() == xs.len()
+        k.is_multiple_of(BLOCK)
+            && out.len() == rows * n
+            && codes.len() == rows * k / 2
+            && scales.len() == rows * k / BLOCK
             && xs.iter().all(|x| x.values.len() >= padded && x.factors.len() * BLOCK >= padded),
         "lengths"
     );
     assert!(available(), "AVX512-VNNI kernels on a CPU without them");
     #[cfg(target_arch = "x86_64")]
-    for (xs, out) in xs.chunks(4).zip(out.chunks_mut(4)) {
+    for (g, xs) in xs.chunks(4).enumerate() {
         // SAFETY: the features are checked above, and the lengths.
         unsafe {
             match xs.len() {
-                4 => out.copy_from_slice(&dot_avx512::<4>(codes, scales, [xs[0], xs[1], xs[2], xs[3]])),
-                3 => out.copy_from_slice(&dot_avx512::<3>(codes, scales, [xs[0], xs[1], xs[2]])),
-                2 => out.copy_from_slice(&dot_avx512::<2>(codes, scales, [xs[0], xs[1]])),
-                _ => out.copy_from_slice(&dot_avx512::<1>(codes, scales, [xs[0]])),
+                4 => rows_avx512::<4>(codes, scales, k, [xs[0], xs[1], xs[2], xs[3]], out, n, 4 * g),
+                3 => rows_avx512::<3>(codes, scales, k, [xs[0], xs[1], xs[2]], out, n, 4 * g),
+                2 => rows_avx512::<2>(codes, scales, k, [xs[0], xs[1]], out, n, 4 * g),
+                _ => rows_avx512::<1>(codes, scales, k, [xs[0]], out, n, 4 * g),
             }
         }
     }
@@ -147,14 +176,29 @@ macro_rules! chunk {
     }};
 }
 
+/// Every row against the `N` vectors `t0..t0 + N` of `n`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-unsafe fn dot_avx512<const N: usize>(codes: &[u8], scales: &[u8], xs: [Quantized; N]) -> [f32; N] {
+#[allow(clippy::too_many_arguments)]
+unsafe fn rows_avx512<const N: usize>(
+    codes: &[u8],
+    scales: &[u8],
+    k: usize,
+    xs: [Quantized; N],
+    out: &mut [f32],
+    n: usize,
+    t0: usize,
+) {
     use crate::nvfp4_dot::walk_row;
     use std::arch::x86_64::*;
     let lut = _mm512_loadu_si512(TWICE_E2M1.as_ptr() as *const __m512i);
-    let mut acc = [_mm512_setzero_ps(); N];
-    walk_row!(chunk, codes, scales, xs, lut, acc)
+    let (kc, ks) = (k / 2, k / BLOCK);
+    for r in 0..out.len() / n {
+        let mut acc = [_mm512_setzero_ps(); N];
+        let sums: [f32; N] =
+            walk_row!(chunk, &codes[r * kc..(r + 1) * kc], &scales[r * ks..(r + 1) * ks], xs, lut, acc);
+        out[r * n + t0..r * n + t0 + N].copy_from_slice(&sums);
+    }
 }
 
 #[cfg(test)]
@@ -166,6 +210,17 @@ mod tests {
     fn the_table_is_twice_e2m1() {
         for (i, v) in TWICE_E2M1.iter().enumerate() {
             assert_eq!(*v as f32, 2.0 * crate::nvfp4_dot::E2M1[i % 16]);
+        }
+    }
+
+    #[test]
+    fn the_block_offsets_are_positions() {
+        for j in 0..2 * CHUNK {
+            let b = j / BLOCK;
+            assert_eq!(b / BLOCK * CHUNK + 2 * (b % BLOCK) + IN_BLOCK[j % BLOCK], position(j));
+        }
+        for (v, want) in [(0.5f32, 0.0f32), (1.5, 2.0), (2.5, 2.0), (-2.5, -2.0), (-3.5, -4.0), (32766.6, 32767.0)] {
+            assert_eq!(round_ties_even(v), want, "{v}");
         }
     }
 
@@ -228,9 +283,10 @@ mod tests {
             return;
         }
         let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let rows = 3;
         for k in [16usize, 48, 256, 272, 512, 2048, 2064] {
-            let codes: Vec<u8> = (0..k / 2).map(|_| rng.gen()).collect();
-            let scales: Vec<u8> = (0..k / 16).map(|_| rng.gen_range(0..0x7F)).collect();
+            let codes: Vec<u8> = (0..rows * k / 2).map(|_| rng.gen()).collect();
+            let scales: Vec<u8> = (0..rows * k / 16).map(|_| rng.gen_range(0..0x7F)).collect();
             // BF16 values within 2^7 of each other: exact in int16, so the two kernels differ by f32 rounding only
             let xs: Vec<Vec<f32>> = (0..6)
                 .map(|_| {
@@ -255,11 +311,16 @@ mod tests {
             for n in 1..=6 {
                 let q: Vec<Quantized> = laid[..n].iter().map(|(v, f, _)| Quantized { values: v, factors: f }).collect();
                 let f: Vec<&[f32]> = laid[..n].iter().map(|(_, _, l)| &l[..]).collect();
-                let (mut got, mut want) = (vec![0f32; n], vec![0f32; n]);
-                dot_many(&codes, &scales, &q, &mut got);
-                crate::nvfp4_dot::dot_many(&codes, &scales, &f, &mut want, false);
-                for t in 0..n {
-                    assert!(((got[t] - want[t]) as f64).abs() < 1e-5 * 12.0 * size, "k={k}: {} vs {}", got[t], want[t]);
+                let mut got = vec![0f32; rows * n];
+                dot_rows(&codes, &scales, k, &q, &mut got);
+                for r in 0..rows {
+                    let mut want = vec![0f32; n];
+                    let (c, s) = (&codes[r * k / 2..(r + 1) * k / 2], &scales[r * k / 16..(r + 1) * k / 16]);
+                    crate::nvfp4_dot::dot_many(c, s, &f, &mut want, false);
+                    for t in 0..n {
+                        let g = got[r * n + t];
+                        assert!(((g - want[t]) as f64).abs() < 1e-5 * 12.0 * size, "k={k} row {r}: {g} vs {}", want[t]);
+                    }
                 }
             }
         }
