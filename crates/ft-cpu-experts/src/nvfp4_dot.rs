@@ -92,6 +92,21 @@ pub(crate) fn prefetch_chunk(codes: &[u8], scales: &[u8], c: usize) {
     }
 }
 
+/// A chunk's 128 code bytes (`lo`, `hi`) as two vectors whose lane d belongs to block d: its first half (elements
+/// 0..8, dword 2d of (lo, hi)) and its second (dword 2d + 1). Both NVFP4 kernels start a chunk with it.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub(crate) unsafe fn by_block(
+    lo: std::arch::x86_64::__m512i,
+    hi: std::arch::x86_64::__m512i,
+) -> (std::arch::x86_64::__m512i, std::arch::x86_64::__m512i) {
+    use std::arch::x86_64::*;
+    let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    let first = _mm512_permutex2var_epi32(lo, even, hi);
+    (first, _mm512_permutex2var_epi32(lo, _mm512_add_epi32(even, _mm512_set1_epi32(1)), hi))
+}
+
 /// One chunk: `$lo`, `$hi` its 128 code bytes, `$scales` its 16 scale bytes; each x's 256 laid-out elements at
 /// `$at`. Adds `scales * (per-block dot products)` to `$acc[t]`, lane d for block d. A macro, not a function: with
 /// four tokens LLVM left a function out of line (its vectors through memory), and `#[inline(always)]` is not
@@ -99,10 +114,7 @@ pub(crate) fn prefetch_chunk(codes: &[u8], scales: &[u8], c: usize) {
 #[cfg(target_arch = "x86_64")]
 macro_rules! chunk {
     ($lo:expr, $hi:expr, $scales:expr, $xs:expr, $at:expr, $lut:expr, $acc:expr) => {{
-        // dword 2d of (lo, hi) is block d's first half (elements 0..8), dword 2d+1 its second
-        let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-        let first = _mm512_permutex2var_epi32($lo, even, $hi);
-        let second = _mm512_permutex2var_epi32($lo, _mm512_add_epi32(even, _mm512_set1_epi32(1)), $hi);
+        let (first, second) = crate::nvfp4_dot::by_block($lo, $hi);
         // nibble n of a half times each x's vector of (half, n); four sums a token, so the FMA chains are short
         let mut sums = [[_mm512_setzero_ps(); 4]; N];
         macro_rules! nibble {

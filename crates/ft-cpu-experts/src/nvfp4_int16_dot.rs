@@ -145,9 +145,7 @@ pub(crate) fn dot_rows(codes: &[u8], scales: &[u8], k: usize, xs: &[Quantized], 
 #[cfg(target_arch = "x86_64")]
 macro_rules! chunk {
     ($lo:expr, $hi:expr, $scales:expr, $xs:expr, $at:expr, $lut:expr, $acc:expr) => {{
-        let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-        let first = _mm512_permutex2var_epi32($lo, even, $hi);
-        let second = _mm512_permutex2var_epi32($lo, _mm512_add_epi32(even, _mm512_set1_epi32(1)), $hi);
+        let (first, second) = crate::nvfp4_dot::by_block($lo, $hi);
         let mut sums = [[_mm512_setzero_si512(); 2]; N];
         macro_rules! nibble {
             ($m:literal) => {
