@@ -20,7 +20,8 @@ Runs, one server at a time:
   ``--offload-streams N`` adds N concurrent streams under Zipf and uniform routing, with their hit rate.
 - ``hybrid`` runs (``--hybrid 1,2,cpu``): the same as ``offload`` with ``--moe-backend hybrid
   --moe-hybrid-max-fetch N`` (``cpu``: ``--moe-backend cpu``): at most N misses a layer per step fetched, the host CPU
-  computing the rest (``--moe-cpu-threads`` from the server args), beside the offload run on the same card.
+  computing the rest (``--moe-cpu-threads`` from the server args), beside the offload run on the same card; ``host
+  ms/tok``: the host's time on its experts a token (``/v1/stats`` ``expert_host_busy_ms``), beside the ITL.
 
 Against the hardware: the HBM roofline of a batch-1 step is the bytes a decode token must read (every dense
 weight, lm_head, top-k experts per MoE layer, the recurrent state read and written) over the measured
@@ -153,6 +154,7 @@ def decode_stats(srv) -> dict:
             "expert_hits",
             "expert_misses",
             "expert_host_misses",
+            "expert_host_busy_ms",
             "overlapped_steps",
         )
     }
@@ -185,6 +187,7 @@ def one_stream(srv, tokens: int) -> dict:
         "hit_rate": d["hit_rate"],
         "misses_per_token": d["expert_misses"] / steps,
         "host_misses_per_token": d["expert_host_misses"] / steps,  # computed on the CPU (hybrid / cpu)
+        "host_ms_per_token": d["expert_host_busy_ms"] / steps,  # the host's time on them
         "overlapped_steps": d["overlapped_steps"],
     }
 
@@ -485,7 +488,7 @@ def print_offload(off: dict, hw: dict, need: dict) -> None:
         pcie = hw.get("pcie_h2d_gb_s", 55.0) * 1e9
         title = f"{off.get('backend', 'offload')}, cache {off['cache_size']}, {off.get('policy', 'lru')}"
         print(
-            f"\n{title:<34}{'tok/s':>10}{'hit rate':>10}{'miss/tok':>10}{'host/tok':>10}"
+            f"\n{title:<34}{'tok/s':>10}{'hit rate':>10}{'miss/tok':>10}{'host/tok':>10}{'host ms/tok':>13}"
             f"{'PCIe floor ms':>15}{'floor/ITL':>11}{'vs FT all-hit':>15}"
         )
         for mode in ("zipf", "uniform", "hot"):
@@ -498,11 +501,12 @@ def print_offload(off: dict, hw: dict, need: dict) -> None:
                 hr,
                 f"{r['misses_per_token']:.1f}",
                 f"{host:.1f}",
+                f"{r.get('host_ms_per_token', 0.0):.2f}",  # the host's time on its experts (hybrid / cpu)
                 f"{floor:.2f}",
                 f"{floor / r['http_ms_per_token']:.2f}",
                 f"{r['tok_s'] / FREETOKEN_012['offload_all_hit_bs1']:.2f}x",
             ]
-            widths = (10, 10, 10, 10, 15, 11, 15)
+            widths = (10, 10, 10, 10, 13, 15, 11, 15)
             print(f"{mode + ' routing':<34}" + "".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
         for mode in ("zipf", "uniform"):
             m = off.get(f"many_{mode}")

@@ -40,7 +40,7 @@ def test_the_thread_answers_requests_written_by_hand():
     experts = CpuExperts((gate_up, down), threads=2)
     control = torch.zeros(3, dtype=torch.int64)
     mailbox = _core.CpuExpertMailbox(control, control.data_ptr())
-    assert mailbox.polling and mailbox.answered == 0
+    assert mailbox.polling and mailbox.answered == 0 and mailbox.busy_seconds == 0.0
     T, k, H = 3, 2, 64
     bufs = []
     for _ in range(2):  # two calls over their own buffers: the request's low bits pick one
@@ -57,6 +57,8 @@ def test_the_thread_answers_requests_written_by_hand():
         # what the executor's forward computes (against the torch references: test_cpu_experts.py), overwritten
         torch.testing.assert_close(out, experts.forward(x, ids_buf, w), atol=1e-6, rtol=1e-6)
     assert mailbox.answered == 2 and mailbox.take_errors() == []
+    busy = mailbox.busy_seconds  # the time spent in the two calls (the worker reports it per step)
+    assert 0.0 < busy < 10.0
     x, ids_buf, w, out, _ = bufs[0]
     ids_buf[1, 0] = 6  # outside the bank: zeros, the error kept, and still an answer
     control[0] = request = (3 << 16) | 0

@@ -207,8 +207,12 @@ def test_llm_with_hybrid_nvfp4_experts_gives_the_resident_tokens(nvfp4_dir, resi
     tokens = [o.token_ids for o in llm.generate([PROMPT, PROMPT[:9]], sp)]
     assert tokens == [t[:5] for t in resident[1]]
     assert off.cache.spilled > 0
-    # every host miss went into some step's statistics (expert_host_misses: /v1/stats, the metrics)
+    # every host miss went into some step's statistics (expert_host_misses: /v1/stats, the metrics), and the
+    # host's time on them (expert_host_busy_ms)
     assert llm.worker._experts_reported == off.all_counters()
+    assert (
+        llm.worker._host_busy_reported == pytest.approx(off.hybrid.busy_seconds * 1e3) and off.hybrid.busy_seconds > 0
+    )
 
 
 def test_the_auto_share_balances_the_two_bandwidths():

@@ -172,5 +172,6 @@ def test_expert_offload_launch_line_serves_the_same_greedy_tokens(checkpoint):
         stats = srv.get("/v1/stats").json()
         assert stats["expert_misses"] > 0 and stats["expert_hits"] + stats["expert_misses"] >= 7 * 4, stats
         assert stats["prefill_experts_from_cache"] > 0 and stats["prefill_experts_from_host"] > 0, stats
+        assert stats["expert_host_busy_ms"] == 0.0, stats  # (offload: the host computes no expert)
     finally:
         assert srv.stop() == 0, srv.log()[-3000:]

@@ -93,6 +93,7 @@ class Worker:
         # expert-cache (hits, misses, host misses) already reported in some step's statistics
         self._experts_reported = (0, 0, 0)
         self._streamed_reported = (0, 0)  # the same for experts streamed for prefill (from the cache, the host)
+        self._host_busy_reported = 0.0  # and for the host's time on its experts (ms)
         self._log_resolved_config()
         startup.allocate_pools(self)
         if warmup_enabled(a, self.device):
@@ -198,6 +199,7 @@ class Worker:
         if self.offload is not None:  # the counters copied out behind the step, else one read (a sync)
             new = self._new_expert_counts(out.expert_counts)
             stats["expert_hits"], stats["expert_misses"], stats["expert_host_misses"] = new
+            stats["expert_host_busy_ms"] = self._new_host_busy_ms()
         return out.tokens, out.logprobs, stats, out.extra
 
     def _launch_replay(self, inputs: dict) -> LaunchedDecode:
@@ -280,6 +282,8 @@ class Worker:
         if self.offload is not None:
             self._experts_reported = self.offload.all_counters()
             self._streamed_reported = self.offload.streamed_counters()
+            if self.offload.hybrid is not None:
+                self._host_busy_reported = self.offload.hybrid.busy_seconds * 1e3
 
     def _new_expert_counts(self, cumulative: Optional[tuple[int, ...]] = None) -> tuple[int, int, int]:
         """Expert-cache (hits, misses, misses computed on the host) not yet reported, from the cache's cumulative
@@ -290,6 +294,16 @@ class Worker:
         before = self._experts_reported
         self._experts_reported = tuple(max(b, n) for b, n in zip(before, now))
         return tuple(max(0, n - b) for b, n in zip(before, now))
+
+    def _new_host_busy_ms(self) -> float:
+        """Milliseconds the host spent on its experts' pairs (hybrid / cpu) since the last report: a counter the
+        mailbox thread keeps, no sync."""
+        hybrid = self.offload.hybrid
+        if hybrid is None:
+            return 0.0
+        now = hybrid.busy_seconds * 1e3
+        before, self._host_busy_reported = self._host_busy_reported, now
+        return max(0.0, now - before)
 
     def _new_streamed_counts(self) -> tuple[int, int]:
         """Experts the prefill stream copied (from the cache's slots, over PCIe) since the last report: host
@@ -344,6 +358,7 @@ class Worker:
         workspace = max(0, torch.cuda.max_memory_allocated(self.device) - allocated_before) if on_cuda else 0
         count_experts = count_experts and self.offload is not None
         hits, misses, host_misses = self._new_expert_counts() if count_experts else (0, 0, 0)
+        host_busy_ms = self._new_host_busy_ms() if count_experts else 0.0
         from_cache, from_host = self._new_streamed_counts() if count_experts else (0, 0)
         step_ms = (time.perf_counter() - t0) * 1e3
         if count:
@@ -356,6 +371,7 @@ class Worker:
             "expert_hits": hits,
             "expert_misses": misses,
             "expert_host_misses": host_misses,
+            "expert_host_busy_ms": host_busy_ms,
             "prefill_experts_from_cache": from_cache,
             "prefill_experts_from_host": from_host,
             "workspace_bytes": workspace,

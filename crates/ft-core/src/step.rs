@@ -163,8 +163,10 @@ pub struct StepStats {
     pub forward_ms: f64,
     pub expert_hits: u64,
     pub expert_misses: u64,
-    /// Of the misses, those computed on the host CPU (`--moe-backend hybrid` / `cpu`).
+    /// Of the misses, those computed on the host CPU (`--moe-backend hybrid` / `cpu`), and the host's time on them
+    /// (its experts' calls reported since the last step, whichever step they served).
     pub expert_host_misses: u64,
+    pub expert_host_busy_ms: f64,
     /// Experts the prefill stream copied whole into its buffers: from the expert cache's slots on the device
     /// (`--moe-prefill-hit-d2d`) and over PCIe.
     pub prefill_experts_from_cache: u64,

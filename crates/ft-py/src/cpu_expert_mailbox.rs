@@ -41,6 +41,9 @@ struct Shared {
     stray: Mutex<Vec<i64>>,
     stop: AtomicBool,
     answered: AtomicU64,
+    /// Nanoseconds the thread spent running calls: beside the steps' time, whether the host is what a hybrid
+    /// decode step waits on.
+    busy_ns: AtomicU64,
 }
 
 impl Shared {
@@ -55,7 +58,9 @@ impl Shared {
         let call = self.calls.lock().unwrap_or_else(|e| e.into_inner()).get(index).cloned();
         match call {
             Some(call) => {
+                let start = Instant::now();
                 let _ = call.run();
+                self.busy_ns.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
             }
             None => {
                 self.stray.lock().unwrap_or_else(|e| e.into_inner()).push(request);
@@ -109,6 +114,7 @@ impl CpuExpertMailbox {
             stray: Mutex::new(Vec::new()),
             stop: AtomicBool::new(false),
             answered: AtomicU64::new(0),
+            busy_ns: AtomicU64::new(0),
         });
         let thread = if start {
             let polled = shared.clone();
@@ -167,6 +173,12 @@ impl CpuExpertMailbox {
     #[getter]
     fn answered(&self) -> u64 {
         self.shared.answered.load(Ordering::Relaxed)
+    }
+
+    /// Seconds the thread has spent running calls so far (the worker's `expert_host_busy_ms`).
+    #[getter]
+    fn busy_seconds(&self) -> f64 {
+        self.shared.busy_ns.load(Ordering::Relaxed) as f64 * 1e-9
     }
 
     /// Whether the polling thread runs.

@@ -128,6 +128,7 @@ fn parse_output(ret: Bound<'_, PyAny>) -> PyResult<StepOutput> {
         out.stats.expert_hits = get_f("expert_hits").unwrap_or(0.0) as u64;
         out.stats.expert_misses = get_f("expert_misses").unwrap_or(0.0) as u64;
         out.stats.expert_host_misses = get_f("expert_host_misses").unwrap_or(0.0) as u64;
+        out.stats.expert_host_busy_ms = get_f("expert_host_busy_ms").unwrap_or(0.0);
         out.stats.prefill_experts_from_cache = get_f("prefill_experts_from_cache").unwrap_or(0.0) as u64;
         out.stats.prefill_experts_from_host = get_f("prefill_experts_from_host").unwrap_or(0.0) as u64;
         out.stats.workspace_bytes = get_f("workspace_bytes").unwrap_or(0.0) as u64;

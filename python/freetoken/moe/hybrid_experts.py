@@ -25,6 +25,7 @@ once and ``finish`` adds.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -76,6 +77,7 @@ class HybridExperts:
         self.fetch_share = 0  # per mille of a layer's misses fetched above max_fetch (the auto cap; offload.py)
         self._buffers: dict[tuple[int, int], _Buffers] = {}
         self._calls: dict[tuple[int, int, int], int] = {}  # (layer, T, k) -> the call's index in the mailbox
+        self._direct_seconds = 0.0  # the direct path's host time (no mailbox)
         self.mailbox = None
         if self.device.type == "cuda":
             self._open_mailbox(self.device)
@@ -97,7 +99,16 @@ class HybridExperts:
         if self.mailbox is not None:
             return self._pack(index, x, topk_ids, slot_ids, topk_weights)
         host_ids = torch.where(slot_ids < 0, topk_ids.to(slot_ids.dtype), -1)
-        return HostWork(out=self.layers[index].forward(x.to(torch.bfloat16).contiguous(), host_ids, topk_weights))
+        t0 = time.perf_counter()
+        out = self.layers[index].forward(x.to(torch.bfloat16).contiguous(), host_ids, topk_weights)
+        self._direct_seconds += time.perf_counter() - t0
+        return HostWork(out=out)
+
+    @property
+    def busy_seconds(self) -> float:
+        """Seconds the host has spent computing its pairs so far (the mailbox thread's calls, or the direct ones):
+        beside the steps' time it says whether the host is what a decode step waits on."""
+        return self.mailbox.busy_seconds if self.mailbox is not None else self._direct_seconds
 
     def finish(self, work: HostWork, y: torch.Tensor) -> torch.Tensor:
         """Adds the host's sums to the layer's output ``y [T, H]`` (in place) and returns it."""

@@ -38,6 +38,7 @@ pub(super) struct EngineLoop {
     expert_hits: u64,
     expert_misses: u64,
     expert_host_misses: u64,
+    expert_host_busy_ms: f64,
     prefill_experts_from_cache: u64,
     prefill_experts_from_host: u64,
     /// Decode-only steps so far, with the worker's own time for them and the engine's whole time (planning,
@@ -80,6 +81,7 @@ impl EngineLoop {
             expert_hits: 0,
             expert_misses: 0,
             expert_host_misses: 0,
+            expert_host_busy_ms: 0.0,
             prefill_experts_from_cache: 0,
             prefill_experts_from_host: 0,
             decode_steps: 0,
@@ -261,6 +263,7 @@ impl EngineLoop {
         self.expert_hits += out.stats.expert_hits;
         self.expert_misses += out.stats.expert_misses;
         self.expert_host_misses += out.stats.expert_host_misses;
+        self.expert_host_busy_ms += out.stats.expert_host_busy_ms;
         self.prefill_experts_from_cache += out.stats.prefill_experts_from_cache;
         self.prefill_experts_from_host += out.stats.prefill_experts_from_host;
         self.scheduler.commit(plan, out);
@@ -308,6 +311,7 @@ impl EngineLoop {
             expert_hits: self.expert_hits,
             expert_misses: self.expert_misses,
             expert_host_misses: self.expert_host_misses,
+            expert_host_busy_ms: self.expert_host_busy_ms,
             prefill_experts_from_cache: self.prefill_experts_from_cache,
             prefill_experts_from_host: self.prefill_experts_from_host,
             decode_steps: self.decode_steps,

@@ -40,6 +40,9 @@ pub struct EngineStats {
     pub expert_hits: u64,
     pub expert_misses: u64,
     pub expert_host_misses: u64,
+    /// The host CPU's time on those (ms since start): beside the decode steps' time, whether the host is what a
+    /// hybrid step waits on.
+    pub expert_host_busy_ms: f64,
     /// Experts the prefill stream copied since start: from the expert cache's slots (`--moe-prefill-hit-d2d`)
     /// and over PCIe.
     pub prefill_experts_from_cache: u64,
