@@ -4,8 +4,9 @@
 //! Why integers: an E2M1 value times 2 is an integer in [-12, 12], so a code decodes to an exact int16, and
 //! `vpdpwssd` (32 int16 products summed into 16 int32 lanes) runs at two a cycle on the hosts measured, where the
 //! BF16 dot-product instruction (`_mm512_dpbf16_ps`, the same 32 products) takes two cycles each (2026-12-07, a
-//! Sapphire Rapids core: 0.136 vs 0.54 ns an instruction): at 4 tokens an expert the BF16 kernel spent most of its
-//! time there.
+//! Sapphire Rapids core: 0.136 vs 0.54 ns an instruction). With the rows of a task in one call and x on whole cache
+//! lines, this kernel made the executor 29-49 % faster than the BF16 one on an H100's 16-core host
+//! (`bench/results/2026-12-07-h100-host-cpu-expert-int16.txt`).
 //!
 //! x is cut into its 16-element blocks (the weights' scale blocks), each stored as int16 times one power of two
 //! (`quantize`): the block's largest element keeps 15 bits, so every BF16 value within 2^7 of it is exact, and a
@@ -76,8 +77,8 @@ pub(crate) fn quantize(k: usize, value: impl Fn(usize) -> f32, values: &mut [i16
         if largest == 0.0 {
             continue;
         }
-        // 2^(14 - e) for the largest's binary exponent e (its exponent bits): the largest lands in [2^14, 2^15);
-        // blocks of subnormals keep fewer bits (the factor stays a normal f32)
+        // 2^(14 - e) for the largest's binary exponent e (its exponent bits): the largest lands in [2^14, 2^15); a
+        // block whose largest is below 2^-100 keeps fewer bits, none for subnormals (the factor stays a normal f32)
         let e = (((largest.to_bits() >> 23) & 0xFF) as i32 - 127).max(-100);
         let up = f32::from_bits(((127 + 14 - e) as u32) << 23);
         let at = b / BLOCK * CHUNK + 2 * (b % BLOCK); // block b's lane in its chunk (`position`)

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 /// the MoE layers of a decode step, short enough not to hold cores through a whole idle step.
 const SPIN: Duration = Duration::from_micros(200);
 /// Spin-loop hints between two looks at the clock: a spinning thread that reads the clock at every turn keeps its
-/// core's issue slots busy (a third of a spinning worker's samples were `clock_gettime`, 2026-12-07), which a
+/// core's issue slots busy (two thirds of a spinning worker's samples were in the clock, 2026-12-07), which a
 /// hyperthread sibling doing the call's work would rather have.
 const SPINS_PER_CLOCK: u32 = 64;
 
