@@ -17,7 +17,8 @@ excluded under ``lfu``). ``max_fetch`` (the hybrid backend; None: no cap) admits
 routed first (``freq`` after this call's count; ties: lowest expert id); the others stay out of the cache, their
 pairs get slot id -1 (the host computes them) and ``spilled [1] int64`` counts them (among the misses too). With
 ``fetch_share`` (per mille, 0: off) the cap is ``max(max_fetch, ceil(share * misses / 1000))`` of this call's
-misses (``moe/slot_cache.fetch_cap``). Returns ``(slot_ids [T, k] int64`` (0 on padding rows),
+misses (``moe/slot_cache.fetch_cap``), and ``one_token_fetch`` (None: off) replaces that cap when the call has one valid
+token. Returns ``(slot_ids [T, k] int64`` (0 on padding rows),
 ``job_src [P]``, ``job_dst [P]``, ``num_jobs``): miss r copies bank row ``job_src[r]`` into slot ``job_dst[r]`` for
 ``r < num_jobs`` (``kernels/expert_gather.py``). Entries past ``num_jobs`` are unspecified.
 
@@ -79,6 +80,7 @@ def admit_experts_torch(
     max_fetch: Optional[int] = None,
     spilled: Optional[torch.Tensor] = None,
     fetch_share: int = 0,
+    one_token_fetch: Optional[int] = None,
 ):
     """Reference admission; see the module docstring."""
     T, k = topk_ids.shape
@@ -107,6 +109,9 @@ def admit_experts_torch(
     stamp.index_put_((torch.where(hit, current, S),), clock)
     if max_fetch is not None:
         cap = torch.clamp((fetch_share * miss.sum() + 999) // 1000, min=max_fetch)
+        if one_token_fetch is not None:
+            tokens = torch.as_tensor(T if num_valid_tokens is None else num_valid_tokens.reshape(()), device=dev)
+            cap = torch.where(tokens == 1, one_token_fetch, cap)
         miss = _fetched_misses(miss, expert, freq[flat].long(), cap, spilled)
 
     # missing expert of rank r (ascending expert id) takes the r-th slot in ascending (eviction key, slot) order
@@ -174,6 +179,7 @@ if triton is not None:
         age_every,
         max_fetch,  # CAP: misses admitted at most (at least, with a share)
         fetch_share,  # CAP: per mille of the call's misses admitted, if more than max_fetch
+        one_token_fetch,  # CAP: the cap of a call with one valid token instead (-1: none)
         K: tl.constexpr,
         LFU: tl.constexpr,
         HAS_VALID: tl.constexpr,
@@ -244,6 +250,8 @@ if triton is not None:
                 priority += tl.sum(((mj[None, :] >= 0) & ahead).to(tl.int32), axis=1)
             share_cap = (fetch_share * num_misses + 999) // 1000
             cap = tl.where(share_cap > max_fetch, share_cap, max_fetch)
+            one_token = (one_token_fetch >= 0) & (tl.minimum(num_valid, P // K) == 1)
+            cap = tl.where(one_token, one_token_fetch, cap)
             spill = miss & (priority >= cap)
             miss = miss & ~spill
             tl.debug_barrier()  # every warp has read the miss list before it shrinks to the fetched misses
@@ -310,6 +318,7 @@ def admit_experts_triton(
     max_fetch: Optional[int] = None,
     spilled: Optional[torch.Tensor] = None,
     fetch_share: int = 0,
+    one_token_fetch: Optional[int] = None,
 ):
     """Same contract as ``admit_experts_torch``, one kernel launch. Works on CUDA, or on CPU under
     TRITON_INTERPRET=1."""
@@ -351,6 +360,7 @@ def admit_experts_triton(
         age_every,
         max_fetch if max_fetch is not None else P,
         fetch_share,
+        -1 if one_token_fetch is None else one_token_fetch,
         K=k,
         LFU=lfu,
         HAS_VALID=num_valid_tokens is not None,

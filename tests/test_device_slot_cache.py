@@ -70,14 +70,15 @@ def assert_same_state(device_cache: DeviceExpertCache, host: ExpertSlotCache, ba
 
 def replay_against_host(
     T, k, S, calls, seed=0, padded=False, impl="auto", device="cpu", banks=None, policy="lfu", age_every=7,
-    max_fetch=None, fetch_share=0,
+    max_fetch=None, fetch_share=0, one_token_fetch=None,
 ):  # fmt: skip
     """Runs one routing sequence through both caches, comparing after every call. Returns (hits, misses).
     ``age_every`` small by default: the counts are halved many times in a replay."""
     banks = banks or make_banks(seed)
     gate_up, down = tuple(banks[0][0].shape[1:]), tuple(banks[0][1].shape[1:])
     dtype = banks[0][0].dtype
-    policy_args = dict(policy=policy, age_every=age_every, max_fetch=max_fetch, fetch_share=fetch_share)
+    policy_args = dict(policy=policy, age_every=age_every, max_fetch=max_fetch, fetch_share=fetch_share,
+                       one_token_fetch=one_token_fetch)  # fmt: skip
     host = ExpertSlotCache(S, L, E, gate_up, down, dtype, torch.device("cpu"), **policy_args)
     cache = DeviceExpertCache(S, L, E, gate_up, down, dtype, torch.device(device), impl=impl, **policy_args)
     for layer, ids, n in routing_sequence(T, k, S, calls, seed, padded):
@@ -151,11 +152,36 @@ def test_a_fetch_share_admits_its_part_of_each_calls_misses(T, k, S, max_fetch, 
     assert fetch_cap(1, 334, 7) == 3 and fetch_cap(3, 250, 7) == 3 and fetch_cap(0, 1000, 7) == 7
 
 
+@pytest.mark.parametrize("T,k,S", [(1, 4, 9), (1, 8, 12), (3, 2, 6), (8, 4, 16)])
+def test_a_one_token_cap_replaces_the_share_at_one_token_steps(T, k, S):
+    """``one_token_fetch`` (the auto cap's one-stream setting): a call with one valid token admits exactly that
+    many of its misses (no share, no floor), larger calls keep ``max(max_fetch, ceil(share * misses))``; padded
+    calls count their valid rows, as the host reference decides."""
+    from freetoken.moe.slot_cache import fetch_cap
+
+    for policy in ("lfu", "lru"):
+        replay_against_host(T, k, S, calls=150, seed=S + T, padded=True, policy=policy, max_fetch=3,
+                            fetch_share=500, one_token_fetch=2)  # fmt: skip
+    assert fetch_cap(3, 500, 8, tokens=1, one_token_fetch=2) == 2
+    assert fetch_cap(3, 500, 8, tokens=2, one_token_fetch=2) == 4 and fetch_cap(3, 500, 8, tokens=1) == 4
+    for tokens in (1, T):  # a cold cache: every distinct expert a miss
+        cache = DeviceExpertCache(S, L, E, GATE_UP, DOWN, torch.float32, torch.device("cpu"), max_fetch=3,
+                                  fetch_share=500, one_token_fetch=2)  # fmt: skip
+        ids = torch.arange(T * k).remainder(E).view(T, k)
+        slots = cache.ensure(0, *make_banks(1)[0], ids, torch.tensor(tokens))
+        admitted = len(set(ids[:tokens][slots[:tokens] >= 0].tolist()))
+        assert admitted == min(cache.misses, fetch_cap(3, 500, cache.misses, tokens, 2))
+        if tokens == 1:
+            assert admitted == min(2, cache.misses)
+
+
 def test_a_negative_fetch_cap_or_a_share_past_1000_is_refused():
     with pytest.raises(ValueError, match="max_fetch"):
         DeviceExpertCache(4, L, E, GATE_UP, DOWN, torch.float32, torch.device("cpu"), max_fetch=-1)
     with pytest.raises(ValueError, match="fetch_share"):
         DeviceExpertCache(4, L, E, GATE_UP, DOWN, torch.float32, torch.device("cpu"), max_fetch=1, fetch_share=1001)
+    with pytest.raises(ValueError, match="one_token_fetch"):
+        DeviceExpertCache(4, L, E, GATE_UP, DOWN, torch.float32, torch.device("cpu"), max_fetch=1, one_token_fetch=-1)
 
 
 @pytest.mark.parametrize("T,k,S", [(3, 2, 6), (8, 4, 10), (8, 2, 5)])
@@ -251,9 +277,11 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
         for policy in ("lfu", "lru"):
             replay_against_host(T, k, S, calls=40, seed=S, padded=padded, impl="triton", banks=banks, policy=policy,
                                 age_every=5)
-            for max_fetch, share in ((0, 0), (2, 0), (1, 500)):  # the hybrid backend's cap, with a share
+            # the hybrid backend's cap, with a share, and with the auto cap's one-token setting
+            for max_fetch, share, one in ((0, 0, None), (2, 0, None), (1, 500, None), (3, 500, 2)):
                 replay_against_host(T, k, S, calls=25, seed=S, padded=padded, impl="triton", banks=banks,
-                                    policy=policy, age_every=5, max_fetch=max_fetch, fetch_share=share)
+                                    policy=policy, age_every=5, max_fetch=max_fetch, fetch_share=share,
+                                    one_token_fetch=one)
     print("OK")
     """
 )

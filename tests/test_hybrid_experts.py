@@ -141,12 +141,12 @@ def test_hybrid_layers_captured_in_a_cuda_graph(max_fetch):
     assert off.hybrid.mailbox is not None and off.hybrid.mailbox.polling
     if max_fetch == "auto":  # both sides measured (a few GB/s at least)
         assert share.pcie_gb_s > 1 and share.cpu_gb_s > 0.1 and 0 < share.per_mille < 1000, share
-        assert off.hybrid.fetch_share == share.per_mille
+        assert off.hybrid.fetch_share == share.per_mille and off.hybrid.one_token_fetch == 1  # (never above the floor)
         # these banks are tiny (their copy outruns one CPU call: a share near 1000 fetches every miss), so the
         # graph below gets a share that leaves the host pairs at this test's ~10 misses a layer
         off.hybrid.fetch_share = 500
     off.allocate_cache(3 * T * k)
-    assert off.cache.fetch_share == off.hybrid.fetch_share
+    assert off.cache.fetch_share == off.hybrid.fetch_share and off.cache.one_token_fetch == off.hybrid.one_token_fetch
     x = torch.randn(T, H, device="cuda", dtype=BF16)
     ids = torch.zeros(2, T, k, dtype=torch.int64, device="cuda")
     w = torch.rand(2, T, k, device="cuda")
@@ -228,6 +228,7 @@ def test_the_auto_share_balances_the_two_bandwidths():
     off.make_experts(0, 8, 64, 32)
     off.finish_loading()
     assert off.enable_hybrid(3, threads=2, auto_share=True) is None and off.hybrid.fetch_share == 0
+    assert off.hybrid.one_token_fetch is None
 
 
 def test_a_failed_share_measurement_keeps_the_fixed_cap(monkeypatch, caplog):
@@ -254,7 +255,7 @@ def test_a_failed_share_measurement_keeps_the_fixed_cap(monkeypatch, caplog):
     assert any("measuring the fetch share failed" in m and "injected" in m and "the cap stays 3" in m
                for m in caplog.messages), caplog.messages  # fmt: skip
     off.allocate_cache(4)
-    assert off.cache.max_fetch == 3 and off.cache.fetch_share == 0
+    assert off.cache.max_fetch == 3 and off.cache.fetch_share == 0 and off.cache.one_token_fetch is None
 
 
 def test_a_failed_host_call_fails_the_next_check():

@@ -113,9 +113,12 @@ def load_model(a: dict) -> LoadedModel:
         max_fetch = hybrid_max_fetch(moe_backend, flag)
         if max_fetch is not None:
             share = offload.enable_hybrid(max_fetch, int(a.get("moe_cpu_threads") or 0), auto_share=flag < 0)
-            cap = f"at most {max_fetch}" if share is None else f"at least {max_fetch}"
+            cap = f"at most {max_fetch} misses a layer fetched per decode step"
+            if share is not None:
+                one = offload.hybrid.one_token_fetch
+                cap = f"at most {one} misses a layer fetched at a one-token decode step, at least {max_fetch} at larger ones"
             logger.info(
-                f"Hybrid experts ({moe_backend}): {cap} misses a layer fetched per decode step"
+                f"Hybrid experts ({moe_backend}): {cap}"
                 + ("" if share is None else f", {share.describe()}")
                 + f"; the rest computed on {offload.hybrid.threads} CPU threads"
             )

@@ -26,6 +26,12 @@ OFFLOADED = ("offload", "hybrid", "cpu")  # the experts' banks live in host memo
 # 46.3); a cap of 1 (FreeToken's no-profile default) 36.0 and 30.8: the host reads NVFP4 experts at 34-58 GB/s,
 # below PCIe's 55, so most misses belong on PCIe.
 AUTO_MAX_FETCH = 3
+# ... and at a one-token step (one decode stream) a flat 2, share or not: with the VNNI host kernels (H100 host, Qwen3.6
+# NVFP4, 1 stream, bench/results/2026-12-07-h100-qwen3.6-35b-a3b-nvfp4-decode-hybrid-int16-kernels.txt) a fixed cap
+# of 2 decoded 130.9 / 134.6 tok/s under Zipf against 117.7 / 118.0 for the auto cap (93.7 / 96.6 vs 93.5 uniform),
+# and the auto cap with a floor of 2 only 123.5-123.8 (it still fetched 3 where a layer missed 7-8). With 4 streams
+# the fixed 2 lost (uniform 118.6 vs 141.1), so steps of several tokens keep the floor of 3 and the share.
+AUTO_ONE_TOKEN_FETCH = 2
 
 
 def offloads_experts(moe_backend: str) -> bool:

@@ -59,11 +59,12 @@ class DeviceExpertCache:
         age_every: Optional[int] = None,
         max_fetch: Optional[int] = None,
         fetch_share: int = 0,
+        one_token_fetch: Optional[int] = None,
     ):
         """``impl``: ``auto`` (Triton on CUDA, torch elsewhere), ``triton`` (also on CPU under TRITON_INTERPRET=1,
         in tests) or ``torch``: the admission, and on CPU the gather too (on CUDA the gather is always the Triton
         kernel: nothing else reads a host bank without the host). ``policy``, ``age_every``, ``max_fetch``,
-        ``fetch_share``: ``ExpertSlotCache``."""
+        ``fetch_share``, ``one_token_fetch``: ``ExpertSlotCache``."""
         if num_slots < 1:
             raise ValueError("the expert cache needs at least one slot")
         if impl not in ("auto", "triton", "torch"):
@@ -71,6 +72,7 @@ class DeviceExpertCache:
         self.policy = check_policy(policy)
         self.max_fetch = check_max_fetch(max_fetch)
         self.fetch_share = check_fetch_share(fetch_share)
+        self.one_token_fetch = check_max_fetch(one_token_fetch, "one_token_fetch")
         self.age_every = age_every or default_age_every(num_layers)
         self.num_slots, self.num_layers, self.num_experts = num_slots, num_layers, num_experts
         self.device = torch.device(device)
@@ -167,6 +169,7 @@ class DeviceExpertCache:
             max_fetch=self.max_fetch,
             spilled=self.counts[2:],
             fetch_share=self.fetch_share,
+            one_token_fetch=self.one_token_fetch,
         )
 
     @torch.no_grad()

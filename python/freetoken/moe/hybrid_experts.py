@@ -75,6 +75,7 @@ class HybridExperts:
         self.threads = self.layers[0].executor.threads if self.layers else 0
         self.max_fetch = max_fetch
         self.fetch_share = 0  # per mille of a layer's misses fetched above max_fetch (the auto cap; offload.py)
+        self.one_token_fetch = None  # the auto cap at a one-token step (offload.py); None: the rule above
         self._buffers: dict[tuple[int, int], _Buffers] = {}
         self._calls: dict[tuple[int, int, int], int] = {}  # (layer, T, k) -> the call's index in the mailbox
         self._direct_seconds = 0.0  # the direct path's host time (no mailbox)

@@ -35,6 +35,7 @@ import torch
 
 from ..log import get_logger
 from ..tuning_env import choice_from_env
+from .backend_choice import AUTO_ONE_TOKEN_FETCH
 from .device_slot_cache import DeviceExpertCache
 from .host_pinning import pin_in_place
 from .offloaded_experts import OffloadedExperts
@@ -101,7 +102,8 @@ class ExpertOffload:
         """After ``finish_loading``: decode misses past ``max_fetch`` a layer go to the host CPU (``threads``:
         ``--moe-cpu-threads``, 0 = the physical cores less ``hybrid_experts.ENGINE_CORES`` beside a GPU).
         ``auto_share`` (on CUDA): ``max_fetch`` becomes the floor of a cap that follows each layer's misses by the
-        measured bandwidths (``hybrid_fetch_share.py``); returns that ``FetchShare``, else None."""
+        measured bandwidths (``hybrid_fetch_share.py``), and a one-token step fetches at most ``AUTO_ONE_TOKEN_FETCH``;
+        returns that ``FetchShare``, else None."""
         from .hybrid_experts import HybridExperts
 
         self.hybrid = HybridExperts([e.cpu_bank() for e in self.layers], self.device, max_fetch, threads)
@@ -120,6 +122,7 @@ class ExpertOffload:
             logger.warning(f"Hybrid experts: measuring the fetch share failed ({e!r}); the cap stays {max_fetch}")
             return None
         self.hybrid.fetch_share = share.per_mille
+        self.hybrid.one_token_fetch = min(max_fetch, AUTO_ONE_TOKEN_FETCH)
         return share
 
     def allocate_cache(self, num_slots: int) -> None:
@@ -136,6 +139,7 @@ class ExpertOffload:
             policy=self.cache_policy,
             max_fetch=self.hybrid.max_fetch if self.hybrid is not None else None,
             fetch_share=self.hybrid.fetch_share if self.hybrid is not None else 0,
+            one_token_fetch=self.hybrid.one_token_fetch if self.hybrid is not None else None,
         )
         if self.hit_d2d and self.cache.max_fetch != 0:  # (a cap of 0, --moe-backend cpu: the cache stays empty)
             self.stream.use_cache(self.cache)

@@ -13,7 +13,8 @@ miss is admitted either way (the kernels read experts from slots only), unless `
 lookup admits (the hybrid backend: the rest are computed on the host CPU): then the most often routed misses are
 fetched (ties: lowest expert id) and the others keep slot id -1. With ``fetch_share`` (per mille) the cap grows
 with the lookup's misses: ``max(max_fetch, ceil(share * misses))`` (``fetch_cap``), so that the PCIe and the host
-side of a layer finish together whatever the batch. Under skewed routing LFU keeps each
+side of a layer finish together whatever the batch; ``one_token_fetch``, when set, is the cap of a one-token lookup
+instead (one decode stream: see ``backend_choice.AUTO_ONE_TOKEN_FETCH``). Under skewed routing LFU keeps each
 layer's popular experts: on ``FREETOKEN_BENCH_ROUTING=zipf`` (40 layers x 256 experts, top-8, 1,024 slots) it hits
 0.565 of lookups against LRU's 0.41, the best fixed choice of experts being 0.568 (a replay of the bench's draws,
 2026-12-02); under uniform routing the two are alike. ``FREETOKEN_MOE_CACHE_POLICY`` picks it (benchmarks A/B).
@@ -40,9 +41,9 @@ def check_policy(policy: str) -> str:
     return policy
 
 
-def check_max_fetch(max_fetch: Optional[int]) -> Optional[int]:
+def check_max_fetch(max_fetch: Optional[int], name: str = "max_fetch") -> Optional[int]:
     if max_fetch is not None and max_fetch < 0:
-        raise ValueError(f"max_fetch must be None (no cap) or >= 0, got {max_fetch}")
+        raise ValueError(f"{name} must be None (no cap) or >= 0, got {max_fetch}")
     return max_fetch
 
 
@@ -52,9 +53,12 @@ def check_fetch_share(share: int) -> int:
     return share
 
 
-def fetch_cap(max_fetch: int, share: int, misses: int) -> int:
-    """Misses a lookup admits: at least ``max_fetch``, or ``share`` per mille of its ``misses`` (rounded up) if
-    more. Integer arithmetic, as the device kernels compute it."""
+def fetch_cap(max_fetch: int, share: int, misses: int, tokens: int = 0, one_token_fetch: Optional[int] = None) -> int:
+    """Misses a lookup of ``tokens`` tokens admits: ``one_token_fetch`` when set and the lookup has one token, else at
+    least ``max_fetch``, or ``share`` per mille of its ``misses`` (rounded up) if more. Integer arithmetic, as the
+    device kernels compute it."""
+    if one_token_fetch is not None and tokens == 1:
+        return one_token_fetch
     return max(max_fetch, (share * misses + 999) // 1000)
 
 
@@ -77,12 +81,14 @@ class ExpertSlotCache:
         age_every: Optional[int] = None,
         max_fetch: Optional[int] = None,
         fetch_share: int = 0,
+        one_token_fetch: Optional[int] = None,
     ):
         if num_slots < 1:
             raise ValueError("the expert cache needs at least one slot")
         self.policy = check_policy(policy)
         self.max_fetch = check_max_fetch(max_fetch)
         self.fetch_share = check_fetch_share(fetch_share)
+        self.one_token_fetch = check_max_fetch(one_token_fetch, "one_token_fetch")
         self.age_every = age_every or default_age_every(num_layers)
         self.num_slots, self.num_layers, self.num_experts = num_slots, num_layers, num_experts
         self.device = device
@@ -120,7 +126,10 @@ class ExpertSlotCache:
         missing = needed[~hit]
         self.hits += int(hit.sum())
         self.misses += len(missing)
-        cap = None if self.max_fetch is None else fetch_cap(self.max_fetch, self.fetch_share, len(missing))
+        cap = None
+        if self.max_fetch is not None:
+            T = topk_ids.shape[0]
+            cap = fetch_cap(self.max_fetch, self.fetch_share, len(missing), T, self.one_token_fetch)
         if cap is not None and len(missing) > cap:
             flat = layer * self.num_experts + missing
             fetched = np.lexsort((missing, -self.freq[flat]))[:cap]  # most routed first, then lowest id
