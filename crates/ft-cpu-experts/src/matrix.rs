@@ -82,20 +82,20 @@ impl Matrix<'_> {
         }
         let rows = first..first + out.len() / n;
         match (*self, xs) {
-            (Matrix::Nvfp4 { codes, scales, globals, k }, Vectors::Int16(xs)) => {
+            (Matrix::Nvfp4 { codes, scales, globals, k }, xs) => {
                 let (kc, ks) = (k / 2, k / nvfp4_dot::BLOCK);
                 let (c, s) = (&codes[rows.start * kc..rows.end * kc], &scales[rows.start * ks..rows.end * ks]);
-                nvfp4_int16_dot::dot_rows(c, s, k, xs, out);
+                match xs {
+                    Vectors::Int16(xs) => nvfp4_int16_dot::dot_rows(c, s, k, xs, out),
+                    Vectors::F32(xs) => {
+                        for ((c, s), out) in c.chunks(kc).zip(s.chunks(ks)).zip(out.chunks_mut(n)) {
+                            nvfp4_dot::dot_many(c, s, xs, out, simd);
+                        }
+                    }
+                    Vectors::Bf16(_) => unreachable!("NVFP4 rows take f32 or int16 vectors (Kernels::form)"),
+                }
                 for (out, global) in out.chunks_mut(n).zip(&globals[rows]) {
                     out.iter_mut().for_each(|o| *o *= global);
-                }
-            }
-            (Matrix::Nvfp4 { codes, scales, globals, k }, Vectors::F32(xs)) => {
-                let (kc, ks) = (k / 2, k / nvfp4_dot::BLOCK);
-                for (row, out) in rows.zip(out.chunks_mut(n)) {
-                    let (c, s) = (&codes[row * kc..(row + 1) * kc], &scales[row * ks..(row + 1) * ks]);
-                    nvfp4_dot::dot_many(c, s, xs, out, simd);
-                    out.iter_mut().for_each(|o| *o *= globals[row]);
                 }
             }
             (Matrix::Bf16 { weights, k }, Vectors::F32(xs)) => {
@@ -108,8 +108,8 @@ impl Matrix<'_> {
                     bf16_dot::dot_many_bf16(&weights[row * k..(row + 1) * k], xs, out)
                 }
             }
-            (Matrix::Nvfp4 { .. }, Vectors::Bf16(_)) | (Matrix::Bf16 { .. }, Vectors::Int16(_)) => {
-                unreachable!("NVFP4 rows take f32 or int16 vectors, BF16 rows f32 or BF16 ones (Kernels::form)")
+            (Matrix::Bf16 { .. }, Vectors::Int16(_)) => {
+                unreachable!("BF16 rows take f32 or BF16 vectors (Kernels::form)")
             }
         }
     }
