@@ -7,7 +7,7 @@
 //! KVM), a call of a tiny bank cost 28-34 us through a rayon pool of one thread and 15 us of two; 8-9 us here.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -20,19 +20,23 @@ const SPIN: Duration = Duration::from_micros(200);
 /// hyperthread sibling doing the call's work would rather have.
 const SPINS_PER_CLOCK: u32 = 64;
 
-/// The job of the current broadcast: a closure on the caller's stack, its lifetime erased (see `broadcast`).
-#[derive(Clone, Copy)]
-struct Job(*const (dyn Fn() + Sync));
+/// The job of the current broadcast: the address of a `&dyn Fn` on the caller's stack (a thin pointer, so that it
+/// fits one atomic word; its lifetime erased, see `broadcast`).
+type Job = *const &'static (dyn Fn() + Sync);
 
-// SAFETY: the closure is Sync, and `broadcast` keeps it alive until every worker is done with it.
-unsafe impl Send for Job {}
+/// A value on its own cache line (two, for the adjacent-line prefetcher): the counters that every worker polls or
+/// writes at each phase would otherwise share one line, bouncing it between all the pool's cores.
+#[repr(align(128))]
+struct Line<T>(T);
 
 struct Shared {
     /// Bumped once a broadcast's job is in `job`; a worker runs the job of each value it sees.
-    epoch: AtomicU64,
-    job: Mutex<Option<Job>>,
+    epoch: Line<AtomicU64>,
+    /// Read by each worker once it sees a new epoch: an atomic word, not a lock that 15 workers waking at once
+    /// would queue on.
+    job: AtomicPtr<&'static (dyn Fn() + Sync)>,
     /// Workers yet to finish the current job.
-    running: AtomicUsize,
+    running: Line<AtomicUsize>,
     panicked: AtomicBool,
     /// Workers asleep (or about to be) on `wake`.
     sleepers: AtomicUsize,
@@ -54,9 +58,9 @@ impl Pool {
     /// A pool of `threads` threads: the caller and `threads - 1` workers.
     pub(crate) fn new(threads: usize) -> std::io::Result<Pool> {
         let shared = Arc::new(Shared {
-            epoch: AtomicU64::new(0),
-            job: Mutex::new(None),
-            running: AtomicUsize::new(0),
+            epoch: Line(AtomicU64::new(0)),
+            job: AtomicPtr::new(std::ptr::null_mut()),
+            running: Line(AtomicUsize::new(0)),
             panicked: AtomicBool::new(false),
             sleepers: AtomicUsize::new(0),
             sleep: Mutex::new(()),
@@ -100,18 +104,20 @@ impl Pool {
         let _one = self.busy.lock().unwrap_or_else(|p| p.into_inner());
         let s = &*self.shared;
         // SAFETY (the lifetime erased here): this function returns, or unwinds, only once `running` is back to 0,
-        // that is once every worker has returned from the job and will not look at it again before the next epoch.
-        let erased: *const (dyn Fn() + Sync + 'static) = unsafe { std::mem::transmute(job) };
-        *s.job.lock().unwrap_or_else(|p| p.into_inner()) = Some(Job(erased));
-        s.running.store(self.workers.len(), Ordering::SeqCst);
-        s.epoch.fetch_add(1, Ordering::SeqCst);
+        // that is once every worker has returned from the job and will not look at it again before the next epoch;
+        // `erased` lives on this frame until then.
+        let erased: &'static (dyn Fn() + Sync) = unsafe { std::mem::transmute(job) };
+        let job_ptr: Job = &erased;
+        s.job.store(job_ptr as *mut _, Ordering::Release);
+        s.running.0.store(self.workers.len(), Ordering::SeqCst);
+        s.epoch.0.fetch_add(1, Ordering::SeqCst);
         if s.sleepers.load(Ordering::SeqCst) > 0 {
             let _g = s.sleep.lock().unwrap_or_else(|p| p.into_inner());
             s.wake.notify_all();
         }
         let mine = catch_unwind(AssertUnwindSafe(job));
         let (start, mut spins, mut spinning) = (Instant::now(), 0u32, true);
-        while s.running.load(Ordering::Acquire) > 0 {
+        while s.running.0.load(Ordering::Acquire) > 0 {
             spins = spins.wrapping_add(1);
             if spinning && spins.is_multiple_of(SPINS_PER_CLOCK) {
                 spinning = start.elapsed() < SPIN;
@@ -136,7 +142,7 @@ fn work(s: &Shared) {
     let mut seen = 0;
     loop {
         let (start, mut spins) = (Instant::now(), 0u32);
-        while s.epoch.load(Ordering::SeqCst) == seen {
+        while s.epoch.0.load(Ordering::SeqCst) == seen {
             if s.shutdown.load(Ordering::SeqCst) {
                 return;
             }
@@ -148,18 +154,19 @@ fn work(s: &Shared) {
             // sleep; counted first, so that a broadcast bumping the epoch after this check sees a sleeper to wake
             let mut guard = s.sleep.lock().unwrap_or_else(|p| p.into_inner());
             s.sleepers.fetch_add(1, Ordering::SeqCst);
-            while s.epoch.load(Ordering::SeqCst) == seen && !s.shutdown.load(Ordering::SeqCst) {
+            while s.epoch.0.load(Ordering::SeqCst) == seen && !s.shutdown.load(Ordering::SeqCst) {
                 guard = s.wake.wait(guard).unwrap_or_else(|p| p.into_inner());
             }
             s.sleepers.fetch_sub(1, Ordering::SeqCst);
         }
-        seen = s.epoch.load(Ordering::SeqCst);
-        let job = s.job.lock().unwrap_or_else(|p| p.into_inner()).expect("a job with each epoch");
-        // SAFETY: the broadcast that set this job waits for `running` to reach 0 before its closure goes away
-        if catch_unwind(AssertUnwindSafe(|| unsafe { (*job.0)() })).is_err() {
+        seen = s.epoch.0.load(Ordering::SeqCst);
+        let job: Job = s.job.load(Ordering::Acquire);
+        // SAFETY: the broadcast that set this job (before its epoch) waits for `running` to reach 0 before the
+        // closure and the reference to it go away, and sets no other job before then
+        if catch_unwind(AssertUnwindSafe(|| unsafe { (*job)() })).is_err() {
             s.panicked.store(true, Ordering::Relaxed);
         }
-        s.running.fetch_sub(1, Ordering::Release);
+        s.running.0.fetch_sub(1, Ordering::Release);
     }
 }
 
