@@ -14,7 +14,15 @@ use std::time::{Duration, Instant};
 
 /// How long an idle worker spins before it sleeps: longer than the gap between the phases of a call and between
 /// the MoE layers of a decode step, short enough not to hold cores through a whole idle step.
+/// `FREETOKEN_CPU_EXPERTS_SPIN_US` sets it (microseconds) for A/B runs.
 const SPIN: Duration = Duration::from_micros(200);
+
+fn spin_from_env() -> Duration {
+    std::env::var("FREETOKEN_CPU_EXPERTS_SPIN_US")
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map_or(SPIN, Duration::from_micros)
+}
 /// Spin-loop hints between two looks at the clock: a spinning thread that reads the clock at every turn keeps its
 /// core's issue slots busy (two thirds of a spinning worker's samples were in the clock, 2026-12-07), which a
 /// hyperthread sibling doing the call's work would rather have.
@@ -43,6 +51,8 @@ struct Shared {
     sleep: Mutex<()>,
     wake: Condvar,
     shutdown: AtomicBool,
+    /// `SPIN`, or the environment's
+    spin: Duration,
 }
 
 pub(crate) struct Pool {
@@ -66,6 +76,7 @@ impl Pool {
             sleep: Mutex::new(()),
             wake: Condvar::new(),
             shutdown: AtomicBool::new(false),
+            spin: spin_from_env(),
         });
         let mut pool = Pool { shared, workers: Vec::new(), busy: Mutex::new(()), pid: std::process::id() };
         for i in 1..threads.max(1) {
@@ -120,7 +131,7 @@ impl Pool {
         while s.running.0.load(Ordering::Acquire) > 0 {
             spins = spins.wrapping_add(1);
             if spinning && spins.is_multiple_of(SPINS_PER_CLOCK) {
-                spinning = start.elapsed() < SPIN;
+                spinning = start.elapsed() < s.spin;
             }
             if spinning {
                 std::hint::spin_loop();
@@ -147,7 +158,7 @@ fn work(s: &Shared) {
                 return;
             }
             spins = spins.wrapping_add(1);
-            if !spins.is_multiple_of(SPINS_PER_CLOCK) || start.elapsed() < SPIN {
+            if !spins.is_multiple_of(SPINS_PER_CLOCK) || start.elapsed() < s.spin {
                 std::hint::spin_loop();
                 continue;
             }
