@@ -385,8 +385,8 @@ pub struct ServeArgs {
     pub moe_cpu_layers: Option<String>,
 
     /// Hybrid backend: most expert misses fetched over PCIe per layer per decode step, the rest computed on the
-    /// CPU (-1 = auto: at least 3, more by the PCIe and CPU bandwidths measured at start-up; 0 = never, as
-    /// --moe-backend cpu).
+    /// CPU (-1 = auto: 2 at a one-token step, else at least 3, more by the PCIe and CPU bandwidths measured at
+    /// start-up; 0 = never, as --moe-backend cpu).
     #[arg(help_heading = MOE, long, default_value_t = -1, allow_negative_numbers = true)]
     pub moe_hybrid_max_fetch: i64,
 
