@@ -402,7 +402,7 @@ if [[ " $SECTIONS " == *" hybrid "* ]]; then
         | tee "$OUT/decode_offload.log" | tail -20
   fi
   timeout ${HYBRID_DECODE_TIMEOUT:-400} python3 bench/decode_bench.py --model-path configs/qwen3.6-35b-a3b-nvfp4 \
-      --skip-resident --skip-offload --decode-tokens ${HYBRID_TOKENS:-64} --hybrid ${HYBRID_FETCH:-3,-1} $streams \
+      --skip-resident --skip-offload --decode-tokens ${HYBRID_TOKENS:-64} --hybrid=${HYBRID_FETCH:-3,-1} $streams \
       --out "$OUT/decode_hybrid.json" -- ${HYBRID_SERVER_ARGS:-} 2>&1 | tee "$OUT/decode_hybrid.log" | tail -40
 fi
 if [[ " $SECTIONS " == *" sweep "* ]]; then
