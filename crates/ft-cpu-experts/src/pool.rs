@@ -17,11 +17,14 @@ use std::time::{Duration, Instant};
 /// `FREETOKEN_CPU_EXPERTS_SPIN_US` sets it (microseconds) for A/B runs.
 const SPIN: Duration = Duration::from_micros(200);
 
-fn spin_from_env() -> Duration {
-    std::env::var("FREETOKEN_CPU_EXPERTS_SPIN_US")
-        .ok()
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .map_or(SPIN, Duration::from_micros)
+const SPIN_VAR: &str = "FREETOKEN_CPU_EXPERTS_SPIN_US";
+
+/// `SPIN`, or `value` (the environment's `SPIN_VAR`) in microseconds; anything else is refused, not ignored.
+fn spin_from(value: Option<&str>) -> std::io::Result<Duration> {
+    let Some(v) = value else { return Ok(SPIN) };
+    v.trim().parse::<u64>().map(Duration::from_micros).map_err(|_| {
+        std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{SPIN_VAR}={v:?}: expected microseconds"))
+    })
 }
 /// Spin-loop hints between two looks at the clock: a spinning thread that reads the clock at every turn keeps its
 /// core's issue slots busy (two thirds of a spinning worker's samples were in the clock, 2026-12-07), which a
@@ -67,6 +70,7 @@ pub(crate) struct Pool {
 impl Pool {
     /// A pool of `threads` threads: the caller and `threads - 1` workers.
     pub(crate) fn new(threads: usize) -> std::io::Result<Pool> {
+        let spin = spin_from(std::env::var(SPIN_VAR).ok().as_deref())?;
         let shared = Arc::new(Shared {
             epoch: Line(AtomicU64::new(0)),
             job: AtomicPtr::new(std::ptr::null_mut()),
@@ -76,7 +80,7 @@ impl Pool {
             sleep: Mutex::new(()),
             wake: Condvar::new(),
             shutdown: AtomicBool::new(false),
-            spin: spin_from_env(),
+            spin,
         });
         let mut pool = Pool { shared, workers: Vec::new(), busy: Mutex::new(()), pid: std::process::id() };
         for i in 1..threads.max(1) {
@@ -213,6 +217,14 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_spin_variable_is_read_or_refused() {
+        assert_eq!(spin_from(None).unwrap(), SPIN);
+        assert_eq!(spin_from(Some(" 2000 ")).unwrap(), Duration::from_micros(2000));
+        let err = spin_from(Some("2ms")).unwrap_err().to_string();
+        assert!(err.contains(SPIN_VAR) && err.contains("2ms"), "{err}");
     }
 
     #[test]
