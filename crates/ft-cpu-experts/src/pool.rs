@@ -5,6 +5,10 @@
 //! to pick the call up; one thread is no thread at all), and workers that finished a phase spin for `SPIN` before
 //! they sleep, so the next phase and the next layer find them awake. Measured on this crate's first host (2 vCPUs,
 //! KVM), a call of a tiny bank cost 28-34 us through a rayon pool of one thread and 15 us of two; 8-9 us here.
+//!
+//! A call waits only for the workers that joined it (`Shared::entry`), not for all of them: beside a GPU the pool
+//! shares its cores with the engine, and a worker the OS has not run yet (asleep, or preempted) would otherwise hold
+//! every call of a decode step until its next time slice, while the caller and the others can take its tasks.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
@@ -35,6 +39,15 @@ const SPINS_PER_CLOCK: u32 = 64;
 /// fits one atomic word; its lifetime erased, see `broadcast`).
 type Job = *const &'static (dyn Fn() + Sync);
 
+/// `Shared::entry`'s bits: no worker joins a closed broadcast; the low bits count those that joined.
+const CLOSED: u64 = 1 << 31;
+const JOINED: u64 = CLOSED - 1;
+
+/// `entry`'s epoch bits, open and with nobody joined, for broadcast `epoch`.
+fn open_entry(epoch: u64) -> u64 {
+    (epoch & 0xffff_ffff) << 32
+}
+
 /// A value on its own cache line (two, for the adjacent-line prefetcher): the counters that every worker polls or
 /// writes at each phase would otherwise share one line, bouncing it between all the pool's cores.
 #[repr(align(128))]
@@ -46,8 +59,9 @@ struct Shared {
     /// Read by each worker once it sees a new epoch: an atomic word, not a lock that 15 workers waking at once
     /// would queue on.
     job: AtomicPtr<&'static (dyn Fn() + Sync)>,
-    /// Workers yet to finish the current job.
-    running: Line<AtomicUsize>,
+    /// The current broadcast's gate, one word so that joining is one compare-and-swap: its epoch (high 32 bits),
+    /// `CLOSED` once the caller has run out of tasks, and the workers that joined and have not returned (`JOINED`).
+    entry: Line<AtomicU64>,
     panicked: AtomicBool,
     /// Workers asleep (or about to be) on `wake`.
     sleepers: AtomicUsize,
@@ -74,7 +88,7 @@ impl Pool {
         let shared = Arc::new(Shared {
             epoch: Line(AtomicU64::new(0)),
             job: AtomicPtr::new(std::ptr::null_mut()),
-            running: Line(AtomicUsize::new(0)),
+            entry: Line(AtomicU64::new(CLOSED)),
             panicked: AtomicBool::new(false),
             sleepers: AtomicUsize::new(0),
             sleep: Mutex::new(()),
@@ -118,21 +132,24 @@ impl Pool {
     fn broadcast(&self, job: &(dyn Fn() + Sync)) {
         let _one = self.busy.lock().unwrap_or_else(|p| p.into_inner());
         let s = &*self.shared;
-        // SAFETY (the lifetime erased here): this function returns, or unwinds, only once `running` is back to 0,
-        // that is once every worker has returned from the job and will not look at it again before the next epoch;
+        // SAFETY (the lifetime erased here): this function returns, or unwinds, only once the broadcast is closed
+        // and no worker that joined it is still in the job (`join`); a worker that did not join never reads it.
         // `erased` lives on this frame until then.
         let erased: &'static (dyn Fn() + Sync) = unsafe { std::mem::transmute(job) };
         let job_ptr: Job = &erased;
         s.job.store(job_ptr as *mut _, Ordering::Release);
-        s.running.0.store(self.workers.len(), Ordering::SeqCst);
-        s.epoch.0.fetch_add(1, Ordering::SeqCst);
+        let epoch = s.epoch.0.load(Ordering::Relaxed).wrapping_add(1);
+        s.entry.0.store(open_entry(epoch), Ordering::Release);
+        s.epoch.0.store(epoch, Ordering::SeqCst);
         if s.sleepers.load(Ordering::SeqCst) > 0 {
             let _g = s.sleep.lock().unwrap_or_else(|p| p.into_inner());
             s.wake.notify_all();
         }
+        // the job returns once every task is taken; then no worker may join, and those that did are awaited
         let mine = catch_unwind(AssertUnwindSafe(job));
+        s.entry.0.fetch_or(CLOSED, Ordering::AcqRel);
         let (start, mut spins, mut spinning) = (Instant::now(), 0u32, true);
-        while s.running.0.load(Ordering::Acquire) > 0 {
+        while s.entry.0.load(Ordering::Acquire) & JOINED > 0 {
             spins = spins.wrapping_add(1);
             if spinning && spins.is_multiple_of(SPINS_PER_CLOCK) {
                 spinning = start.elapsed() < s.spin;
@@ -175,14 +192,30 @@ fn work(s: &Shared) {
             s.sleepers.fetch_sub(1, Ordering::SeqCst);
         }
         seen = s.epoch.0.load(Ordering::SeqCst);
+        if !join(s, seen) {
+            continue; // late: the caller and the others took every task
+        }
         let job: Job = s.job.load(Ordering::Acquire);
-        // SAFETY: the broadcast that set this job (before its epoch) waits for `running` to reach 0 before the
-        // closure and the reference to it go away, and sets no other job before then
+        // SAFETY: the broadcast that set this job (before opening its entry) waits, before the closure and the
+        // reference to it go away, until every worker that joined has left, and sets no other job before then
         if catch_unwind(AssertUnwindSafe(|| unsafe { (*job)() })).is_err() {
             s.panicked.store(true, Ordering::Relaxed);
         }
-        s.running.0.fetch_sub(1, Ordering::Release);
+        s.entry.0.fetch_sub(1, Ordering::Release);
     }
+}
+
+/// Joins broadcast `epoch` if it is still the current one and open; false once it has moved on or closed.
+fn join(s: &Shared, epoch: u64) -> bool {
+    let open = open_entry(epoch);
+    let mut entry = s.entry.0.load(Ordering::Acquire);
+    while entry & !JOINED == open {
+        match s.entry.0.compare_exchange_weak(entry, entry + 1, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => return true,
+            Err(now) => entry = now,
+        }
+    }
+    false
 }
 
 impl Drop for Pool {
@@ -217,6 +250,20 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_worker_joins_only_the_open_current_broadcast() {
+        let pool = Pool::new(1).unwrap();
+        let s = &*pool.shared;
+        s.entry.0.store(open_entry(7), Ordering::SeqCst);
+        assert!(join(s, 7) && join(s, 7));
+        assert!(!join(s, 6), "an older epoch");
+        assert_eq!(s.entry.0.load(Ordering::SeqCst) & JOINED, 2);
+        s.entry.0.fetch_or(CLOSED, Ordering::SeqCst);
+        assert!(!join(s, 7), "closed: the caller is out of tasks");
+        s.entry.0.store(open_entry(8 + (1 << 32)), Ordering::SeqCst);
+        assert!(join(s, 8) && !join(s, 7), "the epoch's low 32 bits");
     }
 
     #[test]
