@@ -13,11 +13,11 @@ One call, exactly like the host ``ExpertSlotCache.lookup``: the clock ticks (and
 a hit (its slot is stamped with the clock) or a miss; the missing experts, in ascending expert id, take the slots
 of smallest eviction key in ascending (key, slot index) order. The key is the slot's stamp (``lru``) or its
 owner's ``freq`` (``lfu``; -1 for an empty slot), and a slot this call uses is never a victim (newest stamp;
-excluded under ``lfu``). ``max_fetch`` (the hybrid backend; None: no cap) admits at most that many misses, the most
-routed first (``freq`` after this call's count; ties: lowest expert id); the others stay out of the cache, their
-pairs get slot id -1 (the host computes them) and ``spilled [1] int64`` counts them (among the misses too). With
-``fetch_share`` (per mille, 0: off) the cap is ``max(max_fetch, ceil(share * misses / 1000))`` of this call's
-misses (``moe/slot_cache.fetch_cap``), and ``one_token_fetch`` (None: off) replaces that cap when the call has one valid
+excluded under ``lfu``). ``fetch_cap`` (the hybrid backend, ``moe/fetch_cap.FetchCap``; None: no cap) admits at
+most ``fetch_cap.of(misses, valid tokens)`` of this call's misses, the most routed first (``freq`` after this call's
+count; ties: lowest expert id); the others stay out of the cache, their pairs get slot id -1 (the host computes
+them) and ``spilled [1] int64`` counts them (among the misses too). The kernel takes the cap's three numbers as
+``max_fetch``, ``fetch_share`` and ``one_token_fetch`` (-1: none) and computes the rule from them on the device.
 token. Returns ``(slot_ids [T, k] int64`` (0 on padding rows),
 ``job_src [P]``, ``job_dst [P]``, ``num_jobs``): miss r copies bank row ``job_src[r]`` into slot ``job_dst[r]`` for
 ``r < num_jobs`` (``kernels/expert_gather.py``). Entries past ``num_jobs`` are unspecified.
@@ -30,9 +30,12 @@ launch, for the decode step's CUDA graph.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from freetoken.moe.fetch_cap import FetchCap
 
 try:  # triton is a hard dependency on GPU machines; keep the reference importable without it
     import triton
@@ -77,10 +80,8 @@ def admit_experts_torch(
     num_valid_tokens: Optional[torch.Tensor] = None,
     lfu: bool = True,
     age_every: int = 1 << 20,
-    max_fetch: Optional[int] = None,
+    fetch_cap: Optional[FetchCap] = None,
     spilled: Optional[torch.Tensor] = None,
-    fetch_share: int = 0,
-    one_token_fetch: Optional[int] = None,
 ):
     """Reference admission; see the module docstring."""
     T, k = topk_ids.shape
@@ -107,11 +108,11 @@ def admit_experts_torch(
     counts[:2] += torch.stack((hit.sum(), miss.sum()))
     freq.index_add_(0, torch.where(first, flat, trash_id), torch.ones(P, dtype=freq.dtype, device=dev))
     stamp.index_put_((torch.where(hit, current, S),), clock)
-    if max_fetch is not None:
-        cap = torch.clamp((fetch_share * miss.sum() + 999) // 1000, min=max_fetch)
-        if one_token_fetch is not None:
+    if fetch_cap is not None:
+        cap = torch.clamp((fetch_cap.share * miss.sum() + 999) // 1000, min=fetch_cap.floor)
+        if fetch_cap.one_token is not None:
             tokens = torch.as_tensor(T if num_valid_tokens is None else num_valid_tokens.reshape(()), device=dev)
-            cap = torch.where(tokens == 1, one_token_fetch, cap)
+            cap = torch.where(tokens == 1, fetch_cap.one_token, cap)
         miss = _fetched_misses(miss, expert, freq[flat].long(), cap, spilled)
 
     # missing expert of rank r (ascending expert id) takes the r-th slot in ascending (eviction key, slot) order
@@ -315,10 +316,8 @@ def admit_experts_triton(
     num_valid_tokens: Optional[torch.Tensor] = None,
     lfu: bool = True,
     age_every: int = 1 << 20,
-    max_fetch: Optional[int] = None,
+    fetch_cap: Optional[FetchCap] = None,
     spilled: Optional[torch.Tensor] = None,
-    fetch_share: int = 0,
-    one_token_fetch: Optional[int] = None,
 ):
     """Same contract as ``admit_experts_torch``, one kernel launch. Works on CUDA, or on CPU under
     TRITON_INTERPRET=1."""
@@ -358,16 +357,16 @@ def admit_experts_triton(
         S,
         freq.numel() - 1,
         age_every,
-        max_fetch if max_fetch is not None else P,
-        fetch_share,
-        -1 if one_token_fetch is None else one_token_fetch,
+        P if fetch_cap is None else fetch_cap.floor,
+        0 if fetch_cap is None else fetch_cap.share,
+        -1 if fetch_cap is None or fetch_cap.one_token is None else fetch_cap.one_token,
         K=k,
         LFU=lfu,
         HAS_VALID=num_valid_tokens is not None,
         PB=pb,
         JB=min(pb, PAIR_TILE),
         SB=SLOT_BLOCK,
-        CAP=max_fetch is not None,
+        CAP=fetch_cap is not None,
         num_warps=4,
         **pdl_launch(ids),
     )

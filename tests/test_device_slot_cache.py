@@ -18,6 +18,7 @@ from triton_interpreter import run_under_interpreter
 from freetoken.engine.sync_audit import no_host_sync
 from freetoken.kernels.expert_gather import gather_experts_torch
 from freetoken.moe.device_slot_cache import DeviceExpertCache
+from freetoken.moe.fetch_cap import FetchCap
 from freetoken.moe.slot_cache import ExpertSlotCache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,15 +71,14 @@ def assert_same_state(device_cache: DeviceExpertCache, host: ExpertSlotCache, ba
 
 def replay_against_host(
     T, k, S, calls, seed=0, padded=False, impl="auto", device="cpu", banks=None, policy="lfu", age_every=7,
-    max_fetch=None, fetch_share=0, one_token_fetch=None,
+    fetch_cap=None,
 ):  # fmt: skip
     """Runs one routing sequence through both caches, comparing after every call. Returns (hits, misses).
     ``age_every`` small by default: the counts are halved many times in a replay."""
     banks = banks or make_banks(seed)
     gate_up, down = tuple(banks[0][0].shape[1:]), tuple(banks[0][1].shape[1:])
     dtype = banks[0][0].dtype
-    policy_args = dict(policy=policy, age_every=age_every, max_fetch=max_fetch, fetch_share=fetch_share,
-                       one_token_fetch=one_token_fetch)  # fmt: skip
+    policy_args = dict(policy=policy, age_every=age_every, fetch_cap=fetch_cap)
     host = ExpertSlotCache(S, L, E, gate_up, down, dtype, torch.device("cpu"), **policy_args)
     cache = DeviceExpertCache(S, L, E, gate_up, down, dtype, torch.device(device), impl=impl, **policy_args)
     for layer, ids, n in routing_sequence(T, k, S, calls, seed, padded):
@@ -124,9 +124,9 @@ def test_capped_admission_spills_the_least_routed_misses_to_the_host(T, k, S, ma
     others keep slot id -1 and are counted as spilled, exactly as the host reference decides."""
     for policy in ("lfu", "lru"):
         replay_against_host(T, k, S, calls=200, seed=S + max_fetch, padded=True, policy=policy,
-                            max_fetch=max_fetch)  # fmt: skip
+                            fetch_cap=FetchCap(max_fetch))  # fmt: skip
     banks = make_banks(1)
-    cache = DeviceExpertCache(S, L, E, GATE_UP, DOWN, torch.float32, torch.device("cpu"), max_fetch=max_fetch)
+    cache = DeviceExpertCache(S, L, E, GATE_UP, DOWN, torch.float32, torch.device("cpu"), fetch_cap=FetchCap(max_fetch))
     ids = torch.arange(T * k).remainder(E).view(T, k)  # a cold cache: every expert a miss
     slots = cache.ensure(0, *banks[0], ids)
     assert len(set(ids[slots >= 0].tolist())) == min(max_fetch, cache.misses)
@@ -136,52 +136,46 @@ def test_capped_admission_spills_the_least_routed_misses_to_the_host(T, k, S, ma
 @pytest.mark.parametrize("max_fetch,share", [(0, 500), (1, 334), (2, 1000), (3, 250)])
 @pytest.mark.parametrize("T,k,S", [(1, 4, 9), (3, 2, 6), (8, 4, 16), (8, 2, 5)])
 def test_a_fetch_share_admits_its_part_of_each_calls_misses(T, k, S, max_fetch, share):
-    """``fetch_share``: a call admits ``max(max_fetch, ceil(share * misses))`` of its misses (the hybrid backend's
-    auto cap, so that both sides of a layer finish together at any batch), as the host reference decides."""
-    from freetoken.moe.slot_cache import fetch_cap
-
+    """A share: a call admits ``max(floor, ceil(share * misses))`` of its misses (the hybrid backend's auto cap, so
+    that both sides of a layer finish together at any batch), as the host reference decides."""
+    cap = FetchCap(max_fetch, share)
     for policy in ("lfu", "lru"):
-        replay_against_host(T, k, S, calls=150, seed=S + share, padded=True, policy=policy, max_fetch=max_fetch,
-                            fetch_share=share)  # fmt: skip
-    cache = DeviceExpertCache(S, L, E, GATE_UP, DOWN, torch.float32, torch.device("cpu"), max_fetch=max_fetch,
-                              fetch_share=share)  # fmt: skip
+        replay_against_host(T, k, S, calls=150, seed=S + share, padded=True, policy=policy, fetch_cap=cap)
+    cache = DeviceExpertCache(S, L, E, GATE_UP, DOWN, torch.float32, torch.device("cpu"), fetch_cap=cap)
     ids = torch.arange(T * k).remainder(E).view(T, k)  # a cold cache: every distinct expert a miss
     slots = cache.ensure(0, *make_banks(1)[0], ids)
     admitted = len(set(ids[slots >= 0].tolist()))
-    assert admitted == min(cache.misses, fetch_cap(max_fetch, share, cache.misses))
-    assert fetch_cap(1, 334, 7) == 3 and fetch_cap(3, 250, 7) == 3 and fetch_cap(0, 1000, 7) == 7
+    assert admitted == min(cache.misses, cap.of(cache.misses, T))
+    assert FetchCap(1, 334).of(7, 2) == 3 and FetchCap(3, 250).of(7, 2) == 3 and FetchCap(0, 1000).of(7, 2) == 7
 
 
 @pytest.mark.parametrize("T,k,S", [(1, 4, 9), (1, 8, 12), (3, 2, 6), (8, 4, 16)])
 def test_a_one_token_cap_replaces_the_share_at_one_token_steps(T, k, S):
-    """``one_token_fetch`` (the auto cap's one-stream setting): a call with one valid token admits exactly that
-    many of its misses (no share, no floor), larger calls keep ``max(max_fetch, ceil(share * misses))``; padded
-    calls count their valid rows, as the host reference decides."""
-    from freetoken.moe.slot_cache import fetch_cap
-
+    """A one-token cap (the auto cap's one-stream setting): a call with one valid token admits exactly that many of
+    its misses (no share, no floor), larger calls keep ``max(floor, ceil(share * misses))``; padded calls count
+    their valid rows, as the host reference decides."""
+    cap = FetchCap(3, 500, one_token=2)
     for policy in ("lfu", "lru"):
-        replay_against_host(T, k, S, calls=150, seed=S + T, padded=True, policy=policy, max_fetch=3,
-                            fetch_share=500, one_token_fetch=2)  # fmt: skip
-    assert fetch_cap(3, 500, 8, tokens=1, one_token_fetch=2) == 2
-    assert fetch_cap(3, 500, 8, tokens=2, one_token_fetch=2) == 4 and fetch_cap(3, 500, 8, tokens=1) == 4
+        replay_against_host(T, k, S, calls=150, seed=S + T, padded=True, policy=policy, fetch_cap=cap)
+    assert cap.of(8, tokens=1) == 2
+    assert cap.of(8, tokens=2) == 4 and FetchCap(3, 500).of(8, tokens=1) == 4
     for tokens in (1, T):  # a cold cache: every distinct expert a miss
-        cache = DeviceExpertCache(S, L, E, GATE_UP, DOWN, torch.float32, torch.device("cpu"), max_fetch=3,
-                                  fetch_share=500, one_token_fetch=2)  # fmt: skip
+        cache = DeviceExpertCache(S, L, E, GATE_UP, DOWN, torch.float32, torch.device("cpu"), fetch_cap=cap)
         ids = torch.arange(T * k).remainder(E).view(T, k)
         slots = cache.ensure(0, *make_banks(1)[0], ids, torch.tensor(tokens))
         admitted = len(set(ids[:tokens][slots[:tokens] >= 0].tolist()))
-        assert admitted == min(cache.misses, fetch_cap(3, 500, cache.misses, tokens, 2))
+        assert admitted == min(cache.misses, cap.of(cache.misses, tokens))
         if tokens == 1:
             assert admitted == min(2, cache.misses)
 
 
 def test_a_negative_fetch_cap_or_a_share_past_1000_is_refused():
-    with pytest.raises(ValueError, match="max_fetch"):
-        DeviceExpertCache(4, L, E, GATE_UP, DOWN, torch.float32, torch.device("cpu"), max_fetch=-1)
-    with pytest.raises(ValueError, match="fetch_share"):
-        DeviceExpertCache(4, L, E, GATE_UP, DOWN, torch.float32, torch.device("cpu"), max_fetch=1, fetch_share=1001)
-    with pytest.raises(ValueError, match="one_token_fetch"):
-        DeviceExpertCache(4, L, E, GATE_UP, DOWN, torch.float32, torch.device("cpu"), max_fetch=1, one_token_fetch=-1)
+    with pytest.raises(ValueError, match="floor"):
+        FetchCap(-1)
+    with pytest.raises(ValueError, match="share"):
+        FetchCap(1, 1001)
+    with pytest.raises(ValueError, match="one-token"):
+        FetchCap(1, one_token=-1)
 
 
 @pytest.mark.parametrize("T,k,S", [(3, 2, 6), (8, 4, 10), (8, 2, 5)])
@@ -255,6 +249,7 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
     import sys, torch
     sys.path.insert(0, {tests!r})
     from freetoken.kernels.expert_gather import gather_experts_torch, gather_experts_triton
+    from freetoken.moe.fetch_cap import FetchCap
     from test_device_slot_cache import make_banks, replay_against_host
     # several chunks per expert, partial last chunks, gate_up and down of different sizes
     shapes = [((6, 40), (40, 3), 64, 32), ((8, 16), (16, 4), 32, 16), ((2, 3), (3, 1), 16, 16)]
@@ -278,10 +273,9 @@ _INTERPRETER_SCRIPT = textwrap.dedent(
             replay_against_host(T, k, S, calls=40, seed=S, padded=padded, impl="triton", banks=banks, policy=policy,
                                 age_every=5)
             # the hybrid backend's cap, with a share, and with the auto cap's one-token setting
-            for max_fetch, share, one in ((0, 0, None), (2, 0, None), (1, 500, None), (3, 500, 2)):
+            for cap in (FetchCap(0), FetchCap(2), FetchCap(1, 500), FetchCap(3, 500, one_token=2)):
                 replay_against_host(T, k, S, calls=25, seed=S, padded=padded, impl="triton", banks=banks,
-                                    policy=policy, age_every=5, max_fetch=max_fetch, fetch_share=share,
-                                    one_token_fetch=one)
+                                    policy=policy, age_every=5, fetch_cap=cap)
     print("OK")
     """
 )

@@ -14,6 +14,7 @@ from freetoken.layers.fused_linear import fuse_projections
 from freetoken.models.base import ModelConfig
 from freetoken.models.registry import model_class
 from freetoken.moe.cpu_experts import CpuExperts
+from freetoken.moe.fetch_cap import FetchCap
 from freetoken.moe.offload import ExpertOffload
 
 CONFIG = R.qwen3_5_moe_config(num_experts=16, num_experts_per_tok=2)
@@ -141,12 +142,12 @@ def test_hybrid_layers_captured_in_a_cuda_graph(max_fetch):
     assert off.hybrid.mailbox is not None and off.hybrid.mailbox.polling
     if max_fetch == "auto":  # both sides measured (a few GB/s at least)
         assert share.pcie_gb_s > 1 and share.cpu_gb_s > 0.1 and 0 < share.per_mille < 1000, share
-        assert off.hybrid.fetch_share == share.per_mille and off.hybrid.one_token_fetch == 1  # (never above the floor)
+        assert off.hybrid.fetch_cap == FetchCap(1, share.per_mille, one_token=1)  # (never above the floor)
         # these banks are tiny (their copy outruns one CPU call: a share near 1000 fetches every miss), so the
         # graph below gets a share that leaves the host pairs at this test's ~10 misses a layer
-        off.hybrid.fetch_share = 500
+        off.hybrid.fetch_cap = FetchCap(1, 500, one_token=1)
     off.allocate_cache(3 * T * k)
-    assert off.cache.fetch_share == off.hybrid.fetch_share and off.cache.one_token_fetch == off.hybrid.one_token_fetch
+    assert off.cache.fetch_cap == off.hybrid.fetch_cap
     x = torch.randn(T, H, device="cuda", dtype=BF16)
     ids = torch.zeros(2, T, k, dtype=torch.int64, device="cuda")
     w = torch.rand(2, T, k, device="cuda")
@@ -197,7 +198,7 @@ def test_llm_with_hybrid_nvfp4_experts_gives_the_resident_tokens(nvfp4_dir, resi
     args = dict(moe_hybrid_max_fetch=max_fetch) if backend == "hybrid" else {}
     llm = LLM(nvfp4_dir, moe_backend=backend, moe_cache_size=6, moe_cpu_threads=2, **args, **LLM_ARGS)
     off = llm.worker.offload
-    assert off.hybrid is not None and off.cache.max_fetch == (0 if backend == "cpu" else 1)
+    assert off.hybrid is not None and off.cache.fetch_cap == FetchCap(0 if backend == "cpu" else 1)
     assert off.hybrid.layers[0].format == "nvfp4"
     # prefill copies the cache's experts on the device by default; the cpu backend's cache stays empty: no map read
     assert off.hit_d2d and (off.stream.resident is None) == (backend == "cpu")
@@ -219,16 +220,15 @@ def test_the_auto_share_balances_the_two_bandwidths():
     """q* = pcie / (pcie + cpu): the fetched misses take as long over PCIe as the others on the host. On a CPU
     device there is no PCIe to measure: the fixed floor alone (no share)."""
     from freetoken.moe.hybrid_fetch_share import share_of
-    from freetoken.moe.slot_cache import fetch_cap
 
     assert share_of(55.0, 40.0) == 579 and share_of(20.0, 0.0) == 1000 and share_of(0.0, 0.0) == 1000
     # 26 misses at 4 streams: 16 fetched (16 / 55 ~ 10 / 40), where a fixed cap of 3 left 23 to the host
-    assert fetch_cap(3, share_of(55.0, 40.0), 26) == 16 and fetch_cap(3, share_of(55.0, 40.0), 4) == 3
+    cap = FetchCap(3, share_of(55.0, 40.0))
+    assert cap.of(26, tokens=4) == 16 and cap.of(4, tokens=4) == 3
     off = ExpertOffload(torch.device("cpu"), BF16, top_k=2)
     off.make_experts(0, 8, 64, 32)
     off.finish_loading()
-    assert off.enable_hybrid(3, threads=2, auto_share=True) is None and off.hybrid.fetch_share == 0
-    assert off.hybrid.one_token_fetch is None
+    assert off.enable_hybrid(3, threads=2, auto_share=True) is None and off.hybrid.fetch_cap == FetchCap(3)
 
 
 def test_a_failed_share_measurement_keeps_the_fixed_cap(monkeypatch, caplog):
@@ -251,11 +251,11 @@ def test_a_failed_share_measurement_keeps_the_fixed_cap(monkeypatch, caplog):
         assert off._measure_fetch_share(3) is None
     finally:
         logging.getLogger("freetoken").removeHandler(caplog.handler)
-    assert off.hybrid.fetch_share == 0
+    assert off.hybrid.fetch_cap == FetchCap(3)
     assert any("measuring the fetch share failed" in m and "injected" in m and "the cap stays 3" in m
                for m in caplog.messages), caplog.messages  # fmt: skip
     off.allocate_cache(4)
-    assert off.cache.max_fetch == 3 and off.cache.fetch_share == 0 and off.cache.one_token_fetch is None
+    assert off.cache.fetch_cap == FetchCap(3)
 
 
 def test_a_failed_host_call_fails_the_next_check():

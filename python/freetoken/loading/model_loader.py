@@ -115,7 +115,7 @@ def load_model(a: dict) -> LoadedModel:
             share = offload.enable_hybrid(max_fetch, int(a.get("moe_cpu_threads") or 0), auto_share=flag < 0)
             cap = f"at most {max_fetch} misses a layer fetched per decode step"
             if share is not None:
-                one = offload.hybrid.one_token_fetch
+                one = offload.hybrid.fetch_cap.one_token
                 cap = f"at most {one} misses a layer fetched at a one-token decode step, at least {max_fetch} at larger ones"
             logger.info(
                 f"Hybrid experts ({moe_backend}): {cap}"

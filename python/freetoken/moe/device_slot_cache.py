@@ -39,7 +39,8 @@ import torch
 from ..kernels.expert_admission import admit_experts_torch, admit_experts_triton
 from ..kernels.expert_gather import gather_experts_torch, gather_experts_triton
 from ..log import get_logger
-from .slot_cache import check_fetch_share, check_max_fetch, check_policy, default_age_every
+from .fetch_cap import FetchCap
+from .slot_cache import check_policy, default_age_every
 
 logger = get_logger(__name__)
 
@@ -57,22 +58,18 @@ class DeviceExpertCache:
         impl: str = "auto",
         policy: str = "lfu",
         age_every: Optional[int] = None,
-        max_fetch: Optional[int] = None,
-        fetch_share: int = 0,
-        one_token_fetch: Optional[int] = None,
+        fetch_cap: Optional[FetchCap] = None,
     ):
         """``impl``: ``auto`` (Triton on CUDA, torch elsewhere), ``triton`` (also on CPU under TRITON_INTERPRET=1,
         in tests) or ``torch``: the admission, and on CPU the gather too (on CUDA the gather is always the Triton
-        kernel: nothing else reads a host bank without the host). ``policy``, ``age_every``, ``max_fetch``,
-        ``fetch_share``, ``one_token_fetch``: ``ExpertSlotCache``."""
+        kernel: nothing else reads a host bank without the host). ``policy``, ``age_every``, ``fetch_cap``:
+        ``ExpertSlotCache``."""
         if num_slots < 1:
             raise ValueError("the expert cache needs at least one slot")
         if impl not in ("auto", "triton", "torch"):
             raise ValueError(f"unknown expert cache implementation {impl!r}")
         self.policy = check_policy(policy)
-        self.max_fetch = check_max_fetch(max_fetch)
-        self.fetch_share = check_fetch_share(fetch_share)
-        self.one_token_fetch = check_max_fetch(one_token_fetch, "one_token_fetch")
+        self.fetch_cap = fetch_cap
         self.age_every = age_every or default_age_every(num_layers)
         self.num_slots, self.num_layers, self.num_experts = num_slots, num_layers, num_experts
         self.device = torch.device(device)
@@ -85,7 +82,7 @@ class DeviceExpertCache:
         self.owner = torch.full((S + 1,), -1, dtype=torch.int32, device=dev)
         self.stamp = torch.full((S + 1,), -1, dtype=torch.int64, device=dev)
         self.clock = torch.zeros(1, dtype=torch.int64, device=dev)
-        # hits, misses, and of the misses those left to the host (max_fetch): one tensor, so that the decode
+        # hits, misses, and of the misses those left to the host (fetch_cap): one tensor, so that the decode
         # graphs copy all three out behind each step
         self.counts = torch.zeros(3, dtype=torch.int64, device=dev)
         self.freq = torch.zeros(self.trash_id + 1, dtype=torch.int32, device=dev)
@@ -142,7 +139,7 @@ class DeviceExpertCache:
         num_valid_tokens: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``topk_ids [T, k]`` (expert ids of ``layer``) -> slot ids ``[T, k]`` int64, every expert of the first
-        ``num_valid_tokens`` rows resident (all rows when None; with ``max_fetch``, those it spills get slot id -1).
+        ``num_valid_tokens`` rows resident (all rows when None; with ``fetch_cap``, those it spills get slot id -1).
         No host sync; capturable on CUDA."""
         slot_ids, job_src, job_dst, num_jobs = self.admit(layer, topk_ids, num_valid_tokens)
         self.fetch(bank_gate_up, bank_down, job_src, job_dst, num_jobs)
@@ -166,10 +163,8 @@ class DeviceExpertCache:
             num_valid_tokens,
             lfu=self.policy == "lfu",
             age_every=self.age_every,
-            max_fetch=self.max_fetch,
+            fetch_cap=self.fetch_cap,
             spilled=self.counts[2:],
-            fetch_share=self.fetch_share,
-            one_token_fetch=self.one_token_fetch,
         )
 
     @torch.no_grad()

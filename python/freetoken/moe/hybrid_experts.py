@@ -3,8 +3,8 @@ fetch are computed on the host CPU, beside the GPU, inside the decode step (and 
 
 A decode step's MoE layer with hybrid on (``OffloadedExperts.forward`` through ``device_weights``):
 
-1. the cache admits at most ``max_fetch`` misses (``DeviceExpertCache``; ``cpu``: none); the pairs of the others
-   get slot id -1;
+1. the cache admits the misses its ``FetchCap`` allows (``fetch_cap.py``, ``DeviceExpertCache``; ``cpu``: none); the
+   pairs of the others get slot id -1;
 2. ``start``: those pairs' expert ids, their weights and x go to pinned host buffers and the host is told; it
    computes (the CPU expert executor, native, no GIL) while the GPU fetches its misses and runs the other pairs;
 3. ``finish``: the GPU waits for the host's fp32 sums and adds them to the layer's output.
@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 
 from .cpu_experts import CpuExperts, physical_cores
+from .fetch_cap import FetchCap
 
 # cores left to the engine beside a GPU (its step thread, the HTTP server, the CUDA driver's threads) when
 # --moe-cpu-threads is 0: the executor's workers spin between calls (the mailbox's polling thread is the executor's
@@ -73,9 +74,7 @@ class HybridExperts:
             threads = engine_side_threads()
         self.layers = [CpuExperts(bank, threads) for bank in banks]
         self.threads = self.layers[0].executor.threads if self.layers else 0
-        self.max_fetch = max_fetch
-        self.fetch_share = 0  # per mille of a layer's misses fetched above max_fetch (the auto cap; offload.py)
-        self.one_token_fetch = None  # the auto cap at a one-token step (offload.py); None: the rule above
+        self.fetch_cap = FetchCap(max_fetch)  # the auto cap's share and one-token cap added by offload.py
         self._buffers: dict[tuple[int, int], _Buffers] = {}
         self._calls: dict[tuple[int, int, int], int] = {}  # (layer, T, k) -> the call's index in the mailbox
         self._direct_seconds = 0.0  # the direct path's host time (no mailbox)

@@ -21,9 +21,9 @@ means every row is real. Set it back to None for eager steps.
 
 Hit and miss counters feed each step's ``expert_hits`` / ``expert_misses`` / ``expert_host_misses``.
 
-``--moe-backend hybrid`` / ``cpu`` (``enable_hybrid``): the cache admits at most ``max_fetch`` misses a layer per
-decode step (``cpu``: none) and the host CPU computes the pairs of the others (``hybrid_experts.py``); prefill
-steps stream layers as with ``offload``.
+``--moe-backend hybrid`` / ``cpu`` (``enable_hybrid``): the cache admits the misses a ``FetchCap`` allows a layer
+per decode step (``fetch_cap.py``; ``cpu``: none) and the host CPU computes the pairs of the others
+(``hybrid_experts.py``); prefill steps stream layers as with ``offload``.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from ..log import get_logger
 from ..tuning_env import choice_from_env
 from .backend_choice import AUTO_ONE_TOKEN_FETCH
 from .device_slot_cache import DeviceExpertCache
+from .fetch_cap import FetchCap
 from .host_pinning import pin_in_place
 from .offloaded_experts import OffloadedExperts
 from .prefill_stream import PrefillExpertStream
@@ -121,8 +122,7 @@ class ExpertOffload:
         except Exception as e:
             logger.warning(f"Hybrid experts: measuring the fetch share failed ({e!r}); the cap stays {max_fetch}")
             return None
-        self.hybrid.fetch_share = share.per_mille
-        self.hybrid.one_token_fetch = min(max_fetch, AUTO_ONE_TOKEN_FETCH)
+        self.hybrid.fetch_cap = FetchCap(max_fetch, share.per_mille, min(max_fetch, AUTO_ONE_TOKEN_FETCH))
         return share
 
     def allocate_cache(self, num_slots: int) -> None:
@@ -137,11 +137,9 @@ class ExpertOffload:
             gate_up.dtype,
             self.device,
             policy=self.cache_policy,
-            max_fetch=self.hybrid.max_fetch if self.hybrid is not None else None,
-            fetch_share=self.hybrid.fetch_share if self.hybrid is not None else 0,
-            one_token_fetch=self.hybrid.one_token_fetch if self.hybrid is not None else None,
+            fetch_cap=self.hybrid.fetch_cap if self.hybrid is not None else None,
         )
-        if self.hit_d2d and self.cache.max_fetch != 0:  # (a cap of 0, --moe-backend cpu: the cache stays empty)
+        if self.hit_d2d and self.cache.fetch_cap != FetchCap(0):  # (--moe-backend cpu: the cache stays empty)
             self.stream.use_cache(self.cache)
 
     @property

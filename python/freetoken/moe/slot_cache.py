@@ -9,12 +9,9 @@ step can be, because its kernel is already queued on the same stream before the 
 Eviction (``policy``): ``lfu`` (the default) evicts the slot whose expert was routed to least often, counting every
 routing since start-up, resident or not, halved every ``age_every`` lookups (about 256 decode steps) so the
 counts follow a changing workload; ties go to the lowest slot. ``lru`` evicts the least recently used slot. Every
-miss is admitted either way (the kernels read experts from slots only), unless ``max_fetch`` caps the misses a
-lookup admits (the hybrid backend: the rest are computed on the host CPU): then the most often routed misses are
-fetched (ties: lowest expert id) and the others keep slot id -1. With ``fetch_share`` (per mille) the cap grows
-with the lookup's misses: ``max(max_fetch, ceil(share * misses))`` (``fetch_cap``), so that the PCIe and the host
-side of a layer finish together whatever the batch; ``one_token_fetch``, when set, is the cap of a one-token lookup
-instead (one decode stream: see ``backend_choice.AUTO_ONE_TOKEN_FETCH``). Under skewed routing LFU keeps each
+miss is admitted either way (the kernels read experts from slots only), unless ``fetch_cap`` (``fetch_cap.py``, the
+hybrid backend: the rest are computed on the host CPU) caps the misses a lookup admits: then the most often routed
+misses are fetched (ties: lowest expert id) and the others keep slot id -1. Under skewed routing LFU keeps each
 layer's popular experts: on ``FREETOKEN_BENCH_ROUTING=zipf`` (40 layers x 256 experts, top-8, 1,024 slots) it hits
 0.565 of lookups against LRU's 0.41, the best fixed choice of experts being 0.568 (a replay of the bench's draws,
 2026-12-02); under uniform routing the two are alike. ``FREETOKEN_MOE_CACHE_POLICY`` picks it (benchmarks A/B).
@@ -32,6 +29,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .fetch_cap import FetchCap
+
 POLICIES = ("lfu", "lru")
 
 
@@ -39,27 +38,6 @@ def check_policy(policy: str) -> str:
     if policy not in POLICIES:
         raise ValueError(f"unknown expert cache policy {policy!r}: expected one of {', '.join(POLICIES)}")
     return policy
-
-
-def check_max_fetch(max_fetch: Optional[int], name: str = "max_fetch") -> Optional[int]:
-    if max_fetch is not None and max_fetch < 0:
-        raise ValueError(f"{name} must be None (no cap) or >= 0, got {max_fetch}")
-    return max_fetch
-
-
-def check_fetch_share(share: int) -> int:
-    if not 0 <= share <= 1000:
-        raise ValueError(f"fetch_share is per mille of a lookup's misses, 0..1000, got {share}")
-    return share
-
-
-def fetch_cap(max_fetch: int, share: int, misses: int, tokens: int = 0, one_token_fetch: Optional[int] = None) -> int:
-    """Misses a lookup of ``tokens`` tokens admits: ``one_token_fetch`` when set and the lookup has one token, else at
-    least ``max_fetch``, or ``share`` per mille of its ``misses`` (rounded up) if more. Integer arithmetic, as the
-    device kernels compute it."""
-    if one_token_fetch is not None and tokens == 1:
-        return one_token_fetch
-    return max(max_fetch, (share * misses + 999) // 1000)
 
 
 def default_age_every(num_layers: int) -> int:
@@ -79,16 +57,12 @@ class ExpertSlotCache:
         device: torch.device,
         policy: str = "lfu",
         age_every: Optional[int] = None,
-        max_fetch: Optional[int] = None,
-        fetch_share: int = 0,
-        one_token_fetch: Optional[int] = None,
+        fetch_cap: Optional[FetchCap] = None,
     ):
         if num_slots < 1:
             raise ValueError("the expert cache needs at least one slot")
         self.policy = check_policy(policy)
-        self.max_fetch = check_max_fetch(max_fetch)
-        self.fetch_share = check_fetch_share(fetch_share)
-        self.one_token_fetch = check_max_fetch(one_token_fetch, "one_token_fetch")
+        self.fetch_cap = fetch_cap
         self.age_every = age_every or default_age_every(num_layers)
         self.num_slots, self.num_layers, self.num_experts = num_slots, num_layers, num_experts
         self.device = device
@@ -101,7 +75,7 @@ class ExpertSlotCache:
         self.clock = 0
         self.hits = 0
         self.misses = 0
-        self.spilled = 0  # misses left to the host (max_fetch), counted among the misses too
+        self.spilled = 0  # misses left to the host (fetch_cap), counted among the misses too
 
     @property
     def nbytes(self) -> int:
@@ -111,7 +85,7 @@ class ExpertSlotCache:
         self, layer: int, bank_gate_up: torch.Tensor, bank_down: torch.Tensor, topk_ids: torch.Tensor
     ) -> Optional[torch.Tensor]:
         """``topk_ids [T, k]`` (expert ids of ``layer``) -> slot ids of the same shape, every expert resident
-        (but those past ``max_fetch``: -1). None when the layer needs more distinct experts than there are slots
+        (but those past ``fetch_cap``: -1). None when the layer needs more distinct experts than there are slots
         (the caller streams the layer)."""
         needed = np.unique(topk_ids.detach().cpu().numpy())
         if len(needed) > self.num_slots:
@@ -126,10 +100,7 @@ class ExpertSlotCache:
         missing = needed[~hit]
         self.hits += int(hit.sum())
         self.misses += len(missing)
-        cap = None
-        if self.max_fetch is not None:
-            T = topk_ids.shape[0]
-            cap = fetch_cap(self.max_fetch, self.fetch_share, len(missing), T, self.one_token_fetch)
+        cap = None if self.fetch_cap is None else self.fetch_cap.of(len(missing), topk_ids.shape[0])
         if cap is not None and len(missing) > cap:
             flat = layer * self.num_experts + missing
             fetched = np.lexsort((missing, -self.freq[flat]))[:cap]  # most routed first, then lowest id
