@@ -8,8 +8,13 @@ Then the same through FreeToken's CPU expert executor (``freetoken.moe.cpu_exper
 on a BF16 and an NVFP4 bank of 64 experts (1.70 MiB an expert in NVFP4), for 1 token and ``--tokens`` tokens routed
 to the same experts (each expert read once for all of them): weight GB/s, its share of the host's read bandwidth
 (``of read``) and the ratio to pinned H2D. Every call takes the next experts of the bank, so weights come from memory.
+Beside each executor row, where its calls' time went (``CpuExpertExecutor.take_call_times``): microseconds a call in
+each phase (pairs grouped, x laid out, gate|up, the activations laid out, down) and the pool's hand-off a broadcast
+(workers that joined, the share that woke sleeping workers, the caller's wait for those that joined). ``--gap-us``
+spins that long between calls, as a decode step's layers space them (~185 us a layer at 1 stream on the H100's
+host): the workers spin 200 us before they sleep, so a longer gap measures calls that wake them.
 
-    python3 bench/cpu_expert_bench.py [--threads N] [--tokens 1,4] [--out bench/out/cpu_expert.json]
+    python3 bench/cpu_expert_bench.py [--threads N] [--tokens 1,4] [--gap-us 0] [--out bench/out/cpu_expert.json]
 """
 
 from __future__ import annotations
@@ -30,10 +35,13 @@ from report import write_report  # noqa: E402
 H, I, EXPERTS = 2048, 512, 64
 
 
-def median_s(fn, reps: int = 20) -> float:
+def median_s(fn, reps: int = 20, between=None) -> float:
+    """The median time of ``fn()``; ``between()``, untimed, before each."""
     fn()
     times = []
     for _ in range(reps):
+        if between is not None:
+            between()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -47,6 +55,7 @@ def main() -> int:
     ap.add_argument(
         "--tokens", default="1,4", help="tokens a call for the executor's rows (routed to the same experts)"
     )
+    ap.add_argument("--gap-us", type=float, default=0.0, help="spin this long between the executor's calls")
     ap.add_argument("--out", default="bench/out/cpu_expert.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -101,8 +110,12 @@ def executor_table(a, w13, w2, read_gbs: float, pcie) -> tuple[str, list]:
     banks = {"bf16": (w13, w2), "nvfp4": nvfp4_bank(EXPERTS)}
     experts = {name: CpuExperts(bank, threads=a.threads) for name, bank in banks.items()}
     kernels = next(iter(experts.values())).executor.kernels
-    print(f"CPU expert executor: {a.threads} threads, {kernels} kernels")
-    print(f"{'format':>8}{'tokens':>8}{'experts':>8}{'ms':>10}{'GB/s':>8}{'of read':>9}{'vs H2D':>8}")
+    print(f"CPU expert executor: {a.threads} threads, {kernels} kernels, {a.gap_us:g} us between calls")
+    print(
+        f"{'format':>8}{'tokens':>8}{'experts':>8}{'ms':>10}{'GB/s':>8}{'of read':>9}{'vs H2D':>8}"
+        f"   us a call: {'group':>6}{'x':>6}{'gate_up':>8}{'acts':>6}{'down':>6}"
+        f"  a broadcast: {'joined':>7}{'woke':>6}{'wait us':>8}"
+    )
     rows, turn = [], [0]
     for name, ex in experts.items():
         per_expert = sum(t[0].numel() * t.element_size() for t in banks[name])
@@ -118,7 +131,14 @@ def executor_table(a, w13, w2, read_gbs: float, pcie) -> tuple[str, list]:
                     ids = torch.arange(base, base + n).expand(x.shape[0], n)
                     ex.forward(x, ids, weights.expand(x.shape[0], n), out)
 
-                s = median_s(step)
+                def gap():
+                    t = time.perf_counter() + a.gap_us / 1e6
+                    while time.perf_counter() < t:
+                        pass
+
+                ex.executor.take_call_times()
+                s = median_s(step, between=gap if a.gap_us > 0 else None)
+                split = call_split(ex.executor.take_call_times())
                 gbs = n * per_expert / s / 1e9
                 rows.append(
                     {
@@ -128,11 +148,31 @@ def executor_table(a, w13, w2, read_gbs: float, pcie) -> tuple[str, list]:
                         "ms": s * 1e3,
                         "gb_s": gbs,
                         "of_read": gbs / read_gbs,
+                        "gap_us": a.gap_us,
                     }
+                    | split
                 )
                 h2d = gbs / pcie if pcie else float("nan")
-                print(f"{name:>8}{tokens:>8}{n:>8}{s * 1e3:>10.3f}{gbs:>8.1f}{gbs / read_gbs:>9.2f}{h2d:>8.2f}")
+                print(
+                    f"{name:>8}{tokens:>8}{n:>8}{s * 1e3:>10.3f}{gbs:>8.1f}{gbs / read_gbs:>9.2f}{h2d:>8.2f}"
+                    f"   {'':>10}{split['group_us']:>6.1f}{split['x_us']:>6.1f}{split['gate_up_us']:>8.1f}"
+                    f"{split['acts_us']:>6.1f}{split['down_us']:>6.1f}  {'':>13}{split['joined']:>7.1f}"
+                    f"{split['woke']:>6.2f}{split['wait_us']:>8.1f}"
+                )
     return kernels, rows
+
+
+def call_split(times: dict) -> dict:
+    """``take_call_times``'s sums as means: microseconds a call in each phase; workers joined, the share of
+    broadcasts that woke sleepers and the caller's wait (us) a broadcast."""
+    calls, broadcasts = max(times["calls"], 1), max(times["broadcasts"], 1)
+    split = {f"{p}_us": times[f"{p}_ns"] / calls / 1e3 for p in ("group", "x", "gate_up", "acts", "down")}
+    return split | {
+        "broadcasts_a_call": times["broadcasts"] / calls,
+        "joined": times["joined"] / broadcasts,
+        "woke": times["wakeups"] / broadcasts,
+        "wait_us": times["wait_ns"] / broadcasts / 1e3,
+    }
 
 
 if __name__ == "__main__":

@@ -392,8 +392,9 @@ if [[ " $SECTIONS " == *" hybrid "* ]]; then
         tests/test_cpu_experts.py 2>&1 | tee "$OUT/hybrid_tests.log" | grep -E "FAILED|ERROR|passed|failed|Error" | tail -20
   fi
   if [[ "${HYBRID_CPU_BENCH:-1}" != 0 ]]; then
-    timeout ${CPU_BENCH_TIMEOUT:-90} python3 bench/cpu_expert_bench.py --out "$OUT/cpu_expert.json" 2>&1 \
-        | tee "$OUT/cpu_expert_bench.log" | tail -30
+    # CPU_BENCH_ARGS: e.g. "--threads 12 --gap-us 185" (the served pool's threads, a layer's spacing at 1 stream)
+    timeout ${CPU_BENCH_TIMEOUT:-90} python3 bench/cpu_expert_bench.py ${CPU_BENCH_ARGS:-} --out "$OUT/cpu_expert.json" \
+        2>&1 | tee "$OUT/cpu_expert_bench.log" | tail -30
   fi
   streams="${HYBRID_STREAMS:+--offload-streams $HYBRID_STREAMS}"
   if [[ -z "${HYBRID_SKIP_OFFLOAD:-}" ]]; then

@@ -188,6 +188,25 @@ def test_the_executor_is_shared_and_says_its_path():
     assert executor().threads >= 1
 
 
+def test_call_times_are_summed_by_phase_and_taken():
+    """``take_call_times`` (for ``bench/cpu_expert_bench.py``): one count a call, nanoseconds in each phase, the
+    pool's broadcasts, and zero again once taken. A fresh executor of its own, so no other test's calls count."""
+    from freetoken import _core
+
+    E, H, I = 4, 64, 32
+    experts = CpuExperts(bf16_bank(E, H, I), threads=THREADS)
+    experts.executor = _core.CpuExpertExecutor(3)
+    ids, weights = routing(3, 2, E)
+    for _ in range(4):
+        experts.forward(torch.randn(3, H).bfloat16(), ids, weights)
+    t = experts.executor.take_call_times()
+    phases = ("group", "x", "gate_up", "acts", "down")
+    assert set(t) == {f"{p}_ns" for p in phases} | {"calls", "broadcasts", "joined", "wakeups", "wait_ns"}
+    assert t["calls"] == 4 and t["gate_up_ns"] > 0 and t["down_ns"] > 0
+    assert t["broadcasts"] >= 4 and 0 <= t["joined"] <= 2 * t["broadcasts"] and t["wakeups"] <= t["broadcasts"]
+    assert all(v == 0 for v in experts.executor.take_call_times().values())
+
+
 def test_bad_input_raises_value_error():
     E, H, I = 4, 64, 32
     gate_up, down = bf16_bank(E, H, I)

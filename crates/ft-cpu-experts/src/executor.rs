@@ -4,6 +4,7 @@
 use std::sync::Mutex;
 
 use crate::aligned::Int16Lines;
+use crate::call_times::{CallTimes, CallTimesTaken};
 use crate::matrix::Layout;
 use crate::pool::Pool;
 
@@ -89,6 +90,8 @@ pub struct Executor {
     pub(crate) kernels: Kernels,
     /// Buffers reused across calls (sized by the largest call so far), so that a decode step allocates nothing.
     pub(crate) scratch: Mutex<Scratch>,
+    /// Where calls spend their time (`call_times.rs`).
+    pub(crate) times: CallTimes,
 }
 
 #[derive(Default)]
@@ -126,7 +129,7 @@ impl Executor {
         }
         let threads = if threads == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { threads };
         let pool = Pool::new(threads).map_err(|e| format!("cannot start {threads} CPU expert threads: {e}"))?;
-        Ok(Executor { pool, kernels, scratch: Mutex::new(Scratch::default()) })
+        Ok(Executor { pool, kernels, scratch: Mutex::new(Scratch::default()), times: CallTimes::default() })
     }
 
     /// Threads a call runs on (the caller's included).
@@ -141,5 +144,12 @@ impl Executor {
     /// Whether calls run the AVX-512 kernels.
     pub fn simd(&self) -> bool {
         self.kernels != Kernels::Portable
+    }
+
+    /// Where the calls since the last take spent their time, and the pool's hand-off over them; zero again after.
+    pub fn take_times(&self) -> CallTimesTaken {
+        let (calls, phase_ns) = self.times.take();
+        let (broadcasts, joined, wakeups, wait_ns) = self.pool.take_counts();
+        CallTimesTaken { calls, phase_ns, broadcasts, joined, wakeups, wait_ns }
     }
 }

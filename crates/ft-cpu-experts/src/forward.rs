@@ -14,6 +14,7 @@ use crate::nvfp4_int16_dot::{quantize, Quantized};
 use crate::plan::{group_by_expert, rows_per_task, Group};
 use crate::pool::Pool;
 use crate::{Bank, Executor, Pair, Shape};
+use std::time::Instant;
 
 /// `out[t] += sum over pairs (t, e, w) of w * down_e(silu(gate_e x_t) * up_e x_t)`, in f32.
 ///
@@ -45,6 +46,7 @@ pub fn experts_forward(
     if pairs.is_empty() {
         return Ok(());
     }
+    let start = Instant::now();
     let layout = bank.layout();
     let (order, groups) = group_by_expert(pairs);
     let mut scratch = exec.scratch.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -58,6 +60,7 @@ pub fn experts_forward(
     let form = exec.kernels.form(layout);
     // x as the gate|up kernels take it: int16 blocks (NVFP4 on VNNI), BF16 bits as they are (BF16 on AVX512-BF16),
     // else f32
+    let grouped = Instant::now();
     let x_laid = match form {
         Form::Int16 => {
             let values = x_i16.first(tokens * hp);
@@ -80,7 +83,9 @@ pub fn experts_forward(
             Laid::F32(x_f32)
         }
     };
+    let x_done = Instant::now();
     run.gate_up(pool, &groups, rows1, &x_laid, hp, act);
+    let gate_up_done = Instant::now();
     // the activations by pair, laid out for the down kernels; chunk a's region is [np, len] from np * a. Outside the
     // f32 form they are rounded to BF16, as the GPU's kernels round their intermediate rows
     let value = |q: usize, j: usize| {
@@ -109,7 +114,9 @@ pub fn experts_forward(
             Laid::F32(act_laid)
         }
     };
+    let acts_done = Instant::now();
     run.down(pool, &groups, rows_per_task(h, 1, threads), &acts, ip, out, tokens);
+    exec.times.record(start, [grouped, x_done, gate_up_done, acts_done, Instant::now()]);
     Ok(())
 }
 

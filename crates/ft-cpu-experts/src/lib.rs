@@ -24,6 +24,7 @@
 //!   block scales, per-row globals), each tensor a slice with its expert stride; `Shape`.
 //! - `executor.rs`: `Executor`, the thread pool (keep one: every layer shares it), the kernel path, the scratch.
 //! - `pool.rs`: the threads, with the caller's, and the low-latency hand-off a decode step needs.
+//! - `call_times.rs`: where calls spend their time, by phase, and the pool's hand-off (for benchmarks).
 //! - `forward.rs`: the two phases (gate|up by expert and row chunk, then down by chunk of output rows).
 //! - `plan.rs`: pairs grouped by expert (each expert's rows read once for all its tokens), rows cut into tasks.
 //! - `matrix.rs`: one expert's projection and the layout of the vectors its kernels take.
@@ -35,6 +36,7 @@
 mod aligned;
 mod bank;
 mod bf16_dot;
+mod call_times;
 mod e4m3;
 mod executor;
 mod forward;
@@ -45,6 +47,7 @@ mod plan;
 mod pool;
 
 pub use bank::{Bank, Nvfp4Projection, Shape, Strided};
+pub use call_times::{CallTimesTaken, PHASES};
 pub use executor::{Executor, Kernels};
 pub use forward::experts_forward;
 

@@ -16,6 +16,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::call_times::BroadcastCounts;
+
 /// How long an idle worker spins before it sleeps: longer than the gap between the phases of a call and between
 /// the MoE layers of a decode step, short enough not to hold cores through a whole idle step.
 /// `FREETOKEN_CPU_EXPERTS_SPIN_US` sets it (microseconds) for A/B runs.
@@ -39,9 +41,14 @@ const SPINS_PER_CLOCK: u32 = 64;
 /// fits one atomic word; its lifetime erased, see `broadcast`).
 type Job = *const &'static (dyn Fn() + Sync);
 
-/// `Shared::entry`'s bits: no worker joins a closed broadcast; the low bits count those that joined.
+/// `Shared::entry`'s low 32 bits: no worker joins a closed broadcast; a join adds `JOIN`, one to the workers in the
+/// job (`IN_JOB`, which a worker leaving takes back) and one to those that joined it at all (`EVER`, for
+/// `call_times.rs`).
 const CLOSED: u64 = 1 << 31;
-const JOINED: u64 = CLOSED - 1;
+const EVER_SHIFT: u32 = 15;
+const IN_JOB: u64 = (1 << EVER_SHIFT) - 1;
+const EVER: u64 = (CLOSED - 1) & !IN_JOB;
+const JOIN: u64 = 1 + (1 << EVER_SHIFT);
 
 /// `entry`'s epoch bits, open and with nobody joined, for broadcast `epoch`.
 fn open_entry(epoch: u64) -> u64 {
@@ -60,7 +67,8 @@ struct Shared {
     /// would queue on.
     job: AtomicPtr<&'static (dyn Fn() + Sync)>,
     /// The current broadcast's gate, one word so that joining is one compare-and-swap: its epoch (high 32 bits),
-    /// `CLOSED` once the caller has run out of tasks, and the workers that joined and have not returned (`JOINED`).
+    /// `CLOSED` once the caller has run out of tasks, and the workers that joined (`EVER`) and have not returned
+    /// (`IN_JOB`).
     entry: Line<AtomicU64>,
     panicked: AtomicBool,
     /// Workers asleep (or about to be) on `wake`.
@@ -70,6 +78,8 @@ struct Shared {
     shutdown: AtomicBool,
     /// `SPIN`, or the environment's
     spin: Duration,
+    /// Written by the broadcasting thread only (`busy`), read by `take_counts`.
+    counts: BroadcastCounts,
 }
 
 pub(crate) struct Pool {
@@ -95,6 +105,7 @@ impl Pool {
             wake: Condvar::new(),
             shutdown: AtomicBool::new(false),
             spin,
+            counts: BroadcastCounts::default(),
         });
         let mut pool = Pool { shared, workers: Vec::new(), busy: Mutex::new(()), pid: std::process::id() };
         for i in 1..threads.max(1) {
@@ -109,6 +120,11 @@ impl Pool {
 
     pub(crate) fn threads(&self) -> usize {
         self.workers.len() + 1
+    }
+
+    /// The hand-off's counts since the last take: (broadcasts, workers joined, wakeups, caller's wait in ns).
+    pub(crate) fn take_counts(&self) -> (u64, u64, u64, u64) {
+        self.shared.counts.take()
     }
 
     /// `f(task)` for every task, spread over the pool's threads (the caller's included); returns when all are done.
@@ -132,6 +148,7 @@ impl Pool {
     fn broadcast(&self, job: &(dyn Fn() + Sync)) {
         let _one = self.busy.lock().unwrap_or_else(|p| p.into_inner());
         let s = &*self.shared;
+        s.counts.broadcasts.fetch_add(1, Ordering::Relaxed);
         // SAFETY (the lifetime erased here): this function returns, or unwinds, only once the broadcast is closed
         // and no worker that joined it is still in the job (`join`); a worker that did not join never reads it.
         // `erased` lives on this frame until then.
@@ -142,14 +159,16 @@ impl Pool {
         s.entry.0.store(open_entry(epoch), Ordering::Release);
         s.epoch.0.store(epoch, Ordering::SeqCst);
         if s.sleepers.load(Ordering::SeqCst) > 0 {
+            s.counts.wakeups.fetch_add(1, Ordering::Relaxed);
             let _g = s.sleep.lock().unwrap_or_else(|p| p.into_inner());
             s.wake.notify_all();
         }
         // the job returns once every task is taken; then no worker may join, and those that did are awaited
         let mine = catch_unwind(AssertUnwindSafe(job));
-        s.entry.0.fetch_or(CLOSED, Ordering::AcqRel);
+        let closed = s.entry.0.fetch_or(CLOSED, Ordering::AcqRel);
+        s.counts.joined.fetch_add((closed & EVER) >> EVER_SHIFT, Ordering::Relaxed);
         let (start, mut spins, mut spinning) = (Instant::now(), 0u32, true);
-        while s.entry.0.load(Ordering::Acquire) & JOINED > 0 {
+        while s.entry.0.load(Ordering::Acquire) & IN_JOB > 0 {
             spins = spins.wrapping_add(1);
             if spinning && spins.is_multiple_of(SPINS_PER_CLOCK) {
                 spinning = start.elapsed() < s.spin;
@@ -160,6 +179,7 @@ impl Pool {
                 std::thread::yield_now();
             }
         }
+        s.counts.wait_ns.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
         if let Err(panic) = mine {
             std::panic::resume_unwind(panic);
         }
@@ -201,7 +221,7 @@ fn work(s: &Shared) {
         if catch_unwind(AssertUnwindSafe(|| unsafe { (*job)() })).is_err() {
             s.panicked.store(true, Ordering::Relaxed);
         }
-        s.entry.0.fetch_sub(1, Ordering::Release);
+        s.entry.0.fetch_sub(1, Ordering::Release); // (IN_JOB's one; EVER keeps its)
     }
 }
 
@@ -209,8 +229,8 @@ fn work(s: &Shared) {
 fn join(s: &Shared, epoch: u64) -> bool {
     let open = open_entry(epoch);
     let mut entry = s.entry.0.load(Ordering::Acquire);
-    while entry & !JOINED == open {
-        match s.entry.0.compare_exchange_weak(entry, entry + 1, Ordering::AcqRel, Ordering::Acquire) {
+    while entry & !(IN_JOB | EVER) == open {
+        match s.entry.0.compare_exchange_weak(entry, entry + JOIN, Ordering::AcqRel, Ordering::Acquire) {
             Ok(_) => return true,
             Err(now) => entry = now,
         }
@@ -259,7 +279,11 @@ mod tests {
         s.entry.0.store(open_entry(7), Ordering::SeqCst);
         assert!(join(s, 7) && join(s, 7));
         assert!(!join(s, 6), "an older epoch");
-        assert_eq!(s.entry.0.load(Ordering::SeqCst) & JOINED, 2);
+        let entry = s.entry.0.load(Ordering::SeqCst);
+        assert_eq!((entry & IN_JOB, (entry & EVER) >> EVER_SHIFT), (2, 2));
+        s.entry.0.fetch_sub(1, Ordering::SeqCst); // one left the job: still counted as joined
+        let entry = s.entry.0.load(Ordering::SeqCst);
+        assert_eq!((entry & IN_JOB, (entry & EVER) >> EVER_SHIFT), (1, 2));
         s.entry.0.fetch_or(CLOSED, Ordering::SeqCst);
         assert!(!join(s, 7), "closed: the caller is out of tasks");
         s.entry.0.store(open_entry(8 + (1 << 32)), Ordering::SeqCst);

@@ -252,3 +252,27 @@ fn bad_inputs_are_errors() {
     // no pairs: nothing to do
     experts_forward(&owned.bank(), shape, &x, &[], &mut out, &exec).unwrap();
 }
+
+#[test]
+fn call_times_count_each_call_and_the_pool_s_hand_off() {
+    let mut rng = StdRng::seed_from_u64(14);
+    let shape = Shape { experts: 4, hidden: 64, intermediate: 32 };
+    let owned = Owned::random_nvfp4(shape, 0, &mut rng);
+    let exec = Executor::new(3, false).unwrap();
+    let x: Vec<u16> = (0..2 * 64).map(|_| bf16(rng.gen_range(-1.0..1.0))).collect();
+    let pairs: Vec<Pair> = (0..4).map(|e| Pair { token: e % 2, expert: e, weight: 1.0 }).collect();
+    let mut out = vec![0f32; 2 * 64];
+    let started = std::time::Instant::now();
+    for _ in 0..5 {
+        experts_forward(&owned.bank(), shape, &x, &pairs, &mut out, &exec).unwrap();
+    }
+    experts_forward(&owned.bank(), shape, &x, &[], &mut out, &exec).unwrap(); // no pairs: not a call
+    let elapsed = started.elapsed().as_nanos() as u64;
+    let t = exec.take_times();
+    assert_eq!(t.calls, 5);
+    assert!(t.phase_ns.iter().sum::<u64>() <= elapsed && t.phase_ns[2] > 0 && t.phase_ns[4] > 0, "{t:?}");
+    // 2 tokens and 4 pairs: every phase has several tasks, so each is a broadcast, joined by at most 2 workers
+    assert_eq!(t.broadcasts, 5 * 4, "{t:?}");
+    assert!(t.joined <= 2 * t.broadcasts && t.wait_ns <= elapsed, "{t:?}");
+    assert_eq!(exec.take_times(), Default::default(), "taken: zero again");
+}

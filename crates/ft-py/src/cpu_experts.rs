@@ -7,9 +7,10 @@
 //! it alive as long as the bank object. Here every address is checked for alignment and every extent against the
 //! layer's shape; a call checks every token and expert id and runs with the GIL released.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
-use ft_cpu_experts::{experts_forward, Bank, Executor, Kernels, Nvfp4Projection, Pair, Shape, Strided};
+use ft_cpu_experts::{experts_forward, Bank, Executor, Kernels, Nvfp4Projection, Pair, Shape, Strided, PHASES};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
@@ -146,6 +147,25 @@ impl CpuExpertExecutor {
             Kernels::Avx512Vnni => "avx512_vnni",
             Kernels::Avx512Bf16 => "avx512_bf16",
         }
+    }
+
+    /// Sums since the last take, and zero again: `calls`, `<phase>_ns` for each phase of a call (`group`, `x`,
+    /// `gate_up`, `acts`, `down`), and the pool's hand-off: `broadcasts`, `joined` (workers that took part, summed),
+    /// `wakeups` (broadcasts that woke sleeping workers), `wait_ns` (the caller waiting for those that joined).
+    fn take_call_times(&self) -> HashMap<String, u64> {
+        let t = self.exec.take_times();
+        let mut out: HashMap<String, u64> =
+            PHASES.iter().zip(t.phase_ns).map(|(p, ns)| (format!("{p}_ns"), ns)).collect();
+        for (name, v) in [
+            ("calls", t.calls),
+            ("broadcasts", t.broadcasts),
+            ("joined", t.joined),
+            ("wakeups", t.wakeups),
+            ("wait_ns", t.wait_ns),
+        ] {
+            out.insert(name.to_string(), v);
+        }
+        out
     }
 
     /// `out[t] += w * expert(x[t])` for each routed pair. Addresses of contiguous CPU tensors: `x` bf16
