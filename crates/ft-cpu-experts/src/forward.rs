@@ -67,7 +67,7 @@ pub fn experts_forward(
             x_factors.resize(tokens * hp / BLOCK, 0.0);
             let to_quantize: Vec<_> =
                 values.chunks_mut(hp).zip(x_factors.chunks_mut(hp / BLOCK)).zip(x.chunks(h)).collect();
-            pool.for_each(to_quantize, |((v, f), src)| quantize(h, |j| bf16_to_f32(src[j]), v, f));
+            pool.for_each(to_quantize, |((v, f), src)| quantize(h, src.iter().map(|b| bf16_to_f32(*b)), v, f));
             Laid::Int16 { values, factors: x_factors }
         }
         Form::Bf16 => {
@@ -98,7 +98,15 @@ pub fn experts_forward(
             act_factors.resize(np * ip / BLOCK, 0.0);
             let to_quantize: Vec<_> =
                 values.chunks_mut(ip).zip(act_factors.chunks_mut(ip / BLOCK)).enumerate().collect();
-            pool.for_each(to_quantize, |(q, (v, f))| quantize(i, |j| bf16_to_f32(round_to_bf16(value(q, j))), v, f));
+            // pair q's activations in order, a chunk's run at a time (no division an element, as `value` has)
+            let act: &[f32] = act;
+            let row = move |q: usize| {
+                (0..i).step_by(rows1).flat_map(move |a| {
+                    let len = rows1.min(i - a);
+                    act[np * a + q * len..][..len].iter().map(|v| bf16_to_f32(round_to_bf16(*v)))
+                })
+            };
+            pool.for_each(to_quantize, |(q, (v, f))| quantize(i, row(q), v, f));
             Laid::Int16 { values, factors: act_factors }
         }
         Form::Bf16 => {

@@ -111,7 +111,7 @@ impl Owned {
 fn through_int16(v: &[f64]) -> Vec<f64> {
     let pad = v.len().div_ceil(256) * 256;
     let (mut values, mut factors) = (vec![0i16; pad], vec![0f32; pad / 16]);
-    crate::nvfp4_int16_dot::quantize(v.len(), |j| v[j] as f32, &mut values, &mut factors);
+    crate::nvfp4_int16_dot::quantize(v.len(), v.iter().map(|x| *x as f32), &mut values, &mut factors);
     (0..v.len()).map(|j| values[crate::nvfp4_int16_dot::position(j)] as f64 * factors[j / 16] as f64 * 2.0).collect()
 }
 
