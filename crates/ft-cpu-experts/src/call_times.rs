@@ -9,8 +9,8 @@
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Instant;
 
-/// A call's phases, in order (`forward.rs`): its pairs grouped by expert, x laid out, gate|up, the activations laid out,
-/// down.
+/// A call's phases, in order (`forward.rs`): its pairs grouped by expert, x laid out, gate|up, the activations laid
+/// out, down.
 pub const PHASES: [&str; 5] = ["group", "x", "gate_up", "acts", "down"];
 
 #[derive(Default)]
@@ -48,6 +48,17 @@ pub(crate) struct BroadcastCounts {
     pub(crate) wait_ns: AtomicU64,
 }
 
+impl BroadcastCounts {
+    pub(crate) fn take(&self) -> (u64, u64, u64, u64) {
+        (
+            self.broadcasts.swap(0, Relaxed),
+            self.joined.swap(0, Relaxed),
+            self.wakeups.swap(0, Relaxed),
+            self.wait_ns.swap(0, Relaxed),
+        )
+    }
+}
+
 /// What `Executor::take_times` returns: sums since the last take.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct CallTimesTaken {
@@ -58,15 +69,4 @@ pub struct CallTimesTaken {
     pub joined: u64,
     pub wakeups: u64,
     pub wait_ns: u64,
-}
-
-impl BroadcastCounts {
-    pub(crate) fn take(&self) -> (u64, u64, u64, u64) {
-        (
-            self.broadcasts.swap(0, Relaxed),
-            self.joined.swap(0, Relaxed),
-            self.wakeups.swap(0, Relaxed),
-            self.wait_ns.swap(0, Relaxed),
-        )
-    }
 }

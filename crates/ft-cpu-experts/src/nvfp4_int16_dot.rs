@@ -56,7 +56,7 @@ pub(crate) struct Quantized<'a> {
     pub(crate) factors: &'a [f32],
 }
 
-/// `k` elements (`value(j)`) into `values` (laid out, `padded(k)` long) and `factors` (`padded(k) / 16`), the
+/// `k` elements (the first `k` of `value`, in order) into `values` (laid out, `padded(k)` long) and `factors` (`padded(k) / 16`), the
 /// padding zero. The factor of a block is a power of two over 2 (the codes' table holds twice the E2M1 values); a
 /// block holding a NaN or an infinity gets a NaN factor, so the dot products it enters are NaN, as they would be.
 pub(crate) fn quantize(k: usize, mut value: impl Iterator<Item = f32>, values: &mut [i16], factors: &mut [f32]) {
@@ -136,8 +136,8 @@ unsafe fn quantize_block_avx512(block: &[f32; BLOCK], out: &mut [i16]) -> f32 {
         v,
         _mm512_set1_ps(up),
     ));
-    let halves = _mm512_cvtsepi32_epi16(rounded); // 16 int16, saturated
-                                                  // word w: elements (w / 4 * 8 + w % 4) and that + 4, low half first
+    // 16 int16, saturated; then word w holds elements (w / 4 * 8 + w % 4) and that + 4, low half first
+    let halves = _mm512_cvtsepi32_epi16(rounded);
     let pairs =
         _mm256_permutexvar_epi16(_mm256_setr_epi16(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15), halves);
     let mut words = [0u32; 8];
