@@ -273,6 +273,35 @@ mod tests {
     }
 
     #[test]
+    fn late_and_slow_workers_neither_lose_nor_repeat_a_task() {
+        // more threads than this host has cores, tasks of uneven length and gaps around the spin: workers join late,
+        // miss whole broadcasts (closed, or moved on) or are asleep when one starts; every task still runs once, and
+        // no call returns while a task it handed out is still running (the counts are read right after)
+        let pool = Pool::new(7).unwrap();
+        let mut seed = 12345u64;
+        let mut next = || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (seed >> 33) as usize
+        };
+        for round in 0..300 {
+            let runs: Vec<AtomicUsize> = (0..1 + next() % 40).map(|_| AtomicUsize::new(0)).collect();
+            let spins: Vec<usize> = runs.iter().map(|_| next() % 3 * 2000).collect();
+            pool.for_each((0..runs.len()).collect(), |i: usize| {
+                (0..spins[i]).for_each(|_| std::hint::spin_loop());
+                runs[i].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(runs.iter().all(|r| r.load(Ordering::Relaxed) == 1), "round {round}");
+            match next() % 10 {
+                0 => std::thread::sleep(SPIN * 2), // everyone asleep
+                1 => std::thread::sleep(SPIN / 2), // some still spinning
+                _ => {}
+            }
+        }
+        let (broadcasts, joined, _, _) = pool.take_counts();
+        assert!(broadcasts > 0 && joined <= 6 * broadcasts);
+    }
+
+    #[test]
     fn a_worker_joins_only_the_open_current_broadcast() {
         let pool = Pool::new(1).unwrap();
         let s = &*pool.shared;
