@@ -73,24 +73,28 @@ pub fn experts_forward(
         Form::Bf16 => {
             x_bf16.resize(tokens * hp, 0);
             let to_lay_out: Vec<_> = x_bf16.chunks_mut(hp).zip(x.chunks(h)).collect();
-            pool.for_each(to_lay_out, |(dst, src)| Layout::Bf16Pairs.lay_out(h, |j| src[j], dst));
+            pool.for_each(to_lay_out, |(dst, src)| Layout::Bf16Pairs.lay_out(h, src.iter().copied(), dst));
             Laid::Bf16(x_bf16)
         }
         Form::F32 => {
             x_f32.resize(tokens * hp, 0.0);
             let to_lay_out: Vec<_> = x_f32.chunks_mut(hp).zip(x.chunks(h)).collect();
-            pool.for_each(to_lay_out, |(dst, src)| layout.lay_out(h, |j| bf16_to_f32(src[j]), dst));
+            pool.for_each(to_lay_out, |(dst, src)| layout.lay_out(h, src.iter().map(|b| bf16_to_f32(*b)), dst));
             Laid::F32(x_f32)
         }
     };
     let x_done = Instant::now();
     run.gate_up(pool, &groups, rows1, &x_laid, hp, act);
     let gate_up_done = Instant::now();
-    // the activations by pair, laid out for the down kernels; chunk a's region is [np, len] from np * a. Outside the
-    // f32 form they are rounded to BF16, as the GPU's kernels round their intermediate rows
-    let value = |q: usize, j: usize| {
-        let a = j / rows1 * rows1;
-        act[np * a + q * rows1.min(i - a) + j - a]
+    // the activations by pair, laid out for the down kernels. Outside the f32 form they are rounded to BF16, as the
+    // GPU's kernels round their intermediate rows. Pair q's, in order: chunk a's region is [np, len] from np * a, so
+    // its run there is contiguous
+    let act: &[f32] = act;
+    let row = move |q: usize| {
+        (0..i).step_by(rows1).flat_map(move |a| {
+            let len = rows1.min(i - a);
+            act[np * a + q * len..][..len].iter().copied()
+        })
     };
     let acts = match form {
         Form::Int16 => {
@@ -98,27 +102,20 @@ pub fn experts_forward(
             act_factors.resize(np * ip / BLOCK, 0.0);
             let to_quantize: Vec<_> =
                 values.chunks_mut(ip).zip(act_factors.chunks_mut(ip / BLOCK)).enumerate().collect();
-            // pair q's activations in order, a chunk's run at a time (no division an element, as `value` has)
-            let act: &[f32] = act;
-            let row = move |q: usize| {
-                (0..i).step_by(rows1).flat_map(move |a| {
-                    let len = rows1.min(i - a);
-                    act[np * a + q * len..][..len].iter().map(|v| bf16_to_f32(round_to_bf16(*v)))
-                })
-            };
-            pool.for_each(to_quantize, |(q, (v, f))| quantize(i, row(q), v, f));
+            let rounded = |q| row(q).map(|v| bf16_to_f32(round_to_bf16(v)));
+            pool.for_each(to_quantize, |(q, (v, f))| quantize(i, rounded(q), v, f));
             Laid::Int16 { values, factors: act_factors }
         }
         Form::Bf16 => {
             act_bf16.resize(np * ip, 0);
             let to_lay_out: Vec<_> = act_bf16.chunks_mut(ip).enumerate().collect();
-            pool.for_each(to_lay_out, |(q, dst)| Layout::Bf16Pairs.lay_out(i, |j| round_to_bf16(value(q, j)), dst));
+            pool.for_each(to_lay_out, |(q, dst)| Layout::Bf16Pairs.lay_out(i, row(q).map(round_to_bf16), dst));
             Laid::Bf16(act_bf16)
         }
         Form::F32 => {
             act_laid.resize(np * ip, 0.0);
             let to_lay_out: Vec<_> = act_laid.chunks_mut(ip).enumerate().collect();
-            pool.for_each(to_lay_out, |(q, dst)| layout.lay_out(i, |j| value(q, j), dst));
+            pool.for_each(to_lay_out, |(q, dst)| layout.lay_out(i, row(q), dst));
             Laid::F32(act_laid)
         }
     };

@@ -36,12 +36,12 @@ impl Layout {
         }
     }
 
-    /// `dst[position(j)] = value(j)` for `j < k`; the padding zeroed. `dst.len() == padded(k)`.
-    pub(crate) fn lay_out<T: Copy + Default>(self, k: usize, value: impl Fn(usize) -> T, dst: &mut [T]) {
+    /// `dst[position(j)]` = the `j`-th of `values` for `j < k`; the padding zeroed. `dst.len() == padded(k)`.
+    pub(crate) fn lay_out<T: Copy + Default>(self, k: usize, values: impl Iterator<Item = T>, dst: &mut [T]) {
         debug_assert_eq!(dst.len(), self.padded(k));
         dst[k - k % self.chunk()..].fill(T::default());
-        for j in 0..k {
-            dst[self.position(j)] = value(j);
+        for (j, v) in values.take(k).enumerate() {
+            dst[self.position(j)] = v;
         }
     }
 }
