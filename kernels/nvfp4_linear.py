@@ -24,9 +24,10 @@ of x:
 - ``half_dot``: tensor cores on fp16 tiles (``nvfp4_tiles.dequant_tile_half``: each placed code pair times its
   block scale in one ``mul.rn.f16x2``, fed to the mma without repacking, its columns in pair order) against x's
   rows in fp16 (``half_rows``: scaled per row by a power of two, exact, in the tile's column order, one extra
-  launch): ~4.4 instructions a weight against the bf16 tile's ~8.2, whatever M is. For 16-bit x at 2 to
-  ``HALF_DOT_AUTO_MAX_M`` rows on large weights (lm_head: 110-118 us at M = 2..16 on the H200, 60-62 % of HBM,
-  against 197-213 on the bf16 tile).
+  launch): ~4.4 instructions a weight against the bf16 tile's ~8.2, whatever M is (~3.7 at K steps of 256 since
+  the pairs' cheaper decode, 2026-12-07). For 16-bit x at 2 to ``HALF_DOT_AUTO_MAX_M`` rows on large weights
+  (lm_head: 114-116 us at M = 2..16 on the H200, 63 % of HBM, the H100's time too, 2026-12-07; 197-213 on the
+  bf16 tile).
 - Otherwise tensor cores. Each K step decodes a ``[BLOCK_N, BLOCK_K]`` tile to x's dtype in registers
   (exact: ``e2m1 * scale`` fits bf16) and runs ``tl.dot(W_tile, xᵀ_tile)``: the weights are the left operand, which
   Hopper's wgmma takes from registers, x the right one (read through shared memory). The decode costs the same
