@@ -64,14 +64,15 @@ if triton is not None:
     def e2m1_pairs(w):
         """int32 words of packed codes (word j = weights 8j..8j+7, weight 8j+p in bits 4p..4p+3) -> four uint32
         tensors shaped like ``w``, the fp16 pairs (weight p low, weight p+4 high) for p = 0..3, each weight as
-        ``e2m1 * 2^-14``. One shift and one masking a pair, after three operations a word.
+        ``e2m1 * 2^-14``. One shift and one mask a pair, after four operations a word.
 
         A placed pair needs each code's sign 6 bits above its magnitude's lowest bit (fp16 bits 15 and 9..11); in
         the word it is 3 above, so the sign would need a second shift. Instead the word is copied twice with every
         sign moved 3 bits up (a rotation: code 7's sign wraps to bit 2) into the neighbouring code's top magnitude
         bit: ``even`` for codes 0, 2, 4, 6 (bits 6, 14, 22, 30), ``odd`` for 1, 3, 5, 7 (bits 10, 18, 26, 2); the
         bits overwritten belong to codes the copy is not used for. Then one shift (a rotation for p = 3) and one
-        mask place a pair. 11 integer operations a word instead of 15 (sm_90 SASS of ``half_dot``'s loop)."""
+        mask place a pair: 12 integer operations a word (a rotation, a xor, two selects, four shifts and four
+        masks) instead of 15."""
         w = w.to(tl.uint32, bitcast=True)
         up3 = (w << 3) | (w >> 29)  # every sign 3 bits up
         even = w ^ ((w ^ up3) & 0x40404040)  # a bit select: one logic operation
