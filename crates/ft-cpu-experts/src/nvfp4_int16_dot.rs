@@ -56,15 +56,16 @@ pub(crate) struct Quantized<'a> {
     pub(crate) factors: &'a [f32],
 }
 
-/// `k` elements (the first `k` of `value`, in order) into `values` (laid out, `padded(k)` long) and `factors` (`padded(k) / 16`), the
-/// padding zero. The factor of a block is a power of two over 2 (the codes' table holds twice the E2M1 values); a
-/// block holding a NaN or an infinity gets a NaN factor, so the dot products it enters are NaN, as they would be.
+/// `k` elements (the first `k` of `value`, in order) into `values` (laid out, `padded(k)` long) and `factors`
+/// (`padded(k) / 16`), the padding zero. The factor of a block is a power of two over 2 (the codes' table holds
+/// twice the E2M1 values); a block holding a NaN or an infinity gets a NaN factor, so the dot products it enters
+/// are NaN, as they would be.
 pub(crate) fn quantize(k: usize, mut value: impl Iterator<Item = f32>, values: &mut [i16], factors: &mut [f32]) {
     debug_assert!(values.len() == k.div_ceil(CHUNK) * CHUNK && factors.len() * BLOCK == values.len());
     values.fill(0);
     factors.fill(0.0);
     #[cfg(target_arch = "x86_64")]
-    let simd = crate::executor::has_avx512() && std::is_x86_feature_detected!("avx512vl");
+    let simd = block_avx512_available();
     // a chunk's values gathered first, so the blocks are read as whole vectors from stores long retired (a block
     // read right after its 16 scalar stores waits on them)
     let mut chunk = [0f32; CHUNK];
@@ -110,6 +111,12 @@ fn quantize_block(block: &[f32; BLOCK], out: &mut [i16]) -> f32 {
 fn up_of(largest: f32) -> f32 {
     let e = (((largest.to_bits() >> 23) & 0xFF) as i32 - 127).max(-100);
     f32::from_bits(((127 + 14 - e) as u32) << 23)
+}
+
+/// Whether this CPU has what `quantize_block_avx512` is compiled for.
+#[cfg(target_arch = "x86_64")]
+fn block_avx512_available() -> bool {
+    crate::executor::has_avx512() && std::is_x86_feature_detected!("avx512vl")
 }
 
 /// `quantize_block` in a few AVX-512 instructions: a decode call's x and activations were ~2.6 ns a value through
@@ -296,7 +303,7 @@ mod tests {
 
     #[test]
     fn the_avx512_block_is_the_scalar_block_bit_for_bit() {
-        if !(crate::executor::has_avx512() && std::is_x86_feature_detected!("avx512vl")) {
+        if !block_avx512_available() {
             return;
         }
         let mut rng = rand::rngs::StdRng::seed_from_u64(5);
