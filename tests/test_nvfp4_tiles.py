@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.nvfp4_tiles import e2m1_pairs
-from freetoken.quant.nvfp4 import E2M1_GRID
+from freetoken.quant.nvfp4 import e2m1_values
 
 
 @triton.jit
@@ -25,10 +25,12 @@ def pairs_kernel(w_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + 4 * offs + 3, p3.to(tl.int32, bitcast=True), mask=mask)
 
 
+VALUES = e2m1_values()  # the code -> value table the references dequantize with (code 8 is -0)
+
+
 def placed(code: int) -> int:
     # e2m1(code) * 2^-14 as fp16 bits (exact: at most 2 significant bits, subnormals included)
-    value = (-1.0 if code & 8 else 1.0) * E2M1_GRID[code & 7] * 2.0**-14
-    return int(torch.tensor(value, dtype=torch.float16).view(torch.int16)) & 0xFFFF
+    return int((VALUES[code] * 2.0**-14).to(torch.float16).view(torch.int16)) & 0xFFFF
 
 
 words = [c << (4 * p) for p in range(8) for c in range(16)]  # every code at every position, the rest zero
