@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from freetoken._core import CPU_EXPERT_PHASES as PHASES  # noqa: E402
 from hardware_bandwidth import measure_bandwidth  # noqa: E402
 from report import write_report  # noqa: E402
 
@@ -113,7 +114,7 @@ def executor_table(a, w13, w2, read_gbs: float, pcie) -> tuple[str, list]:
     print(f"CPU expert executor: {a.threads} threads, {kernels} kernels, {a.gap_us:g} us between calls")
     print(
         f"{'format':>8}{'tokens':>8}{'experts':>8}{'ms':>10}{'GB/s':>8}{'of read':>9}{'vs H2D':>8}"
-        f"   us a call: {'group':>6}{'x':>6}{'gate_up':>8}{'acts':>6}{'down':>6}"
+        f"   us a call: {''.join(f'{p:>{_width(p)}}' for p in PHASES)}"
         f"  a broadcast: {'joined':>7}{'woke':>6}{'wait us':>8}"
     )
     rows, turn = [], [0]
@@ -153,20 +154,26 @@ def executor_table(a, w13, w2, read_gbs: float, pcie) -> tuple[str, list]:
                     | split
                 )
                 h2d = gbs / pcie if pcie else float("nan")
+                phase_us = "".join(f"{split[p + '_us']:>{_width(p)}.1f}" for p in PHASES)
                 print(
                     f"{name:>8}{tokens:>8}{n:>8}{s * 1e3:>10.3f}{gbs:>8.1f}{gbs / read_gbs:>9.2f}{h2d:>8.2f}"
-                    f"   {'':>10}{split['group_us']:>6.1f}{split['x_us']:>6.1f}{split['gate_up_us']:>8.1f}"
-                    f"{split['acts_us']:>6.1f}{split['down_us']:>6.1f}  {'':>13}{split['joined']:>7.1f}"
+                    f"   {'':>10}{phase_us}"
+                    f"  {'':>13}{split['joined']:>7.1f}"
                     f"{split['woke']:>6.2f}{split['wait_us']:>8.1f}"
                 )
     return kernels, rows
+
+
+def _width(phase: str) -> int:
+    """A phase's column: its name and a margin, at least 6 wide."""
+    return max(6, len(phase) + 1)
 
 
 def call_split(times: dict) -> dict:
     """``take_call_times``'s sums as means: microseconds a call in each phase; workers joined, the share of
     broadcasts that woke sleepers and the caller's wait (us) a broadcast."""
     calls, broadcasts = max(times["calls"], 1), max(times["broadcasts"], 1)
-    split = {f"{p}_us": times[f"{p}_ns"] / calls / 1e3 for p in ("group", "x", "gate_up", "acts", "down")}
+    split = {f"{p}_us": times[f"{p}_ns"] / calls / 1e3 for p in PHASES}
     return split | {
         "broadcasts_a_call": times["broadcasts"] / calls,
         "joined": times["joined"] / broadcasts,

@@ -76,6 +76,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<offline::OfflineEngine>()?;
     m.add_class::<cpu_experts::CpuExpertBank>()?;
     m.add_class::<cpu_experts::CpuExpertExecutor>()?;
+    // the phases `CpuExpertExecutor.take_call_times` times (`<phase>_ns`), in a call's order
+    m.add("CPU_EXPERT_PHASES", ft_cpu_experts::PHASES.to_vec())?;
     m.add_function(wrap_pyfunction!(cpu_expert_call::cpu_expert_call_failed, m)?)?;
     m.add_class::<cpu_expert_mailbox::CpuExpertMailbox>()?;
     Ok(())
