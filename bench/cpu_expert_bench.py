@@ -29,9 +29,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from freetoken._core import CPU_EXPERT_PHASES as PHASES  # noqa: E402
 from hardware_bandwidth import measure_bandwidth  # noqa: E402
 from report import write_report  # noqa: E402
+
+from freetoken._core import CPU_EXPERT_PHASES as PHASES  # noqa: E402
 
 H, I, EXPERTS = 2048, 512, 64
 
