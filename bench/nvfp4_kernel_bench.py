@@ -85,8 +85,8 @@ def parse_args(argv=None):
     p.add_argument(
         "--sweep-only",
         default="",
-        help="bf16sweep / moesweep: only the settings whose label contains one of these '|'-separated texts (and the "
-        "default), e.g. 'tail=16|down_block_k=128'",
+        help="sweep / bf16sweep / moesweep: only the settings whose label contains one of these '|'-separated texts "
+        "(and the default), e.g. 'tail=16|down_block_k=128'",
     )
     p.add_argument(
         "--mixed-block-k", type=int, default=None, help="the mixed GEMV's K step (weights) at every size, for A/B runs"
@@ -293,6 +293,11 @@ SWEEP = {
         {"stages": 2},
         {"stages": 4},
         {"block_n": 32, "block_k": 512, "warps": 4},
+        # programs walking 2-8 N tiles in one pipelined loop (written 2026-12-07 without a GPU): lm_head's K is 8
+        # steps of 256, so a one-tile program spends a fair share of its life filling and draining its pipeline
+        {"walk": 2},
+        {"walk": 4},
+        {"walk": 8},
     ],
     "dot": [
         {},
@@ -316,6 +321,8 @@ def bench_sweep(a, device, dtype, bw) -> list:
         for path in linear_paths(M, dtype):
             for tune in SWEEP[path]:
                 label = ",".join(f"{key}{v}" for key, v in tune.items()) or "default"
+                if tune and not sweep_selected(label, a.sweep_only):
+                    continue
                 call = lambda w, p=path, c=tune: nvfp4_linear_triton(x, *w, path=p, tune=c)  # noqa: E731
                 t = time_calls(cycled(call, weights, a.reps), device)
                 rows.append(row("sweep", f"{name} {path} {label}", M, t, nbytes, flops, bw, t_bf16))

@@ -311,6 +311,49 @@ if triton is not None:
             y += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + m * stride_om + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _dot_k_step(
+        acc, w_ptrs, s_ptrs, xt_ptrs, k0, K, offs_w, offs_s, offs_k, n_mask, m_mask,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, HALF: tl.constexpr,
+        EVEN: tl.constexpr, ASM: tl.constexpr,
+    ):  # fmt: skip
+        """One K step of ``_nvfp4_dot_kernel``'s tile: the weight tile at weight ``k0`` decoded, times xᵀ, into
+        ``acc``."""
+        BW: tl.constexpr = BLOCK_K // 8
+        if EVEN:
+            w = tl.load(w_ptrs + k0 // 8)
+            s = tl.load(s_ptrs + k0 // 16)
+            # rows of the tile past M are masked, not read as padding: a masked async copy fills zeros
+            # without touching memory, so M = 2 reads 2 rows of x a K step, not 16 (every program reads x,
+            # from L2: at 16 rows its bytes equal the weight tile's)
+            xt = tl.load(xt_ptrs + k0, mask=m_mask[None, :], other=0.0)
+        else:
+            w_mask = n_mask[:, None] & ((k0 // 8 + offs_w) < K // 8)[None, :]
+            w = tl.load(w_ptrs + k0 // 8, mask=w_mask, other=0)
+            s_mask = n_mask[:, None] & ((k0 // 16 + offs_s) < K // 16)[None, :]
+            s = tl.load(s_ptrs + k0 // 16, mask=s_mask, other=0)
+            xt = tl.load(xt_ptrs + k0, mask=((k0 + offs_k) < K)[:, None] & m_mask[None, :], other=0.0)
+        if HALF:
+            return tl.dot(dequant_tile_half(w, s, BLOCK_N, BW, ASM), xt, acc)
+        else:
+            return tl.dot(
+                dequant_tile_words(w, s, BLOCK_N, BW, xt_ptrs.dtype.element_ty), xt, acc, input_precision=DOT_PREC
+            )
+
+    @triton.jit
+    def _dot_store(
+        acc, g_ptr, xf_ptr, bias_ptr, out_ptr, offs_m, m_mask, offs_n, n_mask, stride_om,
+        HAS_BIAS: tl.constexpr, HALF: tl.constexpr,
+    ):  # fmt: skip
+        """A finished tile (``acc``: yᵀ) with the global scale, HALF's factors and the bias, stored."""
+        y = acc * tl.load(g_ptr)
+        if HALF:  # undo the tile's 2^-7 and the row's 2^s
+            y = y * (128.0 * tl.load(xf_ptr + offs_m, mask=m_mask, other=0.0))[None, :]
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        o_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+        tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+
     # (M: a row count; each value divisible by 16 would compile its own kernel, inside a step of that many rows)
     @triton.jit(do_not_specialize=["M"])
     def _nvfp4_dot_kernel(
@@ -335,57 +378,55 @@ if triton is not None:
         NUM_STAGES: tl.constexpr,
         DOT_PREC: tl.constexpr,
         HALF: tl.constexpr,  # fp16 tiles (``dequant_tile_half``) against fp16 x: fewer instructions a weight
-        EVEN: tl.constexpr,  # HALF, N a multiple of BLOCK_N and K of BLOCK_K: no masks in the loop
+        EVEN: tl.constexpr,  # HALF, N a multiple of WALK * BLOCK_N and K of BLOCK_K: no masks in the loop
         ASM: tl.constexpr,  # HALF: ``mul.rn.f16x2`` (CUDA) or the interpreter's emulation
+        WALK: tl.constexpr = 1,  # N tiles a program, all their K steps one pipelined loop (1: one tile)
         PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
         # FREETOKEN_PDL=prefetch: this program's first weight and scale lines into L2 before the wait
-        pf_rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        first_n = tl.program_id(1) * WALK * BLOCK_N
+        pf_rows = first_n + tl.arange(0, BLOCK_N)
         pdl_prefetch_rows(w_ptr, pf_rows, stride_wn, N, 0, K // 8, 2, PDL)
         pdl_prefetch_rows(s_ptr, pf_rows, stride_sn, N, 0, K // 16, 1, PDL)
         pdl_wait_then_release(PDL)
-        BW: tl.constexpr = BLOCK_K // 8
-        dt = x_ptr.dtype.element_ty
         # M blocks vary fastest: programs launched together share a weight tile (read from HBM once, then L2)
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         m_mask = offs_m < M
-        n_mask = offs_n < N
-        offs_w = tl.arange(0, BW)
+        offs_tile = tl.arange(0, BLOCK_N)
+        offs_w = tl.arange(0, BLOCK_K // 8)
         offs_s = tl.arange(0, BLOCK_K // 16)
         offs_k = tl.arange(0, BLOCK_K)
-        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_w[None, :]
-        s_ptrs = s_ptr + offs_n[:, None].to(tl.int64) * stride_sn + offs_s[None, :]
         # xᵀ tile [BLOCK_K, BLOCK_M] (HALF: ``half_rows`` wrote x's columns in the fp16 tile's order)
         xt_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None]
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # yᵀ
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-            if EVEN:
-                w = tl.load(w_ptrs + k0 // 8)
-                s = tl.load(s_ptrs + k0 // 16)
-                # rows of the tile past M are masked, not read as padding: a masked async copy fills zeros
-                # without touching memory, so M = 2 reads 2 rows of x a K step, not 16 (every program reads x,
-                # from L2: at 16 rows its bytes equal the weight tile's)
-                xt = tl.load(xt_ptrs + k0, mask=m_mask[None, :], other=0.0)
-            else:
-                w_mask = n_mask[:, None] & ((k0 // 8 + offs_w) < K // 8)[None, :]
-                w = tl.load(w_ptrs + k0 // 8, mask=w_mask, other=0)
-                s_mask = n_mask[:, None] & ((k0 // 16 + offs_s) < K // 16)[None, :]
-                s = tl.load(s_ptrs + k0 // 16, mask=s_mask, other=0)
-                xt = tl.load(xt_ptrs + k0, mask=((k0 + offs_k) < K)[:, None] & m_mask[None, :], other=0.0)
-            if HALF:
-                acc = tl.dot(dequant_tile_half(w, s, BLOCK_N, BW, ASM), xt, acc)
-            else:
-                acc = tl.dot(dequant_tile_words(w, s, BLOCK_N, BW, dt), xt, acc, input_precision=DOT_PREC)
-        y = acc * tl.load(g_ptr)
-        if HALF:  # undo the tile's 2^-7 and the row's 2^s
-            y = y * (128.0 * tl.load(xf_ptr + offs_m, mask=m_mask, other=0.0))[None, :]
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        o_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
-        tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+        if WALK == 1:
+            offs_n = first_n + offs_tile
+            n_mask = offs_n < N
+            w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_w[None, :]
+            s_ptrs = s_ptr + offs_n[:, None].to(tl.int64) * stride_sn + offs_s[None, :]
+            for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+                acc = _dot_k_step(acc, w_ptrs, s_ptrs, xt_ptrs, k0, K, offs_w, offs_s, offs_k, n_mask, m_mask,
+                                  BLOCK_N, BLOCK_K, DOT_PREC, HALF, EVEN, ASM)  # fmt: skip
+            _dot_store(acc, g_ptr, xf_ptr, bias_ptr, out_ptr, offs_m, m_mask, offs_n, n_mask, stride_om, HAS_BIAS,
+                       HALF)  # fmt: skip
+        else:
+            # the K steps of all the program's tiles in one loop: the next tile's first loads are in flight while
+            # this one's last steps compute, where a one-tile program fills and drains its pipeline alone
+            k_steps = tl.cdiv(K, BLOCK_K)
+            w_ptrs = w_ptr + (first_n + offs_tile)[:, None].to(tl.int64) * stride_wn + offs_w[None, :]
+            s_ptrs = s_ptr + (first_n + offs_tile)[:, None].to(tl.int64) * stride_sn + offs_s[None, :]
+            for step in tl.range(0, WALK * k_steps, num_stages=NUM_STAGES):
+                tile_i = step // k_steps
+                k0 = (step - tile_i * k_steps) * BLOCK_K
+                offs_n = first_n + tile_i * BLOCK_N + offs_tile
+                n_mask = offs_n < N
+                rows = (tile_i * BLOCK_N).to(tl.int64)  # the tile's first row past the program's first
+                acc = _dot_k_step(acc, w_ptrs + rows * stride_wn, s_ptrs + rows * stride_sn, xt_ptrs, k0, K, offs_w,
+                                  offs_s, offs_k, n_mask, m_mask, BLOCK_N, BLOCK_K, DOT_PREC, HALF, EVEN, ASM)  # fmt: skip
+                if k0 + BLOCK_K >= K:  # the tile's last K step: its rows are done
+                    _dot_store(acc, g_ptr, xf_ptr, bias_ptr, out_ptr, offs_m, m_mask, offs_n, n_mask, stride_om,
+                               HAS_BIAS, HALF)  # fmt: skip
+                    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
 
 
 def _gemv_config(M: int, N: int, K: int, tile: int = _GEMV_TILE, max_words: int = 64) -> tuple[int, int, int, int]:
@@ -429,8 +470,8 @@ def _dot_config(M: int, N: int, K: int, half: bool = False) -> tuple[int, int, i
 TUNE_KEYS = {
     "gemv": ("tile", "words", "warps", "stages"),
     "half": ("tile", "words", "warps", "stages"),
-    "dot": ("block_n", "block_k", "warps", "stages"),
-    "half_dot": ("block_n", "block_k", "warps", "stages"),
+    "dot": ("block_n", "block_k", "warps", "stages", "walk"),
+    "half_dot": ("block_n", "block_k", "warps", "stages", "walk"),
 }
 
 
@@ -480,15 +521,16 @@ def _launch_dot(
     bm, bn, bk, warps = _dot_config(M, N, K, half)
     tune = tune or {}
     bn, bk, warps = tune.get("block_n", bn), tune.get("block_k", bk), tune.get("warps", warps)
+    walk = tune.get("walk", 1)
     prec = "ieee" if x2.dtype == torch.float32 else "tf32"  # fp32 must not silently drop to tf32
     words = weight.view(torch.int32)
     xh, xf = half_rows(x2) if half else (x2, out)  # (xf never read without HALF)
-    _nvfp4_dot_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
+    _nvfp4_dot_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn * walk))](
         xh, xf, words, weight_scale, weight_scale_2, bias if bias is not None else out, out, M, N, K,
         xh.stride(0), words.stride(0), weight_scale.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_STAGES=tune.get("stages", _NUM_STAGES),
-        DOT_PREC=prec, HALF=half, EVEN=half and N % bn == 0 and K % bk == 0, ASM=x2.is_cuda if asm is None else asm,
-        num_warps=warps,
+        DOT_PREC=prec, HALF=half, EVEN=half and N % (bn * walk) == 0 and K % bk == 0,
+        ASM=x2.is_cuda if asm is None else asm, WALK=walk, num_warps=warps,
         **pdl_launch(xh),
     )  # fmt: skip
 

@@ -135,6 +135,10 @@ _CPU_SCRIPT = textwrap.dedent(
         (4, 32, 128, bf16, dict(path="half_dot", lead=(2,))),
         (70, 24, 64, bf16, dict(path="half_dot")),
         (2, 64, 256, f16, dict(path="half_dot", tune=dict(block_n=64, block_k=64, warps=4, stages=2))),
+        # programs walking several N tiles: unmasked (2 programs of 2 tiles, 2 K steps each), masked tails
+        (3, 256, 512, bf16, dict(path="half_dot", tune=dict(walk=2))),
+        (5, 200, 160, f16, dict(path="half_dot", bias=True, tune=dict(walk=3))),
+        (4, 72, 96, f32, dict(path="dot", bias=True, tune=dict(walk=2))),
     ]
     for M, N, K, dt, kw in cases:
         key = str(dt).split(".")[-1]
@@ -143,6 +147,9 @@ _CPU_SCRIPT = textwrap.dedent(
     t.check_half_pairs("cpu")
     t.check_half_rows("cpu")
     t.check_half_dot_exact("cpu")
+    t.check_walk_equals_one_tile("cpu", 3, 256, 512, bf16, "half_dot", 2)
+    t.check_walk_equals_one_tile("cpu", 5, 200, 160, f16, "half_dot", 3)
+    t.check_walk_equals_one_tile("cpu", 4, 72, 96, f32, "dot", 2)
     for dt in (bf16, f16):
         worst["half rows"] = max(worst.get("half rows", 0.0), t.check_half_magnitudes("cpu", dt))
     for dt, err in sorted(worst.items()):
@@ -229,6 +236,21 @@ def check_half_dot_exact(device):
     out = nvfp4_linear_triton(dev(x), dev(packed), dev(scale), dev(one), path="half_dot").float().cpu()
     finite = torch.isfinite(ref).all(1)  # (byte 127 is E4M3's NaN)
     assert torch.equal(out[:, finite], ref[finite].T)
+
+
+def check_walk_equals_one_tile(device, M, N, K, dtype, path, walk):
+    """Programs walking ``walk`` N tiles in one pipelined loop (``tune`` ``walk``) give the one-tile programs' output
+    bit for bit: the same tiles, K steps and sums, only the loop around them differs (N past the last full walk and
+    K off the K step: masked tiles, and tiles wholly past N, in the last program)."""
+    from freetoken.kernels.nvfp4_linear import nvfp4_linear_triton
+
+    w, s, s2 = random_weight(N, K, M + N, device=device)
+    g = torch.Generator().manual_seed(K)
+    x = torch.randn(M, K, generator=g).to(device, dtype)
+    b = torch.randn(N, generator=g).to(device, dtype)
+    one = nvfp4_linear_triton(x, w, s, s2, b, path=path)
+    walked = nvfp4_linear_triton(x, w, s, s2, b, path=path, tune={"walk": walk})
+    assert torch.equal(walked, one), (M, N, K, dtype, path, walk)
 
 
 def check_half_magnitudes(device, dtype):
@@ -347,6 +369,18 @@ def test_nvfp4_half_dot_asm_matches_its_emulation(M):
 
     ptx, emulated = _asm_and_emulation(nl._launch_dot, M)
     assert torch.equal(ptx, emulated)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("walk", [2, 4])
+@pytest.mark.parametrize("M", [2, 16])
+def test_nvfp4_linear_cuda_walk(M, walk):
+    """Walking programs on the GPU: the fp16 tiles on lm_head's K (unmasked, and with N past the last full walk), the
+    bf16 tiles masked."""
+    check_walk_equals_one_tile("cuda", M, 64 * 4 * 8, 2048, torch.bfloat16, "half_dot", walk)
+    check_walk_equals_one_tile("cuda", M, 1000, 2048, torch.bfloat16, "half_dot", walk)
+    check_walk_equals_one_tile("cuda", M, 1000, 208, torch.bfloat16, "dot", walk)
 
 
 @pytest.mark.gpu
