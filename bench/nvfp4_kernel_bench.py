@@ -294,9 +294,12 @@ SWEEP = {
         {"stages": 4},
         {"block_n": 32, "block_k": 512, "warps": 4},
         # programs walking 2-8 N tiles in one pipelined loop (written 2026-12-07 without a GPU): lm_head's K is 8
-        # steps of 256, so a one-tile program spends a fair share of its life filling and draining its pipeline
+        # steps of 256, so a one-tile program spends a fair share of its life filling and draining its pipeline.
+        # At 5, lm_head's 3,880 tiles make 776 programs: one wave at 6 programs an SM (sm_90, 35 KiB of shared
+        # memory each)
         {"walk": 2},
         {"walk": 4},
+        {"walk": 5},
         {"walk": 8},
     ],
     "dot": [

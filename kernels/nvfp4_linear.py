@@ -380,11 +380,11 @@ if triton is not None:
         HALF: tl.constexpr,  # fp16 tiles (``dequant_tile_half``) against fp16 x: fewer instructions a weight
         EVEN: tl.constexpr,  # HALF, N a multiple of WALK * BLOCK_N and K of BLOCK_K: no masks in the loop
         ASM: tl.constexpr,  # HALF: ``mul.rn.f16x2`` (CUDA) or the interpreter's emulation
-        WALK: tl.constexpr = 1,  # N tiles a program, all their K steps one pipelined loop (1: one tile)
+        WALK: tl.constexpr = 1,  # N tiles a program (every P-th of P programs), one pipelined loop (1: one tile)
         PDL: tl.constexpr = False,  # kernels/pdl.py
     ):
         # FREETOKEN_PDL=prefetch: this program's first weight and scale lines into L2 before the wait
-        first_n = tl.program_id(1) * WALK * BLOCK_N
+        first_n = tl.program_id(1) * BLOCK_N
         pf_rows = first_n + tl.arange(0, BLOCK_N)
         pdl_prefetch_rows(w_ptr, pf_rows, stride_wn, N, 0, K // 8, 2, PDL)
         pdl_prefetch_rows(s_ptr, pf_rows, stride_sn, N, 0, K // 16, 1, PDL)
@@ -411,16 +411,19 @@ if triton is not None:
                        HALF)  # fmt: skip
         else:
             # the K steps of all the program's tiles in one loop: the next tile's first loads are in flight while
-            # this one's last steps compute, where a one-tile program fills and drains its pipeline alone
+            # this one's last steps compute, where a one-tile program fills and drains its pipeline alone. Tiles
+            # are dealt out in turn (program p: tiles p, p + P, p + 2P, ... of P programs), so programs launched
+            # together read neighbouring tiles, and all of them finish within a tile of each other
             k_steps = tl.cdiv(K, BLOCK_K)
+            tile_stride = tl.num_programs(1) * BLOCK_N
             w_ptrs = w_ptr + (first_n + offs_tile)[:, None].to(tl.int64) * stride_wn + offs_w[None, :]
             s_ptrs = s_ptr + (first_n + offs_tile)[:, None].to(tl.int64) * stride_sn + offs_s[None, :]
             for step in tl.range(0, WALK * k_steps, num_stages=NUM_STAGES):
                 tile_i = step // k_steps
                 k0 = (step - tile_i * k_steps) * BLOCK_K
-                offs_n = first_n + tile_i * BLOCK_N + offs_tile
+                offs_n = first_n + tile_i * tile_stride + offs_tile
                 n_mask = offs_n < N
-                rows = (tile_i * BLOCK_N).to(tl.int64)  # the tile's first row past the program's first
+                rows = tile_i.to(tl.int64) * tile_stride  # the tile's first row past the program's first
                 acc = _dot_k_step(acc, w_ptrs + rows * stride_wn, s_ptrs + rows * stride_sn, xt_ptrs, k0, K, offs_w,
                                   offs_s, offs_k, n_mask, m_mask, BLOCK_N, BLOCK_K, DOT_PREC, HALF, EVEN, ASM)  # fmt: skip
                 if k0 + BLOCK_K >= K:  # the tile's last K step: its rows are done

@@ -240,8 +240,8 @@ def check_half_dot_exact(device):
 
 def check_walk_equals_one_tile(device, M, N, K, dtype, path, walk):
     """Programs walking ``walk`` N tiles in one pipelined loop (``tune`` ``walk``) give the one-tile programs' output
-    bit for bit: the same tiles, K steps and sums, only the loop around them differs (N past the last full walk and
-    K off the K step: masked tiles, and tiles wholly past N, in the last program)."""
+    bit for bit: the same tiles, K steps and sums, only the loop around them differs (N past the last full round of
+    tiles and K off the K step: masked tiles, and tiles wholly past N, in the last programs)."""
     from freetoken.kernels.nvfp4_linear import nvfp4_linear_triton
 
     w, s, s2 = random_weight(N, K, M + N, device=device)
