@@ -469,7 +469,7 @@ def _dot_config(M: int, N: int, K: int, half: bool = False) -> tuple[int, int, i
 # Launch settings a benchmark may override per call (``nvfp4_linear_triton(..., tune=...)``; bench/nvfp4_kernel_bench.py
 # --groups sweep times them): GEMV ``tile`` (weight bytes a program loads per step), ``words`` (at most this many
 # words of a row per step), ``warps``, ``stages``; tensor cores
-# ``block_n``, ``block_k``, ``warps``, ``stages``. Anything not given keeps the default pick above.
+# ``block_n``, ``block_k``, ``warps``, ``stages``, ``walk`` (N tiles a program). Anything not given keeps the default.
 TUNE_KEYS = {
     "gemv": ("tile", "words", "warps", "stages"),
     "half": ("tile", "words", "warps", "stages"),
